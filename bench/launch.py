@@ -1,0 +1,123 @@
+"""Start one worker process per device on this host and watch them.
+
+A failing worker ends the whole case: the others are terminated (then killed), its traceback is
+raised as WorkerError. Across hosts use torchrun instead (see README); this is not a launcher
+for many machines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from typing import Callable
+
+import torch.multiprocessing as mp
+
+from bench.worker import Case, run_rank
+
+_TERMINATE_GRACE_S = 3.0
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+class CaseTimeout(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker if the launching process dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _entry(rank: int, world_size: int, port: int, case: Case, messages) -> None:
+    _die_with_parent()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
+        result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
+        messages.put(("result", rank, result))
+    except BaseException:
+        messages.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def launch(case: Case, world_size: int, timeout_s: float,
+           on_progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Run `case` on `world_size` local workers; returns their results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, case, messages), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            try:
+                kind, rank, payload = messages.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    # Give a dying worker a moment to deliver its traceback.
+                    try:
+                        kind, rank, payload = messages.get(timeout=1.0)
+                    except queue.Empty:
+                        r, code = dead[0]
+                        raise WorkerError(r, f"exited with code {code} and no traceback "
+                                             "(killed, e.g. out of memory?)") from None
+                elif time.monotonic() > deadline:
+                    raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
+                else:
+                    continue
+            if kind == "progress":
+                if on_progress:
+                    on_progress(payload)
+            elif kind == "result":
+                results[rank] = payload
+            else:
+                raise WorkerError(rank, payload)
+        for p in procs:
+            p.join(timeout=10)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        messages.close()
+        messages.join_thread()
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,0 +1,163 @@
+"""Result rows: one JSON line per case, appended atomically; the JSONL is the record of truth.
+
+Rows are written, never rewritten; W&B (bench.log) only mirrors them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "infeasible", "timeout", "failed")
+# Keys of the resolved config that do not change what a case measures (left out of case_key).
+_NON_CASE_KEYS = ("wandb", "resume", "results_dir", "results_file", "timeout_s", "test")
+
+
+@dataclass
+class RunRecord:
+    model: str
+    preset: str
+    cluster: str
+    method: str
+    mode: str  # real | sim
+    status: str  # ok | oom | infeasible | timeout | failed
+    error: str | None = None
+    origin: str = "measured"  # measured (real mode) | simulated (sim mode)
+    hardware: str = ""  # what ran it: e.g. "cpu x2 (emulated local_hetero2)"
+    num_devices: int | None = None
+    global_batch: int | None = None
+    batch_shares: list[int] | None = None
+    warmup_iters: int | None = None
+    measured_iters: int | None = None
+    iter_times_s: list[float] | None = None  # per measured iteration, max over ranks
+    iter_time_s_mean: float | None = None
+    iter_time_s_std: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    ideal_iter_time_s: float | None = None
+    efficiency: float | None = None
+    predicted_iter_time_s: float | None = None
+    planner_time_s: float | None = None
+    peak_mem_gib: list[float] | None = None  # per rank
+    loss_first: float | None = None  # mean loss per target, first and last iteration
+    loss_last: float | None = None
+    flops_per_iter: float | None = None
+    host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
+    plan: dict | None = None
+    case_key: str = ""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    schema_version: int = SCHEMA_VERSION
+    git_sha: str | None = None
+    git_dirty: bool | None = None
+    versions: dict = field(default_factory=dict)
+    host: str = ""
+    cluster_hash: str = ""
+    config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.status in STATUSES, self.status
+        if self.status != "ok":  # failed cases carry no numbers, never 0 or -1
+            for name in ("iter_time_s_mean", "iter_time_s_std", "samples_per_s", "tokens_per_s",
+                         "efficiency"):
+                setattr(self, name, None)
+
+
+def case_key(config: dict) -> str:
+    """Identity of a case: a hash of the resolved config minus keys that don't affect it."""
+    body = {k: v for k, v in config.items() if k not in _NON_CASE_KEYS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def append_record(path: str | os.PathLike, record: RunRecord) -> None:
+    """Append one line under an exclusive lock, in one write: concurrent cases never interleave."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(asdict(record), default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def load_records(path: str | os.PathLike) -> list[dict]:
+    """All rows; a line cut short (a run killed mid-write elsewhere) is skipped with a warning."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a complete JSON row; skipped", path, i)
+    return rows
+
+
+def finished_case_keys(path: str | os.PathLike) -> set[str]:
+    """Cases with a final answer (ok or oom): what resume=true skips."""
+    return {r.get("case_key") for r in load_records(path) if r.get("status") in ("ok", "oom")}
+
+
+def summarize_times(per_rank_times: Iterable[list[float]], measured: int) -> tuple[list[float], float, float]:
+    """Iteration time = max over ranks of each iteration; mean and sample std of the last
+    `measured` iterations."""
+    per_iter = [max(ts) for ts in zip(*per_rank_times)][-measured:]
+    mean = statistics.fmean(per_iter)
+    std = statistics.stdev(per_iter) if len(per_iter) > 1 else 0.0
+    return per_iter, mean, std
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def fingerprint() -> dict[str, Any]:
+    """Where a row came from: commit, dirty flag, software versions, host."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("torch", "deepspeed", "hydra-core", "pulp", "wandb", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    try:
+        import torch
+
+        versions["cuda"] = torch.version.cuda
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    except Exception as exc:  # fingerprinting must never fail a run
+        log.debug("no torch version details: %s", exc)
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "versions": versions,
+        "host": f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus)",
+    }

@@ -1,0 +1,283 @@
+"""The runner: one case = (model, preset, cluster, method, mode) from a Hydra config -> one row.
+
+    python -m bench.run model=bert preset=tiny cluster=local_hetero2 method=dp_cp
+    python -m bench.run -m method=dp_ev,dp_cp cluster=local_hetero2,local_hetero4
+
+Only this module and the tests see a DictConfig; everything below gets typed objects. It does
+not know any concrete method or model: `_target_` in conf/ wires them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from bench.cluster import ClusterSpec, ConfigError
+from bench.flops import measure_host_flops, train_flops_per_sample
+from bench.interfaces import Workload
+from bench.launch import CaseTimeout, WorkerError, launch
+from bench.log import MODES as WANDB_MODES, mirror_to_wandb
+from bench.records import (RunRecord, append_record, case_key, finished_case_keys,
+                           fingerprint, load_records, summarize_times)
+from bench.table import print_table
+from bench.worker import Case, init_process_group, pick_device, run_rank
+
+log = logging.getLogger("bench.run")
+
+MODES = ("real", "sim")
+DATA_SOURCES = ("synthetic", "cifar10", "wikitext2")
+_failed_cases: list[str] = []  # cases of this process that did not end "ok" (sets the exit code)
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "preset", "cluster", "method", "experiment")
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: the yaml files in its conf/ folder."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    """One clear line for an unknown model/preset/cluster/method, before Hydra composes."""
+    for item in overrides:
+        key, sep, value = item.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS or value in ("", "null") or "(" in value:
+            continue  # sweeper functions such as glob(...) are Hydra's to expand
+        known = group_options(key)
+        unknown = [v for v in value.split(",") if v not in known]
+        if unknown:
+            raise ConfigError(f"{key}={','.join(unknown)} is unknown; known: {', '.join(known)}")
+
+
+def results_file(cfg: DictConfig) -> Path:
+    return Path(cfg.results_dir) / "records.jsonl"
+
+
+def _instantiate(node, where: str, **kwargs):
+    """hydra.utils.instantiate, with a plugin's ValueError surfaced as a one-line ConfigError."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ValueError):
+            raise ConfigError(str(cause)) from None
+        raise ConfigError(f"{where}: {cause}") from exc
+
+
+def _check_protocol(cfg: DictConfig) -> None:
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode!r} is invalid; valid: {', '.join(MODES)}")
+    if cfg.mode == "sim":
+        raise ConfigError("mode='sim' needs the simulator, which is not in this build yet; use mode=real")
+    for key, low in (("measured_iters", 1), ("warmup_iters", 0)):
+        value = cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{key}={value!r} must be an integer >= {low}; e.g. {key}={max(low, 10)}")
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; valid: {', '.join(WANDB_MODES)}")
+    if cfg.data.source not in DATA_SOURCES:
+        raise ConfigError(f"data.source={cfg.data.source!r} is invalid; valid: {', '.join(DATA_SOURCES)}")
+
+
+def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
+    model_cfg = _instantiate(cfg.model.spec, "model.spec", num_devices=cluster.num_devices)
+    n = cluster.num_devices
+    batch = cfg.global_batch if cfg.global_batch is not None else cfg.preset.batch_per_device * n
+    if not isinstance(batch, int) or batch < n:
+        raise ConfigError(
+            f"global_batch={batch!r} is smaller than the {n} devices of cluster={cluster.name}; "
+            f"every device needs a sample: set global_batch>={n} (or preset.batch_per_device>=1)"
+        )
+    return Workload(
+        name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
+        flops_per_sample=train_flops_per_sample(model_cfg),
+        data=OmegaConf.to_container(cfg.data, resolve=True),
+    )
+
+
+def _check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
+    import torch
+
+    if world_size is not None:  # torchrun: one process per device, possibly across hosts
+        if world_size != cluster.num_devices:
+            raise ConfigError(
+                f"cluster={cluster.name} has {cluster.num_devices} devices but torchrun started "
+                f"{world_size} processes; set --nnodes x --nproc-per-node to {cluster.num_devices}"
+            )
+        return
+    if cluster.emulated or torch.cuda.device_count() >= cluster.num_devices:
+        return
+    raise ConfigError(
+        f"cluster={cluster.name} has {cluster.num_devices} GPUs but this host has "
+        f"{torch.cuda.device_count()}; use an emulated cluster (local_*), run under torchrun "
+        "on the real cluster, or mode=sim"
+    )
+
+
+def new_record(cfg: DictConfig) -> RunRecord:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    return RunRecord(
+        model=cfg.model.name, preset=cfg.preset.name, cluster=cfg.cluster.name,
+        method=cfg.method.name, mode=cfg.mode, status="failed",
+        origin="measured" if cfg.mode == "real" else "simulated",
+        warmup_iters=cfg.warmup_iters, measured_iters=cfg.measured_iters,
+        case_key=case_key(config), config=config, **fingerprint(),
+    )
+
+
+def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None) -> Case:
+    """Validate, measure the host, plan: everything before workers start. Fills `record`."""
+    _check_protocol(cfg)
+    cluster = ClusterSpec.from_config(record.config["cluster"])
+    record.cluster_hash = cluster.fingerprint()
+    record.num_devices = cluster.num_devices
+    method = _instantiate(cfg.method, "method")
+    workload = build_workload(cfg, cluster)
+    record.global_batch = workload.global_batch
+    record.flops_per_iter = workload.flops_per_iter
+    _check_hardware(cluster, world_size)
+    if cluster.emulated:
+        per_device = -(-workload.global_batch // cluster.num_devices)
+        record.host_flops_per_s = measure_host_flops(workload, per_device, cfg.seed)
+        cluster = cluster.with_host_flops(record.host_flops_per_s)
+    record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
+    record.hardware = _hardware(cluster)
+    start = time.perf_counter()
+    plan = method.plan(workload, cluster)
+    record.planner_time_s = time.perf_counter() - start
+    record.plan = plan.details
+    record.batch_shares = plan.batch_shares
+    return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
+                fail_rank=cfg.test.fail_rank)
+
+
+def write_record(cfg: DictConfig, record: RunRecord) -> None:
+    record.__post_init__()  # a failed case keeps no metrics
+    append_record(results_file(cfg), record)
+    mirror_to_wandb(record, cfg.wandb.mode, cfg.wandb.project, str(Path(cfg.results_dir)))
+    if record.status != "ok":
+        _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
+
+
+def run_case(cfg: DictConfig) -> RunRecord:
+    """Run one case and append its row (ok or not). Never raises for a failed case."""
+    record = new_record(cfg)
+    path = results_file(cfg)
+    if cfg.resume and record.case_key in finished_case_keys(path):
+        row = [r for r in load_records(path) if r.get("case_key") == record.case_key][-1]
+        print(f"skip: {record.model}/{record.cluster}/{record.method} already recorded "
+              f"({row['status']}, run {row['run_id']})")
+        return RunRecord(**{k: v for k, v in row.items() if k in RunRecord.__dataclass_fields__})
+    try:
+        case = prepare_case(cfg, record)
+        results = _launch_with_progress(case, cfg)
+        fill_metrics(record, results, case.workload, cfg.measured_iters)
+    except ConfigError as exc:
+        record.error = str(exc)
+        print(f"error: {exc}", file=sys.stderr)
+    except WorkerError as exc:
+        record.error = str(exc)
+        print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
+    except CaseTimeout as exc:
+        record.status, record.error = "timeout", str(exc)
+        print(f"error: {exc}", file=sys.stderr)
+    write_record(cfg, record)
+    return record
+
+
+def _hardware(cluster: ClusterSpec) -> str:
+    import torch
+
+    if cluster.emulated:
+        return f"cpu x{cluster.num_devices} workers (emulated {cluster.describe()})"
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()} per host"
+    return "cpu"
+
+
+def _launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:
+    from rich.progress import Progress
+
+    total = case.warmup_iters + case.measured_iters
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task(f"{cfg.method.name} on {case.cluster.name}", total=total)
+        return launch(case, case.cluster.num_devices, cfg.timeout_s,
+                      on_progress=lambda it: progress.update(task, completed=it))
+
+
+def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, measured: int) -> None:
+    """Metrics exactly as DESIGN.md defines them, from every rank's per-iteration times."""
+    per_iter, mean, std = summarize_times([r["iter_times_s"] for r in results], measured)
+    record.iter_times_s = per_iter
+    record.iter_time_s_mean, record.iter_time_s_std = mean, std
+    record.samples_per_s = workload.global_batch / mean
+    tokens = workload.model_cfg.tokens_per_sample
+    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / mean
+    record.efficiency = record.ideal_iter_time_s / mean
+    record.peak_mem_gib = [r["peak_mem_gib"] for r in results]
+    loss_sums = [sum(step) for step in zip(*(r["loss_sums"] for r in results))]
+    record.loss_first = loss_sums[0] / workload.targets_per_iter
+    record.loss_last = loss_sums[-1] / workload.targets_per_iter
+    record.host = ", ".join(sorted({r["host"] for r in results}))
+    record.status = "ok"
+
+
+def _run_under_torchrun(cfg: DictConfig) -> None:
+    """torchrun started this process: rank 0 prepares the case once and broadcasts it; every
+    rank trains; rank 0 writes the row. torchrun itself stops all ranks if one fails."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    init_process_group(rank, world, pick_device(local_rank))
+    record = new_record(cfg)
+    box: list = [None, None]
+    if rank == 0:
+        try:
+            box[0] = prepare_case(cfg, record, world_size=world)
+        except ConfigError as exc:
+            box[1] = str(exc)
+    dist.broadcast_object_list(box, src=0)
+    case, error = box
+    if error is not None:
+        if rank == 0:
+            record.error = error
+            print(f"error: {error}", file=sys.stderr)
+            write_record(cfg, record)
+        dist.destroy_process_group()
+        _failed_cases.append(record.method)
+        return
+    results = run_rank(case, rank, world, local_rank, gather=True)
+    if rank == 0:
+        fill_metrics(record, results, case.workload, cfg.measured_iters)
+        write_record(cfg, record)
+        print_table([record.__dict__])
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    logging.getLogger("torch.distributed").setLevel(logging.WARNING)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _run_under_torchrun(cfg)
+        return
+    record = run_case(cfg)
+    print_table([record.__dict__])
+
+
+if __name__ == "__main__":
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    main()
+    sys.exit(1 if _failed_cases else 0)

@@ -1,0 +1,50 @@
+"""The comparison table printed after runs: one line per case, speedup against dp_ev."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+BASELINE = "dp_ev"
+
+
+def _same_case(a: dict, b: dict) -> bool:
+    keys = ("model", "preset", "cluster", "mode", "global_batch")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def speedup(row: dict, rows: list[dict]) -> float | None:
+    """Throughput of `row` / throughput of dp_ev on the same model, cluster, batch and mode."""
+    base = [r for r in rows if r.get("method") == BASELINE and r.get("status") == "ok"
+            and _same_case(r, row)]
+    if row.get("status") != "ok" or not base or not row.get("samples_per_s"):
+        return None
+    return row["samples_per_s"] / base[-1]["samples_per_s"]
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
+    rows = list(rows)
+    table = Table(title=title)
+    for col in ("model", "cluster", "method", "origin", "status", "iter ms (mean±std)",
+                "samples/s", "tokens/s", "speedup vs dp_ev", "efficiency", "planner ms"):
+        table.add_column(col, justify="left" if col in ("model", "cluster", "method", "origin", "status") else "right")
+    for r in rows:
+        mean, std = r.get("iter_time_s_mean"), r.get("iter_time_s_std")
+        it = "-" if mean is None else f"{mean * 1e3:.1f} ± {std * 1e3:.1f}"
+        table.add_row(
+            f"{r['model']}-{r['preset']}", r["cluster"], r["method"], r.get("origin", "-"),
+            r["status"], it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),
+            _fmt(speedup(r, rows), ".2f"), _fmt(r.get("efficiency"), ".2f"),
+            _fmt(None if r.get("planner_time_s") is None else r["planner_time_s"] * 1e3, ".1f"),
+        )
+    return table
+
+
+def print_table(rows: Iterable[dict], title: str = "hetbench") -> None:
+    Console(width=160).print(build_table(rows, title))

@@ -1,0 +1,85 @@
+"""Data-parallel baselines on PyTorch DDP: dp_ev (even batch split) and dp_cp (split by FLOP/s).
+
+Uneven shares are exact: each rank's summed loss is scaled by world_size / (global targets), so
+DDP's average over ranks equals the gradient of the mean loss over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bench.cluster import ClusterSpec, ConfigError
+from bench.interfaces import Plan, RankContext, Workload
+from bench.shares import round_shares
+
+SPLITS = ("even", "compute")
+
+
+class DataParallel:
+    """PyTorch DDP with a configurable batch split.
+
+    Args:
+        name: the method's name in records (dp_ev, dp_cp).
+        split: "even" (equal shares) or "compute" (shares proportional to effective FLOP/s).
+        bucket_cap_mb: DDP gradient bucket size (MiB).
+        lr: Adam learning rate (the paper: 5e-4).
+        grad_clip: max global gradient norm; 0 disables clipping.
+    """
+
+    def __init__(self, name: str, split: str = "even", bucket_cap_mb: float = 25.0,
+                 lr: float = 5e-4, grad_clip: float = 0.0):
+        if split not in SPLITS:
+            raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
+        if not bucket_cap_mb > 0:
+            raise ConfigError(f"method.bucket_cap_mb={bucket_cap_mb!r} must be > 0 (MiB)")
+        if not lr > 0 or grad_clip < 0:
+            raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+        self.name = name
+        self.split = split
+        self.bucket_cap_mb = bucket_cap_mb
+        self.lr = lr
+        self.grad_clip = grad_clip
+
+    def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+        if self.split == "even":
+            weights = [1.0] * cluster.num_devices
+        else:
+            weights = [d.effective_flops for d in cluster.devices]
+        # Every rank gets at least one sample: DDP ranks must all run the same graph.
+        shares = round_shares(workload.global_batch, weights, min_share=1)
+        return Plan(self.name, shares, details={"split": self.split, "batch_shares": shares,
+                                                "bucket_cap_mb": self.bucket_cap_mb})
+
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DDPTrainer":
+        return DDPTrainer(self, model, ctx)
+
+
+class DDPTrainer:
+    def __init__(self, method: DataParallel, model: nn.Module, ctx: RankContext):
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        self.ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb)
+        if ctx.emulator.enabled:
+            # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
+            # calls C++ collectives directly); same arithmetic as DDP's default.
+            self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        self.model = model
+        self.emulator = ctx.emulator
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=method.lr)
+        self.grad_clip = method.grad_clip
+        self.loss_scale = ctx.world_size / ctx.workload.targets_per_iter
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self.ddp(*batch)
+        self.emulator.stretch()  # forward compute
+        (loss_sum * self.loss_scale).backward()
+        self.emulator.mark()  # backward ended waiting for the last all-reduce: not compute
+        if self.grad_clip:
+            # Gradients are identical on every rank after DDP, so the local norm is global.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.emulator.stretch()  # optimizer compute
+        return loss_sum.detach()
