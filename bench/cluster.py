@@ -80,6 +80,7 @@ class MachineGroup:
     num_devices: int  # devices per machine
     speed: float = 1.0
     memory_gib: float | None = None  # overrides the device type's memory
+    effective_flops: float | None = None  # overrides the type's FLOP/s (e.g. a measured profile)
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,11 @@ class ClusterSpec:
         machine = 0
         for g in self.machines:
             base = DEVICE_TYPES[g.device]
-            dtype = base
-            if g.memory_gib is not None or (base.effective_flops is None and self.host_flops):
-                dtype = replace(
-                    base,
-                    memory_gib=g.memory_gib if g.memory_gib is not None else base.memory_gib,
-                    effective_flops=base.effective_flops or self.host_flops,
-                )
+            dtype = replace(
+                base,
+                memory_gib=g.memory_gib if g.memory_gib is not None else base.memory_gib,
+                effective_flops=g.effective_flops or base.effective_flops or self.host_flops,
+            )
             for _ in range(g.count):
                 for _ in range(g.num_devices):
                     devices.append(Device(len(devices), machine, dtype, g.speed))
@@ -162,11 +161,11 @@ class ClusterSpec:
         groups = []
         for i, m in enumerate(machines_cfg):
             where = f"cluster.machines[{i}]"
-            unknown = set(m) - {"count", "device", "num_devices", "speed", "memory_gib"}
+            unknown = set(m) - _MACHINE_FIELDS
             if unknown:
                 raise ConfigError(
                     f"{where} has unknown field(s) {sorted(unknown)}; "
-                    "valid: count, device, num_devices, speed, memory_gib"
+                    f"valid: {', '.join(sorted(_MACHINE_FIELDS))}"
                 )
             device = m.get("device")
             if device not in DEVICE_TYPES:
@@ -176,10 +175,12 @@ class ClusterSpec:
             count = _positive_int(m.get("count", 1), f"{where}.count")
             num = _positive_int(m.get("num_devices"), f"{where}.num_devices")
             speed = _positive(m.get("speed", 1.0), f"{where}.speed")
-            mem = m.get("memory_gib")
+            mem, flops = m.get("memory_gib"), m.get("effective_flops")
             if mem is not None:
                 mem = _positive(mem, f"{where}.memory_gib")
-            groups.append(MachineGroup(count, device, num, speed, mem))
+            if flops is not None:
+                flops = _positive(flops, f"{where}.effective_flops")
+            groups.append(MachineGroup(count, device, num, speed, mem, flops))
         links = {}
         for level in ("intra_machine", "inter_machine"):
             lc = cfg.get("links", {}).get(level)
@@ -221,6 +222,7 @@ class ClusterSpec:
         return spec
 
 
+_MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
 _CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
                    "gpus_per_machine"}
 

@@ -34,6 +34,7 @@ class Emulator:
         self._link_free_at = 0.0
         self._lock = threading.Lock()
         self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
+        self._overslept = 0.0
 
     # -- compute ---------------------------------------------------------------------------
     def mark(self) -> None:
@@ -41,14 +42,22 @@ class Emulator:
         self._last = time.perf_counter()
 
     def stretch(self) -> None:
-        """End the current compute interval: sleep so it lasts `dilation` times as long."""
+        """End the current compute interval: sleep so it lasts `dilation` times as long.
+
+        time.sleep overshoots (timer slack, scheduling); the overshoot is owed back by the next
+        sleep, so the dilation holds over an iteration rather than drifting up.
+        """
         now = time.perf_counter()
         if self.enabled and self.dilation != 1.0:
-            extra = (self.dilation - 1.0) * (now - self._last)
-            if extra > 0:
-                time.sleep(extra)
-                self.slept_s += extra
-                now = time.perf_counter()
+            target = (self.dilation - 1.0) * (now - self._last) - self._overslept
+            if target > 0:
+                time.sleep(target)
+                after = time.perf_counter()
+                self.slept_s += after - now
+                self._overslept = (after - now) - target
+                now = after
+            else:
+                self._overslept = -target
         self._last = now
 
     # -- links -----------------------------------------------------------------------------

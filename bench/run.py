@@ -97,10 +97,14 @@ def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
             f"global_batch={batch!r} is smaller than the {n} devices of cluster={cluster.name}; "
             f"every device needs a sample: set global_batch>={n} (or preset.batch_per_device>=1)"
         )
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    try:  # open the data once here: a wrong source, path or file fails before workers start
+        model_cfg.dataset(data["source"], data["path"], data["split"], cfg.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("\n", " ")) from None
     return Workload(
         name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
-        flops_per_sample=train_flops_per_sample(model_cfg),
-        data=OmegaConf.to_container(cfg.data, resolve=True),
+        flops_per_sample=train_flops_per_sample(model_cfg), data=data,
     )
 
 

@@ -1,0 +1,313 @@
+"""The method-neutral Program: one training iteration as a sequence of stages for the simulator.
+
+A stage is a list of collectives followed by computation; every per-device quantity (bytes,
+FLOPs, memory) is an `Affine` function of the sharding ratios, so the same object feeds the load
+balancer's LP and the simulator. It describes cost only: it cannot be executed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+# Collective kinds a stage may hold. `nbytes` of a Collective is always per device:
+#   all_reduce:     the full buffer each device holds (usually a constant),
+#   all_gather:     the device's shard of the gathered output,
+#   reduce_scatter: the device's shard of the output (the input is the full tensor),
+#   all_to_all:     the device's local input buffer.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# "ring": the library's own algorithm (all_reduce). "padded": uneven shards padded to the
+# largest (NCCL all-gather / reduce-scatter need equal sizes). "grouped": one broadcast (or
+# reduce) per device in a group call, no padding, one latency per call.
+COLLECTIVE_IMPLS = ("ring", "padded", "grouped")
+GRANULARITIES = ("gpu", "machine")
+
+Ratios = Sequence[Sequence[float]]  # ratios[segment][device], each row sums to 1
+
+
+@dataclass(frozen=True)
+class Affine:
+    """const + sum over (segment, coef) of coef * ratio[segment][device], for one device.
+
+    The same expression holds on every device (SPMD); only the device's own ratio differs.
+    """
+
+    const: float = 0.0
+    coef: tuple[tuple[int, float], ...] = ()
+
+    @staticmethod
+    def sharded(value: float, segment: int = 0) -> "Affine":
+        """`value` split over the devices by the ratios of `segment`."""
+        return Affine(0.0, ((segment, float(value)),)) if value else Affine()
+
+    def at(self, ratios: Ratios, device: int) -> float:
+        return self.const + sum(c * ratios[s][device] for s, c in self.coef)
+
+    def values(self, ratios: Ratios) -> list[float]:
+        return [self.at(ratios, d) for d in range(len(ratios[0]))]
+
+    def __add__(self, other: "Affine") -> "Affine":
+        merged: dict[int, float] = dict(self.coef)
+        for s, c in other.coef:
+            merged[s] = merged.get(s, 0.0) + c
+        return Affine(self.const + other.const, tuple(sorted(merged.items())))
+
+    def scale(self, k: float) -> "Affine":
+        return Affine(self.const * k, tuple((s, c * k) for s, c in self.coef))
+
+    @property
+    def is_constant(self) -> bool:
+        return not any(c for _, c in self.coef)
+
+    def to_json(self) -> dict:
+        return {"const": self.const, "coef": [[s, c] for s, c in self.coef]}
+
+    @staticmethod
+    def from_json(d: dict) -> "Affine":
+        return Affine(float(d.get("const", 0.0)), tuple((int(s), float(c)) for s, c in d.get("coef", ())))
+
+
+def affine_sum(items: Iterable[Affine]) -> Affine:
+    out = Affine()
+    for a in items:
+        out = out + a
+    return out
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call (or one group call) over some of the program's devices."""
+
+    kind: str
+    nbytes: Affine  # per device, see COLLECTIVE_KINDS
+    impl: str = "ring"
+    devices: tuple[int, ...] | None = None  # virtual device indices; None = all
+    label: str = ""  # the tensor it moves, for readable plans
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"collective kind {self.kind!r} is unknown; known: {', '.join(COLLECTIVE_KINDS)}")
+        if self.impl not in COLLECTIVE_IMPLS:
+            raise ValueError(f"collective impl {self.impl!r} is unknown; known: {', '.join(COLLECTIVE_IMPLS)}")
+        if self.impl == "grouped" and self.kind not in ("all_gather", "reduce_scatter"):
+            raise ValueError(f"impl 'grouped' exists for all_gather and reduce_scatter only, not {self.kind}")
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "nbytes": self.nbytes.to_json(),
+            "impl": self.impl,
+            "devices": list(self.devices) if self.devices is not None else None,
+            "label": self.label,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "Collective":
+        devices = d.get("devices")
+        return Collective(
+            d["kind"],
+            Affine.from_json(d["nbytes"]),
+            d.get("impl", "ring"),
+            tuple(devices) if devices is not None else None,
+            d.get("label", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Collectives, then computation. All devices are synchronised at the start of a stage.
+
+    overlap=True: the collectives run concurrently with the computation issued before them
+    (what DDP does with gradient buckets during backward); they still must finish before the
+    iteration ends, and a later non-overlapped stage waits for them.
+    """
+
+    collectives: tuple[Collective, ...] = ()
+    flops: Affine = Affine()  # per device
+    overlap: bool = False
+    # Bytes of parameter gradients produced by this stage's computation, per device. When a
+    # virtual device is a whole machine they are all-reduced inside it (data parallel within
+    # the machine), and that time counts as the device's computation (HAP Sec. 3.2).
+    grad_bytes: Affine = Affine()
+    label: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "collectives": [c.to_json() for c in self.collectives],
+            "flops": self.flops.to_json(),
+            "overlap": self.overlap,
+            "grad_bytes": self.grad_bytes.to_json(),
+            "label": self.label,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "Stage":
+        return Stage(
+            tuple(Collective.from_json(c) for c in d.get("collectives", ())),
+            Affine.from_json(d.get("flops", {})),
+            bool(d.get("overlap", False)),
+            Affine.from_json(d.get("grad_bytes", {})),
+            d.get("label", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes each device holds at the peak of an iteration (per virtual device, before a
+    machine-level device divides activations among its GPUs)."""
+
+    params: Affine = Affine()
+    grads: Affine = Affine()
+    optimizer: Affine = Affine()  # Adam: two fp32 moments per parameter
+    activations: Affine = Affine()  # everything forward keeps for backward
+
+    def total(self) -> Affine:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations")}
+
+    @staticmethod
+    def from_json(d: dict) -> "Memory":
+        return Memory(**{k: Affine.from_json(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class Program:
+    """One training iteration over `num_devices` virtual devices with `num_segments` ratio rows."""
+
+    stages: tuple[Stage, ...]
+    num_devices: int
+    num_segments: int = 1
+    granularity: str = "gpu"  # what a device of this program is: one GPU or one machine
+    memory: Memory = Memory()
+    meta: dict = field(default_factory=dict, compare=False)  # JSON-ready notes (method, model)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={self.granularity!r} is invalid; use 'gpu' or 'machine'")
+        if self.num_devices < 1 or self.num_segments < 1:
+            raise ValueError(f"num_devices={self.num_devices} and num_segments={self.num_segments} must be >= 1")
+        for i, st in enumerate(self.stages):
+            for a in _affines(st):
+                for s, _ in a.coef:
+                    if not 0 <= s < self.num_segments:
+                        raise ValueError(f"stage {i} ({st.label!r}) uses segment {s}; program has {self.num_segments}")
+            for c in st.collectives:
+                if c.devices is not None and any(not 0 <= d < self.num_devices for d in c.devices):
+                    raise ValueError(f"stage {i} collective {c.label!r} names devices {c.devices} outside 0..{self.num_devices - 1}")
+
+    def total_flops(self, ratios: Ratios) -> float:
+        """FLOPs of all devices together (replicated work counts once per device)."""
+        return sum(sum(st.flops.values(ratios)) for st in self.stages)
+
+    def check_ratios(self, ratios: Ratios) -> None:
+        if len(ratios) != self.num_segments or any(len(r) != self.num_devices for r in ratios):
+            raise ValueError(
+                f"ratios must be {self.num_segments} rows of {self.num_devices} (segments x devices); "
+                f"got {[len(r) for r in ratios]}"
+            )
+        for s, row in enumerate(ratios):
+            if any(r < -1e-9 for r in row) or abs(sum(row) - 1.0) > 1e-6:
+                raise ValueError(f"ratios[{s}]={list(row)} must be >= 0 and sum to 1")
+
+    def to_json(self) -> dict:
+        return {
+            "stages": [st.to_json() for st in self.stages],
+            "num_devices": self.num_devices,
+            "num_segments": self.num_segments,
+            "granularity": self.granularity,
+            "memory": self.memory.to_json(),
+            "meta": self.meta,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @staticmethod
+    def from_json(d: dict | str) -> "Program":
+        if isinstance(d, str):
+            d = json.loads(d)
+        return Program(
+            tuple(Stage.from_json(s) for s in d["stages"]),
+            int(d["num_devices"]),
+            int(d.get("num_segments", 1)),
+            d.get("granularity", "gpu"),
+            Memory.from_json(d.get("memory", {})),
+            dict(d.get("meta", {})),
+        )
+
+
+def _affines(st: Stage) -> list[Affine]:
+    return [st.flops, st.grad_bytes] + [c.nbytes for c in st.collectives]
+
+
+def data_parallel_program(
+    num_devices: int,
+    global_batch: int,
+    layers: Sequence[tuple[float, float]],
+    activation_bytes_per_sample: float,
+    *,
+    bucket_cap_bytes: float = 25 * 2**20,
+    overlap: bool = True,
+    optimizer_bytes_per_param_byte: float = 2.0,
+    backward_factor: float = 2.0,
+    granularity: str = "gpu",
+    meta: dict[str, Any] | None = None,
+) -> Program:
+    """The Program of DDP training with the batch split by the (single segment) ratios.
+
+    Args:
+        num_devices: data-parallel ranks.
+        global_batch: samples per iteration; device d computes ratio[d] of them.
+        layers: (forward FLOPs per sample, parameter bytes) per layer in forward order; FLOPs
+            of parameter-free ops belong to some neighbouring layer.
+        activation_bytes_per_sample: bytes forward keeps for backward, per sample.
+        bucket_cap_bytes: DDP gradient bucket size (DDP's default 25 MiB).
+        overlap: bucket all-reduces run during the rest of backward (DDP) or after it.
+        optimizer_bytes_per_param_byte: optimizer state per parameter byte (Adam: 2).
+        backward_factor: backward FLOPs / forward FLOPs.
+        granularity: whether a device is a GPU or a machine (DP inside it).
+
+    Stages: forward + the backward of the last layers up to the first full bucket; then one
+    stage per bucket whose all-reduce overlaps the backward of the layers before it.
+    """
+    if global_batch < 1 or num_devices < 1:
+        raise ValueError(f"global_batch={global_batch} and num_devices={num_devices} must be >= 1")
+    fwd = sum(f for f, _ in layers) * global_batch
+    param_bytes = sum(p for _, p in layers)
+    # Walk backward, closing a bucket once it holds bucket_cap_bytes of gradients.
+    buckets: list[tuple[float, float]] = []  # (backward FLOPs per sample until ready, bytes)
+    flops_acc = bytes_acc = 0.0
+    for f, p in reversed(layers):
+        flops_acc += backward_factor * f
+        bytes_acc += p
+        if bytes_acc >= bucket_cap_bytes:
+            buckets.append((flops_acc, bytes_acc))
+            flops_acc = bytes_acc = 0.0
+    if bytes_acc or flops_acc or not buckets:
+        buckets.append((flops_acc, bytes_acc))
+    stages = []
+    pending: Collective | None = None
+    for i, (bflops, nbytes) in enumerate(buckets):
+        flops = Affine.sharded(bflops * global_batch + (fwd if i == 0 else 0.0))
+        stages.append(
+            Stage(
+                (pending,) if pending else (),
+                flops,
+                overlap=overlap and pending is not None,
+                grad_bytes=Affine(nbytes),
+                label="forward+backward" if i == 0 else f"backward, all_reduce bucket {i - 1}",
+            )
+        )
+        pending = Collective("all_reduce", Affine(nbytes), label=f"grad bucket {i}") if nbytes else None
+    if pending:
+        stages.append(Stage((pending,), overlap=overlap, label=f"all_reduce bucket {len(buckets) - 1}"))
+    memory = Memory(
+        params=Affine(param_bytes),
+        grads=Affine(param_bytes),
+        optimizer=Affine(param_bytes * optimizer_bytes_per_param_byte),
+        activations=Affine.sharded(activation_bytes_per_sample * global_batch),
+    )
+    return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}))

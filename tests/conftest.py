@@ -1,0 +1,21 @@
+"""Shared test helpers: compose the real conf/ with overrides, results in a temporary folder."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from bench.run import CONF_DIR
+
+
+def compose_config(*overrides: str, results_dir=None):
+    """The runner's config as the CLI would build it (W&B off unless a test turns it on)."""
+    extra = ["wandb.mode=disabled"] + ([f"results_dir={results_dir}"] if results_dir else [])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=extra + list(overrides))
+
+
+@pytest.fixture
+def cfg_factory(tmp_path):
+    """compose_config with results under this test's tmp_path."""
+    return lambda *overrides: compose_config(*overrides, results_dir=str(tmp_path / "runs"))

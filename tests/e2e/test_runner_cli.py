@@ -1,0 +1,121 @@
+"""The runner and the main job as a user runs them: subprocesses, rows on disk, exit codes."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bench.records import load_records
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["warmup_iters=1", "measured_iters=3"]
+
+
+def run(module, *args, results_dir, env=None, timeout=600):
+    cmd = [sys.executable, "-m", module, *args, f"results_dir={results_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def rows(results_dir):
+    return load_records(Path(results_dir) / "records.jsonl")
+
+
+def test_every_model_trains_with_every_dp_method(tmp_path):
+    out = run("bench.run", "-m", "model=vgg19,vit,bert,bert_moe", "method=dp_ev,dp_cp",
+              "wandb.mode=disabled", *QUICK, results_dir=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = rows(tmp_path)
+    assert sorted((r["model"], r["method"]) for r in got) == sorted(
+        (m, d) for m in ("vgg19", "vit", "bert", "bert_moe") for d in ("dp_ev", "dp_cp"))
+    for r in got:
+        assert r["status"] == "ok" and r["origin"] == "measured" and r["cluster"] == "local_hetero2"
+        assert len(r["iter_times_s"]) == 3 and len(r["peak_mem_gib"]) == 2
+        assert r["samples_per_s"] == pytest.approx(r["global_batch"] / r["iter_time_s_mean"])
+        assert r["efficiency"] == pytest.approx(r["ideal_iter_time_s"] / r["iter_time_s_mean"])
+        assert r["versions"]["torch"].startswith("2.13") and r["host"] and r["cluster_hash"]
+        assert r["config"]["model"]["name"] == r["model"]
+    cp = {r["model"]: r["batch_shares"] for r in got if r["method"] == "dp_cp"}
+    assert all(shares == [11, 5] for shares in cp.values())  # 16 samples by speed 1 : 0.4
+
+
+def _processes_with(tag):
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if tag.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_failing_worker_ends_its_case_fast_and_the_sweep_goes_on(tmp_path):
+    tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"
+    start = time.monotonic()
+    # Case 0 trains; in case 1 rank 1 raises while rank 0 waits in an all-reduce forever.
+    out = run("bench.run", "-m", "test.fail_rank=null,1", "wandb.mode=disabled", "timeout_s=300",
+              "warmup_iters=1", "measured_iters=50", results_dir=tmp_path,
+              env=dict([tag.split("=", 1)]))
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    got = {r["config"]["test"]["fail_rank"]: r for r in rows(tmp_path)}
+    assert got[None]["status"] == "ok"
+    assert got[1]["status"] == "failed" and got[1]["samples_per_s"] is None
+    assert "deliberate failure of rank 1" in got[1]["error"] and "Traceback" in got[1]["error"]
+    assert "deliberate failure of rank 1" in out.stderr
+    assert elapsed < 90, f"the sweep took {elapsed:.0f} s: the failing case was not ended fast"
+    time.sleep(0.5)
+    assert _processes_with(tag) == [], "worker processes outlived their case"
+
+
+def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(tmp_path):
+    first = run("bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true",
+                *QUICK, results_dir=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(rows(tmp_path)) == 2
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
+    again = run("bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true",
+                *QUICK, results_dir=tmp_path)
+    assert again.returncode == 0
+    assert again.stdout.count("skip:") == 2
+    assert len(rows(tmp_path)) == 2
+
+
+def test_real_wikitext_files_train_through_the_runner(tmp_path):
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    words = " ".join(f"w{i % 97}" for i in range(20000))
+    (data / "wiki.train.tokens").write_text("\n".join([words[:5000], "", words]) + "\n")
+    out = run("bench.run", "data.source=wikitext2", f"data.path={data}", "wandb.mode=disabled",
+              *QUICK, results_dir=tmp_path / "runs")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert rows(tmp_path / "runs")[0]["status"] == "ok"
+
+
+def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
+    out = run("bench.run", "cluster=local_hetero9", results_dir=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("error: cluster=local_hetero9 is unknown; known: local_hetero2, "
+                                  "local_hetero4, local_homo2, motivation, paper_hetero, paper_homo")
+    out = run("bench.run", "global_batch=1", "wandb.mode=disabled", results_dir=tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: global_batch=1 is smaller than the 2 devices of cluster=local_hetero2; every "
+        "device needs a sample: set global_batch>=2 (or preset.batch_per_device>=1)"]
+    assert [r["status"] for r in rows(tmp_path)] == ["failed"]
+
+
+def test_the_main_job_compares_every_method(tmp_path):
+    out = run("bench.compare", "wandb.mode=disabled", *QUICK, results_dir=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "speedup vs dp_ev" in out.stdout
+    methods = [r["method"] for r in rows(tmp_path)]
+    assert methods[0] == "dp_ev" and {"dp_ev", "dp_cp"} <= set(methods)

@@ -1,0 +1,61 @@
+"""Every conf option composes and instantiates; bad input gives one line and no ok row."""
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from bench.cluster import ClusterSpec
+from bench.records import load_records
+from bench.run import build_workload, group_options, run_case
+from tests.conftest import compose_config
+
+
+@pytest.mark.parametrize("method", group_options("method"))
+def test_every_method_instantiates_with_a_plan(method):
+    cfg = compose_config(f"method={method}")
+    obj = instantiate(cfg.method)
+    assert obj.name == method
+    assert callable(obj.plan) and callable(obj.setup)
+
+
+@pytest.mark.parametrize("preset", group_options("preset"))
+@pytest.mark.parametrize("model", group_options("model"))
+def test_every_model_and_preset_instantiates(model, preset):
+    cfg = compose_config(f"model={model}", f"preset={preset}")
+    spec = instantiate(cfg.model.spec, num_devices=4)
+    assert spec.name == model and spec.targets_per_sample >= 1
+    assert cfg.preset.measured_iters >= 1
+
+
+@pytest.mark.parametrize("model", group_options("model"))
+def test_tiny_workloads_count_their_flops(model):
+    cfg = compose_config(f"model={model}")
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    workload = build_workload(cfg, cluster)
+    assert workload.global_batch == cfg.preset.batch_per_device * 2
+    assert workload.flops_per_sample > 0
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["measured_iters=0"], "measured_iters=0 must be an integer >= 1"),
+    (["warmup_iters=-1"], "warmup_iters=-1 must be an integer >= 0"),
+    (["global_batch=1"], "global_batch=1 is smaller than the 2 devices"),
+    (["cluster.machines.1.speed=0"], "cluster.machines[1].speed=0 must be a number > 0"),
+    (["cluster.links.inter_machine.bandwidth_gbps=0"], "bandwidth_gbps=0 must be a number > 0"),
+    (["+cluster.num_devices=3"], "cluster.num_devices=3 does not add up"),
+    (["mode=fast"], "mode='fast' is invalid; valid: real, sim"),
+    (["wandb.mode=maybe"], "wandb.mode='maybe' is invalid"),
+    (["data.source=imagenet"], "data.source='imagenet' is invalid"),
+    (["data.source=cifar10"], "data.source"),
+    (["+model.spec.num_layerz=3"], "num_layerz"),
+    (["method.split=random"], "method.split='random' is invalid"),
+])
+def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overrides, needle):
+    cfg = cfg_factory(*overrides)
+    record = run_case(cfg)
+    err = capsys.readouterr().err.strip()
+    assert record.status == "failed" and needle in record.error
+    assert err.startswith("error: ") and "\n" not in err and needle in err
+    rows = load_records(f"{cfg.results_dir}/records.jsonl")
+    assert [r["status"] for r in rows] == ["failed"]
+    assert rows[0]["samples_per_s"] is None

@@ -1,0 +1,99 @@
+import json
+import multiprocessing as mp
+
+import pytest
+
+from bench.records import (RunRecord, append_record, case_key, finished_case_keys, load_records,
+                           summarize_times)
+from bench.table import speedup
+
+
+def _row(**kw):
+    base = dict(model="bert", preset="tiny", cluster="c", method="dp_ev", mode="real", status="ok",
+                global_batch=16, samples_per_s=100.0, iter_time_s_mean=0.16)
+    base.update(kw)
+    return RunRecord(**base)
+
+
+def _writer(path, worker, n):
+    for i in range(n):
+        append_record(path, _row(method=f"m{worker}", error="x" * (i * 997 % 20000)))
+
+
+def test_concurrent_appends_never_interleave(tmp_path):
+    path = tmp_path / "records.jsonl"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(path, w, 40)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 160
+    assert all(json.loads(line)["model"] == "bert" for line in lines)
+
+
+def test_a_cut_line_is_skipped_and_the_rest_kept(tmp_path):
+    path = tmp_path / "records.jsonl"
+    append_record(path, _row())
+    with open(path, "a") as f:
+        f.write('{"model": "bert", "stat')  # a writer killed mid-line elsewhere
+    append_record(path, _row(method="dp_cp"))
+    rows = load_records(path)
+    assert [r["method"] for r in rows] == ["dp_ev"]  # the cut line swallowed the newline
+    with open(path, "a") as f:
+        f.write("\n")
+    append_record(path, _row(method="dp_cp"))
+    assert [r["method"] for r in load_records(path)][-1] == "dp_cp"
+
+
+def test_failed_rows_carry_no_numbers():
+    row = _row(status="failed", error="boom")
+    assert row.samples_per_s is None and row.iter_time_s_mean is None and row.efficiency is None
+
+
+def test_resume_skips_only_cases_with_a_final_answer(tmp_path):
+    path = tmp_path / "records.jsonl"
+    append_record(path, _row(case_key="a"))
+    append_record(path, _row(case_key="b", status="failed"))
+    append_record(path, _row(case_key="c", status="oom"))
+    assert finished_case_keys(path) == {"a", "c"}
+
+
+def test_case_key_ignores_bookkeeping_but_not_the_case():
+    cfg = {"model": {"name": "bert"}, "seed": 0, "wandb": {"mode": "offline"}, "resume": False,
+           "results_dir": "x"}
+    same = dict(cfg, wandb={"mode": "disabled"}, resume=True, results_dir="y")
+    assert case_key(cfg) == case_key(same)
+    assert case_key(cfg) != case_key(dict(cfg, seed=1))
+
+
+def test_iteration_time_is_the_max_over_ranks_of_the_measured_iterations():
+    per_iter, mean, std = summarize_times([[9.0, 1.0, 2.0, 3.0], [0.0, 2.0, 1.0, 5.0]], measured=3)
+    assert per_iter == [2.0, 2.0, 5.0]
+    assert mean == pytest.approx(3.0)
+    assert std == pytest.approx(3 ** 0.5)  # sample std of 2, 2, 5
+
+
+def test_speedup_is_throughput_over_dp_ev_on_the_same_case():
+    rows = [vars(_row()), vars(_row(method="dp_cp", samples_per_s=150.0)),
+            vars(_row(method="dp_ev", cluster="other", samples_per_s=10.0))]
+    assert speedup(rows[1], rows) == pytest.approx(1.5)
+    assert speedup(rows[0], rows) == pytest.approx(1.0)
+    assert speedup(vars(_row(cluster="none")), rows) is None
+
+
+def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
+    import wandb
+
+    from bench.log import mirror_to_wandb
+
+    def broken_init(**kwargs):
+        raise RuntimeError("network down")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    path = tmp_path / "records.jsonl"
+    row = _row()
+    append_record(path, row)
+    mirror_to_wandb(row, "offline", "hetbench-test", str(tmp_path))  # must not raise
+    assert load_records(path)[0]["run_id"] == row.run_id
