@@ -119,3 +119,13 @@ def test_the_main_job_compares_every_method(tmp_path):
     assert "speedup vs dp_ev" in out.stdout
     methods = [r["method"] for r in rows(tmp_path)]
     assert methods[0] == "dp_ev" and {"dp_ev", "dp_cp"} <= set(methods)
+
+
+def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "bench.run", "method=dp_cp",
+           "wandb.mode=disabled", *QUICK, f"results_dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = rows(tmp_path)  # rank 0 alone writes the row
+    assert row["status"] == "ok" and row["batch_shares"] == [11, 5] and len(row["peak_mem_gib"]) == 2

@@ -1,0 +1,341 @@
+"""Trace a single-device model into the planner's reference graph: ops, shapes, FLOPs per node.
+
+Runs on the meta device, so paper-size models are never allocated. It does not decide any
+sharding (methods.hap.theory does); FLOP conventions are documented in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+# Canonical op names for callables whose __name__ says nothing (F.max_pool2d is a
+# boolean_dispatch wrapper called "fn") or differs between namespaces.
+_ALIASES: dict[Any, str] = {}
+for _name in dir(F):
+    _obj = getattr(F, _name)
+    if callable(_obj) and not _name.startswith("_"):
+        _ALIASES.setdefault(_obj, _name)
+_ALIASES.update(
+    {
+        operator.add: "add",
+        operator.iadd: "add",
+        operator.sub: "sub",
+        operator.mul: "mul",
+        operator.truediv: "truediv",
+        operator.matmul: "matmul",
+        operator.neg: "neg",
+        operator.getitem: "getitem",
+        operator.lt: "lt",
+        operator.gt: "gt",
+        operator.le: "le",
+        operator.ge: "ge",
+        operator.eq: "eq",
+        operator.mod: "mod",
+        operator.floordiv: "floordiv",
+        builtins.getattr: "getattr",
+        torch.functional.einsum: "einsum",
+        torch.einsum: "einsum",
+    }
+)
+
+
+def op_name(node: fx.Node) -> str:
+    """The op a node runs: its method name, or its callable's canonical name."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        name = _ALIASES.get(node.target)
+        return name or getattr(node.target, "__name__", str(node.target))
+    return node.op
+
+
+class FunctionalTracer(fx.Tracer):
+    """Traces through every nn.Module, so the graph holds functionals and get_attr params."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+@dataclass
+class Node:
+    """One node of the reference graph (a thin view of an fx node with planner facts)."""
+
+    name: str
+    kind: str  # fx op: placeholder | get_attr | call_function | call_method | output
+    op: str  # canonical op name (op_name)
+    fx_node: fx.Node = field(repr=False)
+    inputs: list[str]  # names of the tensor (or tuple-of-tensor) nodes it reads, in order
+    shape: tuple[int, ...] | None  # None for non-tensor values (sizes, dtypes, tuples)
+    dtype: torch.dtype | None
+    flops: float = 0.0  # forward FLOPs of the node on the full (unsharded) inputs
+    backward_factor: float = 2.0  # backward FLOPs / forward FLOPs
+    is_param: bool = False  # get_attr of an nn.Parameter (trained, optimizer state)
+    tuple_shapes: tuple[tuple[int, ...], ...] | None = None  # for tuple outputs (topk)
+    # Tensors read only through non-tensor nodes (x.shape[0], x.dtype): they must exist
+    # before this node runs, and a shape read from a shard is the shard's shape.
+    shape_inputs: list[str] = field(default_factory=list)
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None or self.tuple_shapes is not None
+
+    @property
+    def numel(self) -> int:
+        if self.shape is not None:
+            return math.prod(self.shape)
+        if self.tuple_shapes is not None:
+            return sum(math.prod(s) for s in self.tuple_shapes)
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return self.numel * _itemsize(self.dtype)
+
+    @property
+    def ndim(self) -> int:
+        shape = self.shape if self.shape is not None else (self.tuple_shapes or [()])[0]
+        return len(shape)
+
+    @property
+    def where(self) -> str:
+        target = self.fx_node.target
+        return f"fx node {self.name!r} (op {self.kind}, target {getattr(target, '__module__', '')}.{self.op})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass
+class Graph:
+    """The reference graph: nodes in topological order, the loss node, parameter shapes."""
+
+    gm: fx.GraphModule
+    nodes: list[Node]
+    loss: str
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        self.by_name = {n.name: n for n in self.nodes}
+        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in dict.fromkeys(n.inputs):
+                users[i].append(n.name)
+        self.users = users
+
+    def __getitem__(self, name: str) -> Node:
+        return self.by_name[name]
+
+    @property
+    def ops(self) -> list[Node]:
+        """Nodes that compute a tensor (not inputs, parameters, output or size bookkeeping)."""
+        return [n for n in self.nodes if n.kind in ("call_function", "call_method") and n.is_tensor]
+
+    def forward_flops(self) -> float:
+        return sum(n.flops for n in self.nodes)
+
+    def train_flops(self) -> float:
+        return sum(n.flops * (1.0 + n.backward_factor) for n in self.nodes)
+
+    def param_bytes(self) -> int:
+        return sum(n.nbytes for n in self.nodes if n.is_param)
+
+    def activation_bytes(self) -> int:
+        """Bytes of op outputs forward keeps for backward (views and bookkeeping excluded)."""
+        return sum(n.nbytes for n in self.ops if n.op not in VIEW_OPS)
+
+    def layer_profile(self) -> list[tuple[float, float]]:
+        """(forward FLOPs per sample, parameter bytes) per parameter-holding op in forward
+        order; parameter-free ops are counted with the next op that holds parameters. The
+        input of bench.program.data_parallel_program."""
+        out, pending = [], 0.0
+        for n in self.nodes:
+            pending += n.flops / max(self.batch_size, 1)
+            params = [self[i] for i in n.inputs if self[i].is_param]
+            if params and n.kind != "output":
+                out.append((pending, float(sum(p.nbytes for p in params))))
+                pending = 0.0
+        if out:
+            f, p = out[-1]
+            out[-1] = (f + pending, p)
+        else:
+            out.append((pending, 0.0))
+        return out
+
+
+# Ops whose output aliases or merely re-labels the input (no FLOPs, no new activation).
+VIEW_OPS = {
+    "view", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze", "squeeze",
+    "expand", "contiguous", "getitem", "t", "to", "type", "float", "detach", "size", "getattr",
+}
+
+# Forward FLOPs per output element of element-wise and normalising ops (a convention, see
+# docs/planner.md); backward factor 1 for them.
+_ELEMENTWISE_FLOPS = {
+    "add": 1, "sub": 1, "mul": 1, "truediv": 1, "neg": 1, "relu": 1, "dropout": 2,
+    "gelu": 8, "tanh": 4, "sigmoid": 4, "exp": 1, "softmax": 5, "log_softmax": 5,
+    "layer_norm": 8, "lt": 1, "gt": 1, "le": 1, "ge": 1, "eq": 1, "cumsum": 1, "one_hot": 1,
+    "sum": 1, "mean": 1, "max_pool2d": 1, "adaptive_avg_pool2d": 1, "avg_pool2d": 1,
+    "cat": 0, "topk": 2, "embedding": 0, "cross_entropy": 6, "nll_loss": 1,
+}
+
+
+def _shape_of(v: Any) -> tuple[int, ...] | None:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _count_flops(name: str, node: fx.Node, args: Sequence[Any], out: Any) -> tuple[float, float]:
+    """(forward FLOPs, backward factor) of one op from its concrete (meta) inputs and output."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    out_numel = out.numel() if isinstance(out, torch.Tensor) else 0
+    if name == "linear":
+        x, w = args[0], args[1]
+        flops = 2.0 * x.numel() * w.shape[0]
+        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        return flops + (out_numel if bias is not None else 0), 2.0
+    if name in ("matmul", "bmm", "mm"):
+        return 2.0 * out_numel * args[0].shape[-1], 2.0
+    if name == "conv2d":
+        x, w = args[0], args[1]
+        per_out = w.shape[1] * w.shape[2] * w.shape[3]  # (C_in / groups) * kH * kW
+        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        return 2.0 * out_numel * per_out + (out_numel if bias is not None else 0), 2.0
+    if name == "einsum":
+        eq = args[0].replace(" ", "")
+        ins = eq.split("->")[0].split(",")
+        sizes: dict[str, int] = {}
+        for spec, t in zip(ins, tensors):
+            for ch, n in zip(spec, t.shape):
+                sizes[ch] = max(sizes.get(ch, 1), n)
+        return 2.0 * math.prod(sizes.values()), 2.0
+    if name in VIEW_OPS or not tensors:
+        return 0.0, 0.0
+    per = _ELEMENTWISE_FLOPS.get(name, 1)
+    if name in ("sum", "mean", "cross_entropy", "nll_loss", "max_pool2d", "adaptive_avg_pool2d", "avg_pool2d"):
+        numel = tensors[0].numel()  # reductions: work follows the input
+    else:
+        numel = out_numel or sum(t.numel() for t in tensors)
+    return float(per * numel), 1.0
+
+
+class _ShapeRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None) -> Graph:
+    """Trace `model` and give every node its shape and FLOPs.
+
+    Args:
+        model: the single-device model whose forward returns the summed loss. Put it on the
+            meta device (``with torch.device('meta'): model = cfg.build()``) for big models.
+        example_inputs: positional inputs of forward at the global batch (meta or real).
+        batch_size: samples in the inputs (default: dim 0 of the first input).
+    """
+    gm = fx.GraphModule(model, FunctionalTracer().trace(model))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    rec = _ShapeRecorder(gm)
+    with torch.no_grad():
+        rec.run(*inputs)
+    params = {name for name, _ in model.named_parameters()}
+    nodes = []
+    loss = None
+    for n in gm.graph.nodes:
+        out = rec.values.get(n.name)
+        shape = _shape_of(out)
+        tuple_shapes = None
+        if isinstance(out, (tuple, list)) and out and all(isinstance(v, torch.Tensor) for v in out):
+            tuple_shapes = tuple(tuple(v.shape) for v in out)
+        dtype = out.dtype if isinstance(out, torch.Tensor) else (out[0].dtype if tuple_shapes else None)
+        inputs_of = [a.name for a in n.all_input_nodes if _is_tensorish(rec.values.get(a.name))]
+        shape_inputs = _indirect_tensors(n, rec.values) if n.op != "output" else []
+        name = op_name(n)
+        flops, bwd = 0.0, 0.0
+        if n.op in ("call_function", "call_method"):
+            args = fx.node.map_arg(n.args, lambda a: rec.values[a.name])
+            if n.op == "call_method":
+                args = args[1:]
+                tensors_in = [rec.values[n.args[0].name]] + list(args)
+                flops, bwd = _count_flops(name, n, tensors_in, out)
+            else:
+                flops, bwd = _count_flops(name, n, list(args), out)
+        if n.op == "output":
+            loss = n.all_input_nodes[0].name
+        nodes.append(
+            Node(
+                n.name,
+                n.op,
+                name,
+                n,
+                inputs_of,
+                shape,
+                dtype,
+                flops,
+                bwd,
+                n.op == "get_attr" and n.target in params,
+                tuple_shapes,
+                [t for t in shape_inputs if t not in inputs_of],
+            )
+        )
+    assert loss is not None, "traced graph has no output"
+    if batch_size is None:
+        first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()), None)
+        batch_size = int(first.shape[0]) if first is not None else 1
+    graph = Graph(gm, nodes, loss, batch_size)
+    if graph[loss].shape != ():
+        raise ValueError(
+            f"the model's forward returns shape {graph[loss].shape}; the planner needs a scalar loss "
+            "summed over the batch (reduction='sum') computed inside forward"
+        )
+    return graph
+
+
+def _indirect_tensors(n: fx.Node, values: dict[str, Any]) -> list[str]:
+    """Tensors a node reads through chains of non-tensor nodes (sizes, dtypes)."""
+    out: list[str] = []
+    stack = [a for a in n.all_input_nodes if not _is_tensorish(values.get(a.name))]
+    seen = set()
+    while stack:
+        a = stack.pop()
+        if a.name in seen:
+            continue
+        seen.add(a.name)
+        for b in a.all_input_nodes:
+            if _is_tensorish(values.get(b.name)):
+                out.append(b.name)
+            else:
+                stack.append(b)
+    return list(dict.fromkeys(out))
+
+
+def _is_tensorish(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or (
+        isinstance(v, (tuple, list)) and bool(v) and all(isinstance(x, torch.Tensor) for x in v)
+    )
+
+
+def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
+    """Build `model_cfg` on the meta device and capture it at `batch_size` samples."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = model_cfg.synthetic_batch(batch_size, gen)
+    with torch.device("meta"):
+        model = model_cfg.build()
+    return capture(model, [t.to("meta") for t in batch], batch_size)

@@ -1,0 +1,118 @@
+"""methods.hap.balance and planner: LP ratios, rounding, fixed-point loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cluster import ClusterSpec
+from bench.interfaces import Workload
+from bench.program import Affine, Collective, Memory, Program, Stage
+from bench.simulate import compute_proportional_ratios, simulate, virtual_devices
+from methods.hap.balance import InfeasibleError, balance_ratios, shard_lengths
+
+
+def make(fast=1, slow=1, inter_gbps=10.0):
+    machines = []
+    if fast:
+        machines.append({"count": fast, "device": "V100-16", "num_devices": 1})
+    if slow:
+        machines.append({"count": slow, "device": "P100-16", "num_devices": 1})
+    return ClusterSpec.from_config(
+        {
+            "name": "lp",
+            "machines": machines,
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
+                "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": 1e-4},
+            },
+            "virtual_device": "gpu",
+        }
+    )
+
+
+def test_homogeneous_cluster_gets_equal_ratios():
+    cl = make(fast=4, slow=0)
+    prog = Program((Stage((Collective("all_gather", Affine.sharded(1e8), "padded"),), Affine.sharded(1e13)),), 4)
+    ratios, obj = balance_ratios(prog, cl)
+    assert ratios[0] == pytest.approx([0.25] * 4, abs=1e-6)
+    assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)
+
+
+def test_compute_bound_program_gets_compute_proportional_ratios():
+    cl = make(fast=2, slow=2)
+    prog = Program((Stage((), Affine.sharded(1e14)), Stage((Collective("all_reduce", Affine(1e3)),), Affine(1e9))), 4)
+    ratios, _ = balance_ratios(prog, cl)
+    assert sum(ratios[0]) == pytest.approx(1.0)
+    assert ratios[0] == pytest.approx(compute_proportional_ratios(cl, "gpu")[0], abs=1e-6)
+
+
+def test_communication_bound_program_moves_towards_even_shards_and_beats_cp():
+    cl = make(fast=1, slow=3, inter_gbps=1.0)
+    prog = Program((Stage((Collective("all_gather", Affine.sharded(4e8), "padded"),), Affine.sharded(2e12)),), 4)
+    cp = compute_proportional_ratios(cl, "gpu")
+    ratios, obj = balance_ratios(prog, cl)
+    assert max(ratios[0]) < max(cp[0])
+    assert obj < simulate(prog, cl, cp).iter_time_s
+    # The constant terms are kept: the objective equals the simulated time, latency included.
+    assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)
+
+
+def test_lp_ratios_satisfy_every_stage_constraint():
+    cl = make(fast=1, slow=2)
+    prog = Program(
+        (
+            Stage((Collective("reduce_scatter", Affine.sharded(3e8), "grouped"),), Affine(5e10) + Affine.sharded(4e12)),
+            Stage((Collective("all_to_all", Affine.sharded(1e8)),), Affine.sharded(1e12)),
+        ),
+        3,
+    )
+    ratios, obj = balance_ratios(prog, cl)
+    assert all(r >= 0 for r in ratios[0]) and sum(ratios[0]) == pytest.approx(1.0)
+    assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)
+
+
+def test_memory_that_fits_nowhere_is_a_clear_infeasible_error():
+    cl = make(fast=1, slow=1)
+    prog = Program((Stage((), Affine.sharded(1e12)),), 2, memory=Memory(params=Affine(20 * 2**30)))
+    with pytest.raises(InfeasibleError, match="does not fit in memory"):
+        balance_ratios(prog, cl, memory_limit=True)
+
+
+def test_memory_limit_shifts_work_off_the_device_that_would_overflow():
+    cl = make(fast=1, slow=1)
+    act = 24 * 2**30  # all activations: must split roughly in half to fit 16 GiB GPUs
+    prog = Program((Stage((), Affine.sharded(1e12)),), 2, memory=Memory(activations=Affine.sharded(act)))
+    ratios, _ = balance_ratios(prog, cl, memory_limit=True)
+    assert not simulate(prog, cl, ratios).oom
+
+
+def test_shard_lengths_sum_exactly_and_never_split_length_one():
+    assert sum(shard_lengths(1000, [0.3333, 0.3333, 0.3334])) == 1000
+    assert shard_lengths(5, [0.5, 0.0, 0.5]) in ([3, 0, 2], [2, 0, 3])
+    assert shard_lengths(1, [0.9, 0.1]) == [1, 1]
+
+
+def test_planner_on_homogeneous_cluster_gives_equal_ratios_and_exact_batch_split():
+    bert = pytest.importorskip("models.bert")
+    from methods.hap.planner import HapPlanner
+
+    cl = make(fast=4, slow=0)
+    cfg = bert.BertConfig.from_preset("tiny", num_devices=4)
+    plan = HapPlanner().plan(Workload("bert", "tiny", cfg, 64, 0.0), cl)
+    assert plan.details["ratios"][0] == pytest.approx([0.25] * 4, abs=1e-6)
+    assert sum(plan.batch_shares) == 64 and len(plan.batch_shares) == 4
+    assert plan.details["states_expanded"] > 0
+    assert Program.from_json(plan.program.dumps()) == plan.program
+
+
+def test_planner_never_predicts_slower_than_compute_proportional_synthesis():
+    bert = pytest.importorskip("models.bert")
+    from methods.hap.planner import HapPlanner, SfbPlanner
+
+    cl = make(fast=1, slow=3, inter_gbps=1.0)
+    cfg = bert.BertConfig.from_preset("tiny", num_devices=4)
+    wl = Workload("bert", "tiny", cfg, 16, 0.0)
+    hap = HapPlanner(max_rounds=2).plan(wl, cl)
+    sfb = SfbPlanner().plan(wl, cl)
+    assert hap.details["predicted_iter_time_s"] <= sfb.details["predicted_iter_time_s"] * (1 + 1e-9)
+    assert len(virtual_devices(cl, "gpu")) == len(hap.batch_shares)

@@ -1,0 +1,297 @@
+"""methods.hap.theory: every Hoare triple, executed on 2-3 emulated shards in one process, turns
+inputs satisfying its pre-condition into an output satisfying its post-condition."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from bench.shares import offsets, round_shares
+from methods.hap.capture import capture
+from methods.hap.theory import IDENTITY, REDUCE, NoRuleError, comm_rules, derive_theory, local_size_args
+
+# Uneven shards, one of them empty.
+WEIGHTS = {2: [0.7, 0.3], 3: [0.55, 0.0, 0.45]}
+
+
+def lengths(size: int, n: int, unit: int = 1) -> list[int]:
+    return [unit * s for s in round_shares(size // unit, WEIGHTS[n])]
+
+
+def split(t: torch.Tensor, d: int, n: int, unit: int = 1) -> list[torch.Tensor]:
+    return [t.narrow(d, a, b - a) for a, b in offsets(lengths(t.shape[d], n, unit))]
+
+
+def distribute(t, layout, n: int, gen: torch.Generator, unit: int = 1):
+    """Local values of the full tensor `t` under `layout` on n devices."""
+    if isinstance(t, (tuple, list)):
+        parts = [distribute(x, layout, n, gen, unit) for x in t]
+        return [type(t)(p[i] for p in parts) for i in range(n)]
+    if layout == IDENTITY:
+        return [t.clone() for _ in range(n)]
+    if layout == REDUCE:
+        if not t.is_floating_point():
+            return [t.clone()] + [torch.zeros_like(t) for _ in range(n - 1)]
+        parts = [torch.randn(t.shape, generator=gen).to(t.dtype) for _ in range(n - 1)]
+        return parts + [t - sum(parts)]
+    return split(t, layout, n, unit)
+
+
+def satisfies(locals_, ref, layout) -> bool:
+    if isinstance(ref, (tuple, list)):
+        return all(satisfies([loc[i] for loc in locals_], ref[i], layout) for i in range(len(ref)))
+    if layout == IDENTITY:
+        got = locals_
+    elif layout == REDUCE:
+        got = [sum(locals_[1:], locals_[0])]
+    else:
+        got = [torch.cat(locals_, dim=layout)]
+    ref = ref.to(torch.float64)
+    return all(g.shape == ref.shape and torch.allclose(g.to(torch.float64), ref, rtol=1e-7, atol=1e-9) for g in got)
+
+
+def run_local(fx_node: fx.Node, env: dict, node=None, rule=None, full_shape=None):
+    """Execute one fx node with local values; non-tensor inputs (sizes, dtypes) are
+    re-evaluated from local values, like the generated per-device program would."""
+
+    def value(a):
+        if a.name in env:
+            return env[a.name]
+        env[a.name] = run_local(a, env)
+        return env[a.name]
+
+    args = fx.node.map_arg(fx_node.args, value)
+    kwargs = fx.node.map_arg(fx_node.kwargs, value)
+    if rule is not None:
+        args = local_size_args(node, rule, tuple(args))
+
+    def call(args, kwargs):
+        if fx_node.op == "call_method":
+            return getattr(args[0], fx_node.target)(*args[1:], **kwargs)
+        return fx_node.target(*args, **kwargs)
+
+    try:
+        out = call(args, kwargs)
+        if rule is not None and rule.post == REDUCE and tuple(out.shape) != tuple(full_shape):
+            # conv2d with a zero-length input-channel shard returns an empty tensor instead
+            # of zeros of the output shape: codegen must guard this too.
+            return torch.zeros(full_shape)
+        return out
+    except RuntimeError:
+        # Some kernels (conv2d) refuse a zero-length weight shard; a device with an empty
+        # shard gets an empty output of the right shape (what codegen must also do).
+        flat = [a for a in fx.node.map_aggregate(args, lambda a: a) if isinstance(a, torch.Tensor)]
+        if not any(a.numel() == 0 for a in flat):
+            raise
+        if rule is not None and rule.post == REDUCE:  # an empty part of a sum contributes zeros
+            return torch.zeros(full_shape)
+
+        def to_meta(a):  # empty dims -> 1 to learn the shape, then the split dim -> 0
+            if not isinstance(a, torch.Tensor):
+                return a
+            return torch.empty([max(n, 1) for n in a.shape], dtype=a.dtype, device="meta")
+
+        out = call(fx.node.map_aggregate(args, to_meta), fx.node.map_aggregate(kwargs, to_meta))
+        shape = list(out.shape)
+        shape[rule.post] = 0
+        return torch.zeros(shape, dtype=out.dtype)
+
+
+def reference_values(gm: fx.GraphModule, inputs) -> dict:
+    values = {}
+
+    class Rec(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            values[n.name] = out
+            return out
+
+    with torch.no_grad():
+        Rec(gm).run(*inputs)
+    return values
+
+
+def check_all_triples(model: nn.Module, inputs, sfb=True, device_counts=(2, 3)) -> int:
+    model.eval()  # dropout off: masks are random per device
+    # float64: Reduce partials are random, so sums cancel; float32 rounding would dominate.
+    model.double()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    graph = capture(model, inputs)
+    theory = derive_theory(graph, sfb=sfb)
+    ref = reference_values(graph.gm, inputs)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for name, rules in theory.rules.items():
+        node = graph[name]
+        for rule in rules:
+            for n in device_counts:
+                per_input = [
+                    distribute(ref[i], lay, n, gen, rule.unit if k == 0 else 1)
+                    for k, (i, lay) in enumerate(zip(node.inputs, rule.pre))
+                ]
+                outs = []
+                for dev in range(n):
+                    env = {}
+                    shape_layouts = dict(rule.shape_pre)
+                    for t in node.shape_inputs:
+                        env[t] = distribute(ref[t], shape_layouts.get(t, IDENTITY), n, gen)[dev]
+                    for k, i in enumerate(node.inputs):
+                        v = per_input[k][dev]
+                        if k in rule.first_device_only and dev > 0:
+                            v = torch.zeros_like(v)
+                        env[i] = v
+                    with torch.no_grad():
+                        outs.append(run_local(node.fx_node, env, node, rule, node.shape))
+                assert satisfies(outs, ref[name], rule.post), f"{rule.describe()} on {n} devices"
+                checked += 1
+    return checked
+
+
+class AllOps(nn.Module):
+    """Small module using the ops the models use, plus row/column parallel candidates."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.ln = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 6, bias=False)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.w = nn.Parameter(torch.randn(3, 6, 5))
+
+    def forward(self, tokens, images, labels):
+        x = self.ln(self.emb(tokens))  # (B,S,6)
+        h = F.gelu(self.fc(x)) * 0.5
+        q = h.unflatten(-1, (2, 4)).transpose(1, 2)  # (B,2,S,4)
+        att = torch.softmax(torch.matmul(q, q.transpose(-2, -1)), dim=-1)
+        ctx = torch.matmul(att, q).transpose(1, 2).flatten(2)  # (B,S,8)
+        y = x + self.fc2(ctx)
+        e = torch.einsum("bsd,edh->bseh", y, self.w)
+        route = torch.cumsum(F.one_hot(tokens % 3, 3), dim=1)
+        gate = (route < 2).to(y.dtype).unsqueeze(-1) * e
+        top = torch.topk(gate.sum(dim=-1), 2, dim=-1)
+        img = F.max_pool2d(F.relu(self.conv(images)), 2)
+        img = F.adaptive_avg_pool2d(img, (2, 2)).flatten(1)  # (B,16)
+        logits = torch.cat([top[0].sum(dim=1), img[:, 0:1].expand(img.shape[0], 3)], dim=1)
+        return F.cross_entropy(logits, labels, reduction="sum") + y.sum()
+
+
+def test_every_triple_of_a_mixed_op_module_holds_numerically():
+    torch.manual_seed(0)
+    model = AllOps()
+    inputs = (torch.randint(0, 11, (5, 4)), torch.randn(5, 3, 4, 4), torch.randint(0, 5, (5,)))
+    assert check_all_triples(model, inputs) > 300
+
+
+def test_linear_offers_row_column_batch_and_sfb_triples():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8))
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 8)
+
+        def forward(self, x):
+            return self.fc(x).sum()
+
+    graph = capture(Wrap(), (torch.randn(4, 5, 6),))
+    rules = derive_theory(graph, sfb=True).rules["linear"]
+    names = {r.name: r for r in rules}
+    assert names["reduce-k"].post == REDUCE and names["reduce-k"].first_device_only == (2,)  # row
+    assert names["split-n"].pre == (IDENTITY, 0, 0)  # column: weight rows and bias split
+    assert names["split-a"].pre == (0, IDENTITY, IDENTITY) and "split-a-sfb" in names
+    assert not any(r.pre[1] == REDUCE for r in rules)
+    assert check_all_triples(Wrap(), (torch.randn(4, 5, 6),)) >= 2 * len(rules)
+    del model
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_communication_triples_emulated_with_cat_and_sum_reach_their_post_condition(n):
+    gen = torch.Generator().manual_seed(1)
+
+    class One(nn.Module):
+        def forward(self, x):
+            return (x * 2).sum()
+
+    graph = capture(One(), (torch.randn(5, 4, 3),))
+    node = graph["mul"]
+    full = torch.randn(5, 4, 3, generator=gen, dtype=torch.float64)
+    kinds = set()
+    for src in [IDENTITY, REDUCE, 0, 1, 2]:
+        for rule in comm_rules(node, src):
+            kinds.add((rule.kind, rule.impl))
+            local = distribute(full, src, n, gen)
+            if rule.kind == "all_gather":  # padded or grouped: same values, different cost
+                out = [torch.cat(local, dim=src)] * n
+            elif rule.kind == "all_reduce":
+                out = [sum(local)] * n
+            elif rule.kind == "reduce_scatter":
+                out = split(sum(local), rule.dst, n)
+            elif rule.kind == "all_to_all":
+                out = split(torch.cat(local, dim=src), rule.dst, n)
+            elif rule.kind == "slice":
+                out = split(local[0], rule.dst, n)
+            else:
+                assert rule.kind == "keep_first"
+                out = [local[0]] + [torch.zeros_like(local[0])] * (n - 1)
+            assert satisfies(out, full, rule.dst), rule.describe()
+    assert {k for k, _ in kinds} == {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "keep_first"}
+    assert ("all_gather", "grouped") in kinds and ("reduce_scatter", "grouped") in kinds
+
+
+def test_op_without_rule_names_op_node_and_where_to_add_rules():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.cummax(x, 0)[0].sum()
+
+    graph = capture(Odd(), (torch.randn(3, 2),))
+    with pytest.raises(NoRuleError) as err:
+        derive_theory(graph)
+    msg = str(err.value)
+    assert "'cummax'" in msg and "fx node 'cummax'" in msg and "methods/hap/theory.py" in msg
+
+
+def test_mean_reduction_loss_is_rejected_with_the_fix():
+    class MeanLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.fc(x), y)
+
+    graph = capture(MeanLoss(), (torch.randn(4, 3), torch.randint(0, 4, (4,))))
+    with pytest.raises(NoRuleError, match="reduction='sum'"):
+        derive_theory(graph)
+
+
+def test_operator_and_functional_namespaces_map_to_the_same_rules():
+    class Mixed(nn.Module):
+        def forward(self, a, b):
+            return (operator.matmul(a, b) + torch.matmul(a, b)).sum()
+
+    graph = capture(Mixed(), (torch.randn(3, 4), torch.randn(4, 2)))
+    theory = derive_theory(graph)
+    ops = {graph[n].op for n in theory.rules}
+    assert ops == {"matmul", "add", "sum"}
+
+
+ZOO = [("models.vgg19", "VGG19Config"), ("models.vit", "ViTConfig"), ("models.bert", "BertConfig"), ("models.bert_moe", "BertMoEConfig")]
+
+
+@pytest.mark.parametrize("module,cls", ZOO)
+def test_every_triple_of_each_tiny_zoo_model_holds_numerically(module, cls):
+    mod = pytest.importorskip(module)
+    cfg = getattr(mod, cls).from_preset("tiny", num_devices=2)
+    if hasattr(cfg, "dropout"):
+        cfg.dropout = 0.0
+    torch.manual_seed(0)
+    model = cfg.build()
+    batch = cfg.synthetic_batch(3, torch.Generator().manual_seed(0))
+    assert check_all_triples(model, batch, device_counts=(3,)) > 100

@@ -1,0 +1,184 @@
+"""bench.program + bench.simulate: the Program format and the cost/memory model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.cluster import ClusterSpec
+from bench.program import Affine, Collective, Memory, Program, Stage, data_parallel_program
+from bench.simulate import (
+    compute_proportional_ratios,
+    even_ratios,
+    simulate,
+    virtual_devices,
+)
+
+GIB = 2**30
+
+
+def make_cluster(fast=1, slow=1, per_machine=1, inter_gbps=8.0, latency=1e-4, virtual="gpu"):
+    machines = []
+    if fast:
+        machines.append({"count": fast, "device": "V100-16", "num_devices": per_machine})
+    if slow:
+        machines.append({"count": slow, "device": "P100-16", "num_devices": per_machine})
+    return ClusterSpec.from_config(
+        {
+            "name": "test",
+            "machines": machines,
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
+                "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": latency},
+            },
+            "virtual_device": virtual,
+        }
+    )
+
+
+def test_affine_evaluates_constant_plus_own_ratio_per_segment():
+    a = Affine(5.0, ((0, 10.0), (1, 100.0)))
+    ratios = [[0.25, 0.75], [0.5, 0.5]]
+    assert a.values(ratios) == [5 + 2.5 + 50, 5 + 7.5 + 50]
+    assert (a + Affine.sharded(4.0, 0)).at(ratios, 0) == pytest.approx(5 + 2.5 + 50 + 1)
+    assert a.scale(2).at(ratios, 1) == pytest.approx(2 * a.at(ratios, 1))
+
+
+def test_program_round_trips_through_json():
+    prog = Program(
+        (
+            Stage((), Affine.sharded(1e9), label="fwd"),
+            Stage(
+                (Collective("all_gather", Affine.sharded(4e6), "grouped", (0, 1), "x"),),
+                Affine(3.0, ((0, 2e9),)),
+                overlap=True,
+                grad_bytes=Affine(8.0),
+            ),
+        ),
+        num_devices=2,
+        memory=Memory(params=Affine(1.0), activations=Affine.sharded(2.0)),
+        meta={"method": "test"},
+    )
+    again = Program.from_json(prog.dumps())
+    assert again == prog
+    assert again.meta == {"method": "test"}
+
+
+def test_program_rejects_segment_and_device_out_of_range():
+    with pytest.raises(ValueError, match="segment 1"):
+        Program((Stage((), Affine.sharded(1.0, segment=1)),), num_devices=2)
+    with pytest.raises(ValueError, match="devices"):
+        Program((Stage((Collective("all_reduce", Affine(1.0), devices=(0, 5)),)),), num_devices=2)
+
+
+def test_padded_all_gather_costs_n_times_largest_shard_and_grouped_sums_shards():
+    cluster = make_cluster(fast=2, slow=2)  # 4 GPUs on 4 machines: inter link everywhere
+    link = cluster.inter_machine
+    total = 64e6
+    ratios = [[0.7, 0.1, 0.1, 0.1]]
+    shard = Affine.sharded(total)
+    padded = Program((Stage((Collective("all_gather", shard, "padded"),)),), 4)
+    grouped = Program((Stage((Collective("all_gather", shard, "grouped"),)),), 4)
+    t_pad = simulate(padded, cluster, ratios).iter_time_s
+    t_grp = simulate(grouped, cluster, ratios).iter_time_s
+    assert t_pad == pytest.approx(link.latency_s + (4 - 1) / 4 * 4 * 0.7 * total / link.bytes_per_s)
+    assert t_grp == pytest.approx(4 * link.latency_s + total / link.bytes_per_s)
+    assert t_grp < t_pad  # skewed shards: grouped broadcast wins
+    even = even_ratios(4)
+    assert simulate(padded, cluster, even).iter_time_s < simulate(grouped, cluster, even).iter_time_s
+
+
+def test_stage_time_is_comm_plus_slowest_compute_and_stages_add():
+    cluster = make_cluster(fast=1, slow=1)
+    vd = virtual_devices(cluster, "gpu")
+    f = 1e12
+    prog = Program(
+        (
+            Stage((), Affine.sharded(f)),
+            Stage((Collective("all_reduce", Affine(1e6)),), Affine(f)),
+        ),
+        2,
+    )
+    res = simulate(prog, cluster, [[0.5, 0.5]])
+    link = cluster.inter_machine
+    ar = link.latency_s + 2 * 0.5 * 1e6 / link.bytes_per_s
+    slow = min(v.flops for v in vd)
+    assert res.stage_times[0] == (0.0, pytest.approx(0.5 * f / slow))
+    assert res.stage_times[1] == (pytest.approx(ar), pytest.approx(f / slow))
+    assert res.iter_time_s == pytest.approx(0.5 * f / slow + ar + f / slow)
+
+
+def test_dp_compute_proportional_beats_even_split_when_compute_bound():
+    cluster = make_cluster(fast=1, slow=1, inter_gbps=1000.0)
+    prog = data_parallel_program(2, 64, [(1e9, 4e6)] * 10, 1e6)
+    t_cp = simulate(prog, cluster, compute_proportional_ratios(cluster, "gpu")).iter_time_s
+    t_ev = simulate(prog, cluster, even_ratios(2)).iter_time_s
+    flops = 3 * 10 * 1e9 * 64
+    ideal = flops / cluster.total_effective_flops()
+    assert t_cp < t_ev
+    assert t_cp == pytest.approx(ideal, rel=0.05)
+
+
+def test_dp_overlap_hides_bucket_all_reduce_behind_backward():
+    cluster = make_cluster(fast=1, slow=1, inter_gbps=10.0)
+    layers = [(2e9, 8e6)] * 12
+    with_overlap = data_parallel_program(2, 32, layers, 1e6, bucket_cap_bytes=16e6, overlap=True)
+    without = data_parallel_program(2, 32, layers, 1e6, bucket_cap_bytes=16e6, overlap=False)
+    ratios = compute_proportional_ratios(cluster, "gpu")
+    a = simulate(with_overlap, cluster, ratios)
+    b = simulate(without, cluster, ratios)
+    assert len(with_overlap.stages) == 12 // 2 + 1  # one bucket per two layers, plus the tail
+    assert b.iter_time_s == pytest.approx(b.comm_time_s + b.compute_time_s)
+    assert max(a.comm_time_s, a.compute_time_s) <= a.iter_time_s < b.iter_time_s
+
+
+def test_dp_program_total_bytes_and_flops_add_up():
+    layers = [(1e9, 3e6), (2e9, 5e6), (4e9, 7e6)]
+    prog = data_parallel_program(4, 16, layers, 0.0, bucket_cap_bytes=6e6)
+    ratios = even_ratios(4)
+    assert prog.total_flops(ratios) == pytest.approx(3 * 7e9 * 16)
+    reduced = sum(c.nbytes.const for st in prog.stages for c in st.collectives)
+    assert reduced == pytest.approx(15e6)
+
+
+def test_memory_flags_oom_on_the_gpu_that_does_not_fit():
+    cluster = make_cluster(fast=1, slow=1)
+    params = 3 * GIB  # x4 with grads and Adam = 12 GiB: fits 16 GiB without activations
+    prog = data_parallel_program(2, 100, [(1e9, params)], activation_bytes_per_sample=0.05 * GIB)
+    ok = simulate(prog, cluster, [[0.5, 0.5]])
+    assert not ok.oom and ok.peak_mem_gib[0] == pytest.approx(12 + 2.5)
+    skewed = simulate(prog, cluster, [[0.1, 0.9]])
+    assert skewed.oom and skewed.oom_devices == [1]
+    assert skewed.memory_gib[1]["activations"] == pytest.approx(4.5)
+
+
+def test_machine_devices_add_intra_machine_gradient_all_reduce_and_split_activations():
+    cluster = make_cluster(fast=1, slow=1, per_machine=4, virtual="machine")
+    vd = virtual_devices(cluster, "machine")
+    assert [v.num_gpus for v in vd] == [4, 4]
+    assert vd[0].flops == pytest.approx(4 * cluster.devices[0].effective_flops)
+    grad = 100e6
+    prog = Program(
+        (Stage((), Affine.sharded(1e12), grad_bytes=Affine(grad)),),
+        2,
+        granularity="machine",
+        memory=Memory(activations=Affine.sharded(8 * GIB)),
+    )
+    ratios = [[0.5, 0.5]]
+    res = simulate(prog, cluster, ratios)
+    intra = cluster.intra_machine
+    expected = 0.5e12 / vd[1].flops + intra.latency_s + 2 * 3 / 4 * grad / intra.bytes_per_s
+    assert res.iter_time_s == pytest.approx(expected)
+    assert res.memory_gib[0]["activations"] == pytest.approx(1.0)  # 4 GiB share over 4 GPUs
+
+
+def test_simulate_rejects_program_for_another_cluster_size():
+    cluster = make_cluster(fast=1, slow=1)
+    prog = Program((Stage((), Affine.sharded(1.0)),), 3)
+    with pytest.raises(ValueError, match="3 gpu devices"):
+        simulate(prog, cluster, even_ratios(3))
+    prog2 = Program((Stage((), Affine.sharded(1.0)),), 2)
+    with pytest.raises(ValueError, match="sum to 1"):
+        simulate(prog2, cluster, [[0.5, 0.6]])
+    assert math.isfinite(simulate(prog2, cluster, [[1.0, 0.0]]).iter_time_s)
