@@ -66,7 +66,8 @@ class Plan:
     method: str
     batch_shares: list[int]  # samples of the global batch each rank loads
     details: dict = field(default_factory=dict)  # JSON-ready, recorded in the row
-    program: Any = None  # a bench Program for the simulator, where the method provides one
+    program: Any = None  # a bench.program.Program: what the simulator scores
+    ratios: list[list[float]] | None = None  # per segment, per virtual device; sums to 1
 
 
 @dataclass
@@ -91,7 +92,12 @@ class Trainer(Protocol):
 
 
 class Method(Protocol):
+    """A training method. `modes` lists what it supports: "sim" needs plan() to return a
+    Program and ratios, "real" needs setup(). bench.compare runs the methods that support the
+    requested mode."""
+
     name: str
+    modes: tuple[str, ...]
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan: ...
 

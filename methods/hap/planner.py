@@ -15,7 +15,7 @@ from bench.interfaces import Plan, Workload
 from bench.shares import round_shares
 from bench.simulate import compute_proportional_ratios, simulate
 from methods.hap.balance import balance_ratios, batch_shares
-from methods.hap.capture import capture_config
+from methods.capture import capture_config
 from methods.hap.search import CostModel, build_program, describe_steps, synthesize
 from methods.hap.theory import derive_theory
 
@@ -37,6 +37,7 @@ class HapPlanner:
     """
 
     name: str = "hap"
+    modes = ("sim",)  # class attribute: "real" arrives with per-rank codegen
     sfb: bool = True
     lp: bool = True
     collective_choice: bool = True
@@ -98,7 +99,7 @@ class HapPlanner:
             "options": {"sfb": self.sfb, "lp": self.lp, "collective_choice": self.collective_choice, "num_segments": self.num_segments},
         }
         log.info("%s: %d rounds, predicted %.4f s/iter", self.name, len(rounds), t_best)
-        return Plan(self.name, shares, details, program)
+        return Plan(self.name, shares, details, program, ratios)
 
     def setup(self, plan, model, ctx):
         raise NotImplementedError(

@@ -23,7 +23,7 @@ from typing import Sequence
 from bench.cluster import ClusterSpec
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.simulate import collective_time, device_compute_times, virtual_devices
-from methods.hap.capture import VIEW_OPS, Graph
+from methods.capture import VIEW_OPS, Graph
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
 
 ADAM_STATE_PER_PARAM = 2.0  # two fp32 moments per parameter

@@ -10,7 +10,7 @@ Layouts of a tensor t across the devices:
     "R"    Reduce:   every device holds a full-shape partial; their sum is t.
     d:int  Gather(d): device i holds slice i of t along dim d; concatenated they are t.
 A dim of length 1 is never sharded. Adding a rule: write a function (node, graph) -> list of
-Rule and register it in RULES under the op's canonical name (methods.hap.capture.op_name).
+Rule and register it in RULES under the op's canonical name (methods.capture.op_name).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
-from methods.hap.capture import VIEW_OPS, Graph, Node
+from methods.capture import VIEW_OPS, Graph, Node
 
 Layout = Union[str, int]
 IDENTITY: Layout = "I"
