@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from hydra.errors import HydraException
 
 from bench.records import RunRecord
@@ -26,6 +27,15 @@ def compare(overrides: list[str]) -> list[RunRecord]:
     methods = chosen[-1].split("=", 1)[1].split(",") if chosen else known
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         configs = [compose("config", overrides=rest + [f"method={m}"]) for m in methods]
+    if not chosen:  # by default, only the methods that can run in this mode
+        runnable = []
+        for cfg in configs:
+            modes = getattr(instantiate(cfg.method), "modes", ("real",))
+            if cfg.mode in modes:
+                runnable.append(cfg)
+            else:
+                print(f"note: {cfg.method.name} skipped: it supports mode={','.join(modes)} only")
+        configs = runnable
     return [run_case(cfg) for cfg in configs]
 
 

@@ -52,7 +52,9 @@ class RunRecord:
     tokens_per_s: float | None = None
     ideal_iter_time_s: float | None = None
     efficiency: float | None = None
-    predicted_iter_time_s: float | None = None
+    predicted_iter_time_s: float | None = None  # the simulator's, in both modes when available
+    predicted_peak_mem_gib: list[float] | None = None  # per (virtual) device, per GPU
+    predicted_oom: bool | None = None
     planner_time_s: float | None = None
     peak_mem_gib: list[float] | None = None  # per rank
     loss_first: float | None = None  # mean loss per target, first and last iteration

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import sys
 import time
 from pathlib import Path
 
+from datetime import datetime, timezone
+
 import hydra
+from hydra.experimental.callback import Callback
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +29,7 @@ from bench.flops import measure_host_flops, train_flops_per_sample
 from bench.interfaces import Workload
 from bench.launch import CaseTimeout, WorkerError, launch
 from bench.log import MODES as WANDB_MODES, mirror_to_wandb
+from bench.simulate import simulate
 from bench.records import (RunRecord, append_record, case_key, finished_case_keys,
                            fingerprint, load_records, summarize_times)
 from bench.table import print_table
@@ -76,8 +81,6 @@ def _instantiate(node, where: str, **kwargs):
 def _check_protocol(cfg: DictConfig) -> None:
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode!r} is invalid; valid: {', '.join(MODES)}")
-    if cfg.mode == "sim":
-        raise ConfigError("mode='sim' needs the simulator, which is not in this build yet; use mode=real")
     for key, low in (("measured_iters", 1), ("warmup_iters", 0)):
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -148,18 +151,28 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     workload = build_workload(cfg, cluster)
     record.global_batch = workload.global_batch
     record.flops_per_iter = workload.flops_per_iter
-    _check_hardware(cluster, world_size)
+    if cfg.mode == "real":
+        _check_hardware(cluster, world_size)
     if cluster.emulated:
         per_device = -(-workload.global_batch // cluster.num_devices)
         record.host_flops_per_s = measure_host_flops(workload, per_device, cfg.seed)
         cluster = cluster.with_host_flops(record.host_flops_per_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
-    record.hardware = _hardware(cluster)
+    record.hardware = _hardware(cluster) if cfg.mode == "real" else (
+        f"simulated {cluster.describe()}, planned on {platform.node()}")
+    if cfg.mode not in getattr(method, "modes", ("real",)):
+        raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
+                          f"supports {', '.join(method.modes)}")
     start = time.perf_counter()
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
     record.plan = plan.details
     record.batch_shares = plan.batch_shares
+    if plan.program is not None:
+        sim = simulate(plan.program, cluster, plan.ratios)
+        record.predicted_iter_time_s = sim.iter_time_s
+        record.predicted_peak_mem_gib = sim.peak_mem_gib
+        record.predicted_oom = sim.oom
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank)
 
@@ -183,8 +196,11 @@ def run_case(cfg: DictConfig) -> RunRecord:
         return RunRecord(**{k: v for k, v in row.items() if k in RunRecord.__dataclass_fields__})
     try:
         case = prepare_case(cfg, record)
-        results = _launch_with_progress(case, cfg)
-        fill_metrics(record, results, case.workload, cfg.measured_iters)
+        if cfg.mode == "sim":
+            fill_predicted_metrics(record, case.workload)
+        else:
+            results = _launch_with_progress(case, cfg)
+            fill_metrics(record, results, case.workload, cfg.measured_iters)
     except ConfigError as exc:
         record.error = str(exc)
         print(f"error: {exc}", file=sys.stderr)
@@ -235,6 +251,22 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     record.status = "ok"
 
 
+def fill_predicted_metrics(record: RunRecord, workload: Workload) -> None:
+    """Sim mode: the same metrics, from the simulator's predicted iteration time."""
+    if record.predicted_iter_time_s is None:
+        raise ConfigError(f"method={record.method} returned no Program: it cannot be simulated")
+    predicted = record.predicted_iter_time_s
+    record.samples_per_s = workload.global_batch / predicted
+    tokens = workload.model_cfg.tokens_per_sample
+    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / predicted
+    record.efficiency = record.ideal_iter_time_s / predicted
+    record.peak_mem_gib = record.predicted_peak_mem_gib
+    record.status = "oom" if record.predicted_oom else "ok"
+    if record.predicted_oom:
+        record.error = (f"predicted out of memory: peak {max(record.peak_mem_gib):.1f} GiB per GPU "
+                        "exceeds device memory")
+
+
 def _run_under_torchrun(cfg: DictConfig) -> None:
     """torchrun started this process: rank 0 prepares the case once and broadcasts it; every
     rank trains; rank 0 writes the row. torchrun itself stops all ranks if one fails."""
@@ -265,6 +297,19 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
         fill_metrics(record, results, case.workload, cfg.measured_iters)
         write_record(cfg, record)
         print_table([record.__dict__])
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a --multirun sweep, one table of every row the sweep recorded."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._started = datetime.now(timezone.utc).isoformat()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        path = Path(config.results_dir) / "records.jsonl"
+        rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
+        if rows:
+            print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -31,12 +31,18 @@ def _fmt(value, spec: str) -> str:
 def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
     rows = list(rows)
     table = Table(title=title)
-    for col in ("model", "cluster", "method", "origin", "status", "iter ms (mean±std)",
+    for col in ("model", "cluster", "method", "origin", "status", "iter ms",
                 "samples/s", "tokens/s", "speedup vs dp_ev", "efficiency", "planner ms"):
         table.add_column(col, justify="left" if col in ("model", "cluster", "method", "origin", "status") else "right")
     for r in rows:
         mean, std = r.get("iter_time_s_mean"), r.get("iter_time_s_std")
-        it = "-" if mean is None else f"{mean * 1e3:.1f} ± {std * 1e3:.1f}"
+        predicted = r.get("predicted_iter_time_s")
+        if mean is not None:
+            it = f"{mean * 1e3:.1f} ± {std * 1e3:.1f}"
+        elif predicted is not None and r.get("origin") == "simulated":
+            it = f"{predicted * 1e3:.1f} (sim)"
+        else:
+            it = "-"
         table.add_row(
             f"{r['model']}-{r['preset']}", r["cluster"], r["method"], r.get("origin", "-"),
             r["status"], it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),

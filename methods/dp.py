@@ -13,7 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.cluster import ClusterSpec, ConfigError
 from bench.interfaces import Plan, RankContext, Workload
+from bench.program import data_parallel_program
 from bench.shares import round_shares
+from methods.capture import capture_config
 
 SPLITS = ("even", "compute")
 
@@ -38,6 +40,7 @@ class DataParallel:
         if not lr > 0 or grad_clip < 0:
             raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
         self.name = name
+        self.modes = ("real", "sim")
         self.split = split
         self.bucket_cap_mb = bucket_cap_mb
         self.lr = lr
@@ -50,8 +53,17 @@ class DataParallel:
             weights = [d.effective_flops for d in cluster.devices]
         # Every rank gets at least one sample: DDP ranks must all run the same graph.
         shares = round_shares(workload.global_batch, weights, min_share=1)
-        return Plan(self.name, shares, details={"split": self.split, "batch_shares": shares,
-                                                "bucket_cap_mb": self.bucket_cap_mb})
+        # The simulator's view: every GPU is a rank, DDP's bucketed all-reduce overlaps backward.
+        graph = capture_config(workload.model_cfg, workload.global_batch)
+        program = data_parallel_program(
+            cluster.num_devices, workload.global_batch, graph.layer_profile(),
+            graph.activation_bytes() / workload.global_batch,
+            bucket_cap_bytes=self.bucket_cap_mb * 2**20, granularity="gpu",
+            meta={"method": self.name, "model": workload.name},
+        )
+        ratios = [[s / workload.global_batch for s in shares]]
+        details = {"split": self.split, "batch_shares": shares, "bucket_cap_mb": self.bucket_cap_mb}
+        return Plan(self.name, shares, details, program, ratios)
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DDPTrainer":
         return DDPTrainer(self, model, ctx)
