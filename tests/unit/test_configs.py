@@ -59,3 +59,9 @@ def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overri
     rows = load_records(f"{cfg.results_dir}/records.jsonl")
     assert [r["status"] for r in rows] == ["failed"]
     assert rows[0]["samples_per_s"] is None
+
+
+@pytest.mark.parametrize("experiment", group_options("experiment"))
+def test_every_experiment_composes(experiment):
+    cfg = compose_config(f"experiment={experiment}")
+    assert cfg.measured_iters >= 1 and cfg.mode in ("real", "sim")
