@@ -22,11 +22,16 @@ _RING_FACTOR = {
 COLLECTIVE_KINDS = tuple(_RING_FACTOR)
 
 
+def link_bytes(kind: str, nbytes: float, num_ranks: int) -> float:
+    """Bytes that cross each rank's link in one collective of `nbytes` (see _RING_FACTOR)."""
+    return _RING_FACTOR[kind](num_ranks) * nbytes if num_ranks > 1 else 0.0
+
+
 def collective_time_s(kind: str, nbytes: float, num_ranks: int, link: Link) -> float:
     """Seconds for one collective over `num_ranks` ranks on `link`: latency + bytes / bandwidth."""
     if num_ranks <= 1:
         return 0.0
-    return link.latency_s + _RING_FACTOR[kind](num_ranks) * nbytes / link.bytes_per_s
+    return link.latency_s + link_bytes(kind, nbytes, num_ranks) / link.bytes_per_s
 
 
 def collective_linear_cost(kind: str, impl: str, num_ranks: int, link: Link) -> tuple[float, float, str]:

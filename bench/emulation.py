@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from bench.cluster import ClusterSpec
-from bench.cost import collective_time_s
+from bench.cost import collective_time_s, link_bytes
 
 
 class Emulator:
@@ -32,6 +32,7 @@ class Emulator:
         self.dilation = 1.0 / speed  # wall time per unit of real compute
         self._last = time.perf_counter()
         self._link_free_at = 0.0
+        self._loopback = (0.0, float("inf"))  # real collective cost here, measured at install
         self._lock = threading.Lock()
         self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
         self._overslept = 0.0
@@ -61,23 +62,55 @@ class Emulator:
         self._last = now
 
     # -- links -----------------------------------------------------------------------------
-    def reserve_link(self, kind: str, nbytes: int, group) -> float:
-        """Book the emulated link for one collective; returns the time it may complete at."""
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(
-            dist.get_world_size()
-        )
-        ranks = list(ranks)
-        duration = collective_time_s(kind, nbytes, len(ranks), self.cluster.link_between(ranks))
+    def link_deadline(self, kind: str, nbytes: int, group) -> float:
+        """When the emulated link delivers a collective whose real run just completed.
+
+        Completion is the one moment every rank has arrived, so the emulated time counts from
+        there (counting from a rank's own issue time would let an early rank leave before the
+        transfer is done). The real loopback collective already took its own time; only the
+        rest is owed. Collectives queue on one link clock per rank.
+        """
+        ranks = list(dist.get_process_group_ranks(group) if group is not None
+                     else range(dist.get_world_size()))
+        link = self.cluster.link_between(ranks)
+        emulated = collective_time_s(kind, nbytes, len(ranks), link)
+        alpha, bytes_per_s = self._loopback
+        real = alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s
         with self._lock:
             start = max(time.perf_counter(), self._link_free_at)
-            self._link_free_at = start + duration
+            self._link_free_at = start + max(0.0, emulated - real)
             return self._link_free_at
 
     def install(self) -> None:
-        """Wrap torch.distributed's collectives; call before a method sets up (DeepSpeed keeps
-        references to them at initialize)."""
+        """Measure the real loopback collective, then wrap torch.distributed's collectives.
+
+        Every rank calls it at the same point (it runs collectives). Call it before a method
+        sets up: DeepSpeed keeps references to the collectives at initialize.
+        """
         if self.enabled:
+            self._loopback = _measure_loopback()
             _install_wrappers(self)
+
+
+def _measure_loopback() -> tuple[float, float]:
+    """(latency s, bytes/s per link) of this host's real all-reduce, fitted from two sizes."""
+    n = dist.get_world_size()
+    if n == 1:
+        return 0.0, float("inf")
+
+    def median_time(t: torch.Tensor, reps: int) -> float:
+        dist.all_reduce(t)  # warm-up; also waits for every rank to arrive
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[reps // 2]
+
+    small, big = torch.zeros(1), torch.zeros(2**20)
+    alpha = median_time(small, 7)
+    slope = max(median_time(big, 3) - alpha, 1e-6)
+    return alpha, link_bytes("all_reduce", big.numel() * 4, n) / slope
 
 
 def _sleep_until(deadline: float) -> None:
@@ -89,23 +122,28 @@ def _sleep_until(deadline: float) -> None:
 class _DelayedWork:
     """An async collective handle that completes no earlier than the emulated link allows."""
 
-    def __init__(self, work, deadline: float):
+    def __init__(self, work, deadline_at_completion):
         self._work = work
-        self._deadline = deadline
+        self._deadline_at_completion = deadline_at_completion
+        self._deadline = None
+
+    def _delay(self) -> None:
+        if self._deadline is None:
+            self._deadline = self._deadline_at_completion()
+        _sleep_until(self._deadline)
 
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs)
-        _sleep_until(self._deadline)
+        self._delay()
         return out
 
     def is_completed(self):
-        return self._work.is_completed() and time.perf_counter() >= self._deadline
+        return self._work.is_completed() and self._deadline is not None and (
+            time.perf_counter() >= self._deadline)
 
     def get_future(self):
-        deadline = self._deadline
-
         def delay(fut):
-            _sleep_until(deadline)
+            self._delay()
             return fut.value()
 
         return self._work.get_future().then(delay)
@@ -148,11 +186,11 @@ def _wrap(fn, kind, sized_arg, emu: Emulator):
         try:
             bound = signature.bind(*args, **kwargs).arguments
             emu.stretch()  # the compute since the last communication point ends here
-            deadline = emu.reserve_link(kind, _nbytes(bound[sized_arg]), bound.get("group"))
             work = fn(*args, **kwargs)
+            size, group = _nbytes(bound[sized_arg]), bound.get("group")
             if bound.get("async_op"):
-                return _DelayedWork(work, deadline)
-            _sleep_until(deadline)
+                return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group))
+            _sleep_until(emu.link_deadline(kind, size, group))
             emu.mark()
             return work
         finally:

@@ -61,8 +61,12 @@ def _link_worker(rank, port, out):
     start = time.perf_counter()
     dist.all_gather_into_tensor(buf, x)  # the old name calls the new one: count it once
     times.append(time.perf_counter() - start)
-    if rank == 0:
-        out.put(times)
+    # Rank 1 arrives 0.3 s late: both ranks must leave together, a full transfer after it.
+    if rank == 1:
+        time.sleep(0.3)
+    issued = time.time()
+    dist.all_reduce(x)
+    out.put((rank, times, issued, time.time()))
     dist.destroy_process_group()
 
 
@@ -72,10 +76,16 @@ def test_collectives_take_the_emulated_link_time():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.start_processes(_link_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
-    times = out.get(timeout=10)
+    reports = {r: (times, issued, done) for r, times, issued, done in
+               (out.get(timeout=10) for _ in range(2))}
+    times = reports[0][0]
     link = ClusterSpec.from_config(SLOW_LINK).inter_machine
     expected_reduce = collective_time_s("all_reduce", 1e6, 2, link)  # 0.102 s
     expected_gather = collective_time_s("all_gather", 2e6, 2, link)  # 0.102 s
     for t in times[:3]:
         assert expected_reduce <= t < expected_reduce + 0.05
     assert expected_gather <= times[3] < expected_gather + 0.05
+    late_issue = reports[1][1]
+    for rank in (0, 1):
+        done = reports[rank][2]
+        assert late_issue + expected_reduce <= done < late_issue + expected_reduce + 0.05, rank
