@@ -61,9 +61,13 @@ class BertConfig(LanguageModelConfig):
     def _preset_values(cls, preset: str, num_devices: int) -> dict[str, dict[str, Any]]:
         return {key: dict(values) for key, values in LM_PRESETS.items()}
 
+    def ffn(self, index: int) -> nn.Module:
+        """The feed-forward part of block `index` (bert_moe swaps some for experts)."""
+        return FeedForward(self.d_model, self.d_ff)
+
     def build(self) -> nn.Module:
         blocks = [
-            TransformerBlock(self.d_model, self.num_heads, self.dropout, FeedForward(self.d_model, self.d_ff))
-            for _ in range(self.num_layers)
+            TransformerBlock(self.d_model, self.num_heads, self.dropout, self.ffn(index))
+            for index in range(self.num_layers)
         ]
         return TransformerLM(self.vocab_size, self.seq_len, self.d_model, blocks, self.dropout)

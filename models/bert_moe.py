@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.bert import LM_PRESETS
-from models.common import INIT_STD, FeedForward, LanguageModelConfig, TransformerBlock, TransformerLM, init_transformer_weights
+from models.bert import LM_PRESETS, BertConfig
+from models.common import INIT_STD, init_transformer_weights
 
 
 def moe_capacity(seq_len: int, num_experts: int, capacity_factor: float) -> int:
@@ -125,12 +125,11 @@ class MoE(nn.Module):
 
 
 @dataclasses.dataclass
-class BertMoEConfig(LanguageModelConfig):
-    """Sizes of the MoE causal LM (the dense sizes are those of ``BertConfig``).
+class BertMoEConfig(BertConfig):
+    """BertConfig's sizes with every other FFN a mixture of experts.
 
     Attributes:
-        vocab_size, seq_len, num_layers, d_model, num_heads, d_ff, dropout: as BertConfig
-            (d_ff is also every expert's hidden width).
+        (BertConfig's), d_ff being also every expert's hidden width, and
         experts_per_device: experts per device; num_experts = experts_per_device * num_devices.
         num_devices: devices of the run (set by ``from_preset``).
         capacity_factor: see ``moe_capacity`` (includes the top-k factor; 2.5 for top-2).
@@ -139,20 +138,13 @@ class BertMoEConfig(LanguageModelConfig):
 
     name: ClassVar[str] = "bert_moe"
 
-    vocab_size: int = 33280
-    seq_len: int = 128
-    num_layers: int = 12
-    d_model: int = 768
-    num_heads: int = 12
-    d_ff: int = 3072
-    dropout: float = 0.0
     experts_per_device: int = 2
     num_devices: int = 1
     capacity_factor: float = 2.5
     top_k: int = 2
 
     def __post_init__(self) -> None:
-        self._check_lm()
+        super().__post_init__()
         self._check_positive(experts_per_device=self.experts_per_device, num_devices=self.num_devices, top_k=self.top_k)
         if not float(self.capacity_factor) > 0:
             raise ValueError(f"bert_moe: capacity_factor={self.capacity_factor!r} must be > 0")
@@ -177,16 +169,10 @@ class BertMoEConfig(LanguageModelConfig):
         """Zero-based indices of the blocks whose FFN is a MoE (the odd ones)."""
         return tuple(range(1, self.num_layers, 2))
 
-    def build(self) -> nn.Module:
-        moe_layers = set(self.moe_layer_indices)
-        blocks = []
-        for index in range(self.num_layers):
-            if index in moe_layers:
-                ffn: nn.Module = MoE(self.d_model, self.d_ff, self.num_experts, self.capacity, self.top_k)
-            else:
-                ffn = FeedForward(self.d_model, self.d_ff)
-            blocks.append(TransformerBlock(self.d_model, self.num_heads, self.dropout, ffn))
-        return TransformerLM(self.vocab_size, self.seq_len, self.d_model, blocks, self.dropout)
+    def ffn(self, index: int) -> nn.Module:
+        if index in self.moe_layer_indices:
+            return MoE(self.d_model, self.d_ff, self.num_experts, self.capacity, self.top_k)
+        return super().ffn(index)
 
 
 def replace_moe_layers(model: nn.Module, factory: Callable[[MoE], nn.Module]) -> int:
