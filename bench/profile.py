@@ -1,0 +1,250 @@
+"""Profile this host: FLOP/s per op class on one worker thread, alpha-beta per collective kind.
+
+    python -m bench.profile                       # 2 ranks; results/profiles/<host>.json
+    python -m bench.profile --ranks 4 --cluster-out conf/cluster/profiled_local.yaml
+
+Collectives are real gloo (or NCCL) calls between local worker processes, from 4 KB to 64 MB,
+with even and skewed shards, padded and grouped all-gather / reduce-scatter. Each kind is fitted
+as t = alpha + bytes_on_link / bandwidth (bench.cost's ring factors). It measures; it does not
+change any cluster file unless asked to write one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench.cost import link_bytes
+from bench.launch import _free_port
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "results" / "profiles"
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+SKEW_SHARES = [None, 0.5, 0.7, 0.9]  # the first rank's share of an all-gather; None = even
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- compute ---------------------------------------------------------------------------------
+def _op_classes():
+    """(name, inputs, op) per class, sized like the tiny and small models' layers."""
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, requires_grad=True)
+
+    x, w = leaf(512, 256), leaf(1024, 256)
+    img, k = leaf(8, 64, 16, 16), leaf(64, 64, 3, 3)
+    q, kt = leaf(32, 64, 32), leaf(32, 32, 64)
+    h, ln = leaf(512, 256), torch.nn.LayerNorm(256)
+    return [
+        ("linear", lambda: F.linear(x, w)),
+        ("conv2d", lambda: F.conv2d(img, k, padding=1)),
+        ("bmm", lambda: torch.bmm(q, kt)),
+        ("layer_norm+gelu", lambda: F.gelu(ln(h))),
+    ]
+
+
+def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
+    """Forward+backward speed per op class on one thread (as an emulated worker runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name, op in _op_classes():
+            def step():
+                op().sum().backward()
+            with FlopCounterMode(display=False) as counter:
+                step()
+            flops = counter.get_total_flops()
+            seconds = _timed(step, repeats)
+            out[name] = {"seconds": seconds, "flops": float(flops),
+                         "flops_per_s": flops / seconds if flops else None}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# -- collectives -----------------------------------------------------------------------------
+def _shards(total: int, n: int, first: float | None) -> list[int]:
+    if first is None:
+        return [total // n] * n
+    rest = (total - int(total * first)) // (n - 1)
+    return [total - rest * (n - 1)] + [rest] * (n - 1)
+
+
+def _allgather_padded(shards, rank):
+    local = torch.ones(shards[rank])
+    padded = torch.zeros(max(shards))
+    padded[: shards[rank]] = local
+    out = torch.empty(max(shards) * len(shards))
+    return lambda: dist.all_gather_single(out, padded)
+
+
+def _allgather_grouped(shards, rank):
+    parts = [torch.ones(s) for s in shards]
+    return lambda: [dist.broadcast(parts[r], src=r) for r in range(len(shards)) if shards[r]]
+
+
+def _reduce_scatter_padded(shards, rank):
+    full = torch.ones(max(shards) * len(shards))
+    out = torch.empty(max(shards))
+    return lambda: dist.reduce_scatter_single(out, full)
+
+
+def _reduce_scatter_grouped(shards, rank):
+    parts = [torch.ones(s) for s in shards]
+    return lambda: [dist.reduce(parts[r], dst=r) for r in range(len(shards)) if shards[r]]
+
+
+def _collective_cases(n: int, elements: int, first: float | None):
+    """(kind for the fit, impl, bytes the cost model expects, factory(rank) -> call)."""
+    shards = _shards(elements, n, first)
+    full = sum(shards) * 4
+    cases = [
+        ("all_gather", "padded", max(shards) * n * 4, lambda r: _allgather_padded(shards, r)),
+        ("all_gather", "grouped", full, lambda r: _allgather_grouped(shards, r)),
+        ("reduce_scatter", "padded", max(shards) * n * 4, lambda r: _reduce_scatter_padded(shards, r)),
+        ("reduce_scatter", "grouped", full, lambda r: _reduce_scatter_grouped(shards, r)),
+    ]
+    if first is None:
+        buf = lambda: torch.ones(elements)  # noqa: E731 -- fresh buffer per rank
+        cases += [
+            ("all_reduce", "ring", full, lambda r: (lambda t: lambda: dist.all_reduce(t))(buf())),
+            ("broadcast", "ring", full, lambda r: (lambda t: lambda: dist.broadcast(t, 0))(buf())),
+            ("all_to_all", "ring", full, lambda r: (lambda t, o: lambda: dist.all_to_all_single(o, t))(
+                buf(), torch.empty(elements))),
+        ]
+    return cases
+
+
+def _collective_worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    rows = []
+    try:
+        for nbytes in sizes:
+            elements = max(nbytes // 4, n)
+            for first in SKEW_SHARES:
+                for kind, impl, model_bytes, factory in _collective_cases(n, elements, first):
+                    call = factory(rank)
+                    dist.barrier()
+                    seconds = _timed(call, repeats)
+                    # The slowest rank decides when a collective is done for everyone.
+                    t = torch.tensor([seconds])
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    rows.append({"kind": kind, "impl": impl, "size": elements * 4,
+                                 "bytes": model_bytes, "first_share": first, "seconds": float(t)})
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_collectives(n: int, sizes: list[int], repeats: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_collective_worker, args=(n, _free_port(), sizes, repeats, queue),
+                       nprocs=n, start_method="spawn")
+    return queue.get(timeout=10)
+
+
+def fit_alpha_beta(rows: list[dict], n: int) -> dict[str, dict[str, float]]:
+    """Least-squares t = alpha + link_bytes / bandwidth per (kind, impl), even shards only."""
+    fits = {}
+    for key in sorted({(r["kind"], r["impl"]) for r in rows}):
+        pts = [r for r in rows if (r["kind"], r["impl"]) == key and r["first_share"] is None]
+        # Grouped calls move each shard once over the root's link: bytes, not a ring's share.
+        x = np.array([r["bytes"] if key[1] == "grouped" else link_bytes(key[0], r["bytes"], n)
+                      for r in pts])
+        t = np.array([r["seconds"] for r in pts])
+        slope, alpha = np.polyfit(x, t, 1)
+        if slope > 0:
+            fit = {"latency_s": max(float(alpha), 0.0), "bytes_per_s": float(1 / slope),
+                   "bandwidth_from": "fit"}
+        else:  # sizes too small to see the bandwidth through the noise: a lower bound
+            fit = {"latency_s": float(t.min()), "bytes_per_s": float(x.max() / t[x.argmax()]),
+                   "bandwidth_from": "largest size"}
+        fits[f"{key[0]}/{key[1]}"] = fit
+    return fits
+
+
+def cluster_yaml(name: str, n: int, compute: dict, fits: dict) -> str:
+    """A cluster file describing this host as one machine of n worker devices."""
+    ar = fits["all_reduce/ring"]
+    gbps = ar["bytes_per_s"] * 8 / 1e9
+    return (
+        f"# Profiled by `python -m bench.profile` on {platform.node()} "
+        f"({time.strftime('%Y-%m-%d')}): one machine of {n} worker processes.\n"
+        f"# effective_flops: linear forward+backward on one thread; links: the fitted gloo all-reduce.\n"
+        f"name: {name}\nemulated: true\nvirtual_device: gpu\nmachines:\n"
+        f"  - {{count: 1, device: cpu, num_devices: {n}, "
+        f"effective_flops: {compute['linear']['flops_per_s']:.4g}}}\n"
+        f"links:\n"
+        f"  intra_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}}}\n"
+        f"  inter_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}}}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, help="worker processes for collectives")
+    parser.add_argument("--max-mb", type=float, default=64, help="largest collective (MB)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="JSON output (default results/profiles/<host>.json)")
+    parser.add_argument("--cluster-out", type=Path, default=None, help="also write a cluster yaml here")
+    args = parser.parse_args(argv)
+    if args.ranks < 2:
+        parser.error(f"--ranks={args.ranks} must be >= 2 (collectives need two processes)")
+    sizes = [s for s in SIZES if s <= args.max_mb * 2**20]
+    compute = profile_compute()
+    rows = profile_collectives(args.ranks, sizes, args.repeats)
+    fits = fit_alpha_beta(rows, args.ranks)
+    print(f"{'op class':18} {'ms':>8} {'GFLOP/s':>9}")
+    for name, c in compute.items():
+        speed = "-" if c["flops_per_s"] is None else f"{c['flops_per_s'] / 1e9:.2f}"
+        print(f"{name:18} {c['seconds'] * 1e3:8.3f} {speed:>9}")
+    print(f"\n{'collective':24} {'latency us':>10} {'GB/s':>8}   ({args.ranks} ranks)")
+    for key, f in fits.items():
+        print(f"{key:24} {f['latency_s'] * 1e6:10.1f} {f['bytes_per_s'] / 1e9:8.3f}")
+    print(f"\n{'all-gather of the largest size':30} {'padded ms':>10} {'grouped ms':>10}   by the first rank's share")
+    big = max(r["size"] for r in rows)
+    for first in SKEW_SHARES:
+        pick = {r["impl"]: r["seconds"] for r in rows if r["kind"] == "all_gather"
+                and r["first_share"] == first and r["size"] == big}
+        label = "even" if first is None else f"{first:.0%}"
+        print(f"{label:30} {pick['padded'] * 1e3:10.2f} {pick['grouped'] * 1e3:10.2f}")
+    out = args.out or PROFILE_DIR / f"{platform.node()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"host": platform.node(), "ranks": args.ranks,
+                               "torch": torch.__version__, "compute": compute,
+                               "collectives": rows, "fits": fits}, indent=1) + "\n")
+    print(f"\nwrote {out}")
+    if args.cluster_out:
+        args.cluster_out.write_text(cluster_yaml(args.cluster_out.stem, args.ranks, compute, fits))
+        print(f"wrote {args.cluster_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+import pytest
+
+from bench.cost import link_bytes
+from bench.profile import fit_alpha_beta
+
+
+def test_the_fit_recovers_latency_and_bandwidth():
+    alpha, bandwidth = 1e-3, 2e9
+    rows = [{"kind": "all_reduce", "impl": "ring", "bytes": b, "first_share": None,
+             "seconds": alpha + link_bytes("all_reduce", b, 4) / bandwidth}
+            for b in (4e3, 1e6, 16e6, 64e6)]
+    rows.append(dict(rows[0], first_share=0.9, seconds=99.0))  # skewed rows are not fitted
+    fit = fit_alpha_beta(rows, 4)["all_reduce/ring"]
+    assert fit["latency_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["bytes_per_s"] == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_a_flat_fit_falls_back_to_the_largest_size():
+    rows = [{"kind": "broadcast", "impl": "ring", "bytes": b, "first_share": None, "seconds": t}
+            for b, t in ((1e3, 2e-3), (4e3, 1e-3))]
+    fit = fit_alpha_beta(rows, 2)["broadcast/ring"]
+    assert fit["bandwidth_from"] == "largest size" and fit["bytes_per_s"] == pytest.approx(4e6)
