@@ -20,3 +20,23 @@ def test_a_flat_fit_falls_back_to_the_largest_size():
             for b, t in ((1e3, 2e-3), (4e3, 1e-3))]
     fit = fit_alpha_beta(rows, 2)["broadcast/ring"]
     assert fit["bandwidth_from"] == "largest size" and fit["bytes_per_s"] == pytest.approx(4e6)
+
+
+def test_kendall_tau_counts_agreeing_pairs():
+    from bench.calibrate import kendall_tau
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1
+    assert kendall_tau([1, 2, 3], [10, 30, 20]) == pytest.approx(1 / 3)
+    assert kendall_tau([1], [1]) is None
+
+
+def test_calibration_summary_has_errors_mape_and_tau():
+    from bench.calibrate import summarize
+
+    rows = [dict(model="bert", cluster="c", method=m, status="ok", iter_time_s_mean=t,
+                 predicted_iter_time_s=p) for m, t, p in (("a", 1.0, 1.1), ("b", 2.0, 1.8))]
+    rows.append(dict(model="bert", cluster="c", method="x", status="failed", error="boom"))
+    s = summarize(rows)
+    assert s["mape"] == pytest.approx(0.1) and s["kendall_tau"] == {"bert/c": 1.0}
+    assert s["failed"] == ["bert/c/x: boom"]
