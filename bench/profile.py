@@ -31,7 +31,7 @@ from bench.launch import _free_port
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "results" / "profiles"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-SKEW_SHARES = [None, 0.5, 0.7, 0.9]  # the first rank's share of an all-gather; None = even
+SKEW_SHARES = [None, 0.6, 0.75, 0.9]  # the first rank's share of an all-gather; None = even
 
 
 def _timed(fn, repeats: int) -> float:
