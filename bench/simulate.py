@@ -6,6 +6,7 @@ model or touches torch.distributed.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.cluster import ClusterSpec, Link
@@ -70,11 +71,31 @@ def collective_link(cluster: ClusterSpec, vdevs: list[VirtualDevice], devices: t
     return cluster.link_between([r for d in members for r in vdevs[d].ranks])
 
 
+def collective_cost(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice]) -> tuple[float, float, str]:
+    """(alpha_s, beta_s_per_byte, agg) of a collective among its virtual devices (see
+    bench.cost.collective_linear_cost), shared by the simulator and the load balancer.
+
+    Members on one machine share its network link. Ring algorithms cross each machine's link
+    once per direction, so that changes nothing for them; an all-to-all, though, sends every
+    member's off-machine part through it at once: g members per machine of n move
+    g * (n - g) / n of a shard each way instead of (n - 1) / n.
+    """
+    members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
+    link = collective_link(cluster, vdevs, c.devices)
+    alpha, beta, agg = collective_linear_cost(c.kind, c.impl, len(members), link)
+    if c.kind == "all_to_all" and link is cluster.inter_machine and len(members) > 1:
+        per_machine = Counter(cluster.devices[vdevs[d].ranks[0]].machine for d in members)
+        g, n = max(per_machine.values()), len(members)
+        if g > 1:
+            beta *= g * (n - g) / (n - 1)
+    return alpha, beta, agg
+
+
 def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
     """Seconds of one collective at these ratios (padded = n x largest shard, grouped = sum of
     shards + one latency per call)."""
     members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
-    alpha, beta, agg = collective_linear_cost(c.kind, c.impl, len(members), collective_link(cluster, vdevs, c.devices))
+    alpha, beta, agg = collective_cost(c, cluster, vdevs)
     if alpha == 0.0 and beta == 0.0:
         return 0.0
     per_device = [c.nbytes.at(ratios, d) for d in members]

@@ -151,9 +151,31 @@ class Graph:
     def param_bytes(self) -> int:
         return sum(n.nbytes for n in self.nodes if n.is_param)
 
-    def activation_bytes(self) -> int:
-        """Bytes of op outputs forward keeps for backward (views and bookkeeping excluded)."""
-        return sum(n.nbytes for n in self.ops if n.op not in VIEW_OPS)
+    def saved_bytes_factor(self) -> dict[str, float]:
+        """Tensors autograd keeps from forward for backward: name -> fraction of the tensor's
+        bytes kept (1.0, or 1/itemsize for a dropout's boolean mask).
+
+        A floating tensor is kept when an op's backward reads it: an input of a contraction
+        (linear, matmul, einsum, conv2d), of mul / div, gelu, layer norm, max-pool or the loss,
+        or the output of relu / tanh / sigmoid / exp / softmax. add, sub, views, sums, casts,
+        concatenation and integer bookkeeping (one-hot, cumsum, comparisons) keep nothing.
+        """
+        out: dict[str, float] = {}
+        for n in self.ops:
+            if n.op in _SAVES_OUTPUT:
+                out[n.name] = 1.0
+            if n.op == "dropout" and n.shape is not None and n.dtype is not None:
+                out[n.name] = max(out.get(n.name, 0.0), 1.0 / _itemsize(n.dtype))
+            if n.op in _SAVES_INPUTS:
+                for i in n.inputs:
+                    src = self[i]
+                    if not src.is_param and src.dtype is not None and src.dtype.is_floating_point:
+                        out[i] = 1.0
+        return out
+
+    def activation_bytes(self) -> float:
+        """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""
+        return sum(self[t].nbytes * f for t, f in self.saved_bytes_factor().items())
 
     def layer_profile(self) -> list[tuple[float, float]]:
         """(forward FLOPs per sample, parameter bytes) per parameter-holding op in forward
@@ -179,6 +201,14 @@ VIEW_OPS = {
     "view", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze", "squeeze",
     "expand", "contiguous", "getitem", "t", "to", "type", "float", "detach", "size", "getattr",
 }
+
+# Ops whose backward reads their floating, non-parameter inputs, and ops whose backward reads
+# their own output (Graph.saved_bytes_factor; PyTorch's autograd formulas).
+_SAVES_INPUTS = {
+    "linear", "matmul", "bmm", "mm", "einsum", "conv2d", "mul", "truediv", "div", "gelu", "silu",
+    "layer_norm", "max_pool2d", "log", "cross_entropy", "nll_loss",
+}
+_SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt"}
 
 # Forward FLOPs per output element of element-wise and normalising ops (a convention, see
 # docs/planner.md); backward factor 1 for them.

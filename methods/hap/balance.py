@@ -16,7 +16,7 @@ from bench.cluster import ClusterSpec
 from bench.cost import collective_linear_cost
 from bench.program import Affine, Program
 from bench.shares import round_shares
-from bench.simulate import collective_link, virtual_devices
+from bench.simulate import collective_cost, virtual_devices
 
 
 class InfeasibleError(ValueError):
@@ -49,7 +49,7 @@ def balance_ratios(
         raise ValueError(f"program has {program.num_devices} devices, cluster {cluster.name!r} {len(vdevs)}")
     m, g = program.num_devices, program.num_segments
     prob = pulp.LpProblem("hap_ratios", pulp.LpMinimize)
-    r = [[pulp.LpVariable(f"r_{s}_{d}", lowBound=0) for d in range(m)] for s in range(g)]
+    r = [[prob.add_variable(f"r_{s}_{d}", lowBound=0) for d in range(m)] for s in range(g)]
     for s in range(g):
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
     objective = []
@@ -62,7 +62,7 @@ def balance_ratios(
                 e = e + alpha + beta * _expr(st.grad_bytes, r, v.index)
             comp_exprs.append(e)
         if any(not isinstance(e, (int, float)) for e in comp_exprs):
-            t = pulp.LpVariable(f"comp_{k}")
+            t = prob.add_variable(f"comp_{k}")
             for d, e in enumerate(comp_exprs):
                 prob += t >= e, f"comp_{k}_{d}"
             objective.append(t)
@@ -70,7 +70,7 @@ def balance_ratios(
             objective.append(max(comp_exprs))
         for j, c in enumerate(st.collectives):
             members = list(range(m)) if c.devices is None else list(c.devices)
-            alpha, beta, agg = collective_linear_cost(c.kind, c.impl, len(members), collective_link(cluster, vdevs, c.devices))
+            alpha, beta, agg = collective_cost(c, cluster, vdevs)
             if alpha == 0.0 and beta == 0.0:
                 continue
             if agg == "sum":
@@ -78,7 +78,7 @@ def balance_ratios(
             elif c.nbytes.is_constant:
                 objective.append(alpha + beta * c.nbytes.const)
             else:
-                t = pulp.LpVariable(f"comm_{k}_{j}")
+                t = prob.add_variable(f"comm_{k}_{j}")
                 for d in members:
                     prob += t >= alpha + beta * _expr(c.nbytes, r, d), f"comm_{k}_{j}_{d}"
                 objective.append(t)
@@ -89,6 +89,8 @@ def balance_ratios(
             per_gpu = _expr(total, r, v.index) + _expr(program.memory.activations, r, v.index) * (1.0 / v.num_gpus)
             prob += per_gpu <= cap, f"mem_{v.index}"
     prob += pulp.lpSum(objective)
+    # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of COIN_CMD with a
+    # separately installed CBC; we keep the bundled one (nothing else to install).
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
@@ -105,12 +107,15 @@ def balance_ratios(
     return ratios, float(pulp.value(prob.objective))
 
 
-def shard_lengths(length: int, ratios: Sequence[float]) -> list[int]:
+def shard_lengths(length: int, ratios: Sequence[float], unit: int = 1) -> list[int]:
     """Integer shard lengths of a dim of `length` that sum exactly; length-1 dims never split
-    (every device holds the one element). Zero-length shards are allowed."""
+    (every device holds the one element). Zero-length shards are allowed. With `unit` > 1
+    (a divisor of `length`, e.g. the head size of d_model) every shard is a multiple of it."""
     if length == 1:
         return [1] * len(ratios)
-    return round_shares(length, ratios)
+    if unit < 1 or length % unit:
+        raise ValueError(f"shard unit {unit} must be >= 1 and divide the dim length {length}")
+    return [unit * k for k in round_shares(length // unit, ratios)]
 
 
 def batch_shares(global_batch: int, ratios: Sequence[float]) -> list[int]:

@@ -1,25 +1,70 @@
 """The HAP planner as a method: synthesis (A*) and load balancing (LP) iterated to a fixed point.
 
-`plan` runs on the CPU and returns a bench Plan whose `program` the simulator scores. Real
-execution (per-rank codegen, `setup`) is not implemented yet.
+`plan` runs on the CPU and returns a bench Plan whose `program` the simulator scores and whose
+`details["steps"]` per-rank codegen rebuilds the program from (docs/planner.md "Plan format").
+Real execution lives in methods.hap.runtime; this module only decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan, Workload
+from bench.plan_cache import load_plan, plan_key, save_plan
+from bench.program import Program, data_parallel_program
 from bench.shares import round_shares
-from bench.simulate import compute_proportional_ratios, simulate
-from methods.hap.balance import balance_ratios, batch_shares
-from methods.capture import capture_config
-from methods.hap.search import CostModel, build_program, describe_steps, synthesize
-from methods.hap.theory import derive_theory
+from bench.simulate import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from methods.capture import Graph, capture_config
+from methods.hap.balance import InfeasibleError, balance_ratios, batch_shares
+from methods.hap.search import (
+    CostModel,
+    SearchResult,
+    build_program,
+    comm_to_json,
+    describe_steps,
+    shard_units,
+    synthesize,
+)
+from methods.hap.theory import data_parallel_theory, derive_theory
 
 log = logging.getLogger(__name__)
+
+PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
+
+# Sources whose content decides a plan: a change invalidates cached plans.
+_CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
+         "methods/hap/planner.py", "bench/program.py", "bench/simulate.py", "bench/cost.py")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _code_version() -> str:
+    h = hashlib.sha256()
+    for rel in _CODE:
+        h.update((_ROOT / rel).read_bytes())
+    return h.hexdigest()[:12]
+
+
+@dataclass
+class Candidate:
+    """One (program, ratios) pair the planner scored with the simulator."""
+
+    kind: str  # "synthesis" | "data_parallel"
+    program: Program
+    ratios: list[list[float]]
+    iter_time_s: float
+    oom: bool
+    result: SearchResult | None = None  # the synthesized program's steps
+
+    @property
+    def key(self) -> tuple[bool, float]:
+        return (self.oom, self.iter_time_s)  # fitting in memory first, then speed
 
 
 @dataclass
@@ -34,16 +79,36 @@ class HapPlanner:
         num_segments: ratio rows (only 1 is implemented).
         max_rounds: cap on synthesis + LP rounds (stops earlier at no strict improvement).
         memory_limit: the LP keeps every device within its GPU memory.
+        grad_overlap: replicated parameters' gradient all-reduces overlap the rest of
+            backward in buckets (as DDP does) when the program is scored.
+        bucket_cap_mb: gradient bucket size (MiB) for that overlap; 0 = one per parameter.
+        dp_candidate: also score plain data parallelism (bench.program.data_parallel_program,
+            as the dp_ev / dp_cp baselines are scored) and keep it if it is better.
+        fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
+        max_expansions: A* gives up (NoProgramError) after this many expanded states.
+        beam_width: A* expands at most this many states per op (the cheapest prefixes);
+            None = exact. details["search_exact"] says whether the cap ever bit.
+        cache_dir: plans are cached here as JSON by a hash of (model, preset, cluster, batch,
+            these options, planner code); None = no cache.
+        lr, grad_clip: the optimiser of mode=real (read by methods.hap.runtime).
     """
 
     name: str = "hap"
-    modes = ("sim",)  # class attribute: "real" arrives with per-rank codegen
     sfb: bool = True
     lp: bool = True
     collective_choice: bool = True
     num_segments: int = 1
     max_rounds: int = 6
     memory_limit: bool = False
+    grad_overlap: bool = True
+    bucket_cap_mb: float = 25.0
+    dp_candidate: bool = True
+    fuse_routing: bool = True
+    max_expansions: int = 2_000_000
+    beam_width: int | None = 100
+    cache_dir: str | None = None
+    lr: float = 5e-4  # Adam, for mode=real (methods.hap.runtime); not a planning option
+    grad_clip: float = 0.0  # max global grad norm in mode=real; 0 = off
 
     def __post_init__(self) -> None:
         if self.num_segments != 1:
@@ -53,59 +118,216 @@ class HapPlanner:
             )
         if self.max_rounds < 1:
             raise ValueError(f"method.max_rounds={self.max_rounds} must be >= 1")
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"method.bucket_cap_mb={self.bucket_cap_mb} must be >= 0 (MiB; 0 = per parameter)")
+        if not self.lr > 0 or self.grad_clip < 0:
+            raise ValueError(f"method.lr={self.lr!r} must be > 0 and method.grad_clip={self.grad_clip!r} >= 0")
+        if self.beam_width is not None and self.beam_width < 1:
+            raise ValueError(f"method.beam_width={self.beam_width} must be >= 1, or null for an exact search")
+        if self.max_expansions < 1:
+            raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """"sim" always; "real" once methods.hap.runtime (per-rank codegen) exists."""
+        return ("sim", "real") if importlib.util.find_spec("methods.hap.runtime") else ("sim",)
+
+    def options(self) -> dict:
+        """The options that decide a plan (the cache key's)."""
+        skip = ("cache_dir", "lr", "grad_clip")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+    # -- planning ---------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+        key_fields = None
+        if self.cache_dir:
+            key_fields = self._key_fields(workload, cluster)
+            key = plan_key(key_fields)
+            cached = load_plan(self.cache_dir, key)
+            if cached is not None:
+                cached.details["cache"] = {"status": "hit", "key": key, "dir": str(self.cache_dir)}
+                log.info("%s: plan loaded from cache %s/%s.json", self.name, self.cache_dir, key)
+                return cached
+        t0 = time.perf_counter()
+        plan = self._plan(workload, cluster)
+        plan.details["planned_in_s"] = time.perf_counter() - t0
+        if key_fields is not None:
+            plan.details["cache"] = {"status": "miss", "key": key, "dir": str(self.cache_dir)}
+            save_plan(self.cache_dir, key, plan, key_fields)
+        return plan
+
+    def _key_fields(self, workload: Workload, cluster: ClusterSpec) -> dict:
+        cfg = workload.model_cfg
+        model = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
+        return {
+            "model": workload.name,
+            "preset": workload.preset,
+            "model_config": model,
+            "cluster": cluster.name,
+            "cluster_hash": cluster.fingerprint(),
+            "host_flops": cluster.host_flops,
+            "global_batch": workload.global_batch,
+            "method": self.options(),
+            "plan_format": PLAN_FORMAT_VERSION,
+            "code": _code_version(),
+        }
+
+    def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         granularity = cluster.virtual_device
         t0 = time.perf_counter()
         graph = capture_config(workload.model_cfg, workload.global_batch)
-        theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice)
+        theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_capture = time.perf_counter() - t0
+        meta = {"method": self.name, "model": workload.name}
+        bucket = self.bucket_cap_mb * 2**20
         ratios = compute_proportional_ratios(cluster, granularity)
-        best = None  # (time, program, ratios, result)
+        best: Candidate | None = None
         rounds = []
-        expanded = pruned = 0
+        expanded = pruned = beam_pruned = 0
+        t_search = t_lp = 0.0
         for i in range(self.max_rounds):
             cost = CostModel(theory, cluster, granularity, ratios)
-            res = synthesize(theory, cost)
+            t1 = time.perf_counter()
+            res = synthesize(theory, cost, self.max_expansions, self.beam_width)
+            t_search += time.perf_counter() - t1
             expanded += res.stats.expanded
+            beam_pruned += res.stats.beam_pruned
             pruned += res.stats.pruned_bound + res.stats.pruned_dedup
-            program = build_program(res.steps, cost, {"method": self.name, "model": workload.name})
-            t = simulate(program, cluster, ratios).iter_time_s
-            rounds.append({"round": i, "stage": "synthesis", "iter_time_s": t})
-            improved = best is None or t < best[0] * (1 - 1e-9)
+            program = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
+            cand = _score("synthesis", program, cluster, ratios, res)
+            rounds.append({"round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s, "oom": cand.oom})
+            improved = best is None or _better(cand, best)
             if improved:
-                best = (t, program, ratios, res)
+                best = cand
             if not self.lp or not improved:
                 break
+            t1 = time.perf_counter()
             new_ratios, _ = balance_ratios(program, cluster, memory_limit=self.memory_limit)
-            t_lp = simulate(program, cluster, new_ratios).iter_time_s
-            rounds.append({"round": i, "stage": "lp", "iter_time_s": t_lp})
-            if t_lp < best[0] * (1 - 1e-9):
-                best = (t_lp, program, new_ratios, res)
+            balanced = _score("synthesis", program, cluster, new_ratios, res)
+            if balanced.oom and not self.memory_limit:
+                # The fastest ratios overflow a GPU: ask the LP for the fastest that fit.
+                try:
+                    fit_ratios, _ = balance_ratios(program, cluster, memory_limit=True)
+                except InfeasibleError:
+                    pass
+                else:
+                    fit = _score("synthesis", program, cluster, fit_ratios, res)
+                    rounds.append({"round": i, "stage": "lp with memory rows", "iter_time_s": fit.iter_time_s, "oom": fit.oom})
+                    if _better(fit, balanced):
+                        new_ratios, balanced = fit_ratios, fit
+            t_lp += time.perf_counter() - t1
+            rounds.append({"round": i, "stage": "lp", "iter_time_s": balanced.iter_time_s, "oom": balanced.oom})
+            if _better(balanced, best):
+                best = balanced
                 ratios = new_ratios
             else:
                 break
-        t_best, program, ratios, res = best
-        shares = _rank_shares(workload.global_batch, ratios[0], cluster, granularity)
+        assert best is not None and best.result is not None
+        synthesized = best
+        dp_rows = []
+        if self.dp_candidate:
+            for cand in self._data_parallel_candidates(graph, workload, cluster, meta):
+                dp_rows.append({"granularity": cand.program.granularity, "ratios": cand.kind,
+                                "iter_time_s": cand.iter_time_s, "oom": cand.oom})
+                if _better(cand, best):
+                    best = cand
+        steps_res = synthesized.result
+        if best.kind != "synthesis":
+            # Codegen still needs per-op decisions: the best program of the data-parallel space.
+            dp_theory = data_parallel_theory(theory)
+            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios)
+            steps_res = synthesize(dp_theory, dp_cost, self.max_expansions, self.beam_width)
+        gran = best.program.granularity
+        shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
         details = {
-            "granularity": granularity,
-            "ratios": ratios,
-            "predicted_iter_time_s": t_best,
+            "granularity": gran,
+            "ratios": best.ratios,
+            "predicted_iter_time_s": best.iter_time_s,
+            "oom": best.oom,
+            "chosen": best.kind if best.kind == "synthesis" else f"data_parallel ({best.kind})",
+            "synthesized_iter_time_s": synthesized.iter_time_s,
+            "data_parallel_candidates": dp_rows,
             "rounds": rounds,
             "states_expanded": expanded,
             "states_pruned": pruned,
+            "search_exact": beam_pruned == 0,
+            "states_beam_pruned": beam_pruned,
             "capture_time_s": t_capture,
-            "program": describe_steps(res.steps, graph),
-            "options": {"sfb": self.sfb, "lp": self.lp, "collective_choice": self.collective_choice, "num_segments": self.num_segments},
+            "search_time_s": t_search,
+            "lp_time_s": t_lp,
+            "program": describe_steps(steps_res.steps, graph),
+            # What per-rank codegen rebuilds the program from (docs/planner.md "Plan format").
+            "plan_format": PLAN_FORMAT_VERSION,
+            "loss": graph.loss,
+            "steps": [s.to_json(graph) for s in steps_res.steps],
+            "final_comms": [comm_to_json(c) for c in steps_res.final_comms],
+            "shard_units": {str(k): v for k, v in sorted(shard_units(steps_res.steps, graph).items())},
+            "graph_fingerprint": _graph_fingerprint(graph),
+            "grad_sync": {"overlap": self.grad_overlap, "bucket_cap_bytes": bucket if self.grad_overlap else None},
+            "options": self.options(),
         }
-        log.info("%s: %d rounds, predicted %.4f s/iter", self.name, len(rounds), t_best)
-        return Plan(self.name, shares, details, program, ratios)
+        log.info("%s: %d rounds, chose %s, predicted %.4f s/iter", self.name, len(rounds), details["chosen"], best.iter_time_s)
+        return Plan(self.name, shares, details, best.program, best.ratios)
+
+    def _data_parallel_candidates(self, graph: Graph, workload: Workload, cluster: ClusterSpec, meta: dict):
+        """DDP's program (bucketed, overlapped all-reduce) at GPU and machine granularity, with
+        compute-proportional ratios, and with even and LP ratios when the LP is on."""
+        batch = workload.global_batch
+        layers = graph.layer_profile()
+        act = graph.activation_bytes() / batch
+        for gran in ("gpu", "machine"):
+            n = len(virtual_devices(cluster, gran))
+            program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
+                                            granularity=gran, meta={**meta, "program": "data_parallel"})
+            options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
+            if gran == "gpu":
+                # Exactly the dp_cp baseline's split (methods/dp.py): whole samples, >= 1 each.
+                shares = round_shares(batch, [d.effective_flops for d in cluster.devices], min_share=1)
+                options.append(("compute-proportional samples", [[x / batch for x in shares]]))
+            if self.lp:
+                options.append(("even", even_ratios(n)))
+                if gran == "gpu":
+                    shares = round_shares(batch, [1.0] * n, min_share=1)
+                    options.append(("even samples", [[x / batch for x in shares]]))
+                try:
+                    options.append(("lp", balance_ratios(program, cluster, memory_limit=self.memory_limit)[0]))
+                except InfeasibleError as exc:
+                    log.info("data-parallel LP at %s granularity: %s", gran, exc)
+            for label, ratios in options:
+                yield _score(f"{gran}, {label}", program, cluster, ratios)
 
     def setup(self, plan, model, ctx):
-        raise NotImplementedError(
-            f"method {self.name!r} plans and simulates only (mode=sim); per-rank codegen for "
-            "mode=real is not implemented yet"
-        )
+        try:
+            from methods.hap.runtime import setup_trainer
+        except ModuleNotFoundError as exc:
+            if exc.name != "methods.hap.runtime":
+                raise
+            raise NotImplementedError(
+                f"method {self.name!r} plans and simulates only (mode=sim) in this build: "
+                "methods/hap/runtime.py (per-rank codegen, issue 4) is not there yet"
+            ) from None
+        return setup_trainer(self, plan, model, ctx)
+
+
+def _graph_fingerprint(graph: Graph) -> str | None:
+    """methods.hap.codegen's check that a plan belongs to the model it is run with."""
+    try:
+        from methods.hap.codegen import graph_fingerprint
+    except ImportError:
+        return None
+    return graph_fingerprint(graph)
+
+
+def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, result: SearchResult | None = None) -> Candidate:
+    sim = simulate(program, cluster, ratios)
+    return Candidate(kind, program, [list(r) for r in ratios], sim.iter_time_s, sim.oom, result)
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    """a strictly better than b: fits where b does not, or (same fit) faster by > 1e-9."""
+    if a.oom != b.oom:
+        return not a.oom
+    return a.iter_time_s < b.iter_time_s * (1 - 1e-9)
 
 
 def _rank_shares(global_batch: int, ratios: list[float], cluster: ClusterSpec, granularity: str) -> list[int]:

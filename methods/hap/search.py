@@ -9,21 +9,24 @@ where the paper's three search-time optimisations land:
   2. each tensor is communicated at most once, and sources never;
   3. layouts of tensors with no remaining consumer are dropped from the state, so programs
      that reach the same frontier deduplicate.
-Costs are those of bench.simulate (the same stages end up in the emitted Program). It does
-not choose ratios (methods.hap.balance) and does not generate per-rank code.
+Costs are those of bench.simulate (the same stages end up in the emitted Program). Moves are
+memoised per (op, layouts of its inputs), MoE routers stay in one layout family
+(theory.routing_region) and an optional beam caps the states expanded per op. It does not
+choose ratios (methods.hap.balance) and does not generate per-rank code.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.cluster import ClusterSpec
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.simulate import collective_time, device_compute_times, virtual_devices
-from methods.capture import VIEW_OPS, Graph
+from methods.capture import Graph
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
 
 ADAM_STATE_PER_PARAM = 2.0  # two fp32 moments per parameter
@@ -42,9 +45,57 @@ class Step:
     comms: tuple[CommRule, ...]  # collectives on inputs, run just before the op
     sources: tuple[tuple[str, Layout], ...]  # sources created here (fused), with layouts
 
+    segment: int = 0  # ratio row this op's Gather shards follow (methods.hap.planner segments)
+
     def describe(self) -> str:
         parts = [c.describe() for c in self.comms] + [self.rule.describe()]
         return "; ".join(parts)
+
+    def to_json(self, graph: Graph | None = None) -> dict:
+        """Machine-readable form (docs/planner.md "Plan format"); layouts are "I", "R" or an int dim."""
+        r = self.rule
+        out = {
+            "node": self.node,
+            "op": graph[self.node].op if graph is not None else None,
+            "inputs": list(graph[self.node].inputs) if graph is not None else None,
+            "rule": r.name,
+            "pre": list(r.pre),
+            "post": r.post,
+            "sharded": r.sharded,
+            "first_device_only": list(r.first_device_only),
+            "sfb": r.sfb,
+            "unit": r.unit,
+            "shape_pre": [[t, lay] for t, lay in r.shape_pre],
+            "segment": self.segment,
+            "comms": [comm_to_json(c) for c in self.comms],
+            "sources": [[t, lay] for t, lay in self.sources],
+        }
+        return out
+
+    @staticmethod
+    def from_json(d: dict) -> "Step":
+        rule = Rule(
+            d["node"],
+            tuple(d["pre"]),
+            d["post"],
+            d["rule"],
+            bool(d["sharded"]),
+            tuple(d.get("first_device_only", ())),
+            bool(d.get("sfb", False)),
+            int(d.get("unit", 1)),
+            tuple((t, lay) for t, lay in d.get("shape_pre", ())),
+        )
+        comms = tuple(comm_from_json(c) for c in d.get("comms", ()))
+        sources = tuple((t, lay) for t, lay in d.get("sources", ()))
+        return Step(d["node"], rule, comms, sources, int(d.get("segment", 0)))
+
+
+def comm_to_json(c: CommRule) -> dict:
+    return {"tensor": c.tensor, "src": c.src, "dst": c.dst, "kind": c.kind, "impl": c.impl}
+
+
+def comm_from_json(d: dict) -> CommRule:
+    return CommRule(d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"))
 
 
 @dataclass
@@ -54,6 +105,7 @@ class SearchStats:
     pruned_dedup: int = 0
     pruned_bound: int = 0
     complete: int = 0
+    beam_pruned: int = 0  # states not expanded because their position hit beam_width
 
 
 @dataclass
@@ -61,6 +113,9 @@ class SearchResult:
     steps: list[Step]
     cost_s: float
     stats: SearchStats
+    # Collectives after the last op that bring the loss to Reduce (e.g. keep_first of an
+    # Identity loss); empty when the last op already leaves it as Reduce.
+    final_comms: tuple[CommRule, ...] = ()
 
 
 class CostModel:
@@ -76,6 +131,8 @@ class CostModel:
         self._rule_cost: dict = {}
         self._comm_cost: dict = {}
         self._param_cost: dict = {}
+        self._relevant: dict = {}  # search memo: op -> tensors its moves depend on
+        self._moves: dict = {}  # search memo: (op, their layouts) -> moves
 
     # -- stage contents ----------------------------------------------------------------------
     def _bytes(self, tensor: str, layout: Layout) -> Affine:
@@ -130,7 +187,9 @@ class CostModel:
                 total = total + self._bytes(t, layout)
         return total
 
-    def stages(self, step: Step) -> tuple[Stage, Stage]:
+    def stages(self, step: Step, param_sync: bool = True) -> tuple[Stage, Stage]:
+        """(forward, backward) stage of a step; param_sync=False leaves out the gradient
+        all-reduce of replicated parameters (build_program buckets and overlaps them)."""
         fwd_flops, bwd_flops, sfb = self.rule_parts(step.node, step.rule)
         fwd_c: list[Collective] = []
         bwd_c: list[Collective] = []
@@ -138,7 +197,7 @@ class CostModel:
             f, b = self.comm_collectives(c)
             fwd_c += f
             bwd_c += b
-        bwd_c += sfb + self.param_sync(step)
+        bwd_c += sfb + (self.param_sync(step) if param_sync else [])
         label = step.describe()
         return (
             Stage(tuple(fwd_c), fwd_flops, label=f"fwd {label}"),
@@ -194,30 +253,37 @@ def _order(graph: Graph, theory: Theory) -> tuple[list[str], dict[str, int]]:
     return order, last_use
 
 
-def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000) -> SearchResult:
+def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None) -> SearchResult:
     """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices).
 
-    score = cost so far + the remaining ops' cheapest computation at infinite bandwidth
-    (admissible: every remaining op runs one of its triples and collectives cost >= 0).
+    score = cost so far + the remaining ops' cheapest computation at infinite bandwidth, with
+    the gradient sync of the parameters each op creates (admissible: every remaining op runs
+    one of its triples, creates the sources it reads first, and collectives cost >= 0). Ties
+    go to the deeper state, so complete programs (and their bound) come early.
+
+    beam_width: expand at most this many states per position (None: no cap). States at one
+    position share the heuristic, so A* pops them cheapest first and the cap keeps the
+    `beam_width` cheapest prefixes: exact while no position needs more (stats.beam_pruned
+    == 0), a bounded-effort approximation otherwise.
     """
     graph = theory.graph
     order, last_use = _order(graph, theory)
     n = len(order)
-    min_rest = [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        name = order[i]
-        min_rest[i] = min_rest[i + 1] + min(cost.rule_time(name, r) for r in theory.rules[name])
+    min_rest = _remaining_bound(theory, cost, order)
+    dead, dead_props = _dying(graph, order, last_use)
+    per_pos = [0] * (n + 1)
     stats = SearchStats()
     counter = itertools.count()
     # State: (position, layouts of live tensors, live tensors already communicated).
     start = (0, frozenset(), frozenset())
     best_g: dict = {start: 0.0}
     parents: dict = {start: None}
-    heap = [(min_rest[0], next(counter), 0.0, start)]
+    heap = [(min_rest[0], 0, next(counter), 0.0, start)]
     best_cost = float("inf")
     best_state = None
+    best_final: tuple[CommRule, ...] = ()
     while heap:
-        f, _, g, state = heapq.heappop(heap)
+        f, _, _, g, state = heapq.heappop(heap)
         if g > best_g.get(state, float("inf")):
             stats.pruned_dedup += 1
             continue
@@ -227,17 +293,25 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000)
         pos, props, communicated = state
         if pos == n:
             extra = _finish(props, communicated, graph.loss, cost)
-            if extra is not None and g + extra < best_cost:
-                best_cost, best_state = g + extra, state
+            if extra is not None and g + extra[0] < best_cost:
+                best_cost, best_state, best_final = g + extra[0], state, extra[1]
                 stats.complete += 1
             continue
+        if beam_width is not None:
+            if per_pos[pos] >= beam_width:
+                stats.beam_pruned += 1
+                continue
+            per_pos[pos] += 1
         stats.expanded += 1
         if stats.expanded > max_expansions:
-            raise NoProgramError(f"A* gave up after {max_expansions} expansions; reduce the graph or devices")
+            raise NoProgramError(
+                f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
+                "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
+            )
         name = order[pos]
         for step, step_cost, new_props, new_comm in _successors(theory, cost, name, props, communicated):
-            live = frozenset(p for p in new_props if last_use.get(p[0], -1) > pos)
-            comm_live = frozenset(t for t in new_comm if last_use.get(t, -1) > pos)
+            live = new_props - dead_props[pos]
+            comm_live = new_comm - dead[pos] if new_comm else new_comm
             child = (pos + 1, live, comm_live)
             child_g = g + step_cost
             stats.generated += 1
@@ -249,7 +323,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000)
                 continue
             best_g[child] = child_g
             parents[child] = (state, step)
-            heapq.heappush(heap, (child_g + min_rest[pos + 1], next(counter), child_g, child))
+            heapq.heappush(heap, (child_g + min_rest[pos + 1], -pos - 1, next(counter), child_g, child))
     if best_state is None:
         raise NoProgramError(
             f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
@@ -261,36 +335,113 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000)
         state, step = parents[state]
         steps.append(step)
     steps.reverse()
-    return SearchResult(steps, best_cost, stats)
+    return SearchResult(steps, best_cost, stats, best_final)
 
 
-def _finish(props, communicated, loss: str, cost: CostModel) -> float | None:
-    """Extra cost to bring the loss to Reduce at the end (None: impossible)."""
+def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
+    """min_rest[i]: a lower bound on the cost of ops i.. : per op the cheapest triple plus the
+    sync of the sources it is the first to read, in the layout that triple asks for."""
+    seen: set[str] = set()
+    first: dict[str, list[int]] = {}  # op -> positions (into its inputs) of sources it creates
+    for name in order:
+        node = theory.graph[name]
+        for k, t in enumerate(node.inputs):
+            if t in theory.sources and t not in seen:
+                first.setdefault(name, []).append(k)
+                seen.add(t)
+        seen.update(node.inputs)
+        seen.update(node.shape_inputs)
+        for r in theory.rules[name]:
+            seen.update(t for t, _ in r.shape_pre)
+    n = len(order)
+    out = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        name = order[i]
+        inputs = theory.graph[name].inputs
+        best = float("inf")
+        for r in theory.rules[name]:
+            t = cost.rule_time(name, r)
+            for k in first.get(name, ()):
+                if r.pre[k] in theory.sources[inputs[k]]:
+                    t += cost.source_time(inputs[k], r.pre[k], r)
+            best = min(best, t)
+        out[i] = out[i + 1] + best
+    return out
+
+
+def _dying(graph: Graph, order: list[str], last_use: dict[str, int]) -> tuple[list[frozenset], list[frozenset]]:
+    """Per position: the tensors not needed after it, and every (tensor, layout) pair of them
+    (so the search drops dead layouts with one set difference)."""
+    dead: list[set] = [set() for _ in order]
+    for i, name in enumerate(order):
+        if last_use.get(name, -1) <= i:
+            dead[i].add(name)
+    for t, i in last_use.items():
+        if 0 <= i < len(order):
+            dead[i].add(t)
+    dead_props = []
+    for ts in dead:
+        pairs = set()
+        for t in ts:
+            pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *range(max(graph[t].ndim, 1)))}
+        dead_props.append(frozenset(pairs))
+    return [frozenset(d) for d in dead], dead_props
+
+
+def _finish(props, communicated, loss: str, cost: CostModel) -> tuple[float, tuple[CommRule, ...]] | None:
+    """Extra cost, and the collective, that bring the loss to Reduce at the end (None: impossible)."""
     layouts = {lay for t, lay in props if t == loss}
     if REDUCE in layouts:
-        return 0.0
+        return 0.0, ()
     if loss in communicated:
         return None
-    for src in layouts:
-        for c in cost.theory.comm(loss, src):
-            if c.dst == REDUCE:
-                return cost.comm_time(c)
-    return None
+    options = [c for src in layouts for c in cost.theory.comm(loss, src) if c.dst == REDUCE]
+    if not options:
+        return None
+    best = min(options, key=cost.comm_time)
+    return cost.comm_time(best), (best,)
+
+
+def _relevant(theory: Theory, name: str) -> tuple[str, ...]:
+    """Tensors whose layouts decide the successors of op `name`."""
+    node = theory.graph[name]
+    ts = list(node.inputs) + list(node.shape_inputs)
+    for r in theory.rules[name]:
+        ts += [t for t, _ in r.shape_pre]
+    return tuple(dict.fromkeys(ts))
 
 
 def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, communicated: frozenset):
-    graph = theory.graph
-    node = graph[name]
+    """(step, cost, props after, communicated after) for every way to run op `name` next.
+
+    The moves depend only on the layouts of the op's own inputs, so they are memoised per
+    (op, those layouts) on the cost model: most states share them.
+    """
+    relevant = cost._relevant.get(name)
+    if relevant is None:
+        relevant = cost._relevant[name] = _relevant(theory, name)
     have: dict[str, list[Layout]] = {}
     for t, lay in props:
-        have.setdefault(t, []).append(lay)
+        if t in relevant:
+            have.setdefault(t, []).append(lay)
+    key = (name, tuple((t, tuple(sorted(have[t], key=str)) if t in have else None, t in communicated) for t in relevant))
+    moves = cost._moves.get(key)
+    if moves is None:
+        moves = cost._moves[key] = list(_moves(theory, cost, name, have, communicated))
+    for step, total, add_props, add_comm in moves:
+        yield step, total, props | add_props, communicated | add_comm if add_comm else communicated
+
+
+def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
+    graph = theory.graph
+    node = graph[name]
     for rule in theory.rules[name]:
         needs = list(zip(node.inputs, rule.pre)) + list(rule.shape_pre)
         total = cost.rule_time(name, rule)
         comms: list[CommRule] = []
         sources: list[tuple[str, Layout]] = []
-        new_props = set(props)
-        new_comm = set(communicated)
+        new_props: set = set()
+        new_comm: set = set()
         ok = True
         for t, want in needs:
             present = have.get(t)
@@ -312,7 +463,7 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
                 break
             if want in present or any(c.tensor == t and c.dst == want for c in comms):
                 continue
-            if t in theory.sources or t in new_comm:
+            if t in theory.sources or t in communicated or t in new_comm or t in theory.no_comm:
                 ok = False
                 break
             options = [c for src in present for c in theory.comm(t, src) if c.dst == want]
@@ -334,29 +485,85 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
         yield Step(name, rule, tuple(comms), tuple(sources)), total, frozenset(new_props), frozenset(new_comm)
 
 
-def build_program(steps: Sequence[Step], cost: CostModel, meta: dict | None = None) -> Program:
+DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
+
+
+def build_program(
+    steps: Sequence[Step],
+    cost: CostModel,
+    meta: dict | None = None,
+    grad_overlap: bool = True,
+    bucket_cap_bytes: float = DDP_BUCKET_BYTES,
+) -> Program:
     """The bench Program of a synthesized program: forward stages in order, then backward
-    stages in reverse, with the memory each device holds."""
+    stages in reverse, with the memory each device holds.
+
+    Args:
+        grad_overlap: replicated parameters' gradient all-reduces run asynchronously beside
+            the rest of backward, in buckets of `bucket_cap_bytes` (what DDP does, and what
+            the runtime does with async collectives); a later stage that communicates
+            activations waits for them (one network). False: each all-reduce runs in its
+            op's backward stage, which is exactly the search's (sequential) cost.
+        bucket_cap_bytes: gradient bytes per bucket; 0 = one all-reduce per parameter.
+    """
     graph = cost.graph
+    saved = graph.saved_bytes_factor()
     fwd, bwd = [], []
     params = Affine()
     activations = Affine()
     for step in steps:
-        f, b = cost.stages(step)
+        if grad_overlap:
+            f, b = cost.stages(step, param_sync=False)
+            sync = sum(c.nbytes.const for c in cost.param_sync(step))
+        else:
+            f, b = cost.stages(step)
+            sync = 0.0
         fwd.append(f)
-        bwd.append(b)
+        bwd.append((b, sync))
         for t, layout in step.sources:
             if graph[t].is_param:
                 params = params + cost._bytes(t, layout)
         node = graph[step.node]
-        if node.op not in VIEW_OPS and node.shape is not None:
-            activations = activations + cost._bytes(step.node, step.rule.post)
+        # What autograd keeps for backward (methods.capture.Graph.saved_bytes_factor), in the
+        # layout it exists in: the op's output, and collected copies its consumers read.
+        if node.shape is not None and step.node in saved:
+            activations = activations + cost._bytes(step.node, step.rule.post).scale(saved[step.node])
         for c in step.comms:
-            if not c.free:
-                activations = activations + cost._bytes(c.tensor, c.dst)
+            if not c.free and c.tensor in saved:
+                activations = activations + cost._bytes(c.tensor, c.dst).scale(saved[c.tensor])
+        for t, layout in step.sources:
+            if t in saved and not graph[t].is_param:
+                activations = activations + cost._bytes(t, layout).scale(saved[t])
     memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations)
-    stages = tuple(fwd + bwd[::-1])
-    return Program(stages, len(cost.vdevs), 1, cost.granularity, memory, dict(meta or {}))
+    stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
+    return Program(tuple(stages), len(cost.vdevs), 1, cost.granularity, memory, dict(meta or {}))
+
+
+def _overlapped_backward(bwd: list[tuple[Stage, float]], cap: float) -> list[Stage]:
+    """Backward stages with bucketed gradient all-reduces that overlap later backward compute.
+
+    A bucket's all-reduce is launched (as a zero-FLOP overlapped stage) once the backward
+    that filled it is done; compute-only stages keep running beside it; a stage with its own
+    collectives waits for the network."""
+    out: list[Stage] = []
+    bucket = 0.0
+    index = 0
+
+    def launch() -> None:
+        nonlocal bucket, index
+        out.append(Stage((Collective("all_reduce", Affine(bucket), label=f"grad bucket {index}"),), overlap=True,
+                         label=f"all_reduce grad bucket {index}"))
+        bucket = 0.0
+        index += 1
+
+    for st, sync in bwd:
+        out.append(Stage(st.collectives, st.flops, overlap=not st.collectives, grad_bytes=st.grad_bytes, label=st.label))
+        bucket += sync
+        if bucket and bucket >= cap:
+            launch()
+    if bucket:
+        launch()
+    return out
 
 
 def describe_steps(steps: Sequence[Step], graph: Graph) -> dict:
@@ -374,6 +581,37 @@ def describe_steps(steps: Sequence[Step], graph: Graph) -> dict:
         if s.rule.sfb:
             sfb.append(s.node)
     return {"layouts": layouts, "collectives": comms, "sfb": sfb}
+
+
+def shard_units(steps: Sequence[Step], graph: Graph) -> dict[int, int]:
+    """Dim length -> the unit its Gather shards come in (docs/planner.md "Plan format").
+
+    A reshape that splits a sharded dim (d_model -> heads x head_dim, B*S -> B x S) needs
+    whole units per device. Every sharded dim of the same length uses the same unit (their lcm),
+    so tensors whose sharded dims must line up (same length) get identical shard lengths.
+    """
+    units: dict[int, int] = {}
+    for s in steps:
+        r = s.rule
+        if not r.pre or not isinstance(r.pre[0], int):
+            continue
+        if r.unit > 1:
+            length = _dim_len(graph, r.node, r.pre[0])
+            units[length] = math.lcm(units.get(length, 1), r.unit)
+        node = graph[s.node]
+        if node.op in ("view", "reshape", "flatten", "unflatten") and isinstance(r.post, int):
+            # A merging reshape ((heads, head_dim) -> d_model with heads sharded): the merged
+            # dim is sharded in whole units of the inner size.
+            n_in, n_out = _dim_len(graph, r.node, r.pre[0]), int(node.shape[r.post])
+            if n_out > n_in and n_out % n_in == 0:
+                units[n_out] = math.lcm(units.get(n_out, 1), n_out // n_in)
+    return units
+
+
+def _dim_len(graph: Graph, node: str, dim: int) -> int:
+    first = graph[graph[node].inputs[0]]
+    shape = first.shape if first.shape is not None else first.tuple_shapes[0]
+    return int(shape[dim])
 
 
 @dataclass
@@ -394,7 +632,7 @@ def brute_force(theory: Theory, cost: CostModel) -> BruteForceResult:
             extra = _finish(props, communicated, graph.loss, cost)
             count[0] += 1
             if extra is not None:
-                best[0] = min(best[0], g + extra)
+                best[0] = min(best[0], g + extra[0])
             return
         for _, c, new_props, new_comm in _successors(theory, cost, order[pos], props, communicated):
             live = frozenset(p for p in new_props if last_use.get(p[0], -1) > pos)

@@ -593,17 +593,69 @@ class Theory:
     sources: dict[str, list[Layout]]  # placeholder / parameter -> layouts it can be created in
     sfb: bool = True
     grouped: bool = True  # offer grouped-broadcast all-gather / reduce-scatter
+    # Tensors the search never communicates (the inside of an MoE router, see routing_region):
+    # they are recomputed in whatever layout their producer ran, never re-laid out.
+    no_comm: frozenset = frozenset()
+    # Only free re-layouts (slice, keep_first): the space of data-parallel programs.
+    free_comms_only: bool = False
     _comm_cache: dict = field(default_factory=dict, repr=False)
 
     def comm(self, tensor: str, src: Layout) -> list[CommRule]:
         key = (tensor, src)
         if key not in self._comm_cache:
-            self._comm_cache[key] = comm_rules(self.graph[tensor], src, self.grouped)
+            rules = comm_rules(self.graph[tensor], src, self.grouped)
+            self._comm_cache[key] = [c for c in rules if c.free] if self.free_comms_only else rules
         return self._comm_cache[key]
 
 
-def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True) -> Theory:
+def data_parallel_theory(theory: Theory) -> Theory:
+    """The same graph restricted to data parallelism: parameters and buffers replicated,
+    inputs split along the batch (dim 0), no SFB, no collective but the free ones; the
+    replicated gradients are all-reduced. What methods.hap.planner scores DP candidates by."""
+    g = theory.graph
+    sources: dict[str, list[Layout]] = {}
+    for t, layouts in theory.sources.items():
+        node = g[t]
+        batch_like = node.kind == "placeholder" and node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1
+        sources[t] = [0] if batch_like else [IDENTITY]
+    rules = {name: [r for r in rs if not r.sfb] for name, rs in theory.rules.items()}
+    return Theory(g, rules, sources, False, theory.grouped, theory.no_comm, free_comms_only=True)
+
+
+# Ops that end an MoE routing region: contractions consume dispatch / combine tensors.
+_CONTRACTIONS = ("linear", "matmul", "bmm", "einsum", "conv2d", "embedding", "cross_entropy")
+
+
+def routing_region(graph: Graph) -> tuple[set[str], set[str]]:
+    """The MoE routers of `graph`: (nodes inside, exit tensors).
+
+    A router is what a `topk` over gate scores feeds through non-contraction ops: one-hot,
+    cumsum, comparisons, masks, up to the dispatch / combine tensors that einsums read (the
+    exits). Its tensors are many and cheap; laying each out separately multiplies A*'s states
+    (every live tensor x every layout) without changing the cost, so the search keeps the
+    inside of a router in one layout family: no collective on a tensor whose consumers are
+    all inside (the exits may still be re-laid out, e.g. all-to-all to expert parallel).
+    """
+    inside: set[str] = set()
+    stack = [n.name for n in graph.nodes if n.op == "topk"]
+    while stack:
+        name = stack.pop()
+        if name in inside:
+            continue
+        inside.add(name)
+        for u in graph.users[name]:
+            node = graph[u]
+            if node.kind in ("call_function", "call_method") and node.op not in _CONTRACTIONS:
+                stack.append(u)
+    exits = {t for t in inside if any(u not in inside for u in graph.users[t])}
+    return inside, exits
+
+
+def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_routing: bool = True) -> Theory:
     """Apply the per-op rules to every node of `graph`.
+
+    Args:
+        fuse_routing: keep MoE routers in one layout family (see routing_region).
 
     Raises:
         NoRuleError: an op has no rule (the message names the op, the fx node and where
@@ -631,7 +683,11 @@ def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True) -> Theor
             for r in node_rules:
                 assert len(r.pre) == len(n.inputs), f"rule {r.name} of {n.name}: {len(r.pre)} pre for {len(n.inputs)} inputs"
             rules[n.name] = list(dict.fromkeys(node_rules))
-    return Theory(graph, rules, sources, sfb, grouped)
+    no_comm: frozenset = frozenset()
+    if fuse_routing:
+        inside, exits = routing_region(graph)
+        no_comm = frozenset(inside - exits)
+    return Theory(graph, rules, sources, sfb, grouped, no_comm)
 
 
 RULES["linear"] = lambda node, g: _rule_linear(node, g, False)

@@ -182,3 +182,20 @@ def test_simulate_rejects_program_for_another_cluster_size():
     with pytest.raises(ValueError, match="sum to 1"):
         simulate(prog2, cluster, [[0.5, 0.6]])
     assert math.isfinite(simulate(prog2, cluster, [[1.0, 0.0]]).iter_time_s)
+
+
+def test_all_to_all_across_machines_shares_each_machines_link():
+    # 2 machines x 2 GPUs: each GPU sends half its buffer off the machine, and both GPUs of a
+    # machine send through the same link: 2 x 1/2 of a shard, not the ring's 3/4.
+    cl = make_cluster(fast=1, slow=1, per_machine=2, inter_gbps=8.0, latency=0.0)
+    shard = 1e9 / 4
+    a2a = Program((Stage((Collective("all_to_all", Affine.sharded(1e9)),)),), 4)
+    t = simulate(a2a, cl, even_ratios(4)).iter_time_s
+    assert t == pytest.approx(2 * (2 / 4) * shard / 1e9)  # 8 Gbit/s = 1e9 B/s
+    # A ring passes each machine's link once: unchanged.
+    ag = Program((Stage((Collective("all_gather", Affine.sharded(1e9), "padded"),)),), 4)
+    assert simulate(ag, cl, even_ratios(4)).iter_time_s == pytest.approx(4 * shard * 3 / 4 / 1e9)
+    # Machines as devices: one member per link, the plain (n-1)/n.
+    m = make_cluster(fast=1, slow=1, per_machine=2, inter_gbps=8.0, latency=0.0, virtual="machine")
+    a2a_m = Program((Stage((Collective("all_to_all", Affine.sharded(1e9)),)),), 2, granularity="machine")
+    assert simulate(a2a_m, m, even_ratios(2)).iter_time_s == pytest.approx(0.5 * 1e9 / 2 / 1e9)

@@ -1,0 +1,131 @@
+"""Print a method's plan for one case, readably: `python -m bench.plan <bench.run overrides>`.
+
+    python -m bench.plan model=bert preset=paper cluster=paper_hetero method=hap
+    python -m bench.plan model=vgg19 preset=paper cluster=paper_hetero method=hap --json plan.json
+
+It plans (on the CPU, no workers) and simulates; it does not run or record anything. Methods
+are instantiated from conf/ like bench.run does, so it knows no concrete method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from bench.cluster import ClusterSpec, ConfigError
+from bench.interfaces import Plan
+from bench.simulate import simulate, virtual_devices
+
+
+def _layout(v: Any) -> str:
+    return {"I": "I", "R": "R"}.get(v, f"G{v}") if isinstance(v, str) else f"G{v}"
+
+
+def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60, planner_time_s: float | None = None) -> str:
+    """The plan as text: ratios, predicted time and memory, collectives, per-op decisions."""
+    d = plan.details
+    lines = [f"method {plan.method} on {cluster.describe()}"]
+    if planner_time_s is not None:
+        cache = d.get("cache", {}).get("status")
+        lines.append(f"planner time {planner_time_s:.2f} s" + (f" (cache {cache})" if cache else ""))
+    for key in ("chosen", "granularity", "states_expanded", "states_pruned"):
+        if key in d:
+            lines.append(f"{key.replace('_', ' ')}: {d[key]}")
+    if plan.program is not None and plan.ratios is not None:
+        sim = simulate(plan.program, cluster, plan.ratios)
+        vdevs = virtual_devices(cluster, plan.program.granularity)
+        lines.append(
+            f"predicted iteration {sim.iter_time_s:.4f} s (compute {sim.compute_time_s:.4f} s, "
+            f"communication {sim.comm_time_s:.4f} s before overlap); "
+            f"peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU" + ("  ** OOM **" if sim.oom else "")
+        )
+        lines.append("ratios (segment x virtual device):")
+        for s, row in enumerate(plan.ratios):
+            cells = " ".join(f"{r:.4f}" for r in row)
+            lines.append(f"  [{s}] {cells}")
+        lines.append("virtual devices: " + ", ".join(f"{v.index}: {v.num_gpus} GPU(s) {v.flops / 1e12:.1f} TFLOP/s" for v in vdevs))
+        kinds: Counter = Counter()
+        times: Counter = Counter()
+        for st, (comm, _) in zip(plan.program.stages, sim.stage_times):
+            for c in st.collectives:
+                kinds[(c.kind, c.impl)] += 1
+            if st.collectives:
+                times[st.collectives[0].kind] += comm
+        if kinds:
+            lines.append("collectives: " + ", ".join(f"{k}/{i} x{n}" for (k, i), n in sorted(kinds.items())))
+    lines.append(f"batch shares per rank: {plan.batch_shares}")
+    steps = d.get("steps")
+    if steps:
+        lines.append(f"program ({len(steps)} ops; layouts I=Identity R=Reduce Gd=Gather(dim d)):")
+        shown = steps if max_steps is None else [s for s in steps if _interesting(s)][:max_steps]
+        for s in shown:
+            pre = ",".join(_layout(p) for p in s["pre"])
+            srcs = " ".join(f"{t}:{_layout(lay)}" for t, lay in s.get("sources", []))
+            comms = "; ".join(
+                f"{c['kind']}({c['tensor']} {_layout(c['src'])}->{_layout(c['dst'])}"
+                + (f", {c['impl']}" if c.get("impl") not in (None, "ring") else "") + ")"
+                for c in s.get("comms", [])
+            )
+            line = f"  {s['node']:<22} {s.get('op') or '':<14} {s['rule']:<22} ({pre}) -> {_layout(s['post'])}"
+            if s.get("sfb"):
+                line += "  [SFB]"
+            if comms:
+                line += f"  << {comms}"
+            if srcs:
+                line += f"  creates {srcs}"
+            lines.append(line)
+        if max_steps is not None and len(shown) < len(steps):
+            lines.append(f"  ... {len(steps) - len(shown)} more ops without collectives or parameters (--all shows them)")
+    elif d:
+        lines.append("details: " + json.dumps({k: v for k, v in d.items() if k != "program"}, default=str)[:2000])
+    return "\n".join(lines)
+
+
+def _interesting(step: dict) -> bool:
+    """Steps worth reading: collectives, SFB, parameters created, or a non-batch layout."""
+    return bool(step.get("comms") or step.get("sfb") or step.get("sources") or step.get("post") not in (0, "R"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for bench.run (model=... cluster=... method=...)")
+    parser.add_argument("--all", action="store_true", help="print every op, not only the interesting ones")
+    parser.add_argument("--json", metavar="PATH", help="also write the plan (details, program, ratios) as JSON")
+    args = parser.parse_args(argv)
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bench.plan_cache import plan_to_json
+    from bench.run import CONF_DIR, _instantiate, build_workload, check_group_choices
+
+    try:
+        check_group_choices(args.overrides)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=list(args.overrides))
+        cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+        if cluster.emulated:
+            raise ConfigError(f"cluster={cluster.name} is emulated (its FLOP/s are measured at run time); plan a real cluster spec")
+        method = _instantiate(cfg.method, "method")
+        workload = build_workload(cfg, cluster)
+        start = time.perf_counter()
+        plan = method.plan(workload, cluster)
+        elapsed = time.perf_counter() - start
+    except ValueError as exc:  # ConfigError and the planners' clear errors
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{workload.name} ({workload.preset}), global batch {workload.global_batch}")
+    print(format_plan(plan, cluster, max_steps=None if args.all else 60, planner_time_s=elapsed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan_to_json(plan), f, indent=1, default=str)
+        print(f"plan written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""methods.hap.planner: the plan format codegen reads, the plan cache, the DP candidate, MoE
+routing fusion and the readable printer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.cluster import ClusterSpec
+from bench.interfaces import Workload
+from bench.plan import format_plan
+from bench.plan_cache import plan_from_json, plan_to_json
+from bench.program import data_parallel_program
+from bench.simulate import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from methods.capture import capture, capture_config
+from methods.hap.balance import shard_lengths
+from methods.hap.planner import HapPlanner, SfbPlanner
+from methods.hap.search import CostModel, Step, brute_force, synthesize
+from methods.hap.theory import data_parallel_theory, derive_theory, routing_region
+
+
+def cluster(fast=1, slow=2, inter_gbps=10.0, k=1, virtual="machine") -> ClusterSpec:
+    machines = []
+    if fast:
+        machines.append({"count": fast, "device": "V100-16", "num_devices": k})
+    if slow:
+        machines.append({"count": slow, "device": "P100-16", "num_devices": k})
+    return ClusterSpec.from_config({
+        "name": "t",
+        "machines": machines,
+        "links": {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
+                  "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": 3e-5}},
+        "virtual_device": virtual,
+    })
+
+
+def bert_workload(name="bert", batch=16, num_devices=3) -> Workload:
+    mod = pytest.importorskip(f"models.{name}")
+    cfg_cls = mod.BertMoEConfig if name == "bert_moe" else mod.BertConfig
+    return Workload(name, "tiny", cfg_cls.from_preset("tiny", num_devices=num_devices), batch, 0.0)
+
+
+def test_plan_steps_are_json_and_rebuild_the_search_steps():
+    cl = cluster(inter_gbps=1.0)
+    plan = HapPlanner(max_rounds=2).plan(bert_workload(), cl)
+    d = json.loads(json.dumps(plan.details))  # plain JSON, nothing lost
+    assert d["plan_format"] == 1 and d["loss"]
+    graph = capture_config(bert_workload().model_cfg, 16)
+    ops = [n.name for n in graph.nodes if n.kind in ("call_function", "call_method") and n.is_tensor]
+    assert [s["node"] for s in d["steps"]] == ops  # one step per op, in graph order
+    for s in d["steps"]:
+        step = Step.from_json(s)
+        assert step.to_json(graph) == s
+        assert len(s["pre"]) == len(s["inputs"]) == len(graph[s["node"]].inputs)
+        for c in s["comms"]:
+            assert c["kind"] in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first")
+
+
+def test_shard_units_keep_whole_heads():
+    # d_model 64 in 4 heads of 16: a d_model shard is whole heads.
+    assert shard_lengths(64, [0.55, 0.0, 0.45], unit=16) == [32, 0, 32]
+    assert sum(shard_lengths(768, [0.3, 0.3, 0.4], unit=64)) == 768
+    with pytest.raises(ValueError, match="divide"):
+        shard_lengths(10, [0.5, 0.5], unit=3)
+
+
+def test_plan_cache_round_trips_and_hits(tmp_path):
+    cl = cluster()
+    wl = bert_workload()
+    planner = HapPlanner(max_rounds=2, cache_dir=str(tmp_path))
+    first = planner.plan(wl, cl)
+    assert first.details["cache"]["status"] == "miss"
+    second = planner.plan(wl, cl)
+    assert second.details["cache"]["status"] == "hit"
+    assert second.program == first.program and second.ratios == first.ratios
+    assert second.details["steps"] == first.details["steps"]
+    # Another option is another key.
+    other = HapPlanner(max_rounds=2, cache_dir=str(tmp_path), sfb=False).plan(wl, cl)
+    assert other.details["cache"]["status"] == "miss"
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    restored = plan_from_json(json.loads(json.dumps(plan_to_json(first))))
+    assert restored.program == first.program and restored.batch_shares == first.batch_shares
+
+
+@pytest.mark.parametrize("inter_gbps", [1.0, 100.0])
+def test_hap_is_never_slower_than_data_parallel_or_sfb(inter_gbps):
+    cl = cluster(fast=1, slow=2, inter_gbps=inter_gbps, k=2)
+    wl = bert_workload(batch=24, num_devices=6)
+    hap = HapPlanner(max_rounds=3).plan(wl, cl)
+    sfb = SfbPlanner().plan(wl, cl)
+    t_hap = simulate(hap.program, cl, hap.ratios).iter_time_s
+    assert t_hap <= simulate(sfb.program, cl, sfb.ratios).iter_time_s * (1 + 1e-9)
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    for gran in ("gpu", "machine"):
+        n = len(virtual_devices(cl, gran))
+        dp = data_parallel_program(n, wl.global_batch, graph.layer_profile(), graph.activation_bytes() / wl.global_batch,
+                                   granularity=gran)
+        for ratios in (even_ratios(n), compute_proportional_ratios(cl, gran)):
+            assert t_hap <= simulate(dp, cl, ratios).iter_time_s * (1 + 1e-9)
+
+
+def test_data_parallel_choice_still_carries_steps_codegen_can_run():
+    # Fast network, big batch: plain DP wins; the plan still lists per-op steps, all
+    # batch-parallel with replicated parameters and no collectives but free ones.
+    cl = cluster(inter_gbps=400.0)
+    wl = bert_workload(batch=48)
+    plan = HapPlanner(max_rounds=2).plan(wl, cl)
+    steps = plan.details["steps"]
+    assert steps and plan.details["chosen"]
+    if plan.details["chosen"].startswith("data_parallel"):
+        for s in steps:
+            assert all(c["kind"] in ("slice", "keep_first") for c in s["comms"])
+            assert not s["sfb"]
+
+
+class Mlp(nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, 5)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y, reduction="sum")
+
+
+def test_data_parallel_theory_is_optimal_over_its_own_space():
+    with torch.device("meta"):
+        model = Mlp()
+    graph = capture(model, (torch.empty(64, 32, device="meta"), torch.empty(64, dtype=torch.long, device="meta")))
+    theory = data_parallel_theory(derive_theory(graph))
+    cl = cluster(virtual="gpu")
+    cost = CostModel(theory, cl, "gpu", compute_proportional_ratios(cl, "gpu"))
+    res = synthesize(theory, cost)
+    assert res.cost_s == pytest.approx(brute_force(theory, cost).cost_s, rel=1e-12)
+    for s in res.steps:
+        assert all(c.free for c in s.comms)
+        assert all(lay == "I" for t, lay in s.sources if graph[t].is_param)
+
+
+def test_moe_router_is_one_layout_family_and_plans_fast():
+    wl = bert_workload("bert_moe", batch=12, num_devices=3)
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    inside, exits = routing_region(graph)
+    ops = {graph[n].op for n in inside}
+    assert "topk" in ops and "cumsum" in ops and "einsum" not in ops
+    assert exits and all(any(graph[u].op == "einsum" for u in graph.users[t]) for t in exits)
+    plan = HapPlanner(max_rounds=2).plan(wl, cluster(inter_gbps=1.0))
+    assert plan.details["states_expanded"] < 200_000
+    router_comms = [c for s in plan.details["steps"] for c in s["comms"] if c["tensor"] in inside - exits and c["kind"] not in ("slice", "keep_first")]
+    assert not router_comms
+
+
+def test_format_plan_prints_ratios_time_and_collectives():
+    cl = cluster(inter_gbps=1.0)
+    plan = HapPlanner(max_rounds=2).plan(bert_workload(), cl)
+    text = format_plan(plan, cl, planner_time_s=1.0)
+    assert "predicted iteration" in text and "ratios" in text and "batch shares" in text
+    assert plan.details["steps"][0]["node"] in format_plan(plan, cl, max_steps=None)
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(ValueError, match="num_segments"):
+        HapPlanner(num_segments=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        HapPlanner(bucket_cap_mb=-1)
+    assert "sim" in HapPlanner().modes
+
+
+def test_activations_count_what_autograd_keeps():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            h = x + 1.0  # add keeps nothing, but fc reads h in backward
+            z = F.dropout(torch.relu(self.fc(h)), 0.1)  # relu keeps its output, dropout a mask
+            return F.cross_entropy(z + x, y, reduction="sum")
+
+    with torch.device("meta"):
+        model = Block()
+    g = capture(model, (torch.empty(4, 8, device="meta"), torch.empty(4, dtype=torch.long, device="meta")))
+    saved = g.saved_bytes_factor()
+    by_op = {g[t].op: f for t, f in saved.items()}
+    assert by_op["add"] == 1.0  # the add output, read by fc's and the loss's backward
+    assert by_op["relu"] == 1.0 and by_op["dropout"] == pytest.approx(0.25)
+    assert "fc_weight" not in saved and "x" not in saved
+    assert g.activation_bytes() == pytest.approx(sum(g[t].nbytes * f for t, f in saved.items()))
+
+
+def _dp_cp_time(wl: Workload, cl: ClusterSpec) -> float:
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    n = len(virtual_devices(cl, "gpu"))
+    dp = data_parallel_program(n, wl.global_batch, graph.layer_profile(), graph.activation_bytes() / wl.global_batch)
+    return simulate(dp, cl, compute_proportional_ratios(cl, "gpu")).iter_time_s
+
+
+def test_compute_bound_case_gives_hap_about_dp_cp_and_communication_bound_beats_it():
+    compute_bound = bert_workload(batch=96)
+    cl = cluster(inter_gbps=1000.0, virtual="gpu")
+    hap = HapPlanner(max_rounds=3).plan(compute_bound, cl)
+    assert hap.details["predicted_iter_time_s"] == pytest.approx(_dp_cp_time(compute_bound, cl), rel=0.02)
+    comm_bound = bert_workload(batch=6)
+    cl = cluster(inter_gbps=1.0, virtual="gpu")
+    hap = HapPlanner(max_rounds=3).plan(comm_bound, cl)
+    assert hap.details["predicted_iter_time_s"] < 0.9 * _dp_cp_time(comm_bound, cl)
