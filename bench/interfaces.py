@@ -14,6 +14,12 @@ from torch import nn
 from bench.cluster import ClusterSpec
 
 
+class PlanningError(ValueError):
+    """A method cannot plan this case. The row records `status` and the message."""
+
+    status = "failed"
+
+
 @runtime_checkable
 class ModelConfig(Protocol):
     """What the harness needs from a models.* config dataclass."""

@@ -14,24 +14,32 @@ import os
 import platform
 import sys
 import time
+import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 
-from datetime import datetime, timezone
-
 import hydra
-from hydra.experimental.callback import Callback
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
 from bench.flops import measure_host_flops, train_flops_per_sample
-from bench.interfaces import Workload
+from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
-from bench.log import MODES as WANDB_MODES, mirror_to_wandb
+from bench.log import MODES as WANDB_MODES
+from bench.log import mirror_to_wandb
+from bench.records import (
+    RunRecord,
+    append_record,
+    case_key,
+    fingerprint,
+    finished_case_keys,
+    load_records,
+    summarize_times,
+)
 from bench.simulate import simulate
-from bench.records import (RunRecord, append_record, case_key, finished_case_keys,
-                           fingerprint, load_records, summarize_times)
 from bench.table import print_table
 from bench.worker import Case, init_process_group, pick_device, run_rank
 
@@ -204,12 +212,18 @@ def run_case(cfg: DictConfig) -> RunRecord:
     except ConfigError as exc:
         record.error = str(exc)
         print(f"error: {exc}", file=sys.stderr)
+    except PlanningError as exc:
+        record.status, record.error = exc.status, str(exc)
+        print(f"error: {exc} (case recorded as {exc.status})", file=sys.stderr)
     except WorkerError as exc:
         record.error = str(exc)
         print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
     except CaseTimeout as exc:
         record.status, record.error = "timeout", str(exc)
         print(f"error: {exc}", file=sys.stderr)
+    except Exception:  # a bug in planning or setup: the case fails, the sweep goes on
+        record.error = traceback.format_exc()
+        print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
     write_record(cfg, record)
     return record
 

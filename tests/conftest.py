@@ -19,3 +19,23 @@ def compose_config(*overrides: str, results_dir=None):
 def cfg_factory(tmp_path):
     """compose_config with results under this test's tmp_path."""
     return lambda *overrides: compose_config(*overrides, results_dir=str(tmp_path / "runs"))
+
+
+class InfeasibleMethod:
+    """A method whose planner finds no feasible ratios (tests the row status mapping)."""
+
+    modes = ("real", "sim")
+
+    def __init__(self, name: str = "infeasible", **_):
+        self.name = name
+
+    def plan(self, workload, cluster):
+        from bench.interfaces import PlanningError
+
+        class Infeasible(PlanningError):
+            status = "infeasible"
+
+        raise Infeasible("no ratios fit device memory: cluster.machines[0].memory_gib=4 is too small")
+
+    def setup(self, plan, model, ctx):
+        raise AssertionError("never reached")

@@ -14,13 +14,16 @@ import pulp
 
 from bench.cluster import ClusterSpec
 from bench.cost import collective_linear_cost
+from bench.interfaces import PlanningError
 from bench.program import Affine, Program
 from bench.shares import round_shares
 from bench.simulate import collective_cost, virtual_devices
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(PlanningError):
     """No ratios satisfy the constraints (e.g. nothing fits in memory)."""
+
+    status = "infeasible"
 
 
 def _expr(a: Affine, r, device: int):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.cluster import ClusterSpec
+from bench.interfaces import PlanningError
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.simulate import collective_time, device_compute_times, virtual_devices
 from methods.capture import Graph
@@ -32,7 +33,7 @@ from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
 ADAM_STATE_PER_PARAM = 2.0  # two fp32 moments per parameter
 
 
-class NoProgramError(ValueError):
+class NoProgramError(PlanningError):
     """No distributed program satisfies the semantic constraint (loss as Reduce)."""
 
 

@@ -20,6 +20,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
+from bench.interfaces import PlanningError
 from methods.capture import VIEW_OPS, Graph, Node
 
 Layout = Union[str, int]
@@ -27,7 +28,7 @@ IDENTITY: Layout = "I"
 REDUCE: Layout = "R"
 
 
-class NoRuleError(ValueError):
+class NoRuleError(PlanningError):
     """An op of the model has no sharding rule."""
 
 

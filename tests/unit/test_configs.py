@@ -65,3 +65,11 @@ def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overri
 def test_every_experiment_composes(experiment):
     cfg = compose_config(f"experiment={experiment}")
     assert cfg.measured_iters >= 1 and cfg.mode in ("real", "sim")
+
+
+def test_a_planner_that_finds_nothing_feasible_records_infeasible(cfg_factory, capsys):
+    cfg = cfg_factory("method._target_=tests.conftest.InfeasibleMethod", "mode=sim")
+    record = run_case(cfg)
+    assert record.status == "infeasible" and "memory_gib=4 is too small" in record.error
+    assert record.samples_per_s is None
+    assert "recorded as infeasible" in capsys.readouterr().err
