@@ -8,6 +8,7 @@ Links: every torch.distributed collective takes at least the alpha-beta time of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -36,8 +37,19 @@ class Emulator:
         self._lock = threading.Lock()
         self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
         self._overslept = 0.0
+        self._paused = False
 
     # -- compute ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self):
+        """Neither compute nor links are emulated inside (set-up: not measured, not training)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self.mark()
+
     def mark(self) -> None:
         """Start a new compute interval now (after waiting on communication or data)."""
         self._last = time.perf_counter()
@@ -49,7 +61,7 @@ class Emulator:
         sleep, so the dilation holds over an iteration rather than drifting up.
         """
         now = time.perf_counter()
-        if self.enabled and self.dilation != 1.0:
+        if self.enabled and not self._paused and self.dilation != 1.0:
             target = (self.dilation - 1.0) * (now - self._last) - self._overslept
             if target > 0:
                 time.sleep(target)
@@ -70,6 +82,8 @@ class Emulator:
         transfer is done). The real loopback collective already took its own time; only the
         rest is owed. Collectives queue on one link clock per rank.
         """
+        if not self.enabled or self._paused:
+            return time.perf_counter()
         ranks = list(dist.get_process_group_ranks(group) if group is not None
                      else range(dist.get_world_size()))
         link = self.cluster.link_between(ranks)

@@ -77,7 +77,8 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
         workload = case.workload
         model = workload.build(case.seed).to(device)
         ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
-        trainer = case.method.setup(case.plan, model, ctx)
+        with emulator.paused():  # set-up is not part of an iteration: not emulated
+            trainer = case.method.setup(case.plan, model, ctx)
         data = workload.model_cfg.dataset(
             workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
             case.seed,

@@ -1,0 +1,447 @@
+"""Per-rank code of a synthesized program: the captured fx graph run on local shards.
+
+`RankProgram` is built once per rank from the plan (docs/planner.md "Plan format"): it slices
+the parameters of the full, seeded single-device model to this rank's shards, and compiles the
+plan's steps into a list of instructions over the fx graph's nodes, with the collectives of
+methods.hap.collectives inserted where the plan puts them. Calling it with this rank's share of
+a batch returns this rank's part of the summed loss (Reduce: the parts add up to the loss of the
+global batch). It does not plan, train or time anything (methods.hap.runtime does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from bench.shares import offsets
+from methods.capture import Graph, Node
+from methods.hap import collectives as C
+from methods.hap.balance import shard_lengths
+from methods.hap.search import Step, comm_from_json
+from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, local_size_args
+
+SUPPORTED_PLAN_FORMAT = 1
+_MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first"}
+
+
+class PlanMismatchError(ValueError):
+    """A plan that does not fit the model, batch or world it is asked to run on."""
+
+
+@dataclass
+class CodegenOptions:
+    """Overrides for tests and ablations (default: run the plan as it is).
+
+    Attributes:
+        force_impl: "padded" | "grouped": every all-gather / reduce-scatter (and SFB's
+            factor gathers) uses this implementation instead of the plan's choice.
+        force_sfb: run every data-parallel linear with a replicated weight as SFB (gather the
+            input and output gradient, rebuild the full weight gradient) instead of
+            all-reducing its weight gradient.
+        check_shapes: compare every op's local output shape with the plan's (cheap; the first
+            mismatch names the node).
+        bucket_grads: replicated parameters' gradients are left partial by the program and
+            listed in `RankProgram.grad_sync` for the trainer to all-reduce in buckets (as DDP
+            and the simulator do); off: every use goes through `replicate`, whose backward
+            all-reduces that use's gradient alone.
+    """
+
+    force_impl: str | None = None
+    force_sfb: bool = False
+    check_shapes: bool = True
+    bucket_grads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.force_impl is not None and self.force_impl not in C.IMPLS:
+            raise ValueError(f"force_impl={self.force_impl!r} is unknown; known: {', '.join(C.IMPLS)}")
+
+
+@dataclass
+class _Instr:
+    """One compiled step: its source creations, collectives and the op."""
+
+    step: Step
+    node: Node
+    sfb: bool
+    comms: list[CommRule]
+    sources: list[tuple[str, Layout]]
+    layouts: dict[str, Layout]  # input tensor -> layout it is read in
+    out_shape: tuple | None  # expected local shape (tensor outputs), tuple of shapes for tuples
+    replicate: set[str] = field(default_factory=set)  # Identity parameters whose use all-reduces
+
+
+def plan_units(details: dict) -> dict[int, int]:
+    """Dim length -> shard unit, from the plan's `shard_units` (docs/planner.md)."""
+    return {int(k): int(v) for k, v in details.get("shard_units", {}).items()}
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    """A short hash of the reference graph's node names, ops and shapes: a plan records it, and
+    codegen refuses a plan whose graph (model, preset or global batch) is another one."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        h.update(f"{n.name}|{n.op}|{n.shape}|{n.tuple_shapes};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph, world_size: int) -> None:
+    """Raise PlanMismatchError unless the plan fits `graph` (the model at its preset and global
+    batch) and `world_size` ranks. Cheap: call it before starting workers."""
+    fmt = details.get("plan_format")
+    if fmt != SUPPORTED_PLAN_FORMAT:
+        raise PlanMismatchError(f"plan_format={fmt!r}: this codegen reads plan format {SUPPORTED_PLAN_FORMAT}; re-plan")
+    if "steps" not in details:
+        raise PlanMismatchError("the plan has no synthesized steps (details['steps']); re-plan")
+    if ratios is None or len(ratios) != 1:
+        raise PlanMismatchError(f"ratios {ratios!r}: codegen runs exactly 1 ratio segment (num_segments=1)")
+    if len(ratios[0]) != world_size or len(batch_shares) != world_size:
+        raise PlanMismatchError(
+            f"the plan has {len(ratios[0])} virtual devices and {len(batch_shares)} batch shares for "
+            f"{world_size} ranks; give codegen one ratio per rank (methods.hap.runtime.rank_ratios splits a "
+            "machine-level plan over the machine's GPUs)")
+    if sum(batch_shares) != graph.batch_size:
+        raise PlanMismatchError(
+            f"batch shares {list(batch_shares)} sum to {sum(batch_shares)}, but the global batch is {graph.batch_size}")
+    want = details.get("graph_fingerprint")
+    if want is not None and want != graph_fingerprint(graph):
+        raise PlanMismatchError("the plan was made for another graph (model, preset or global batch): "
+                                "its graph_fingerprint differs; re-plan")
+    if details.get("loss", graph.loss) != graph.loss:
+        raise PlanMismatchError(f"plan loss {details['loss']!r} is not the model's loss node {graph.loss!r}")
+    known = {n.name: n for n in graph.nodes}
+    for s in details["steps"]:
+        name = s["node"] if isinstance(s, dict) else s.node
+        pre = s["pre"] if isinstance(s, dict) else s.rule.pre
+        if name not in known:
+            raise PlanMismatchError(f"plan step for fx node {name!r}, which the model's graph does not have; "
+                                    "the plan was made for another model or preset")
+        if len(pre) != len(known[name].inputs):
+            raise PlanMismatchError(f"plan step {name!r} has {len(pre)} input layouts, the model's node has "
+                                    f"{len(known[name].inputs)} tensor inputs")
+
+
+class RankProgram:
+    """The synthesized program as rank `rank` of `world_size` runs it.
+
+    Args:
+        graph: the reference graph (methods.capture.capture of the model at the global batch).
+        details: plan.details of a HAP plan (steps, final_comms, loss, shard_units).
+        ratios: plan.ratios (one row per segment; only segment 0 is supported).
+        batch_shares: plan.batch_shares (samples each rank loads).
+        model: the full single-device model, initialised as on every other rank.
+        rank, world_size: this process's place in the default process group.
+    """
+
+    def __init__(self, graph: Graph, details: dict, ratios: Sequence[Sequence[float]], batch_shares: Sequence[int],
+                 model: nn.Module, rank: int, world_size: int, options: CodegenOptions | None = None):
+        self.graph = graph
+        self.options = options or CodegenOptions()
+        self.rank, self.world_size = rank, world_size
+        check_plan(details, ratios, batch_shares, graph, world_size)
+        self.ratios = [float(x) for x in ratios[0]]
+        self.batch_shares = [int(x) for x in batch_shares]
+        self.steps = [Step.from_json(s) if isinstance(s, dict) else s for s in details["steps"]]
+        self.final_comms = [comm_from_json(c) if isinstance(c, dict) else c for c in details.get("final_comms", [])]
+        self.loss = graph.loss
+        self.units = plan_units(details)
+        self._placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
+        self.params: dict[str, nn.Parameter] = {}  # qualified name -> local parameter
+        self.param_layouts: dict[str, Layout] = {}
+        self.sharded: set[str] = set()  # parameters whose local value is a slice
+        self._source_values: dict[str, Any] = {}
+        self._instrs = self._compile(model)
+
+    # -- shapes ----------------------------------------------------------------------------
+    def lengths(self, length: int) -> list[int]:
+        """Every rank's shard length of a Gather'd dim of `length` (docs/planner.md)."""
+        return shard_lengths(int(length), self.ratios, self.units.get(int(length), 1))
+
+    def _dim_len(self, tensor: str, dim: int) -> int:
+        node = self.graph[tensor]
+        shape = node.shape if node.shape is not None else node.tuple_shapes[0]
+        return int(shape[dim])
+
+    def _local_shape(self, shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
+        shape = list(shape)
+        if isinstance(layout, int) and shape[layout] > 1:
+            shape[layout] = self.lengths(shape[layout])[self.rank]
+        return tuple(shape)
+
+    # -- compile ---------------------------------------------------------------------------
+    def _compile(self, model: nn.Module) -> list[_Instr]:
+        g = self.graph
+        instrs = []
+        seen_source: dict[str, Layout] = {}
+        uses: dict[str, set[str]] = {}  # replicated parameter -> kinds of use (plain | sfb)
+        for step in self.steps:
+            node = g[step.node]
+            for c in step.comms:
+                if c.kind not in _MOVES:
+                    raise PlanMismatchError(f"collective {c.kind!r} at step {step.node!r} is not supported "
+                                            f"(only {', '.join(sorted(_MOVES))}; reshard needs num_segments > 1)")
+            for t, lay in step.sources:
+                if t in seen_source and seen_source[t] != lay:
+                    raise PlanMismatchError(f"source {t!r} is created as {seen_source[t]!r} and {lay!r}")
+                seen_source[t] = lay
+                self._make_source(model, t, lay)
+            sfb = step.rule.sfb or (self.options.force_sfb and self._sfb_candidate(step, node))
+            layouts = dict(zip(node.inputs, step.rule.pre))
+            replicate = {t for t, lay in layouts.items()
+                         if lay == IDENTITY and g[t].is_param and not (sfb and t in node.inputs[1:3])}
+            for t, lay in layouts.items():
+                if lay == IDENTITY and g[t].is_param:
+                    uses.setdefault(t, set()).add("sfb" if t not in replicate else "plain")
+            if node.tuple_shapes is not None:
+                out_shape = tuple(self._local_shape(s, step.rule.post) for s in node.tuple_shapes)
+            elif node.shape is not None:
+                out_shape = self._local_shape(node.shape, step.rule.post)
+            else:
+                out_shape = None
+            instrs.append(_Instr(step, node, sfb, list(step.comms), list(step.sources), layouts, out_shape, replicate))
+        # Replicated parameters with only plain uses: the trainer all-reduces their gradients
+        # in buckets. A parameter also used by an SFB linear (whose weight gradient is already
+        # whole) keeps a replicate() per plain use instead.
+        self.grad_sync = [g[t].fx_node.target for t, kinds in uses.items()
+                          if kinds == {"plain"} and self.options.bucket_grads]
+        bucketed = {t for t, kinds in uses.items() if kinds == {"plain"} and self.options.bucket_grads}
+        for ins in instrs:
+            ins.replicate -= bucketed
+        for name in self._placeholders:
+            if name not in seen_source and g.users.get(name):
+                raise PlanMismatchError(f"input {name!r} is read by the model but created by no plan step")
+        return instrs
+
+    def _sfb_candidate(self, step: Step, node: Node) -> bool:
+        r = step.rule
+        nd = len(self.graph[node.inputs[0]].shape)
+        return (node.op == "linear" and isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post
+                and all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only)
+
+    def _make_source(self, model: nn.Module, t: str, lay: Layout) -> None:
+        node = self.graph[t]
+        if lay == REDUCE:
+            raise PlanMismatchError(f"source {t!r} in layout Reduce: sources are Identity or Gather")
+        if node.kind == "placeholder":
+            return  # created per batch in _input
+        target = node.fx_node.target
+        try:
+            full = model.get_parameter(target)
+            is_param = True
+        except AttributeError:
+            full = model.get_buffer(target)
+            is_param = False
+        if tuple(full.shape) != tuple(node.shape):
+            raise PlanMismatchError(f"{target}: model has shape {tuple(full.shape)}, the plan {tuple(node.shape)}")
+        if isinstance(lay, int) and full.shape[lay] > 1:
+            start, stop = offsets(self.lengths(full.shape[lay]))[self.rank]
+            local = full.detach().narrow(lay, start, stop - start).clone()
+            value = nn.Parameter(local) if is_param else local
+            if is_param:
+                self.sharded.add(target)
+        else:
+            value = full  # Identity (or a length-1 dim): the model's own tensor
+        if is_param:
+            self.params[target] = value
+            self.param_layouts[target] = lay
+        self._source_values[t] = value
+
+    # -- run -------------------------------------------------------------------------------
+    def _input(self, name: str, lay: Layout, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of input `name` (batch dim 0) in the layout the plan wants."""
+        x = batch[self._placeholders.index(name)]
+        full_len = self.graph[name].shape[0] if self.graph[name].shape else 0
+        if lay == 0 and full_len > 1 and self.lengths(full_len) == self.batch_shares:
+            return x
+        # Another layout than the loaded share (or other shard lengths): gather the whole input
+        # (data only, no gradient), then keep what the layout asks for.
+        whole = C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
+        if lay == IDENTITY or not isinstance(lay, int) or whole.shape[lay] <= 1:
+            return whole
+        return C.shard(whole, lay, self.lengths(whole.shape[lay]), self.rank)
+
+    def _impl(self, impl: str) -> str:
+        return self.options.force_impl or (impl if impl in C.IMPLS else "padded")
+
+    def _communicate(self, c: CommRule, env: dict) -> None:
+        x = env[(c.tensor, c.src)]
+        if c.kind == "all_gather":
+            y = C.all_gather(x, c.src, self.lengths(self._dim_len(c.tensor, c.src)), self._impl(c.impl))
+        elif c.kind == "reduce_scatter":
+            y = C.reduce_scatter(x, c.dst, self.lengths(self._dim_len(c.tensor, c.dst)), self._impl(c.impl))
+        elif c.kind == "all_reduce":
+            y = C.all_reduce(x)
+        elif c.kind == "all_to_all":
+            y = C.all_to_all(x, c.src, self.lengths(self._dim_len(c.tensor, c.src)),
+                             c.dst, self.lengths(self._dim_len(c.tensor, c.dst)))
+        elif c.kind == "slice":
+            y = C.shard(x, c.dst, self.lengths(self._dim_len(c.tensor, c.dst)), self.rank)
+        else:
+            y = C.keep_first(x)
+        env[(c.tensor, c.dst)] = y
+
+    def _value(self, arg: fx.Node, ins: _Instr, env: dict, batch, shape_read: bool = False) -> Any:
+        """The local value of an fx argument: a tensor in the step's layout, or a non-tensor
+        (size, dtype) evaluated from local tensors (whose shapes are the local shards')."""
+        name = arg.name
+        if shape_read:
+            want = dict(ins.step.rule.shape_pre).get(name, ins.layouts.get(name))
+            if want is not None and (name, want) in env:
+                return env[(name, want)]
+        elif name in ins.layouts:
+            v = env[(name, ins.layouts[name])]
+            if name in ins.replicate:
+                v = C.replicate(v)
+            return v
+        if self.graph[name].is_tensor:
+            have = [v for (t, _), v in env.items() if t == name]
+            if have:
+                return have[0]
+            raise PlanMismatchError(f"step {ins.node.name!r} reads {name!r}, which no earlier step made")
+        n = arg
+        if n.op == "placeholder" or n.op == "get_attr":
+            raise PlanMismatchError(f"non-tensor source {name!r} is not supported")
+        args = fx.node.map_arg(n.args, lambda a: self._value(a, ins, env, batch, True))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: self._value(a, ins, env, batch, True))
+        return _call(n, args, kwargs)
+
+    def _empty_result(self, ins: _Instr, args, tensors: list[torch.Tensor]) -> Any:
+        """What an op over an empty shard contributes: zeros of the plan's local shape (plus a
+        conv2d's bias for a Reduce output), connected to the inputs with zero gradients, so
+        every rank's backward reaches the same collectives and no kernel sees an empty grad."""
+        anchor = torch.zeros(())
+        for t in tensors:
+            if t.is_floating_point() and t.requires_grad:
+                anchor = anchor + t.sum() * 0
+        dtype = ins.node.dtype or torch.float32
+        device = tensors[0].device if tensors else None
+
+        def zeros(shape):
+            z = torch.zeros(shape, dtype=dtype, device=device)
+            return z + anchor.to(dtype) if dtype.is_floating_point else z
+
+        if ins.node.tuple_shapes is not None:
+            return tuple(zeros(s) for s in ins.out_shape)
+        out = zeros(ins.out_shape)
+        bias = args[2] if ins.node.op == "conv2d" and len(args) > 2 else None
+        if ins.step.rule.post == REDUCE and isinstance(bias, torch.Tensor):
+            out = out + bias.view(1, -1, 1, 1)
+        return out
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the summed loss of the global batch (its share in `batch`)."""
+        if len(batch) != len(self._placeholders):
+            raise PlanMismatchError(f"{len(batch)} inputs for a model with {len(self._placeholders)}")
+        for x, share in zip(batch, [self.batch_shares[self.rank]] * len(batch)):
+            if x.dim() and x.shape[0] != share:
+                raise PlanMismatchError(f"rank {self.rank} got {x.shape[0]} samples; its batch share is {share}")
+        env: dict = {}
+        for ins in self._instrs:
+            for t, lay in ins.sources:
+                if (t, lay) in env:
+                    continue
+                env[(t, lay)] = self._input(t, lay, batch) if self.graph[t].kind == "placeholder" else self._source_values[t]
+            for c in ins.comms:
+                self._communicate(c, env)
+            env[(ins.node.name, ins.step.rule.post)] = self._run_op(ins, env, batch)
+        for c in self.final_comms:
+            self._communicate(c, env)
+        if (self.loss, REDUCE) not in env:
+            raise PlanMismatchError(f"the plan leaves the loss {self.loss!r} in no Reduce layout")
+        return env[(self.loss, REDUCE)]
+
+    def _run_op(self, ins: _Instr, env: dict, batch) -> Any:
+        n = ins.node.fx_node
+        rule = ins.step.rule
+        first_only = {ins.node.inputs[i] for i in rule.first_device_only}
+
+        def value(a: fx.Node):
+            v = self._value(a, ins, env, batch)
+            if a.name in first_only and self.rank > 0:
+                v = v * 0  # the output is Reduce: only rank 0 adds this operand
+            return v
+
+        args = fx.node.map_arg(n.args, value)
+        kwargs = fx.node.map_arg(n.kwargs, value)
+        if ins.sfb:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            dim = rule.pre[0]
+            impl = self.options.force_impl or "padded"
+            return C.sfb_linear(x, w, b, dim, self.lengths(self._dim_len(ins.node.inputs[0], dim)), impl)
+        args = local_size_args(ins.node, rule, tuple(args))
+        tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
+        empty = any(t.numel() == 0 for t in tensors)
+        try:
+            out = _call(n, args, kwargs)
+        except RuntimeError:
+            if not empty:
+                raise
+            return self._empty_result(ins, args, tensors)
+        if ins.out_shape is None:
+            return out
+        is_tuple = ins.node.tuple_shapes is not None
+        got = tuple(tuple(o.shape) for o in out) if is_tuple else tuple(out.shape)
+        if got != ins.out_shape:
+            if empty:  # e.g. conv2d over zero input channels returns an empty tensor
+                return self._empty_result(ins, args, tensors)
+            if self.options.check_shapes:
+                raise PlanMismatchError(
+                    f"rank {self.rank}: op {ins.node.name!r} ({rule.describe()}) made local shape {got}, "
+                    f"the plan's shard is {ins.out_shape}")
+        if any(o.numel() == 0 for o in (out if is_tuple else (out,))) and (empty or not is_tuple):
+            # Backward kernels of some ops (pooling) refuse empty gradients.
+            return self._empty_result(ins, args, tensors)
+        return out
+
+    def summary(self) -> dict:
+        """What this rank's code runs: collectives by kind and impl (as executed, after any
+        forcing), SFB linears, sharded and replicated parameters."""
+        comms: dict[str, int] = {}
+        for ins in self._instrs:
+            for c in ins.comms:
+                impl = self._impl(c.impl) if c.kind in ("all_gather", "reduce_scatter") else c.impl
+                key = f"{c.kind}/{impl}" if c.kind in ("all_gather", "reduce_scatter") else c.kind
+                comms[key] = comms.get(key, 0) + 1
+        return {
+            "collectives": comms,
+            "sfb": [ins.node.name for ins in self._instrs if ins.sfb],
+            "sfb_impl": self.options.force_impl or "padded",
+            "sharded_params": sorted(self.sharded),
+            "replicated_params": sorted(set(self.params) - self.sharded),
+        }
+
+    # -- reassembly ------------------------------------------------------------------------
+    def full_tensors(self, which: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Every trained parameter's `which(p)` reassembled to full size (collective: every rank
+        calls it, in the same order). Gather'd shards are all-gathered; Identity ones are whole."""
+        out = {}
+        for name in sorted(self.params):
+            p, lay = self.params[name], self.param_layouts[name]
+            local = which(p)
+            if local is None:
+                continue
+            local = local.detach()
+            if name in self.sharded:
+                full_len = self.graph.gm.get_parameter(name).shape[lay]
+                local = C._gather_impl(local.contiguous(), lay, self.lengths(full_len), "padded")
+            out[name] = local
+        return out
+
+
+def _call(n: fx.Node, args, kwargs):
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    return n.target(*args, **kwargs)
+
+
+def _flatten(x) -> list:
+    if isinstance(x, (tuple, list)):
+        return [y for v in x for y in _flatten(v)]
+    if isinstance(x, dict):
+        return [y for v in x.values() for y in _flatten(v)]
+    return [x]

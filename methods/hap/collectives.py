@@ -1,0 +1,256 @@
+"""Collectives of synthesized programs as autograd functions, for uneven and empty shards.
+
+Every function takes the shard lengths of all ranks along the split dim (they sum to the full
+length; zeros allowed) and runs the backward dual in backward: all-gather <-> reduce-scatter,
+all-reduce and all-to-all are self-dual, replicate is identity forward / all-reduce backward.
+gloo has no list-form all-gather of unequal tensors, which is why two all-gather (and two
+reduce-scatter) implementations exist: `padded` pads every shard to the largest and runs one
+collective; `grouped` runs one broadcast (or reduce) per rank with the exact shard.
+torch.distributed is looked up at call time (`dist.<name>`), so wrappers installed on its
+functions (bench.emulation) see every call. This module does not choose what to communicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IMPLS = ("padded", "grouped")
+
+
+def _check(lengths: Sequence[int], impl: str | None = None) -> list[int]:
+    lengths = [int(x) for x in lengths]
+    world = dist.get_world_size()
+    if len(lengths) != world or any(x < 0 for x in lengths):
+        raise ValueError(f"shard lengths {lengths} must be {world} non-negative integers (one per rank)")
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"collective impl={impl!r} is unknown; known: {', '.join(IMPLS)}")
+    return lengths
+
+
+def _all_gather_single():
+    # torch >= 2.10 names (the old ones still work but warn); looked up at call time.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t (rows first) padded with zeros to `rows` rows (zeros, not garbage: the pad is sent)."""
+    extra = rows - t.shape[0]
+    if extra == 0:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros((extra,) + tuple(t.shape[1:]))], dim=0)
+
+
+def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> torch.Tensor:
+    """The concatenation along `dim` of every rank's shard `x` (no autograd)."""
+    rank = dist.get_rank()
+    assert x.shape[dim] == lengths[rank], f"shard of length {x.shape[dim]} along dim {dim}, plan says {lengths[rank]}"
+    rows = x.movedim(dim, 0)
+    rest = tuple(rows.shape[1:])
+    if impl == "padded":
+        width = max(lengths)
+        if width == 0:
+            return x.clone()
+        out = rows.new_empty((width * len(lengths),) + rest)
+        _all_gather_single()(out, _pad_rows(rows, width))
+        parts = [out[i * width:i * width + n] for i, n in enumerate(lengths)]
+    else:
+        parts = []
+        for src, n in enumerate(lengths):
+            if n == 0:
+                parts.append(rows.new_empty((0,) + rest))
+                continue
+            buf = rows.contiguous().clone() if src == rank else rows.new_empty((n,) + rest)
+            dist.broadcast(buf, src=src)
+            parts.append(buf)
+    return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
+
+
+def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> torch.Tensor:
+    """This rank's slice along `dim` of the sum over ranks of `x` (no autograd)."""
+    rank = dist.get_rank()
+    assert x.shape[dim] == sum(lengths), f"length {x.shape[dim]} along dim {dim}, shards sum to {sum(lengths)}"
+    rows = x.movedim(dim, 0)
+    rest = tuple(rows.shape[1:])
+    pieces = torch.split(rows, lengths, dim=0)
+    if impl == "padded":
+        width = max(lengths)
+        if width == 0:
+            return x.clone()
+        out = rows.new_empty((width,) + rest)
+        _reduce_scatter_single()(out, torch.cat([_pad_rows(p, width) for p in pieces], dim=0))
+        mine = out[: lengths[rank]]
+    else:
+        mine = rows.new_empty((0,) + rest)
+        for dst, piece in enumerate(pieces):
+            if lengths[dst] == 0:
+                continue
+            buf = piece.contiguous().clone()  # reduce overwrites its buffer (also off the root)
+            dist.reduce(buf, dst=dst)
+            if dst == rank:
+                mine = buf
+    return mine.movedim(0, dim).contiguous()
+
+
+def _all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
+    out = x.contiguous().clone()  # never the caller's tensor: all_reduce works in place
+    dist.all_reduce(out)
+    return out
+
+
+def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_dim: int,
+                     dst_lengths: list[int]) -> torch.Tensor:
+    """From shards along src_dim to shards along dst_dim, one all_to_all_single of flat pieces."""
+    rank = dist.get_rank()
+    assert x.shape[src_dim] == src_lengths[rank] and x.shape[dst_dim] == sum(dst_lengths)
+    send = [p.contiguous().reshape(-1) for p in torch.split(x, dst_lengths, dim=dst_dim)]
+    shapes = []
+    for n in src_lengths:
+        shape = list(x.shape)
+        shape[src_dim] = n
+        shape[dst_dim] = dst_lengths[rank]
+        shapes.append(shape)
+    recv_sizes = [int(torch.Size(s).numel()) for s in shapes]
+    out = x.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, torch.cat(send) if send else x.new_empty(0), recv_sizes,
+                           [p.numel() for p in send])
+    parts = [flat.view(shape) for flat, shape in zip(torch.split(out, recv_sizes), shapes)]
+    return torch.cat(parts, dim=src_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, lengths, impl):
+        ctx.args = (dim, lengths, impl)
+        return _gather_impl(x, dim, lengths, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, lengths, impl = ctx.args
+        return _scatter_impl(grad, dim, lengths, impl), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, lengths, impl):
+        ctx.args = (dim, lengths, impl)
+        return _scatter_impl(x, dim, lengths, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, lengths, impl = ctx.args
+        return _gather_impl(grad, dim, lengths, impl), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce_impl(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_impl(grad)
+
+
+class _Replicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_impl(grad)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, src_lengths, dst_dim, dst_lengths):
+        ctx.args = (src_dim, src_lengths, dst_dim, dst_lengths)
+        return _all_to_all_impl(x, src_dim, src_lengths, dst_dim, dst_lengths)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src_dim, src_lengths, dst_dim, dst_lengths = ctx.args
+        return _all_to_all_impl(grad, dst_dim, dst_lengths, src_dim, src_lengths), None, None, None, None
+
+
+class _SfbLinear(torch.autograd.Function):
+    """y = x W^T + b on a batch shard x; backward all-gathers x and dy (the sufficient factors)
+    and computes the full dW and db on every rank, instead of all-reducing them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, lengths, impl):
+        ctx.save_for_backward(x, weight)
+        ctx.args = (dim, lengths, impl, bias is not None)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dim, lengths, impl, has_bias = ctx.args
+        grad = grad.contiguous()
+        dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        full_x = _gather_impl(x.contiguous(), dim, lengths, impl).reshape(-1, x.shape[-1])
+        full_dy = _gather_impl(grad, dim, lengths, impl).reshape(-1, grad.shape[-1])
+        dw = full_dy.t().matmul(full_x)
+        db = full_dy.sum(0) if has_bias else None
+        return dx, dw, db, None, None, None
+
+
+# Plain functions (not Function.apply) so generated code and tracebacks name them.
+
+def all_gather(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+    """Gather(dim) -> Identity. Backward: reduce-scatter of the gradient (same impl)."""
+    return _AllGather.apply(x, dim % max(x.dim(), 1), _check(lengths, impl), impl)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+    """Reduce -> Gather(dim): this rank's slice of the sum. Backward: all-gather (same impl)."""
+    return _ReduceScatter.apply(x, dim % max(x.dim(), 1), _check(lengths, impl), impl)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Reduce -> Identity, on a copy (the input is never modified). Backward: all-reduce."""
+    return _AllReduce.apply(x)
+
+
+def replicate(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient (a replicated parameter's use)."""
+    return _Replicate.apply(x)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_dim: int,
+               dst_lengths: Sequence[int]) -> torch.Tensor:
+    """Gather(src_dim) -> Gather(dst_dim) with uneven shards. Backward: the reverse all-to-all."""
+    nd = max(x.dim(), 1)
+    if src_dim % nd == dst_dim % nd:
+        raise ValueError(f"all_to_all from dim {src_dim} to the same dim: nothing to exchange")
+    return _AllToAll.apply(x, src_dim % nd, _check(src_lengths), dst_dim % nd, _check(dst_lengths))
+
+
+def sfb_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
+               lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+    """linear(x, weight, bias) on x sharded along `dim` (not the last) with the full weight;
+    the weight and bias gradients come out complete on every rank (no all-reduce needed)."""
+    if dim % x.dim() == x.dim() - 1:
+        raise ValueError("sfb_linear: x must be sharded along a batch-like dim, not the features")
+    return _SfbLinear.apply(x, weight, bias, dim % x.dim(), _check(lengths, impl), impl)
+
+
+def keep_first(x: torch.Tensor) -> torch.Tensor:
+    """Identity -> Reduce without communication: rank 0 keeps x, the others hold zeros."""
+    return x if dist.get_rank() == 0 else x * 0
+
+
+def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], rank: int | None = None) -> torch.Tensor:
+    """Identity -> Gather(dim) without communication: this rank's slice (backward pads zeros)."""
+    rank = dist.get_rank() if rank is None else rank
+    start = sum(lengths[:rank])
+    return x.narrow(dim, start, lengths[rank])

@@ -1,0 +1,200 @@
+"""Synthesized HAP programs run on 2-3 gloo workers train exactly like one device: same loss,
+same (reassembled) gradients, same parameters after 3 Adam steps, with uneven and empty shards,
+both all-gather implementations and SFB."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from bench.cluster import ClusterSpec
+from bench.flops import train_flops_per_sample
+from bench.interfaces import Plan, Workload
+from bench.launch import launch
+from bench.shares import round_shares
+from bench.simulate import virtual_devices
+from bench.worker import Case
+from methods.capture import capture_config
+from methods.hap.balance import batch_shares
+from methods.hap.planner import PLAN_FORMAT_VERSION
+from methods.hap.runtime import FixedPlanMethod
+from methods.hap.search import CostModel, comm_to_json, shard_units, synthesize
+from methods.hap.theory import derive_theory
+
+pytestmark = pytest.mark.e2e
+
+MODELS = {"vgg19": "VGG19Config", "vit": "ViTConfig", "bert": "BertConfig", "bert_moe": "BertMoEConfig"}
+STEPS = 3
+
+
+def make_cluster(n: int, machines: list[int] | None = None) -> ClusterSpec:
+    """n devices, one machine each (or `machines` devices per machine), not emulated
+    (equivalence needs no timing); machine-level virtual devices when `machines` is given."""
+    machines = machines or [1] * n
+    assert sum(machines) == n
+    return ClusterSpec.from_config({
+        "name": f"test{n}", "emulated": False, "virtual_device": "machine" if len(machines) < n else "gpu",
+        "machines": [{"count": 1, "device": "cpu", "num_devices": k} for k in machines],
+        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
+    }).with_host_flops(1e10)
+
+
+def make_workload(model: str, n: int, global_batch: int) -> Workload:
+    cfg = getattr(importlib.import_module(f"models.{model}"), MODELS[model]).from_preset("tiny", num_devices=n)
+    return Workload(model, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
+
+
+def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list[float], sfb: bool = True) -> Plan:
+    """A HAP plan synthesized at fixed ratios per virtual device (the planner's pieces, without
+    its LP); batch shares per rank as the planner gives them (a machine's share split evenly)."""
+    granularity = cluster.virtual_device
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    theory = derive_theory(graph, sfb=sfb)
+    res = synthesize(theory, CostModel(theory, cluster, granularity, [ratios]))
+    details = {
+        "plan_format": PLAN_FORMAT_VERSION, "loss": graph.loss, "ratios": [ratios], "granularity": granularity,
+        "steps": [s.to_json(graph) for s in res.steps],
+        "final_comms": [comm_to_json(c) for c in res.final_comms],
+        "shard_units": {str(k): v for k, v in shard_units(res.steps, graph).items()},
+    }
+    shares = []
+    for v, share in zip(virtual_devices(cluster, granularity), batch_shares(workload.global_batch, ratios)):
+        shares += round_shares(share, [1.0] * len(v.ranks))
+    return Plan("hap", shares, details, None, [ratios])
+
+
+def single_device(workload: Workload, seed: int, steps: int, lr: float, grad_clip: float = 0.0):
+    """Losses of every step, gradients of the last step (after clipping) and parameters after
+    `steps` Adam steps of single-device training on the global batch."""
+    model = workload.build(seed)
+    data = workload.model_cfg.dataset("synthetic", None, "train", seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for it in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*data.batch(it, 0, workload.global_batch, workload.global_batch)) / workload.targets_per_iter
+        loss.backward()
+        losses.append(loss.item())
+        if grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            assert norm > grad_clip, "the test clips nothing: lower grad_clip"
+        opt.step()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_case(model: str, ratios: list[float], global_batch: int = 7, machines: list[int] | None = None, **options):
+    n = sum(machines) if machines else len(ratios)
+    workload = make_workload(model, n, global_batch)
+    cluster = make_cluster(n, machines)
+    plan = plan_at_ratios(workload, cluster, ratios)
+    method = FixedPlanMethod(plan, mirror_full_state=True, **options)
+    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
+                measured_iters=STEPS, return_state=True)
+    results = launch(case, n, timeout_s=120)
+    return workload, plan, results
+
+
+def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0) -> None:
+    losses, grads, params = single_device(workload, 0, STEPS, lr, grad_clip)
+    dist_losses = [sum(r["loss_sums"][i] for r in results) / workload.targets_per_iter for i in range(STEPS)]
+    np.testing.assert_allclose(dist_losses, losses, rtol=1e-5)
+    got = results[0]["grads"]  # the last step's gradients, reassembled from every rank's shards
+    assert set(got) == set(grads)
+    # fp32 sums in another order differ by a few ulps of the terms summed, not of the result:
+    # the absolute floor is relative to the model's largest gradient.
+    scale = max(g.abs().max().item() for g in grads.values())
+    for name, ref in grads.items():
+        np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+    for name, ref in params.items():
+        if grads[name].abs().max() < 1e-3 * scale:
+            continue  # zero in exact arithmetic (attention key bias): float noise Adam scales up
+        np.testing.assert_allclose(results[0]["params"][name], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def compiled(model: str, ratios: list[float], **options):
+    """Rank 0's compiled program, built in this process (no collectives run)."""
+    from methods.hap.codegen import CodegenOptions, RankProgram
+
+    workload = make_workload(model, len(ratios), 7)
+    plan = plan_at_ratios(workload, make_cluster(len(ratios)), ratios)
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    return RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, len(ratios),
+                       CodegenOptions(**options))
+
+
+# Every model on 3 devices with an empty shard (on the first, middle or last rank), one model on
+# 2 devices; each all-gather implementation forced in two cases, SFB forced in three, the plan's
+# own choices in one, global-norm clipping in one; replicated gradients all-reduced in DDP-like
+# buckets (one bucket, many small ones) or, in one case, by replicate() per use; one plan over
+# machine-level virtual devices (2 machines, 3 GPUs) run with each machine's ratio split evenly.
+CASES = [
+    pytest.param("vgg19", [0.6, 0.0, 0.4], dict(force_impl="padded"), id="vgg19-3dev-empty1-padded"),
+    pytest.param("vgg19", [0.7, 0.3], dict(force_impl="grouped", force_sfb=True, bucket_grads=False),
+                 id="vgg19-2dev-grouped-sfb-replicate"),
+    pytest.param("vit", [0.0, 0.5, 0.5], dict(force_impl="grouped", force_sfb=True, bucket_cap_mb=0.01),
+                 id="vit-3dev-empty0-grouped-sfb-small-buckets"),
+    pytest.param("bert", [0.5, 0.0, 0.5], dict(force_impl="padded", force_sfb=True, grad_clip=0.05),
+                 id="bert-3dev-empty1-padded-sfb-clip"),
+    pytest.param("bert_moe", [0.5, 0.3, 0.0], dict(), id="bert_moe-3dev-empty2-planned"),
+    pytest.param("bert", [0.6, 0.4], dict(machines=[2, 1]), id="bert-3dev-2machines-planned"),
+]
+
+
+@pytest.mark.parametrize("model,ratios,options", CASES)
+def test_synthesized_program_trains_exactly_like_one_device(model, ratios, options):
+    workload, plan, results = run_case(model, ratios, **options)
+    assert [r["rank"] for r in results] == list(range(sum(options.get("machines") or [1] * len(ratios))))
+    assert sum(plan.batch_shares) == 7 and (0 in plan.batch_shares) == (0.0 in ratios)
+    check_equivalence(workload, results, grad_clip=options.get("grad_clip", 0.0))
+
+
+def test_forced_options_reach_the_generated_code():
+    sfb = compiled("bert", [0.5, 0.0, 0.5], force_sfb=True, force_impl="grouped").summary()
+    assert len(sfb["sfb"]) >= 4 and sfb["sfb_impl"] == "grouped"
+    assert all(not k.endswith("/padded") for k in sfb["collectives"])
+    vgg = compiled("vgg19", [0.6, 0.0, 0.4], force_impl="padded").summary()
+    kinds = {k.split("/")[0] for k in vgg["collectives"]}
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= kinds or {"all_to_all", "reduce_scatter"} <= kinds
+    assert vgg["sharded_params"] and vgg["replicated_params"]
+    assert all(not k.endswith("/grouped") for k in vgg["collectives"])
+
+
+def test_plan_for_another_model_or_batch_fails_before_workers_start():
+    from methods.hap.codegen import PlanMismatchError
+
+    workload = make_workload("bert", 2, 7)
+    cluster = make_cluster(2)
+    plan = plan_at_ratios(make_workload("vit", 2, 7), cluster, [0.5, 0.5])
+    with pytest.raises(PlanMismatchError, match="another model or preset"):
+        FixedPlanMethod(plan).plan(workload, cluster)
+    plan = plan_at_ratios(workload, cluster, [0.5, 0.5])
+    with pytest.raises(PlanMismatchError, match="global batch is 9"):
+        FixedPlanMethod(plan).plan(make_workload("bert", 2, 9), cluster)
+    with pytest.raises(PlanMismatchError, match="3 ranks"):
+        FixedPlanMethod(plan).plan(workload, make_cluster(3))
+
+
+def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
+    from types import SimpleNamespace
+
+    from bench.emulation import Emulator
+    from methods.hap.runtime import HapTrainer
+
+    weight = torch.nn.Parameter(torch.ones(2))
+
+    class NanProgram:  # what a rank's program returns when its shard's loss overflowed
+        params, grad_sync, sharded, param_layouts = {"w": weight}, [], {"w"}, {"w": 0}
+
+        def __call__(self, x):
+            return (weight * x).sum() * float("nan")
+
+    ctx = SimpleNamespace(rank=1, emulator=Emulator(make_cluster(2), 1, enabled=False),
+                          workload=make_workload("bert", 2, 7))
+    trainer = HapTrainer(NanProgram(), ctx)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 0 on rank 1"):
+        trainer.step((torch.ones(2),))
+    assert torch.equal(weight.detach(), torch.ones(2))  # no update

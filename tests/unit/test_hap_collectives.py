@@ -1,0 +1,145 @@
+"""methods.hap.collectives on 2 and 3 gloo processes with uneven and empty shards: forward and
+backward of every collective equal a single-process float64 reference."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from methods.hap import collectives as C
+
+LENGTHS = {2: [3, 2], 3: [3, 0, 2]}
+
+
+def _shard(t: torch.Tensor, dim: int, lengths, rank: int) -> torch.Tensor:
+    return t.narrow(dim, sum(lengths[:rank]), lengths[rank])
+
+
+def _close(a, b, what):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), f"{what}: max err {(a - b).abs().max().item()}"
+
+
+def _checks(rank: int, n: int) -> None:
+    lengths = LENGTHS[n]
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(7)
+    f64 = dict(dtype=torch.float64)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, **f64)
+
+    # The same random full tensors on every rank; per-rank pieces are taken from them.
+    for dim in (0, 1):
+        shape = [4, 4]
+        shape[dim] = total
+        for impl in C.IMPLS:
+            # all_gather: out Identity; grads g_r on each rank (partial), dx = slice of sum g.
+            full = rand(*shape)
+            grads = [rand(*shape) for _ in range(n)]
+            x = _shard(full, dim, lengths, rank).clone().requires_grad_()
+            y = C.all_gather(x, dim, lengths, impl)
+            _close(y, full, f"all_gather {impl} dim {dim} forward")
+            y.backward(grads[rank])
+            _close(x.grad, _shard(sum(grads), dim, lengths, rank), f"all_gather {impl} backward")
+
+            # reduce_scatter: partials p_r, out slice of sum; grad shards g_r -> dx = cat(g).
+            partials = [rand(*shape) for _ in range(n)]
+            gfull = rand(*shape)
+            x = partials[rank].clone().requires_grad_()
+            y = C.reduce_scatter(x, dim, lengths, impl)
+            _close(y, _shard(sum(partials), dim, lengths, rank), f"reduce_scatter {impl} dim {dim} forward")
+            y.backward(_shard(gfull, dim, lengths, rank))
+            _close(x.grad, gfull, f"reduce_scatter {impl} backward")
+
+    # all_reduce never touches its input; backward sums the gradients.
+    partials = [rand(3, 2) for _ in range(n)]
+    grads = [rand(3, 2) for _ in range(n)]
+    x = partials[rank].clone().requires_grad_()
+    before = x.detach().clone()
+    y = C.all_reduce(x)
+    _close(x.detach(), before, "all_reduce input untouched")
+    _close(y, sum(partials), "all_reduce forward")
+    y.backward(grads[rank])
+    _close(x.grad, sum(grads), "all_reduce backward")
+
+    # replicate: identity forward, all-reduce backward.
+    w = rand(2, 3)
+    x = w.clone().requires_grad_()
+    y = C.replicate(x)
+    _close(y, w, "replicate forward")
+    (y * grads[rank].t()).sum().backward()
+    _close(x.grad, sum(grads).t(), "replicate backward")
+
+    # all_to_all between two dims with different uneven splits of each.
+    other = [1, 3] if n == 2 else [2, 2, 0]
+    full = rand(total, 4, sum(other))
+    gfull = rand(total, 4, sum(other))
+    for (sd, sl), (dd, dl) in [((0, lengths), (2, other)), ((2, other), (0, lengths))]:
+        x = _shard(full, sd, sl, rank).clone().requires_grad_()
+        y = C.all_to_all(x, sd, sl, dd, dl)
+        _close(y, _shard(full, dd, dl, rank), f"all_to_all {sd}->{dd} forward")
+        y.backward(_shard(gfull, dd, dl, rank))
+        _close(x.grad, _shard(gfull, sd, sl, rank), f"all_to_all {sd}->{dd} backward")
+
+    # SFB linear: x sharded along a batch-like dim, weight replicated; the weight gradient
+    # comes out whole on every rank, equal to the single-device gradient.
+    for dim in (0, 1):
+        shape = [total, 4, 5] if dim == 0 else [2, total, 5]
+        X, W, b = rand(*shape), rand(6, 5), rand(6)
+        G = rand(*shape[:-1], 6)
+        Xr, Wr, br = (t.clone().requires_grad_() for t in (X, W, b))
+        (F.linear(Xr, Wr, br) * G).sum().backward()
+        for impl in C.IMPLS:
+            x = _shard(X, dim, lengths, rank).clone().requires_grad_()
+            w, bb = W.clone().requires_grad_(), b.clone().requires_grad_()
+            y = C.sfb_linear(x, w, bb, dim, lengths, impl)
+            _close(y, _shard(F.linear(X, W, b), dim, lengths, rank), f"sfb {impl} forward")
+            (y * _shard(G, dim, lengths, rank)).sum().backward()
+            _close(x.grad, _shard(Xr.grad, dim, lengths, rank), f"sfb {impl} dx")
+            _close(w.grad, Wr.grad, f"sfb {impl} dW")
+            _close(bb.grad, br.grad, f"sfb {impl} db")
+
+    # keep_first and shard need no communication.
+    x = rand(3).requires_grad_()
+    y = C.keep_first(x)
+    _close(y, x.detach() if rank == 0 else torch.zeros(3, **f64), "keep_first")
+    y.sum().backward()
+    _close(x.grad, torch.full((3,), 1.0 if rank == 0 else 0.0, **f64), "keep_first backward")
+
+
+def _entry(rank: int, n: int, port: int, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    try:
+        _checks(rank, n)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_forward_and_backward_match_single_process_with_uneven_and_empty_shards(n):
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    mp.start_processes(_entry, args=(n, _free_port(), errors), nprocs=n, join=True, start_method="spawn")
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, "\n".join(f"rank {r}:\n{tb}" for r, tb in found)
+
