@@ -1,0 +1,183 @@
+"""Throughput regression check against committed baselines (results/baselines/regression.json).
+
+    python -m bench.regress                 # compute the figures, compare, exit 1 on a regression
+    python -m bench.regress --rebaseline    # deliberately write new baselines (commit + versions)
+
+Figures: simulated iteration time of every sim-capable method on every model at paper scale
+(deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
+and throughput ratios to dp_ev measured in one real run on an emulated cluster (noisy: wide).
+It does not decide what is fast; it says what changed since the baseline and by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from rich.console import Console
+from rich.table import Table
+
+from bench.records import fingerprint
+from bench.run import CONF_DIR, group_options, new_record, prepare_case, run_case
+
+BASELINE_FILE = CONF_DIR.parent / "results" / "baselines" / "regression.json"
+MODELS = ("vgg19", "vit", "bert", "bert_moe")
+SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
+REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",
+             "measured_iters=40")
+
+# Per kind of figure: (better direction, relative tolerance before a change counts as a regression)
+TOLERANCE = {
+    "sim_iter_time_s": ("lower", 0.01),  # deterministic: any real change shows
+    "states_expanded": ("lower", 0.10),  # deterministic, but search tweaks move it a little
+    "planner_time_s": ("lower", 2.00),  # wall clock on a shared 2-core machine: only gross slowdowns
+    "speedup_vs_dp_ev": ("higher", 0.35),  # measured on emulated devices in one run: noisy
+}
+
+
+@dataclass
+class Change:
+    figure: str
+    baseline: float | None
+    new: float | None
+    regressed: bool
+
+    @property
+    def change(self) -> float | None:
+        if self.baseline in (None, 0) or self.new is None:
+            return None
+        return self.new / self.baseline - 1
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["wandb.mode=disabled", *overrides])
+    if "cache_dir" in cfg.method:  # plan every time: a cache hit would hide the planner's time
+        cfg.method.cache_dir = None
+    return cfg
+
+
+def _methods(mode: str) -> list[str]:
+    return [m for m in sorted(group_options("method"))
+            if mode in getattr(instantiate(_compose(f"method={m}").method), "modes", ())]
+
+
+def sim_figures() -> dict[str, float]:
+    """Deterministic figures: predicted iteration time, planner effort and time per case."""
+    out = {}
+    for model in MODELS:
+        for method in _methods("sim"):
+            cfg = _compose(*SIM_CASE, f"model={model}", f"method={method}")
+            record = new_record(cfg)
+            try:
+                prepare_case(cfg, record)
+            except Exception as exc:  # an unplannable case is a figure too: it has no value
+                print(f"note: {model}/{method}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            key = f"{model}/paper_hetero/{method}"
+            out[f"sim_iter_time_s:{key}"] = record.predicted_iter_time_s
+            if record.plan and "states_expanded" in record.plan:
+                out[f"states_expanded:{key}"] = float(record.plan["states_expanded"])
+                out[f"planner_time_s:{key}"] = record.planner_time_s
+    return out
+
+
+def measured_figures() -> dict[str, float]:
+    """Throughput of each real-capable method over dp_ev, measured back to back in one run."""
+    out, rates = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in _methods("real"):
+            cfg = _compose(*REAL_CASE, f"method={method}", f"results_dir={tmp}")
+            record = run_case(cfg)
+            if record.status == "ok":
+                rates[method] = record.samples_per_s
+    for method, rate in rates.items():
+        if method != "dp_ev" and "dp_ev" in rates:
+            out[f"speedup_vs_dp_ev:bert-tiny/local_hetero2/{method}"] = rate / rates["dp_ev"]
+    return out
+
+
+def compare(baseline: dict[str, float], new: dict[str, float]) -> list[Change]:
+    changes = []
+    for figure in sorted(set(baseline) | set(new)):
+        kind = figure.split(":", 1)[0]
+        better, tol = TOLERANCE[kind]
+        old, cur = baseline.get(figure), new.get(figure)
+        if old is None or cur is None:
+            # A figure that disappeared (a case stopped planning) is a regression; a new one is not.
+            changes.append(Change(figure, old, cur, regressed=cur is None))
+            continue
+        worse = cur > old * (1 + tol) if better == "lower" else cur < old * (1 - tol)
+        changes.append(Change(figure, old, cur, regressed=worse))
+    return changes
+
+
+def report_table(changes: list[Change], baseline_commit: str | None) -> Table:
+    table = Table(title=f"regression check against baseline {str(baseline_commit)[:10]}")
+    for col in ("figure", "baseline", "new", "change", "baseline commit", "verdict"):
+        table.add_column(col, justify="left" if col in ("figure", "verdict") else "right")
+    for c in changes:
+        table.add_row(
+            c.figure, "-" if c.baseline is None else f"{c.baseline:.6g}",
+            "-" if c.new is None else f"{c.new:.6g}",
+            "-" if c.change is None else f"{c.change:+.1%}", str(baseline_commit)[:10],
+            "REGRESSION" if c.regressed else "ok",
+        )
+    return table
+
+
+def render(table: Table) -> str:
+    buffer = io.StringIO()
+    Console(file=buffer, width=160).print(table)
+    return buffer.getvalue()
+
+
+def load_baseline(path: Path = BASELINE_FILE) -> dict:
+    if not path.exists():
+        raise SystemExit(f"error: no baseline at {path}; create one with "
+                         "`python -m bench.regress --rebaseline` and commit it")
+    return json.loads(path.read_text())
+
+
+def write_baseline(figures: dict[str, float], path: Path = BASELINE_FILE) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"created": datetime.now(timezone.utc).isoformat(), **fingerprint(),
+            "tolerance": TOLERANCE, "figures": figures}
+    path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(figures)} figures to {path}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rebaseline", action="store_true", help="write new baselines")
+    parser.add_argument("--no-measured", action="store_true", help="skip the real-run ratios")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    figures = sim_figures()
+    if not args.no_measured:
+        figures.update(measured_figures())
+    if args.rebaseline:
+        write_baseline(figures)
+        return 0
+    base = load_baseline()
+    expected = base["figures"]
+    if args.no_measured:
+        expected = {k: v for k, v in expected.items() if not k.startswith("speedup_vs_dp_ev:")}
+    changes = compare(expected, figures)
+    print(render(report_table(changes, base.get("git_sha"))))
+    bad = [c for c in changes if c.regressed]
+    print(f"{len(changes)} figures, {len(bad)} regressions, {time.perf_counter() - start:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

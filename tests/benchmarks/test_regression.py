@@ -1,0 +1,33 @@
+"""CI's throughput regression check: today's figures against results/baselines/regression.json.
+
+Fails with the table (figure, baseline, new, change, baseline commit) when a figure got worse than
+its tolerance. Re-baselining is deliberate: `python -m bench.regress --rebaseline`, then commit.
+"""
+
+import pytest
+
+from bench import regress
+
+pytestmark = pytest.mark.e2e
+
+
+def _report(changes, commit) -> str:
+    return regress.render(regress.report_table(changes, commit))
+
+
+def test_no_throughput_regression_against_the_committed_baseline():
+    base = regress.load_baseline()
+    figures = regress.sim_figures()
+    figures.update(regress.measured_figures())
+    changes = regress.compare(base["figures"], figures)
+    bad = [c for c in changes if c.regressed]
+    assert not bad, "throughput regression:\n" + _report(changes, base.get("git_sha"))
+
+
+def test_the_check_flags_a_worse_plan_and_a_lost_case():
+    base = {"sim_iter_time_s:a": 1.0, "sim_iter_time_s:b": 1.0, "speedup_vs_dp_ev:c": 1.5}
+    new = {"sim_iter_time_s:a": 1.02, "speedup_vs_dp_ev:c": 1.4}
+    verdict = {c.figure: c.regressed for c in regress.compare(base, new)}
+    assert verdict == {"sim_iter_time_s:a": True, "sim_iter_time_s:b": True,
+                       "speedup_vs_dp_ev:c": False}
+    assert "REGRESSION" in _report(regress.compare(base, new), "abc")
