@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import Counter
 from typing import Any
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.cluster import ClusterSpec
 from bench.interfaces import Plan
 from bench.simulate import simulate, virtual_devices
 
@@ -47,7 +46,7 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
         for s, row in enumerate(plan.ratios):
             cells = " ".join(f"{r:.4f}" for r in row)
             lines.append(f"  [{s}] {cells}")
-        lines.append("virtual devices: " + ", ".join(f"{v.index}: {v.num_gpus} GPU(s) {v.flops / 1e12:.1f} TFLOP/s" for v in vdevs))
+        lines.append("virtual devices: " + ", ".join(f"{v.index}: {v.num_gpus} GPU(s) {v.flops / 1e12:.3g} TFLOP/s" for v in vdevs))
         kinds: Counter = Counter()
         times: Counter = Counter()
         for st, (comm, _) in zip(plan.program.stages, sim.stage_times):
@@ -98,26 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from bench.plan_cache import plan_to_json
-    from bench.run import CONF_DIR, _instantiate, build_workload, check_group_choices
+    from bench.run import CONF_DIR, check_group_choices, new_record, prepare_case
 
     try:
         check_group_choices(args.overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=list(args.overrides))
-        cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-        if cluster.emulated:
-            raise ConfigError(f"cluster={cluster.name} is emulated (its FLOP/s are measured at run time); plan a real cluster spec")
-        method = _instantiate(cfg.method, "method")
-        workload = build_workload(cfg, cluster)
-        start = time.perf_counter()
-        plan = method.plan(workload, cluster)
-        elapsed = time.perf_counter() - start
+            # The runner's own preparation (validation, host speed on emulated clusters, the
+            # plan); mode=sim: nothing here needs the cluster's devices.
+            cfg = compose("config", overrides=[*args.overrides, "mode=sim", "wandb.mode=disabled"])
+        record = new_record(cfg)
+        case = prepare_case(cfg, record)
     except ValueError as exc:  # ConfigError and the planners' clear errors
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    plan, cluster, workload, elapsed = case.plan, case.cluster, case.workload, record.planner_time_s
     print(f"{workload.name} ({workload.preset}), global batch {workload.global_batch}")
     print(format_plan(plan, cluster, max_steps=None if args.all else 60, planner_time_s=elapsed))
     if args.json:

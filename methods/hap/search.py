@@ -192,7 +192,7 @@ class CostModel:
         """(forward, backward) stage of a step; param_sync=False leaves out the gradient
         all-reduce of replicated parameters (build_program buckets and overlaps them)."""
         fwd_flops, bwd_flops, sfb = self.rule_parts(step.node, step.rule)
-        fwd_c: list[Collective] = []
+        fwd_c = [g for t, lay in step.sources if (g := self.input_gather(t, lay)) is not None]
         bwd_c: list[Collective] = []
         for c in step.comms:
             f, b = self.comm_collectives(c)
@@ -224,13 +224,26 @@ class CostModel:
             self._rule_cost[key] = self.stage_time(Stage((), fwd)) + self.stage_time(Stage(tuple(extra), bwd))
         return self._rule_cost[key]
 
+    def input_gather(self, tensor: str, layout: Layout) -> Collective | None:
+        """Each rank loads only its share of an input (batch dim 0); any other layout costs an
+        all-gather of the input at run time (methods/hap/codegen.py does a padded one)."""
+        node = self.graph[tensor]
+        if node.kind != "placeholder" or layout == 0 or not node.shape or node.shape[0] <= 1:
+            return None
+        return Collective("all_gather", Affine.sharded(float(node.nbytes)), "padded",
+                          label=f"{tensor} (input)")
+
     def source_time(self, tensor: str, layout: Layout, rule: Rule) -> float:
         """Backward gradient sync of a parameter created in `layout` (plus the intra-machine
-        all-reduce of its gradient when a device is a machine)."""
+        all-reduce of its gradient when a device is a machine), or the all-gather of an input
+        created in another layout than the one each rank loads."""
         key = (tensor, layout, rule.sfb)
         if key not in self._param_cost:
             node = self.graph[tensor]
             t = 0.0
+            gather = self.input_gather(tensor, layout)
+            if gather is not None:
+                t = collective_time(gather, self.cluster, self.vdevs, self.ratios)
             if node.is_param:
                 colls = []
                 if layout == IDENTITY and not rule.sfb:
