@@ -63,12 +63,13 @@ class Device:
     machine: int
     type: DeviceType
     speed: float  # multiplier on the type's effective FLOP/s
+    step_overhead_s: float = 0.0  # seconds per training step that do not scale with the batch
 
     @property
     def effective_flops(self) -> float:
         if self.type.effective_flops is None:
             raise ValueError(
-                f"device type {self.type.name!r} has no FLOP/s yet: call ClusterSpec.with_host_flops"
+                f"device type {self.type.name!r} has no FLOP/s yet: call ClusterSpec.with_host_speed"
             )
         return self.type.effective_flops * self.speed
 
@@ -92,6 +93,7 @@ class ClusterSpec:
     emulated: bool = False  # True: worker processes on this host with emulated speeds and links
     virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
     host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
+    host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,7 +108,9 @@ class ClusterSpec:
             )
             for _ in range(g.count):
                 for _ in range(g.num_devices):
-                    devices.append(Device(len(devices), machine, dtype, g.speed))
+                    # A slower emulated device takes 1/speed as long for everything it computes.
+                    overhead = self.host_step_overhead_s / g.speed if g.device == "cpu" else 0.0
+                    devices.append(Device(len(devices), machine, dtype, g.speed, overhead))
                 machine += 1
         object.__setattr__(self, "devices", tuple(devices))
 
@@ -126,13 +130,14 @@ class ClusterSpec:
     def total_effective_flops(self) -> float:
         return sum(d.effective_flops for d in self.devices)
 
-    def with_host_flops(self, flops: float) -> "ClusterSpec":
-        """The same cluster with the host worker's measured FLOP/s filled in."""
-        return replace(self, host_flops=flops)
+    def with_host_speed(self, flops: float, step_overhead_s: float = 0.0) -> "ClusterSpec":
+        """The same cluster with the host worker's measured speed filled in (bench.flops)."""
+        return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s)
 
     def fingerprint(self) -> str:
         """Short hash of everything that defines the cluster (not the host measurement)."""
-        body = {k: v for k, v in asdict(self).items() if k not in ("devices", "host_flops")}
+        body = {k: v for k, v in asdict(self).items()
+                if k not in ("devices", "host_flops", "host_step_overhead_s")}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def describe(self) -> str:

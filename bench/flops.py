@@ -7,6 +7,7 @@ in MFU reports and of the ideal time in DESIGN.md.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -25,32 +26,46 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
     return counter.get_total_flops() / samples
 
 
-_host_flops_cache: dict[tuple, float] = {}
+_host_speed_cache: dict[tuple, tuple[float, float]] = {}
 
 
-def measure_host_flops(workload: Workload, batch_size: int, seed: int, repeats: int = 5) -> float:
-    """FLOP/s one worker thread sustains on this workload: the speed of an emulated device of
-    speed 1.0. Runs a few forward+backward passes single-threaded, as the workers do, and keeps
-    the fastest (the ideal time is a bound). Cached per workload in this process, so every
-    method of one comparison is held to the same ideal."""
-    key = (workload.name, repr(workload.model_cfg), batch_size, seed)
-    if key in _host_flops_cache:
-        return _host_flops_cache[key]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = workload.build(seed)
-        gen = torch.Generator().manual_seed(seed)
-        batch = workload.model_cfg.synthetic_batch(max(batch_size, 1), gen)
-        times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            model(*batch).backward()
-            if i:  # the first pass pays for allocation and lazy initialisation
-                times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(threads)
-    flops = workload.flops_per_sample * max(batch_size, 1) / min(times)
-    _host_flops_cache[key] = flops
-    return flops
+def measure_host_speed(workload: Workload, batch_size: int, seed: int,
+                       repeats: int = 21) -> tuple[float, float]:
+    """How fast one worker thread trains this workload: the emulated device of speed 1.0.
+
+    Times whole training steps (forward, backward, Adam) single-threaded, as the workers run
+    them, at `batch_size` and twice that, and splits a step into a part per sample and a part
+    per step (optimizer, per-op dispatch: the same whatever a rank's share).
+
+    Returns:
+        (FLOP/s of the per-sample part, seconds of the per-step part). Cached per workload in
+        this process, so every method of one comparison is held to the same numbers.
+    """
+    b = max(batch_size, 1)
+    key = (workload.name, repr(workload.model_cfg), b, seed)
+    if key not in _host_speed_cache:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t1, t2 = (_median_step_time(workload, n, seed, repeats) for n in (b, 2 * b))
+        finally:
+            torch.set_num_threads(threads)
+        per_sample = max(t2 - t1, 0.5 * t1) / b  # noise must not make the fixed part negative
+        fixed = max(t1 - per_sample * b, 0.0)
+        _host_speed_cache[key] = (workload.flops_per_sample / per_sample, fixed)
+    return _host_speed_cache[key]
+
+
+def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: int) -> float:
+    model = workload.build(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    batch = workload.model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model(*batch).backward()
+        optimizer.step()
+        if i >= 2:  # the first steps pay for allocation and lazy initialisation
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -61,6 +61,7 @@ class RunRecord:
     loss_last: float | None = None
     flops_per_iter: float | None = None
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
+    host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes
     plan: dict | None = None
     case_key: str = ""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

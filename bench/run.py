@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
-from bench.flops import measure_host_flops, train_flops_per_sample
+from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
 from bench.log import MODES as WANDB_MODES
@@ -163,8 +163,9 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         _check_hardware(cluster, world_size)
     if cluster.emulated:
         per_device = -(-workload.global_batch // cluster.num_devices)
-        record.host_flops_per_s = measure_host_flops(workload, per_device, cfg.seed)
-        cluster = cluster.with_host_flops(record.host_flops_per_s)
+        record.host_flops_per_s, record.host_step_overhead_s = measure_host_speed(
+            workload, per_device, cfg.seed)
+        cluster = cluster.with_host_speed(record.host_flops_per_s, record.host_step_overhead_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
         f"simulated {cluster.describe()}, planned on {platform.node()}")

@@ -187,7 +187,9 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)
     return SimResult(
-        iter_time_s=max(compute_end, comm_end),
+        # Per-step work that does not scale with the batch (optimizer, dispatch), as measured
+        # for emulated devices (bench.flops); after the last stage, on the slowest device.
+        iter_time_s=max(compute_end, comm_end) + max(d.step_overhead_s for d in cluster.devices),
         stage_times=stage_times,
         comm_time_s=sum(c for c, _ in stage_times),
         compute_time_s=sum(p for _, p in stage_times),

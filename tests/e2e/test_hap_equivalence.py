@@ -39,7 +39,7 @@ def make_cluster(n: int, machines: list[int] | None = None) -> ClusterSpec:
         "name": f"test{n}", "emulated": False, "virtual_device": "machine" if len(machines) < n else "gpu",
         "machines": [{"count": 1, "device": "cpu", "num_devices": k} for k in machines],
         "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
-    }).with_host_flops(1e10)
+    }).with_host_speed(1e10)
 
 
 def make_workload(model: str, n: int, global_batch: int) -> Workload:

@@ -31,7 +31,7 @@ def test_link_between_picks_the_slowest_level():
 
 def test_emulated_cpu_devices_take_the_measured_host_speed():
     cfg = compose_config("cluster=local_hetero2")
-    spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_flops(1e10)
+    spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10)
     assert [d.effective_flops for d in spec.devices] == pytest.approx([1e10, 0.4e10])
 
 
@@ -81,3 +81,14 @@ def test_invalid_cluster_fields_name_the_field_and_value(path, value, needle):
         ClusterSpec.from_config(_broken(path, value))
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
+    from bench.program import Program
+    from bench.simulate import simulate
+
+    cfg = compose_config("cluster=local_hetero2")
+    spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, step_overhead_s=0.002)
+    assert [d.step_overhead_s for d in spec.devices] == pytest.approx([0.002, 0.005])
+    empty = Program((), 2)
+    assert simulate(empty, spec, [[0.5, 0.5]]).iter_time_s == pytest.approx(0.005)
