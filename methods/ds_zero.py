@@ -275,20 +275,6 @@ def skip_shm_comm_op(deepspeed) -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-class ExpertFFN(nn.Module):
-    """One expert for DeepSpeed's MoE: Linear(d, d_ff) -> GELU -> Linear(d_ff, d), the shape of
-    one expert of models.bert_moe.MoE."""
-
-    def __init__(self, d_model: int, d_ff: int):
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(d_ff, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class DeepSpeedMoEBlock(nn.Module):
     """DeepSpeed's MoE layer with our MoE's call signature: (B,S,d) -> (B,S,d).
 
@@ -324,7 +310,7 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
             raise ValueError(f"MoE layer with {ours.num_experts} experts, top-{ours.top_k}; the plan "
                              f"expected {moe['num_experts']} experts, top-{moe['k']}")
         theirs = deepspeed.moe.layer.MoE(
-            hidden_size=moe["d_model"], expert=ExpertFFN(moe["d_model"], moe["d_ff"]),
+            hidden_size=moe["d_model"], expert=ours.expert(first),  # a template, copied per expert
             num_experts=moe["num_experts"], ep_size=moe["ep_size"], k=moe["k"],
             capacity_factor=moe["capacity_factor"], eval_capacity_factor=moe["eval_capacity_factor"],
             min_capacity=moe["min_capacity"], drop_tokens=True, use_residual=False,
@@ -333,11 +319,7 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
         with torch.no_grad():
             theirs.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
             for j, expert in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
-                e = first + j
-                expert.fc1.weight.copy_(ours.w1[e].t())
-                expert.fc1.bias.copy_(ours.b1[e])
-                expert.fc2.weight.copy_(ours.w2[e].t())
-                expert.fc2.bias.copy_(ours.b2[e])
+                expert.load_state_dict(ours.expert(first + j).state_dict())
         return DeepSpeedMoEBlock(theirs)
 
     return replace_moe_layers(model, factory)

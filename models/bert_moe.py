@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.bert import LM_PRESETS, BertConfig
-from models.common import INIT_STD, init_transformer_weights
+from models.common import INIT_STD, FeedForward, init_transformer_weights
 
 
 def moe_capacity(seq_len: int, num_experts: int, capacity_factor: float) -> int:
@@ -113,6 +113,17 @@ class MoE(nn.Module):
             dispatch = route if dispatch is None else dispatch + route
             combine = weighted if combine is None else combine + weighted
         return dispatch, combine
+
+    def expert(self, e: int) -> FeedForward:
+        """Expert `e` as a standalone FeedForward with a copy of its weights (for another MoE
+        implementation to start from the same experts)."""
+        ffn = FeedForward(self.w1.shape[1], self.w1.shape[2]).to(self.w1.device)
+        with torch.no_grad():
+            ffn.fc1.weight.copy_(self.w1[e].t())
+            ffn.fc1.bias.copy_(self.b1[e])
+            ffn.fc2.weight.copy_(self.w2[e].t())
+            ffn.fc2.bias.copy_(self.b2[e])
+        return ffn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dispatch, combine = self.routing(x)

@@ -416,3 +416,16 @@ def test_initial_loss_is_near_uniform_prediction(config_cls):
         loss = model(*_batch(cfg, 2))
     classes = cfg.num_classes if cfg.tokens_per_sample is None else cfg.vocab_size
     assert abs(loss.item() / (2 * cfg.targets_per_sample) - math.log(classes)) < 0.5
+
+
+def test_an_expert_taken_out_of_the_moe_computes_what_it_computes_inside():
+    import torch
+
+    from models.bert_moe import BertMoEConfig, MoE
+
+    torch.manual_seed(0)
+    model = BertMoEConfig.from_preset("tiny", num_devices=2).build()
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    x = torch.randn(5, moe.w1.shape[1])
+    inside = torch.nn.functional.gelu(x @ moe.w1[3] + moe.b1[3]) @ moe.w2[3] + moe.b2[3]
+    torch.testing.assert_close(moe.expert(3)(x), inside)
