@@ -151,12 +151,7 @@ class ClusterSpec:
     def from_config(cls, cfg: Mapping[str, Any]) -> "ClusterSpec":
         """Validate a plain dict (the resolved `cluster` config group) into a ClusterSpec."""
         name = _get(cfg, "name", str, "cluster")
-        unknown = set(cfg) - _CLUSTER_FIELDS
-        if unknown:
-            raise ConfigError(
-                f"cluster={name} has unknown field(s) {sorted(unknown)}; valid: "
-                f"{', '.join(sorted(_CLUSTER_FIELDS))}"
-            )
+        _check_fields(cfg, _CLUSTER_FIELDS, f"cluster={name}")
         machines_cfg = cfg.get("machines")
         if not machines_cfg:
             raise ConfigError(
@@ -166,12 +161,7 @@ class ClusterSpec:
         groups = []
         for i, m in enumerate(machines_cfg):
             where = f"cluster.machines[{i}]"
-            unknown = set(m) - _MACHINE_FIELDS
-            if unknown:
-                raise ConfigError(
-                    f"{where} has unknown field(s) {sorted(unknown)}; "
-                    f"valid: {', '.join(sorted(_MACHINE_FIELDS))}"
-                )
+            _check_fields(m, _MACHINE_FIELDS, where)
             device = m.get("device")
             if device not in DEVICE_TYPES:
                 raise ConfigError(
@@ -230,6 +220,13 @@ class ClusterSpec:
 _MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
 _CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
                    "gpus_per_machine"}
+
+
+def _check_fields(cfg: Mapping[str, Any], valid: set[str], where: str) -> None:
+    unknown = set(cfg) - valid
+    if unknown:
+        raise ConfigError(f"{where} has unknown field(s) {sorted(unknown)}; valid: "
+                          f"{', '.join(sorted(valid))}")
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
