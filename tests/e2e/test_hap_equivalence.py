@@ -141,6 +141,10 @@ CASES = [
                  id="bert-3dev-empty1-padded-sfb-clip"),
     pytest.param("bert_moe", [0.5, 0.3, 0.0], dict(), id="bert_moe-3dev-empty2-planned"),
     pytest.param("bert", [0.6, 0.4], dict(machines=[2, 1]), id="bert-3dev-2machines-planned"),
+    # Every model on 2 devices as well, with the all-gather its 3-device case does not force.
+    pytest.param("vit", [0.65, 0.35], dict(force_impl="padded"), id="vit-2dev-padded"),
+    pytest.param("bert", [0.3, 0.7], dict(force_impl="grouped"), id="bert-2dev-grouped"),
+    pytest.param("bert_moe", [0.6, 0.4], dict(force_impl="grouped"), id="bert_moe-2dev-grouped"),
 ]
 
 
