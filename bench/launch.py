@@ -40,17 +40,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker if the launching process dies (no orphans)."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker if the launching process dies (no orphans).
+
+    The request only covers a death after it is made; a launcher that died while this worker
+    was still starting (importing torch takes seconds) is caught by the check that follows.
+    """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
-def _entry(rank: int, world_size: int, port: int, case: Case, messages) -> None:
-    _die_with_parent()
+def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int) -> None:
+    _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
@@ -68,7 +74,8 @@ def launch(case: Case, world_size: int, timeout_s: float,
     messages = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, case, messages), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid()),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
