@@ -74,7 +74,7 @@ class Emulator:
         self._last = now
 
     # -- links -----------------------------------------------------------------------------
-    def link_deadline(self, kind: str, nbytes: int, group) -> float:
+    def link_deadline(self, kind: str, nbytes: int, group, issued: float) -> float:
         """When the emulated link delivers a collective whose real run just completed.
 
         Completion is the one moment every rank has arrived, so the emulated time counts from
@@ -89,7 +89,10 @@ class Emulator:
         link = self.cluster.link_between(ranks)
         emulated = collective_time_s(kind, nbytes, len(ranks), link)
         alpha, bytes_per_s = self._loopback
-        real = alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s
+        # A rank that arrived last saw the real cost exactly (issue to completion); the fitted
+        # loopback model covers the others.
+        real = min(alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s,
+                   time.perf_counter() - issued)
         with self._lock:
             start = max(time.perf_counter(), self._link_free_at)
             self._link_free_at = start + max(0.0, emulated - real)
@@ -204,11 +207,12 @@ def _wrap(fn, kind, sized_arg, emu: Emulator):
         try:
             bound = signature.bind(*args, **kwargs).arguments
             emu.stretch()  # the compute since the last communication point ends here
+            issued = time.perf_counter()
             work = fn(*args, **kwargs)
             size, group = _nbytes(bound[sized_arg]), bound.get("group")
             if bound.get("async_op"):
-                return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group))
-            _sleep_until(emu.link_deadline(kind, size, group))
+                return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group, issued))
+            _sleep_until(emu.link_deadline(kind, size, group, issued))
             emu.mark()
             return work
         finally:

@@ -63,6 +63,7 @@ class RunRecord:
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes
     plan: dict | None = None
+    plan_hash: str | None = None  # sha256 of the plan's decisions (bench.run.plan_hash)
     case_key: str = ""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())

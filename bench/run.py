@@ -9,6 +9,8 @@ not know any concrete method or model: `_target_` in conf/ wires them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import platform
@@ -176,6 +178,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
     record.plan = plan.details
+    record.plan_hash = plan_hash(plan)
     record.batch_shares = plan.batch_shares
     if plan.program is not None:
         sim = simulate(plan.program, cluster, plan.ratios)
@@ -184,6 +187,14 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.predicted_oom = sim.oom
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank)
+
+
+def plan_hash(plan) -> str:
+    """Identity of a plan's decisions (shares, ratios, synthesized steps), not of its
+    bookkeeping: timings and predictions from a measured host speed vary between runs."""
+    ratios = [[round(r, 6) for r in row] for row in plan.ratios or []]
+    body = [plan.method, plan.batch_shares, ratios, plan.details.get("steps")]
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def write_record(cfg: DictConfig, record: RunRecord) -> None:

@@ -18,23 +18,56 @@ from bench.run import new_record, prepare_case
 pytestmark = pytest.mark.e2e
 
 
-def _iteration_time(cfg_factory, speed):
-    cfg = cfg_factory("model=bert", "cluster=local_homo2", "~cluster.machines",
-                      f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
-                      "warmup_iters=3", "measured_iters=25")
-    case = prepare_case(cfg, new_record(cfg))
-    return statistics.median(launch(case, 1, timeout_s=120)[0]["iter_times_s"][3:])
-
-
-def test_a_device_at_half_speed_takes_twice_as_long(cfg_factory):
-    ratios = []
-    for _ in range(3):  # interleaved, so drifting host load hits both speeds alike
-        fast = _iteration_time(cfg_factory, 1.0)
-        slow = _iteration_time(cfg_factory, 0.5)
-        ratios.append(slow / fast)
-    ratio = statistics.median(ratios)
-    print(f"measured dilation at speed 0.5: {ratio:.3f} (runs: {[round(r, 3) for r in ratios]})")
+def test_a_device_at_half_speed_takes_twice_as_long():
+    """The emulator's own dilation, measured in one process with blocks of fast and slow training
+    steps alternating, so that drifting host speed (a shared VM) hits both alike."""
+    spec = ClusterSpec.from_config({
+        "name": "pair", "emulated": True,
+        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
+                     {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
+        "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                  "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0}}})
+    emulators = [Emulator(spec, rank, enabled=True) for rank in (0, 1)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(512, 512)  # a step of ~20-40 ms on one thread
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {0: [], 1: []}
+    try:
+        for step in range(160):
+            block = (step // 8) % 2  # alternate in blocks: a fast step rarely follows a sleep
+            emu = emulators[block]
+            start = time.perf_counter()
+            emu.mark()
+            loss = model(x).square().mean()
+            emu.stretch()  # end of forward, as the DDP trainer does
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            emu.stretch()  # end of the step
+            if step >= 16:
+                times[block].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = statistics.median(times[1]) / statistics.median(times[0])
+    print(f"measured dilation at speed 0.5: {ratio:.3f}")
     assert 1.9 <= ratio <= 2.1
+
+
+def test_workers_apply_the_dilation(cfg_factory):
+    """End to end through spawned workers: a coarse check that the slow device is slowed (runs
+    in separate processes see the host drift, hence the wider band)."""
+    def median_iteration(speed):
+        cfg = cfg_factory("model=bert", "cluster=local_homo2", "~cluster.machines",
+                          f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
+                          "warmup_iters=3", "measured_iters=20")
+        case = prepare_case(cfg, new_record(cfg))
+        return statistics.median(launch(case, 1, timeout_s=120)[0]["iter_times_s"][3:])
+
+    ratio = median_iteration(0.5) / median_iteration(1.0)
+    assert 1.6 <= ratio <= 2.5, ratio
 
 
 SLOW_LINK = {
@@ -84,10 +117,13 @@ def test_collectives_take_the_emulated_link_time():
     link = ClusterSpec.from_config(SLOW_LINK).inter_machine
     expected_reduce = collective_time_s("all_reduce", 1e6, 2, link)  # 0.102 s
     expected_gather = collective_time_s("all_gather", 2e6, 2, link)  # 0.102 s
+    # Slack: below, the loopback's own cost is estimated (a fraction of a millisecond off);
+    # above, a real gloo call on a shared 2-core machine can take tens of milliseconds more.
+    low, high = 0.002, 0.08
     for t in times[:3]:
-        assert expected_reduce <= t < expected_reduce + 0.05
-    assert expected_gather <= times[3] < expected_gather + 0.05
+        assert expected_reduce - low <= t < expected_reduce + high
+    assert expected_gather - low <= times[3] < expected_gather + high
     late_issue = reports[1][1]
     for rank in (0, 1):
-        done = reports[rank][2]
-        assert late_issue + expected_reduce <= done < late_issue + expected_reduce + 0.05, rank
+        done = reports[rank][2] - late_issue
+        assert expected_reduce - low <= done < expected_reduce + high, rank
