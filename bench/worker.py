@@ -10,7 +10,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -35,7 +35,6 @@ class Case:
     measured_iters: int
     return_state: bool = False  # tests: send back rank 0's gradients and parameters
     fail_rank: int | None = None  # tests: this rank raises at its first iteration
-    extra: dict = field(default_factory=dict)
 
 
 def pick_device(local_rank: int) -> torch.device:

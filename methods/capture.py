@@ -10,7 +10,7 @@ import builtins
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
