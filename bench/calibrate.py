@@ -18,12 +18,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from rich.console import Console
 from rich.table import Table
 
-from bench.run import CONF_DIR, group_options, run_case
+from bench.run import CONF_DIR, compose_config, methods_supporting, run_case
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -92,15 +90,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
     parser.add_argument("overrides", nargs="*", help="runner overrides, e.g. measured_iters=10")
     args = parser.parse_args(argv)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        def cfg(*extra):
-            return compose("config", overrides=["wandb.mode=disabled", *args.overrides, *extra])
-
-        methods = args.methods.split(",") if args.methods else [
-            m for m in sorted(group_options("method"))
-            if "real" in getattr(instantiate(cfg(f"method={m}").method), "modes", ())]
-        configs = [cfg(f"model={m}", f"cluster={c}", f"method={meth}")
-                   for m in args.models.split(",") for c in args.clusters.split(",") for meth in methods]
+    methods = args.methods.split(",") if args.methods else methods_supporting("real")
+    configs = [compose_config("wandb.mode=disabled", *args.overrides, f"model={m}", f"cluster={c}",
+                              f"method={meth}")
+               for m in args.models.split(",") for c in args.clusters.split(",") for meth in methods]
     rows = [vars(run_case(c)) for c in configs]
     summary = summarize(rows)
     print_summary(summary)

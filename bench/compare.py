@@ -9,34 +9,37 @@ Takes the runner's overrides; `method=a,b` picks a subset (default: every conf/m
 from __future__ import annotations
 
 import sys
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
+
 from hydra.errors import HydraException
 
-from bench.records import RunRecord
 from bench.cluster import ConfigError
-from bench.run import CONF_DIR, check_group_choices, group_options, run_case
+from bench.records import RunRecord
+from bench.run import (
+    check_group_choices,
+    compose_config,
+    group_options,
+    method_modes,
+    run_case,
+)
 from bench.table import BASELINE, print_table
+
 
 def compare(overrides: list[str]) -> list[RunRecord]:
     check_group_choices(overrides)
     chosen = [o for o in overrides if o.startswith("method=")]
     rest = [o for o in overrides if not o.startswith("method=")]
-    # Every implemented method, baseline first: the conf/method folder is the registry.
-    known = sorted(group_options("method"), key=lambda m: (m != BASELINE, m))
-    methods = chosen[-1].split("=", 1)[1].split(",") if chosen else known
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        configs = [compose("config", overrides=rest + [f"method={m}"]) for m in methods]
-    if not chosen:  # by default, only the methods that can run in this mode
-        runnable = []
-        for cfg in configs:
-            modes = getattr(instantiate(cfg.method), "modes", ("real",))
-            if cfg.mode in modes:
-                runnable.append(cfg)
+    if chosen:
+        methods = chosen[-1].split("=", 1)[1].split(",")
+    else:  # every implemented method that can run in this mode: conf/method is the registry
+        mode = compose_config(*rest).mode
+        methods = []
+        for m in sorted(group_options("method"), key=lambda m: (m != BASELINE, m)):
+            modes = method_modes(m)
+            if mode in modes:
+                methods.append(m)
             else:
-                print(f"note: {cfg.method.name} skipped: it supports mode={','.join(modes)} only")
-        configs = runnable
-    return [run_case(cfg) for cfg in configs]
+                print(f"note: {m} skipped: it supports mode={','.join(modes)} only")
+    return [run_case(compose_config(*rest, f"method={m}")) for m in methods]
 
 
 def main(argv: list[str]) -> int:

@@ -20,13 +20,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 import pandas as pd  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
 
 from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
-from bench.run import (CONF_DIR, fill_predicted_metrics, group_options, new_record,  # noqa: E402
-                       prepare_case)
+from bench.run import (  # noqa: E402
+    CONF_DIR,
+    compose_config,
+    fill_predicted_metrics,
+    methods_supporting,
+    new_record,
+    prepare_case,
+)
 
 FIGURE_DIR = CONF_DIR.parent / "results" / "figures"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
@@ -34,13 +38,11 @@ KS = (1, 2, 4, 8)
 
 
 def _cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["wandb.mode=disabled", *overrides])
+    return compose_config("wandb.mode=disabled", *overrides)
 
 
 def sim_methods() -> list[str]:
-    return [m for m in sorted(group_options("method"))
-            if "sim" in getattr(instantiate(_cfg(f"method={m}").method), "modes", ())]
+    return methods_supporting("sim")
 
 
 def simulate_case(*overrides: str) -> dict:

@@ -96,17 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the plan (details, program, ratios) as JSON")
     args = parser.parse_args(argv)
 
-    from hydra import compose, initialize_config_dir
-
     from bench.plan_cache import plan_to_json
-    from bench.run import CONF_DIR, check_group_choices, new_record, prepare_case
+    from bench.run import check_group_choices, compose_config, new_record, prepare_case
 
     try:
         check_group_choices(args.overrides)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            # The runner's own preparation (validation, host speed on emulated clusters, the
-            # plan); mode=sim: nothing here needs the cluster's devices.
-            cfg = compose("config", overrides=[*args.overrides, "mode=sim", "wandb.mode=disabled"])
+        # The runner's own preparation (validation, host speed on emulated clusters, the plan);
+        # mode=sim: nothing here needs the cluster's devices.
+        cfg = compose_config(*args.overrides, "mode=sim", "wandb.mode=disabled")
         record = new_record(cfg)
         case = prepare_case(cfg, record)
     except ValueError as exc:  # ConfigError and the planners' clear errors

@@ -21,13 +21,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from rich.console import Console
 from rich.table import Table
 
 from bench.records import fingerprint
-from bench.run import CONF_DIR, group_options, new_record, prepare_case, run_case
+from bench.run import (
+    CONF_DIR,
+    compose_config,
+    methods_supporting,
+    new_record,
+    prepare_case,
+    run_case,
+)
 
 BASELINE_FILE = CONF_DIR.parent / "results" / "baselines" / "regression.json"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
@@ -59,23 +64,17 @@ class Change:
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["wandb.mode=disabled", *overrides])
+    cfg = compose_config("wandb.mode=disabled", *overrides)
     if "cache_dir" in cfg.method:  # plan every time: a cache hit would hide the planner's time
         cfg.method.cache_dir = None
     return cfg
-
-
-def _methods(mode: str) -> list[str]:
-    return [m for m in sorted(group_options("method"))
-            if mode in getattr(instantiate(_compose(f"method={m}").method), "modes", ())]
 
 
 def sim_figures() -> dict[str, float]:
     """Deterministic figures: predicted iteration time, planner effort and time per case."""
     out = {}
     for model in MODELS:
-        for method in _methods("sim"):
+        for method in methods_supporting("sim"):
             cfg = _compose(*SIM_CASE, f"model={model}", f"method={method}")
             record = new_record(cfg)
             try:
@@ -95,7 +94,7 @@ def measured_figures() -> dict[str, float]:
     """Throughput of each real-capable method over dp_ev, measured back to back in one run."""
     out, rates = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in _methods("real"):
+        for method in methods_supporting("real"):
             cfg = _compose(*REAL_CASE, f"method={method}", f"results_dir={tmp}")
             record = run_case(cfg)
             if record.status == "ok":

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
@@ -59,6 +60,23 @@ GROUPS = ("model", "preset", "cluster", "method", "experiment")
 def group_options(group: str) -> list[str]:
     """The options of a config group: the yaml files in its conf/ folder."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The runner's config for these overrides, composed as the CLI would (for the commands
+    that run cases without being Hydra apps themselves)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def method_modes(name: str) -> tuple[str, ...]:
+    """The modes the method of conf/method/<name>.yaml supports (it is instantiated to ask)."""
+    return tuple(getattr(instantiate(compose_config(f"method={name}").method), "modes", ("real",)))
+
+
+def methods_supporting(mode: str) -> list[str]:
+    """The conf/method options whose method supports `mode`, in name order."""
+    return [m for m in group_options("method") if mode in method_modes(m)]
 
 
 def check_group_choices(overrides: list[str]) -> None:
@@ -158,6 +176,9 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.cluster_hash = cluster.fingerprint()
     record.num_devices = cluster.num_devices
     method = _instantiate(cfg.method, "method")
+    if cfg.mode not in getattr(method, "modes", ("real",)):
+        raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
+                          f"supports {', '.join(method.modes)}")
     workload = build_workload(cfg, cluster)
     record.global_batch = workload.global_batch
     record.flops_per_iter = workload.flops_per_iter
@@ -171,9 +192,6 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
         f"simulated {cluster.describe()}, planned on {platform.node()}")
-    if cfg.mode not in getattr(method, "modes", ("real",)):
-        raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
-                          f"supports {', '.join(method.modes)}")
     start = time.perf_counter()
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
@@ -260,15 +278,20 @@ def _launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:
                       on_progress=lambda it: progress.update(task, completed=it))
 
 
+def _fill_rates(record: RunRecord, workload: Workload, iter_time_s: float) -> None:
+    """Throughput and efficiency from an iteration time (measured or predicted)."""
+    record.samples_per_s = workload.global_batch / iter_time_s
+    tokens = workload.model_cfg.tokens_per_sample
+    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / iter_time_s
+    record.efficiency = record.ideal_iter_time_s / iter_time_s
+
+
 def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, measured: int) -> None:
     """Metrics exactly as DESIGN.md defines them, from every rank's per-iteration times."""
     per_iter, mean, std = summarize_times([r["iter_times_s"] for r in results], measured)
     record.iter_times_s = per_iter
     record.iter_time_s_mean, record.iter_time_s_std = mean, std
-    record.samples_per_s = workload.global_batch / mean
-    tokens = workload.model_cfg.tokens_per_sample
-    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / mean
-    record.efficiency = record.ideal_iter_time_s / mean
+    _fill_rates(record, workload, mean)
     record.peak_mem_gib = [r["peak_mem_gib"] for r in results]
     loss_sums = [sum(step) for step in zip(*(r["loss_sums"] for r in results))]
     record.loss_first = loss_sums[0] / workload.targets_per_iter
@@ -281,11 +304,7 @@ def fill_predicted_metrics(record: RunRecord, workload: Workload) -> None:
     """Sim mode: the same metrics, from the simulator's predicted iteration time."""
     if record.predicted_iter_time_s is None:
         raise ConfigError(f"method={record.method} returned no Program: it cannot be simulated")
-    predicted = record.predicted_iter_time_s
-    record.samples_per_s = workload.global_batch / predicted
-    tokens = workload.model_cfg.tokens_per_sample
-    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / predicted
-    record.efficiency = record.ideal_iter_time_s / predicted
+    _fill_rates(record, workload, record.predicted_iter_time_s)
     record.peak_mem_gib = record.predicted_peak_mem_gib
     record.status = "oom" if record.predicted_oom else "ok"
     if record.predicted_oom:
