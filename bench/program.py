@@ -15,8 +15,10 @@ from typing import Any, Iterable, Sequence
 #   all_reduce:     the full buffer each device holds (usually a constant),
 #   all_gather:     the device's shard of the gathered output,
 #   reduce_scatter: the device's shard of the output (the input is the full tensor),
-#   all_to_all:     the device's local input buffer.
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#   all_to_all:     the device's local input buffer,
+#   reshard:        the whole tensor (a constant): a Gather'd tensor whose shards move from
+#                   one segment's ratio row to another's (`rows`), see reshard_fractions.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reshard")
 # "ring": the library's own algorithm (all_reduce). "padded": uneven shards padded to the
 # largest (NCCL all-gather / reduce-scatter need equal sizes). "grouped": one broadcast (or
 # reduce) per device in a group call, no padding, one latency per call.
@@ -84,6 +86,7 @@ class Collective:
     impl: str = "ring"
     devices: tuple[int, ...] | None = None  # virtual device indices; None = all
     label: str = ""  # the tensor it moves, for readable plans
+    rows: tuple[int, int] | None = None  # reshard only: (from segment, to segment)
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
@@ -92,6 +95,11 @@ class Collective:
             raise ValueError(f"collective impl {self.impl!r} is unknown; known: {', '.join(COLLECTIVE_IMPLS)}")
         if self.impl == "grouped" and self.kind not in ("all_gather", "reduce_scatter"):
             raise ValueError(f"impl 'grouped' exists for all_gather and reduce_scatter only, not {self.kind}")
+        if (self.kind == "reshard") != (self.rows is not None):
+            raise ValueError(f"a {self.kind} collective {'needs' if self.kind == 'reshard' else 'takes no'} rows "
+                             "(from segment, to segment)")
+        if self.kind == "reshard" and (not self.nbytes.is_constant or self.devices is not None):
+            raise ValueError("a reshard moves a whole tensor (constant nbytes) among all devices")
 
     def to_json(self) -> dict:
         return {
@@ -100,18 +108,37 @@ class Collective:
             "impl": self.impl,
             "devices": list(self.devices) if self.devices is not None else None,
             "label": self.label,
+            "rows": list(self.rows) if self.rows is not None else None,
         }
 
     @staticmethod
     def from_json(d: dict) -> "Collective":
-        devices = d.get("devices")
+        devices, rows = d.get("devices"), d.get("rows")
         return Collective(
             d["kind"],
             Affine.from_json(d["nbytes"]),
             d.get("impl", "ring"),
             tuple(devices) if devices is not None else None,
             d.get("label", ""),
+            (int(rows[0]), int(rows[1])) if rows is not None else None,
         )
+
+
+def reshard_fractions(src: Sequence[float], dst: Sequence[float]) -> list[float]:
+    """Per device, the fraction of a tensor it sends or receives (the larger) when shards laid
+    out by ratio row `src` (device i holds the i-th interval of [0, 1]) move to row `dst`.
+
+    Each device keeps the overlap of its old and new interval. What it sends or receives is at
+    most |prefix_src(i-1) - prefix_dst(i-1)| + |prefix_src(i) - prefix_dst(i)|, the bound the
+    load balancer's LP uses (methods.hap.balance)."""
+    out = []
+    a0 = b0 = 0.0
+    for x, y in zip(src, dst):
+        a1, b1 = a0 + x, b0 + y
+        kept = max(0.0, min(a1, b1) - max(a0, b0))
+        out.append(max(x - kept, y - kept, 0.0))
+        a0, b0 = a1, b1
+    return out
 
 
 @dataclass(frozen=True)
@@ -195,6 +222,8 @@ class Program:
                     if not 0 <= s < self.num_segments:
                         raise ValueError(f"stage {i} ({st.label!r}) uses segment {s}; program has {self.num_segments}")
             for c in st.collectives:
+                if c.rows is not None and not all(0 <= s < self.num_segments for s in c.rows):
+                    raise ValueError(f"stage {i} reshard {c.label!r} uses rows {c.rows}; program has {self.num_segments}")
                 if c.devices is not None and any(not 0 <= d < self.num_devices for d in c.devices):
                     raise ValueError(f"stage {i} collective {c.label!r} names devices {c.devices} outside 0..{self.num_devices - 1}")
 

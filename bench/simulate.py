@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from bench.cluster import ClusterSpec, Link
 from bench.cost import collective_linear_cost, collective_time_s
-from bench.program import Collective, Program, Ratios, Stage
+from bench.program import Collective, Program, Ratios, Stage, reshard_fractions
 
 GIB = float(2**30)
 
@@ -82,6 +82,12 @@ def collective_cost(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevi
     """
     members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
     link = collective_link(cluster, vdevs, c.devices)
+    if c.kind == "reshard":
+        # One all-to-all in which each device sends and receives only what changes owner
+        # (reshard_fractions of the whole tensor); agg "reshard" marks that amount.
+        if len(members) <= 1:
+            return 0.0, 0.0, "max"
+        return link.latency_s, 1.0 / link.bytes_per_s, "reshard"
     alpha, beta, agg = collective_linear_cost(c.kind, c.impl, len(members), link)
     if c.kind == "all_to_all" and link is cluster.inter_machine and len(members) > 1:
         per_machine = Counter(cluster.devices[vdevs[d].ranks[0]].machine for d in members)
@@ -98,6 +104,9 @@ def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevi
     alpha, beta, agg = collective_cost(c, cluster, vdevs)
     if alpha == 0.0 and beta == 0.0:
         return 0.0
+    if agg == "reshard":
+        moved = max(reshard_fractions(ratios[c.rows[0]], ratios[c.rows[1]]))
+        return alpha + beta * c.nbytes.const * moved if moved > 1e-12 else 0.0  # same rows: nothing to do
     per_device = [c.nbytes.at(ratios, d) for d in members]
     amount = sum(per_device) if agg == "sum" else max(per_device)
     return alpha + beta * amount
@@ -164,6 +173,11 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
     for st in program.stages:
         comm = sum(collective_time(c, cluster, vdevs, ratios) for c in st.collectives)
         comp = max(device_compute_times(st, cluster, vdevs, ratios))
+        if st.collectives and comm == 0.0 and not st.overlap:
+            # Only no-op collectives (a reshard between equal rows): nothing to wait for.
+            compute_end += comp
+            stage_times.append((comm, comp))
+            continue
         start = max(compute_end, comm_end)
         comm_end = start + comm
         if st.overlap:

@@ -56,6 +56,7 @@ def balance_ratios(
     for s in range(g):
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
     objective = []
+    moved = _reshard_bounds(prob, r)
     for k, st in enumerate(program.stages):
         comp_exprs = []
         for v in vdevs:
@@ -76,7 +77,15 @@ def balance_ratios(
             alpha, beta, agg = collective_cost(c, cluster, vdevs)
             if alpha == 0.0 and beta == 0.0:
                 continue
-            if agg == "sum":
+            if agg == "reshard":
+                src, dst = c.rows
+                if src == dst:
+                    continue
+                t = prob.add_variable(f"comm_{k}_{j}")
+                for d in range(m):
+                    prob += t >= alpha + beta * c.nbytes.const * moved(src, dst, d), f"comm_{k}_{j}_{d}"
+                objective.append(t)
+            elif agg == "sum":
                 objective.append(alpha + beta * pulp.lpSum(_expr(c.nbytes, r, d) for d in members))
             elif c.nbytes.is_constant:
                 objective.append(alpha + beta * c.nbytes.const)
@@ -107,7 +116,38 @@ def balance_ratios(
         )
     ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
     ratios = [[x / sum(row) for x in row] for row in ratios]
+    for s in range(1, g):
+        # A row the solver left within rounding of an earlier one is that row: a reshard
+        # between equal rows moves nothing (and the simulator charges it nothing).
+        for p in range(s):
+            if max(abs(a - b) for a, b in zip(ratios[s], ratios[p])) < 1e-6:
+                ratios[s] = list(ratios[p])
+                break
     return ratios, float(pulp.value(prob.objective))
+
+
+def _reshard_bounds(prob: pulp.LpProblem, r):
+    """moved(src, dst, d): an upper bound, linear in the ratios, of the fraction of a tensor
+    device d sends or receives when shards move from row src to row dst: the distance its two
+    interval ends move, |prefix_src - prefix_dst| before and after it (bench.program
+    reshard_fractions is the exact amount the simulator charges)."""
+    m = len(r[0])
+    gaps: dict = {}
+
+    def gap(src: int, dst: int, i: int):
+        # |sum of the first i+1 ratios of src - the same of dst|; zero at both ends.
+        if i < 0 or i >= m - 1:
+            return 0.0
+        key = (min(src, dst), max(src, dst), i)
+        if key not in gaps:
+            u = prob.add_variable(f"gap_{key[0]}_{key[1]}_{i}", lowBound=0)
+            diff = pulp.lpSum(r[src][j] for j in range(i + 1)) - pulp.lpSum(r[dst][j] for j in range(i + 1))
+            prob.addConstraint(u >= diff, f"gap_{key[0]}_{key[1]}_{i}_pos")
+            prob.addConstraint(u >= -diff, f"gap_{key[0]}_{key[1]}_{i}_neg")
+            gaps[key] = u
+        return gaps[key]
+
+    return lambda src, dst, d: gap(src, dst, d - 1) + gap(src, dst, d)
 
 
 def shard_lengths(length: int, ratios: Sequence[float], unit: int = 1) -> list[int]:

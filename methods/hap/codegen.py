@@ -26,7 +26,7 @@ from methods.hap.search import Step, comm_from_json
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, local_size_args
 
 SUPPORTED_PLAN_FORMAT = 1
-_MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first"}
+_MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first", "reshard"}
 
 
 class PlanMismatchError(ValueError):
@@ -97,8 +97,10 @@ def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph,
         raise PlanMismatchError(f"plan_format={fmt!r}: this codegen reads plan format {SUPPORTED_PLAN_FORMAT}; re-plan")
     if "steps" not in details:
         raise PlanMismatchError("the plan has no synthesized steps (details['steps']); re-plan")
-    if ratios is None or len(ratios) != 1:
-        raise PlanMismatchError(f"ratios {ratios!r}: codegen runs exactly 1 ratio segment (num_segments=1)")
+    segments = 1 + max((int(s["segment"] if isinstance(s, dict) else s.segment) for s in details["steps"]), default=0)
+    if not ratios or len(ratios) < segments or any(len(row) != len(ratios[0]) for row in ratios):
+        raise PlanMismatchError(f"ratios {ratios!r}: the plan's steps use {segments} ratio rows (segments) of "
+                                "equal length")
     if len(ratios[0]) != world_size or len(batch_shares) != world_size:
         raise PlanMismatchError(
             f"the plan has {len(ratios[0])} virtual devices and {len(batch_shares)} batch shares for "
@@ -131,7 +133,8 @@ class RankProgram:
     Args:
         graph: the reference graph (methods.capture.capture of the model at the global batch).
         details: plan.details of a HAP plan (steps, final_comms, loss, shard_units).
-        ratios: plan.ratios (one row per segment; only segment 0 is supported).
+        ratios: plan.ratios (one row per segment; a step's Gather shards follow its segment's
+            row, inputs are loaded by row 0).
         batch_shares: plan.batch_shares (samples each rank loads).
         model: the full single-device model, initialised as on every other rank.
         rank, world_size: this process's place in the default process group.
@@ -143,7 +146,7 @@ class RankProgram:
         self.options = options or CodegenOptions()
         self.rank, self.world_size = rank, world_size
         check_plan(details, ratios, batch_shares, graph, world_size)
-        self.ratios = [float(x) for x in ratios[0]]
+        self.ratios = [[float(x) for x in row] for row in ratios]
         self.batch_shares = [int(x) for x in batch_shares]
         self.steps = [Step.from_json(s) if isinstance(s, dict) else s for s in details["steps"]]
         self.final_comms = [comm_from_json(c) if isinstance(c, dict) else c for c in details.get("final_comms", [])]
@@ -152,24 +155,35 @@ class RankProgram:
         self._placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
         self.params: dict[str, nn.Parameter] = {}  # qualified name -> local parameter
         self.param_layouts: dict[str, Layout] = {}
+        self.param_segments: dict[str, int] = {}  # whose row a Gather'd parameter is sliced by
         self.sharded: set[str] = set()  # parameters whose local value is a slice
+        self.home: dict[str, int] = {}  # tensor -> the segment whose row its Gather shards follow
         self._source_values: dict[str, Any] = {}
         self._instrs = self._compile(model)
 
     # -- shapes ----------------------------------------------------------------------------
-    def lengths(self, length: int) -> list[int]:
-        """Every rank's shard length of a Gather'd dim of `length` (docs/planner.md)."""
-        return shard_lengths(int(length), self.ratios, self.units.get(int(length), 1))
+    def lengths(self, length: int, segment: int = 0) -> list[int]:
+        """Every rank's shard length of a Gather'd dim of `length` under a segment's ratio row
+        (docs/planner.md)."""
+        return shard_lengths(int(length), self.ratios[segment], self.units.get(int(length), 1))
+
+    def _read_layout(self, tensor: str, layout: Layout, segment: int) -> Layout | tuple:
+        """The env key's layout an op of `segment` reads `tensor` in: a Gather from another
+        segment's row is the resharded copy (layout, segment)."""
+        if isinstance(layout, int) and self.home.get(tensor, segment) != segment:
+            if self._dim_len(tensor, layout) > 1:
+                return (layout, segment)
+        return layout
 
     def _dim_len(self, tensor: str, dim: int) -> int:
         node = self.graph[tensor]
         shape = node.shape if node.shape is not None else node.tuple_shapes[0]
         return int(shape[dim])
 
-    def _local_shape(self, shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
+    def _local_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0) -> tuple[int, ...]:
         shape = list(shape)
         if isinstance(layout, int) and shape[layout] > 1:
-            shape[layout] = self.lengths(shape[layout])[self.rank]
+            shape[layout] = self.lengths(shape[layout], segment)[self.rank]
         return tuple(shape)
 
     # -- compile ---------------------------------------------------------------------------
@@ -184,22 +198,28 @@ class RankProgram:
                 if c.kind not in _MOVES:
                     raise PlanMismatchError(f"collective {c.kind!r} at step {step.node!r} is not supported "
                                             f"(only {', '.join(sorted(_MOVES))}; reshard needs num_segments > 1)")
+            seg = step.segment
+            if not 0 <= seg < len(self.ratios):
+                raise PlanMismatchError(f"step {step.node!r} is in segment {seg}; the plan has {len(self.ratios)} rows")
             for t, lay in step.sources:
                 if t in seen_source and seen_source[t] != lay:
                     raise PlanMismatchError(f"source {t!r} is created as {seen_source[t]!r} and {lay!r}")
+                if t not in seen_source:
+                    self.home[t] = 0 if g[t].kind == "placeholder" else seg
                 seen_source[t] = lay
-                self._make_source(model, t, lay)
+                self._make_source(model, t, lay, self.home[t])
+            self.home[step.node] = seg
             sfb = step.rule.sfb or (self.options.force_sfb and self._sfb_candidate(step, node))
-            layouts = dict(zip(node.inputs, step.rule.pre))
+            layouts = {t: self._read_layout(t, lay, seg) for t, lay in zip(node.inputs, step.rule.pre)}
             replicate = {t for t, lay in layouts.items()
                          if lay == IDENTITY and g[t].is_param and not (sfb and t in node.inputs[1:3])}
             for t, lay in layouts.items():
                 if lay == IDENTITY and g[t].is_param:
                     uses.setdefault(t, set()).add("sfb" if t not in replicate else "plain")
             if node.tuple_shapes is not None:
-                out_shape = tuple(self._local_shape(s, step.rule.post) for s in node.tuple_shapes)
+                out_shape = tuple(self._local_shape(s, step.rule.post, seg) for s in node.tuple_shapes)
             elif node.shape is not None:
-                out_shape = self._local_shape(node.shape, step.rule.post)
+                out_shape = self._local_shape(node.shape, step.rule.post, seg)
             else:
                 out_shape = None
             instrs.append(_Instr(step, node, sfb, list(step.comms), list(step.sources), layouts, out_shape, replicate))
@@ -222,7 +242,7 @@ class RankProgram:
         return (node.op == "linear" and isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post
                 and all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only)
 
-    def _make_source(self, model: nn.Module, t: str, lay: Layout) -> None:
+    def _make_source(self, model: nn.Module, t: str, lay: Layout, segment: int = 0) -> None:
         node = self.graph[t]
         if lay == REDUCE:
             raise PlanMismatchError(f"source {t!r} in layout Reduce: sources are Identity or Gather")
@@ -238,7 +258,7 @@ class RankProgram:
         if tuple(full.shape) != tuple(node.shape):
             raise PlanMismatchError(f"{target}: model has shape {tuple(full.shape)}, the plan {tuple(node.shape)}")
         if isinstance(lay, int) and full.shape[lay] > 1:
-            start, stop = offsets(self.lengths(full.shape[lay]))[self.rank]
+            start, stop = offsets(self.lengths(full.shape[lay], segment))[self.rank]
             local = full.detach().narrow(lay, start, stop - start).clone()
             value = nn.Parameter(local) if is_param else local
             if is_param:
@@ -248,6 +268,7 @@ class RankProgram:
         if is_param:
             self.params[target] = value
             self.param_layouts[target] = lay
+            self.param_segments[target] = segment
         self._source_values[t] = value
 
     # -- run -------------------------------------------------------------------------------
@@ -269,17 +290,24 @@ class RankProgram:
 
     def _communicate(self, c: CommRule, env: dict) -> None:
         x = env[(c.tensor, c.src)]
+        home = self.home[c.tensor]
+
+        def lengths(dim: int, segment: int = home) -> list[int]:
+            return self.lengths(self._dim_len(c.tensor, dim), segment)
+
+        if c.kind == "reshard":
+            env[(c.tensor, (c.dst, c.to_segment))] = C.reshard(x, c.src, lengths(c.src), lengths(c.src, c.to_segment))
+            return
         if c.kind == "all_gather":
-            y = C.all_gather(x, c.src, self.lengths(self._dim_len(c.tensor, c.src)), self._impl(c.impl))
+            y = C.all_gather(x, c.src, lengths(c.src), self._impl(c.impl))
         elif c.kind == "reduce_scatter":
-            y = C.reduce_scatter(x, c.dst, self.lengths(self._dim_len(c.tensor, c.dst)), self._impl(c.impl))
+            y = C.reduce_scatter(x, c.dst, lengths(c.dst), self._impl(c.impl))
         elif c.kind == "all_reduce":
             y = C.all_reduce(x)
         elif c.kind == "all_to_all":
-            y = C.all_to_all(x, c.src, self.lengths(self._dim_len(c.tensor, c.src)),
-                             c.dst, self.lengths(self._dim_len(c.tensor, c.dst)))
+            y = C.all_to_all(x, c.src, lengths(c.src), c.dst, lengths(c.dst))
         elif c.kind == "slice":
-            y = C.shard(x, c.dst, self.lengths(self._dim_len(c.tensor, c.dst)), self.rank)
+            y = C.shard(x, c.dst, lengths(c.dst), self.rank)
         else:
             y = C.keep_first(x)
         env[(c.tensor, c.dst)] = y
@@ -289,7 +317,8 @@ class RankProgram:
         (size, dtype) evaluated from local tensors (whose shapes are the local shards')."""
         name = arg.name
         if shape_read:
-            want = dict(ins.step.rule.shape_pre).get(name, ins.layouts.get(name))
+            want = dict(ins.step.rule.shape_pre).get(name)
+            want = ins.layouts.get(name) if want is None else self._read_layout(name, want, ins.step.segment)
             if want is not None and (name, want) in env:
                 return env[(name, want)]
         elif name in ins.layouts:
@@ -372,7 +401,7 @@ class RankProgram:
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             dim = rule.pre[0]
             impl = self.options.force_impl or "padded"
-            return C.sfb_linear(x, w, b, dim, self.lengths(self._dim_len(ins.node.inputs[0], dim)), impl)
+            return C.sfb_linear(x, w, b, dim, self.lengths(self._dim_len(ins.node.inputs[0], dim), ins.step.segment), impl)
         args = local_size_args(ins.node, rule, tuple(args))
         tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
         empty = any(t.numel() == 0 for t in tensors)
@@ -428,7 +457,7 @@ class RankProgram:
             local = local.detach()
             if name in self.sharded:
                 full_len = self.graph.gm.get_parameter(name).shape[lay]
-                local = C._gather_impl(local.contiguous(), lay, self.lengths(full_len), "padded")
+                local = C._gather_impl(local.contiguous(), lay, self.lengths(full_len, self.param_segments[name]), "padded")
             out[name] = local
         return out
 

@@ -2,7 +2,7 @@
 
 Every function takes the shard lengths of all ranks along the split dim (they sum to the full
 length; zeros allowed) and runs the backward dual in backward: all-gather <-> reduce-scatter,
-all-reduce and all-to-all are self-dual, replicate is identity forward / all-reduce backward.
+all-reduce and all-to-all are self-dual, a reshard's dual is the reverse reshard, replicate is identity forward / all-reduce backward.
 gloo has no list-form all-gather of unequal tensors, which is why two all-gather (and two
 reduce-scatter) implementations exist: `padded` pads every shard to the largest and runs one
 collective; `grouped` runs one broadcast (or reduce) per rank with the exact shard.
@@ -125,6 +125,35 @@ def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_
     return torch.cat(parts, dim=src_dim)
 
 
+def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths: list[int]) -> torch.Tensor:
+    """This rank's shard along `dim` under `dst_lengths`, from shards laid out by `src_lengths`:
+    each rank keeps the overlap of its old and new interval and swaps the rest in one
+    all_to_all_single. Equal layouts return x unchanged (no call)."""
+    if src_lengths == dst_lengths:
+        return x
+    rank = dist.get_rank()
+    assert x.shape[dim] == src_lengths[rank]
+    src_off = [sum(src_lengths[:i]) for i in range(len(src_lengths) + 1)]
+    dst_off = [sum(dst_lengths[:i]) for i in range(len(dst_lengths) + 1)]
+
+    def overlap(a: int, b: int) -> tuple[int, int]:  # of rank a's old and rank b's new interval
+        lo, hi = max(src_off[a], dst_off[b]), min(src_off[a + 1], dst_off[b + 1])
+        return lo, max(lo, hi)
+
+    rows = x.movedim(dim, 0)
+    rest = tuple(rows.shape[1:])
+    send = []
+    for j in range(len(dst_lengths)):
+        lo, hi = overlap(rank, j)
+        send.append(rows[lo - src_off[rank]:hi - src_off[rank]].reshape(-1))
+    recv_rows = [overlap(i, rank) for i in range(len(src_lengths))]
+    inner = int(torch.Size(rest).numel())
+    recv_sizes = [(hi - lo) * inner for lo, hi in recv_rows]
+    out = x.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, torch.cat(send), recv_sizes, [p.numel() for p in send])
+    return out.view((dst_lengths[rank],) + rest).movedim(0, dim)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, lengths, impl):
@@ -181,6 +210,18 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_impl(grad, dst_dim, dst_lengths, src_dim, src_lengths), None, None, None, None
 
 
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, src_lengths, dst_lengths):
+        ctx.args = (dim, src_lengths, dst_lengths)
+        return _reshard_impl(x, dim, src_lengths, dst_lengths)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, src_lengths, dst_lengths = ctx.args
+        return _reshard_impl(grad.contiguous(), dim, dst_lengths, src_lengths), None, None, None
+
+
 class _SfbLinear(torch.autograd.Function):
     """y = x W^T + b on a batch shard x; backward all-gathers x and dy (the sufficient factors)
     and computes the full dW and db on every rank, instead of all-reducing them."""
@@ -233,6 +274,15 @@ def all_to_all(x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_di
     if src_dim % nd == dst_dim % nd:
         raise ValueError(f"all_to_all from dim {src_dim} to the same dim: nothing to exchange")
     return _AllToAll.apply(x, src_dim % nd, _check(src_lengths), dst_dim % nd, _check(dst_lengths))
+
+
+def reshard(x: torch.Tensor, dim: int, src_lengths: Sequence[int], dst_lengths: Sequence[int]) -> torch.Tensor:
+    """Gather(dim) shards laid out by `src_lengths` -> the same tensor's shards by `dst_lengths`
+    (a segment border, methods.hap.search). Backward: the reverse reshard."""
+    src, dst = _check(src_lengths), _check(dst_lengths)
+    if sum(src) != sum(dst):
+        raise ValueError(f"reshard between layouts of different lengths: {src} and {dst}")
+    return _Reshard.apply(x, dim % max(x.dim(), 1), src, dst)
 
 
 def sfb_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,

@@ -76,7 +76,9 @@ class HapPlanner:
         sfb: offer sufficient-factor-broadcasting triples for linear layers.
         lp: optimise ratios by LP, alternating with synthesis; off = compute-proportional.
         collective_choice: offer grouped broadcast / reduce besides padded collectives.
-        num_segments: ratio rows (only 1 is implemented).
+        num_segments: ratio rows: ops are cut into this many contiguous groups of about equal
+            FLOPs, each sharded by its own row; a Gather'd tensor read in another group is
+            resharded (an all-to-all of what changes owner). 1 = one ratio vector.
         max_rounds: cap on synthesis + LP rounds (stops earlier at no strict improvement).
         memory_limit: the LP keeps every device within its GPU memory.
         grad_overlap: replicated parameters' gradient all-reduces overlap the rest of
@@ -111,11 +113,8 @@ class HapPlanner:
     grad_clip: float = 0.0  # max global grad norm in mode=real; 0 = off
 
     def __post_init__(self) -> None:
-        if self.num_segments != 1:
-            raise ValueError(
-                f"method.num_segments={self.num_segments}: only 1 segment is implemented; "
-                "per-segment ratios with all-to-all at borders are TODO (docs/planner.md)"
-            )
+        if not isinstance(self.num_segments, int) or self.num_segments < 1:
+            raise ValueError(f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows)")
         if self.max_rounds < 1:
             raise ValueError(f"method.max_rounds={self.max_rounds} must be >= 1")
         if self.bucket_cap_mb < 0:
@@ -180,7 +179,7 @@ class HapPlanner:
         t_capture = time.perf_counter() - t0
         meta = {"method": self.name, "model": workload.name}
         bucket = self.bucket_cap_mb * 2**20
-        ratios = compute_proportional_ratios(cluster, granularity)
+        ratios = compute_proportional_ratios(cluster, granularity, self.num_segments)
         best: Candidate | None = None
         rounds = []
         expanded = pruned = beam_pruned = 0

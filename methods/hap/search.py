@@ -92,11 +92,42 @@ class Step:
 
 
 def comm_to_json(c: CommRule) -> dict:
-    return {"tensor": c.tensor, "src": c.src, "dst": c.dst, "kind": c.kind, "impl": c.impl}
+    out = {"tensor": c.tensor, "src": c.src, "dst": c.dst, "kind": c.kind, "impl": c.impl}
+    if c.to_segment is not None:
+        out["to_segment"] = c.to_segment
+    return out
 
 
 def comm_from_json(d: dict) -> CommRule:
-    return CommRule(d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"))
+    seg = d.get("to_segment")
+    return CommRule(d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"), None if seg is None else int(seg))
+
+
+def assign_segments(theory: Theory, num_segments: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(segment of each op, home segment of each tensor) for `num_segments` ratio rows.
+
+    Ops in topological order are cut into contiguous groups of about equal forward FLOPs. A
+    Gather'd tensor is sharded by the row of its home segment: an op output's is its op's, a
+    parameter's that of the op that creates it (its first reader), an input's is 0 (each rank
+    loads the first row's share of the batch). An op in another segment that reads it in a
+    Gather layout reads a resharded copy (a `reshard` collective)."""
+    graph = theory.graph
+    order = [n.name for n in graph.nodes if n.name in theory.rules]
+    flops = [max(float(graph[name].flops), 0.0) for name in order]
+    total = sum(flops) or 1.0
+    op_seg: dict[str, int] = {}
+    done = 0.0
+    for name, f in zip(order, flops):
+        op_seg[name] = min(num_segments - 1, int(num_segments * (done + f / 2) / total))
+        done += f
+    home = dict(op_seg)
+    for name in order:
+        for t in graph[name].inputs:
+            if t in theory.sources and t not in home:
+                home[t] = 0 if graph[t].kind == "placeholder" else op_seg[name]
+    for t in theory.sources:
+        home.setdefault(t, 0)
+    return op_seg, home
 
 
 @dataclass
@@ -128,6 +159,8 @@ class CostModel:
         self.cluster = cluster
         self.vdevs = virtual_devices(cluster, granularity)
         self.ratios = [list(r) for r in ratios]
+        self.num_segments = len(self.ratios)
+        self.op_segment, self.home = assign_segments(theory, self.num_segments)
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._comm_cost: dict = {}
@@ -136,16 +169,33 @@ class CostModel:
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves
 
     # -- stage contents ----------------------------------------------------------------------
-    def _bytes(self, tensor: str, layout: Layout) -> Affine:
+    def _bytes(self, tensor: str, layout: Layout, segment: int | None = None) -> Affine:
+        """Bytes of `tensor` per device in `layout` (Gather: by its home segment's row)."""
         nbytes = float(self.graph[tensor].nbytes)
-        return Affine.sharded(nbytes) if isinstance(layout, int) else Affine(nbytes)
+        seg = self.home[tensor] if segment is None else segment
+        return Affine.sharded(nbytes, seg) if isinstance(layout, int) else Affine(nbytes)
+
+    def needs_reshard(self, tensor: str, layout: Layout, segment: int) -> bool:
+        """Whether an op in `segment` reads `tensor` in `layout` from another row's shards."""
+        if not isinstance(layout, int) or self.home[tensor] == segment:
+            return False
+        shape = self.graph[tensor].shape
+        return bool(shape) and int(shape[layout]) > 1
+
+    def reshard(self, tensor: str, layout: Layout, segment: int) -> CommRule:
+        return CommRule(tensor, layout, layout, "reshard", to_segment=segment)
 
     def comm_collectives(self, c: CommRule) -> tuple[list[Collective], list[Collective]]:
         """(forward, backward) collectives of one re-layout; backward runs the dual."""
         if c.free:
             return [], []
         nbytes = float(self.graph[c.tensor].nbytes)
-        shard = Affine.sharded(nbytes)
+        home = self.home[c.tensor]
+        if c.kind == "reshard":
+            rows = (home, c.to_segment)
+            return ([Collective("reshard", Affine(nbytes), label=c.tensor, rows=rows)],
+                    [Collective("reshard", Affine(nbytes), label=f"d{c.tensor}", rows=rows[::-1])])
+        shard = Affine.sharded(nbytes, home)
         dual = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
         if c.kind == "all_reduce":
             fwd = Collective("all_reduce", Affine(nbytes), label=c.tensor)
@@ -158,18 +208,19 @@ class CostModel:
     def rule_parts(self, step_node: str, rule: Rule) -> tuple[Affine, Affine, list[Collective]]:
         """(forward FLOPs, backward FLOPs, extra backward collectives for SFB) of a triple."""
         node = self.graph[step_node]
+        seg = self.op_segment[step_node]
         f = node.flops
-        fwd = Affine.sharded(f) if rule.sharded else Affine(f)
+        fwd = Affine.sharded(f, seg) if rule.sharded else Affine(f)
         bwd = fwd.scale(node.backward_factor)
         extra: list[Collective] = []
         if rule.sfb:
             # Gather the sufficient factors (input and output gradient), then every device
             # computes the full weight gradient: half the backward work, unsharded.
-            bwd = Affine.sharded(f * node.backward_factor / 2) + Affine(f * node.backward_factor / 2)
+            bwd = Affine.sharded(f * node.backward_factor / 2, seg) + Affine(f * node.backward_factor / 2)
             x = node.inputs[0]
             extra = [
-                Collective("all_gather", Affine.sharded(float(self.graph[x].nbytes)), "padded", label=f"{x} (sfb)"),
-                Collective("all_gather", Affine.sharded(float(node.nbytes)), "padded", label=f"d{node.name} (sfb)"),
+                Collective("all_gather", Affine.sharded(float(self.graph[x].nbytes), seg), "padded", label=f"{x} (sfb)"),
+                Collective("all_gather", Affine.sharded(float(node.nbytes), seg), "padded", label=f"d{node.name} (sfb)"),
             ]
         return fwd, bwd, extra
 
@@ -230,7 +281,7 @@ class CostModel:
         node = self.graph[tensor]
         if node.kind != "placeholder" or layout == 0 or not node.shape or node.shape[0] <= 1:
             return None
-        return Collective("all_gather", Affine.sharded(float(node.nbytes)), "padded",
+        return Collective("all_gather", Affine.sharded(float(node.nbytes), 0), "padded",
                           label=f"{tensor} (input)")
 
     def source_time(self, tensor: str, layout: Layout, rule: Rule) -> float:
@@ -284,7 +335,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     order, last_use = _order(graph, theory)
     n = len(order)
     min_rest = _remaining_bound(theory, cost, order)
-    dead, dead_props = _dying(graph, order, last_use)
+    dead, dead_props = _dying(graph, order, last_use, cost.num_segments)
     per_pos = [0] * (n + 1)
     stats = SearchStats()
     counter = itertools.count()
@@ -383,9 +434,10 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
     return out
 
 
-def _dying(graph: Graph, order: list[str], last_use: dict[str, int]) -> tuple[list[frozenset], list[frozenset]]:
+def _dying(graph: Graph, order: list[str], last_use: dict[str, int],
+           num_segments: int = 1) -> tuple[list[frozenset], list[frozenset]]:
     """Per position: the tensors not needed after it, and every (tensor, layout) pair of them
-    (so the search drops dead layouts with one set difference)."""
+    (so the search drops dead layouts with one set difference), resharded copies included."""
     dead: list[set] = [set() for _ in order]
     for i, name in enumerate(order):
         if last_use.get(name, -1) <= i:
@@ -397,14 +449,17 @@ def _dying(graph: Graph, order: list[str], last_use: dict[str, int]) -> tuple[li
     for ts in dead:
         pairs = set()
         for t in ts:
-            pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *range(max(graph[t].ndim, 1)))}
+            dims = range(max(graph[t].ndim, 1))
+            pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *dims)}
+            if num_segments > 1:
+                pairs |= {(t, (d, s)) for d in dims for s in range(num_segments)}
         dead_props.append(frozenset(pairs))
     return [frozenset(d) for d in dead], dead_props
 
 
 def _finish(props, communicated, loss: str, cost: CostModel) -> tuple[float, tuple[CommRule, ...]] | None:
     """Extra cost, and the collective, that bring the loss to Reduce at the end (None: impossible)."""
-    layouts = {lay for t, lay in props if t == loss}
+    layouts = {lay for t, lay in props if t == loss and not isinstance(lay, tuple)}
     if REDUCE in layouts:
         return 0.0, ()
     if loss in communicated:
@@ -449,6 +504,7 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
 def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
     graph = theory.graph
     node = graph[name]
+    seg = cost.op_segment[name]
     for rule in theory.rules[name]:
         needs = list(zip(node.inputs, rule.pre)) + list(rule.shape_pre)
         total = cost.rule_time(name, rule)
@@ -471,16 +527,37 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
                 sources.append((t, want))
                 new_props.add((t, want))
                 total += cost.source_time(t, want, rule)
+                if cost.needs_reshard(t, want, seg):  # an input loaded by row 0, read in another
+                    c = cost.reshard(t, want, seg)
+                    comms.append(c)
+                    new_props.add((t, (want, seg)))
+                    total += cost.comm_time(c)
                 continue
             if present is None:
                 ok = False  # an input not computed yet cannot happen in topological order
                 break
+            if cost.needs_reshard(t, want, seg):
+                # Another segment's shards: a resharded copy (made once per segment), from
+                # the tensor in `want` at its home row (made first if need be).
+                if (want, seg) in present or (t, (want, seg)) in new_props:
+                    continue
+                if graph[t].is_param:
+                    ok = False  # parameters are created once, in one row
+                    break
+                reshard = cost.reshard(t, want, seg)
+                total += cost.comm_time(reshard)
+                new_props.add((t, (want, seg)))
+                if want in present or (t, want) in new_props:
+                    comms.append(reshard)
+                    continue
+            else:
+                reshard = None
             if want in present or any(c.tensor == t and c.dst == want for c in comms):
                 continue
             if t in theory.sources or t in communicated or t in new_comm or t in theory.no_comm:
                 ok = False
                 break
-            options = [c for src in present for c in theory.comm(t, src) if c.dst == want]
+            options = [c for src in present if not isinstance(src, tuple) for c in theory.comm(t, src) if c.dst == want]
             if not options:
                 ok = False
                 break
@@ -489,6 +566,8 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
             new_comm.add(t)
             new_props.add((t, want))
             total += cost.comm_time(best)
+            if reshard is not None:
+                comms.append(reshard)
         if not ok:
             continue
         for t in node.shape_inputs:
@@ -496,7 +575,7 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
                 sources.append((t, IDENTITY))
                 new_props.add((t, IDENTITY))
         new_props.add((name, rule.post))
-        yield Step(name, rule, tuple(comms), tuple(sources)), total, frozenset(new_props), frozenset(new_comm)
+        yield Step(name, rule, tuple(comms), tuple(sources), seg), total, frozenset(new_props), frozenset(new_comm)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
@@ -544,13 +623,13 @@ def build_program(
             activations = activations + cost._bytes(step.node, step.rule.post).scale(saved[step.node])
         for c in step.comms:
             if not c.free and c.tensor in saved:
-                activations = activations + cost._bytes(c.tensor, c.dst).scale(saved[c.tensor])
+                activations = activations + cost._bytes(c.tensor, c.dst, c.to_segment).scale(saved[c.tensor])
         for t, layout in step.sources:
             if t in saved and not graph[t].is_param:
                 activations = activations + cost._bytes(t, layout).scale(saved[t])
     memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations)
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
-    return Program(tuple(stages), len(cost.vdevs), 1, cost.granularity, memory, dict(meta or {}))
+    return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}))
 
 
 def _overlapped_backward(bwd: list[tuple[Stage, float]], cap: float) -> list[Stage]:

@@ -77,14 +77,19 @@ class CommRule:
     tensor: str
     src: Layout
     dst: Layout
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | slice | keep_first
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | slice | keep_first | reshard
     impl: str = "ring"
+    # reshard only (Gather(d) -> Gather(d)): the segment whose ratio row the shards move to,
+    # from the row of the segment the tensor was made in (methods.hap.search segments).
+    to_segment: int | None = None
 
     @property
     def free(self) -> bool:
         return self.kind in ("slice", "keep_first")
 
     def describe(self) -> str:
+        if self.kind == "reshard":
+            return f"reshard({self.tensor}: {layout_name(self.src)} -> rows of segment {self.to_segment})"
         impl = f", {self.impl}" if self.impl not in ("ring",) else ""
         return f"{self.kind}({self.tensor}: {layout_name(self.src)} -> {layout_name(self.dst)}{impl})"
 

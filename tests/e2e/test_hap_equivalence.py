@@ -47,15 +47,18 @@ def make_workload(model: str, n: int, global_batch: int) -> Workload:
     return Workload(model, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
 
 
-def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list[float], sfb: bool = True) -> Plan:
+def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list, sfb: bool = True) -> Plan:
     """A HAP plan synthesized at fixed ratios per virtual device (the planner's pieces, without
-    its LP); batch shares per rank as the planner gives them (a machine's share split evenly)."""
+    its LP); batch shares per rank as the planner gives them (a machine's share split evenly).
+    `ratios` is one row, or one row per segment (then segments are cut as the planner does)."""
     granularity = cluster.virtual_device
+    rows = ratios if isinstance(ratios[0], list) else [ratios]
+    ratios = rows[0]
     graph = capture_config(workload.model_cfg, workload.global_batch)
     theory = derive_theory(graph, sfb=sfb)
-    res = synthesize(theory, CostModel(theory, cluster, granularity, [ratios]))
+    res = synthesize(theory, CostModel(theory, cluster, granularity, rows))
     details = {
-        "plan_format": PLAN_FORMAT_VERSION, "loss": graph.loss, "ratios": [ratios], "granularity": granularity,
+        "plan_format": PLAN_FORMAT_VERSION, "loss": graph.loss, "ratios": rows, "granularity": granularity,
         "steps": [s.to_json(graph) for s in res.steps],
         "final_comms": [comm_to_json(c) for c in res.final_comms],
         "shard_units": {str(k): v for k, v in shard_units(res.steps, graph).items()},
@@ -63,7 +66,7 @@ def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list[float]
     shares = []
     for v, share in zip(virtual_devices(cluster, granularity), batch_shares(workload.global_batch, ratios)):
         shares += round_shares(share, [1.0] * len(v.ranks))
-    return Plan("hap", shares, details, None, [ratios])
+    return Plan("hap", shares, details, None, rows)
 
 
 def single_device(workload: Workload, seed: int, steps: int, lr: float, grad_clip: float = 0.0):
@@ -86,8 +89,8 @@ def single_device(workload: Workload, seed: int, steps: int, lr: float, grad_cli
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_case(model: str, ratios: list[float], global_batch: int = 7, machines: list[int] | None = None, **options):
-    n = sum(machines) if machines else len(ratios)
+def run_case(model: str, ratios: list, global_batch: int = 7, machines: list[int] | None = None, **options):
+    n = sum(machines) if machines else len(ratios[0] if isinstance(ratios[0], list) else ratios)
     workload = make_workload(model, n, global_batch)
     cluster = make_cluster(n, machines)
     plan = plan_at_ratios(workload, cluster, ratios)
@@ -112,7 +115,9 @@ def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4,
     for name, ref in params.items():
         if grads[name].abs().max() < 1e-3 * scale:
             continue  # zero in exact arithmetic (attention key bias): float noise Adam scales up
-        np.testing.assert_allclose(results[0]["params"][name], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+        # Adam moves an element by ~lr per step whatever its gradient's size, so an element
+        # whose gradient is near zero turns fp32 noise into up to a few 1e-6: atol is 2% of lr.
+        np.testing.assert_allclose(results[0]["params"][name], ref.numpy(), rtol=1e-5, atol=lr / 50, err_msg=name)
 
 
 def compiled(model: str, ratios: list[float], **options):
@@ -146,6 +151,24 @@ CASES = [
     pytest.param("bert", [0.3, 0.7], dict(force_impl="grouped"), id="bert-2dev-grouped"),
     pytest.param("bert_moe", [0.6, 0.4], dict(force_impl="grouped"), id="bert_moe-2dev-grouped"),
 ]
+
+# Segments: a ratio row per group of ops, shards resharded where a tensor crosses into a group
+# with another row (a zero-length shard in some rows, rows that move every boundary).
+SEGMENT_CASES = [
+    pytest.param("bert", [[0.5, 0.0, 0.5], [0.2, 0.5, 0.3], [0.0, 0.6, 0.4]], dict(), id="bert-3dev-3seg"),
+    pytest.param("vit", [[0.7, 0.3], [0.25, 0.75]], dict(force_impl="grouped"), id="vit-2dev-2seg"),
+    pytest.param("bert_moe", [[0.4, 0.3, 0.3], [0.1, 0.3, 0.6]], dict(), id="bert_moe-3dev-2seg"),
+]
+
+
+@pytest.mark.parametrize("model,rows,options", SEGMENT_CASES)
+def test_program_with_segments_trains_exactly_like_one_device(model, rows, options):
+    workload, plan, results = run_case(model, rows, **options)
+    steps = plan.details["steps"]
+    assert {s["segment"] for s in steps} == set(range(len(rows)))
+    assert any(c["kind"] == "reshard" for s in steps for c in s["comms"]), "no tensor crosses a segment border"
+    assert sum(plan.batch_shares) == 7
+    check_equivalence(workload, results)
 
 
 @pytest.mark.parametrize("model,ratios,options", CASES)

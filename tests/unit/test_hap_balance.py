@@ -116,3 +116,37 @@ def test_planner_never_predicts_slower_than_compute_proportional_synthesis():
     sfb = SfbPlanner().plan(wl, cl)
     assert hap.details["predicted_iter_time_s"] <= sfb.details["predicted_iter_time_s"] * (1 + 1e-9)
     assert len(virtual_devices(cl, "gpu")) == len(hap.batch_shares)
+
+
+def _two_segment_program(reshard_bytes: float) -> Program:
+    """Segment 0 compute-bound, segment 1 bound by a padded all-gather, a reshard between."""
+    return Program((
+        Stage((), Affine.sharded(1e14, 0)),
+        Stage((Collective("reshard", Affine(reshard_bytes), rows=(0, 1)),
+               Collective("all_gather", Affine.sharded(4e8, 1), "padded")), Affine.sharded(2e12, 1)),
+    ), 4, num_segments=2)
+
+
+def test_segments_get_their_own_rows_when_the_reshard_is_cheap():
+    cl = make(fast=1, slow=3, inter_gbps=1.0)
+    cp = compute_proportional_ratios(cl, "gpu")[0]
+    ratios, obj = balance_ratios(_two_segment_program(1e3), cl)
+    assert all(sum(row) == pytest.approx(1.0) for row in ratios)
+    assert ratios[0] == pytest.approx(cp, abs=1e-6)  # compute-bound: compute-proportional
+    assert max(ratios[1]) < max(cp) - 0.05  # gather-bound: towards even shards
+    sim = simulate(_two_segment_program(1e3), cl, ratios).iter_time_s
+    assert obj >= sim - 1e-9 and obj == pytest.approx(sim, rel=1e-3)  # the LP's reshard term bounds the exact one
+    one_row = [cp, cp]
+    assert sim < simulate(_two_segment_program(1e3), cl, one_row).iter_time_s
+
+
+def test_an_expensive_reshard_keeps_the_rows_equal():
+    cl = make(fast=1, slow=3, inter_gbps=1.0)
+    ratios, _ = balance_ratios(_two_segment_program(1e12), cl)
+    assert ratios[0] == ratios[1]
+    # Equal rows move nothing: the same time as the best single row for both segments.
+    merged = Program((Stage((), Affine.sharded(1e14)),
+                      Stage((Collective("all_gather", Affine.sharded(4e8), "padded"),), Affine.sharded(2e12))), 4)
+    best_one_row, _ = balance_ratios(merged, cl)
+    assert simulate(_two_segment_program(1e12), cl, ratios).iter_time_s == pytest.approx(
+        simulate(merged, cl, best_one_row).iter_time_s, rel=1e-6)

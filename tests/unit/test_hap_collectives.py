@@ -89,6 +89,19 @@ def _checks(rank: int, n: int) -> None:
         y.backward(_shard(gfull, dd, dl, rank))
         _close(x.grad, _shard(gfull, sd, sl, rank), f"all_to_all {sd}->{dd} backward")
 
+    # reshard: the same dim split by two rows (a segment border), both ways, and to itself.
+    moved = {2: [([3, 2], [1, 4]), ([3, 2], [5, 0])], 3: [([3, 0, 2], [0, 4, 1]), ([3, 0, 2], [1, 1, 3])]}[n]
+    for dim in (0, 1):
+        shape = [4, 3, 2]
+        shape[dim] = total
+        full, gfull = rand(*shape), rand(*shape)
+        for src, dst in moved + [(d, s) for s, d in moved] + [(lengths, lengths)]:
+            x = _shard(full, dim, src, rank).clone().requires_grad_()
+            y = C.reshard(x, dim, src, dst)
+            _close(y, _shard(full, dim, dst, rank), f"reshard {src}->{dst} dim {dim} forward")
+            y.backward(_shard(gfull, dim, dst, rank))
+            _close(x.grad, _shard(gfull, dim, src, rank), f"reshard {src}->{dst} dim {dim} backward")
+
     # SFB linear: x sharded along a batch-like dim, weight replicated; the weight gradient
     # comes out whole on every rank, equal to the single-device gradient.
     for dim in (0, 1):

@@ -208,3 +208,18 @@ def test_compute_bound_case_gives_hap_about_dp_cp_and_communication_bound_beats_
     cl = cluster(inter_gbps=1.0, virtual="gpu")
     hap = HapPlanner(max_rounds=3).plan(comm_bound, cl)
     assert hap.details["predicted_iter_time_s"] < 0.9 * _dp_cp_time(comm_bound, cl)
+
+
+def test_segments_cut_ops_in_order_and_never_lose_to_one_segment():
+    cl = cluster(fast=1, slow=2, inter_gbps=1.0, virtual="gpu")
+    wl = bert_workload(batch=12, num_devices=3)
+    times = {}
+    for g in (1, 3):
+        plan = HapPlanner(num_segments=g, dp_candidate=False, max_rounds=3).plan(wl, cl)
+        assert len(plan.ratios) == g == plan.program.num_segments
+        assert all(sum(row) == pytest.approx(1.0) for row in plan.ratios)
+        segments = [s["segment"] for s in plan.details["steps"]]
+        assert segments == sorted(segments) and set(segments) == set(range(g))
+        times[g] = simulate(plan.program, cl, plan.ratios).iter_time_s
+        assert times[g] == pytest.approx(plan.details["predicted_iter_time_s"])
+    assert times[3] <= times[1] * (1 + 1e-9)

@@ -199,3 +199,46 @@ def test_all_to_all_across_machines_shares_each_machines_link():
     m = make_cluster(fast=1, slow=1, per_machine=2, inter_gbps=8.0, latency=0.0, virtual="machine")
     a2a_m = Program((Stage((Collective("all_to_all", Affine.sharded(1e9)),)),), 2, granularity="machine")
     assert simulate(a2a_m, m, even_ratios(2)).iter_time_s == pytest.approx(0.5 * 1e9 / 2 / 1e9)
+
+
+@pytest.mark.parametrize("src,dst", [([500, 250, 250], [250, 250, 500]), ([1000, 0, 0], [0, 0, 1000]),
+                                     ([300, 0, 700], [0, 650, 350]), ([400, 600], [400, 600])])
+def test_reshard_fractions_are_what_changes_owner(src, dst):
+    from bench.program import reshard_fractions
+
+    def owned(lengths, i):
+        start = sum(lengths[:i])
+        return set(range(start, start + lengths[i]))
+
+    total = sum(src)
+    exact = [max(len(owned(src, i) - owned(dst, i)), len(owned(dst, i) - owned(src, i))) / total for i in range(len(src))]
+    got = reshard_fractions([x / total for x in src], [x / total for x in dst])
+    assert got == pytest.approx(exact, abs=1e-12)
+    # The LP's linear bound (how far each device's two interval ends move) is never below it.
+    prefix = lambda r, i: sum(r[: i + 1]) / total if 0 <= i < len(r) - 1 else 0.0  # noqa: E731
+    bound = [abs(prefix(src, i - 1) - prefix(dst, i - 1)) + abs(prefix(src, i) - prefix(dst, i)) for i in range(len(src))]
+    assert all(b >= e - 1e-12 for b, e in zip(bound, exact))
+
+
+def test_reshard_costs_what_changes_owner_and_nothing_between_equal_rows():
+    cl = make_cluster(fast=1, slow=2, inter_gbps=8.0, latency=1e-4)
+    nbytes = 1e8
+    pending = Stage((Collective("all_reduce", Affine(4e8)),), overlap=True)
+    border = Stage((Collective("reshard", Affine(nbytes), rows=(0, 1)),), Affine.sharded(1e12, 1))
+    prog = Program((Stage((), Affine.sharded(1e12, 0)), pending, border), 3, num_segments=2)
+    moved = [[0.5, 0.25, 0.25], [0.25, 0.25, 0.5]]  # device 1 gives and takes a quarter
+    link = cl.inter_machine
+    res = simulate(prog, cl, moved)
+    assert res.stage_times[2][0] == pytest.approx(link.latency_s + 0.25 * nbytes / link.bytes_per_s)
+    # Equal rows: no call, so the border does not wait for the pending all-reduce either.
+    same = [[0.5, 0.25, 0.25]] * 2
+    res = simulate(prog, cl, same)
+    assert res.stage_times[2][0] == 0.0
+    compute = sum(max(1e12 * r / d.effective_flops for r, d in zip(same[0], cl.devices)) for _ in range(2))
+    ar = res.stage_times[1][0]
+    assert res.iter_time_s == pytest.approx(max(compute, compute / 2 + ar), rel=1e-9)
+    with pytest.raises(ValueError, match="rows"):
+        Collective("reshard", Affine(nbytes))
+    with pytest.raises(ValueError, match="rows"):
+        Program((Stage((Collective("reshard", Affine(nbytes), rows=(0, 2)),)),), 3, num_segments=2)
+    assert Program.from_json(prog.to_json()) == prog
