@@ -1,11 +1,13 @@
 """The paper's evaluation figures, one command each: PNG + PDF with the data as CSV beside them.
 
     python -m bench.figures main            # or: homogeneous allgather_skew synthesis_time
-    python -m bench.figures all             #     ablation sim_accuracy
+    python -m bench.figures all             #     ablation sim_accuracy cp_vs_ev
 
 Simulated figures run the runner's own planning and simulation (bench.run.prepare_case), so a
-point is exactly what `python -m bench.run mode=sim ...` would record for that case. Measured
-figures (allgather_skew's gloo half, sim_accuracy) come from real runs on this host.
+point is exactly what `python -m bench.run mode=sim ...` would record for that case; cp_vs_ev
+plans its tensor-parallel programs itself (methods.hap.tensor_parallel). Measured figures
+(allgather_skew's gloo half, sim_accuracy, cp_vs_ev's measured half) come from real runs on
+this host.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 import pandas as pd  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
@@ -172,6 +175,7 @@ ABLATIONS = {
     "no SFB": ["method.sfb=false"],
     "no LP": ["method.lp=false"],
     "no collective choice": ["method.collective_choice=false"],
+    "one segment": ["method.num_segments=1"],
 }
 
 
@@ -210,6 +214,133 @@ def fig_sim_accuracy(out: Path) -> None:
     _save(fig, data, "sim_accuracy", out)
 
 
+# The seed's Fig. 2 setting: a tensor-parallel transformer whose hidden size sets the ratio of
+# computation to communication. Simulated: BERT-shaped blocks (head size 64, d_ff = 4 d,
+# sequence 128) on `motivation`. Measured: tiny ones (sequence 64, 8 samples, to stay within
+# two minutes) on local_hetero2, with head size 4 so that heads split close to the ratios (shards
+# are whole heads) and a larger vocabulary, whose logits all-gather gives the ratios something
+# to move at small sizes.
+CP_VS_EV_SIM = {"cluster": "motivation", "preset": "paper", "num_layers": 4, "vocab_size": 1024,
+                "global_batch": 32, "head_dim": 64}
+CP_VS_EV_REAL = {"cluster": "local_hetero2", "preset": "tiny", "num_layers": 2, "vocab_size": 4096,
+                 "global_batch": 8, "head_dim": 4}
+
+
+def _tp_case(setting: dict, d_model: int, mode: str):
+    """(workload, cluster) of one hidden size, composed as the runner would."""
+    from bench.run import build_workload
+
+    cfg = _cfg(f"mode={mode}", "model=bert", f"preset={setting['preset']}", f"cluster={setting['cluster']}",
+               f"global_batch={setting['global_batch']}", f"+model.spec.d_model={d_model}",
+               f"+model.spec.num_heads={max(1, d_model // setting['head_dim'])}", f"+model.spec.d_ff={4 * d_model}",
+               f"+model.spec.num_layers={setting['num_layers']}", f"+model.spec.vocab_size={setting['vocab_size']}")
+    cluster = ClusterSpec.from_config(_container(cfg.cluster))
+    return build_workload(cfg, cluster), cluster, cfg.seed
+
+
+def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096, 8192),
+                 real_dims=(16, 64, 128, 256, 512), warmup_iters: int = 2, measured_iters: int = 10) -> None:
+    """The seed's Fig. 2: a tensor-parallel transformer with its hidden size swept, at even (EV),
+    compute-proportional (CP) and the LP's (LP) sharding ratios; simulated on `motivation` and
+    measured on local_hetero2 (emulated, gloo).
+
+    Every device sees the whole batch and every weight matrix is sharded
+    (methods.hap.theory.tensor_parallel_theory); collectives are padded. EV and CP each run the
+    program the search finds best at their ratios; LP alternates synthesis and LP from both
+    (methods.hap.tensor_parallel). The search picks Megatron's layout: column- then row-parallel
+    linears, heads split, an all-reduce after each row-parallel linear, and padded all-gathers of
+    the embedding output and of the logits. An all-reduce moves the full tensor whatever the
+    ratios, so the traffic the ratios change is those all-gathers (their reduce-scatters in
+    backward) and the input tokens; the compute is what CP balances. Small hidden sizes:
+    communication dominates and EV wins; large ones: CP. Where they cross depends on the depth and
+    the vocabulary (4 layers and 1024 words simulated). On these two-speed clusters the LP's
+    optimum is always one of the two: each stage costs a max over devices of terms linear in the
+    ratios, and between EV and CP the device with the largest shard and the slowest device stay
+    the same, so the cost is linear along that segment. LP = the better of EV and CP; the "sweet
+    spot" is the switch, not a third ratio.
+
+    Measured points: `warmup_iters` + `measured_iters` iterations each, so expect the 10-20% noise
+    of short runs on a shared 2-core VM. A plan identical to one already run (LP with EV's or CP's
+    ratios and program) reuses its measurement (column measured_run_of). predicted_iter_time_s
+    is the simulator's figure for the same plan at the measured host speed.
+    """
+    from bench.flops import measure_host_speed
+    from bench.launch import launch
+    from bench.records import summarize_times
+    from bench.worker import Case
+
+    # The one figure that plans by hand (a restricted program space at given ratios).
+    from methods.hap import tensor_parallel as tp
+    from methods.hap.runtime import FixedPlanMethod
+
+    rows = []
+
+    def row(origin, setting, workload, cluster, d_model, point, iter_time_s, std_s=None, run_of=None):
+        return {"origin": origin, "cluster": cluster.name, "d_model": d_model,
+                "num_heads": workload.model_cfg.num_heads, "num_layers": setting["num_layers"],
+                "global_batch": workload.global_batch, "ratios": point.choice,
+                "ratio_values": " ".join(f"{r:.4f}" for r in point.ratios[0]),
+                "iter_time_s": iter_time_s, "iter_time_std_s": std_s,
+                "samples_per_s": workload.global_batch / iter_time_s,
+                "predicted_iter_time_s": point.sim.iter_time_s,
+                "predicted_comm_s": point.sim.comm_time_s, "predicted_compute_s": point.sim.compute_time_s,
+                "oom": point.sim.oom, "measured_run_of": run_of}
+
+    for d in sim_dims:
+        workload, cluster, _ = _tp_case(CP_VS_EV_SIM, d, "sim")
+        _, points = tp.workload_points(workload, cluster)
+        rows += [row("simulated", CP_VS_EV_SIM, workload, cluster, d, p, p.sim.iter_time_s) for p in points.values()]
+    for d in real_dims:
+        workload, cluster, seed = _tp_case(CP_VS_EV_REAL, d, "real")
+        per_device = -(-workload.global_batch // cluster.num_devices)
+        cluster = cluster.with_host_speed(*measure_host_speed(workload, per_device, seed, repeats=5))
+        graph, points = tp.workload_points(workload, cluster)
+        runs: list[tuple] = []  # (point, mean, std) of each plan run so far
+        for point in points.values():
+            same = [r for r in runs if tp.same_plan(r[0], point)]
+            if not same:
+                plan = tp.to_plan(point, graph, workload, cluster)
+                method = FixedPlanMethod(plan)
+                case = Case(workload, cluster, method, method.plan(workload, cluster), seed, warmup_iters,
+                            measured_iters)
+                results = launch(case, cluster.num_devices, timeout_s=300)
+                _, mean, std = summarize_times([r["iter_times_s"] for r in results], measured_iters)
+                same = [(point, mean, std)]
+                runs += same
+            run, mean, std = same[0]
+            rows.append(row("measured", CP_VS_EV_REAL, workload, cluster, d, point, mean, std, run.choice))
+    data = pd.DataFrame(rows)
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex="col")
+    for col, origin in enumerate(("simulated", "measured")):
+        sub = data[data.origin == origin]
+        if sub.empty:
+            continue
+        ev = sub[sub.ratios == "EV"].set_index("d_model").samples_per_s
+        for choice, style in zip(tp.CHOICES, ("o-", "s--", "^:")):
+            part = sub[sub.ratios == choice].set_index("d_model")
+            axes[0, col].plot(part.index, part.samples_per_s, style, label=choice)
+            axes[1, col].plot(part.index, part.samples_per_s / ev.reindex(part.index), style, label=choice)
+            for d, oom in part.oom.items():
+                if oom:
+                    axes[0, col].annotate("OOM", (d, part.samples_per_s[d]), fontsize=7)
+        axes[0, col].set_title(f"{origin}: {sub.cluster.iloc[0]}", fontsize=9)
+        axes[0, col].set_xscale("log", base=2)
+        axes[0, col].set_yscale("log")
+        axes[0, col].yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 3, 5)))
+        axes[0, col].yaxis.set_major_formatter(ticker.ScalarFormatter())
+        axes[0, col].yaxis.set_minor_formatter(ticker.NullFormatter())
+        dims = sorted(sub.d_model.unique())
+        axes[1, col].set_xticks(dims, [str(d) for d in dims], rotation=45, fontsize=7)
+        axes[1, col].xaxis.set_minor_locator(ticker.NullLocator())
+        axes[1, col].set_xlabel("hidden size (d_model)")
+        axes[1, col].axhline(1.0, color="grey", linewidth=0.5)
+        axes[0, col].legend(fontsize=7)
+    axes[0, 0].set_ylabel("samples/s")
+    axes[1, 0].set_ylabel("throughput / EV's")
+    fig.suptitle("tensor-parallel transformer: even (EV), compute-proportional (CP) and LP ratios", fontsize=10)
+    _save(fig, data, "cp_vs_ev", out)
+
+
 def _container(node):
     from omegaconf import OmegaConf
 
@@ -223,6 +354,7 @@ FIGURES = {
     "synthesis_time": fig_synthesis_time,
     "ablation": fig_ablation,
     "sim_accuracy": fig_sim_accuracy,
+    "cp_vs_ev": fig_cp_vs_ev,
 }
 
 

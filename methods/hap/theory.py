@@ -628,6 +628,54 @@ def data_parallel_theory(theory: Theory) -> Theory:
     return Theory(g, rules, sources, False, theory.grouped, theory.no_comm, free_comms_only=True)
 
 
+def tensor_parallel_theory(theory: Theory) -> Theory:
+    """The same graph restricted to tensor (Megatron-style) parallelism: every device sees the
+    whole batch and every weight matrix is sharded.
+
+    Inputs are created Identity only, and no tensor is ever split along a dim that comes from
+    the batch (dim 0 of the inputs, followed through the rules: a Gather of a batch dim of an
+    input that a rule carries to a Gather of the output makes that output dim a batch dim too);
+    rules that would split one are dropped. Parameters with two or more dims longer than 1
+    (linear and embedding weights) must be created sharded; vectors (biases, LayerNorm) may stay
+    replicated. No SFB. The search still chooses how each matrix is split (rows or columns,
+    heads) and how activations move between them (all-gather, reduce-scatter, all-reduce; the
+    sequence dim may be split, as in Megatron's sequence parallelism). Collectives are those of
+    `theory` (padded only if it was derived with grouped=False)."""
+    g = theory.graph
+    batch: dict[str, set[int]] = {}
+    for t in theory.sources:
+        node = g[t]
+        if node.kind == "placeholder" and node.shape and node.shape[0] == g.batch_size:
+            batch[t] = {0}
+    for node in g.nodes:  # topological order: inputs are marked before their readers
+        for r in theory.rules.get(node.name, ()):
+            needs = list(zip(node.inputs, r.pre)) + list(r.shape_pre)
+            if isinstance(r.post, int) and any(isinstance(lay, int) and lay in batch.get(t, ()) for t, lay in needs):
+                batch.setdefault(node.name, set()).add(r.post)
+
+    def splits_batch(t: str, layout: Layout) -> bool:
+        return isinstance(layout, int) and layout in batch.get(t, ())
+
+    rules = {}
+    for name, rs in theory.rules.items():
+        inputs = g[name].inputs
+        rules[name] = [
+            r for r in rs
+            if not r.sfb and not splits_batch(name, r.post)
+            and not any(splits_batch(t, lay) for t, lay in list(zip(inputs, r.pre)) + list(r.shape_pre))
+        ]
+    sources: dict[str, list[Layout]] = {}
+    for t, layouts in theory.sources.items():
+        node = g[t]
+        if node.kind == "placeholder":
+            sources[t] = [IDENTITY]
+        elif node.is_param and sum(1 for n in node.shape if n > 1) >= 2:
+            sources[t] = [lay for lay in layouts if lay != IDENTITY]
+        else:
+            sources[t] = list(layouts)
+    return Theory(g, rules, sources, False, theory.grouped, theory.no_comm)
+
+
 # Ops that end an MoE routing region: contractions consume dispatch / combine tensors.
 _CONTRACTIONS = ("linear", "matmul", "bmm", "einsum", "conv2d", "embedding", "cross_entropy")
 

@@ -1,0 +1,143 @@
+"""Tensor-parallel programs at three choices of sharding ratios (HAP Sec. 2.4, Fig. 2).
+
+EV shards every tensor evenly, CP in proportion to each device's FLOP/s, LP takes the load
+balancer's ratios (methods.hap.balance). The program space is methods.hap.theory's
+`tensor_parallel_theory`: the whole batch on every device, weight matrices sharded, padded
+collectives only. EV and CP each get the program the search finds best at their ratios; LP
+alternates synthesis and LP like the planner (`rounds` times), started from both EV and CP, and
+keeps the fastest (EV's or CP's own point when it lands on their ratios). Gradient all-reduces
+are not overlapped (grad_overlap=False), so the simulated time is exactly what the search and
+the LP minimise and LP can never be slower than EV or CP. It decides and simulates; running a
+plan is methods.hap.runtime's job (FixedPlanMethod).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.cluster import ClusterSpec
+from bench.interfaces import Plan, Workload
+from bench.program import Program
+from bench.simulate import (
+    SimResult,
+    compute_proportional_ratios,
+    even_ratios,
+    simulate,
+    virtual_devices,
+)
+from methods.capture import Graph, capture_config
+from methods.hap.balance import balance_ratios, batch_shares
+from methods.hap.codegen import graph_fingerprint
+from methods.hap.planner import PLAN_FORMAT_VERSION
+from methods.hap.search import (
+    CostModel,
+    SearchResult,
+    build_program,
+    comm_to_json,
+    describe_steps,
+    shard_units,
+    synthesize,
+)
+from methods.hap.theory import Theory, derive_theory, tensor_parallel_theory
+
+CHOICES = ("EV", "CP", "LP")
+
+
+@dataclass
+class RatioPoint:
+    """One ratio choice: its ratios, the program synthesized for them and its simulation."""
+
+    choice: str
+    ratios: list[list[float]]
+    result: SearchResult
+    program: Program
+    sim: SimResult
+
+
+def tp_theory(graph: Graph) -> Theory:
+    """The tensor-parallel program space of `graph`: no SFB, padded collectives only."""
+    return tensor_parallel_theory(derive_theory(graph, sfb=False, grouped=False))
+
+
+def synthesize_at(theory: Theory, cluster: ClusterSpec, ratios, choice: str,
+                  beam_width: int | None = 100) -> RatioPoint:
+    """The best program of `theory` at fixed `ratios`, simulated at them."""
+    granularity = cluster.virtual_device
+    cost = CostModel(theory, cluster, granularity, ratios)
+    result = synthesize(theory, cost, beam_width=beam_width)
+    program = build_program(result.steps, cost, {"method": f"tp-{choice}"}, grad_overlap=False)
+    return RatioPoint(choice, [list(r) for r in ratios], result, program, simulate(program, cluster, ratios))
+
+
+def ratio_points(graph: Graph, cluster: ClusterSpec, rounds: int = 2,
+                 beam_width: int | None = 100) -> dict[str, RatioPoint]:
+    """EV, CP and LP points of `graph` on `cluster` (see the module docstring)."""
+    theory = tp_theory(graph)
+    n = len(virtual_devices(cluster, cluster.virtual_device))
+    starts = {"EV": even_ratios(n), "CP": compute_proportional_ratios(cluster, cluster.virtual_device)}
+    points = {c: synthesize_at(theory, cluster, r, c, beam_width) for c, r in starts.items()}
+    best: RatioPoint | None = None
+    for start in points.values():
+        point = start
+        for _ in range(rounds):
+            ratios, _ = balance_ratios(point.program, cluster)
+            balanced = RatioPoint("LP", ratios, point.result, point.program, simulate(point.program, cluster, ratios))
+            if best is None or _faster(balanced, best):
+                best = balanced
+            point = synthesize_at(theory, cluster, ratios, "LP", beam_width)  # the program for these ratios
+            if _faster(point, best):
+                best = point
+    for p in list(points.values()):
+        # The LP landed on EV's or CP's ratios: their program, not an equally fast twin (the
+        # search breaks ties between equal-cost programs by float noise in the ratios).
+        if _close(p.ratios, best.ratios) and not _faster(best, p):
+            best = RatioPoint("LP", p.ratios, p.result, p.program, p.sim)
+    points["LP"] = best
+    return points
+
+
+def _close(a, b, tol: float = 1e-6) -> bool:
+    return all(abs(x - y) <= tol for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _faster(a: RatioPoint, b: RatioPoint) -> bool:
+    if a.sim.oom != b.sim.oom:
+        return not a.sim.oom
+    return a.sim.iter_time_s < b.sim.iter_time_s * (1 - 1e-9)
+
+
+def same_plan(a: RatioPoint, b: RatioPoint, tol: float = 1e-6) -> bool:
+    """The same program at the same ratios (up to the LP solver's tolerance)."""
+    return (_close(a.ratios, b.ratios, tol) and a.result.steps == b.result.steps
+            and a.result.final_comms == b.result.final_comms)
+
+
+def to_plan(point: RatioPoint, graph: Graph, workload: Workload, cluster: ClusterSpec) -> Plan:
+    """A Plan that methods.hap.runtime.FixedPlanMethod runs: the point's steps at its ratios,
+    in the planner's plan format (docs/planner.md), for GPU-level virtual devices."""
+    if cluster.virtual_device != "gpu":
+        raise ValueError(f"cluster {cluster.name!r}: only virtual_device=gpu plans are built here")
+    steps = point.result.steps
+    details = {
+        "plan_format": PLAN_FORMAT_VERSION,
+        "granularity": "gpu",
+        "ratios": point.ratios,
+        "predicted_iter_time_s": point.sim.iter_time_s,
+        "oom": point.sim.oom,
+        "chosen": f"tensor parallel, {point.choice} ratios",
+        "program": describe_steps(steps, graph),
+        "loss": graph.loss,
+        "steps": [s.to_json(graph) for s in steps],
+        "final_comms": [comm_to_json(c) for c in point.result.final_comms],
+        "shard_units": {str(k): v for k, v in sorted(shard_units(steps, graph).items())},
+        "graph_fingerprint": graph_fingerprint(graph),
+        "grad_sync": {"overlap": False, "bucket_cap_bytes": None},
+    }
+    shares = batch_shares(workload.global_batch, point.ratios[0])
+    return Plan("hap", shares, details, point.program, point.ratios)
+
+
+def workload_points(workload: Workload, cluster: ClusterSpec, rounds: int = 2) -> tuple[Graph, dict[str, RatioPoint]]:
+    """ratio_points of a workload's graph at its global batch."""
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    return graph, ratio_points(graph, cluster, rounds)
