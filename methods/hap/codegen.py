@@ -170,10 +170,8 @@ class RankProgram:
     def _read_layout(self, tensor: str, layout: Layout, segment: int) -> Layout | tuple:
         """The env key's layout an op of `segment` reads `tensor` in: a Gather from another
         segment's row is the resharded copy (layout, segment)."""
-        if isinstance(layout, int) and self.home.get(tensor, segment) != segment:
-            if self._dim_len(tensor, layout) > 1:
-                return (layout, segment)
-        return layout
+        other_row = isinstance(layout, int) and self.home.get(tensor, segment) != segment
+        return (layout, segment) if other_row and self._dim_len(tensor, layout) > 1 else layout
 
     def _dim_len(self, tensor: str, dim: int) -> int:
         node = self.graph[tensor]
