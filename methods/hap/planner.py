@@ -114,7 +114,8 @@ class HapPlanner:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_segments, int) or self.num_segments < 1:
-            raise ValueError(f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows)")
+            raise ValueError(f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
+                             "e.g. method.num_segments=4")
         if self.max_rounds < 1:
             raise ValueError(f"method.max_rounds={self.max_rounds} must be >= 1")
         if self.bucket_cap_mb < 0:
@@ -254,14 +255,7 @@ class HapPlanner:
             "capture_time_s": t_capture,
             "search_time_s": t_search,
             "lp_time_s": t_lp,
-            "program": describe_steps(steps_res.steps, graph),
-            # What per-rank codegen rebuilds the program from (docs/planner.md "Plan format").
-            "plan_format": PLAN_FORMAT_VERSION,
-            "loss": graph.loss,
-            "steps": [s.to_json(graph) for s in steps_res.steps],
-            "final_comms": [comm_to_json(c) for c in steps_res.final_comms],
-            "shard_units": {str(k): v for k, v in sorted(shard_units(steps_res.steps, graph).items())},
-            "graph_fingerprint": _graph_fingerprint(graph),
+            **step_fields(steps_res, graph),
             "grad_sync": {"overlap": self.grad_overlap, "bucket_cap_bytes": bucket if self.grad_overlap else None},
             "options": self.options(),
         }
@@ -306,6 +300,20 @@ class HapPlanner:
                 "methods/hap/runtime.py (per-rank codegen, issue 4) is not there yet"
             ) from None
         return setup_trainer(self, plan, model, ctx)
+
+
+def step_fields(result: SearchResult, graph: Graph) -> dict:
+    """The plan-format fields per-rank codegen rebuilds a synthesized program from
+    (docs/planner.md "Plan format"), with its readable summary."""
+    return {
+        "program": describe_steps(result.steps, graph),
+        "plan_format": PLAN_FORMAT_VERSION,
+        "loss": graph.loss,
+        "steps": [s.to_json(graph) for s in result.steps],
+        "final_comms": [comm_to_json(c) for c in result.final_comms],
+        "shard_units": {str(k): v for k, v in sorted(shard_units(result.steps, graph).items())},
+        "graph_fingerprint": _graph_fingerprint(graph),
+    }
 
 
 def _graph_fingerprint(graph: Graph) -> str | None:

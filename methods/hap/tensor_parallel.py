@@ -27,15 +27,11 @@ from bench.simulate import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import balance_ratios, batch_shares
-from methods.hap.codegen import graph_fingerprint
-from methods.hap.planner import PLAN_FORMAT_VERSION
+from methods.hap.planner import step_fields
 from methods.hap.search import (
     CostModel,
     SearchResult,
     build_program,
-    comm_to_json,
-    describe_steps,
-    shard_units,
     synthesize,
 )
 from methods.hap.theory import Theory, derive_theory, tensor_parallel_theory
@@ -117,20 +113,13 @@ def to_plan(point: RatioPoint, graph: Graph, workload: Workload, cluster: Cluste
     in the planner's plan format (docs/planner.md), for GPU-level virtual devices."""
     if cluster.virtual_device != "gpu":
         raise ValueError(f"cluster {cluster.name!r}: only virtual_device=gpu plans are built here")
-    steps = point.result.steps
     details = {
-        "plan_format": PLAN_FORMAT_VERSION,
         "granularity": "gpu",
         "ratios": point.ratios,
         "predicted_iter_time_s": point.sim.iter_time_s,
         "oom": point.sim.oom,
         "chosen": f"tensor parallel, {point.choice} ratios",
-        "program": describe_steps(steps, graph),
-        "loss": graph.loss,
-        "steps": [s.to_json(graph) for s in steps],
-        "final_comms": [comm_to_json(c) for c in point.result.final_comms],
-        "shard_units": {str(k): v for k, v in sorted(shard_units(steps, graph).items())},
-        "graph_fingerprint": graph_fingerprint(graph),
+        **step_fields(point.result, graph),
         "grad_sync": {"overlap": False, "bucket_cap_bytes": None},
     }
     shares = batch_shares(workload.global_batch, point.ratios[0])
