@@ -2,44 +2,141 @@
 
     python -m bench.compare                          # tiny BERT on local_hetero2, all methods
     python -m bench.compare model=vit cluster=local_hetero4 method=dp_ev,dp_cp
+    python -m bench.compare repeats=10               # more rounds, narrower intervals
 
 Takes the runner's overrides; `method=a,b` picks a subset (default: every conf/method option).
+Measured comparisons run `repeats` rounds (default 6, a 97% interval for each median),
+interleaved: round r runs every method once, each in its own worker processes (A B C, A B C,
+...), so a drift of the machine hits every method alike. Each run is a `repeat` row; each method
+then gets an `aggregate` row: the median of its repeats' mean iteration times, the order-statistic
+interval of that median (bench.stats), the MLPerf-style trimmed mean, and its speedup over dp_ev
+computed round by round (same round, same machine state) with its own interval.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
+import uuid
 
 from hydra.errors import HydraException
 
 from bench.cluster import ConfigError
-from bench.records import RunRecord
+from bench.records import RunRecord, finished_case_keys, load_records
 from bench.run import (
     check_group_choices,
+    check_repeats,
     compose_config,
     group_options,
     method_modes,
+    new_record,
+    results_file,
     run_case,
+    write_record,
 )
+from bench.stats import ranks, summarize
 from bench.table import BASELINE, print_table
+
+DEFAULT_REPEATS = 6  # measured comparisons; mode=sim is deterministic and runs once
+
+
+def _methods(overrides: list[str], mode: str) -> list[str]:
+    chosen = [o for o in overrides if o.startswith("method=")]
+    if chosen:
+        return chosen[-1].split("=", 1)[1].split(",")
+    methods = []  # every implemented method that can run in this mode: conf/method is the registry
+    for m in sorted(group_options("method"), key=lambda m: (m != BASELINE, m)):
+        modes = method_modes(m)
+        if mode in modes:
+            methods.append(m)
+        else:
+            print(f"note: {m} skipped: it supports mode={','.join(modes)} only")
+    return methods
 
 
 def compare(overrides: list[str]) -> list[RunRecord]:
+    """Run the comparison; returns one row per method (the aggregate where repeated)."""
     check_group_choices(overrides)
-    chosen = [o for o in overrides if o.startswith("method=")]
     rest = [o for o in overrides if not o.startswith("method=")]
-    if chosen:
-        methods = chosen[-1].split("=", 1)[1].split(",")
-    else:  # every implemented method that can run in this mode: conf/method is the registry
-        mode = compose_config(*rest).mode
-        methods = []
-        for m in sorted(group_options("method"), key=lambda m: (m != BASELINE, m)):
-            modes = method_modes(m)
-            if mode in modes:
-                methods.append(m)
-            else:
-                print(f"note: {m} skipped: it supports mode={','.join(modes)} only")
-    return [run_case(compose_config(*rest, f"method={m}")) for m in methods]
+    base = compose_config(*rest)
+    repeats = check_repeats(base.repeats)
+    if not any(o.lstrip("+").startswith("repeats=") for o in rest) and base.mode == "real":
+        repeats = DEFAULT_REPEATS
+    if base.mode == "sim":
+        repeats = 1
+    methods = _methods(overrides, base.mode)
+    configs = {m: compose_config(*rest, f"method={m}", f"repeats={repeats}") for m in methods}
+    if repeats == 1:
+        return [run_case(configs[m]) for m in methods]
+    return run_rounds(configs, repeats)
+
+
+def run_rounds(configs: dict, repeats: int) -> list[RunRecord]:
+    """`repeats` interleaved rounds over the methods, then one aggregate row per method."""
+    sweep_id = uuid.uuid4().hex[:12]
+    done = {}
+    for m, cfg in configs.items():  # resume=true: a method whose aggregate is recorded is done
+        key = new_record(cfg).case_key
+        if cfg.resume and key in finished_case_keys(results_file(cfg)):
+            row = [r for r in load_records(results_file(cfg))
+                   if r.get("case_key") == key and r.get("row_kind", "case") != "repeat"][-1]
+            print(f"skip: {m} already recorded ({row['status']}, run {row['run_id']})")
+            done[m] = RunRecord(**{k: v for k, v in row.items() if k in RunRecord.__dataclass_fields__})
+    todo = [m for m in configs if m not in done]
+    runs: dict[str, list[RunRecord]] = {m: [] for m in todo}
+    for r in range(repeats):
+        for m in todo:
+            print(f"round {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
+            runs[m].append(run_case(configs[m], repeat=r, sweep_id=sweep_id))
+    aggregates = aggregate_rounds(runs, sweep_id)
+    for m in todo:
+        write_record(configs[m], aggregates[m])
+    return [done.get(m) or aggregates[m] for m in configs]
+
+
+def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = None) -> dict[str, RunRecord]:
+    """One aggregate row per method from its repeat rows (round r of every method ran together)."""
+    times = {m: [r.iter_time_s_mean if r.status == "ok" else None for r in rows]
+             for m, rows in runs.items()}
+    out = {}
+    for m, rows in runs.items():
+        ok = [r for r in rows if r.status == "ok"]
+        agg = copy.deepcopy(ok[-1] if ok else rows[-1])
+        agg.row_kind, agg.repeat, agg.repeats, agg.sweep_id = "aggregate", None, len(rows), sweep_id
+        agg.run_id = uuid.uuid4().hex[:12]
+        agg.iter_times_s = None
+        if len(ok) < len(rows):  # a failed round fails the aggregate: no numbers from a subset
+            statuses = sorted({r.status for r in rows if r.status != "ok"})
+            agg.status = "oom" if statuses == ["oom"] else "failed"
+            agg.error = (f"{len(rows) - len(ok)} of {len(rows)} repeats ended "
+                         f"{'/'.join(statuses)}: {next(r.error for r in rows if r.status != 'ok')}")
+            agg.aggregate = None
+            agg.__post_init__()
+            out[m] = agg
+            continue
+        summary = summarize(times[m])
+        agg.iter_time_s_mean, agg.iter_time_s_std = summary.median, None
+        agg.samples_per_s = agg.global_batch / summary.median
+        tokens = ok[-1].tokens_per_s and ok[-1].tokens_per_s / ok[-1].samples_per_s
+        agg.tokens_per_s = tokens * agg.samples_per_s if tokens else None
+        agg.efficiency = agg.ideal_iter_time_s / summary.median if agg.ideal_iter_time_s else None
+        agg.aggregate = {"iter_time_s": summary.as_dict(),
+                         "repeat_run_ids": [r.run_id for r in rows],
+                         "within_run_cv": [r.iter_time_s_std / r.iter_time_s_mean for r in rows],
+                         "interval": "order-statistic interval of the median (bench/stats.py)"}
+        base = times.get(BASELINE)
+        if base and all(t is not None for t in base):
+            agg.aggregate["speedup_vs_dp_ev"] = summarize([b / t for b, t in zip(base, times[m])]).as_dict()
+        flags = [r.emulation for r in rows if r.emulation and "ok" in r.emulation]
+        if flags:
+            worst = max((f["max_error"] for f in flags), key=abs)
+            agg.emulation = {**ok[-1].emulation, "ranks": None, "max_error": worst,
+                             "ok": all(f["ok"] for f in flags)}
+        out[m] = agg
+    summaries = {m: summarize(times[m]) for m in runs if out[m].aggregate}
+    for m, rank in ranks(summaries).items():
+        out[m].aggregate["rank"] = rank
+    return out
 
 
 def main(argv: list[str]) -> int:

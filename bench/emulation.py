@@ -1,9 +1,19 @@
 """Emulated heterogeneity on one host: slow devices sleep, links take their declared time.
 
-Compute: a rank of relative speed s stretches each stretch of compute between communication
-points by sleeping (1/s - 1) x its duration, so slow ranks do not take cores from fast ones.
+Compute is paced against a reference, in a closed loop. A burst of compute that follows a
+pause (a sleep, a wait on a peer, even a spin) runs slower on a shared VM core than the same
+burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (docs/emulation.md). So
+a rank never stretches the compute it just measured; it first runs `reference_iters`
+iterations at full pace and records how long each compute interval of an iteration took (the
+k-th interval between communication points, median over those iterations). From then on the
+k-th interval must last reference_k / (speed x headroom) of wall time: the rank sleeps what is
+left, and whatever it over- or undershoots is carried into the next interval. `headroom` < 1
+runs the whole emulated cluster in slow motion (links too), so that even a speed-1 rank has
+time to absorb a slowed-down burst; reported times are emulated time (wall x headroom).
+
 Links: every torch.distributed collective takes at least the alpha-beta time of the emulated link
-(bench.cost); back-to-back collectives queue on one link clock. Real GPUs run with emulation off.
+(bench.cost), stretched by 1 / headroom; back-to-back collectives queue on one link clock.
+Real GPUs run with emulation off.
 """
 
 from __future__ import annotations
@@ -11,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,23 +33,61 @@ import torch.distributed.distributed_c10d as c10d
 from bench.cluster import ClusterSpec
 from bench.cost import collective_time_s, link_bytes
 
+# An emulated rank whose achieved compute time is off its target by more than this is flagged.
+DILATION_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class EmulationSettings:
+    """How an emulated cluster is run on this host (the `emulation` config node)."""
+
+    headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
+    reference_iters: int = 6  # full-pace iterations (after SKIPPED ones) that set the reference
+    SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
+
+    @staticmethod
+    def auto_headroom(num_ranks: int, cores: int | None = None) -> float:
+        """0.6 while every rank has a core; less when ranks share cores, so that the busiest
+        moment (every rank computing) still fits the cores at the emulated speeds. A rank that
+        waited on a slower peer computes up to ~40% slower right after on this VM, and 0.6
+        leaves it 67% of slack to absorb that."""
+        cores = cores or len(os.sched_getaffinity(0))
+        return round(0.6 * min(1.0, cores / max(num_ranks, 1)), 3)
+
 
 class Emulator:
     """Per-rank time dilation and link emulation. A disabled one does nothing, cheaply."""
 
-    def __init__(self, cluster: ClusterSpec, rank: int, enabled: bool):
+    def __init__(self, cluster: ClusterSpec, rank: int, enabled: bool,
+                 settings: EmulationSettings | None = None):
         self.enabled = enabled
         self.cluster = cluster
         self.rank = rank
+        self.settings = settings or EmulationSettings()
         speed = cluster.devices[rank].speed if enabled else 1.0
-        self.dilation = 1.0 / speed  # wall time per unit of real compute
+        self.headroom = self.settings.headroom if enabled else 1.0
+        self.dilation = 1.0 / speed  # emulated time per unit of full-pace compute
+        self.wall_per_emulated_s = 1.0 / self.headroom
         self._last = time.perf_counter()
         self._link_free_at = 0.0
         self._loopback = (0.0, float("inf"))  # real collective cost here, measured at install
         self._lock = threading.Lock()
-        self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
-        self._overslept = 0.0
         self._paused = False
+        # Pacing: per-iteration interval lists while referencing, then their medians.
+        self._phase = "reference"  # reference -> paced
+        self._iteration: list[float] = []
+        self._reference_runs: list[list[float]] = []
+        self._reference: list[float] | None = None
+        self._debt = 0.0  # wall seconds the rank is behind its target (carried forward)
+        self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start counting achieved vs target compute time afresh (at the first measured step)."""
+        self.target_s = 0.0  # wall time the compute intervals should have taken
+        self.achieved_s = 0.0  # wall time they took (compute + dilation sleep)
+        self.reference_s = 0.0  # their full-pace reference
+        self.unreferenced = 0  # intervals with no reference (an iteration longer than the ref)
 
     # -- compute ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -50,28 +100,72 @@ class Emulator:
             self._paused = False
             self.mark()
 
+    def begin_iteration(self, index: int) -> None:
+        """The worker calls this before each iteration: the first SKIPPED iterations (lazy
+        set-up, DDP's bucket rebuild) and the next `reference_iters` run at full pace, the
+        latter set the reference (per interval, the fastest: a transient slowdown of the host
+        only ever makes an interval slower), the rest are paced."""
+        if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED:
+            self._reference_runs.append(self._iteration)
+        self._iteration = []
+        if self._phase == "reference" and len(self._reference_runs) >= self.settings.reference_iters:
+            runs = self._reference_runs
+            self._reference = [min(run[k] for run in runs if k < len(run))
+                               for k in range(max(map(len, runs), default=0))]
+            self._phase = "paced"
+        self.mark()
+
+    @property
+    def pacing(self) -> bool:
+        return self._phase == "paced"
+
     def mark(self) -> None:
         """Start a new compute interval now (after waiting on communication or data)."""
         self._last = time.perf_counter()
 
     def stretch(self) -> None:
-        """End the current compute interval: sleep so it lasts `dilation` times as long.
-
-        time.sleep overshoots (timer slack, scheduling); the overshoot is owed back by the next
-        sleep, so the dilation holds over an iteration rather than drifting up.
-        """
+        """End the current compute interval: wait until it has lasted its target."""
         now = time.perf_counter()
-        if self.enabled and not self._paused and self.dilation != 1.0:
-            target = (self.dilation - 1.0) * (now - self._last) - self._overslept
-            if target > 0:
-                time.sleep(target)
-                after = time.perf_counter()
-                self.slept_s += after - now
-                self._overslept = (after - now) - target
-                now = after
-            else:
-                self._overslept = -target
+        if not self.enabled or self._paused:
+            self._last = now
+            return
+        measured = now - self._last
+        k = len(self._iteration)
+        self._iteration.append(measured)
+        if self._phase == "reference":
+            self._last = now
+            return
+        if k < len(self._reference):
+            reference = self._reference[k]
+        else:  # a longer iteration than the reference's: pace what was measured
+            reference = measured
+            self.unreferenced += 1
+        target = reference * self.dilation * self.wall_per_emulated_s
+        owed = target - measured - self._debt
+        if owed > 0:
+            time.sleep(owed)
+            after = time.perf_counter()
+            self.slept_s += after - now
+            now = after
+        achieved = now - self._last
+        self._debt += achieved - target
+        self.target_s += target
+        self.achieved_s += achieved
+        self.reference_s += reference
         self._last = now
+
+    def report(self) -> dict:
+        """What the emulated device achieved over the measured iterations (rows record it)."""
+        error = None if not self.target_s else self.achieved_s / self.target_s - 1.0
+        return {
+            "speed": 1.0 / self.dilation,
+            "target_dilation": self.dilation,
+            "achieved_dilation": (None if not self.reference_s
+                                  else self.achieved_s * self.headroom / self.reference_s),
+            "error": error,
+            "unreferenced_intervals": self.unreferenced,
+            "slept_s": self.slept_s,
+        }
 
     # -- links -----------------------------------------------------------------------------
     def link_deadline(self, kind: str, nbytes: int, group, issued: float) -> float:
@@ -87,7 +181,7 @@ class Emulator:
         ranks = list(dist.get_process_group_ranks(group) if group is not None
                      else range(dist.get_world_size()))
         link = self.cluster.link_between(ranks)
-        emulated = collective_time_s(kind, nbytes, len(ranks), link)
+        emulated = collective_time_s(kind, nbytes, len(ranks), link) * self.wall_per_emulated_s
         alpha, bytes_per_s = self._loopback
         # A rank that arrived last saw the real cost exactly (issue to completion); the fitted
         # loopback model covers the others.
@@ -196,11 +290,15 @@ def _nbytes(t) -> int:
 _state = threading.local()  # reentrancy: old names call new ones inside c10d; count once
 
 
-def _wrap(fn, kind, sized_arg, emu: Emulator):
+_installed: list[Emulator] = []  # the emulator of the case now running in this process
+
+
+def _wrap(fn, kind, sized_arg):
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        emu = _installed[-1]
         if getattr(_state, "active", False):
             return fn(*args, **kwargs)
         _state.active = True
@@ -223,11 +321,14 @@ def _wrap(fn, kind, sized_arg, emu: Emulator):
 
 
 def _install_wrappers(emu: Emulator) -> None:
+    """Wrap the collectives once per process; each later case's emulator takes over the
+    wrappers (a process may run several cases: bench.dilation, tests)."""
+    _installed[:] = [emu]
     for name, (kind, sized_arg) in _COLLECTIVES.items():
         original = getattr(c10d, name, None)
         if original is None or getattr(original, "__hetbench_wrapped__", False):
             continue
-        wrapped = _wrap(original, kind, sized_arg, emu)
+        wrapped = _wrap(original, kind, sized_arg)
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapped)

@@ -56,6 +56,17 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     return _host_speed_cache[key]
 
 
+def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:
+    """Median time of one plain training step (forward, backward, Adam) on one thread, measured
+    now: a yardstick that no part of the harness (workers, emulator, methods) touches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _median_step_time(workload, max(batch_size, 1), seed, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: int) -> float:
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)

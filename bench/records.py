@@ -62,9 +62,15 @@ class RunRecord:
     flops_per_iter: float | None = None
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes
+    emulation: dict | None = None  # emulated clusters: headroom, per-rank achieved dilation, ok
     plan: dict | None = None
     plan_hash: str | None = None  # sha256 of the plan's decisions (bench.run.plan_hash)
     case_key: str = ""
+    row_kind: str = "case"  # case (one run) | repeat (one of `repeats` runs) | aggregate (of them)
+    repeat: int | None = None  # 0-based round of a repeated comparison
+    repeats: int | None = None
+    sweep_id: str | None = None  # the comparison or sweep the row belongs to
+    aggregate: dict | None = None  # aggregate rows: bench.stats summaries over the repeats
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
     schema_version: int = SCHEMA_VERSION
@@ -121,8 +127,10 @@ def load_records(path: str | os.PathLike) -> list[dict]:
 
 
 def finished_case_keys(path: str | os.PathLike) -> set[str]:
-    """Cases with a final answer (ok or oom): what resume=true skips."""
-    return {r.get("case_key") for r in load_records(path) if r.get("status") in ("ok", "oom")}
+    """Cases with a final answer (ok or oom): what resume=true skips. A repeated case is
+    finished when its aggregate row is, not when one of its repeats is."""
+    return {r.get("case_key") for r in load_records(path)
+            if r.get("status") in ("ok", "oom") and r.get("row_kind", "case") != "repeat"}
 
 
 def summarize_times(per_rank_times: Iterable[list[float]], measured: int) -> tuple[list[float], float, float]:

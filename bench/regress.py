@@ -5,7 +5,11 @@
 
 Figures: simulated iteration time of every sim-capable method on every model at paper scale
 (deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
-and throughput ratios to dp_ev measured in one real run on an emulated cluster (noisy: wide).
+and each real-capable method's measured iteration time on an emulated cluster divided by a
+reference step measured in the same round: one plain single-threaded training step of the same
+model (bench.flops), which no part of the harness touches. A slowdown of the worker loop, the
+emulator or the data path raises every method's figure, so it is caught even when it hits every
+method alike; a slower or faster host moves the reference with it.
 It does not decide what is fast; it says what changed since the baseline and by how much.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -21,12 +26,16 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from bench.cluster import ClusterSpec
+from bench.flops import reference_step_s
 from bench.records import fingerprint
 from bench.run import (
     CONF_DIR,
+    build_workload,
     compose_config,
     methods_supporting,
     new_record,
@@ -38,14 +47,15 @@ BASELINE_FILE = CONF_DIR.parent / "results" / "baselines" / "regression.json"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
 REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",
-             "measured_iters=40")
+             "measured_iters=20")
+REAL_ROUNDS = 3  # interleaved rounds; each figure is the median over them
 
 # Per kind of figure: (better direction, relative tolerance before a change counts as a regression)
 TOLERANCE = {
     "sim_iter_time_s": ("lower", 0.01),  # deterministic: any real change shows
     "states_expanded": ("lower", 0.10),  # deterministic, but search tweaks move it a little
     "planner_time_s": ("lower", 2.00),  # wall clock on a shared 2-core machine: only gross slowdowns
-    "speedup_vs_dp_ev": ("higher", 0.35),  # measured on emulated devices in one run: noisy
+    "iter_over_reference": ("lower", 0.10),  # measured, normalised, median of 3 rounds
 }
 
 
@@ -90,19 +100,34 @@ def sim_figures() -> dict[str, float]:
     return out
 
 
-def measured_figures() -> dict[str, float]:
-    """Throughput of each real-capable method over dp_ev, measured back to back in one run."""
-    out, rates = {}, {}
+def measured_figures(slowdown: float = 0.0) -> dict[str, float]:
+    """Each real-capable method's iteration time over a reference step of the same round.
+
+    `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
+    what a deliberately slower worker loop looks like to this check.
+    """
+    methods = methods_supporting("real")
+    ratios: dict[str, list[float]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in methods_supporting("real"):
-            cfg = _compose(*REAL_CASE, f"method={method}", f"results_dir={tmp}")
-            record = run_case(cfg)
-            if record.status == "ok":
-                rates[method] = record.samples_per_s
-    for method, rate in rates.items():
-        if method != "dp_ev" and "dp_ev" in rates:
-            out[f"speedup_vs_dp_ev:bert-tiny/local_hetero2/{method}"] = rate / rates["dp_ev"]
-    return out
+        configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
+                               f"test.slowdown={slowdown}") for m in methods}
+        for _ in range(REAL_ROUNDS):
+            reference = _reference_step_s(configs[methods[0]])
+            for m in methods:
+                record = run_case(configs[m])
+                if record.status == "ok":
+                    ratios[m].append(record.iter_time_s_mean / reference)
+    return {f"iter_over_reference:bert-tiny/local_hetero2/{m}": statistics.median(r)
+            for m, r in ratios.items() if len(r) == REAL_ROUNDS}
+
+
+def _reference_step_s(cfg) -> float:
+    """One plain training step of the case's model at a device's batch share, single-threaded,
+    measured now (never cached): the yardstick of this round."""
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    workload = build_workload(cfg, cluster)
+    per_device = -(-workload.global_batch // cluster.num_devices)
+    return reference_step_s(workload, per_device, cfg.seed)
 
 
 def compare(baseline: dict[str, float], new: dict[str, float]) -> list[Change]:
@@ -158,19 +183,21 @@ def write_baseline(figures: dict[str, float], path: Path = BASELINE_FILE) -> Non
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rebaseline", action="store_true", help="write new baselines")
-    parser.add_argument("--no-measured", action="store_true", help="skip the real-run ratios")
+    parser.add_argument("--no-measured", action="store_true", help="skip the measured figures")
+    parser.add_argument("--slowdown", type=float, default=0.0,
+                        help="demo: stretch every measured iteration by this fraction (e.g. 0.15)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     figures = sim_figures()
     if not args.no_measured:
-        figures.update(measured_figures())
+        figures.update(measured_figures(args.slowdown))
     if args.rebaseline:
         write_baseline(figures)
         return 0
     base = load_baseline()
     expected = base["figures"]
     if args.no_measured:
-        expected = {k: v for k, v in expected.items() if not k.startswith("speedup_vs_dp_ev:")}
+        expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_reference:")}
     changes = compare(expected, figures)
     print(render(report_table(changes, base.get("git_sha"))))
     bad = [c for c in changes if c.regressed]

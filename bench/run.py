@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
+from bench.emulation import DILATION_TOLERANCE, EmulationSettings
 from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
@@ -113,10 +114,33 @@ def _check_protocol(cfg: DictConfig) -> None:
         value = cfg[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(f"{key}={value!r} must be an integer >= {low}; e.g. {key}={max(low, 10)}")
+    check_repeats(cfg.repeats)
+    emulation_settings(cfg, 1)  # validates the emulation node
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; valid: {', '.join(WANDB_MODES)}")
     if cfg.data.source not in DATA_SOURCES:
         raise ConfigError(f"data.source={cfg.data.source!r} is invalid; valid: {', '.join(DATA_SOURCES)}")
+
+
+def check_repeats(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"repeats={value!r} must be an integer >= 1; e.g. repeats=5")
+    return value
+
+
+def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
+    """The `emulation` node, validated; headroom=auto resolved for `num_ranks` on this host."""
+    node = cfg.emulation
+    headroom, refs = node.headroom, node.reference_iters
+    if headroom == "auto":
+        headroom = EmulationSettings.auto_headroom(num_ranks)
+    elif isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ConfigError(f"emulation.headroom={headroom!r} must be auto or a number in (0, 1]; "
+                          "e.g. emulation.headroom=0.8")
+    if not isinstance(refs, int) or isinstance(refs, bool) or refs < 0:
+        raise ConfigError(f"emulation.reference_iters={refs!r} must be an integer >= 0 "
+                          "(0: pace the compute just measured); e.g. emulation.reference_iters=3")
+    return EmulationSettings(headroom=float(headroom), reference_iters=refs)
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -203,8 +227,11 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.predicted_iter_time_s = sim.iter_time_s
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
+    emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
+    record.emulation = None if emulation is None else {
+        "headroom": emulation.headroom, "reference_iters": emulation.reference_iters}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
-                fail_rank=cfg.test.fail_rank)
+                fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown)
 
 
 def plan_hash(plan) -> str:
@@ -223,11 +250,17 @@ def write_record(cfg: DictConfig, record: RunRecord) -> None:
         _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
 
 
-def run_case(cfg: DictConfig) -> RunRecord:
-    """Run one case and append its row (ok or not). Never raises for a failed case."""
+def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = None) -> RunRecord:
+    """Run one case and append its row (ok or not). Never raises for a failed case.
+
+    `repeat` marks the row as one round of a repeated comparison (bench.compare aggregates).
+    """
     record = new_record(cfg)
+    record.sweep_id = sweep_id
+    if repeat is not None:
+        record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
     path = results_file(cfg)
-    if cfg.resume and record.case_key in finished_case_keys(path):
+    if cfg.resume and repeat is None and record.case_key in finished_case_keys(path):
         row = [r for r in load_records(path) if r.get("case_key") == record.case_key][-1]
         print(f"skip: {record.model}/{record.cluster}/{record.method} already recorded "
               f"({row['status']}, run {row['run_id']})")
@@ -297,6 +330,12 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     record.loss_first = loss_sums[0] / workload.targets_per_iter
     record.loss_last = loss_sums[-1] / workload.targets_per_iter
     record.host = ", ".join(sorted({r["host"] for r in results}))
+    ranks = [r.get("emulation") for r in results]
+    if record.emulation is not None and all(ranks):
+        errors = [r["error"] for r in ranks if r["error"] is not None]
+        worst = max(errors, key=abs, default=0.0)
+        record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
+                            "ok": abs(worst) <= DILATION_TOLERANCE}
     record.status = "ok"
 
 
@@ -363,7 +402,13 @@ def main(cfg: DictConfig) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _run_under_torchrun(cfg)
         return
-    record = run_case(cfg)
+    repeats = cfg.repeats  # an invalid value fails in run_case, as a failed row with the fix
+    if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats > 1 and cfg.mode == "real":
+        from bench.compare import run_rounds
+
+        record = run_rounds({cfg.method.name: cfg}, cfg.repeats)[0]
+    else:
+        record = run_case(cfg)
     print_table([record.__dict__])
 
 

@@ -16,7 +16,11 @@ def _same_case(a: dict, b: dict) -> bool:
 
 
 def speedup(row: dict, rows: list[dict]) -> float | None:
-    """Throughput of `row` / throughput of dp_ev on the same model, cluster, batch and mode."""
+    """Throughput of `row` / throughput of dp_ev on the same model, cluster, batch and mode
+    (an aggregate row carries its own, computed round by round)."""
+    per_round = (row.get("aggregate") or {}).get("speedup_vs_dp_ev")
+    if per_round:
+        return per_round["median"]
     base = [r for r in rows if r.get("method") == BASELINE and r.get("status") == "ok"
             and _same_case(r, row)]
     if row.get("status") != "ok" or not base or not row.get("samples_per_s"):
@@ -28,29 +32,57 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _interval(summary: dict, scale: float = 1.0, spec: str = ".1f") -> str:
+    return (f"{summary['median'] * scale:{spec}} [{summary['low'] * scale:{spec}}-"
+            f"{summary['high'] * scale:{spec}}]")
+
+
+def _status(r: dict) -> str:
+    emulation = r.get("emulation") or {}
+    if r["status"] == "ok" and emulation.get("ok") is False:
+        return f"ok, dilation {emulation['max_error']:+.0%}"
+    return r["status"]
+
+
 def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
     rows = list(rows)
+    repeated = [r for r in rows if r.get("aggregate")]
+    if repeated:
+        first = repeated[0]["aggregate"]["iter_time_s"]
+        title += (f"\n{first['n']} interleaved repeats; iter ms and speedup: median "
+                  f"[{first['coverage']:.0%} interval]; rank: overlapping intervals tie")
     table = Table(title=title)
-    for col in ("model", "cluster", "method", "origin", "status", "iter ms",
-                "samples/s", "tokens/s", "speedup vs dp_ev", "efficiency", "planner ms"):
+    columns = ["model", "cluster", "method", "origin", "status", "iter ms", "samples/s",
+               "tokens/s", "speedup vs dp_ev", "efficiency", "planner ms"]
+    if repeated:
+        columns.insert(5, "rank")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("model", "cluster", "method", "origin", "status") else "right")
     for r in rows:
         mean, std = r.get("iter_time_s_mean"), r.get("iter_time_s_std")
         predicted = r.get("predicted_iter_time_s")
-        if mean is not None:
+        agg = r.get("aggregate") or {}
+        if agg:
+            it = _interval(agg["iter_time_s"], 1e3)
+        elif mean is not None:
             it = f"{mean * 1e3:.1f} ± {std * 1e3:.1f}"
         elif predicted is not None and r.get("origin") == "simulated":
             it = f"{predicted * 1e3:.1f} (sim)"
         else:
             it = "-"
-        table.add_row(
+        up = agg.get("speedup_vs_dp_ev")
+        cells = [
             f"{r['model']}-{r['preset']}", r["cluster"], r["method"], r.get("origin", "-"),
-            r["status"], it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),
-            _fmt(speedup(r, rows), ".2f"), _fmt(r.get("efficiency"), ".2f"),
+            _status(r), it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),
+            _interval(up, spec=".2f") if up else _fmt(speedup(r, rows), ".2f"),
+            _fmt(r.get("efficiency"), ".2f"),
             _fmt(None if r.get("planner_time_s") is None else r["planner_time_s"] * 1e3, ".1f"),
-        )
+        ]
+        if repeated:
+            cells.insert(5, _fmt(agg.get("rank"), "d"))
+        table.add_row(*cells)
     return table
 
 
 def print_table(rows: Iterable[dict], title: str = "hetbench") -> None:
-    Console(width=160).print(build_table(rows, title))
+    Console(width=200).print(build_table(rows, title))

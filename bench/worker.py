@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from bench.cluster import ClusterSpec
-from bench.emulation import Emulator
+from bench.emulation import EmulationSettings, Emulator
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
 
@@ -35,6 +35,8 @@ class Case:
     measured_iters: int
     return_state: bool = False  # tests: send back rank 0's gradients and parameters
     fail_rank: int | None = None  # tests: this rank raises at its first iteration
+    emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
+    slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -57,6 +59,13 @@ def peak_mem_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def _busy(seconds: float) -> None:
+    """Spin for `seconds` (a deliberate, uniform slowdown of the loop: regression demos)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
              progress: Callable[[int], None] | None = None, gather: bool = False):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
@@ -71,7 +80,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
     if not dist.is_initialized():
         init_process_group(rank, world_size, device)
     try:
-        emulator = Emulator(case.cluster, rank, enabled=emulated)
+        emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation)
         emulator.install()
         workload = case.workload
         model = workload.build(case.seed).to(device)
@@ -84,30 +93,39 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
         )
         start, stop = offsets(case.plan.batch_shares)[rank]
         iter_times, losses = [], []
-        for it in range(case.warmup_iters + case.measured_iters):
+        # Emulated ranks first run full-pace iterations that set their pacing reference (not
+        # when a test checks exactness step by step: it needs exactly its own steps).
+        refs = emulator.settings.reference_iters
+        pre = emulator.settings.SKIPPED + refs if emulated and refs and not case.return_state else 0
+        for it in range(pre + case.warmup_iters + case.measured_iters):
+            if it == pre + case.warmup_iters:
+                emulator.reset_stats()
             if case.fail_rank == rank:
                 raise RuntimeError(f"deliberate failure of rank {rank} (fail_rank, a test option)")
             batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            emulator.mark()
+            emulator.begin_iteration(it)
             t0 = time.perf_counter()
             loss = trainer.step(batch)
+            if case.slowdown:
+                _busy(case.slowdown * (time.perf_counter() - t0))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            iter_times.append(time.perf_counter() - t0)
+            if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
+                iter_times.append((time.perf_counter() - t0) * emulator.headroom)
             value = float(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
             losses.append(value)
-            if progress is not None:
-                progress(it + 1)
+            if progress is not None and it >= pre:
+                progress(it + 1 - pre)
         result = {
             "rank": rank,
             "iter_times_s": iter_times,
             "loss_sums": losses,
             "peak_mem_gib": peak_mem_gib(device),
-            "dilation_sleep_s": emulator.slept_s,
+            "emulation": emulator.report() if emulated else None,
             "host": os.uname().nodename,
         }
         if case.return_state and rank == 0:

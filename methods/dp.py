@@ -72,8 +72,11 @@ class DataParallel:
 class DDPTrainer:
     def __init__(self, method: DataParallel, model: nn.Module, ctx: RankContext):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        self.ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb)
-        if ctx.emulator.enabled:
+        # One rank has nothing to synchronise: the plain model, so its whole step is compute.
+        self.distributed = ctx.world_size > 1
+        self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb)
+                    if self.distributed else model)
+        if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.
             self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -88,7 +91,10 @@ class DDPTrainer:
         loss_sum = self.ddp(*batch)
         self.emulator.stretch()  # forward compute
         (loss_sum * self.loss_scale).backward()
-        self.emulator.mark()  # backward ended waiting for the last all-reduce: not compute
+        if self.distributed:
+            self.emulator.mark()  # backward ended waiting for the last all-reduce: not compute
+        else:
+            self.emulator.stretch()  # backward compute
         if self.grad_clip:
             # Gradients are identical on every rank after DDP, so the local norm is global.
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

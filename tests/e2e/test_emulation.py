@@ -1,7 +1,6 @@
 """Emulation fidelity: a slow device takes 1/speed as long; a link takes its alpha-beta time."""
 
 import os
-import statistics
 import time
 
 import pytest
@@ -9,65 +8,63 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import dilation
 from bench.cluster import ClusterSpec
 from bench.cost import collective_time_s
-from bench.emulation import Emulator
-from bench.launch import launch
-from bench.run import new_record, prepare_case
+from bench.emulation import EmulationSettings, Emulator
+from bench.run import run_case
 
 pytestmark = pytest.mark.e2e
 
 
-def test_a_device_at_half_speed_takes_twice_as_long():
-    """The emulator's own dilation, measured in one process with blocks of fast and slow training
-    steps alternating, so that drifting host speed (a shared VM) hits both alike."""
+def test_a_slow_device_takes_one_over_speed_as_long():
+    """Through a spawned worker and the real worker loop (tiny BERT): speed s takes 1/s of the
+    time of speed 1 measured in the same process just before and after (bench.dilation). The
+    3% band is the issue's goal; 10 runs of `python -m bench.dilation` stayed within 1.6%."""
+    achieved = dilation.measure((0.25, 0.4, 0.5))
+    for speed, value in achieved.items():
+        assert abs(value - 1) <= dilation.GOAL, (speed, achieved)
+
+
+def test_each_rank_reports_its_achieved_dilation(cfg_factory):
+    """The row's per-rank numbers: paced against the reference, nothing left unreferenced."""
+    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "warmup_iters=2", "measured_iters=10")
+    record = run_case(cfg)
+    assert record.status == "ok", record.error
+    ranks = record.emulation["ranks"]
+    assert [r["speed"] for r in ranks] == [1.0, 0.4]
+    assert record.emulation["headroom"] == EmulationSettings.auto_headroom(2)
+    for r in ranks:
+        assert r["unreferenced_intervals"] == 0
+        assert r["achieved_dilation"] == pytest.approx(1 / r["speed"], rel=0.5)
+    assert record.emulation["ok"] == (abs(record.emulation["max_error"]) <= 0.05)
+
+
+def test_pacing_follows_the_reference_not_the_slowed_burst():
+    """A burst that ran slower than its reference (a cold core) is not stretched: the rank
+    sleeps only what its target has left, and carries any overshoot into the next interval."""
     spec = ClusterSpec.from_config({
-        "name": "pair", "emulated": True,
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
-                     {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
+        "name": "one", "emulated": True,
+        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
         "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
                   "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0}}})
-    emulators = [Emulator(spec, rank, enabled=True) for rank in (0, 1)]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
-    optimizer = torch.optim.Adam(model.parameters())
-    x = torch.randn(512, 512)  # a step of ~20-40 ms on one thread
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    times = {0: [], 1: []}
-    try:
-        for step in range(160):
-            block = (step // 8) % 2  # alternate in blocks: a fast step rarely follows a sleep
-            emu = emulators[block]
-            start = time.perf_counter()
-            emu.mark()
-            loss = model(x).square().mean()
-            emu.stretch()  # end of forward, as the DDP trainer does
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            emu.stretch()  # end of the step
-            if step >= 16:
-                times[block].append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    ratio = statistics.median(times[1]) / statistics.median(times[0])
-    print(f"measured dilation at speed 0.5: {ratio:.3f}")
-    assert 1.9 <= ratio <= 2.1
-
-
-def test_workers_apply_the_dilation(cfg_factory):
-    """End to end through spawned workers: a coarse check that the slow device is slowed (runs
-    in separate processes see the host drift, hence the wider band)."""
-    def median_iteration(speed):
-        cfg = cfg_factory("model=bert", "cluster=local_homo2", "~cluster.machines",
-                          f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
-                          "warmup_iters=3", "measured_iters=20")
-        case = prepare_case(cfg, new_record(cfg))
-        return statistics.median(launch(case, 1, timeout_s=120)[0]["iter_times_s"][3:])
-
-    ratio = median_iteration(0.5) / median_iteration(1.0)
-    assert 1.6 <= ratio <= 2.5, ratio
+    emu = Emulator(spec, 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=2))
+    # Iterations 0-1 are skipped, 2-3 set the reference; iteration 4 runs cold (3x slower).
+    busy = {0: 0.004, 1: 0.004, 2: 0.004, 3: 0.004, 4: 0.012, 5: 0.004, 6: 0.004}
+    walls = []
+    for it, seconds in busy.items():
+        emu.begin_iteration(it)
+        start = time.perf_counter()
+        end = start + seconds
+        while time.perf_counter() < end:
+            pass
+        emu.stretch()
+        walls.append(time.perf_counter() - start)
+    assert max(walls[:4]) < 0.006  # full pace until the reference is set
+    assert walls[4] == pytest.approx(0.012, abs=0.002)  # cold: over its 8 ms target, no sleep
+    assert walls[5] < 0.006  # its 4 ms overshoot is owed back at once
+    assert walls[6] == pytest.approx(0.008, abs=0.002)  # 2 x the 4 ms reference
+    assert emu.report()["error"] == pytest.approx(0.0, abs=0.1)
 
 
 SLOW_LINK = {

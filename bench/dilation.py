@@ -1,0 +1,89 @@
+"""How faithfully the emulator slows a device down: achieved dilation against 1/speed.
+
+    python -m bench.dilation            # 10 runs at speeds 0.25, 0.4, 0.5: one table
+    python -m bench.dilation 3 0.5      # 3 runs at speed 0.5
+
+One spawned worker process trains tiny BERT through the real worker path (bench.worker.run_rank,
+one emulated device) at speed 1, then s, then 1 again, for each speed s; the achieved dilation
+is s's median iteration time over the mean of its two speed-1 neighbours, times s (1.0 is
+perfect). The neighbours share the process and the minute, so host drift cancels; what is left
+is the emulator's own error.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
+SPEEDS = (0.25, 0.4, 0.5)
+GOAL = 0.03  # within 3% of 1/speed
+
+
+def _case(speed: float):
+    from bench.run import compose_config, new_record, prepare_case
+
+    cfg = compose_config(
+        "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",
+        f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
+        "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled")
+    return prepare_case(cfg, new_record(cfg))
+
+
+def _worker(speeds, port, out) -> None:
+    from bench.worker import run_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cases = {s: _case(s) for s in {1.0, *speeds}}
+
+    def median_iter(speed):
+        times = run_rank(cases[speed], 0, 1, 0)["iter_times_s"][-cases[speed].measured_iters:]
+        return statistics.median(times)
+
+    before = median_iter(1.0)
+    for s in speeds:
+        slow = median_iter(s)
+        after = median_iter(1.0)
+        out.put((s, slow * s / ((before + after) / 2)))
+        before = after
+
+
+def measure(speeds=SPEEDS) -> dict[float, float]:
+    """One run: {speed: achieved dilation x speed} from one worker process."""
+    from bench.launch import _free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(tuple(speeds), _free_port(), out))
+    proc.start()
+    try:
+        return dict(out.get(timeout=300) for _ in speeds)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def main(argv: list[str]) -> int:
+    runs = int(argv[0]) if argv else 10
+    speeds = tuple(float(s) for s in argv[1:]) or SPEEDS
+    results = [measure(speeds) for _ in range(runs)]
+    table = Table(title=f"achieved dilation x speed (1.000 = exactly 1/speed), {runs} runs")
+    for col in ("speed", *(f"run {i + 1}" for i in range(runs)), f"within {GOAL:.0%}"):
+        table.add_column(col, justify="right")
+    ok = True
+    for s in speeds:
+        values = [r[s] for r in results]
+        hits = sum(abs(v - 1) <= GOAL for v in values)
+        ok &= hits == runs
+        table.add_row(f"{s:g}", *(f"{v:.3f}" for v in values), f"{hits}/{runs}")
+    Console(width=200).print(table)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
