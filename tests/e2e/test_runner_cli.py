@@ -113,12 +113,23 @@ def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     assert [r["status"] for r in rows(tmp_path)] == ["failed"]
 
 
-def test_the_main_job_compares_every_method(tmp_path):
-    out = run("bench.compare", "wandb.mode=disabled", *QUICK, results_dir=tmp_path)
+def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
+    out = run("bench.compare", "wandb.mode=disabled", "repeats=2", *QUICK, results_dir=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "speedup vs dp_ev" in out.stdout
-    methods = [r["method"] for r in rows(tmp_path)]
+    assert "speedup vs dp_ev" in out.stdout and "rank" in out.stdout
+    recorded = rows(tmp_path)
+    repeats = [r for r in recorded if r["row_kind"] == "repeat"]
+    methods = [r["method"] for r in repeats]
+    n = len(methods) // 2
     assert methods[0] == "dp_ev" and {"dp_ev", "dp_cp"} <= set(methods)
+    assert methods[:n] == methods[n:] and [r["repeat"] for r in repeats] == [0] * n + [1] * n
+    aggregates = [r for r in recorded if r["row_kind"] == "aggregate"]
+    assert [r["method"] for r in aggregates] == methods[:n]
+    for agg in aggregates:
+        assert agg["aggregate"]["iter_time_s"]["n"] == 2
+        assert agg["aggregate"]["repeat_run_ids"] == [r["run_id"] for r in repeats
+                                                      if r["method"] == agg["method"]]
+        assert len({r["sweep_id"] for r in recorded}) == 1
 
 
 def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):

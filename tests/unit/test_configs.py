@@ -49,6 +49,11 @@ def test_tiny_workloads_count_their_flops(model):
     (["data.source=cifar10"], "data.source"),
     (["+model.spec.num_layerz=3"], "num_layerz"),
     (["method.split=random"], "method.split='random' is invalid"),
+    (["repeats=0"], "repeats=0 must be an integer >= 1; e.g. repeats=5"),
+    (["repeats=-2"], "repeats=-2 must be an integer >= 1"),
+    (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),
+    (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
+    (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
 ])
 def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overrides, needle):
     cfg = cfg_factory(*overrides)
@@ -73,3 +78,13 @@ def test_a_planner_that_finds_nothing_feasible_records_infeasible(cfg_factory, c
     assert record.status == "infeasible" and "memory_gib=4 is too small" in record.error
     assert record.samples_per_s is None
     assert "recorded as infeasible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "many"])
+def test_compare_refuses_bad_repeats_before_any_run(tmp_path, capsys, value):
+    from bench import compare
+
+    code = compare.main([f"repeats={value}", f"results_dir={tmp_path}", "wandb.mode=disabled"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "repeats=" in err and "\n" not in err
+    assert not (tmp_path / "records.jsonl").exists()

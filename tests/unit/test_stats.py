@@ -1,0 +1,56 @@
+"""Aggregates over repeats: the median's order-statistic interval, trimming, ranks with ties."""
+
+import random
+
+import pytest
+
+from bench.compare import aggregate_rounds
+from bench.records import RunRecord
+from bench.stats import median_interval, ranks, summarize
+
+
+@pytest.mark.parametrize("n,k,coverage", [(5, 1, 0.9375), (6, 1, 0.96875), (9, 2, 0.9609375),
+                                          (10, 2, 0.978515625)])
+def test_the_median_interval_is_the_widest_binomial_one_needed(n, k, coverage):
+    assert median_interval(n) == (k, pytest.approx(coverage))
+
+
+def test_the_interval_covers_the_true_median_about_as_often_as_it_says():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(2000):
+        s = summarize([rng.expovariate(1.0) for _ in range(9)])
+        hits += s.low <= 0.6931471805599453 <= s.high  # ln 2: the exponential's median
+    assert 0.94 <= hits / 2000 <= 0.98  # 96.1% claimed; 2000 draws: +-0.9% std
+
+
+def test_summary_trims_like_mlperf_and_reports_the_spread():
+    s = summarize([10.0, 1.0, 2.0, 3.0, 4.0])
+    assert (s.median, s.low, s.high, s.trimmed_mean) == (3.0, 1.0, 10.0, 3.0)
+    assert summarize([2.0, 4.0]).trimmed_mean == 3.0  # too few runs to trim
+    assert summarize([5.0]).cv == 0.0
+
+
+def test_overlapping_intervals_share_a_rank():
+    a, b, c = summarize([1.0, 1.1, 1.2]), summarize([1.15, 1.3, 1.4]), summarize([2.0, 2.1, 2.2])
+    assert ranks({"a": a, "b": b, "c": c}) == {"a": 1, "b": 1, "c": 3}
+
+
+def _row(method, mean, status="ok", error=None):
+    return RunRecord(model="bert", preset="tiny", cluster="c", method=method, mode="real",
+                     status=status, error=error, global_batch=16, iter_time_s_mean=mean,
+                     iter_time_s_std=mean and mean / 10, samples_per_s=mean and 16 / mean,
+                     ideal_iter_time_s=0.01)
+
+
+def test_speedups_are_taken_round_by_round_and_a_failed_round_fails_the_aggregate():
+    runs = {"dp_ev": [_row("dp_ev", t) for t in (0.10, 0.20, 0.10)],
+            "dp_cp": [_row("dp_cp", t) for t in (0.05, 0.10, 0.05)],
+            "hap": [_row("hap", 0.05), _row("hap", None, "failed", "rank 1 failed"), _row("hap", 0.05)]}
+    out = aggregate_rounds(runs)
+    cp = out["dp_cp"].aggregate
+    assert cp["speedup_vs_dp_ev"]["low"] == cp["speedup_vs_dp_ev"]["high"] == 2.0  # drift cancels
+    assert out["dp_cp"].iter_time_s_mean == 0.05 and out["dp_cp"].row_kind == "aggregate"
+    assert out["hap"].status == "failed" and out["hap"].samples_per_s is None
+    assert "1 of 3 repeats ended failed: rank 1 failed" in out["hap"].error
+    assert cp["rank"] == 1 and out["dp_ev"].aggregate["rank"] == 1  # overlapping: a tie
