@@ -8,25 +8,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import dilation
 from bench.cluster import ClusterSpec
 from bench.cost import collective_time_s
 from bench.emulation import EmulationSettings, Emulator
 from bench.run import run_case
 
 pytestmark = pytest.mark.e2e
-
-
-def test_a_slow_device_takes_one_over_speed_as_long():
-    """Through a spawned worker and the real worker loop (tiny BERT): speed s takes 1/s of the
-    time of speed 1 measured in the same process just before and after (bench.dilation).
-
-    The goal is 3% (`python -m bench.dilation` reports it); single values spread with a standard
-    deviation of about 2% on a quiet 2-core VM (one of 12 was 6% low), so the test's band is 3
-    standard deviations: a broken pacing (24-37% off before the reference) fails it clearly."""
-    achieved = dilation.measure((0.25, 0.4, 0.5))
-    for speed, value in achieved.items():
-        assert abs(value - 1) <= 0.065, (speed, achieved)
 
 
 def test_each_rank_reports_its_achieved_dilation(cfg_factory):
