@@ -41,8 +41,8 @@ def _worker(speeds, port, out) -> None:
     cases = {s: _case(s) for s in {1.0, *speeds}}
 
     def median_iter(speed):
-        times = run_rank(cases[speed], 0, 1, 0)["iter_times_s"][-cases[speed].measured_iters:]
-        return statistics.median(times)
+        result = run_rank(cases[speed], 0, 1, 0)
+        return statistics.median(result["iter_times_s"][-cases[speed].measured_iters:])
 
     before = median_iter(1.0)
     for s in speeds:

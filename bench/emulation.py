@@ -42,7 +42,7 @@ class EmulationSettings:
     """How an emulated cluster is run on this host (the `emulation` config node)."""
 
     headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
-    reference_iters: int = 6  # full-pace iterations (after SKIPPED ones) that set the reference
+    reference_iters: int = 12  # full-pace iterations (after SKIPPED ones) that set the reference
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
     @staticmethod
@@ -164,6 +164,7 @@ class Emulator:
                                   else self.achieved_s * self.headroom / self.reference_s),
             "error": error,
             "unreferenced_intervals": self.unreferenced,
+            "reference_s_per_iter": sum(self._reference or ()),
             "slept_s": self.slept_s,
         }
 

@@ -57,6 +57,9 @@ def simulate_case(*overrides: str) -> dict:
         fill_predicted_metrics(record, case.workload)
     except Exception as exc:  # a case that cannot be planned is a point too, marked failed
         record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+    # As write_record does before a row is written: the simulator predicts an iteration time for
+    # an OOM case too, and the rates filled from it are no throughput of a case that cannot run.
+    record.__post_init__()
     return {"model": record.model, "cluster": record.cluster, "method": record.method,
             "status": record.status, "samples_per_s": record.samples_per_s,
             "predicted_iter_time_s": record.predicted_iter_time_s,
@@ -71,6 +74,18 @@ def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
     fig.savefig(out / f"{name}.pdf", bbox_inches="tight", metadata={"CreationDate": None})
     plt.close(fig)
     print(f"wrote {out / name}.{{png,pdf,csv}}")
+
+
+def _bars_with_gaps(ax, xs: list[float], part: pd.DataFrame, width: float, label: str) -> None:
+    """One bar of samples_per_s per case (row of `part`) at `xs`. A case that is not ok (OOM,
+    failed, ...) has no throughput: it gets no bar, since even one of height 0 would read as a
+    measured zero, but a gap with its status written at the base."""
+    ok = (part.status == "ok").to_numpy()
+    ax.bar([x for x, drawn in zip(xs, ok) if drawn], part.samples_per_s[ok], width, label=label)
+    for x, drawn, status in zip(xs, ok, part.status.fillna("missing")):
+        if not drawn:
+            ax.text(x, 0, "OOM" if status == "oom" else status, rotation=90, ha="center",
+                    va="bottom", fontsize=7)
 
 
 def _throughput_grid(cluster: str, name: str, out: Path, models=MODELS, ks=KS,
@@ -91,12 +106,7 @@ def _throughput_grid(cluster: str, name: str, out: Path, models=MODELS, ks=KS,
         sub = data[data.model == model]
         for i, method in enumerate(methods):
             part = sub[sub.method == method].set_index("k").reindex(ks)
-            xs = [j + i * width for j in range(len(ks))]
-            ax.bar(xs, part.samples_per_s.fillna(0), width, label=method)
-            for x, status in zip(xs, part.status):
-                if status != "ok":
-                    ax.text(x, 0, "OOM" if status == "oom" else "x", rotation=90, ha="center",
-                            va="bottom", fontsize=7)
+            _bars_with_gaps(ax, [j + i * width for j in range(len(ks))], part, width, method)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [str(k) for k in ks])
         ax.set_title(model)
         ax.set_xlabel("GPUs per machine (k)")
@@ -180,7 +190,7 @@ ABLATIONS = {
 
 
 def fig_ablation(out: Path) -> None:
-    """hap against itself with one part switched off, paper_hetero, k = 8."""
+    """hap against itself with one part switched off, paper_hetero, k = 8, OOM marked."""
     rows = []
     for model in MODELS:
         for label, extra in ABLATIONS.items():
@@ -192,8 +202,7 @@ def fig_ablation(out: Path) -> None:
     width = 0.8 / len(ABLATIONS)
     for i, label in enumerate(ABLATIONS):
         part = data[data.variant == label].set_index("model").reindex(MODELS)
-        ax.bar([j + i * width for j in range(len(MODELS))], part.samples_per_s.fillna(0), width,
-               label=label)
+        _bars_with_gaps(ax, [j + i * width for j in range(len(MODELS))], part, width, label)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(MODELS))], MODELS)
     ax.set_ylabel("samples/s (simulated)")
     ax.legend(fontsize=7)

@@ -7,13 +7,22 @@ in MFU reports and of the ideal time in DESIGN.md.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.interfaces import Workload
+
+log = logging.getLogger(__name__)
 
 
 def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
@@ -27,33 +36,88 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
 
 
 _host_speed_cache: dict[tuple, tuple[float, float]] = {}
+REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check is this close
+
+
+def host_cache_file() -> Path:
+    """Per-user cache of measured host speeds (HETBENCH_CACHE_DIR overrides the folder)."""
+    folder = os.environ.get("HETBENCH_CACHE_DIR") or Path.home() / ".cache" / "hetbench"
+    return Path(folder) / "host_speed.json"
+
+
+def _host_key(workload: Workload, batch_size: int, seed: int) -> str:
+    """This host (name, processor, cores, torch) and this workload: what a speed belongs to."""
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), platform.processor())
+    except OSError:
+        cpu = platform.processor()
+    body = [platform.node(), platform.machine(), cpu, os.cpu_count(), torch.__version__,
+            workload.name, repr(workload.model_cfg), batch_size, seed]
+    return hashlib.sha256(json.dumps(body, default=str).encode()).hexdigest()[:16]
 
 
 def measure_host_speed(workload: Workload, batch_size: int, seed: int,
-                       repeats: int = 21) -> tuple[float, float]:
+                       repeats: int = 21, use_disk_cache: bool = True) -> tuple[float, float]:
     """How fast one worker thread trains this workload: the emulated device of speed 1.0.
 
     Times whole training steps (forward, backward, Adam) single-threaded, as the workers run
     them, at `batch_size` and twice that, and splits a step into a part per sample and a part
     per step (optimizer, per-op dispatch: the same whatever a rank's share).
 
+    Measured once per host and workload: kept in this process and in `host_cache_file()`, and
+    re-validated on each new process by a quick timing at `batch_size` (re-measured if it moved
+    more than 10%). So efficiencies and the plans that depend on the host speed stay comparable
+    across the cases of a sweep and across sweeps.
+
     Returns:
-        (FLOP/s of the per-sample part, seconds of the per-step part). Cached per workload in
-        this process, so every method of one comparison is held to the same numbers.
+        (FLOP/s of the per-sample part, seconds of the per-step part).
     """
     b = max(batch_size, 1)
     key = (workload.name, repr(workload.model_cfg), b, seed)
-    if key not in _host_speed_cache:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            t1, t2 = (_median_step_time(workload, n, seed, repeats) for n in (b, 2 * b))
-        finally:
-            torch.set_num_threads(threads)
-        per_sample = max(t2 - t1, 0.5 * t1) / b  # noise must not make the fixed part negative
-        fixed = max(t1 - per_sample * b, 0.0)
-        _host_speed_cache[key] = (workload.flops_per_sample / per_sample, fixed)
+    if key in _host_speed_cache:
+        return _host_speed_cache[key]
+    path, disk_key = host_cache_file(), _host_key(workload, b, seed)
+    cached = _read_cache(path).get(disk_key) if use_disk_cache else None
+    if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) \
+            <= REVALIDATE_TOLERANCE:
+        _host_speed_cache[key] = (cached["flops_per_s"], cached["step_overhead_s"])
+        return _host_speed_cache[key]
+    t1, t2 = (reference_step_s(workload, n, seed, repeats) for n in (b, 2 * b))
+    per_sample = max(t2 - t1, 0.5 * t1) / b  # noise must not make the fixed part negative
+    fixed = max(t1 - per_sample * b, 0.0)
+    _host_speed_cache[key] = (workload.flops_per_sample / per_sample, fixed)
+    if use_disk_cache:
+        _write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
+                                      "step_overhead_s": fixed, "workload": workload.name,
+                                      "batch_size": b})
     return _host_speed_cache[key]
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    """Merge one entry under a lock; a cache that cannot be written is only a lost shortcut."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            fh.seek(0)
+            try:
+                body = json.loads(fh.read() or "{}")
+            except ValueError:
+                body = {}
+            body[key] = entry
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps(body, indent=1, sort_keys=True))
+    except OSError as exc:
+        log.warning("host speed cache %s not written: %s", path, exc)
 
 
 def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:

@@ -100,9 +100,13 @@ def append_record(path: str | os.PathLike, record: RunRecord) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(asdict(record), default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        # A writer killed mid-line leaves a fragment with no newline; end it first, or this row
+        # is glued onto it and lost with it. The fragment itself stays (rows are never rewritten).
+        if _ends_mid_line(fd):
+            os.write(fd, b"\n")
         os.write(fd, line)
         os.fsync(fd)
     finally:
@@ -110,18 +114,30 @@ def append_record(path: str | os.PathLike, record: RunRecord) -> None:
         os.close(fd)
 
 
+def _ends_mid_line(fd: int) -> bool:
+    """Whether the file's last byte is not a newline (an empty file ends no line). Asked under
+    the lock, so no other writer moves the end meanwhile."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
 def load_records(path: str | os.PathLike) -> list[dict]:
-    """All rows; a line cut short (a run killed mid-write elsewhere) is skipped with a warning."""
+    """All rows; a line that is not one (cut short by a run killed mid-write, or not JSON at all)
+    is skipped with a warning, so one bad line never costs the others."""
     path = Path(path)
     if not path.exists():
         return []
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(path.read_bytes().splitlines(), 1):  # bytes: bad UTF-8 is one bad line
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; deep nesting
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
             log.warning("%s:%d is not a complete JSON row; skipped", path, i)
     return rows
 

@@ -33,18 +33,22 @@ def test_concurrent_appends_never_interleave(tmp_path):
     assert all(json.loads(line)["model"] == "bert" for line in lines)
 
 
-def test_a_cut_line_is_skipped_and_the_rest_kept(tmp_path):
+def test_a_row_appended_after_a_torn_line_is_kept(tmp_path):
     path = tmp_path / "records.jsonl"
+    fragment = '{"model": "be'
+    path.write_text(fragment)  # a writer killed mid-line: no newline after it
     append_record(path, _row())
-    with open(path, "a") as f:
-        f.write('{"model": "bert", "stat')  # a writer killed mid-line elsewhere
     append_record(path, _row(method="dp_cp"))
-    rows = load_records(path)
-    assert [r["method"] for r in rows] == ["dp_ev"]  # the cut line swallowed the newline
-    with open(path, "a") as f:
-        f.write("\n")
-    append_record(path, _row(method="dp_cp"))
-    assert [r["method"] for r in load_records(path)][-1] == "dp_cp"
+    assert [r["method"] for r in load_records(path)] == ["dp_ev", "dp_cp"]
+    assert path.read_text().splitlines()[0] == fragment  # what was there is left as it was
+
+
+def test_a_file_that_is_not_jsonl_loads_as_no_rows(tmp_path, caplog):
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b"not json\n\xff\xfe binary\n42\n[1, 2]\n{\"unclosed\": \n\n")
+    with caplog.at_level("WARNING", logger="bench.records"):
+        assert load_records(path) == []
+    assert len(caplog.records) == 5  # one per line, the blank one aside
 
 
 def test_failed_rows_carry_no_numbers():
