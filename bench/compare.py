@@ -30,6 +30,7 @@ from bench.run import (
     group_options,
     method_modes,
     new_record,
+    print_help_if_asked,
     results_file,
     run_case,
     write_record,
@@ -140,6 +141,8 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
 
 
 def main(argv: list[str]) -> int:
+    if print_help_if_asked(argv, __doc__):
+        return 0
     try:
         records = compare(argv)
     except (ConfigError, HydraException) as exc:

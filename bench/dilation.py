@@ -69,8 +69,20 @@ def measure(speeds=SPEEDS) -> dict[float, float]:
 
 
 def main(argv: list[str]) -> int:
-    runs = int(argv[0]) if argv else 10
-    speeds = tuple(float(s) for s in argv[1:]) or SPEEDS
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        return 0
+    try:
+        runs = int(argv[0]) if argv else 10
+        speeds = tuple(float(s) for s in argv[1:]) or SPEEDS
+    except ValueError:
+        print(f"error: usage: python -m bench.dilation [RUNS] [SPEED ...]; got {' '.join(argv)}",
+              file=sys.stderr)
+        return 2
+    if runs < 1 or not all(0 < s <= 1 for s in speeds):
+        print("error: RUNS must be >= 1 and each SPEED in (0, 1]; e.g. python -m bench.dilation 10 0.5",
+              file=sys.stderr)
+        return 2
     results = [measure(speeds) for _ in range(runs)]
     table = Table(title=f"achieved dilation x speed (1.000 = exactly 1/speed), {runs} runs")
     for col in ("speed", *(f"run {i + 1}" for i in range(runs)), f"within {GOAL:.0%}"):

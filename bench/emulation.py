@@ -2,10 +2,10 @@
 
 Compute is paced against a reference, in a closed loop. A burst of compute that follows a
 pause (a sleep, a wait on a peer, even a spin) runs slower on a shared VM core than the same
-burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (docs/emulation.md). So
+burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (README). So
 a rank never stretches the compute it just measured; it first runs `reference_iters`
 iterations at full pace and records how long each compute interval of an iteration took (the
-k-th interval between communication points, median over those iterations). From then on the
+k-th interval between communication points, the fastest of those iterations). From then on the
 k-th interval must last reference_k / (speed x headroom) of wall time: the rank sleeps what is
 left, and whatever it over- or undershoots is carried into the next interval. `headroom` < 1
 runs the whole emulated cluster in slow motion (links too), so that even a speed-1 rank has

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from bench.cluster import ConfigError
 from bench.compare import run_rounds
-from bench.run import check_group_choices, check_repeats, compose_config
+from bench.run import check_group_choices, check_repeats, compose_config, print_help_if_asked
 
 DEFAULT_REPEATS = 10
 
@@ -56,6 +56,8 @@ def noise_floor(overrides: list[str]) -> tuple[Table, bool]:
 
 
 def main(argv: list[str]) -> int:
+    if print_help_if_asked(argv, __doc__):
+        return 0
     try:
         table, ok = noise_floor(argv)
     except (ConfigError, HydraException) as exc:

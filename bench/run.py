@@ -80,6 +80,17 @@ def methods_supporting(mode: str) -> list[str]:
     return [m for m in group_options("method") if mode in method_modes(m)]
 
 
+def print_help_if_asked(argv: list[str], doc: str) -> bool:
+    """-h/--help for the commands that take the runner's overrides (Hydra would try to parse
+    it as an override and fail): the command's docstring and where the options are listed."""
+    if not {"-h", "--help"} & set(argv):
+        return False
+    print(doc.strip())
+    print("\nOverrides are the runner's (`python -m bench.run --help` lists every config group "
+          "and key; the README's option table explains them).")
+    return True
+
+
 def check_group_choices(overrides: list[str]) -> None:
     """One clear line for an unknown model/preset/cluster/method, before Hydra composes."""
     for item in overrides:
