@@ -87,7 +87,8 @@ def run_rounds(configs: dict, repeats: int) -> list[RunRecord]:
     runs: dict[str, list[RunRecord]] = {m: [] for m in todo}
     for r in range(repeats):
         for m in todo:
-            print(f"round {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
+            if sys.stderr.isatty():  # a terminal sees progress; CI logs stay quiet
+                print(f"round {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
             runs[m].append(run_case(configs[m], repeat=r, sweep_id=sweep_id))
     aggregates = aggregate_rounds(runs, sweep_id)
     for m in todo:

@@ -150,7 +150,7 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
                           "e.g. emulation.headroom=0.8")
     if not isinstance(refs, int) or isinstance(refs, bool) or refs < 0:
         raise ConfigError(f"emulation.reference_iters={refs!r} must be an integer >= 0 "
-                          "(0: pace the compute just measured); e.g. emulation.reference_iters=3")
+                          "(0: pace the compute just measured); e.g. emulation.reference_iters=12")
     return EmulationSettings(headroom=float(headroom), reference_iters=refs)
 
 
