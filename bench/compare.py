@@ -20,16 +20,17 @@ import sys
 import uuid
 
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from bench.cluster import ConfigError
-from bench.records import RunRecord, finished_case_keys, load_records
+from bench.records import RunRecord, case_key, finished_record
 from bench.run import (
     check_group_choices,
     check_repeats,
     compose_config,
+    fill_rates,
     group_options,
     method_modes,
-    new_record,
     print_help_if_asked,
     results_file,
     run_case,
@@ -77,12 +78,11 @@ def run_rounds(configs: dict, repeats: int) -> list[RunRecord]:
     sweep_id = uuid.uuid4().hex[:12]
     done = {}
     for m, cfg in configs.items():  # resume=true: a method whose aggregate is recorded is done
-        key = new_record(cfg).case_key
-        if cfg.resume and key in finished_case_keys(results_file(cfg)):
-            row = [r for r in load_records(results_file(cfg))
-                   if r.get("case_key") == key and r.get("row_kind", "case") != "repeat"][-1]
-            print(f"skip: {m} already recorded ({row['status']}, run {row['run_id']})")
-            done[m] = RunRecord(**{k: v for k, v in row.items() if k in RunRecord.__dataclass_fields__})
+        key = case_key(OmegaConf.to_container(cfg, resolve=True))
+        row = finished_record(results_file(cfg), key) if cfg.resume else None
+        if row is not None:
+            print(f"skip: {m} already recorded ({row.status}, run {row.run_id})")
+            done[m] = row
     todo = [m for m in configs if m not in done]
     runs: dict[str, list[RunRecord]] = {m: [] for m in todo}
     for r in range(repeats):
@@ -100,7 +100,7 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
     """One aggregate row per method from its repeat rows (round r of every method ran together)."""
     times = {m: [r.iter_time_s_mean if r.status == "ok" else None for r in rows]
              for m, rows in runs.items()}
-    out = {}
+    out, summaries = {}, {}
     for m, rows in runs.items():
         ok = [r for r in rows if r.status == "ok"]
         agg = copy.deepcopy(ok[-1] if ok else rows[-1])
@@ -116,12 +116,11 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
             agg.__post_init__()
             out[m] = agg
             continue
-        summary = summarize(times[m])
+        summary = summaries[m] = summarize(times[m])
         agg.iter_time_s_mean, agg.iter_time_s_std = summary.median, None
-        agg.samples_per_s = agg.global_batch / summary.median
-        tokens = ok[-1].tokens_per_s and ok[-1].tokens_per_s / ok[-1].samples_per_s
-        agg.tokens_per_s = tokens * agg.samples_per_s if tokens else None
-        agg.efficiency = agg.ideal_iter_time_s / summary.median if agg.ideal_iter_time_s else None
+        last = ok[-1]
+        fill_rates(agg, summary.median, agg.global_batch,
+                   last.tokens_per_s and last.tokens_per_s / last.samples_per_s)
         agg.aggregate = {"iter_time_s": summary.as_dict(),
                          "repeat_run_ids": [r.run_id for r in rows],
                          "within_run_cv": [r.iter_time_s_std / r.iter_time_s_mean for r in rows],
@@ -132,10 +131,9 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         flags = [r.emulation for r in rows if r.emulation and "ok" in r.emulation]
         if flags:
             worst = max((f["max_error"] for f in flags), key=abs)
-            agg.emulation = {**ok[-1].emulation, "ranks": None, "max_error": worst,
+            agg.emulation = {**last.emulation, "ranks": None, "max_error": worst,
                              "ok": all(f["ok"] for f in flags)}
         out[m] = agg
-    summaries = {m: summarize(times[m]) for m in runs if out[m].aggregate}
     for m, rank in ranks(summaries).items():
         out[m].aggregate["rank"] = rank
     return out

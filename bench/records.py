@@ -145,8 +145,19 @@ def load_records(path: str | os.PathLike) -> list[dict]:
 def finished_case_keys(path: str | os.PathLike) -> set[str]:
     """Cases with a final answer (ok or oom): what resume=true skips. A repeated case is
     finished when its aggregate row is, not when one of its repeats is."""
-    return {r.get("case_key") for r in load_records(path)
-            if r.get("status") in ("ok", "oom") and r.get("row_kind", "case") != "repeat"}
+    return {r.get("case_key") for r in load_records(path) if _is_final(r)}
+
+
+def _is_final(row: dict) -> bool:
+    return row.get("status") in ("ok", "oom") and row.get("row_kind", "case") != "repeat"
+
+
+def finished_record(path: str | os.PathLike, key: str) -> "RunRecord | None":
+    """The last row that gives case `key` a final answer (see finished_case_keys), or None."""
+    rows = [r for r in load_records(path) if r.get("case_key") == key and _is_final(r)]
+    if not rows:
+        return None
+    return RunRecord(**{k: v for k, v in rows[-1].items() if k in RunRecord.__dataclass_fields__})
 
 
 def summarize_times(per_rank_times: Iterable[list[float]], measured: int) -> tuple[list[float], float, float]:

@@ -111,8 +111,9 @@ def measured_figures(slowdown: float = 0.0) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
                                f"test.slowdown={slowdown}") for m in methods}
+        reference_step = _reference_step(configs[methods[0]])
         for _ in range(REAL_ROUNDS):
-            reference = _reference_step_s(configs[methods[0]])
+            reference = reference_step()
             for m in methods:
                 record = run_case(configs[m])
                 if record.status == "ok":
@@ -121,13 +122,13 @@ def measured_figures(slowdown: float = 0.0) -> dict[str, float]:
             for m, r in ratios.items() if len(r) == REAL_ROUNDS}
 
 
-def _reference_step_s(cfg) -> float:
-    """One plain training step of the case's model at a device's batch share, single-threaded,
-    measured now (never cached): the yardstick of this round."""
+def _reference_step(cfg):
+    """A timer of one plain training step of the case's model at a device's batch share,
+    single-threaded, measured each time it is called (never cached): a round's yardstick."""
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     workload = build_workload(cfg, cluster)
     per_device = -(-workload.global_batch // cluster.num_devices)
-    return reference_step_s(workload, per_device, cfg.seed)
+    return lambda: reference_step_s(workload, per_device, cfg.seed)
 
 
 def compare(baseline: dict[str, float], new: dict[str, float]) -> list[Change]:

@@ -39,7 +39,7 @@ from bench.records import (
     append_record,
     case_key,
     fingerprint,
-    finished_case_keys,
+    finished_record,
     load_records,
     summarize_times,
 )
@@ -271,11 +271,11 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
     if repeat is not None:
         record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
     path = results_file(cfg)
-    if cfg.resume and repeat is None and record.case_key in finished_case_keys(path):
-        row = [r for r in load_records(path) if r.get("case_key") == record.case_key][-1]
+    done = finished_record(path, record.case_key) if cfg.resume and repeat is None else None
+    if done is not None:
         print(f"skip: {record.model}/{record.cluster}/{record.method} already recorded "
-              f"({row['status']}, run {row['run_id']})")
-        return RunRecord(**{k: v for k, v in row.items() if k in RunRecord.__dataclass_fields__})
+              f"({done.status}, run {done.run_id})")
+        return done
     try:
         case = prepare_case(cfg, record)
         if cfg.mode == "sim":
@@ -322,11 +322,12 @@ def _launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:
                       on_progress=lambda it: progress.update(task, completed=it))
 
 
-def _fill_rates(record: RunRecord, workload: Workload, iter_time_s: float) -> None:
-    """Throughput and efficiency from an iteration time (measured or predicted)."""
-    record.samples_per_s = workload.global_batch / iter_time_s
-    tokens = workload.model_cfg.tokens_per_sample
-    record.tokens_per_s = None if tokens is None else workload.global_batch * tokens / iter_time_s
+def fill_rates(record: RunRecord, iter_time_s: float, global_batch: int,
+               tokens_per_sample: float | None) -> None:
+    """Throughput and efficiency from an iteration time (measured, predicted or aggregated)."""
+    record.samples_per_s = global_batch / iter_time_s
+    record.tokens_per_s = (None if tokens_per_sample is None
+                           else global_batch * tokens_per_sample / iter_time_s)
     record.efficiency = record.ideal_iter_time_s / iter_time_s
 
 
@@ -335,7 +336,7 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     per_iter, mean, std = summarize_times([r["iter_times_s"] for r in results], measured)
     record.iter_times_s = per_iter
     record.iter_time_s_mean, record.iter_time_s_std = mean, std
-    _fill_rates(record, workload, mean)
+    fill_rates(record, mean, workload.global_batch, workload.model_cfg.tokens_per_sample)
     record.peak_mem_gib = [r["peak_mem_gib"] for r in results]
     loss_sums = [sum(step) for step in zip(*(r["loss_sums"] for r in results))]
     record.loss_first = loss_sums[0] / workload.targets_per_iter
@@ -354,7 +355,8 @@ def fill_predicted_metrics(record: RunRecord, workload: Workload) -> None:
     """Sim mode: the same metrics, from the simulator's predicted iteration time."""
     if record.predicted_iter_time_s is None:
         raise ConfigError(f"method={record.method} returned no Program: it cannot be simulated")
-    _fill_rates(record, workload, record.predicted_iter_time_s)
+    fill_rates(record, record.predicted_iter_time_s, workload.global_batch,
+               workload.model_cfg.tokens_per_sample)
     record.peak_mem_gib = record.predicted_peak_mem_gib
     record.status = "oom" if record.predicted_oom else "ok"
     if record.predicted_oom:
