@@ -2,6 +2,12 @@
 
     python -m bench.calibrate                                    # 4 tiny models x methods x 3 clusters
     python -m bench.calibrate --models bert --clusters local_hetero2 -- measured_iters=10
+    python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
+
+With --device, one device instead: each paper model's training step (forward, backward, Adam)
+at batch 1 to 128, measured on that device and predicted by the simulator from the device
+type's compute profile (made by `bench.profile --compute-out` from op microbenchmarks, not
+fitted to these steps), time and peak memory.
 
 Every real case also records the simulator's prediction for the same plan, so one real run per
 case gives both numbers. Reports each case's error, the MAPE (overall and per method) and, per
@@ -21,7 +27,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.run import CONF_DIR, compose_config, methods_supporting, run_case
+from bench.cluster import ClusterSpec, ConfigError, device_types
+from bench.cost import simulate
+from bench.flops import device_step
+
+from bench.run import CONF_DIR, _instantiate, build_workload, compose_config, methods_supporting, run_case
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -82,14 +92,92 @@ def print_summary(summary: dict) -> None:
         console.print(f"failed: {line}")
 
 
+def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
+    """One GPU of `device_type` (its packaged numbers) with the compute profile `profile`."""
+    if device_type not in device_types():
+        raise ConfigError(f"--device-type={device_type!r} is unknown; known: {', '.join(sorted(device_types()))} "
+                          "(conf/device/<name>.yaml)")
+    base = device_types()[device_type]
+    link = {"bandwidth_gbps": 1.0, "latency_s": 0.0}
+    numbers = {k: v for k, v in (("memory_gib", base.memory_gib), ("peak_flops", base.peak_flops),
+                                 ("effective_flops", base.effective_flops)) if v is not None}
+    inline = {**numbers, "profile": profile, "sources": {k: base.sources.get(k, "packaged type") for k in numbers}}
+    return ClusterSpec.from_config({"name": f"one {device_type}", "virtual_device": "gpu",
+                                    "device_types": {device_type: inline},
+                                    "machines": [{"count": 1, "device": device_type, "num_devices": 1}],
+                                    "links": {"intra_machine": link, "inter_machine": link}})
+
+
+def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
+                       repeats: int = 10) -> list[dict]:
+    """Per (model, batch): the measured step on `device` and the simulator's prediction of
+    plain training on `cluster` (one device: dp_ev's program), time and peak memory."""
+    rows = []
+    for model in models:
+        for batch in batches:
+            cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev",
+                                 f"global_batch={batch}", "wandb.mode=disabled")
+            workload = build_workload(cfg, cluster)
+            plan = _instantiate(cfg.method, "method").plan(workload, cluster)
+            sim = simulate(plan.program, cluster, plan.ratios)
+            seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
+            rows.append({"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
+                         "time_error": abs(sim.iter_time_s - seconds) / seconds,
+                         "measured_peak_gib": None if peak is None else peak / 2**30,
+                         "predicted_peak_gib": sim.peak_mem_gib[0],
+                         "memory_error": None if peak is None else abs(sim.peak_mem_gib[0] * 2**30 - peak) / peak})
+    return rows
+
+
+def print_single_device(rows: list[dict], title: str) -> dict:
+    console = Console(width=140)
+    table = Table(title=title)
+    for col in ("model", "batch", "measured ms", "predicted ms", "error", "peak GiB", "predicted GiB", "error "):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        mem = r["measured_peak_gib"]
+        table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
+                      f"{r['time_error']:.0%}", "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
+                      "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}")
+    console.print(table)
+    summary = {"time_mape": statistics.fmean(r["time_error"] for r in rows)}
+    mem = [r["memory_error"] for r in rows if r["memory_error"] is not None]
+    summary["memory_mape"] = statistics.fmean(mem) if mem else None
+    console.print(f"step time MAPE {summary['time_mape']:.1%} over {len(rows)} cases"
+                  + ("" if not mem else f"; peak memory MAPE {summary['memory_mape']:.1%}"))
+    return summary
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
     parser.add_argument("--methods", default=None, help="default: every method that runs for real")
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:i]: calibrate one device's steps instead")
+    parser.add_argument("--device-type", default=None, help="with --device: the conf/device type it is")
+    parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile --compute-out)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
+    parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("overrides", nargs="*", help="runner overrides, e.g. measured_iters=10")
     args = parser.parse_args(argv)
+    if args.device is not None:
+        if not (args.device_type and args.profile):
+            parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")
+        try:
+            cluster = single_device_cluster(args.device_type, args.profile)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
+                                  args.device, cluster, args.preset)
+        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"), "rows": rows}
+        out = args.out or (CONF_DIR.parent / "results" / "calibration" /
+                           f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     methods = args.methods.split(",") if args.methods else methods_supporting("real")
     configs = [compose_config("wandb.mode=disabled", *args.overrides, f"model={m}", f"cluster={c}",
                               f"method={meth}")

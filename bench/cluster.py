@@ -1,14 +1,25 @@
 """Cluster description: machines, device types and links, validated from conf/cluster/*.yaml.
 
 It says what a cluster is; it does not run anything (bench.emulation enforces it on a host).
+Device types are data: one yaml file each under conf/device/, or inline in a cluster file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEVICE_DIR = REPO_ROOT / "conf" / "device"
 
 
 class ConfigError(ValueError):
@@ -17,42 +28,226 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceType:
-    """One kind of accelerator. FLOP/s are fp32; memory in GiB."""
+    """One kind of accelerator. FLOP/s are fp32; memory in GiB.
+
+    `sources` says, per number field, where the number comes from (datasheet, profile, or a
+    labelled assumption). `profile` is the path of a measured compute profile, if there is one.
+    """
 
     name: str
     peak_flops: float | None  # datasheet peak; None where there is no datasheet (emulated CPU)
     effective_flops: float | None  # sustained on real models; None = measured at run time
     memory_gib: float
+    sources: dict[str, str] = field(default_factory=dict, hash=False)
+    profile: str | None = None
+    compute: "ComputeProfile | None" = None  # the profile file's numbers, loaded
 
 
-# Static table, keyed <model>-<GiB>. Peak numbers: NVIDIA datasheets (fp32, SXM2 parts).
-# Effective numbers: the HAP authors' profile of BERT-style training with their FLOP counter
-# (shared/DESIGN.md, "Reference numbers"), i.e. what those GPUs sustained on these models.
-DEVICE_TYPES: dict[str, DeviceType] = {
-    # V100 SXM2 16 GB: 15.7 TFLOP/s fp32 (datasheet); HAP profile 3.859e12.
-    "V100-16": DeviceType("V100-16", 15.7e12, 3.859e12, 16.0),
-    "V100-32": DeviceType("V100-32", 15.7e12, 3.859e12, 32.0),
-    # P100 SXM2 16 GB: 10.6 TFLOP/s fp32 (datasheet); HAP profile 2.149e12.
-    "P100-16": DeviceType("P100-16", 10.6e12, 2.149e12, 16.0),
-    # A100 SXM4 40 GB: 19.5 TFLOP/s fp32 (datasheet); HAP's profile lists a third, faster type at
-    # 5.712e12, which we take to be the A100 of the paper's motivation setup.
-    "A100-40": DeviceType("A100-40", 19.5e12, 5.712e12, 40.0),
-    # A worker process on this host. Its speed is measured at run time (bench.profile_host) and
-    # scaled by each machine's `speed`; memory is a budget for the simulator, not enforced.
-    "cpu": DeviceType("cpu", None, None, 4.0),
-}
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Measured compute of one device type (`python -m bench.profile --compute-out`).
+
+    Per op class (bench.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s;
+    the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did not measure is
+    priced as "other".
+    """
+
+    device_type: str
+    classes: tuple[tuple[str, float, float], ...]  # (op class, fixed_s, flops_per_s)
+    optimizer: tuple[float, float] | None  # (fixed_s, parameter bytes per second)
+    path: str
+
+    def rate(self, op_class: str) -> tuple[float, float]:
+        """(fixed_s per kernel, FLOP/s) of an op class."""
+        table = {c: (f, r) for c, f, r in self.classes}
+        return table.get(op_class) or table["other"]
+
+
+def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfile:
+    """A device type's compute profile; ConfigError naming `where`, the path and the fix when
+    it cannot be read, does not parse, lacks the "other" class, or was measured on another
+    device type."""
+    file = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
+           "device, or set profile: null")
+    try:
+        data = json.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("compute"), dict):
+        raise ConfigError(f"{where}={path!r} has no 'compute' mapping (not a compute profile); {fix}")
+    measured_on = data.get("device_type")
+    if measured_on != type_name:
+        raise ConfigError(f"{where}={path!r} was measured on device type {measured_on!r}, not "
+                          f"{type_name!r}; {fix}")
+
+    def numbers(entry: Any, key: str, rate: str) -> tuple[float, float]:
+        fixed, speed = (entry.get("fixed_s"), entry.get(rate)) if isinstance(entry, dict) else (None, None)
+        if not isinstance(fixed, (int, float)) or fixed < 0 or not isinstance(speed, (int, float)) or speed <= 0:
+            raise ConfigError(f"{where}={path!r}: {key} needs fixed_s >= 0 and {rate} > 0 (got {entry!r}); {fix}")
+        return float(fixed), float(speed)
+
+    classes = tuple((c, *numbers(e, f"compute.{c}", "flops_per_s")) for c, e in sorted(data["compute"].items()))
+    if "other" not in {c for c, _, _ in classes}:
+        raise ConfigError(f"{where}={path!r} has no compute.other (the class unmeasured ones fall back to); {fix}")
+    opt = data.get("optimizer")
+    optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
+    return ComputeProfile(type_name, classes, optimizer, str(path))
+
+
+_TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}
+_NUMBER_FIELDS = ("memory_gib", "peak_flops", "effective_flops")
+# The one type whose FLOP/s are measured at run time (ClusterSpec.with_host_speed).
+_MEASURED_TYPE = "cpu"
+
+
+@functools.cache
+def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
+    """The packaged device types, one `<name>.yaml` each in `directory`, keyed by name.
+
+    Loaded once per directory; the result is read-only. A bad file raises ConfigError naming it.
+    """
+    types = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        where = _show_path(path)
+        try:
+            cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"{where} is not valid yaml ({problem}{at}); fix or remove the file"
+            ) from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(
+                f"{where} must hold a mapping of fields ({', '.join(sorted(_TYPE_FIELDS))})"
+            )
+        if cfg.get("name") != path.stem:
+            raise ConfigError(
+                f"{where}: name={cfg.get('name')!r} differs from the file name; set "
+                f"name: {path.stem} or rename the file to <name>.yaml"
+            )
+        types[path.stem] = _device_type(cfg, path.stem, where, f"{where}: ")
+    return MappingProxyType(types)
+
+
+def _device_type(cfg: Mapping[str, Any], name: str, where: str, prefix: str) -> DeviceType:
+    """Validate one device type's fields. `where` names the type in messages and `prefix` goes
+    before each field ("conf/device/T4.yaml: " or "cluster.device_types.MyGPU.")."""
+    _check_fields(cfg, _TYPE_FIELDS, where)
+    if cfg.get("name", name) != name:
+        raise ConfigError(
+            f"{prefix}name={cfg.get('name')!r} differs from its key {name!r}; drop it or match them"
+        )
+    if cfg.get("memory_gib") is None:
+        raise ConfigError(
+            f"{prefix}memory_gib is missing; add one device's memory in GiB, e.g. memory_gib: 24"
+        )
+    numbers = {key: None if cfg.get(key) is None else _positive(cfg.get(key), prefix + key)
+               for key in _NUMBER_FIELDS}
+    if numbers["effective_flops"] is None and name != _MEASURED_TYPE:
+        also = "" if numbers["peak_flops"] is not None else ", and peak_flops from the datasheet"
+        raise ConfigError(
+            f"{prefix}effective_flops is missing; a GPU type needs the sustained FLOP/s the "
+            f"simulator uses: add effective_flops (measured, or an assumption labelled as one in "
+            f"sources){also}; only the {_MEASURED_TYPE!r} type is measured at run time"
+        )
+    sources = cfg.get("sources") or {}
+    if not isinstance(sources, Mapping):
+        raise ConfigError(
+            f"{prefix}sources={sources!r} must map each number field to where it comes from"
+        )
+    for key, text in sources.items():
+        if key not in _NUMBER_FIELDS:
+            raise ConfigError(
+                f"{prefix}sources.{key} is not a number field; valid: {', '.join(_NUMBER_FIELDS)}"
+            )
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{prefix}sources.{key}={text!r} must say where the number is from")
+    for key, value in numbers.items():
+        if value is not None and key not in sources:
+            raise ConfigError(
+                f"{prefix}sources.{key} is missing; say where {key}={value:g} comes from "
+                "(a datasheet, a profile, or 'assumption: ...')"
+            )
+    profile = cfg.get("profile")
+    if profile is not None and (not isinstance(profile, str) or not profile):
+        raise ConfigError(f"{prefix}profile={profile!r} must be a profile file's path, or null")
+    compute = None if profile is None else load_compute_profile(profile, f"{prefix}profile", name)
+    return DeviceType(name, numbers["peak_flops"], numbers["effective_flops"],
+                      numbers["memory_gib"], {str(k): v for k, v in sources.items()}, profile, compute)
+
+
+def _show_path(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it (shorter messages)."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+# bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
+# single calls; grouped ones are n broadcasts / reduces, priced from those kinds' fits.
+_PROFILE_FIT_KINDS = {"all_reduce/ring": "all_reduce", "all_gather/padded": "all_gather",
+                      "reduce_scatter/padded": "reduce_scatter", "all_to_all/ring": "all_to_all",
+                      "broadcast/ring": "broadcast", "reduce/ring": "reduce"}
 
 
 @dataclass(frozen=True)
 class Link:
-    """One link level. bandwidth in Gbit/s (per direction), latency in seconds."""
+    """One link level. bandwidth in Gbit/s (per direction), latency in seconds.
+
+    `fits` are measured (kind, latency_s, bytes_per_s) per collective kind (from a
+    `bench.profile` file named by `profile`); a kind without one uses bandwidth and latency.
+    """
 
     bandwidth_gbps: float
     latency_s: float
+    fits: tuple[tuple[str, float, float], ...] = ()
+    profile: str | None = None
 
     @property
     def bytes_per_s(self) -> float:
         return self.bandwidth_gbps * 1e9 / 8
+
+    def alpha_bandwidth(self, kind: str) -> tuple[float, float]:
+        """(latency_s, bytes_per_s) of one `kind` call: its measured fit, else the link's.
+        A reduce without a fit of its own takes the broadcast's (the same pipeline reversed)."""
+        fits = {k: (a, b) for k, a, b in self.fits}
+        fit = fits.get(kind) or (fits.get("broadcast") if kind == "reduce" else None)
+        return fit or (self.latency_s, self.bytes_per_s)
+
+
+def load_link_profile(path: str, where: str) -> tuple[tuple[str, float, float], ...]:
+    """The per-kind fits of a `bench.profile` JSON file, for a link; ConfigError naming
+    `where` and the path when the file is missing, does not parse or holds no usable fit."""
+    file = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    fix = "run `python -m bench.profile --out <file>` and give that file"
+    try:
+        data = json.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+    fits = data.get("fits") if isinstance(data, dict) else None
+    if not isinstance(fits, dict):
+        raise ConfigError(f"{where}={path!r} has no 'fits' mapping (not a bench.profile file); {fix}")
+    out = []
+    for key, kind in _PROFILE_FIT_KINDS.items():
+        fit = fits.get(key)
+        if fit is None:
+            continue
+        lat, bps = (fit.get("latency_s"), fit.get("bytes_per_s")) if isinstance(fit, dict) else (None, None)
+        if not isinstance(lat, (int, float)) or lat < 0 or not isinstance(bps, (int, float)) or bps <= 0:
+            raise ConfigError(f"{where}={path!r}: fits.{key} needs latency_s >= 0 and bytes_per_s > 0 "
+                              f"(got {fit!r}); {fix}")
+        out.append((kind, float(lat), float(bps)))
+    if not out:
+        raise ConfigError(f"{where}={path!r} holds none of the fits {', '.join(_PROFILE_FIT_KINDS)}; {fix}")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -94,13 +289,15 @@ class ClusterSpec:
     virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
     host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
     host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
+    # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
+    inline_types: tuple[DeviceType, ...] = ()
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         devices = []
         machine = 0
         for g in self.machines:
-            base = DEVICE_TYPES[g.device]
+            base = self.device_type(g.device)
             dtype = replace(
                 base,
                 memory_gib=g.memory_gib if g.memory_gib is not None else base.memory_gib,
@@ -113,6 +310,11 @@ class ClusterSpec:
                     devices.append(Device(len(devices), machine, dtype, g.speed, overhead))
                 machine += 1
         object.__setattr__(self, "devices", tuple(devices))
+
+    def device_type(self, name: str) -> DeviceType:
+        """The type called `name`: the cluster's own (inline) one, else the packaged one."""
+        inline = {t.name: t for t in self.inline_types}
+        return inline[name] if name in inline else device_types()[name]
 
     @property
     def num_devices(self) -> int:
@@ -135,9 +337,14 @@ class ClusterSpec:
         return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s)
 
     def fingerprint(self) -> str:
-        """Short hash of everything that defines the cluster (not the host measurement)."""
+        """Short hash of everything that defines the cluster (not the host measurement).
+
+        Inline device types count; packaged ones are keyed by name only. A cluster without
+        inline types hashes as it did before they existed."""
         body = {k: v for k, v in asdict(self).items()
                 if k not in ("devices", "host_flops", "host_step_overhead_s")}
+        if not self.inline_types:
+            del body["inline_types"]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
@@ -158,14 +365,17 @@ class ClusterSpec:
                 f"cluster.machines={machines_cfg!r} is empty; list at least one machine group "
                 "like {count: 1, device: V100-16, num_devices: 8}"
             )
+        inline = _inline_types(cfg.get("device_types"))
+        known = {**device_types(), **{t.name: t for t in inline}}
         groups = []
         for i, m in enumerate(machines_cfg):
             where = f"cluster.machines[{i}]"
             _check_fields(m, _MACHINE_FIELDS, where)
             device = m.get("device")
-            if device not in DEVICE_TYPES:
+            if device not in known:
                 raise ConfigError(
-                    f"{where}.device={device!r} is unknown; known: {', '.join(DEVICE_TYPES)}"
+                    f"{where}.device={device!r} is unknown; known: {', '.join(sorted(known))}; "
+                    f"define it under cluster.device_types or in conf/device/{device}.yaml"
                 )
             count = _positive_int(m.get("count", 1), f"{where}.count")
             num = _positive_int(m.get("num_devices"), f"{where}.num_devices")
@@ -189,7 +399,10 @@ class ClusterSpec:
                 raise ConfigError(
                     f"cluster.links.{level}.latency_s={lat!r} must be a number >= 0 (seconds)"
                 )
-            links[level] = Link(float(bw), float(lat))
+            _check_fields(lc, {"bandwidth_gbps", "latency_s", "profile"}, f"cluster.links.{level}")
+            profile = lc.get("profile")
+            fits = () if profile is None else load_link_profile(profile, f"cluster.links.{level}.profile")
+            links[level] = Link(float(bw), float(lat), fits, profile)
         virtual = cfg.get("virtual_device", "machine")
         if virtual not in ("gpu", "machine"):
             raise ConfigError(
@@ -202,6 +415,7 @@ class ClusterSpec:
             inter_machine=links["inter_machine"],
             emulated=bool(cfg.get("emulated", False)),
             virtual_device=virtual,
+            inline_types=inline,
         )
         expected = cfg.get("num_devices")
         if expected is not None and expected != spec.num_devices:
@@ -219,7 +433,25 @@ class ClusterSpec:
 
 _MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
 _CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
-                   "gpus_per_machine"}
+                   "gpus_per_machine", "device_types"}
+
+
+def _inline_types(cfg: Any) -> tuple[DeviceType, ...]:
+    """Validate `cluster.device_types`: {name: {memory_gib, peak_flops, effective_flops, ...}}."""
+    if cfg is None:
+        return ()
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(
+            f"cluster.device_types={cfg!r} must map type names to fields, e.g. "
+            "{MyGPU: {memory_gib: 24, effective_flops: 5.0e12, sources: {...}}}"
+        )
+    types = []
+    for name, fields in cfg.items():
+        where = f"cluster.device_types.{name}"
+        if not isinstance(fields, Mapping):
+            raise ConfigError(f"{where}={fields!r} must be a mapping of the type's fields")
+        types.append(_device_type(fields, str(name), where, f"{where}."))
+    return tuple(types)
 
 
 def _check_fields(cfg: Mapping[str, Any], valid: set[str], where: str) -> None:

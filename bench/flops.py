@@ -22,6 +22,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.interfaces import Workload
 
+# FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
+# (methods.capture; docs/planner.md "FLOP counter"), backward factor 1. bench.profile times
+# the "other" op class with the same counts, so its rates price the planner's FLOPs.
+ELEMENTWISE_FLOPS = {
+    "add": 1, "sub": 1, "mul": 1, "truediv": 1, "neg": 1, "relu": 1, "dropout": 2,
+    "gelu": 8, "tanh": 4, "sigmoid": 4, "exp": 1, "softmax": 5, "log_softmax": 5,
+    "layer_norm": 8, "lt": 1, "gt": 1, "le": 1, "ge": 1, "eq": 1, "cumsum": 1, "one_hot": 1,
+    "sum": 1, "mean": 1, "max_pool2d": 1, "adaptive_avg_pool2d": 1, "avg_pool2d": 1,
+    "cat": 0, "topk": 2, "embedding": 0, "cross_entropy": 6, "nll_loss": 1,
+}
+
 log = logging.getLogger(__name__)
 
 
@@ -132,15 +143,38 @@ def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: in
 
 
 def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: int) -> float:
-    model = workload.build(seed)
+    return device_step(workload, batch_size, seed, "cpu", repeats)[0]
+
+
+def device_step(workload: Workload, batch_size: int, seed: int, device: str = "cpu",
+                repeats: int = 21) -> tuple[float, float | None]:
+    """(median seconds, peak bytes allocated or None on the CPU) of one plain training step
+    (forward, backward, Adam) of the workload's model on `device`; CUDA steps are timed with
+    events after synchronising, the first two steps (allocation, lazy set-up) are dropped."""
+    model = workload.build(seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
-    batch = workload.model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
+    batch = [t.to(device) for t in workload.model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))]
+    cuda = device != "cpu"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for i in range(repeats + 2):
-        start = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         model(*batch).backward()
         optimizer.step()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize(device)
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            elapsed = time.perf_counter() - t0
         if i >= 2:  # the first steps pay for allocation and lazy initialisation
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            times.append(elapsed)
+    peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
+    return statistics.median(times), peak

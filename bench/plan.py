@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan
-from bench.simulate import simulate, virtual_devices
+from bench.cost import simulate, virtual_devices
 
 
 def _layout(v: Any) -> str:

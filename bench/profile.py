@@ -2,6 +2,11 @@
 
     python -m bench.profile                       # 2 ranks; results/profiles/<host>.json
     python -m bench.profile --ranks 4 --cluster-out conf/cluster/profiled_local.yaml
+    python -m bench.profile --device cuda --device-type H100-80 --compute-out results/profiles/H100-80.json
+
+With --compute-out it profiles one device's compute only (op microbenchmarks over batch sizes:
+per op class a fixed cost per kernel and a FLOP/s rate, and the Adam step's rate over the
+parameter bytes), the file a device type's `profile:` names (bench.cluster.ComputeProfile).
 
 Collectives are real gloo (or NCCL) calls between local worker processes, from 4 KB to 64 MB,
 with even and skewed shards, padded and grouped all-gather / reduce-scatter. Each kind is fitted
@@ -27,6 +32,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.cost import link_bytes
+from bench.flops import ELEMENTWISE_FLOPS
 from bench.launch import _free_port
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "results" / "profiles"
@@ -79,6 +85,101 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
             seconds = _timed(step, repeats)
             out[name] = {"seconds": seconds, "flops": float(flops),
                          "flops_per_s": flops / seconds if flops else None}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# -- compute profile of a device type (bench.cluster.ComputeProfile) ------------------------
+def _class_benchmarks(device: str):
+    """(op class, kernels per step as the planner counts them, batches, make(batch) -> (step,
+    FLOPs)) per class: forward + backward of a linear layer, a 3x3 convolution, and a layer
+    norm + GELU (FLOPs counted as the planner's graph counts them: bench.flops)."""
+    gpu = device != "cpu"
+    d, side = (1024, 32) if gpu else (256, 16)
+    batches = (8, 32, 128, 512, 2048) if gpu else (4, 16, 64, 256)
+
+    def linear(b):
+        x = torch.randn(b, d, device=device, requires_grad=True)
+        w = torch.randn(d, d, device=device, requires_grad=True)
+        g = torch.ones(b, d, device=device)
+        return (lambda: F.linear(x, w).backward(g)), 3 * 2.0 * b * d * d
+
+    def conv(b):
+        img = torch.randn(max(1, b // (4 if gpu else 16)), 64, side, side, device=device, requires_grad=True)
+        k = torch.randn(64, 64, 3, 3, device=device, requires_grad=True)
+        g = torch.ones(img.shape[0], 64, side, side, device=device)
+        return (lambda: F.conv2d(img, k, padding=1).backward(g)), 3 * 2.0 * g.numel() * 64 * 9
+
+    def other(b):
+        h = torch.randn(b, d, device=device, requires_grad=True)
+        ln = torch.nn.LayerNorm(d, device=device)
+        g = torch.ones(b, d, device=device)
+        per = ELEMENTWISE_FLOPS["layer_norm"] + ELEMENTWISE_FLOPS["gelu"]
+        return (lambda: F.gelu(ln(h)).backward(g)), 2.0 * per * b * d  # backward factor 1
+
+    return [("matmul", 3, batches, linear), ("conv", 3, batches, conv), ("other", 5, batches, other)]
+
+
+def _device_timer(device: str, repeats: int):
+    """median seconds of fn() after one warm-up: CUDA events on a GPU, wall clock on the CPU."""
+    if device == "cpu":
+        return lambda fn: _timed(fn, repeats)
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    return timed
+
+
+def _fit_affine(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept_s, units per second) of t = intercept + x / rate, least squares; a
+    non-positive intercept is 0 (the rate is then refitted through the origin)."""
+    x, t = np.array([p[0] for p in points]), np.array([p[1] for p in points])
+    slope, intercept = np.polyfit(x, t, 1)
+    if intercept <= 0 or slope <= 0:
+        intercept, slope = 0.0, float((x @ t) / (x @ x))
+    return float(intercept), float(1.0 / slope)
+
+
+def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
+    """A compute profile of `device` ("cpu": one thread, as an emulated worker; "cuda[:i]"):
+    per op class the fixed seconds per kernel and FLOP/s, fitted over batch sizes, and the
+    Adam step's fixed seconds and parameter bytes per second."""
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    timed = _device_timer(device, repeats)
+    out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
+                 "device": device if device == "cpu" else torch.cuda.get_device_name(device),
+                 "compute": {}, "measured": time.strftime("%Y-%m-%d")}
+    try:
+        for cls, launches, batches, make in _class_benchmarks(device):
+            points = []
+            for b in batches:
+                step, flops = make(b)
+                points.append((flops, timed(step)))
+            intercept, rate = _fit_affine(points)
+            out["compute"][cls] = {"fixed_s": intercept / launches, "flops_per_s": rate,
+                                   "kernels_per_step": launches, "points": points}
+        points = []
+        for n in ((1 << 20, 1 << 22, 1 << 24, 1 << 26) if device != "cpu" else (1 << 14, 1 << 16, 1 << 18, 1 << 20)):
+            p = torch.nn.Parameter(torch.randn(n, device=device))
+            p.grad = torch.randn(n, device=device)
+            opt = torch.optim.Adam([p], lr=1e-4)
+            points.append((4.0 * n, timed(opt.step)))
+        fixed, rate = _fit_affine(points)
+        out["optimizer"] = {"fixed_s": fixed, "bytes_per_s": rate, "points": points}
     finally:
         torch.set_num_threads(threads)
     return out
@@ -189,21 +290,33 @@ def fit_alpha_beta(rows: list[dict], n: int) -> dict[str, dict[str, float]]:
     return fits
 
 
-def cluster_yaml(name: str, n: int, compute: dict, fits: dict) -> str:
-    """A cluster file describing this host as one machine of n worker devices."""
+def cluster_yaml(name: str, n: int, compute: dict, fits: dict, profile_path: Path) -> str:
+    """A cluster file describing this host as one machine of n worker devices; its links read
+    every collective kind's fit from the profile file, all-reduce's numbers are the default."""
     ar = fits["all_reduce/ring"]
     gbps = ar["bytes_per_s"] * 8 / 1e9
+    profile = _repo_relative(profile_path)
     return (
         f"# Profiled by `python -m bench.profile` on {platform.node()} "
         f"({time.strftime('%Y-%m-%d')}): one machine of {n} worker processes.\n"
-        f"# effective_flops: linear forward+backward on one thread; links: the fitted gloo all-reduce.\n"
+        f"# effective_flops: linear forward+backward on one thread; links: each collective kind's\n"
+        f"# fit from the profile file (the all-reduce's numbers for kinds it did not measure).\n"
         f"name: {name}\nemulated: true\nvirtual_device: gpu\nmachines:\n"
         f"  - {{count: 1, device: cpu, num_devices: {n}, "
         f"effective_flops: {compute['linear']['flops_per_s']:.4g}}}\n"
         f"links:\n"
-        f"  intra_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}}}\n"
-        f"  inter_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}}}\n"
+        f"  intra_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}, profile: {profile}}}\n"
+        f"  inter_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}, profile: {profile}}}\n"
     )
+
+
+def _repo_relative(path: Path) -> str:
+    """`path` relative to the repository when inside it (cluster files resolve it from there)."""
+    root = PROFILE_DIR.parent.parent
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path.resolve())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +326,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSON output (default results/profiles/<host>.json)")
     parser.add_argument("--cluster-out", type=Path, default=None, help="also write a cluster yaml here")
+    parser.add_argument("--compute-out", type=Path, default=None,
+                        help="only profile compute of one device type and write it here (a device type's `profile`)")
+    parser.add_argument("--device-type", default=None, help="the conf/device type the profile describes (with --compute-out)")
+    parser.add_argument("--device", default="cpu", help="cpu (one worker thread) or cuda[:i] (with --compute-out)")
     args = parser.parse_args(argv)
+    if args.compute_out is not None:
+        if not args.device_type:
+            parser.error("--compute-out needs --device-type NAME (the conf/device type it describes, e.g. H100-80)")
+        if args.device != "cpu" and not torch.cuda.is_available():
+            parser.error(f"--device={args.device} but torch sees no CUDA device; use --device cpu")
+        prof = profile_device(args.device, args.device_type, args.repeats)
+        print(f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}   ({prof['device']})")
+        for cls, c in prof["compute"].items():
+            print(f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}")
+        o = prof["optimizer"]
+        print(f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters")
+        args.compute_out.parent.mkdir(parents=True, exist_ok=True)
+        args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
+        print(f"wrote {args.compute_out}")
+        return 0
     if args.ranks < 2:
         parser.error(f"--ranks={args.ranks} must be >= 2 (collectives need two processes)")
     sizes = [s for s in SIZES if s <= args.max_mb * 2**20]
@@ -241,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                                "collectives": rows, "fits": fits}, indent=1) + "\n")
     print(f"\nwrote {out}")
     if args.cluster_out:
-        args.cluster_out.write_text(cluster_yaml(args.cluster_out.stem, args.ranks, compute, fits))
+        args.cluster_out.write_text(cluster_yaml(args.cluster_out.stem, args.ranks, compute, fits, out))
         print(f"wrote {args.cluster_out}")
     return 0
 

@@ -24,6 +24,17 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 # reduce) per device in a group call, no padding, one latency per call.
 COLLECTIVE_IMPLS = ("ring", "padded", "grouped")
 GRANULARITIES = ("gpu", "machine")
+# What a stage's FLOPs are priced by, per device type with a compute profile (bench.cluster
+# ComputeProfile): dense matmuls, convolutions, and everything else (element-wise, norms,
+# softmax, ...). A stage that mixes classes takes the class of most of its FLOPs.
+OP_CLASSES = ("matmul", "conv", "other")
+_OP_CLASS = {"linear": "matmul", "matmul": "matmul", "bmm": "matmul", "addmm": "matmul", "mm": "matmul",
+             "baddbmm": "matmul", "einsum": "matmul", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv"}
+
+
+def op_class(op: str) -> str:
+    """The class (OP_CLASSES) an op's FLOPs are priced by."""
+    return _OP_CLASS.get(op, "other")
 
 Ratios = Sequence[Sequence[float]]  # ratios[segment][device], each row sums to 1
 
@@ -158,6 +169,12 @@ class Stage:
     # the machine), and that time counts as the device's computation (HAP Sec. 3.2).
     grad_bytes: Affine = Affine()
     label: str = ""
+    op_class: str = "other"  # what its FLOPs are priced by (OP_CLASSES)
+    launches: float = 0.0  # kernels each device launches for it (a profile's fixed cost each)
+
+    def __post_init__(self) -> None:
+        if self.op_class not in OP_CLASSES:
+            raise ValueError(f"stage op_class {self.op_class!r} is unknown; known: {', '.join(OP_CLASSES)}")
 
     def to_json(self) -> dict:
         return {
@@ -166,6 +183,8 @@ class Stage:
             "overlap": self.overlap,
             "grad_bytes": self.grad_bytes.to_json(),
             "label": self.label,
+            "op_class": self.op_class,
+            "launches": self.launches,
         }
 
     @staticmethod
@@ -176,6 +195,8 @@ class Stage:
             bool(d.get("overlap", False)),
             Affine.from_json(d.get("grad_bytes", {})),
             d.get("label", ""),
+            d.get("op_class", "other"),
+            float(d.get("launches", 0.0)),
         )
 
 
@@ -275,7 +296,7 @@ def _affines(st: Stage) -> list[Affine]:
 def data_parallel_program(
     num_devices: int,
     global_batch: int,
-    layers: Sequence[tuple[float, float]],
+    layers: Sequence[tuple],
     activation_bytes_per_sample: float,
     *,
     bucket_cap_bytes: float = 25 * 2**20,
@@ -290,8 +311,9 @@ def data_parallel_program(
     Args:
         num_devices: data-parallel ranks.
         global_batch: samples per iteration; device d computes ratio[d] of them.
-        layers: (forward FLOPs per sample, parameter bytes) per layer in forward order; FLOPs
-            of parameter-free ops belong to some neighbouring layer.
+        layers: (forward FLOPs per sample, parameter bytes[, op class, forward ops]) per layer
+            in forward order; FLOPs of parameter-free ops belong to some neighbouring layer.
+            Without class and ops a layer is one "other" op.
         activation_bytes_per_sample: bytes forward keeps for backward, per sample.
         bucket_cap_bytes: DDP gradient bucket size (DDP's default 25 MiB).
         overlap: bucket all-reduces run during the rest of backward (DDP) or after it.
@@ -304,23 +326,34 @@ def data_parallel_program(
     """
     if global_batch < 1 or num_devices < 1:
         raise ValueError(f"global_batch={global_batch} and num_devices={num_devices} must be >= 1")
-    fwd = sum(f for f, _ in layers) * global_batch
-    param_bytes = sum(p for _, p in layers)
-    # Walk backward, closing a bucket once it holds bucket_cap_bytes of gradients.
-    buckets: list[tuple[float, float]] = []  # (backward FLOPs per sample until ready, bytes)
-    flops_acc = bytes_acc = 0.0
-    for f, p in reversed(layers):
-        flops_acc += backward_factor * f
+    layers = [tuple(layer) + ("other", 1.0)[len(layer) - 2:] for layer in layers]
+    param_bytes = sum(layer[1] for layer in layers)
+    fwd_launches = sum(layer[3] for layer in layers)
+    # Walk backward, closing a bucket once it holds bucket_cap_bytes of gradients. A bucket
+    # keeps its FLOPs per class and its kernels (backward: two per parameter op, one otherwise).
+    buckets: list[tuple[dict, float, float]] = []  # (backward FLOPs per sample by class, bytes, launches)
+    by_class: dict[str, float] = {}
+    bytes_acc = launches_acc = 0.0
+    for f, p, cls, ops in reversed(layers):
+        by_class[cls] = by_class.get(cls, 0.0) + backward_factor * f
         bytes_acc += p
+        launches_acc += ops + (1 if p else 0)
         if bytes_acc >= bucket_cap_bytes:
-            buckets.append((flops_acc, bytes_acc))
-            flops_acc = bytes_acc = 0.0
-    if bytes_acc or flops_acc or not buckets:
-        buckets.append((flops_acc, bytes_acc))
+            buckets.append((by_class, bytes_acc, launches_acc))
+            by_class, bytes_acc, launches_acc = {}, 0.0, 0.0
+    if bytes_acc or sum(by_class.values()) or not buckets:
+        buckets.append((by_class, bytes_acc, launches_acc))
+    fwd_class: dict[str, float] = {}
+    for f, _, cls, _ in layers:
+        fwd_class[cls] = fwd_class.get(cls, 0.0) + f
     stages = []
     pending: Collective | None = None
-    for i, (bflops, nbytes) in enumerate(buckets):
-        flops = Affine.sharded(bflops * global_batch + (fwd if i == 0 else 0.0))
+    for i, (classes, nbytes, launches) in enumerate(buckets):
+        if i == 0:
+            for cls, f in fwd_class.items():
+                classes = {**classes, cls: classes.get(cls, 0.0) + f}
+        bflops = sum(classes.values())
+        flops = Affine.sharded(bflops * global_batch)
         stages.append(
             Stage(
                 (pending,) if pending else (),
@@ -328,6 +361,8 @@ def data_parallel_program(
                 overlap=overlap and pending is not None,
                 grad_bytes=Affine(nbytes),
                 label="forward+backward" if i == 0 else f"backward, all_reduce bucket {i - 1}",
+                op_class=max(classes, key=classes.get) if classes else "other",
+                launches=launches + (fwd_launches if i == 0 else 0.0),
             )
         )
         pending = Collective("all_reduce", Affine(nbytes), label=f"grad bucket {i}") if nbytes else None

@@ -43,7 +43,7 @@ from bench.records import (
     load_records,
     summarize_times,
 )
-from bench.simulate import simulate
+from bench.cost import simulate
 from bench.table import print_table
 from bench.worker import Case, init_process_group, pick_device, run_rank
 

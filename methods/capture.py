@@ -17,6 +17,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from bench.flops import ELEMENTWISE_FLOPS
+from bench.program import op_class
+
 # Canonical op names for callables whose __name__ says nothing (F.max_pool2d is a
 # boolean_dispatch wrapper called "fn") or differs between namespaces.
 _ALIASES: dict[Any, str] = {}
@@ -177,22 +180,28 @@ class Graph:
         """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""
         return sum(self[t].nbytes * f for t, f in self.saved_bytes_factor().items())
 
-    def layer_profile(self) -> list[tuple[float, float]]:
-        """(forward FLOPs per sample, parameter bytes) per parameter-holding op in forward
-        order; parameter-free ops are counted with the next op that holds parameters. The
-        input of bench.program.data_parallel_program."""
-        out, pending = [], 0.0
+    def layer_profile(self) -> list[tuple[float, float, str, int]]:
+        """(forward FLOPs per sample, parameter bytes, op class of most of its FLOPs, ops that
+        compute) per parameter-holding op in forward order; parameter-free ops are counted with
+        the next op that holds parameters. The input of bench.program.data_parallel_program."""
+        out: list[tuple[float, float, str, int]] = []
+        classes: dict[str, float] = {}
+        ops = 0
         for n in self.nodes:
-            pending += n.flops / max(self.batch_size, 1)
+            f = n.flops / max(self.batch_size, 1)
+            if f:
+                classes[op_class(n.op)] = classes.get(op_class(n.op), 0.0) + f
+                ops += 1
             params = [self[i] for i in n.inputs if self[i].is_param]
             if params and n.kind != "output":
-                out.append((pending, float(sum(p.nbytes for p in params))))
-                pending = 0.0
-        if out:
-            f, p = out[-1]
-            out[-1] = (f + pending, p)
-        else:
-            out.append((pending, 0.0))
+                out.append((sum(classes.values()), float(sum(p.nbytes for p in params)),
+                            max(classes, key=classes.get) if classes else "other", ops))
+                classes, ops = {}, 0
+        if out and (classes or ops):
+            f, p, cls, k = out[-1]
+            out[-1] = (f + sum(classes.values()), p, cls, k + ops)
+        elif not out:
+            out.append((sum(classes.values()), 0.0, max(classes, key=classes.get) if classes else "other", ops))
         return out
 
 
@@ -212,13 +221,7 @@ _SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sq
 
 # Forward FLOPs per output element of element-wise and normalising ops (a convention, see
 # docs/planner.md); backward factor 1 for them.
-_ELEMENTWISE_FLOPS = {
-    "add": 1, "sub": 1, "mul": 1, "truediv": 1, "neg": 1, "relu": 1, "dropout": 2,
-    "gelu": 8, "tanh": 4, "sigmoid": 4, "exp": 1, "softmax": 5, "log_softmax": 5,
-    "layer_norm": 8, "lt": 1, "gt": 1, "le": 1, "ge": 1, "eq": 1, "cumsum": 1, "one_hot": 1,
-    "sum": 1, "mean": 1, "max_pool2d": 1, "adaptive_avg_pool2d": 1, "avg_pool2d": 1,
-    "cat": 0, "topk": 2, "embedding": 0, "cross_entropy": 6, "nll_loss": 1,
-}
+_ELEMENTWISE_FLOPS = ELEMENTWISE_FLOPS
 
 
 def _shape_of(v: Any) -> tuple[int, ...] | None:

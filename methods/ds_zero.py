@@ -20,7 +20,7 @@ from torch import nn
 from bench.cluster import ClusterSpec, ConfigError
 from bench.interfaces import Plan, RankContext, Workload
 from bench.program import Affine, Collective, Memory, Program, Stage
-from bench.simulate import even_ratios
+from bench.cost import even_ratios
 
 ZERO_STAGES = (0, 1, 2, 3)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"

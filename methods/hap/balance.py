@@ -1,9 +1,11 @@
 """Load balancing (HAP Sec. 5): the sharding ratios that minimise a fixed Program's time, by LP.
 
-min sum over stages of (slowest device's compute + each collective's time), with every
-per-device quantity linear in the ratios; CBC through PuLP. Constant terms are kept, the
-per-stage variables are unbounded, and a memory cap per device can be added. It does not
-change the program (methods.hap.search does); overlapped stages are costed as sequential.
+min the iteration time of bench.cost.price (the simulator's own price, overlap of gradient
+buckets with backward included), built with LP variables for the ratios: every per-device
+quantity is linear in them and every max becomes a variable bounded below by its terms, so at
+the optimum the objective is the simulator's time (a reshard is priced from above; see
+bench.cost.price). CBC through PuLP; a memory cap per device can be added. It does not
+change the program (methods.hap.search does).
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ from typing import Sequence
 import pulp
 
 from bench.cluster import ClusterSpec
-from bench.cost import collective_linear_cost
+from bench.cost import LpAlgebra, iteration_time, virtual_devices
 from bench.interfaces import PlanningError
-from bench.program import Affine, Program
+from bench.program import Program
 from bench.shares import round_shares
-from bench.simulate import collective_cost, virtual_devices
 
 
 class InfeasibleError(PlanningError):
@@ -26,16 +27,13 @@ class InfeasibleError(PlanningError):
     status = "infeasible"
 
 
-def _expr(a: Affine, r, device: int):
-    return a.const + pulp.lpSum(c * r[s][device] for s, c in a.coef)
-
-
 def balance_ratios(
     program: Program,
     cluster: ClusterSpec,
     memory_limit: bool = False,
     memory_reserve_gib: float = 0.0,
     time_limit_s: float | None = 30.0,
+    tied_rows: bool = False,
 ) -> tuple[list[list[float]], float]:
     """Optimal ratios[segment][device] for `program` on `cluster`, and the LP's objective (s).
 
@@ -43,6 +41,8 @@ def balance_ratios(
         memory_limit: also require each device's memory (bench.program.Memory) to fit its GPU.
         memory_reserve_gib: GPU memory kept free for the framework when memory_limit is on.
         time_limit_s: CBC time limit; hitting it is an error, not a silent answer.
+        tied_rows: every segment gets the same row (reshards then move nothing, and the
+            objective is exactly the simulator's time at the solution).
 
     Raises:
         InfeasibleError: the LP has no solution (the message says which constraint family).
@@ -55,52 +55,18 @@ def balance_ratios(
     r = [[prob.add_variable(f"r_{s}_{d}", lowBound=0) for d in range(m)] for s in range(g)]
     for s in range(g):
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
-    objective = []
-    moved = _reshard_bounds(prob, r)
-    for k, st in enumerate(program.stages):
-        comp_exprs = []
-        for v in vdevs:
-            e = _expr(st.flops, r, v.index) * (1.0 / v.flops)
-            if v.num_gpus > 1 and not (st.grad_bytes.is_constant and st.grad_bytes.const == 0):
-                alpha, beta, _ = collective_linear_cost("all_reduce", "ring", v.num_gpus, cluster.intra_machine)
-                e = e + alpha + beta * _expr(st.grad_bytes, r, v.index)
-            comp_exprs.append(e)
-        if any(not isinstance(e, (int, float)) for e in comp_exprs):
-            t = prob.add_variable(f"comp_{k}")
-            for d, e in enumerate(comp_exprs):
-                prob += t >= e, f"comp_{k}_{d}"
-            objective.append(t)
-        else:
-            objective.append(max(comp_exprs))
-        for j, c in enumerate(st.collectives):
-            members = list(range(m)) if c.devices is None else list(c.devices)
-            alpha, beta, agg = collective_cost(c, cluster, vdevs)
-            if alpha == 0.0 and beta == 0.0:
-                continue
-            if agg == "reshard":
-                src, dst = c.rows
-                if src == dst:
-                    continue
-                t = prob.add_variable(f"comm_{k}_{j}")
-                for d in range(m):
-                    prob += t >= alpha + beta * c.nbytes.const * moved(src, dst, d), f"comm_{k}_{j}_{d}"
-                objective.append(t)
-            elif agg == "sum":
-                objective.append(alpha + beta * pulp.lpSum(_expr(c.nbytes, r, d) for d in members))
-            elif c.nbytes.is_constant:
-                objective.append(alpha + beta * c.nbytes.const)
-            else:
-                t = prob.add_variable(f"comm_{k}_{j}")
-                for d in members:
-                    prob += t >= alpha + beta * _expr(c.nbytes, r, d), f"comm_{k}_{j}_{d}"
-                objective.append(t)
+        if tied_rows and s:
+            for d in range(m):
+                prob += r[s][d] == r[0][d], f"tie_{s}_{d}"
+    alg = LpAlgebra(prob, r, tied_rows and g > 1)
+    objective = iteration_time(program, cluster, vdevs, alg)
     if memory_limit:
         total = program.memory.params + program.memory.grads + program.memory.optimizer
         for v in vdevs:
             cap = v.memory_bytes - memory_reserve_gib * 2**30
-            per_gpu = _expr(total, r, v.index) + _expr(program.memory.activations, r, v.index) * (1.0 / v.num_gpus)
+            per_gpu = pulp.lpSum([alg.at(total, v.index), alg.at(program.memory.activations, v.index) * (1.0 / v.num_gpus)])
             prob += per_gpu <= cap, f"mem_{v.index}"
-    prob += pulp.lpSum(objective)
+    prob += objective if not isinstance(objective, (int, float)) else pulp.lpSum([objective])
     # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of COIN_CMD with a
     # separately installed CBC; we keep the bundled one (nothing else to install).
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
@@ -124,30 +90,6 @@ def balance_ratios(
                 ratios[s] = list(ratios[p])
                 break
     return ratios, float(pulp.value(prob.objective))
-
-
-def _reshard_bounds(prob: pulp.LpProblem, r):
-    """moved(src, dst, d): an upper bound, linear in the ratios, of the fraction of a tensor
-    device d sends or receives when shards move from row src to row dst: the distance its two
-    interval ends move, |prefix_src - prefix_dst| before and after it (bench.program
-    reshard_fractions is the exact amount the simulator charges)."""
-    m = len(r[0])
-    gaps: dict = {}
-
-    def gap(src: int, dst: int, i: int):
-        # |sum of the first i+1 ratios of src - the same of dst|; zero at both ends.
-        if i < 0 or i >= m - 1:
-            return 0.0
-        key = (min(src, dst), max(src, dst), i)
-        if key not in gaps:
-            u = prob.add_variable(f"gap_{key[0]}_{key[1]}_{i}", lowBound=0)
-            diff = pulp.lpSum(r[src][j] for j in range(i + 1)) - pulp.lpSum(r[dst][j] for j in range(i + 1))
-            prob.addConstraint(u >= diff, f"gap_{key[0]}_{key[1]}_{i}_pos")
-            prob.addConstraint(u >= -diff, f"gap_{key[0]}_{key[1]}_{i}_neg")
-            gaps[key] = u
-        return gaps[key]
-
-    return lambda src, dst, d: gap(src, dst, d - 1) + gap(src, dst, d)
 
 
 def shard_lengths(length: int, ratios: Sequence[float], unit: int = 1) -> list[int]:

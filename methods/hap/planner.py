@@ -20,7 +20,13 @@ from bench.interfaces import Plan, Workload
 from bench.plan_cache import load_plan, plan_key, save_plan
 from bench.program import Program, data_parallel_program
 from bench.shares import round_shares
-from bench.simulate import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from bench.cost import (
+    compute_proportional_ratios,
+    even_ratios,
+    memory_proportional_ratios,
+    simulate,
+    virtual_devices,
+)
 from methods.capture import Graph, capture_config
 from methods.hap.balance import InfeasibleError, balance_ratios, batch_shares
 from methods.hap.search import (
@@ -40,7 +46,7 @@ PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planne
 
 # Sources whose content decides a plan: a change invalidates cached plans.
 _CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
-         "methods/hap/planner.py", "bench/program.py", "bench/simulate.py", "bench/cost.py")
+         "methods/hap/planner.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -165,6 +171,9 @@ class HapPlanner:
             "model_config": model,
             "cluster": cluster.name,
             "cluster_hash": cluster.fingerprint(),
+            # The numbers of its device types (conf/device/*.yaml can change under a name).
+            "device_types": sorted({(d.type.name, d.type.effective_flops, d.type.memory_gib, repr(d.type.compute))
+                                    for d in cluster.devices}),
             "host_flops": cluster.host_flops,
             "global_batch": workload.global_batch,
             "method": self.options(),
@@ -180,48 +189,24 @@ class HapPlanner:
         t_capture = time.perf_counter() - t0
         meta = {"method": self.name, "model": workload.name}
         bucket = self.bucket_cap_mb * 2**20
-        ratios = compute_proportional_ratios(cluster, granularity, self.num_segments)
+        starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
+        if self.lp:
+            starts += [("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
+                       ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments))]
         best: Candidate | None = None
-        rounds = []
-        expanded = pruned = beam_pruned = 0
-        t_search = t_lp = 0.0
-        for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, granularity, ratios)
-            t1 = time.perf_counter()
-            res = synthesize(theory, cost, self.max_expansions, self.beam_width)
-            t_search += time.perf_counter() - t1
-            expanded += res.stats.expanded
-            beam_pruned += res.stats.beam_pruned
-            pruned += res.stats.pruned_bound + res.stats.pruned_dedup
-            program = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
-            cand = _score("synthesis", program, cluster, ratios, res)
-            rounds.append({"round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s, "oom": cand.oom})
-            improved = best is None or _better(cand, best)
-            if improved:
+        rounds: list[dict] = []
+        stats = {"expanded": 0, "pruned": 0, "beam_pruned": 0, "search_s": 0.0, "lp_s": 0.0}
+        seen: set = set()
+        for label, ratios in starts:
+            key = _ratios_key(ratios)
+            if key in seen:
+                continue  # the same start as another (e.g. a homogeneous cluster)
+            seen.add(key)
+            cand = self._alternate(theory, cluster, meta, label, ratios, rounds, stats, seen)
+            if best is None or _better(cand, best):
                 best = cand
-            if not self.lp or not improved:
-                break
-            t1 = time.perf_counter()
-            new_ratios, _ = balance_ratios(program, cluster, memory_limit=self.memory_limit)
-            balanced = _score("synthesis", program, cluster, new_ratios, res)
-            if balanced.oom and not self.memory_limit:
-                # The fastest ratios overflow a GPU: ask the LP for the fastest that fit.
-                try:
-                    fit_ratios, _ = balance_ratios(program, cluster, memory_limit=True)
-                except InfeasibleError:
-                    pass
-                else:
-                    fit = _score("synthesis", program, cluster, fit_ratios, res)
-                    rounds.append({"round": i, "stage": "lp with memory rows", "iter_time_s": fit.iter_time_s, "oom": fit.oom})
-                    if _better(fit, balanced):
-                        new_ratios, balanced = fit_ratios, fit
-            t_lp += time.perf_counter() - t1
-            rounds.append({"round": i, "stage": "lp", "iter_time_s": balanced.iter_time_s, "oom": balanced.oom})
-            if _better(balanced, best):
-                best = balanced
-                ratios = new_ratios
-            else:
-                break
+        expanded, pruned, beam_pruned = stats["expanded"], stats["pruned"], stats["beam_pruned"]
+        t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
         synthesized = best
         dp_rows = []
@@ -261,6 +246,67 @@ class HapPlanner:
         }
         log.info("%s: %d rounds, chose %s, predicted %.4f s/iter", self.name, len(rounds), details["chosen"], best.iter_time_s)
         return Plan(self.name, shares, details, best.program, best.ratios)
+
+    def _alternate(self, theory, cluster: ClusterSpec, meta: dict, start: str, ratios, rounds: list,
+                   stats: dict, seen: set) -> Candidate:
+        """Synthesis at fixed ratios, then the LP at a fixed program, until a round brings no
+        strict gain (or max_rounds); the best (program, ratios) by the simulator. `seen` holds
+        the ratios already searched from: reaching one ends this start (its rounds are known)."""
+        best: Candidate | None = None
+        bucket = self.bucket_cap_mb * 2**20
+        for i in range(self.max_rounds):
+            cost = CostModel(theory, cluster, cluster.virtual_device, ratios)
+            t1 = time.perf_counter()
+            res = synthesize(theory, cost, self.max_expansions, self.beam_width)
+            stats["search_s"] += time.perf_counter() - t1
+            stats["expanded"] += res.stats.expanded
+            stats["beam_pruned"] += res.stats.beam_pruned
+            stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
+            program = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
+            cand = _score("synthesis", program, cluster, ratios, res)
+            rounds.append({"start": start, "round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s,
+                           "oom": cand.oom})
+            improved = best is None or _better(cand, best)
+            if improved:
+                best = cand
+            if not self.lp or not improved:
+                break
+            t1 = time.perf_counter()
+            balanced = self._balance(program, cluster, res, start, i, rounds)
+            stats["lp_s"] += time.perf_counter() - t1
+            if balanced is None or not _better(balanced, best):
+                break
+            best = balanced
+            ratios = balanced.ratios
+            key = _ratios_key(ratios)
+            if key in seen:
+                break
+            seen.add(key)
+        assert best is not None
+        return best
+
+    def _balance(self, program: Program, cluster: ClusterSpec, res: SearchResult, start: str, i: int,
+                 rounds: list) -> Candidate | None:
+        """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
+        segment the same row: the LP's objective is exactly the simulator's time) and rows
+        free (reshards priced from above), each with memory rows when the fastest ratios
+        overflow a GPU. None when no LP is feasible."""
+        best = None
+        for tied in ((True, False) if program.num_segments > 1 else (False,)):
+            for memory in (self.memory_limit, True):
+                try:
+                    ratios, objective = balance_ratios(program, cluster, memory_limit=memory, tied_rows=tied)
+                except InfeasibleError:
+                    break
+                cand = _score("synthesis", program, cluster, ratios, res)
+                rows = ", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")
+                rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if memory else ''}{rows}",
+                               "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
+                if best is None or _better(cand, best):
+                    best = cand
+                if memory or not cand.oom:
+                    break  # memory rows only when the fastest ratios overflow a GPU
+        return best
 
     def _data_parallel_candidates(self, graph: Graph, workload: Workload, cluster: ClusterSpec, meta: dict):
         """DDP's program (bucketed, overlapped all-reduce) at GPU and machine granularity, with
@@ -328,6 +374,10 @@ def _graph_fingerprint(graph: Graph) -> str | None:
 def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, result: SearchResult | None = None) -> Candidate:
     sim = simulate(program, cluster, ratios)
     return Candidate(kind, program, [list(r) for r in ratios], sim.iter_time_s, sim.oom, result)
+
+
+def _ratios_key(ratios) -> tuple:
+    return tuple(tuple(round(x, 6) for x in row) for row in ratios)
 
 
 def _better(a: Candidate, b: Candidate) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan, RankContext, Workload
-from bench.simulate import virtual_devices
+from bench.cost import virtual_devices
 from methods.capture import Graph, capture, capture_config
 from methods.hap.codegen import (
     CodegenOptions,

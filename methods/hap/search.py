@@ -9,7 +9,7 @@ where the paper's three search-time optimisations land:
   2. each tensor is communicated at most once, and sources never;
   3. layouts of tensors with no remaining consumer are dropped from the state, so programs
      that reach the same frontier deduplicate.
-Costs are those of bench.simulate (the same stages end up in the emitted Program). Moves are
+Costs are those of bench.cost.price (the same stages end up in the emitted Program). Moves are
 memoised per (op, layouts of its inputs), MoE routers stay in one layout family
 (theory.routing_region) and an optional beam caps the states expanded per op. It does not
 choose ratios (methods.hap.balance) and does not generate per-rank code.
@@ -17,6 +17,7 @@ choose ratios (methods.hap.balance) and does not generate per-rank code.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -25,8 +26,8 @@ from typing import Sequence
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import PlanningError
-from bench.program import Affine, Collective, Memory, Program, Stage
-from bench.simulate import collective_time, device_compute_times, virtual_devices
+from bench.program import Affine, Collective, Memory, Program, Stage, op_class
+from bench.cost import collective_time, device_compute_times, virtual_devices
 from methods.capture import Graph
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
 
@@ -251,9 +252,10 @@ class CostModel:
             bwd_c += b
         bwd_c += sfb + (self.param_sync(step) if param_sync else [])
         label = step.describe()
+        kind_f, kind_b = self.compute_kind(step.node)
         return (
-            Stage(tuple(fwd_c), fwd_flops, label=f"fwd {label}"),
-            Stage(tuple(bwd_c), bwd_flops, grad_bytes=self.grad_bytes(step), label=f"bwd {label}"),
+            Stage(tuple(fwd_c), fwd_flops, label=f"fwd {label}", **kind_f),
+            Stage(tuple(bwd_c), bwd_flops, grad_bytes=self.grad_bytes(step), label=f"bwd {label}", **kind_b),
         )
 
     # -- seconds -----------------------------------------------------------------------------
@@ -272,8 +274,21 @@ class CostModel:
         key = (node, rule)
         if key not in self._rule_cost:
             fwd, bwd, extra = self.rule_parts(node, rule)
-            self._rule_cost[key] = self.stage_time(Stage((), fwd)) + self.stage_time(Stage(tuple(extra), bwd))
+            kind_f, kind_b = self.compute_kind(node)
+            self._rule_cost[key] = (self.stage_time(Stage((), fwd, **kind_f))
+                                    + self.stage_time(Stage(tuple(extra), bwd, **kind_b)))
         return self._rule_cost[key]
+
+    def compute_kind(self, name: str) -> tuple[dict, dict]:
+        """Stage fields that say how an op's compute is priced, (forward, backward): its op
+        class and the kernels it launches (backward: input and weight gradients of an op with
+        parameters, one kernel otherwise; ops without FLOPs launch none)."""
+        node = self.graph[name]
+        cls = op_class(node.op)
+        if not node.flops:
+            return {"op_class": cls}, {"op_class": cls}
+        has_params = any(self.graph[t].is_param for t in node.inputs)
+        return {"op_class": cls, "launches": 1.0}, {"op_class": cls, "launches": 2.0 if has_params else 1.0}
 
     def input_gather(self, tensor: str, layout: Layout) -> Collective | None:
         """Each rank loads only its share of an input (batch dim 0); any other layout costs an
@@ -650,7 +665,7 @@ def _overlapped_backward(bwd: list[tuple[Stage, float]], cap: float) -> list[Sta
         index += 1
 
     for st, sync in bwd:
-        out.append(Stage(st.collectives, st.flops, overlap=not st.collectives, grad_bytes=st.grad_bytes, label=st.label))
+        out.append(dataclasses.replace(st, overlap=not st.collectives))
         bucket += sync
         if bucket and bucket >= cap:
             launch()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan, Workload
 from bench.program import Program
-from bench.simulate import (
+from bench.cost import (
     SimResult,
     compute_proportional_ratios,
     even_ratios,

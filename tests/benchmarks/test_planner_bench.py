@@ -62,7 +62,7 @@ def test_planner_time(benchmark, case):
 
 
 def main(cases: list[str]) -> None:
-    from bench.simulate import virtual_devices
+    from bench.cost import virtual_devices
 
     print(f"{'case':<13} {'devices':>7} {'plan_s':>7} {'capture_s':>9} {'search_s':>8} {'lp_s':>6} "
           f"{'expanded':>9} {'exact':>5} {'pred_iter_s':>11} {'oom':>4}  chosen")

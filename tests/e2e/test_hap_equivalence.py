@@ -15,7 +15,7 @@ from bench.flops import train_flops_per_sample
 from bench.interfaces import Plan, Workload
 from bench.launch import launch
 from bench.shares import round_shares
-from bench.simulate import virtual_devices
+from bench.cost import virtual_devices
 from bench.worker import Case
 from methods.capture import capture_config
 from methods.hap.balance import batch_shares

@@ -1,8 +1,9 @@
 import copy
+import re
 
 import pytest
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.cluster import DEVICE_DIR, ClusterSpec, ConfigError, device_types
 from bench.run import group_options
 from tests.conftest import compose_config
 
@@ -68,7 +69,7 @@ def _broken(path, value):
     (("machines", 0, "memory_gib"), 0, "cluster.machines[0].memory_gib=0 must be a number > 0"),
     (("machines", 0, "num_devices"), 0, "cluster.machines[0].num_devices=0 must be an integer >= 1"),
     (("machines", 1, "count"), 0, "cluster.machines[1].count=0"),
-    (("machines", 0, "device"), "H100", "cluster.machines[0].device='H100' is unknown; known: V100-16"),
+    (("machines", 0, "device"), "H100", "cluster.machines[0].device='H100' is unknown; known: A100-40"),
     (("links", "inter_machine", "bandwidth_gbps"), -5, "cluster.links.inter_machine.bandwidth_gbps=-5"),
     (("links", "intra_machine", "latency_s"), -1, "cluster.links.intra_machine.latency_s=-1"),
     (("machines",), [], "cluster.machines=[] is empty"),
@@ -85,10 +86,126 @@ def test_invalid_cluster_fields_name_the_field_and_value(path, value, needle):
 
 def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
     from bench.program import Program
-    from bench.simulate import simulate
+    from bench.cost import simulate
 
     cfg = compose_config("cluster=local_hetero2")
     spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, step_overhead_s=0.002)
     assert [d.step_overhead_s for d in spec.devices] == pytest.approx([0.002, 0.005])
     empty = Program((), 2)
     assert simulate(empty, spec, [[0.5, 0.5]]).iter_time_s == pytest.approx(0.005)
+
+
+# Device types are data: conf/device/*.yaml, or inline in a cluster file.
+
+PACKAGED = ["H100-80", "A100-80", "A100-40", "V100-16", "V100-32", "P100-16", "L4", "T4", "cpu"]
+MY_GPU = {"memory_gib": 24, "peak_flops": 30.0e12, "effective_flops": 7.0e12,
+          "sources": {"memory_gib": "vendor sheet", "peak_flops": "vendor sheet",
+                      "effective_flops": "assumption: 0.23 x peak"}}
+
+
+@pytest.mark.parametrize("name", PACKAGED)
+def test_every_packaged_device_type_loads_with_a_source_per_number(name):
+    t = device_types()[name]
+    assert t.name == name and t.memory_gib > 0
+    given = {k: getattr(t, k) for k in ("memory_gib", "peak_flops", "effective_flops")}
+    for key, value in given.items():
+        if value is not None:
+            assert isinstance(value, float) and value > 0
+            assert t.sources[key].strip(), f"{name}: {key} has no source"
+    assert (t.effective_flops is None) == (name == "cpu")  # only the host is measured at run time
+    assert t.profile is None or isinstance(t.profile, str)
+
+
+def test_the_paper_types_keep_the_hap_profiled_rates():
+    types = device_types()
+    assert [types[n].effective_flops for n in ("V100-16", "P100-16", "A100-40")] == [
+        3.859e12, 2.149e12, 5.712e12]
+
+
+def test_an_inline_device_type_is_used_and_changes_the_fingerprint():
+    cfg = copy.deepcopy(GOOD)
+    cfg["device_types"] = {"MyGPU": MY_GPU}
+    cfg["machines"][1]["device"] = "MyGPU"
+    spec = ClusterSpec.from_config(cfg)
+    assert spec.devices[2].type.name == "MyGPU" and spec.devices[2].type.memory_gib == 24
+    assert spec.devices[2].effective_flops == pytest.approx(0.5 * 7.0e12)
+    other = copy.deepcopy(cfg)
+    other["device_types"]["MyGPU"]["effective_flops"] = 8.0e12
+    assert len({ClusterSpec.from_config(c).fingerprint() for c in (GOOD, cfg, other)}) == 3
+
+
+def test_an_inline_type_overrides_a_packaged_one_for_that_cluster_only():
+    cfg = copy.deepcopy(GOOD)
+    cfg["device_types"] = {"P100-16": {**MY_GPU, "memory_gib": 12}}
+    assert ClusterSpec.from_config(cfg).devices[2].type.memory_gib == 12
+    assert ClusterSpec.from_config(GOOD).devices[2].type.memory_gib == 16
+    assert device_types()["P100-16"].memory_gib == 16
+
+
+def test_a_machine_group_still_overrides_the_type():
+    cfg = _broken(("machines", 0, "effective_flops"), 1e12)
+    cfg["machines"][0]["memory_gib"] = 8
+    dev = ClusterSpec.from_config(cfg).devices[0]
+    assert dev.effective_flops == 1e12 and dev.type.memory_gib == 8
+
+
+def _with_type(**changes):
+    cfg = copy.deepcopy(GOOD)
+    fields = {k: v for k, v in {**copy.deepcopy(MY_GPU), **changes}.items() if v is not ...}
+    cfg["device_types"] = {"MyGPU": fields}
+    cfg["machines"][1]["device"] = "MyGPU"
+    return cfg
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"memory_gib": ...}, "cluster.device_types.MyGPU.memory_gib is missing; add"),
+    ({"effective_flops": ..., "peak_flops": ...},
+     "cluster.device_types.MyGPU.effective_flops is missing; a GPU type needs the sustained FLOP/s"),
+    ({"effective_flops": ..., "peak_flops": ...}, "and peak_flops from the datasheet"),
+    ({"effective_flops": None}, "cluster.device_types.MyGPU.effective_flops is missing"),
+    ({"peak_flops": "fast"}, "cluster.device_types.MyGPU.peak_flops='fast' must be a number > 0"),
+    ({"memory_gib": 0}, "cluster.device_types.MyGPU.memory_gib=0 must be a number > 0"),
+    ({"effective_flops": -1e12}, "cluster.device_types.MyGPU.effective_flops=-1000000000000.0 must be"),
+    ({"tflops": 30}, "cluster.device_types.MyGPU has unknown field(s) ['tflops']; valid:"),
+    ({"sources": {"memory_gib": "sheet"}}, "cluster.device_types.MyGPU.sources.peak_flops is missing"),
+    ({"sources": {**MY_GPU["sources"], "speed": "x"}}, "cluster.device_types.MyGPU.sources.speed is not"),
+    ({"profile": 3}, "cluster.device_types.MyGPU.profile=3 must be a profile file's path"),
+    ({"name": "Other"}, "cluster.device_types.MyGPU.name='Other' differs from its key 'MyGPU'"),
+])
+def test_bad_inline_device_types_name_the_field_and_value(changes, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+        ClusterSpec.from_config(_with_type(**changes))
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_device_says_how_to_define_one():
+    with pytest.raises(ConfigError, match=re.escape(
+            "device='B200' is unknown; known: A100-40, A100-80, H100-80")) as err:
+        ClusterSpec.from_config(_broken(("machines", 0, "device"), "B200"))
+    assert "cluster.device_types" in str(err.value) and "conf/device/B200.yaml" in str(err.value)
+
+
+def _device_dir(tmp_path, text, stem="MyGPU"):
+    (tmp_path / f"{stem}.yaml").write_text(text)
+    return tmp_path
+
+
+def test_the_loader_reads_a_directory_of_its_own(tmp_path):
+    d = _device_dir(tmp_path, "name: MyGPU\nmemory_gib: 24\neffective_flops: 7e12\n"
+                              "sources: {memory_gib: sheet, effective_flops: assumption}\n")
+    assert device_types(d)["MyGPU"].effective_flops == 7e12
+    assert set(device_types(DEVICE_DIR)) >= set(PACKAGED)
+
+
+@pytest.mark.parametrize("text,stem,needle", [
+    ("name: MyGPU\nmemory_gib: [24\n", "MyGPU", "MyGPU.yaml is not valid yaml ("),
+    ("name: Other\nmemory_gib: 24\n", "MyGPU", "MyGPU.yaml: name='Other' differs from the file name"),
+    ("- 1\n- 2\n", "MyGPU", "MyGPU.yaml must hold a mapping of fields"),
+    ("name: MyGPU\nmemory_gib: big\n", "MyGPU", "MyGPU.yaml: memory_gib='big' must be a number > 0"),
+    ("name: MyGPU\nmemory_gib: 24\ncolor: red\n", "MyGPU", "MyGPU.yaml has unknown field(s) ['color']"),
+])
+def test_a_bad_device_file_names_its_path(tmp_path, text, stem, needle):
+    d = _device_dir(tmp_path, text, stem)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+        device_types(d)
+    assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)

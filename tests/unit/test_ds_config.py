@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from bench.cluster import ClusterSpec, ConfigError
 from bench.interfaces import Workload
 from bench.program import Program
-from bench.simulate import simulate
+from bench.cost import simulate
 from methods.ds_zero import DeepSpeedZeRO, import_deepspeed, profile_workload, zero_program
 from models.bert import BertConfig
 from models.bert_moe import BertMoEConfig

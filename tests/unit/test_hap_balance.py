@@ -7,7 +7,7 @@ import pytest
 from bench.cluster import ClusterSpec
 from bench.interfaces import Workload
 from bench.program import Affine, Collective, Memory, Program, Stage
-from bench.simulate import compute_proportional_ratios, simulate, virtual_devices
+from bench.cost import compute_proportional_ratios, simulate, virtual_devices
 from methods.hap.balance import InfeasibleError, balance_ratios, shard_lengths
 
 

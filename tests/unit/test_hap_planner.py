@@ -15,7 +15,7 @@ from bench.interfaces import Workload
 from bench.plan import format_plan
 from bench.plan_cache import plan_from_json, plan_to_json
 from bench.program import data_parallel_program
-from bench.simulate import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
 from methods.capture import capture, capture_config
 from methods.hap.balance import shard_lengths
 from methods.hap.planner import HapPlanner, SfbPlanner

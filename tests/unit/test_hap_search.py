@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.cluster import ClusterSpec
-from bench.simulate import compute_proportional_ratios, simulate
+from bench.cost import compute_proportional_ratios, simulate
 from methods.capture import capture
 from methods.hap.search import CostModel, brute_force, build_program, synthesize
 from methods.hap.theory import derive_theory

@@ -1,4 +1,4 @@
-"""bench.program + bench.simulate: the Program format and the cost/memory model."""
+"""bench.program + bench.cost: the Program format and the cost/memory model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from bench.cluster import ClusterSpec
 from bench.program import Affine, Collective, Memory, Program, Stage, data_parallel_program
-from bench.simulate import (
+from bench.cost import (
     compute_proportional_ratios,
     even_ratios,
     simulate,

@@ -28,10 +28,13 @@ def link_bytes(kind: str, nbytes: float, num_ranks: int) -> float:
 
 
 def collective_time_s(kind: str, nbytes: float, num_ranks: int, link: Link) -> float:
-    """Seconds for one collective over `num_ranks` ranks on `link`: latency + bytes / bandwidth."""
+    """Seconds for one collective over `num_ranks` ranks on `link`: latency + bytes / bandwidth,
+    from the link's measured fit for `kind` where it has one (Link.alpha_bandwidth). The
+    simulator, the LP and the emulated links all price a call here."""
     if num_ranks <= 1:
         return 0.0
-    return link.latency_s + link_bytes(kind, nbytes, num_ranks) / link.bytes_per_s
+    latency, bytes_per_s = link.alpha_bandwidth(kind)
+    return latency + link_bytes(kind, nbytes, num_ranks) / bytes_per_s
 
 
 def collective_linear_cost(kind: str, impl: str, num_ranks: int, link: Link) -> tuple[float, float, str]:

@@ -1,0 +1,39 @@
+"""The cost model: what a Program costs on a cluster, priced one way for everyone.
+
+    links     alpha-beta time of collectives on one link level (also paces emulated links)
+    devices   the virtual devices a plan shards over, and starting ratios
+    price     the one price of an iteration (numbers for the simulator and the search,
+              LP expressions for the load balancer)
+    simulate  time per stage, memory and OOM of a program at given ratios
+
+Callers import from here: `from bench.cost import simulate, virtual_devices, ...`.
+"""
+
+from bench.cost.devices import (
+    GIB,
+    VirtualDevice,
+    compute_proportional_ratios,
+    even_ratios,
+    memory_proportional_ratios,
+    virtual_devices,
+)
+from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collective_time_s, link_bytes
+from bench.cost.price import (
+    FloatAlgebra,
+    LpAlgebra,
+    collective_cost,
+    collective_link,
+    collective_time,
+    device_compute_times,
+    iteration_time,
+    stage_time,
+)
+from bench.cost.simulate import SimResult, simulate
+
+__all__ = [
+    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "SimResult", "VirtualDevice",
+    "collective_cost", "collective_link", "collective_linear_cost", "collective_time",
+    "collective_time_s", "compute_proportional_ratios", "device_compute_times", "even_ratios",
+    "iteration_time", "link_bytes", "memory_proportional_ratios", "simulate", "stage_time",
+    "virtual_devices",
+]

@@ -1,0 +1,241 @@
+"""The one price of a Program: seconds per iteration as a function of the sharding ratios.
+
+Every consumer prices a program through `iteration_time`: the simulator with numbers for the
+ratios (FloatAlgebra), the load balancer with LP variables (LpAlgebra, methods.hap.balance),
+and the search per stage (stage_time). The algebra decides what `max` means: a number, or a
+fresh LP variable bounded below by every term (exact at the LP's optimum, since the time is
+non-decreasing in each term).
+
+The timeline has two lanes per iteration, computation and the network:
+  - a stage without collectives computes after the previous computation;
+  - a stage with collectives starts when both lanes are free; its collectives run, then its
+    computation (overlap=False), or its computation runs beside them (overlap=True: gradient
+    buckets launched while backward goes on, as DDP does);
+  - the iteration ends when both lanes are done, plus the optimizer step of a device with a
+    measured profile and the slowest device's per-step overhead.
+
+Where the LP must approximate, it prices more, never less: with free rows a reshard charges
+the moved intervals' ends (an upper bound of what moves, bench.program.reshard_fractions) and
+its latency even where the rows come out equal; with tied rows (every segment's row the same)
+the price is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any, Sequence
+
+import pulp
+
+from bench.cluster import ClusterSpec, Link
+from bench.cost.devices import VirtualDevice
+from bench.cost.links import collective_linear_cost
+from bench.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
+
+Value = Any  # a float, or a PuLP expression
+
+
+class FloatAlgebra:
+    """Prices as numbers, at given ratios (the simulator and the search)."""
+
+    def __init__(self, ratios: Ratios):
+        self.ratios = ratios
+
+    def at(self, a: Affine, device: int) -> float:
+        return a.at(self.ratios, device)
+
+    def max(self, items: Sequence[float]) -> float:
+        return max(items)
+
+    def sum(self, items: Sequence[float]) -> float:
+        return sum(items)
+
+    def reshard(self, alpha: float, beta_nbytes: float, src: int, dst: int) -> float:
+        moved = max(reshard_fractions(self.ratios[src], self.ratios[dst]))
+        return alpha + beta_nbytes * moved if moved > 1e-12 else 0.0  # equal rows: nothing moves
+
+
+class LpAlgebra:
+    """Prices as PuLP expressions of ratio variables r[segment][device] (the load balancer)."""
+
+    def __init__(self, prob: pulp.LpProblem, ratios: Sequence[Sequence[pulp.LpVariable]], tied_rows: bool = False):
+        """tied_rows: the caller constrains every segment's row to be the same, so a reshard
+        moves nothing and costs nothing (exactly as at equal rows in FloatAlgebra)."""
+        self.prob = prob
+        self.ratios = ratios
+        self.tied_rows = tied_rows
+        self._names = itertools.count()
+        self._gaps: dict = {}
+
+    def at(self, a: Affine, device: int) -> Value:
+        if a.is_constant:
+            return a.const
+        return a.const + pulp.lpSum(c * self.ratios[s][device] for s, c in a.coef)
+
+    def max(self, items: Sequence[Value]) -> Value:
+        numbers = [x for x in items if isinstance(x, (int, float))]
+        exprs = [x for x in items if not isinstance(x, (int, float))]
+        if not exprs:
+            return max(numbers)
+        t = self.prob.add_variable(f"max_{next(self._names)}")
+        for e in exprs + ([max(numbers)] if numbers else []):
+            self.prob.addConstraint(t >= e, f"max_{t.name}_{next(self._names)}")
+        return t
+
+    def sum(self, items: Sequence[Value]) -> Value:
+        return pulp.lpSum(items)
+
+    def reshard(self, alpha: float, beta_nbytes: float, src: int, dst: int) -> Value:
+        if self.tied_rows:
+            return 0.0
+        m = len(self.ratios[0])
+        return alpha + beta_nbytes * self.max([self._gap(src, dst, d - 1) + self._gap(src, dst, d)
+                                               for d in range(m)])
+
+    def _gap(self, src: int, dst: int, i: int) -> Value:
+        """|prefix sum of src's first i+1 ratios - the same of dst|: how far the boundary
+        between devices i and i+1 moves; zero at both ends."""
+        if i < 0 or i >= len(self.ratios[0]) - 1:
+            return 0.0
+        key = (min(src, dst), max(src, dst), i)
+        if key not in self._gaps:
+            u = self.prob.add_variable(f"gap_{key[0]}_{key[1]}_{i}", lowBound=0)
+            diff = (pulp.lpSum(self.ratios[src][j] for j in range(i + 1))
+                    - pulp.lpSum(self.ratios[dst][j] for j in range(i + 1)))
+            self.prob.addConstraint(u >= diff, f"{u.name}_pos")
+            self.prob.addConstraint(u >= -diff, f"{u.name}_neg")
+            self._gaps[key] = u
+        return self._gaps[key]
+
+
+def _is_zero(x: Value) -> bool:
+    return isinstance(x, (int, float)) and x == 0.0
+
+
+# -- collectives -----------------------------------------------------------------------------
+def collective_link(cluster: ClusterSpec, vdevs: list[VirtualDevice], devices: tuple[int, ...] | None) -> Link:
+    members = range(len(vdevs)) if devices is None else devices
+    return cluster.link_between([r for d in members for r in vdevs[d].ranks])
+
+
+def collective_cost(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice]) -> tuple[float, float, str]:
+    """(alpha_s, beta_s_per_byte, agg) of a collective among its virtual devices (see
+    bench.cost.links.collective_linear_cost).
+
+    Members on one machine share its network link. Ring algorithms cross each machine's link
+    once per direction, so that changes nothing for them; an all-to-all, though, sends every
+    member's off-machine part through it at once: g members per machine of n move
+    g * (n - g) / n of a shard each way instead of (n - 1) / n.
+    """
+    members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
+    link = collective_link(cluster, vdevs, c.devices)
+    if c.kind == "reshard":
+        # One all-to-all in which each device sends and receives only what changes owner
+        # (reshard_fractions of the whole tensor); agg "reshard" marks that amount.
+        if len(members) <= 1:
+            return 0.0, 0.0, "max"
+        return link.latency_s, 1.0 / link.bytes_per_s, "reshard"
+    alpha, beta, agg = collective_linear_cost(c.kind, c.impl, len(members), link)
+    if c.kind == "all_to_all" and link is cluster.inter_machine and len(members) > 1:
+        per_machine = Counter(cluster.devices[vdevs[d].ranks[0]].machine for d in members)
+        g, n = max(per_machine.values()), len(members)
+        if g > 1:
+            beta *= g * (n - g) / (n - 1)
+    return alpha, beta, agg
+
+
+def collective_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
+    """Seconds of one collective: padded / ring wait for the largest device's bytes, grouped
+    calls move every device's bytes (one latency per call), a reshard what changes owner."""
+    alpha, beta, agg = collective_cost(c, cluster, vdevs)
+    if alpha == 0.0 and beta == 0.0:
+        return 0.0
+    if agg == "reshard":
+        src, dst = c.rows
+        return 0.0 if src == dst else alg.reshard(alpha, beta * c.nbytes.const, src, dst)
+    if c.nbytes.is_constant:
+        n = 1 if agg == "max" else len(vdevs if c.devices is None else c.devices)
+        return alpha + beta * c.nbytes.const * n
+    members = range(len(vdevs)) if c.devices is None else c.devices
+    per_device = [alg.at(c.nbytes, d) for d in members]
+    return alpha + beta * (alg.sum(per_device) if agg == "sum" else alg.max(per_device))
+
+
+# -- computation -----------------------------------------------------------------------------
+def device_compute(st: Stage, cluster: ClusterSpec, v: VirtualDevice, alg) -> Value:
+    """One device's seconds of a stage's computation: FLOPs / effective FLOP/s, or with a
+    measured profile, kernels x fixed cost + FLOPs / the op class's rate; a machine-level device
+    also all-reduces the stage's gradients among its GPUs (data parallel inside the machine)."""
+    if v.compute is None:
+        t = alg.at(st.flops, v.index) * (1.0 / v.flops)
+    else:  # a measured profile: a fixed cost per kernel plus the op class's rate
+        fixed, rate = v.compute.rate(st.op_class)
+        t = alg.at(st.flops, v.index) * (1.0 / (rate * v.speed)) + st.launches * fixed
+    if v.num_gpus > 1 and not (st.grad_bytes.is_constant and st.grad_bytes.const == 0):
+        alpha, beta, _ = collective_linear_cost("all_reduce", "ring", v.num_gpus, cluster.intra_machine)
+        t = t + alpha + beta * alg.at(st.grad_bytes, v.index)
+    return t
+
+
+def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> tuple[Value, Value]:
+    """(seconds of the stage's collectives, one after another; the slowest device's compute)."""
+    comm: Value = 0.0
+    for c in st.collectives:
+        comm = comm + collective_price(c, cluster, vdevs, alg)
+    return comm, alg.max([device_compute(st, cluster, v, alg) for v in vdevs])
+
+
+def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg,
+                   stage_log: list | None = None) -> Value:
+    """Seconds of one iteration (the timeline in the module docstring); appends each stage's
+    (comm, compute) to `stage_log` when given."""
+    compute_end: Value = 0.0
+    network_end: Value = 0.0
+    network_idle = True  # known: network_end <= compute_end (no max needed)
+    for st in program.stages:
+        comm, comp = stage_parts(st, cluster, vdevs, alg)
+        if stage_log is not None:
+            stage_log.append((comm, comp))
+        if not st.collectives or (_is_zero(comm) and not st.overlap):
+            compute_end = compute_end + comp
+            continue
+        start = compute_end if network_idle else alg.max([compute_end, network_end])
+        network_end = start + comm
+        if st.overlap:
+            compute_end = compute_end + comp
+            network_idle = False
+        else:
+            compute_end = network_end + comp
+            network_idle = True
+    end = compute_end if network_idle else alg.max([compute_end, network_end])
+    return end + optimizer_time(program, vdevs, alg) + max(d.step_overhead_s for d in cluster.devices)
+
+
+def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:
+    """The optimizer step after the last stage, on the slowest device: a profile's fixed part
+    plus the parameter bytes each GPU updates over its measured rate (memory-bound). Devices
+    without a profile: 0 here (their effective FLOP/s, or an emulated worker's measured
+    per-step overhead, already cover it)."""
+    terms = [fixed + alg.at(program.memory.params, v.index) * (1.0 / rate)
+             for v in vdevs if v.compute is not None and v.compute.optimizer is not None
+             for fixed, rate in [v.compute.optimizer]]
+    return alg.max(terms) if terms else 0.0
+
+
+# -- numbers ---------------------------------------------------------------------------------
+def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
+    """Seconds of one collective at these ratios."""
+    return collective_price(c, cluster, vdevs, FloatAlgebra(ratios))
+
+
+def device_compute_times(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> list[float]:
+    """Per-device seconds of a stage's computation at these ratios."""
+    alg = FloatAlgebra(ratios)
+    return [device_compute(st, cluster, v, alg) for v in vdevs]
+
+
+def stage_time(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
+    """Seconds of a stage run alone: its collectives, then its slowest device's compute."""
+    comm, comp = stage_parts(st, cluster, vdevs, FloatAlgebra(ratios))
+    return comm + comp

@@ -1,0 +1,85 @@
+"""Predict one iteration of a bench Program on a ClusterSpec: time per stage, memory, OOM.
+
+The time is bench.cost.price's (the same price the search and the load balancer optimise);
+nothing here runs a model or touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.cluster import ClusterSpec
+from bench.cost.devices import GIB, virtual_devices
+from bench.cost.price import FloatAlgebra, iteration_time
+from bench.program import Program, Ratios
+
+
+@dataclass
+class SimResult:
+    iter_time_s: float
+    stage_times: list[tuple[float, float]]  # (comm_s, compute_s) per stage
+    comm_time_s: float  # sum over stages, before overlap
+    compute_time_s: float  # sum over stages of the slowest device's compute
+    memory_gib: list[dict[str, float]]  # per virtual device, per GPU of it: params, grads, ...
+    peak_mem_gib: list[float]  # per virtual device, per GPU
+    oom: bool
+    oom_devices: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "predicted_iter_time_s": self.iter_time_s,
+            "comm_time_s": self.comm_time_s,
+            "compute_time_s": self.compute_time_s,
+            "peak_mem_gib": self.peak_mem_gib,
+            "oom": self.oom,
+            "oom_devices": self.oom_devices,
+        }
+
+
+def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_reserve_gib: float = 0.0) -> SimResult:
+    """Predicted iteration time and memory of `program` on `cluster` with these ratios.
+
+    Args:
+        program: the Program; its granularity picks GPUs or machines as devices.
+        ratios: [segment][device] sharding ratios, each row summing to 1.
+        memory_reserve_gib: memory per GPU the framework takes besides the model (CUDA
+            context, allocator slack); subtracted from each GPU's capacity for the OOM flag.
+
+    The time is bench.cost.price.iteration_time at these ratios (its docstring says how
+    stages and their overlap are timed); the per-step overhead measured for emulated devices
+    (bench.flops) is added once, on the slowest device.
+    """
+    vdevs = virtual_devices(cluster, program.granularity)
+    if len(vdevs) != program.num_devices:
+        raise ValueError(
+            f"the program is for {program.num_devices} {program.granularity} devices, but cluster "
+            f"{cluster.name!r} has {len(vdevs)}; plan for this cluster"
+        )
+    program.check_ratios(ratios)
+    stage_times: list[tuple[float, float]] = []
+    iter_time = iteration_time(program, cluster, vdevs, FloatAlgebra(ratios), stage_times)
+    memory, peaks, oom_devices = [], [], []
+    for v in vdevs:
+        parts = {
+            "params": program.memory.params.at(ratios, v.index),
+            "grads": program.memory.grads.at(ratios, v.index),
+            "optimizer": program.memory.optimizer.at(ratios, v.index),
+            # Data parallel inside a machine: each GPU keeps the activations of its share.
+            "activations": program.memory.activations.at(ratios, v.index) / v.num_gpus,
+        }
+        gib = {k: val / GIB for k, val in parts.items()}
+        memory.append(gib)
+        peak = sum(gib.values())
+        peaks.append(peak)
+        if peak > v.memory_bytes / GIB - memory_reserve_gib:
+            oom_devices.append(v.index)
+    return SimResult(
+        iter_time_s=iter_time,
+        stage_times=stage_times,
+        comm_time_s=sum(c for c, _ in stage_times),
+        compute_time_s=sum(p for _, p in stage_times),
+        memory_gib=memory,
+        peak_mem_gib=peaks,
+        oom=bool(oom_devices),
+        oom_devices=oom_devices,
+    )
