@@ -1,7 +1,7 @@
 """How far to trust the simulator: measured vs predicted iteration time on emulated clusters.
 
     python -m bench.calibrate                                    # 4 tiny models x methods x 3 clusters
-    python -m bench.calibrate --models bert --clusters local_hetero2 -- measured_iters=10
+    python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
 
 With --device, one device instead: each paper model's training step (forward, backward, Adam)
@@ -28,10 +28,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cluster import ClusterSpec, ConfigError, device_types
+from bench.progress import track
 from bench.cost import simulate
 from bench.flops import device_step
 
-from bench.run import CONF_DIR, _instantiate, build_workload, compose_config, methods_supporting, run_case
+from bench.run import (CONF_DIR, _instantiate, build_workload, check_group_choices, compose_config,
+                       methods_supporting, run_case)
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -150,16 +152,17 @@ def print_single_device(rows: list[dict], title: str) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--clusters", default=",".join(CLUSTERS))
-    parser.add_argument("--methods", default=None, help="default: every method that runs for real")
+    parser.add_argument("--models", default=",".join(MODELS), help="with --device: the models to step")
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i]: calibrate one device's steps instead")
     parser.add_argument("--device-type", default=None, help="with --device: the conf/device type it is")
     parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile --compute-out)")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
-    parser.add_argument("overrides", nargs="*", help="runner overrides, e.g. measured_iters=10")
+    parser.add_argument("overrides", nargs="*",
+                        help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
+                             f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
+                             "method=every method that runs for real), as in compare and -m sweeps")
     args = parser.parse_args(argv)
     if args.device is not None:
         if not (args.device_type and args.profile):
@@ -178,11 +181,22 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"wrote {out}")
         return 0
-    methods = args.methods.split(",") if args.methods else methods_supporting("real")
-    configs = [compose_config("wandb.mode=disabled", *args.overrides, f"model={m}", f"cluster={c}",
-                              f"method={meth}")
-               for m in args.models.split(",") for c in args.clusters.split(",") for meth in methods]
-    rows = [vars(run_case(c)) for c in configs]
+    lists = {"model": list(MODELS), "cluster": list(CLUSTERS), "method": methods_supporting("real")}
+    rest = []
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in lists:
+            lists[key] = value.split(",")
+        else:
+            rest.append(item)
+    try:
+        check_group_choices([f"{k}={','.join(v)}" for k, v in lists.items()])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+               for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
+    rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
     summary = summarize(rows)
     print_summary(summary)
     out = args.out or (CONF_DIR.parent / "results" / "calibration" /

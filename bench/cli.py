@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("bench.run", "run one case or a Hydra sweep (-m) and append its rows to the records"),
     "compare": ("bench.compare", "every method on one case, interleaved rounds, a ranked table"),
     "plan": ("bench.plan", "print a method's plan for one case (plans and simulates; no workers)"),
+    "report": ("bench.report", "figures, CSVs and speedup tables from any records file or sweep"),
     "figures": ("bench.figures", "the paper's figures, simulated, with their CSVs"),
     "calibrate": ("bench.calibrate", "measured vs simulated iteration time on emulated clusters"),
     "profile": ("bench.profile", "profile this host: compute per op class, collectives per kind"),

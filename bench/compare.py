@@ -23,6 +23,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench.cluster import ConfigError
+from bench.progress import progress_bar
 from bench.records import RunRecord, case_key, finished_record
 from bench.run import (
     check_group_choices,
@@ -85,11 +86,13 @@ def run_rounds(configs: dict, repeats: int) -> list[RunRecord]:
             done[m] = row
     todo = [m for m in configs if m not in done]
     runs: dict[str, list[RunRecord]] = {m: [] for m in todo}
-    for r in range(repeats):
-        for m in todo:
-            if sys.stderr.isatty():  # a terminal sees progress; CI logs stay quiet
-                print(f"round {r + 1}/{repeats}: {m}", file=sys.stderr, flush=True)
-            runs[m].append(run_case(configs[m], repeat=r, sweep_id=sweep_id))
+    with progress_bar() as bar:  # a terminal sees progress with an ETA; CI logs stay quiet
+        task = bar.add_task("interleaved rounds", total=repeats * len(todo))
+        for r in range(repeats):
+            for m in todo:
+                bar.update(task, description=f"round {r + 1}/{repeats}: {m}")
+                runs[m].append(run_case(configs[m], repeat=r, sweep_id=sweep_id))
+                bar.advance(task)
     aggregates = aggregate_rounds(runs, sweep_id)
     for m in todo:
         write_record(configs[m], aggregates[m])

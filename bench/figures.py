@@ -13,8 +13,11 @@ this host.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -22,10 +25,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 import pandas as pd  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
+from bench.progress import track  # noqa: E402
+from bench.report import draw_bars, layout, read_rows, report  # noqa: E402
 from bench.run import (  # noqa: E402
     CONF_DIR,
     compose_config,
@@ -33,6 +39,7 @@ from bench.run import (  # noqa: E402
     methods_supporting,
     new_record,
     prepare_case,
+    run_case,
 )
 
 FIGURE_DIR = CONF_DIR.parent / "results" / "figures"
@@ -77,53 +84,63 @@ def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
 
 
 def _bars_with_gaps(ax, xs: list[float], part: pd.DataFrame, width: float, label: str) -> None:
-    """One bar of samples_per_s per case (row of `part`) at `xs`. A case that is not ok (OOM,
-    failed, ...) has no throughput: it gets no bar, since even one of height 0 would read as a
-    measured zero, but a gap with its status written at the base."""
-    ok = (part.status == "ok").to_numpy()
-    ax.bar([x for x, drawn in zip(xs, ok) if drawn], part.samples_per_s[ok], width, label=label)
-    for x, drawn, status in zip(xs, ok, part.status.fillna("missing")):
-        if not drawn:
-            ax.text(x, 0, "OOM" if status == "oom" else status, rotation=90, ha="center",
-                    va="bottom", fontsize=7)
+    """bench.report.draw_bars for a frame of simulated cases (no intervals)."""
+    lines = [None if pd.isna(st) else {"value": v if st == "ok" else None, "status": st,
+                                       "low": None, "high": None}
+             for v, st in zip(part.samples_per_s, part.status)]
+    draw_bars(ax, xs, lines, width, label)
 
 
-def _throughput_grid(cluster: str, name: str, out: Path, models=MODELS, ks=KS,
-                     preset: str = "paper") -> None:
-    methods = sim_methods()
-    rows = []
-    for model in models:
-        for k in ks:
-            for method in methods:
-                row = simulate_case(f"preset={preset}", f"cluster={cluster}", f"model={model}",
-                                    f"method={method}", f"cluster.gpus_per_machine={k}")
-                rows.append({**row, "k": k})
-    data = pd.DataFrame(rows)
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
-    axes = axes[0]
-    width = 0.8 / len(methods)
-    for ax, model in zip(axes, models):
-        sub = data[data.model == model]
-        for i, method in enumerate(methods):
-            part = sub[sub.method == method].set_index("k").reindex(ks)
-            _bars_with_gaps(ax, [j + i * width for j in range(len(ks))], part, width, method)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [str(k) for k in ks])
-        ax.set_title(model)
-        ax.set_xlabel("GPUs per machine (k)")
-    axes[0].set_ylabel("samples/s (simulated)")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(f"{cluster}: throughput per method, {preset} preset, weak scaling")
-    _save(fig, data, name, out)
+def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
+    """The cases of an experiment's sweep (its hydra.sweeper.params, expanded as Hydra's basic
+    sweeper does); an override of a swept key replaces its values, others go to every case."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
+    fixed = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in params:
+            params[key] = value
+        else:
+            fixed.append(item)
+    parser = OverridesParser.create()
+    axes = []
+    for key, values in params.items():
+        override = parser.parse_override(f"{key}={values}")
+        axes.append([f"{key}={v}" for v in (override.sweep_string_iterator() if override.is_sweep_override()
+                                            else [override.get_value_element_as_str()])])
+    return [[f"experiment={experiment}", *point, *fixed] for point in itertools.product(*axes)]
 
 
-def fig_main(out: Path, **sweep) -> None:
-    """Throughput of every method on paper_hetero for k in {1, 2, 4, 8}, OOM marked."""
-    _throughput_grid("paper_hetero", "main", out, **sweep)
+def experiment_figure(experiment: str, out: Path, *overrides: str) -> None:
+    """Run an experiment's sweep (as `bench.run -m experiment=...` would) into
+    OUT/NAME/records.jsonl, replacing the rows of an earlier figure run, then draw it with
+    `bench.report` from those rows alone."""
+    points = sweep_points(experiment, *overrides)
+    name = compose_config(*points[0]).report.name
+    records = out / name
+    with tempfile.TemporaryDirectory(dir=out.parent if out.exists() else None) as tmp:
+        for point in track(points, f"figure {name}"):
+            run_case(compose_config(*point, f"results_dir={tmp}"))
+        records.mkdir(parents=True, exist_ok=True)
+        shutil.move(Path(tmp) / "records.jsonl", records / "records.jsonl")
+    rows = read_rows(records)
+    spec = layout(rows)
+    report(rows, out, name, spec["x"], spec["metric"], spec.get("title"))
 
 
-def fig_homogeneous(out: Path, **sweep) -> None:
-    """The same on the homogeneous V100 cluster."""
-    _throughput_grid("paper_homo", "homogeneous", out, **sweep)
+def fig_main(out: Path, *overrides: str) -> None:
+    """Throughput of every method on paper_hetero for k in {1, 2, 4, 8}, OOM marked
+    (conf/experiment/fig_main.yaml)."""
+    experiment_figure("fig_main", out, *overrides)
+
+
+def fig_homogeneous(out: Path, *overrides: str) -> None:
+    """The same on the homogeneous V100 cluster (conf/experiment/fig_homogeneous.yaml)."""
+    experiment_figure("fig_homogeneous", out, *overrides)
 
 
 def fig_allgather_skew(out: Path, ranks: int = 2, megabytes: float = 16.0) -> None:
@@ -366,20 +383,31 @@ FIGURES = {
     "cp_vs_ev": fig_cp_vs_ev,
 }
 
+EXPERIMENT_FIGURES = ("main", "homogeneous")  # drawn by bench.report from an experiment's sweep
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="+", help=f"figure names or 'all': {', '.join(FIGURES)}")
+    parser.add_argument("names", nargs="+", help=f"figure names or 'all': {', '.join(FIGURES)}; then "
+                        f"runner overrides for the experiment figures ({', '.join(EXPERIMENT_FIGURES)}), "
+                        "e.g. model=bert method=dp_ev,hap")
     parser.add_argument("--out", type=Path, default=FIGURE_DIR)
     args = parser.parse_args(argv)
-    names = list(FIGURES) if args.names == ["all"] else args.names
+    overrides = [n for n in args.names if "=" in n]
+    names = [n for n in args.names if "=" not in n]
+    names = list(FIGURES) if names == ["all"] else names
     unknown = [n for n in names if n not in FIGURES]
-    if unknown:
-        print(f"error: figure {', '.join(unknown)} is unknown; known: {', '.join(FIGURES)}",
+    if unknown or not names:
+        print(f"error: figure {', '.join(unknown) or '(none)'} is unknown; known: {', '.join(FIGURES)}",
               file=sys.stderr)
         return 2
-    for name in names:
-        FIGURES[name](args.out)
+    fixed = [n for n in names if n not in EXPERIMENT_FIGURES]
+    if overrides and fixed:
+        print(f"error: figure {', '.join(fixed)} takes no overrides ({' '.join(overrides)}); only "
+              f"{', '.join(EXPERIMENT_FIGURES)} do: run those alone with overrides", file=sys.stderr)
+        return 2
+    for name in track(names, "figures"):
+        FIGURES[name](args.out, *overrides)
     return 0
 
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "infeasible", "timeout", "failed")
 # Keys of the resolved config that do not change what a case measures (left out of case_key).
-_NON_CASE_KEYS = ("wandb", "resume", "results_dir", "results_file", "timeout_s", "test")
+_NON_CASE_KEYS = ("wandb", "resume", "results_dir", "results_file", "timeout_s", "test", "report")
 
 
 @dataclass
@@ -69,7 +69,8 @@ class RunRecord:
     row_kind: str = "case"  # case (one run) | repeat (one of `repeats` runs) | aggregate (of them)
     repeat: int | None = None  # 0-based round of a repeated comparison
     repeats: int | None = None
-    sweep_id: str | None = None  # the comparison or sweep the row belongs to
+    sweep_id: str | None = None  # the comparison or Hydra sweep (its directory) the row belongs to
+    output_dir: str | None = None  # the Hydra job's output directory (it holds a copy of the row)
     aggregate: dict | None = None  # aggregate rows: bench.stats summaries over the repeats
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
@@ -96,13 +97,18 @@ def case_key(config: dict) -> str:
 
 
 def append_record(path: str | os.PathLike, record: RunRecord) -> None:
-    """Append one line under an exclusive lock, in one write: concurrent cases never interleave."""
+    """Append one line under an exclusive lock, in one write: concurrent cases never interleave.
+
+    The lock is a POSIX record lock (fcntl.lockf), which network filesystems honour across
+    hosts (NFS through its lock manager; Lustre and GPFS with their lock options on), so many
+    writers of one sweep may share a results directory on a cluster filesystem.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(asdict(record), default=str) + "\n").encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         # A writer killed mid-line leaves a fragment with no newline; end it first, or this row
         # is glued onto it and lost with it. The fragment itself stays (rows are never rewritten).
         if _ends_mid_line(fd):
@@ -110,7 +116,7 @@ def append_record(path: str | os.PathLike, record: RunRecord) -> None:
         os.write(fd, line)
         os.fsync(fd)
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
@@ -121,9 +127,10 @@ def _ends_mid_line(fd: int) -> bool:
     return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
-def load_records(path: str | os.PathLike) -> list[dict]:
+def load_records(path: str | os.PathLike, skipped: list[int] | None = None) -> list[dict]:
     """All rows; a line that is not one (cut short by a run killed mid-write, or not JSON at all)
-    is skipped with a warning, so one bad line never costs the others."""
+    is skipped with a warning, so one bad line never costs the others. With `skipped`, the bad
+    lines' numbers go there instead of a warning each."""
     path = Path(path)
     if not path.exists():
         return []
@@ -137,6 +144,8 @@ def load_records(path: str | os.PathLike) -> list[dict]:
             row = None
         if isinstance(row, dict):
             rows.append(row)
+        elif skipped is not None:
+            skipped.append(i)
         else:
             log.warning("%s:%d is not a complete JSON row; skipped", path, i)
     return rows

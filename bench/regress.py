@@ -2,6 +2,7 @@
 
     python -m bench.regress                 # compute the figures, compare, exit 1 on a regression
     python -m bench.regress --rebaseline    # deliberately write new baselines (commit + versions)
+    python -m bench.regress method=hap      # only hap's figures (model=a,b likewise)
 
 Figures: simulated iteration time of every sim-capable method on every model at paper scale
 (deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
@@ -30,12 +31,13 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from bench.cluster import ClusterSpec
+from bench.cluster import ClusterSpec, ConfigError
 from bench.flops import reference_step_s
 from bench.records import fingerprint
 from bench.run import (
     CONF_DIR,
     build_workload,
+    check_group_choices,
     compose_config,
     methods_supporting,
     new_record,
@@ -80,11 +82,11 @@ def _compose(*overrides: str):
     return cfg
 
 
-def sim_figures() -> dict[str, float]:
+def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
     """Deterministic figures: predicted iteration time, planner effort and time per case."""
     out = {}
-    for model in MODELS:
-        for method in methods_supporting("sim"):
+    for model in models:
+        for method in methods_supporting("sim") if methods is None else methods:
             cfg = _compose(*SIM_CASE, f"model={model}", f"method={method}")
             record = new_record(cfg)
             try:
@@ -100,13 +102,13 @@ def sim_figures() -> dict[str, float]:
     return out
 
 
-def measured_figures(slowdown: float = 0.0) -> dict[str, float]:
+def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, float]:
     """Each real-capable method's iteration time over a reference step of the same round.
 
     `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
     what a deliberately slower worker loop looks like to this check.
     """
-    methods = methods_supporting("real")
+    methods = methods_supporting("real") if methods is None else methods
     ratios: dict[str, list[float]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
         configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
@@ -129,6 +131,13 @@ def _reference_step(cfg):
     workload = build_workload(cfg, cluster)
     per_device = -(-workload.global_batch // cluster.num_devices)
     return lambda: reference_step_s(workload, per_device, cfg.seed)
+
+
+def _selected(figure: str, chosen: dict[str, list[str]]) -> bool:
+    """Whether a figure (kind:model[-preset]/cluster/method) is among the chosen models and methods."""
+    model, _, method = figure.split(":", 1)[1].split("/")
+    return (method in chosen.get("method", [method])
+            and model.split("-")[0] in chosen.get("model", [model.split("-")[0]]))
 
 
 def compare(baseline: dict[str, float], new: dict[str, float]) -> list[Change]:
@@ -187,16 +196,38 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-measured", action="store_true", help="skip the measured figures")
     parser.add_argument("--slowdown", type=float, default=0.0,
                         help="demo: stretch every measured iteration by this fraction (e.g. 0.15)")
+    parser.add_argument("overrides", nargs="*",
+                        help="model=a,b and method=a,b check a subset of the figures (the cases "
+                             "themselves are fixed: they are what the baseline measured)")
     args = parser.parse_args(argv)
+    chosen: dict[str, list[str]] = {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if key not in ("model", "method") or not sep or not value:
+            print(f"error: {item!r}: regress compares fixed cases with the baseline and takes only "
+                  "model=a,b and method=a,b to check a subset; e.g. method=hap", file=sys.stderr)
+            return 2
+        chosen[key] = value.split(",")
+    try:
+        check_group_choices([f"{k}={','.join(v)}" for k, v in chosen.items()])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.rebaseline and chosen:
+        print("error: --rebaseline writes every figure; drop model=/method=", file=sys.stderr)
+        return 2
     start = time.perf_counter()
-    figures = sim_figures()
-    if not args.no_measured:
-        figures.update(measured_figures(args.slowdown))
+    methods = chosen.get("method")
+    figures = sim_figures(chosen.get("model", MODELS),
+                          None if methods is None else [m for m in methods if m in methods_supporting("sim")])
+    if not args.no_measured and (chosen.get("model") in (None, ["bert"])):
+        figures.update(measured_figures(args.slowdown, None if methods is None else
+                                        [m for m in methods if m in methods_supporting("real")]))
     if args.rebaseline:
         write_baseline(figures)
         return 0
     base = load_baseline()
-    expected = base["figures"]
+    expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
     if args.no_measured:
         expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_reference:")}
     changes = compare(expected, figures)

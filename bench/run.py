@@ -34,6 +34,7 @@ from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
 from bench.log import MODES as WANDB_MODES
 from bench.log import mirror_to_wandb
+from bench.progress import interactive, progress_bar
 from bench.records import (
     RunRecord,
     append_record,
@@ -195,13 +196,28 @@ def _check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
 
 def new_record(cfg: DictConfig) -> RunRecord:
     config = OmegaConf.to_container(cfg, resolve=True)
+    sweep_id, output_dir = hydra_job()
     return RunRecord(
         model=cfg.model.name, preset=cfg.preset.name, cluster=cfg.cluster.name,
         method=cfg.method.name, mode=cfg.mode, status="failed",
         origin="measured" if cfg.mode == "real" else "simulated",
         warmup_iters=cfg.warmup_iters, measured_iters=cfg.measured_iters,
-        case_key=case_key(config), config=config, **fingerprint(),
+        case_key=case_key(config), config=config, sweep_id=sweep_id, output_dir=output_dir,
+        **fingerprint(),
     )
+
+
+def hydra_job() -> tuple[str | None, str | None]:
+    """(sweep id, output directory) of the Hydra job this process runs, if any: a --multirun
+    sweep is identified by its sweep directory; a single run has no sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None
+    hc = HydraConfig.get()
+    sweep = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None
+    return sweep, hc.runtime.output_dir
 
 
 def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None) -> Case:
@@ -256,6 +272,8 @@ def plan_hash(plan) -> str:
 def write_record(cfg: DictConfig, record: RunRecord) -> None:
     record.__post_init__()  # a failed case keeps no metrics
     append_record(results_file(cfg), record)
+    if record.output_dir:  # the job's own copy: `report <sweep dir>` reads these
+        append_record(Path(record.output_dir) / "records.jsonl", record)
     mirror_to_wandb(record, cfg.wandb.mode, cfg.wandb.project, str(Path(cfg.results_dir)))
     if record.status != "ok":
         _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
@@ -267,7 +285,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
     `repeat` marks the row as one round of a repeated comparison (bench.compare aggregates).
     """
     record = new_record(cfg)
-    record.sweep_id = sweep_id
+    record.sweep_id = sweep_id or record.sweep_id
     if repeat is not None:
         record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
     path = results_file(cfg)
@@ -313,10 +331,8 @@ def _hardware(cluster: ClusterSpec) -> str:
 
 
 def _launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:
-    from rich.progress import Progress
-
     total = case.warmup_iters + case.measured_iters
-    with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+    with progress_bar(transient=True) as progress:
         task = progress.add_task(f"{cfg.method.name} on {case.cluster.name}", total=total)
         return launch(case, case.cluster.num_devices, cfg.timeout_s,
                       on_progress=lambda it: progress.update(task, completed=it))
@@ -397,16 +413,48 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: after a --multirun sweep, one table of every row the sweep recorded."""
+    """Hydra callback: progress of a --multirun sweep (cases done, ETA; on a terminal only),
+    then one table of every row the sweep recorded."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._started = datetime.now(timezone.utc).isoformat()
+        self._t0, self._done, self._total = time.monotonic(), 0, sweep_size(config)
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        if not hasattr(self, "_t0") or not interactive():
+            return
+        self._done += 1
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / self._done * (self._total - self._done) if self._total else None
+        print(f"sweep: {self._done}/{self._total or '?'} cases, {elapsed:.0f} s"
+              + (f", eta {eta:.0f} s" if eta is not None else ""), file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         path = Path(config.results_dir) / "records.jsonl"
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
         if rows:
             print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
+
+
+def sweep_size(config: DictConfig) -> int | None:
+    """How many cases a --multirun sweep has: the product of its swept values (command line
+    and the experiment's hydra.sweeper.params; the command line wins for a key)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        params = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
+        for item in config.hydra.overrides.task:
+            key, _, value = str(item).partition("=")
+            params[key] = value
+        parser = OverridesParser.create()
+        size = 1
+        for key, value in params.items():
+            override = parser.parse_override(f"{key}={value}")
+            if override.is_sweep_override():
+                size *= len(list(override.sweep_string_iterator()))
+        return size
+    except Exception:  # progress is a courtesy: a sweep syntax it cannot count shows no total
+        return None
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -6,18 +6,41 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench import figures
+from bench import figures, report
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_main_figure_simulates_every_method_and_writes_png_pdf_csv(tmp_path):
-    figures.fig_main(tmp_path, models=("bert",), ks=(1, 2), preset="tiny")
+def test_the_main_figure_runs_its_experiment_sweep_and_draws_it_from_the_records(tmp_path):
+    figures.fig_main(tmp_path, "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
     data = pd.read_csv(tmp_path / "main.csv")
-    assert set(data.method) == set(figures.sim_methods()) and set(data.k) == {1, 2}
-    assert (data.status == "ok").all() and (data.samples_per_s > 0).all()
+    assert set(data.method) == set(figures.sim_methods()) and set(data.x) == {1, 2}
+    assert (data.status == "ok").all() and (data.value > 0).all() and (data.origin == "simulated").all()
     assert (tmp_path / "main.png").stat().st_size > 0 and (tmp_path / "main.pdf").stat().st_size > 0
+    rows = [json.loads(line) for line in (tmp_path / "main" / "records.jsonl").read_text().splitlines()]
+    assert len(rows) == len(data) and {r["config"]["report"]["name"] for r in rows} == {"main"}
+    # The same records give the same bytes.
+    again = tmp_path / "again"
+    report.main([str(tmp_path / "main"), "--out", str(again), "--no-figure"])
+    assert (again / "main.csv").read_bytes() == (tmp_path / "main.csv").read_bytes()
+
+
+def test_a_hydra_sweep_records_its_id_and_job_dirs_and_report_reads_the_sweep_dir(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "-m", "experiment=fig_main", "model=bert", "preset=tiny",
+         "method=dp_ev,dp_cp", "cluster.gpus_per_machine=1", f"results_dir={tmp_path}",
+         f"hydra.sweep.dir={tmp_path}/sweep"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert {r["sweep_id"] for r in rows} == {f"{tmp_path}/sweep"}
+    assert sorted(Path(r["output_dir"]).name for r in rows) == ["0", "1"]
+    out = subprocess.run([sys.executable, "-m", "bench.report", f"{tmp_path}/sweep", "--no-figure"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = pd.read_csv(tmp_path / "sweep" / "main.csv")
+    assert sorted(data.method) == ["dp_cp", "dp_ev"] and set(data.x) == {1}
 
 
 def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):

@@ -1,0 +1,105 @@
+import csv
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.records import RunRecord, append_record
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = ROOT / "results" / "figures"
+
+
+def _row(method, k, status="ok", samples=100.0, key=None, **kw):
+    config = {"cluster": {"gpus_per_machine": k}, "report": {"name": "fig", "x": "cluster.gpus_per_machine",
+                                                          "metric": "samples_per_s"}}
+    base = dict(model="bert", preset="tiny", cluster="c", method=method, mode="real", status=status,
+                global_batch=16, samples_per_s=samples, iter_time_s_mean=16 / samples,
+                case_key=key or f"{method}-{k}", config=config, git_sha="abcdef0123456789",
+                error=None if status == "ok" else "Traceback...\nRuntimeError: out of memory")
+    base.update(kw)
+    return RunRecord(**base)
+
+
+def _aggregate(method, k, median, low, high, speedup=None):
+    agg = {"iter_time_s": {"n": 6, "median": median, "low": low, "high": high, "coverage": 0.969,
+                           "trimmed_mean": median, "cv": 0.02}}
+    if speedup:
+        agg["speedup_vs_dp_ev"] = {"n": 6, "median": speedup[0], "low": speedup[1], "high": speedup[2],
+                                   "coverage": 0.969, "trimmed_mean": speedup[0], "cv": 0.02}
+    return _row(method, k, samples=16 / median, row_kind="aggregate", aggregate=agg)
+
+
+@pytest.fixture
+def records(tmp_path):
+    path = tmp_path / "records.jsonl"
+    for row in (_row("dp_ev", 1, samples=100.0), _row("hap", 1, samples=150.0),
+                _row("dp_ev", 2, status="oom"), _row("hap", 2, samples=120.0),
+                _row("hap", 1, samples=10.0, key="hap-1", row_kind="repeat", repeat=0),
+                _aggregate("sfb", 1, 0.1, 0.09, 0.12, speedup=(1.6, 1.5, 1.7))):
+        append_record(path, row)
+    return path
+
+
+def _csv(path):
+    return list(csv.DictReader(io.StringIO(path.read_text())))
+
+
+def test_report_writes_one_line_per_case_with_gaps_intervals_and_speedups(records, tmp_path):
+    assert report.main([str(records), "--out", str(tmp_path / "out")]) == 0
+    lines = {(r["method"], r["x"]): r for r in _csv(tmp_path / "out" / "fig.csv")}
+    assert set(lines) == {("dp_ev", "1"), ("hap", "1"), ("dp_ev", "2"), ("hap", "2"), ("sfb", "1")}
+    assert float(lines["hap", "1"]["speedup_vs_dp_ev"]) == 1.5  # the repeat row is no answer
+    oom = lines["dp_ev", "2"]
+    assert oom["status"] == "oom" and oom["value"] == "" and oom["error"] == "RuntimeError: out of memory"
+    assert lines["hap", "2"]["speedup_vs_dp_ev"] == ""  # no ok baseline: no ratio
+    sfb = lines["sfb", "1"]  # an aggregate: interval of the throughput from that of the time
+    assert float(sfb["low"]) == pytest.approx(16 / 0.12) and float(sfb["high"]) == pytest.approx(16 / 0.09)
+    assert float(sfb["speedup_vs_dp_ev"]) == 1.6 and sfb["repeats"] == "6" and sfb["git_sha"] == "abcdef0123"
+    speedups = _csv(tmp_path / "out" / "fig_speedup.csv")
+    assert {r["x"]: r["dp_ev"] for r in speedups} == {"1": "1.00", "2": "oom"}
+    assert [r["sfb"] for r in speedups if r["x"] == "1"] == ["1.60 [1.50-1.70]"]
+    assert (tmp_path / "out" / "fig.png").stat().st_size > 0
+
+
+def test_the_same_records_give_the_same_bytes(records, tmp_path):
+    report.main([str(records), "--out", str(tmp_path / "a"), "--no-figure"])
+    report.main([str(records), "--out", str(tmp_path / "b"), "--no-figure"])
+    for name in ("fig.csv", "fig_speedup.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_sweep_directory_is_read_through_its_job_directories(tmp_path):
+    for job, method in enumerate(("dp_ev", "hap")):
+        append_record(tmp_path / "sweep" / str(job) / "records.jsonl", _row(method, 1))
+    assert report.main([str(tmp_path / "sweep"), "--no-figure"]) == 0
+    assert [r["method"] for r in _csv(tmp_path / "sweep" / "fig.csv")] == ["dp_ev", "hap"]
+
+
+@pytest.mark.parametrize("name", ["main", "homogeneous"])
+def test_the_committed_paper_figures_regenerate_byte_identical_from_their_records(tmp_path, name):
+    rows = report.read_rows(FIGURES / name)
+    spec = report.layout(rows)
+    report.report(rows, tmp_path, name, spec["x"], spec["metric"], spec.get("title"), figure=False)
+    assert (tmp_path / f"{name}.csv").read_bytes() == (FIGURES / f"{name}.csv").read_bytes()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "bench.report", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_bad_input_is_one_line_naming_the_path_or_option(tmp_path, records):
+    (tmp_path / "notes.txt").write_text("hello\nworld\n")
+    (tmp_path / "empty").mkdir()
+    for args, start in (([str(tmp_path / "notes.txt")], f"error: {tmp_path / 'notes.txt'} is not a records file"),
+                        ([str(tmp_path / "empty")], f"error: {tmp_path / 'empty'} holds no rows"),
+                        ([str(tmp_path / "nowhere")], f"error: {tmp_path / 'nowhere'} does not exist"),
+                        ([str(records), "--metric", "speed"], "error: --metric speed is unknown"),
+                        ([str(records), "--x", "cluster.nodes"], "error: --x cluster.nodes: no row")):
+        done = _cli(*args)
+        assert done.returncode == 2 and done.stderr.startswith(start), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
