@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         # Hydra's main reads sys.argv itself (and exits on its own).
         sys.argv = [f"hetbench {command}", *rest]
-        module.main()
-        return 0
+        return module.cli()
     return int(module.main(rest) or 0)
 
 

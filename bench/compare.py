@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import sys
 import uuid
+from dataclasses import asdict
 
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -31,6 +32,7 @@ from bench.run import (
     compose_config,
     fill_rates,
     group_options,
+    make_trackers,
     method_modes,
     print_help_if_asked,
     results_file,
@@ -39,6 +41,7 @@ from bench.run import (
 )
 from bench.stats import ranks, summarize
 from bench.table import BASELINE, print_table
+from bench.tracking import track_sweep
 
 DEFAULT_REPEATS = 6  # measured comparisons; mode=sim is deterministic and runs once
 
@@ -109,7 +112,7 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         agg = copy.deepcopy(ok[-1] if ok else rows[-1])
         agg.row_kind, agg.repeat, agg.repeats, agg.sweep_id = "aggregate", None, len(rows), sweep_id
         agg.run_id = uuid.uuid4().hex[:12]
-        agg.iter_times_s = None
+        agg.iter_times_s = agg.loss_per_iter = agg.peak_mem_gib_per_iter = None
         if len(ok) < len(rows):  # a failed round fails the aggregate: no numbers from a subset
             statuses = sorted({r.status for r in rows if r.status != "ok"})
             agg.status = "oom" if statuses == ["oom"] else "failed"
@@ -153,6 +156,8 @@ def main(argv: list[str]) -> int:
     rows = [r.__dict__ for r in records]
     print_table(rows, title=f"hetbench compare: {rows[0]['model']}-{rows[0]['preset']} on "
                             f"{rows[0]['cluster']} ({rows[0]['mode']})")
+    cfg = compose_config(*(o for o in argv if not o.startswith("method=")))
+    track_sweep(make_trackers(cfg), [asdict(r) for r in records], results_file(cfg))
     return 0 if all(r.status == "ok" for r in records) else 1
 
 

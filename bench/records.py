@@ -1,6 +1,6 @@
 """Result rows: one JSON line per case, appended atomically; the JSONL is the record of truth.
 
-Rows are written, never rewritten; W&B (bench.log) only mirrors them.
+Rows are written, never rewritten; the loggers (bench.tracking) only mirror them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "infeasible", "timeout", "failed")
 # Keys of the resolved config that do not change what a case measures (left out of case_key).
-_NON_CASE_KEYS = ("wandb", "resume", "results_dir", "results_file", "timeout_s", "test", "report")
+_NON_CASE_KEYS = ("wandb", "logger", "resume", "results_dir", "results_file", "timeout_s", "test",
+                  "report")
 
 
 @dataclass
@@ -59,6 +60,9 @@ class RunRecord:
     peak_mem_gib: list[float] | None = None  # per rank
     loss_first: float | None = None  # mean loss per target, first and last iteration
     loss_last: float | None = None
+    loss_per_iter: list[float] | None = None  # mean loss per target, per measured iteration
+    peak_mem_gib_per_iter: list[float] | None = None  # per measured iteration: max over ranks of
+    # each rank's peak so far (CPU: RSS high-water mark; CUDA: max_memory_allocated)
     flops_per_iter: float | None = None
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes

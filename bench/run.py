@@ -32,8 +32,6 @@ from bench.emulation import DILATION_TOLERANCE, EmulationSettings
 from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
-from bench.log import MODES as WANDB_MODES
-from bench.log import mirror_to_wandb
 from bench.progress import interactive, progress_bar
 from bench.records import (
     RunRecord,
@@ -46,6 +44,7 @@ from bench.records import (
 )
 from bench.cost import simulate
 from bench.table import print_table
+from bench.tracking import WANDB_MODES, Tracker, track_case, track_sweep
 from bench.worker import Case, init_process_group, pick_device, run_rank
 
 log = logging.getLogger("bench.run")
@@ -56,7 +55,7 @@ _failed_cases: list[str] = []  # cases of this process that did not end "ok" (se
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "preset", "cluster", "method", "experiment")
+GROUPS = ("model", "preset", "cluster", "method", "logger", "experiment")
 
 
 def group_options(group: str) -> list[str]:
@@ -93,13 +92,15 @@ def print_help_if_asked(argv: list[str], doc: str) -> bool:
 
 
 def check_group_choices(overrides: list[str]) -> None:
-    """One clear line for an unknown model/preset/cluster/method, before Hydra composes."""
+    """One clear line for an unknown model/preset/cluster/method/logger, before Hydra composes."""
     for item in overrides:
         key, sep, value = item.lstrip("+~").partition("=")
         if not sep or key not in GROUPS or value in ("", "null") or "(" in value:
             continue  # sweeper functions such as glob(...) are Hydra's to expand
         known = group_options(key)
-        unknown = [v for v in value.split(",") if v not in known]
+        # A list (logger=[wandb,csv]) selects several options; a,b sweeps over them.
+        names = [v.strip() for v in value.strip().removeprefix("[").removesuffix("]").split(",")]
+        unknown = [v for v in names if v and v not in known]
         if unknown:
             raise ConfigError(f"{key}={','.join(unknown)} is unknown; known: {', '.join(known)}")
 
@@ -269,12 +270,29 @@ def plan_hash(plan) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def make_trackers(cfg: DictConfig) -> list[Tracker]:
+    """The loggers chosen by `logger=...` (conf/logger/), instantiated. `logger=none` (an option
+    with no _target_) adds none; one that cannot start is a warning, never a failed case."""
+    trackers = []
+    for name, node in (cfg.get("logger") or {}).items():
+        if not node or "_target_" not in node:
+            continue
+        try:
+            trackers.append(instantiate(node))
+        except Exception as exc:
+            cause = exc.__cause__ or exc
+            log.warning("logger=%s not started (%s: %s); the JSONL row is kept",
+                        name, type(cause).__name__, cause)
+    return trackers
+
+
 def write_record(cfg: DictConfig, record: RunRecord) -> None:
+    """Append the row, then mirror it to the loggers: a logger's failure never costs the row."""
     record.__post_init__()  # a failed case keeps no metrics
     append_record(results_file(cfg), record)
     if record.output_dir:  # the job's own copy: `report <sweep dir>` reads these
         append_record(Path(record.output_dir) / "records.jsonl", record)
-    mirror_to_wandb(record, cfg.wandb.mode, cfg.wandb.project, str(Path(cfg.results_dir)))
+    track_case(make_trackers(cfg), record, results_file(cfg))
     if record.status != "ok":
         _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
 
@@ -357,6 +375,10 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     loss_sums = [sum(step) for step in zip(*(r["loss_sums"] for r in results))]
     record.loss_first = loss_sums[0] / workload.targets_per_iter
     record.loss_last = loss_sums[-1] / workload.targets_per_iter
+    record.loss_per_iter = [s / workload.targets_per_iter for s in loss_sums[-measured:]]
+    mems = [r.get("peak_mem_gib_per_iter") for r in results]
+    if all(mems):
+        record.peak_mem_gib_per_iter = [max(m) for m in zip(*mems)][-measured:]
     record.host = ", ".join(sorted({r["host"] for r in results}))
     ranks = [r.get("emulation") for r in results]
     if record.emulation is not None and all(ranks):
@@ -434,6 +456,7 @@ class SweepSummary(Callback):
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
         if rows:
             print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
+            track_sweep(make_trackers(config), rows, path)
 
 
 def sweep_size(config: DictConfig) -> int | None:
@@ -473,11 +496,17 @@ def main(cfg: DictConfig) -> None:
     print_table([record.__dict__])
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """`python -m bench.run` and `hetbench run`: unknown group options stop here, before Hydra
+    composes and before any worker starts (exit 2); a failed case exits 1."""
     try:
         check_group_choices(sys.argv[1:])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     main()
-    sys.exit(1 if _failed_cases else 0)
+    return 1 if _failed_cases else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

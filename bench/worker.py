@@ -92,7 +92,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
             case.seed,
         )
         start, stop = offsets(case.plan.batch_shares)[rank]
-        iter_times, losses = [], []
+        iter_times, losses, mems = [], [], []
         # Emulated ranks first run full-pace iterations that set their pacing reference (not
         # when a test checks exactness step by step: it needs exactly its own steps).
         refs = emulator.settings.reference_iters
@@ -114,6 +114,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
                 torch.cuda.synchronize(device)
             if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
                 iter_times.append((time.perf_counter() - t0) * emulator.headroom)
+                mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
             value = float(loss)
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
@@ -125,6 +126,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
             "iter_times_s": iter_times,
             "loss_sums": losses,
             "peak_mem_gib": peak_mem_gib(device),
+            "peak_mem_gib_per_iter": mems,
             "emulation": emulator.report() if emulated else None,
             "host": os.uname().nodename,
         }

@@ -8,5 +8,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
 # DS_BUILD_OPS=0: DeepSpeed compiles its C++ ops on first use instead of at install time.
-DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[deepspeed,slurm,test]"
+DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[deepspeed,slurm,test,tracking]"
 .venv/bin/python -c "import torch, hydra, bench; print('hetbench ready: torch', torch.__version__)"

@@ -90,7 +90,7 @@ def test_speedup_is_throughput_over_dp_ev_on_the_same_case():
 def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
     import wandb
 
-    from bench.log import mirror_to_wandb
+    from bench.tracking import WandbLogger, track_case
 
     def broken_init(**kwargs):
         raise RuntimeError("network down")
@@ -99,5 +99,5 @@ def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
     path = tmp_path / "records.jsonl"
     row = _row()
     append_record(path, row)
-    mirror_to_wandb(row, "offline", "hetbench-test", str(tmp_path))  # must not raise
+    track_case([WandbLogger("offline", "hetbench-test", str(tmp_path))], row, path)  # must not raise
     assert load_records(path)[0]["run_id"] == row.run_id
