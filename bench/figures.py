@@ -26,8 +26,8 @@ from matplotlib import ticker  # noqa: E402
 
 from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
+from bench.paths import PROJECT_DIR  # noqa: E402
 from bench.run import (  # noqa: E402
-    CONF_DIR,
     compose_config,
     fill_predicted_metrics,
     methods_supporting,
@@ -35,7 +35,7 @@ from bench.run import (  # noqa: E402
     prepare_case,
 )
 
-FIGURE_DIR = CONF_DIR.parent / "results" / "figures"
+FIGURE_DIR = PROJECT_DIR / "results" / "figures"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 KS = (1, 2, 4, 8)
 
@@ -211,7 +211,7 @@ def fig_ablation(out: Path) -> None:
 
 def fig_sim_accuracy(out: Path) -> None:
     """The latest calibration's errors (python -m bench.calibrate) as a box plot per method."""
-    runs = sorted((CONF_DIR.parent / "results" / "calibration").glob("*.json"))
+    runs = sorted((PROJECT_DIR / "results" / "calibration").glob("*.json"))
     if not runs:
         raise SystemExit("error: no calibration yet; run `python -m bench.calibrate` first")
     data = pd.DataFrame(json.loads(runs[-1].read_text())["cases"])

@@ -27,7 +27,7 @@ def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):
               "predicted_iter_time_s": 1.0 + e, "sim_error": e}
              for m, e in (("dp_ev", 0.1), ("dp_ev", 0.2), ("dp_cp", 0.05))]
     (calibration / "20260101-000000.json").write_text(json.dumps({"cases": cases}))
-    monkeypatch.setattr(figures, "CONF_DIR", tmp_path / "conf")
+    monkeypatch.setattr(figures, "PROJECT_DIR", tmp_path)
     figures.fig_sim_accuracy(tmp_path / "out")
     assert len(pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")) == 3
 
