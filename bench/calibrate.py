@@ -32,8 +32,9 @@ from bench.progress import track
 from bench.cost import simulate
 from bench.flops import device_step
 
-from bench.run import (CONF_DIR, _instantiate, build_workload, check_group_choices, compose_config,
-                       methods_supporting, run_case)
+from bench.paths import PROJECT_DIR
+from bench.run import (_instantiate, build_workload, check_group_choices, compose_config, methods_supporting,
+                       run_case)
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -175,7 +176,7 @@ def main(argv: list[str]) -> int:
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
                                   args.device, cluster, args.preset)
         summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"), "rows": rows}
-        out = args.out or (CONF_DIR.parent / "results" / "calibration" /
+        out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=1) + "\n")
@@ -199,7 +200,7 @@ def main(argv: list[str]) -> int:
     rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
     summary = summarize(rows)
     print_summary(summary)
-    out = args.out or (CONF_DIR.parent / "results" / "calibration" /
+    out = args.out or (PROJECT_DIR / "results" / "calibration" /
                        f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")

@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[command][0])
     if command == "run":
-        # Hydra's main reads sys.argv itself (and exits on its own).
+        # Hydra's main reads sys.argv itself (and exits on its own for its own errors).
         sys.argv = [f"hetbench {command}", *rest]
-        return module.cli()
+        return module.run_cli()
     return int(module.main(rest) or 0)
 
 

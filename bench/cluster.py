@@ -18,8 +18,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEVICE_DIR = REPO_ROOT / "conf" / "device"
+from bench.paths import CONF_DIR, project_path, show_path
+
+DEVICE_DIR = CONF_DIR / "device"
 
 
 class ConfigError(ValueError):
@@ -67,7 +68,7 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     """A device type's compute profile; ConfigError naming `where`, the path and the fix when
     it cannot be read, does not parse, lacks the "other" class, or was measured on another
     device type."""
-    file = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    file = project_path(path)
     fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
            "device, or set profile: null")
     try:
@@ -111,7 +112,7 @@ def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
     """
     types = {}
     for path in sorted(Path(directory).glob("*.yaml")):
-        where = _show_path(path)
+        where = show_path(path)
         try:
             cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         except (yaml.YAMLError, OmegaConfBaseException) as e:
@@ -181,14 +182,6 @@ def _device_type(cfg: Mapping[str, Any], name: str, where: str, prefix: str) -> 
                       numbers["memory_gib"], {str(k): v for k, v in sources.items()}, profile, compute)
 
 
-def _show_path(path: Path) -> str:
-    """`path` relative to the repository where it lies inside it (shorter messages)."""
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
 # bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
 # single calls; grouped ones are n broadcasts / reduces, priced from those kinds' fits.
 _PROFILE_FIT_KINDS = {"all_reduce/ring": "all_reduce", "all_gather/padded": "all_gather",
@@ -224,7 +217,7 @@ class Link:
 def load_link_profile(path: str, where: str) -> tuple[tuple[str, float, float], ...]:
     """The per-kind fits of a `bench.profile` JSON file, for a link; ConfigError naming
     `where` and the path when the file is missing, does not parse or holds no usable fit."""
-    file = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    file = project_path(path)
     fix = "run `python -m bench.profile --out <file>` and give that file"
     try:
         data = json.loads(file.read_text())

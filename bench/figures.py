@@ -13,9 +13,9 @@ this host.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,24 +25,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 import pandas as pd  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra import compose  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
+from bench.paths import PROJECT_DIR  # noqa: E402
 from bench.progress import track  # noqa: E402
 from bench.report import draw_bars, layout, read_rows, report  # noqa: E402
 from bench.run import (  # noqa: E402
-    CONF_DIR,
     compose_config,
     fill_predicted_metrics,
+    initialize_configs,
     methods_supporting,
     new_record,
     prepare_case,
     run_case,
 )
 
-FIGURE_DIR = CONF_DIR.parent / "results" / "figures"
+FIGURE_DIR = PROJECT_DIR / "results" / "figures"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 KS = (1, 2, 4, 8)
 
@@ -96,7 +97,7 @@ def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
     sweeper does); an override of a swept key replaces its values, others go to every case."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_configs():
         cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
     params = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
     fixed = []
@@ -117,16 +118,20 @@ def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
 
 def experiment_figure(experiment: str, out: Path, *overrides: str) -> None:
     """Run an experiment's sweep (as `bench.run -m experiment=...` would) into
-    OUT/NAME/records.jsonl, replacing the rows of an earlier figure run, then draw it with
+    OUT/NAME/records.jsonl.gz, replacing the rows of an earlier figure run, then draw it with
     `bench.report` from those rows alone."""
     points = sweep_points(experiment, *overrides)
     name = compose_config(*points[0]).report.name
     records = out / name
-    with tempfile.TemporaryDirectory(dir=out.parent if out.exists() else None) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         for point in track(points, f"figure {name}"):
             run_case(compose_config(*point, f"results_dir={tmp}"))
         records.mkdir(parents=True, exist_ok=True)
-        shutil.move(Path(tmp) / "records.jsonl", records / "records.jsonl")
+        # Committed with the figure, so gzipped (the rows carry whole plans); mtime 0: the same
+        # rows give the same bytes.
+        (records / "records.jsonl.gz").write_bytes(
+            gzip.compress((Path(tmp) / "records.jsonl").read_bytes(), mtime=0))
+        (records / "records.jsonl").unlink(missing_ok=True)
     rows = read_rows(records)
     spec = layout(rows)
     report(rows, out, name, spec["x"], spec["metric"], spec.get("title"))
@@ -228,7 +233,7 @@ def fig_ablation(out: Path) -> None:
 
 def fig_sim_accuracy(out: Path) -> None:
     """The latest calibration's errors (python -m bench.calibrate) as a box plot per method."""
-    runs = sorted((CONF_DIR.parent / "results" / "calibration").glob("*.json"))
+    runs = sorted((PROJECT_DIR / "results" / "calibration").glob("*.json"))
     if not runs:
         raise SystemExit("error: no calibration yet; run `python -m bench.calibrate` first")
     data = pd.DataFrame(json.loads(runs[-1].read_text())["cases"])

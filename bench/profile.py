@@ -34,8 +34,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.cost import link_bytes
 from bench.flops import ELEMENTWISE_FLOPS
 from bench.launch import _free_port
+from bench.paths import PROJECT_DIR
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "results" / "profiles"
+PROFILE_DIR = PROJECT_DIR / "results" / "profiles"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SKEW_SHARES = [None, 0.6, 0.75, 0.9]  # the first rank's share of an all-gather; None = even
 
@@ -311,10 +312,10 @@ def cluster_yaml(name: str, n: int, compute: dict, fits: dict, profile_path: Pat
 
 
 def _repo_relative(path: Path) -> str:
-    """`path` relative to the repository when inside it (cluster files resolve it from there)."""
-    root = PROFILE_DIR.parent.parent
+    """`path` relative to the project (the checkout; installed: the working directory) when
+    inside it: cluster files resolve relative profile paths from there."""
     try:
-        return str(path.resolve().relative_to(root))
+        return str(path.resolve().relative_to(PROJECT_DIR.resolve()))
     except ValueError:
         return str(path.resolve())
 

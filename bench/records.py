@@ -6,6 +6,7 @@ Rows are written, never rewritten; the loggers (bench.tracking) only mirror them
 from __future__ import annotations
 
 import fcntl
+import gzip
 import hashlib
 import json
 import logging
@@ -132,14 +133,15 @@ def _ends_mid_line(fd: int) -> bool:
 
 
 def load_records(path: str | os.PathLike, skipped: list[int] | None = None) -> list[dict]:
-    """All rows; a line that is not one (cut short by a run killed mid-write, or not JSON at all)
+    """All rows (of a records.jsonl, or of its gzipped copy *.jsonl.gz); a line that is not one (cut short by a run killed mid-write, or not JSON at all)
     is skipped with a warning, so one bad line never costs the others. With `skipped`, the bad
     lines' numbers go there instead of a warning each."""
     path = Path(path)
     if not path.exists():
         return []
     rows = []
-    for i, line in enumerate(path.read_bytes().splitlines(), 1):  # bytes: bad UTF-8 is one bad line
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    for i, line in enumerate(data.splitlines(), 1):  # bytes: bad UTF-8 is one bad line
         if not line.strip():
             continue
         try:

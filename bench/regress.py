@@ -34,8 +34,8 @@ from rich.table import Table
 from bench.cluster import ClusterSpec, ConfigError
 from bench.flops import reference_step_s
 from bench.records import fingerprint
+from bench.paths import PROJECT_DIR
 from bench.run import (
-    CONF_DIR,
     build_workload,
     check_group_choices,
     compose_config,
@@ -45,7 +45,7 @@ from bench.run import (
     run_case,
 )
 
-BASELINE_FILE = CONF_DIR.parent / "results" / "baselines" / "regression.json"
+BASELINE_FILE = PROJECT_DIR / "results" / "baselines" / "regression.json"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
 REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",

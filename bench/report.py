@@ -1,6 +1,6 @@
 """`hetbench report PATH`: figures and tables from recorded rows (yours or the paper's).
 
-    hetbench report results/runs                         # a results_dir (its records.jsonl)
+    hetbench report results/runs                         # a results_dir (its records.jsonl[.gz])
     hetbench report results/runs/hydra/multirun-2026...  # one Hydra sweep (its jobs' rows)
     hetbench report my.jsonl --x cluster.gpus_per_machine --metric planner_time_s
 
@@ -54,8 +54,9 @@ def read_rows(path: str | Path) -> list[dict]:
         raise ReportError(f"{path} does not exist; pass a records.jsonl, a results_dir or a "
                           "Hydra sweep directory")
     if path.is_dir():
-        files = [path / "records.jsonl"] if (path / "records.jsonl").is_file() else sorted(
-            path.glob("*/records.jsonl"), key=lambda p: (len(p.parent.name), p.parent.name))
+        own = [f for f in (path / "records.jsonl", path / "records.jsonl.gz") if f.is_file()]
+        files = own[:1] or sorted(path.glob("*/records.jsonl"),
+                                  key=lambda p: (len(p.parent.name), p.parent.name))
         if not files:
             raise ReportError(f"{path} holds no rows (no records.jsonl in it or in its job "
                               "directories); run a case or sweep with results_dir there first")

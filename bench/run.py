@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
@@ -32,6 +32,8 @@ from bench.emulation import DILATION_TOLERANCE, EmulationSettings
 from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, launch
+from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
+from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
 from bench.progress import interactive, progress_bar
 from bench.records import (
     RunRecord,
@@ -52,22 +54,30 @@ log = logging.getLogger("bench.run")
 MODES = ("real", "sim")
 DATA_SOURCES = ("synthetic", "cifar10", "wikitext2")
 _failed_cases: list[str] = []  # cases of this process that did not end "ok" (sets the exit code)
+_recorded_here: set[str] = set()  # run_ids of the rows this process wrote (errors already shown)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "preset", "cluster", "method", "logger", "experiment")
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group: the yaml files in its conf/ folder."""
+    """The options of a config group: the yaml files in its conf/ folder (CONF_DIR: the
+    checkout's conf/ or the installed package bench.conf)."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def compose_config(*overrides: str) -> DictConfig:
     """The runner's config for these overrides, composed as the CLI would (for the commands
     that run cases without being Hydra apps themselves)."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_configs():
         return compose("config", overrides=list(overrides))
+
+
+def initialize_configs():
+    """Hydra's initialize context for the runner's configs, in a checkout or installed."""
+    if IN_CHECKOUT:
+        return initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3")
+    return initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3")
 
 
 def method_modes(name: str) -> tuple[str, ...]:
@@ -217,8 +227,11 @@ def hydra_job() -> tuple[str | None, str | None]:
     if not HydraConfig.initialized():
         return None, None
     hc = HydraConfig.get()
-    sweep = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None
-    return sweep, hc.runtime.output_dir
+    # A config composed for a tool (compose_config) has a Hydra node but no job: no output dir.
+    output_dir = OmegaConf.select(hc, "runtime.output_dir", default=None, throw_on_missing=False)
+    if output_dir is None:
+        return None, None
+    return (hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None), output_dir
 
 
 def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None) -> Case:
@@ -286,13 +299,16 @@ def make_trackers(cfg: DictConfig) -> list[Tracker]:
     return trackers
 
 
-def write_record(cfg: DictConfig, record: RunRecord) -> None:
-    """Append the row, then mirror it to the loggers: a logger's failure never costs the row."""
+def write_record(cfg: DictConfig, record: RunRecord, track: bool = True) -> None:
+    """Append the row, then mirror it to the loggers: a logger's failure never costs the row.
+    A config refused before anything ran (track=False) is its one error line and its row."""
     record.__post_init__()  # a failed case keeps no metrics
     append_record(results_file(cfg), record)
     if record.output_dir:  # the job's own copy: `report <sweep dir>` reads these
         append_record(Path(record.output_dir) / "records.jsonl", record)
-    track_case(make_trackers(cfg), record, results_file(cfg))
+    _recorded_here.add(record.run_id)
+    if track:
+        track_case(make_trackers(cfg), record, results_file(cfg))
     if record.status != "ok":
         _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
 
@@ -312,6 +328,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
         print(f"skip: {record.model}/{record.cluster}/{record.method} already recorded "
               f"({done.status}, run {done.run_id})")
         return done
+    refused = False
     try:
         case = prepare_case(cfg, record)
         if cfg.mode == "sim":
@@ -320,7 +337,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
             results = _launch_with_progress(case, cfg)
             fill_metrics(record, results, case.workload, cfg.measured_iters)
     except ConfigError as exc:
-        record.error = str(exc)
+        record.error, refused = str(exc), True
         print(f"error: {exc}", file=sys.stderr)
     except PlanningError as exc:
         record.status, record.error = exc.status, str(exc)
@@ -334,7 +351,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
     except Exception:  # a bug in planning or setup: the case fails, the sweep goes on
         record.error = traceback.format_exc()
         print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
-    write_record(cfg, record)
+    write_record(cfg, record, track=not refused)
     return record
 
 
@@ -411,6 +428,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     init_process_group(rank, world, pick_device(local_rank))
     record = new_record(cfg)
+    record.run_id = os.environ.get(RUN_ID_ENV) or record.run_id  # a multi-node job's, if any
     box: list = [None, None]
     if rank == 0:
         try:
@@ -434,6 +452,48 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
         print_table([record.__dict__])
 
 
+def _run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
+    """One task of a multi-node job (bench.multinode): start this node's torchrun on the same
+    overrides and wait. Task 0 makes sure the case gets its row: torchrun's rank 0 writes it,
+    and task 0 writes a failed (or timeout) row if torchrun ended before that."""
+    from hydra.core.hydra_config import HydraConfig
+
+    record = new_record(cfg)
+    if cfg.mode == "sim":  # nothing to run on the other nodes
+        if task.rank == 0:
+            run_case(cfg)
+        return
+    try:
+        if cfg.repeats != 1:
+            raise ConfigError(f"repeats={cfg.repeats!r}: a multi-node job runs one case once; set "
+                              "repeats=1 (and sweep, e.g. -m +round=1,2,3, to repeat it)")
+        cluster = ClusterSpec.from_config(record.config["cluster"])
+        nproc = devices_per_node(task, cluster)[task.rank]
+    except ConfigError as exc:  # every task sees it; task 0 reports and records it
+        if task.rank == 0:
+            record.error = str(exc)
+            print(f"error: {exc}", file=sys.stderr)
+            write_record(cfg, record)
+        return
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir) / f"node{task.rank}"
+    overrides = [*hydra_cfg.overrides.task, f"hydra.run.dir={run_dir}"]
+    code = run_torchrun(torchrun_command(task, nproc, overrides), record.run_id, cfg.timeout_s)
+    if task.rank != 0:
+        return
+    if any(row.get("run_id") == record.run_id for row in load_records(results_file(cfg))):
+        if code != 0:
+            _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
+        return
+    if code is None:
+        record.status, record.error = "timeout", f"case did not finish within timeout_s={cfg.timeout_s:g}"
+    else:
+        record.error = (f"torchrun on node 0 exited with code {code} before rank 0 recorded the "
+                        f"case; its output is in the job's log ({run_dir} and the submitit folder)")
+    print(f"error: {record.error}", file=sys.stderr)
+    write_record(cfg, record)
+
+
 class SweepSummary(Callback):
     """Hydra callback: progress of a --multirun sweep (cases done, ETA; on a terminal only),
     then one table of every row the sweep recorded."""
@@ -454,6 +514,15 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         path = Path(config.results_dir) / "records.jsonl"
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
+        # Launchers that run jobs in other processes (submitit) report their failures here only:
+        # the exit status, and one line each for errors this process has not shown yet.
+        for r in rows:
+            if r.get("status") == "ok":
+                continue
+            case = f"{r['model']}/{r['cluster']}/{r['method']}"
+            _failed_cases.append(case)
+            if r.get("run_id") not in _recorded_here and r.get("error"):
+                print(f"error: {case}: {r['error'].strip().splitlines()[-1]}", file=sys.stderr)
         if rows:
             print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
             track_sweep(make_trackers(config), rows, path)
@@ -480,11 +549,15 @@ def sweep_size(config: DictConfig) -> int | None:
         return None
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=CONF_SOURCE, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _run_under_torchrun(cfg)
+        return
+    task = current_task()
+    if task is not None:  # a task of a multi-node submitit job
+        _run_across_nodes(cfg, task)
         return
     repeats = cfg.repeats  # an invalid value fails in run_case, as a failed row with the fix
     if isinstance(repeats, int) and not isinstance(repeats, bool) and repeats > 1 and cfg.mode == "real":
@@ -496,9 +569,9 @@ def main(cfg: DictConfig) -> None:
     print_table([record.__dict__])
 
 
-def cli() -> int:
-    """`python -m bench.run` and `hetbench run`: unknown group options stop here, before Hydra
-    composes and before any worker starts (exit 2); a failed case exits 1."""
+def run_cli() -> int:
+    """`python -m bench.run` and `hetbench run`: check the group choices, run (Hydra reads
+    sys.argv), and return the exit status: 1 when a case of this process did not end ok."""
     try:
         check_group_choices(sys.argv[1:])
     except ConfigError as exc:
@@ -509,4 +582,8 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    # Run as the module bench.run, not as __main__: Hydra instantiates SweepSummary from
+    # bench.run, and the failures it collects must be the ones run_cli reads.
+    from bench.run import run_cli as _run_cli
+
+    sys.exit(_run_cli())

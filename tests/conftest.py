@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose
 
-from bench.run import CONF_DIR
+from bench.run import initialize_configs
 
 
 def compose_config(*overrides: str, results_dir=None):
     """The runner's config as the CLI would build it (W&B off unless a test turns it on)."""
     extra = ["wandb.mode=disabled"] + ([f"results_dir={results_dir}"] if results_dir else [])
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_configs():
         return compose("config", overrides=extra + list(overrides))
 
 

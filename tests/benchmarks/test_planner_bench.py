@@ -35,15 +35,15 @@ CASES: dict[str, list[str]] = {
 
 def prepare(case: str):
     """(planner, workload, cluster) of one case, everything but the planning itself."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
     from omegaconf import OmegaConf
 
     from bench.cluster import ClusterSpec
-    from bench.run import CONF_DIR, build_workload
+    from bench.run import build_workload, initialize_configs
     from methods.hap.planner import HapPlanner
 
     overrides = ["preset=paper", "cluster=paper_hetero", "method=hap", "wandb.mode=disabled", *CASES[case]]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_configs():
         cfg = compose("config", overrides=overrides)
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     return HapPlanner(cache_dir=None), build_workload(cfg, cluster), cluster

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from bench import figures, report
+from bench.records import load_records
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ def test_the_main_figure_runs_its_experiment_sweep_and_draws_it_from_the_records
     assert set(data.method) == set(figures.sim_methods()) and set(data.x) == {1, 2}
     assert (data.status == "ok").all() and (data.value > 0).all() and (data.origin == "simulated").all()
     assert (tmp_path / "main.png").stat().st_size > 0 and (tmp_path / "main.pdf").stat().st_size > 0
-    rows = [json.loads(line) for line in (tmp_path / "main" / "records.jsonl").read_text().splitlines()]
+    rows = load_records(tmp_path / "main" / "records.jsonl.gz")
     assert len(rows) == len(data) and {r["config"]["report"]["name"] for r in rows} == {"main"}
     # The same records give the same bytes.
     again = tmp_path / "again"
@@ -50,7 +51,7 @@ def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):
               "predicted_iter_time_s": 1.0 + e, "sim_error": e}
              for m, e in (("dp_ev", 0.1), ("dp_ev", 0.2), ("dp_cp", 0.05))]
     (calibration / "20260101-000000.json").write_text(json.dumps({"cases": cases}))
-    monkeypatch.setattr(figures, "CONF_DIR", tmp_path / "conf")
+    monkeypatch.setattr(figures, "PROJECT_DIR", tmp_path)
     figures.fig_sim_accuracy(tmp_path / "out")
     assert len(pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")) == 3
 
