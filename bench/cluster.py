@@ -102,6 +102,9 @@ _TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources"
 _NUMBER_FIELDS = ("memory_gib", "peak_flops", "effective_flops")
 # The one type whose FLOP/s are measured at run time (ClusterSpec.with_host_speed).
 _MEASURED_TYPE = "cpu"
+# Where a cluster's ranks compute on this host (`cluster.device`): cpu worker processes, or
+# processes sharing this host's GPU (emulated clusters, under MPS) / one GPU each (real ones).
+COMPUTE_DEVICES = ("cpu", "cuda")
 
 
 @functools.cache
@@ -279,6 +282,10 @@ class ClusterSpec:
     intra_machine: Link
     inter_machine: Link
     emulated: bool = False  # True: worker processes on this host with emulated speeds and links
+    # Where the ranks compute: "cpu" (gloo) or "cuda". Emulated clusters: cpu by default, cuda =
+    # every rank on this host's one GPU under MPS. Real clusters: cuda unless their devices are cpu.
+    # None: that default.
+    device: str | None = None
     virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
     host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
     host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
@@ -287,6 +294,8 @@ class ClusterSpec:
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.device is None:
+            object.__setattr__(self, "device", _default_device(self.emulated, self.machines))
         devices = []
         machine = 0
         for g in self.machines:
@@ -338,6 +347,8 @@ class ClusterSpec:
                 if k not in ("devices", "host_flops", "host_step_overhead_s")}
         if not self.inline_types:
             del body["inline_types"]
+        if self.device == _default_device(self.emulated, self.machines):
+            del body["device"]  # hashes as it did before clusters said where they compute
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
@@ -345,7 +356,10 @@ class ClusterSpec:
             f"{g.count}x{g.num_devices} {g.device}" + (f"@{g.speed:g}" if g.speed != 1 else "")
             for g in self.machines
         ]
-        return f"{self.name} ({', '.join(parts)}{', emulated' if self.emulated else ''})"
+        where = ""
+        if self.emulated:
+            where = ", emulated on one GPU" if self.device == "cuda" else ", emulated"
+        return f"{self.name} ({', '.join(parts)}{where})"
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "ClusterSpec":
@@ -401,12 +415,20 @@ class ClusterSpec:
             raise ConfigError(
                 f"cluster.virtual_device={virtual!r} is invalid; use 'gpu' or 'machine'"
             )
+        emulated = bool(cfg.get("emulated", False))
+        device = cfg.get("device", _default_device(emulated, groups))
+        if device not in COMPUTE_DEVICES:
+            raise ConfigError(
+                f"cluster.device={device!r} is invalid; use cpu (worker processes on this host's "
+                "cores) or cuda (emulated: every rank on this host's GPU under MPS)"
+            )
         spec = cls(
             name=name,
             machines=tuple(groups),
             intra_machine=links["intra_machine"],
             inter_machine=links["inter_machine"],
-            emulated=bool(cfg.get("emulated", False)),
+            emulated=emulated,
+            device=device,
             virtual_device=virtual,
             inline_types=inline,
         )
@@ -416,17 +438,31 @@ class ClusterSpec:
                 f"cluster.num_devices={expected!r} does not add up: the machine groups hold "
                 f"{spec.num_devices} devices; fix the counts or drop num_devices"
             )
-        if spec.emulated and any(g.device != "cpu" for g in groups):
+        types = sorted({g.device for g in groups})
+        if spec.emulated and device == "cpu" and types != ["cpu"]:
             raise ConfigError(
-                f"cluster.emulated=true needs device 'cpu' on every machine (got "
-                f"{sorted({g.device for g in groups})}); emulated devices differ by `speed`"
+                f"cluster.emulated=true with cluster.device=cpu needs device 'cpu' on every machine "
+                f"(got {types}); emulated devices differ by `speed`, or set cluster.device=cuda to "
+                "share this host's GPU"
+            )
+        if spec.emulated and device == "cuda" and "cpu" in types:
+            raise ConfigError(
+                f"cluster.device=cuda runs the emulated ranks on a GPU, but the machines say device "
+                f"'cpu' (got {types}); give them this GPU's type (e.g. H100-80) or set cluster.device=cpu"
             )
         return spec
 
 
 _MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
 _CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
-                   "gpus_per_machine", "device_types"}
+                   "gpus_per_machine", "device_types", "device"}
+
+
+def _default_device(emulated: bool, machines) -> str:
+    """cpu for emulated clusters and for clusters of cpu devices; cuda for real GPU clusters."""
+    if emulated or all(g.device == _MEASURED_TYPE for g in machines):
+        return "cpu"
+    return "cuda"
 
 
 def _inline_types(cfg: Any) -> tuple[DeviceType, ...]:

@@ -13,7 +13,9 @@ time to absorb a slowed-down burst; reported times are emulated time (wall x hea
 
 Links: every torch.distributed collective takes at least the alpha-beta time of the emulated link
 (bench.cost), stretched by 1 / headroom; back-to-back collectives queue on one link clock.
-Real GPUs run with emulation off.
+Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device: cuda`) paces
+links only (`pace_compute=False`): its ranks' compute runs real kernels at their MPS share of the
+GPU (bench.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ class Emulator:
     """Per-rank time dilation and link emulation. A disabled one does nothing, cheaply."""
 
     def __init__(self, cluster: ClusterSpec, rank: int, enabled: bool,
-                 settings: EmulationSettings | None = None):
+                 settings: EmulationSettings | None = None, pace_compute: bool = True):
         self.enabled = enabled
+        # False: links only; compute runs as fast as the hardware lets it (MPS sets its speed).
+        self.pace_compute = enabled and pace_compute
         self.cluster = cluster
         self.rank = rank
         self.settings = settings or EmulationSettings()
-        speed = cluster.devices[rank].speed if enabled else 1.0
-        self.headroom = self.settings.headroom if enabled else 1.0
+        speed = cluster.devices[rank].speed if self.pace_compute else 1.0
+        # Slow motion exists for sleeping CPU ranks; real kernels run in real time.
+        self.headroom = self.settings.headroom if self.pace_compute else 1.0
         self.dilation = 1.0 / speed  # emulated time per unit of full-pace compute
         self.wall_per_emulated_s = 1.0 / self.headroom
         self._last = time.perf_counter()
@@ -126,7 +131,7 @@ class Emulator:
     def stretch(self) -> None:
         """End the current compute interval: wait until it has lasted its target."""
         now = time.perf_counter()
-        if not self.enabled or self._paused:
+        if not self.pace_compute or self._paused:
             self._last = now
             return
         measured = now - self._last
@@ -154,8 +159,15 @@ class Emulator:
         self.reference_s += reference
         self._last = now
 
-    def report(self) -> dict:
-        """What the emulated device achieved over the measured iterations (rows record it)."""
+    def report(self, probe_flops: float | None = None) -> dict:
+        """What the emulated device achieved over the measured iterations (rows record it).
+
+        Unpaced (on a GPU): the configured speed and the rank's measured matmul FLOP/s
+        (`probe_flops`); the runner turns every rank's into achieved speeds (achieved_speeds)."""
+        if not self.pace_compute:
+            return {"speed": self.cluster.devices[self.rank].speed, "paced": False,
+                    "probe_flops_per_s": probe_flops,
+                    "mps_active_thread_percentage": _env_float("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
         error = None if not self.target_s else self.achieved_s / self.target_s - 1.0
         return {
             "speed": 1.0 / self.dilation,
@@ -202,6 +214,41 @@ class Emulator:
         if self.enabled:
             self._loopback = _measure_loopback()
             _install_wrappers(self)
+
+
+def achieved_speeds(speeds: list[float], flops: list[float]) -> list[float]:
+    """Each rank's achieved speed on the configured scale: its share of the ranks' summed
+    measured FLOP/s times the summed configured speeds (equal to `speeds` when the GPU was
+    shared exactly in their ratio)."""
+    total = sum(flops)
+    return [f / total * sum(speeds) for f in flops]
+
+
+def measure_matmul_flops(device: torch.device, size: int = 4096, reps: int = 20) -> float:
+    """FLOP/s of this process on `device`: `reps` fp32 size x size matmuls (at the TF32 setting
+    in force), after warm-up, synchronised. Large enough that the SM share, not kernel launches,
+    sets the time: 137 GFLOP each, ~3 ms on a whole H100, ~10 ms at a 30% MPS share."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=gen)
+    b = torch.randn(size, size, device=device, generator=gen)
+    for _ in range(3):  # cuBLAS handles and workspaces, clocks up
+        a @ b
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _synchronize(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return None if value is None else float(value)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _measure_loopback() -> tuple[float, float]:

@@ -1,12 +1,14 @@
 """Start one worker process per device on this host and watch them.
 
 A failing worker ends the whole case: the others are terminated (then killed), its traceback is
-raised as WorkerError. Across hosts use torchrun instead (see README); this is not a launcher
-for many machines.
+raised as WorkerError (WorkerOutOfMemory when it ran out of memory). An emulated cluster on a GPU
+runs inside a private MPS daemon (bench.mps), each worker with its SM share. Across hosts use
+torchrun instead (see README); this is not a launcher for many machines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -18,7 +20,10 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from bench.worker import Case, run_rank
+import torch
+
+from bench import mps
+from bench.worker import Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
 
@@ -28,6 +33,12 @@ class WorkerError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+
+
+class WorkerOutOfMemory(WorkerError):
+    def __init__(self, rank: int, detail: str, peak_mem_gib: float):
+        super().__init__(rank, detail)
+        self.peak_mem_gib = peak_mem_gib
 
 
 class CaseTimeout(RuntimeError):
@@ -55,13 +66,20 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int) -> None:
+def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int,
+           env: dict[str, str]) -> None:
+    # MPS settings are read when CUDA initialises in this process: before anything touches it.
+    assert not (env and torch.cuda.is_initialized()), "CUDA initialised before the MPS settings"
+    os.environ.update(env)
     _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
         result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
         messages.put(("result", rank, result))
+    except RankOutOfMemory as exc:
+        messages.put(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
+        raise SystemExit(1)
     except BaseException:
         messages.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -69,12 +87,23 @@ def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: 
 
 def launch(case: Case, world_size: int, timeout_s: float,
            on_progress: Callable[[int], None] | None = None) -> list[dict]:
-    """Run `case` on `world_size` local workers; returns their results ordered by rank."""
+    """Run `case` on `world_size` local workers; returns their results ordered by rank.
+
+    An emulated cluster with `device: cuda` runs under its own MPS daemon, stopped when the
+    case ends, failed or not; ConfigError (one line) when MPS is not installed."""
+    on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
+    with (mps.mps_daemon() if on_gpu else contextlib.nullcontext()) as dirs:
+        envs = mps.worker_envs(case.cluster, *dirs) if on_gpu else [{}] * world_size
+        return _run_workers(case, world_size, timeout_s, on_progress, envs)
+
+
+def _run_workers(case: Case, world_size: int, timeout_s: float,
+                 on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid()),
+        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid(), envs[r]),
                     daemon=True)
         for r in range(world_size)
     ]
@@ -106,6 +135,8 @@ def launch(case: Case, world_size: int, timeout_s: float,
                     on_progress(payload)
             elif kind == "result":
                 results[rank] = payload
+            elif kind == "oom":
+                raise WorkerOutOfMemory(rank, payload["detail"], payload["peak_mem_gib"])
             else:
                 raise WorkerError(rank, payload)
         for p in procs:

@@ -68,6 +68,9 @@ class RunRecord:
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes
     emulation: dict | None = None  # emulated clusters: headroom, per-rank achieved dilation, ok
+    precision: dict | None = None  # precision, autocast dtype and TF32 flags in force (rank 0)
+    rank_hardware: list[dict] | None = None  # per rank: GPU name, memory, driver, CUDA, NCCL; or CPU
+    oom_rank: int | None = None  # status oom: the rank that ran out of memory
     plan: dict | None = None
     plan_hash: str | None = None  # sha256 of the plan's decisions (bench.run.plan_hash)
     case_key: str = ""
@@ -98,6 +101,8 @@ class RunRecord:
 def case_key(config: dict) -> str:
     """Identity of a case: a hash of the resolved config minus keys that don't affect it."""
     body = {k: v for k, v in config.items() if k not in _NON_CASE_KEYS}
+    if body.get("precision") == "fp32":
+        del body["precision"]  # the default: keys stay those of rows from before it was a key
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

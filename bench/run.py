@@ -28,10 +28,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
-from bench.emulation import DILATION_TOLERANCE, EmulationSettings
+from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
 from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
-from bench.launch import CaseTimeout, WorkerError, launch
+from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch
 from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
 from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
 from bench.progress import interactive, progress_bar
@@ -47,7 +47,7 @@ from bench.records import (
 from bench.cost import simulate
 from bench.table import print_table
 from bench.tracking import WANDB_MODES, Tracker, track_case, track_sweep
-from bench.worker import Case, init_process_group, pick_device, run_rank
+from bench.worker import PRECISIONS, Case, init_process_group, pick_device, run_rank
 
 log = logging.getLogger("bench.run")
 
@@ -143,6 +143,9 @@ def _check_protocol(cfg: DictConfig) -> None:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} is invalid; valid: {', '.join(WANDB_MODES)}")
     if cfg.data.source not in DATA_SOURCES:
         raise ConfigError(f"data.source={cfg.data.source!r} is invalid; valid: {', '.join(DATA_SOURCES)}")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision!r} is invalid; valid: {', '.join(PRECISIONS)} "
+                          "(fp32 as in the paper; e.g. precision=bf16)")
 
 
 def check_repeats(value) -> int:
@@ -189,6 +192,17 @@ def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
 def _check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
     import torch
 
+    if cluster.emulated and cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"cluster.device=cuda (cluster={cluster.name}) needs a CUDA GPU, but torch "
+                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda or 'no'}); use "
+                "an emulated cluster with device: cpu (e.g. cluster=local_hetero2) or run on a GPU host"
+            )
+        from bench.mps import control_binary
+
+        control_binary()  # one line when MPS is not installed
+        return
     if world_size is not None:  # torchrun: one process per device, possibly across hosts
         if world_size != cluster.num_devices:
             raise ConfigError(
@@ -249,7 +263,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.flops_per_iter = workload.flops_per_iter
     if cfg.mode == "real":
         _check_hardware(cluster, world_size)
-    if cluster.emulated:
+    if cluster.emulated and cluster.device == "cpu":
         per_device = -(-workload.global_batch // cluster.num_devices)
         record.host_flops_per_s, record.host_step_overhead_s = measure_host_speed(
             workload, per_device, cfg.seed)
@@ -269,10 +283,15 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
+    if emulation is not None and cluster.device == "cuda":
+        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.emulation).
+        emulation = EmulationSettings(headroom=1.0, reference_iters=0)
     record.emulation = None if emulation is None else {
-        "headroom": emulation.headroom, "reference_iters": emulation.reference_iters}
+        "device": cluster.device, "headroom": emulation.headroom,
+        "reference_iters": emulation.reference_iters}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
-                fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown)
+                fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
+                precision=cfg.precision, oom_rank=cfg.test.oom_rank)
 
 
 def plan_hash(plan) -> str:
@@ -342,6 +361,13 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
     except PlanningError as exc:
         record.status, record.error = exc.status, str(exc)
         print(f"error: {exc} (case recorded as {exc.status})", file=sys.stderr)
+    except WorkerOutOfMemory as exc:
+        record.status, record.error = "oom", str(exc)
+        record.oom_rank = exc.rank
+        record.peak_mem_gib = [exc.peak_mem_gib if r == exc.rank else None
+                               for r in range(record.num_devices or exc.rank + 1)]
+        print(f"{exc.detail}error: rank {exc.rank} ran out of memory (peak {exc.peak_mem_gib:.2f} "
+              "GiB); case recorded as oom", file=sys.stderr)
     except WorkerError as exc:
         record.error = str(exc)
         print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
@@ -358,6 +384,9 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
 def _hardware(cluster: ClusterSpec) -> str:
     import torch
 
+    if cluster.emulated and cluster.device == "cuda":
+        return (f"{torch.cuda.get_device_name(0)} shared by {cluster.num_devices} MPS workers "
+                f"(emulated {cluster.describe()})")
     if cluster.emulated:
         return f"cpu x{cluster.num_devices} workers (emulated {cluster.describe()})"
     if torch.cuda.is_available():
@@ -397,13 +426,28 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     if all(mems):
         record.peak_mem_gib_per_iter = [max(m) for m in zip(*mems)][-measured:]
     record.host = ", ".join(sorted({r["host"] for r in results}))
+    record.rank_hardware = [r.get("hardware") for r in results]
+    record.precision = results[0].get("precision")
     ranks = [r.get("emulation") for r in results]
-    if record.emulation is not None and all(ranks):
+    if record.emulation is not None and all(ranks) and not all(r.get("paced", True) for r in ranks):
+        _fill_gpu_emulation(record, ranks)
+    elif record.emulation is not None and all(ranks):
         errors = [r["error"] for r in ranks if r["error"] is not None]
         worst = max(errors, key=abs, default=0.0)
         record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
                             "ok": abs(worst) <= DILATION_TOLERANCE}
     record.status = "ok"
+
+
+def _fill_gpu_emulation(record: RunRecord, ranks: list[dict]) -> None:
+    """Emulated ranks on one GPU: each rank's achieved speed (from its matmul probe) against its
+    configured speed; `ok` when every rank is within DILATION_TOLERANCE."""
+    speeds = [r["speed"] for r in ranks]
+    achieved = achieved_speeds(speeds, [r["probe_flops_per_s"] for r in ranks])
+    ranks = [{**r, "achieved_speed": a, "error": a / r["speed"] - 1.0} for r, a in zip(ranks, achieved)]
+    worst = max((r["error"] for r in ranks), key=abs)
+    record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
+                        "ok": abs(worst) <= DILATION_TOLERANCE}
 
 
 def fill_predicted_metrics(record: RunRecord, workload: Workload) -> None:
@@ -426,7 +470,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    init_process_group(rank, world, pick_device(local_rank))
+    init_process_group(rank, world, pick_device(local_rank))  # torchrun: real GPUs, NCCL
     record = new_record(cfg)
     record.run_id = os.environ.get(RUN_ID_ENV) or record.run_id  # a multi-node job's, if any
     box: list = [None, None]

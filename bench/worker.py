@@ -1,15 +1,20 @@
 """One rank of a real run: join the process group, set the method up, time the iterations.
 
 The same function runs under bench.launch (spawned workers on one host, gloo) and under
-torchrun (one process per GPU or per host, env:// rendezvous, NCCL on GPUs).
+torchrun (one process per GPU or per host, env:// rendezvous, NCCL on GPUs). It applies the
+case's precision around every method's step and reports an out-of-memory rank distinctly; it
+does not start processes or MPS (bench.launch does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import platform
 import resource
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bench.cluster import ClusterSpec
-from bench.emulation import EmulationSettings, Emulator
+from bench.emulation import EmulationSettings, Emulator, measure_matmul_flops
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
 
@@ -37,20 +42,137 @@ class Case:
     fail_rank: int | None = None  # tests: this rank raises at its first iteration
     emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
     slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
+    precision: str = "fp32"  # one of PRECISIONS
+    oom_rank: int | None = None  # tests: this rank asks for more memory than exists, first iteration
 
 
-def pick_device(local_rank: int) -> torch.device:
+# fp32: true fp32 everywhere (the paper's setting; TF32 off for matmuls and cuDNN);
+# tf32: fp32 tensors, TF32 tensor-core matmuls and convolutions; bf16: torch.autocast to bfloat16.
+PRECISIONS = ("fp32", "tf32", "bf16")
+# Bytes the oom_rank test hook asks for: 1 PiB, more than any device holds and more than a
+# 48-bit address space maps, so the allocator itself refuses (no overcommit lets it through).
+_IMPOSSIBLE_BYTES = 2**50
+
+
+class RankOutOfMemory(RuntimeError):
+    """A rank ran out of device (or host) memory; carries its peak memory so far."""
+
+    def __init__(self, rank: int, peak_mem_gib: float, detail: str):
+        super().__init__(f"rank {rank} ran out of memory (peak {peak_mem_gib:.2f} GiB):\n{detail}")
+        self.rank, self.peak_mem_gib, self.detail = rank, peak_mem_gib, detail
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or torch's CPU allocator refusing (a
+    RuntimeError that names it: the CPU allocator has no exception type of its own)."""
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def pick_device(local_rank: int, cluster: ClusterSpec | None = None) -> torch.device:
+    """cpu for a cluster that computes on cpu (emulated by default); an emulated cuda cluster
+    puts every rank on GPU 0 (MPS shares it); otherwise one GPU per local rank when there are GPUs."""
+    if cluster is not None and cluster.device == "cpu":
+        return torch.device("cpu")
+    if cluster is not None and cluster.emulated:
+        return torch.device("cuda", 0)
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
-def init_process_group(rank: int, world_size: int, device: torch.device) -> None:
-    """env:// rendezvous (MASTER_ADDR/PORT set by bench.launch or torchrun)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def init_process_group(rank: int, world_size: int, device: torch.device, backend: str | None = None) -> None:
+    """env:// rendezvous (MASTER_ADDR/PORT set by bench.launch or torchrun). Default backend:
+    NCCL on a GPU, gloo on the CPU."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def backend_for(cluster: ClusterSpec, device: torch.device) -> str:
+    """gloo for emulated clusters: NCCL refuses two ranks of one communicator on one GPU, and
+    gloo takes CUDA tensors (it copies them through host memory itself)."""
+    return "gloo" if cluster.emulated or device.type == "cpu" else "nccl"
+
+
+def set_precision(precision: str) -> None:
+    """The TF32 switches for `precision` (they only act on CUDA; set everywhere, so the row's
+    flags say what a GPU would have done). bf16's autocast is entered per step (step_context)."""
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def step_context(precision: str, device: torch.device):
+    """What each training step runs inside: autocast to bfloat16 on the rank's device type for
+    bf16. Around the whole step (forward, backward, optimizer), because the methods' steps are
+    opaque to the worker; backward ops then run in the dtypes autocast chose in forward and the
+    optimizer's fp32 parameter math is on no autocast list, so it stays fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def precision_in_force(precision: str, device: torch.device) -> dict:
+    """The precision settings as torch reports them (call inside step_context)."""
+    autocast = torch.is_autocast_enabled(device.type)
+    return {
+        "precision": precision,
+        "autocast_dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.") if autocast else None,
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+def rank_hardware(device: torch.device) -> dict:
+    """What this rank ran on: the GPU (name, memory, driver, CUDA, NCCL) or the CPU (model,
+    cores). Driver only through nvidia-ml-py (pynvml) when it is installed; else null."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+        return {
+            "device": "cuda", "name": props.name, "memory_gib": props.total_memory / 2**30,
+            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+            "driver": _nvidia_driver(), "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+            "mps_active_thread_percentage": _env_number("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        }
+    return {"device": "cpu", "name": _cpu_model(), "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return version.decode() if isinstance(version, bytes) else version
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _env_number(name: str) -> float | None:
+    value = os.environ.get(name)
+    return None if value is None else float(value)
 
 
 def peak_mem_gib(device: torch.device) -> float:
@@ -72,72 +194,97 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
     """
-    device = pick_device(local_rank)
-    emulated = case.cluster.emulated and device.type == "cpu"
+    device = pick_device(local_rank, case.cluster)
+    emulated = case.cluster.emulated
+    # On a GPU, compute runs at the rank's MPS share (real kernels, bench.launch): only links
+    # are emulated. On the CPU, slow ranks sleep their compute out.
+    pace_compute = emulated and device.type == "cpu"
     if device.type == "cpu":
         torch.set_num_threads(1)  # one core per emulated device; slow ranks sleep, not spin
     torch.set_flush_denormal(True)  # denormal softmax gradients slow CPUs down several-fold
+    set_precision(case.precision)
     if not dist.is_initialized():
-        init_process_group(rank, world_size, device)
+        init_process_group(rank, world_size, device, backend_for(case.cluster, device))
     try:
-        emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation)
-        emulator.install()
-        workload = case.workload
-        model = workload.build(case.seed).to(device)
-        ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
-        with emulator.paused():  # set-up is not part of an iteration: not emulated
-            trainer = case.method.setup(case.plan, model, ctx)
-        data = workload.model_cfg.dataset(
-            workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
-            case.seed,
-        )
-        start, stop = offsets(case.plan.batch_shares)[rank]
-        iter_times, losses, mems = [], [], []
-        # Emulated ranks first run full-pace iterations that set their pacing reference (not
-        # when a test checks exactness step by step: it needs exactly its own steps).
-        refs = emulator.settings.reference_iters
-        pre = emulator.settings.SKIPPED + refs if emulated and refs and not case.return_state else 0
-        for it in range(pre + case.warmup_iters + case.measured_iters):
-            if it == pre + case.warmup_iters:
-                emulator.reset_stats()
-            if case.fail_rank == rank:
-                raise RuntimeError(f"deliberate failure of rank {rank} (fail_rank, a test option)")
-            batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            emulator.begin_iteration(it)
-            t0 = time.perf_counter()
-            loss = trainer.step(batch)
-            if case.slowdown:
-                _busy(case.slowdown * (time.perf_counter() - t0))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
-                iter_times.append((time.perf_counter() - t0) * emulator.headroom)
-                mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
-            value = float(loss)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
-            losses.append(value)
-            if progress is not None and it >= pre:
-                progress(it + 1 - pre)
-        result = {
-            "rank": rank,
-            "iter_times_s": iter_times,
-            "loss_sums": losses,
-            "peak_mem_gib": peak_mem_gib(device),
-            "peak_mem_gib_per_iter": mems,
-            "emulation": emulator.report() if emulated else None,
-            "host": os.uname().nodename,
-        }
-        if case.return_state and rank == 0:
-            result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()
-                               if p.grad is not None}
-            result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
-        if gather:
-            everyone = [None] * world_size if rank == 0 else None
-            dist.gather_object(result, everyone, dst=0)
-            return everyone
-        return result
+        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
     finally:
         dist.destroy_process_group()
+
+
+def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
+           pace_compute: bool, progress, gather: bool):
+    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
+                        pace_compute=pace_compute)
+    emulator.install()
+    probe_flops = None
+    if emulated and device.type == "cuda":
+        dist.barrier()  # every rank probes at once, sharing the GPU as in training
+        probe_flops = measure_matmul_flops(device)
+    workload = case.workload
+    model = workload.build(case.seed).to(device)
+    ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
+    with emulator.paused():  # set-up is not part of an iteration: not emulated
+        trainer = case.method.setup(case.plan, model, ctx)
+    data = workload.model_cfg.dataset(
+        workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
+        case.seed,
+    )
+    start, stop = offsets(case.plan.batch_shares)[rank]
+    iter_times, losses, mems = [], [], []
+    # Emulated ranks first run full-pace iterations that set their pacing reference (not
+    # when a test checks exactness step by step: it needs exactly its own steps).
+    refs = emulator.settings.reference_iters
+    pre = emulator.settings.SKIPPED + refs if pace_compute and refs and not case.return_state else 0
+    precision = None
+    for it in range(pre + case.warmup_iters + case.measured_iters):
+        if it == pre + case.warmup_iters:
+            emulator.reset_stats()
+        if case.fail_rank == rank:
+            raise RuntimeError(f"deliberate failure of rank {rank} (fail_rank, a test option)")
+        if case.oom_rank == rank:
+            torch.empty(_IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
+        batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        emulator.begin_iteration(it)
+        t0 = time.perf_counter()
+        with step_context(case.precision, device):
+            precision = precision or precision_in_force(case.precision, device)
+            loss = trainer.step(batch)
+        if case.slowdown:
+            _busy(case.slowdown * (time.perf_counter() - t0))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
+            iter_times.append((time.perf_counter() - t0) * emulator.headroom)
+            mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
+        value = float(loss)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
+        losses.append(value)
+        if progress is not None and it >= pre:
+            progress(it + 1 - pre)
+    result = {
+        "rank": rank,
+        "iter_times_s": iter_times,
+        "loss_sums": losses,
+        "peak_mem_gib": peak_mem_gib(device),
+        "peak_mem_gib_per_iter": mems,
+        "emulation": emulator.report(probe_flops) if emulated else None,
+        "host": os.uname().nodename,
+        "hardware": rank_hardware(device),
+        "precision": precision,
+    }
+    if case.return_state and rank == 0:
+        result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()
+                           if p.grad is not None}
+        result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+    if gather:
+        everyone = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, everyone, dst=0)
+        return everyone
+    return result

@@ -101,8 +101,11 @@ def run_case(model: str, ratios: list, global_batch: int = 7, machines: list[int
     return workload, plan, results
 
 
-def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0) -> None:
-    losses, grads, params = single_device(workload, 0, STEPS, lr, grad_clip)
+def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0,
+                      reference=None) -> None:
+    """`results` (rank 0 returning the reassembled state) against single-device training: the
+    CPU's, or `reference` = single_device's (losses, grads, params) computed elsewhere (a GPU)."""
+    losses, grads, params = reference or single_device(workload, 0, STEPS, lr, grad_clip)
     dist_losses = [sum(r["loss_sums"][i] for r in results) / workload.targets_per_iter for i in range(STEPS)]
     np.testing.assert_allclose(dist_losses, losses, rtol=1e-5)
     got = results[0]["grads"]  # the last step's gradients, reassembled from every rank's shards

@@ -103,14 +103,20 @@ def test_real_wikitext_files_train_through_the_runner(tmp_path):
 def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     out = run("bench.run", "cluster=local_hetero9", results_dir=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: cluster=local_hetero9 is unknown; known: local_hetero2, "
-                                  "local_hetero4, local_homo2, motivation, paper_hetero, paper_homo")
+    assert out.stderr.strip() == ("error: cluster=local_hetero9 is unknown; known: h100x1, "
+                                  "local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
+                                  "local_homo2, motivation, paper_hetero, paper_homo")
+    out = run("bench.run", "precision=fp16", "wandb.mode=disabled", results_dir=tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: precision='fp16' is invalid; valid: fp32, tf32, bf16 (fp32 as in the paper; e.g. "
+        "precision=bf16)"]
     out = run("bench.run", "global_batch=1", "wandb.mode=disabled", results_dir=tmp_path)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         "error: global_batch=1 is smaller than the 2 devices of cluster=local_hetero2; every "
         "device needs a sample: set global_batch>=2 (or preset.batch_per_device>=1)"]
-    assert [r["status"] for r in rows(tmp_path)] == ["failed"]
+    assert [r["status"] for r in rows(tmp_path)] == ["failed", "failed"]
 
 
 def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):

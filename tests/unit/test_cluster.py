@@ -42,7 +42,7 @@ def test_every_cluster_preset_validates(name):
 
     cfg = compose_config(f"cluster={name}")
     spec = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    assert spec.num_devices >= 2 and spec.name == name
+    assert spec.num_devices >= 1 and spec.name == name  # h100x1: one real GPU
 
 
 def test_paper_hetero_has_k_gpus_per_machine():
