@@ -2,6 +2,7 @@
 
     python -m bench.dilation            # 10 runs at speeds 0.25, 0.4, 0.5: one table
     python -m bench.dilation 3 0.5      # 3 runs at speed 0.5
+    python -m bench.dilation 10 emulation.reference_iters=30   # runner overrides, as elsewhere
 
 One spawned worker process trains tiny BERT through the real worker path (bench.worker.run_rank,
 one emulated device) at speed 1, then s, then 1 again, for each speed s; the achieved dilation
@@ -20,25 +21,27 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from bench.progress import track
+
 SPEEDS = (0.25, 0.4, 0.5)
 GOAL = 0.03  # within 3% of 1/speed
 
 
-def _case(speed: float):
+def _case(speed: float, overrides: tuple[str, ...] = ()):
     from bench.run import compose_config, new_record, prepare_case
 
     cfg = compose_config(
         "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",
         f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
-        "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled")
+        "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled", *overrides)
     return prepare_case(cfg, new_record(cfg))
 
 
-def _worker(speeds, port, out) -> None:
+def _worker(speeds, port, out, overrides=()) -> None:
     from bench.worker import run_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cases = {s: _case(s) for s in {1.0, *speeds}}
+    cases = {s: _case(s, overrides) for s in {1.0, *speeds}}
 
     def median_iter(speed):
         result = run_rank(cases[speed], 0, 1, 0)
@@ -52,13 +55,13 @@ def _worker(speeds, port, out) -> None:
         before = after
 
 
-def measure(speeds=SPEEDS) -> dict[float, float]:
+def measure(speeds=SPEEDS, overrides: tuple[str, ...] = ()) -> dict[float, float]:
     """One run: {speed: achieved dilation x speed} from one worker process."""
     from bench.launch import _free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(tuple(speeds), _free_port(), out))
+    proc = ctx.Process(target=_worker, args=(tuple(speeds), _free_port(), out, tuple(overrides)))
     proc.start()
     try:
         return dict(out.get(timeout=300) for _ in speeds)
@@ -72,18 +75,20 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__.strip())
         return 0
+    overrides = tuple(a for a in argv if "=" in a)
+    argv = [a for a in argv if "=" not in a]
     try:
         runs = int(argv[0]) if argv else 10
         speeds = tuple(float(s) for s in argv[1:]) or SPEEDS
     except ValueError:
-        print(f"error: usage: python -m bench.dilation [RUNS] [SPEED ...]; got {' '.join(argv)}",
+        print(f"error: usage: python -m bench.dilation [RUNS] [SPEED ...] [key=value ...]; got {' '.join(argv)}",
               file=sys.stderr)
         return 2
     if runs < 1 or not all(0 < s <= 1 for s in speeds):
         print("error: RUNS must be >= 1 and each SPEED in (0, 1]; e.g. python -m bench.dilation 10 0.5",
               file=sys.stderr)
         return 2
-    results = [measure(speeds) for _ in range(runs)]
+    results = [measure(speeds, overrides) for _ in track(range(runs), "dilation runs")]
     table = Table(title=f"achieved dilation x speed (1.000 = exactly 1/speed), {runs} runs")
     for col in ("speed", *(f"run {i + 1}" for i in range(runs)), f"within {GOAL:.0%}"):
         table.add_column(col, justify="right")
