@@ -307,6 +307,20 @@ def layout(rows: list[dict]) -> dict:
     return {}
 
 
+def _trackers(names: str, out: Path) -> list:
+    """The loggers of `--logger` (conf/logger options), writing under `out`."""
+    if names in ("", "none"):
+        return []
+    from bench.cluster import ConfigError
+    from bench.run import check_group_choices, compose_config, make_trackers
+
+    try:
+        check_group_choices([f"logger={names}"])
+    except ConfigError as exc:
+        raise ReportError(f"--logger: {exc}") from None
+    return make_trackers(compose_config(f"logger=[{names}]", f"results_dir={out}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetbench report", description=__doc__.split("\n\n")[0],
                                      epilog="Reads rows written by `hetbench run`/`compare` (any "
@@ -319,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title")
     parser.add_argument("--sweep", help="only rows of this sweep_id")
     parser.add_argument("--no-figure", action="store_true", help="CSVs and the table only")
+    parser.add_argument("--logger", default="none",
+                        help="also keep the figure and CSVs as an artifact of these loggers "
+                             "(conf/logger, comma list, e.g. wandb,csv; they write under --out)")
     args = parser.parse_args(argv)
     try:
         rows = read_rows(args.path)
@@ -330,9 +347,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = layout(rows)
         path = Path(args.path)
         out = Path(args.out) if args.out else (path.parent if path.is_file() else path)
-        report(rows, out, args.name or spec.get("name", "report"), args.x or spec.get("x", "cluster"),
+        trackers = _trackers(args.logger, out)
+        name = args.name or spec.get("name", "report")
+        report(rows, out, name, args.x or spec.get("x", "cluster"),
                args.metric or spec.get("metric", "samples_per_s"), args.title or spec.get("title"),
                figure=not args.no_figure)
+        if trackers:
+            from bench.tracking import track_figure
+
+            files = [out / f"{name}{suffix}" for suffix in (".png", ".pdf", ".csv", "_speedup.csv")]
+            track_figure(trackers, name, [f for f in files if f.exists()])
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

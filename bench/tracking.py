@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -120,6 +121,9 @@ class Tracker:
     def log_sweep(self, rows: list[dict], records_path: Path) -> None:
         """Mirror the rows one sweep wrote, as one table."""
 
+    def log_figure(self, name: str, files: list[Path]) -> None:
+        """Keep a figure's files (PNG, PDF, CSVs) as an artifact."""
+
 
 def track_case(trackers: Iterable[Tracker], record: RunRecord, records_path: Path) -> None:
     """Give the written row to every tracker; a tracker's error is a warning, never a failure."""
@@ -138,6 +142,15 @@ def track_sweep(trackers: Iterable[Tracker], rows: list[dict], records_path: Pat
         except Exception as exc:
             log.warning("logger %s failed on the sweep table (%s: %s); the JSONL rows are kept",
                         type(tracker).__name__, type(exc).__name__, exc)
+
+
+def track_figure(trackers: Iterable[Tracker], name: str, files: list[Path]) -> None:
+    for tracker in trackers:
+        try:
+            tracker.log_figure(name, [Path(f) for f in files])
+        except Exception as exc:  # the figure is already on disk
+            log.warning("logger %s failed on figure %s (%s: %s); the files are kept",
+                        type(tracker).__name__, name, type(exc).__name__, exc)
 
 
 class WandbLogger(Tracker):
@@ -199,6 +212,22 @@ class WandbLogger(Tracker):
             run.finish()
 
 
+    def log_figure(self, name: str, files: list[Path]) -> None:
+        if self.mode == "disabled":
+            return
+        wandb, run = self._init(name=f"figure/{name}", job_type="figure")
+        try:
+            artifact = wandb.Artifact(f"figure-{_slug(name)}", type="figure")
+            for f in files:
+                artifact.add_file(str(f), name=f.name)
+            run.log_artifact(artifact)
+            for f in files:
+                if f.suffix == ".png":
+                    run.log({f"figure/{name}": wandb.Image(str(f))})
+        finally:
+            run.finish()
+
+
 class CsvLogger(Tracker):
     """Plain files under `dir`: steps/<run_id>.csv (one line per measured iteration),
     plans/<run_id>.json, and per sweep sweeps/<stamp>.csv (one line per row)."""
@@ -232,6 +261,13 @@ class CsvLogger(Tracker):
             writer = csv.writer(f)
             writer.writerow(columns)
             writer.writerows([["" if v is None else v for v in line] for line in data])
+
+
+    def log_figure(self, name: str, files: list[Path]) -> None:
+        folder = self.dir / "figures" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copyfile(f, folder / f.name)
 
 
 class TensorBoardLogger(Tracker):
@@ -280,6 +316,23 @@ class TensorBoardLogger(Tracker):
         try:
             writer.add_text("sweep/rows", "\n".join(lines))
             writer.add_text("sweep/records", f"`{records_path}`")
+        finally:
+            writer.close()
+
+
+    def log_figure(self, name: str, files: list[Path]) -> None:
+        if self._writer_cls is None:
+            return
+        writer = self._writer_cls(logdir=str(self.dir / f"figure-{_slug(name)}"))
+        try:
+            for f in files:
+                if f.suffix == ".png":
+                    import matplotlib.image
+
+                    writer.add_image(f"figure/{name}", matplotlib.image.imread(str(f))[..., :3],
+                                     dataformats="HWC")
+                elif f.suffix == ".csv":
+                    writer.add_text(f"figure/{f.stem}", "```\n" + f.read_text() + "```")
         finally:
             writer.close()
 

@@ -103,3 +103,19 @@ def test_bad_input_is_one_line_naming_the_path_or_option(tmp_path, records):
         done = _cli(*args)
         assert done.returncode == 2 and done.stderr.startswith(start), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_report_keeps_the_figure_as_an_artifact_of_the_chosen_loggers(records, tmp_path):
+    out = tmp_path / "out"
+    assert report.main([str(records), "--out", str(out), "--logger", "csv,wandb"]) == 0
+    kept = sorted(p.name for p in (out / "csv" / "figures" / "fig").iterdir())
+    assert kept == ["fig.csv", "fig.pdf", "fig.png", "fig_speedup.csv"]
+    assert (out / "csv" / "figures" / "fig" / "fig.csv").read_bytes() == (out / "fig.csv").read_bytes()
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # one W&B run (offline by default) holding the figure artifact
+
+
+def test_an_unknown_logger_for_report_is_one_line(records, tmp_path):
+    done = _cli(str(records), "--out", str(tmp_path), "--logger", "mlflow")
+    assert done.returncode == 2 and done.stderr.startswith("error: --logger: logger=mlflow is unknown")
+    assert len(done.stderr.strip().splitlines()) == 1
