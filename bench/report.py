@@ -112,7 +112,7 @@ def config_value(row: dict, dotted: str):
 def _interval(row: dict, metric: str) -> tuple[float | None, float | None, float | None]:
     """(low, high, coverage) of the metric from an aggregate's interval of the iteration time."""
     agg = (row.get("aggregate") or {}).get("iter_time_s")
-    if not agg or row.get("status") != "ok" or metric == "planner_time_s":
+    if not agg or row.get("status") != "ok" or row.get(metric) is None or metric == "planner_time_s":
         return None, None, None
     if metric == "iter_time_s_mean":
         return agg["low"], agg["high"], agg["coverage"]

@@ -119,3 +119,11 @@ def test_an_unknown_logger_for_report_is_one_line(records, tmp_path):
     done = _cli(str(records), "--out", str(tmp_path), "--logger", "mlflow")
     assert done.returncode == 2 and done.stderr.startswith("error: --logger: logger=mlflow is unknown")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_metric_a_row_does_not_have_is_a_gap_not_an_error(tmp_path):
+    path = tmp_path / "records.jsonl"
+    append_record(path, _aggregate("sfb", 1, 0.1, 0.09, 0.12))  # no tokens_per_s (a vision model)
+    assert report.main([str(path), "--out", str(tmp_path), "--metric", "tokens_per_s", "--no-figure"]) == 0
+    (line,) = _csv(tmp_path / "fig.csv")
+    assert line["value"] == "" and line["low"] == "" and line["status"] == "ok"
