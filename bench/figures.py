@@ -41,6 +41,7 @@ from bench.run import (  # noqa: E402
     new_record,
     prepare_case,
     run_case,
+    sweep_axes,
 )
 
 FIGURE_DIR = PROJECT_DIR / "results" / "figures"
@@ -95,8 +96,6 @@ def _bars_with_gaps(ax, xs: list[float], part: pd.DataFrame, width: float, label
 def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
     """The cases of an experiment's sweep (its hydra.sweeper.params, expanded as Hydra's basic
     sweeper does); an override of a swept key replaces its values, others go to every case."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     with initialize_configs():
         cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
     params = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
@@ -107,13 +106,7 @@ def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
             params[key] = value
         else:
             fixed.append(item)
-    parser = OverridesParser.create()
-    axes = []
-    for key, values in params.items():
-        override = parser.parse_override(f"{key}={values}")
-        axes.append([f"{key}={v}" for v in (override.sweep_string_iterator() if override.is_sweep_override()
-                                            else [override.get_value_element_as_str()])])
-    return [[f"experiment={experiment}", *point, *fixed] for point in itertools.product(*axes)]
+    return [[f"experiment={experiment}", *point, *fixed] for point in itertools.product(*sweep_axes(params))]
 
 
 def experiment_figure(experiment: str, out: Path, *overrides: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -572,23 +573,30 @@ class SweepSummary(Callback):
             track_sweep(make_trackers(config), rows, path)
 
 
+def sweep_axes(params: dict[str, str]) -> list[list[str]]:
+    """Each key's `key=value` choices, as Hydra's basic sweeper expands `key=a,b` (or range(),
+    choice(), ...); a key with one value has one choice. A sweep is their product."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    axes = []
+    for key, values in params.items():
+        override = parser.parse_override(f"{key}={values}")
+        choices = (override.sweep_string_iterator() if override.is_sweep_override()
+                   else [override.get_value_element_as_str()])
+        axes.append([f"{key}={v}" for v in choices])
+    return axes
+
+
 def sweep_size(config: DictConfig) -> int | None:
     """How many cases a --multirun sweep has: the product of its swept values (command line
     and the experiment's hydra.sweeper.params; the command line wins for a key)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         params = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
         for item in config.hydra.overrides.task:
             key, _, value = str(item).partition("=")
             params[key] = value
-        parser = OverridesParser.create()
-        size = 1
-        for key, value in params.items():
-            override = parser.parse_override(f"{key}={value}")
-            if override.is_sweep_override():
-                size *= len(list(override.sweep_string_iterator()))
-        return size
+        return math.prod(len(axis) for axis in sweep_axes(params))
     except Exception:  # progress is a courtesy: a sweep syntax it cannot count shows no total
         return None
 

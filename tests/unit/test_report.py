@@ -127,3 +127,13 @@ def test_a_metric_a_row_does_not_have_is_a_gap_not_an_error(tmp_path):
     assert report.main([str(path), "--out", str(tmp_path), "--metric", "tokens_per_s", "--no-figure"]) == 0
     (line,) = _csv(tmp_path / "fig.csv")
     assert line["value"] == "" and line["low"] == "" and line["status"] == "ok"
+
+
+def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its_values():
+    from bench.figures import sweep_points
+    from bench.run import sweep_axes
+
+    points = sweep_points("fig_main", "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
+    assert len(points) == 10  # 5 methods x 2 k, one model
+    assert all(p[0] == "experiment=fig_main" and p[-1] == "preset=tiny" for p in points)
+    assert [len(axis) for axis in sweep_axes({"a": "1,2", "b": "range(3)", "c": "x"})] == [2, 3, 1]
