@@ -64,19 +64,24 @@ class ComputeProfile:
         return table.get(op_class) or table["other"]
 
 
-def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfile:
-    """A device type's compute profile; ConfigError naming `where`, the path and the fix when
-    it cannot be read, does not parse, lacks the "other" class, or was measured on another
-    device type."""
-    file = project_path(path)
-    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
-           "device, or set profile: null")
+def _read_profile(path: str, where: str, fix: str):
+    """A profile file's JSON (path relative to the project); ConfigError naming `where`, the
+    path and `fix` when it cannot be read or does not parse."""
     try:
-        data = json.loads(file.read_text())
+        return json.loads(project_path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+
+
+def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfile:
+    """A device type's compute profile; ConfigError naming `where`, the path and the fix when
+    it cannot be read, does not parse, lacks the "other" class, or was measured on another
+    device type."""
+    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
+           "device, or set profile: null")
+    data = _read_profile(path, where, fix)
     if not isinstance(data, dict) or not isinstance(data.get("compute"), dict):
         raise ConfigError(f"{where}={path!r} has no 'compute' mapping (not a compute profile); {fix}")
     measured_on = data.get("device_type")
@@ -220,14 +225,8 @@ class Link:
 def load_link_profile(path: str, where: str) -> tuple[tuple[str, float, float], ...]:
     """The per-kind fits of a `bench.profile` JSON file, for a link; ConfigError naming
     `where` and the path when the file is missing, does not parse or holds no usable fit."""
-    file = project_path(path)
     fix = "run `python -m bench.profile --out <file>` and give that file"
-    try:
-        data = json.loads(file.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+    data = _read_profile(path, where, fix)
     fits = data.get("fits") if isinstance(data, dict) else None
     if not isinstance(fits, dict):
         raise ConfigError(f"{where}={path!r} has no 'fits' mapping (not a bench.profile file); {fix}")
