@@ -215,7 +215,7 @@ def _speedup_cell(d: dict | None) -> str:
 
 def speedup_table(lines: list[dict], x: str, title: str) -> Table:
     methods = sorted({d["method"] for d in lines})
-    table = Table(title=f"{title}: speedup vs {BASELINE} (throughput ratio; median [interval] "
+    table = Table(title=f"{title}: speedup vs {BASELINE} (throughput ratio; median \\[interval] "
                         "where repeated)")
     for col in ("model", x, *methods):
         table.add_column(col, justify="left" if col in ("model", x) else "right")
@@ -268,7 +268,7 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
     origins = sorted({str(d["origin"]) for d in lines})
     axes[0][0].set_ylabel(f"{METRICS[metric][0]} ({', '.join(origins)})")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(title)
+    fig.suptitle(title, y=1.03)
     return fig
 
 
