@@ -32,7 +32,7 @@ from bench.cluster import ClusterSpec  # noqa: E402
 from bench.cost import collective_linear_cost  # noqa: E402
 from bench.paths import PROJECT_DIR  # noqa: E402
 from bench.progress import track  # noqa: E402
-from bench.report import draw_bars, layout, read_rows, report  # noqa: E402
+from bench.report import layout, read_rows, report  # noqa: E402
 from bench.run import (  # noqa: E402
     compose_config,
     fill_predicted_metrics,
@@ -45,7 +45,6 @@ from bench.run import (  # noqa: E402
 )
 
 FIGURE_DIR = PROJECT_DIR / "results" / "figures"
-MODELS = ("vgg19", "vit", "bert", "bert_moe")
 KS = (1, 2, 4, 8)
 
 
@@ -83,14 +82,6 @@ def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
     fig.savefig(out / f"{name}.pdf", bbox_inches="tight", metadata={"CreationDate": None})
     plt.close(fig)
     print(f"wrote {out / name}.{{png,pdf,csv}}")
-
-
-def _bars_with_gaps(ax, xs: list[float], part: pd.DataFrame, width: float, label: str) -> None:
-    """bench.report.draw_bars for a frame of simulated cases (no intervals)."""
-    lines = [None if pd.isna(st) else {"value": v if st == "ok" else None, "status": st,
-                                       "low": None, "high": None}
-             for v, st in zip(part.samples_per_s, part.status)]
-    draw_bars(ax, xs, lines, width, label)
 
 
 def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
@@ -195,33 +186,10 @@ def fig_synthesis_time(out: Path) -> None:
     _save(fig, data, "synthesis_time", out)
 
 
-ABLATIONS = {
-    "hap": [],
-    "no SFB": ["method.sfb=false"],
-    "no LP": ["method.lp=false"],
-    "no collective choice": ["method.collective_choice=false"],
-    "one segment": ["method.num_segments=1"],
-}
-
-
-def fig_ablation(out: Path) -> None:
-    """hap against itself with one part switched off, paper_hetero, k = 8, OOM marked."""
-    rows = []
-    for model in MODELS:
-        for label, extra in ABLATIONS.items():
-            row = simulate_case("preset=paper", "cluster=paper_hetero", f"model={model}",
-                                "method=hap", *extra)
-            rows.append({**row, "variant": label})
-    data = pd.DataFrame(rows)
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    width = 0.8 / len(ABLATIONS)
-    for i, label in enumerate(ABLATIONS):
-        part = data[data.variant == label].set_index("model").reindex(MODELS)
-        _bars_with_gaps(ax, [j + i * width for j in range(len(MODELS))], part, width, label)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(MODELS))], MODELS)
-    ax.set_ylabel("samples/s (simulated)")
-    ax.legend(fontsize=7)
-    _save(fig, data, "ablation", out)
+def fig_ablation(out: Path, *overrides: str) -> None:
+    """hap against itself with one part switched off, paper_hetero, k = 8, OOM marked
+    (conf/experiment/fig_ablation.yaml, the parts in conf/ablation/)."""
+    experiment_figure("fig_ablation", out, *overrides)
 
 
 def fig_sim_accuracy(out: Path) -> None:
@@ -381,7 +349,7 @@ FIGURES = {
     "cp_vs_ev": fig_cp_vs_ev,
 }
 
-EXPERIMENT_FIGURES = ("main", "homogeneous")  # drawn by bench.report from an experiment's sweep
+EXPERIMENT_FIGURES = ("main", "homogeneous", "ablation")  # drawn by bench.report from an experiment's sweep
 
 
 def main(argv: list[str]) -> int:

@@ -58,7 +58,7 @@ _failed_cases: list[str] = []  # cases of this process that did not end "ok" (se
 _recorded_here: set[str] = set()  # run_ids of the rows this process wrote (errors already shown)
 
 
-GROUPS = ("model", "preset", "cluster", "method", "logger", "experiment")
+GROUPS = ("model", "preset", "cluster", "method", "logger", "experiment", "ablation")
 
 
 def group_options(group: str) -> list[str]:

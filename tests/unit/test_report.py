@@ -79,7 +79,7 @@ def test_a_sweep_directory_is_read_through_its_job_directories(tmp_path):
     assert [r["method"] for r in _csv(tmp_path / "sweep" / "fig.csv")] == ["dp_ev", "hap"]
 
 
-@pytest.mark.parametrize("name", ["main", "homogeneous"])
+@pytest.mark.parametrize("name", ["main", "homogeneous", "ablation"])
 def test_the_committed_paper_figures_regenerate_byte_identical_from_their_records(tmp_path, name):
     rows = report.read_rows(FIGURES / name)
     spec = report.layout(rows)
