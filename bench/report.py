@@ -27,13 +27,13 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.records import load_records
+from bench.table import BASELINE, same_case
 
-BASELINE = "dp_ev"
-METRICS = {  # name -> (axis label, higher is better)
-    "samples_per_s": ("samples/s", True),
-    "tokens_per_s": ("tokens/s", True),
-    "iter_time_s_mean": ("s / iteration", False),
-    "planner_time_s": ("planner time (s)", False),
+METRICS = {  # name -> axis label
+    "samples_per_s": "samples/s",
+    "tokens_per_s": "tokens/s",
+    "iter_time_s_mean": "s / iteration",
+    "planner_time_s": "planner time (s)",
 }
 MODEL_ORDER = ("vgg19", "vit", "bert", "bert_moe")
 _CSV_FIELDS = ("model", "x", "method", "status", "origin", "metric", "value", "low", "high",
@@ -150,10 +150,8 @@ def table_rows(rows: list[dict], x: str, metric: str) -> list[dict]:
         })
     for line in out:
         r = line["_row"]
-        base = [b["_row"] for b in out if b["method"] == BASELINE and b["model"] == line["model"]
-                and b["x"] == line["x"] and b["_row"].get("cluster") == r.get("cluster")
-                and b["_row"].get("global_batch") == r.get("global_batch")
-                and b["_row"].get("mode") == r.get("mode")]
+        base = [b["_row"] for b in out
+                if b["method"] == BASELINE and b["x"] == line["x"] and same_case(b["_row"], r)]
         per_round = (r.get("aggregate") or {}).get("speedup_vs_dp_ev")
         if r.get("status") != "ok":
             continue
@@ -266,7 +264,7 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
         ax.set_title(str(model))
         ax.set_xlabel(x)
     origins = sorted({str(d["origin"]) for d in lines})
-    axes[0][0].set_ylabel(f"{METRICS[metric][0]} ({', '.join(origins)})")
+    axes[0][0].set_ylabel(f"{METRICS[metric]} ({', '.join(origins)})")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(title, y=1.03)
     return fig
@@ -282,7 +280,7 @@ def report(rows: list[dict], out: Path, name: str, x: str = "cluster", metric: s
     if all(d["x"] is None for d in lines):
         raise ReportError(f"--x {x}: no row has this config key; use a key of the rows' config, "
                           "e.g. --x cluster or --x cluster.gpus_per_machine")
-    title = title or f"{name}: {METRICS[metric][0]} per method"
+    title = title or f"{name}: {METRICS[metric]} per method"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.csv").write_text(to_csv(lines))
     (out / f"{name}_speedup.csv").write_text(speedup_csv(lines))

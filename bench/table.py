@@ -10,7 +10,8 @@ from rich.table import Table
 BASELINE = "dp_ev"
 
 
-def _same_case(a: dict, b: dict) -> bool:
+def same_case(a: dict, b: dict) -> bool:
+    """Rows of the same workload and cluster (what a speedup compares across methods)."""
     keys = ("model", "preset", "cluster", "mode", "global_batch")
     return all(a.get(k) == b.get(k) for k in keys)
 
@@ -22,7 +23,7 @@ def speedup(row: dict, rows: list[dict]) -> float | None:
     if per_round:
         return per_round["median"]
     base = [r for r in rows if r.get("method") == BASELINE and r.get("status") == "ok"
-            and _same_case(r, row)]
+            and same_case(r, row)]
     if row.get("status") != "ok" or not base or not row.get("samples_per_s"):
         return None
     return row["samples_per_s"] / base[-1]["samples_per_s"]
