@@ -7,12 +7,15 @@
 One spawned worker process trains tiny BERT through the real worker path (bench.worker.run_rank,
 one emulated device) at speed 1, then s, then 1 again, for each speed s; the achieved dilation
 is s's median iteration time over the mean of its two speed-1 neighbours, times s (1.0 is
-perfect). The neighbours share the process and the minute, so host drift cancels; what is left
-is the emulator's own error.
+perfect). All of them are paced against one full-pace reference, measured first in the same
+process (EmulationSettings.reference): one emulated device, whose speed must not follow the
+host's drift from one case to the next. What is left is the emulator's own error: sleep
+overshoot, compute that outran its target, time inside the step that pacing does not see.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -27,21 +30,25 @@ SPEEDS = (0.25, 0.4, 0.5)
 GOAL = 0.03  # within 3% of 1/speed
 
 
-def _case(speed: float, overrides: tuple[str, ...] = ()):
+def _case(speed: float, overrides: tuple[str, ...] = (), reference: tuple[float, ...] | None = None):
     from bench.run import compose_config, new_record, prepare_case
 
     cfg = compose_config(
         "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",
         f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
         "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled", *overrides)
-    return prepare_case(cfg, new_record(cfg))
+    case = prepare_case(cfg, new_record(cfg))
+    return dataclasses.replace(case, emulation=dataclasses.replace(case.emulation, reference=reference))
 
 
 def _worker(speeds, port, out, overrides=()) -> None:
     from bench.worker import run_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cases = {s: _case(s, overrides) for s in {1.0, *speeds}}
+    # The first case measures the device's full-pace reference; every case after is paced
+    # against that same one, as one emulated device would be however the host drifts.
+    reference = tuple(run_rank(_case(1.0, overrides), 0, 1, 0)["emulation"]["reference_s"])
+    cases = {s: _case(s, overrides, reference) for s in {1.0, *speeds}}
 
     def median_iter(speed):
         result = run_rank(cases[speed], 0, 1, 0)

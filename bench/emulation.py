@@ -45,6 +45,10 @@ class EmulationSettings:
 
     headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
     reference_iters: int = 12  # full-pace iterations (after SKIPPED ones) that set the reference
+    # A reference measured earlier for this same rank workload (Emulator.report's
+    # `reference_s`): the rank is paced against it from the start, so that cases sharing it
+    # emulate one device at one speed however this host drifts between them (bench.dilation).
+    reference: tuple[float, ...] | None = None
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
     @staticmethod
@@ -83,6 +87,8 @@ class Emulator:
         self._iteration: list[float] = []
         self._reference_runs: list[list[float]] = []
         self._reference: list[float] | None = None
+        if self.settings.reference is not None:
+            self._reference = list(self.settings.reference)
         self._debt = 0.0  # wall seconds the rank is behind its target (carried forward)
         self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
         self.reset_stats()
@@ -109,11 +115,15 @@ class Emulator:
         """The worker calls this before each iteration: the first SKIPPED iterations (lazy
         set-up, DDP's bucket rebuild) and the next `reference_iters` run at full pace, the
         latter set the reference (per interval, the fastest: a transient slowdown of the host
-        only ever makes an interval slower), the rest are paced."""
-        if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED:
+        only ever makes an interval slower), the rest are paced. With a shared reference
+        (`EmulationSettings.reference`) pacing starts right after the SKIPPED iterations."""
+        shared = self.settings.reference is not None
+        if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED and not shared:
             self._reference_runs.append(self._iteration)
         self._iteration = []
-        if self._phase == "reference" and len(self._reference_runs) >= self.settings.reference_iters:
+        if shared and index >= self.settings.SKIPPED:
+            self._phase = "paced"
+        elif self._phase == "reference" and not shared and len(self._reference_runs) >= self.settings.reference_iters:
             runs = self._reference_runs
             self._reference = [min(run[k] for run in runs if k < len(run))
                                for k in range(max(map(len, runs), default=0))]
@@ -177,6 +187,8 @@ class Emulator:
             "error": error,
             "unreferenced_intervals": self.unreferenced,
             "reference_s_per_iter": sum(self._reference or ()),
+            "reference_s": list(self._reference or ()),
+            "shared_reference": self.settings.reference is not None,
             "slept_s": self.slept_s,
         }
 

@@ -237,8 +237,10 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     iter_times, losses, mems = [], [], []
     # Emulated ranks first run full-pace iterations that set their pacing reference (not
     # when a test checks exactness step by step: it needs exactly its own steps).
-    refs = emulator.settings.reference_iters
-    pre = emulator.settings.SKIPPED + refs if pace_compute and refs and not case.return_state else 0
+    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
+    refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
+    shared = emulator.settings.reference is not None
+    pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
     precision = None
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if it == pre + case.warmup_iters:

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from bench.cluster import ClusterSpec
 from bench.cost import collective_time_s
-from bench.emulation import EmulationSettings, Emulator
+from bench.emulation import DILATION_TOLERANCE, EmulationSettings, Emulator
 from bench.run import run_case
 
 pytestmark = pytest.mark.e2e
@@ -28,6 +28,20 @@ def test_each_rank_reports_its_achieved_dilation(cfg_factory):
         assert r["unreferenced_intervals"] == 0
         assert r["achieved_dilation"] == pytest.approx(1 / r["speed"], rel=0.5)
     assert record.emulation["ok"] == (abs(record.emulation["max_error"]) <= 0.05)
+
+
+def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
+    """End to end: tiny BERT trained by the real worker path (one spawned process) at speeds
+    0.25, 0.4 and 0.5, each between two speed-1 runs, all paced against one reference
+    (bench.dilation). Iteration time x speed over speed 1's must be 1. Band: 30 runs on a quiet
+    2-core VM fell within +-1.5% (README, "How emulation works"); 5% is the tolerance a row
+    flags (DILATION_TOLERANCE)."""
+    from bench.dilation import SPEEDS, measure
+
+    achieved = measure(SPEEDS)
+    assert set(achieved) == set(SPEEDS)
+    for speed, value in achieved.items():
+        assert value == pytest.approx(1.0, abs=DILATION_TOLERANCE), (speed, achieved)
 
 
 def test_pacing_follows_the_reference_not_the_slowed_burst():
@@ -55,6 +69,30 @@ def test_pacing_follows_the_reference_not_the_slowed_burst():
     assert walls[5] < 0.006  # its 4 ms overshoot is owed back at once
     assert walls[6] == pytest.approx(0.008, abs=0.002)  # 2 x the 4 ms reference
     assert emu.report()["error"] == pytest.approx(0.0, abs=0.1)
+
+
+def test_a_shared_reference_paces_from_the_first_iteration_after_set_up():
+    """Given a reference (EmulationSettings.reference), a rank measures none of its own: only
+    the SKIPPED set-up iterations run at full pace, every later one lasts reference / speed."""
+    spec = ClusterSpec.from_config({
+        "name": "one", "emulated": True,
+        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
+        "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                  "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0}}})
+    settings = EmulationSettings(headroom=1.0, reference_iters=12, reference=(0.005,))
+    emu = Emulator(spec, 0, enabled=True, settings=settings)
+    walls = []
+    for it in range(4):
+        emu.begin_iteration(it)
+        start = time.perf_counter()
+        while time.perf_counter() < start + 0.002:
+            pass
+        emu.stretch()
+        walls.append(time.perf_counter() - start)
+    assert max(walls[:EmulationSettings.SKIPPED]) < 0.004
+    for wall in walls[EmulationSettings.SKIPPED:]:
+        assert wall == pytest.approx(0.010, abs=0.002)  # 2 x the shared 5 ms, not 2 x 2 ms
+    assert emu.report()["shared_reference"] and emu.report()["reference_s"] == [0.005]
 
 
 SLOW_LINK = {
