@@ -78,6 +78,7 @@ class Emulator:
         self.dilation = 1.0 / speed  # emulated time per unit of full-pace compute
         self.wall_per_emulated_s = 1.0 / self.headroom
         self._last = time.perf_counter()
+        self._last_cpu = (threading.get_ident(), time.thread_time())
         self._link_free_at = 0.0
         self._loopback = (0.0, float("inf"))  # real collective cost here, measured at install
         self._lock = threading.Lock()
@@ -137,19 +138,28 @@ class Emulator:
     def mark(self) -> None:
         """Start a new compute interval now (after waiting on communication or data)."""
         self._last = time.perf_counter()
+        self._last_cpu = (threading.get_ident(), time.thread_time())
 
     def stretch(self) -> None:
         """End the current compute interval: wait until it has lasted its target."""
         now = time.perf_counter()
         if not self.pace_compute or self._paused:
-            self._last = now
+            self.mark()
             return
         measured = now - self._last
         k = len(self._iteration)
-        self._iteration.append(measured)
         if self._phase == "reference":
-            self._last = now
+            # The reference is the interval's CPU time on this thread (where a CPU rank
+            # computes: one intra-op thread, autograd on the caller): what the device itself
+            # spent, not its share of a host crowded with more ranks than cores (local_hetero4:
+            # wall time inflated the fast ranks' references 40-85%), nor a wait on a peer inside
+            # the interval that the emulator does not see (DDP's buffer broadcast in forward).
+            thread, cpu_start = self._last_cpu
+            cpu = time.thread_time() - cpu_start if thread == threading.get_ident() else measured
+            self._iteration.append(min(cpu, measured))
+            self.mark()
             return
+        self._iteration.append(measured)
         if k < len(self._reference):
             reference = self._reference[k]
         else:  # a longer iteration than the reference's: pace what was measured

@@ -44,6 +44,13 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
         assert value == pytest.approx(1.0, abs=DILATION_TOLERANCE), (speed, achieved)
 
 
+def _spin_cpu(seconds: float) -> None:
+    """Compute for `seconds` of this thread's CPU time (what a reference measures)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def test_pacing_follows_the_reference_not_the_slowed_burst():
     """A burst that ran slower than its reference (a cold core) is not stretched: the rank
     sleeps only what its target has left, and carries any overshoot into the next interval."""
@@ -59,9 +66,7 @@ def test_pacing_follows_the_reference_not_the_slowed_burst():
     for it, seconds in busy.items():
         emu.begin_iteration(it)
         start = time.perf_counter()
-        end = start + seconds
-        while time.perf_counter() < end:
-            pass
+        _spin_cpu(seconds)
         emu.stretch()
         walls.append(time.perf_counter() - start)
     assert max(walls[:4]) < 0.006  # full pace until the reference is set
@@ -85,8 +90,7 @@ def test_a_shared_reference_paces_from_the_first_iteration_after_set_up():
     for it in range(4):
         emu.begin_iteration(it)
         start = time.perf_counter()
-        while time.perf_counter() < start + 0.002:
-            pass
+        _spin_cpu(0.002)
         emu.stretch()
         walls.append(time.perf_counter() - start)
     assert max(walls[:EmulationSettings.SKIPPED]) < 0.004
