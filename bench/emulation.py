@@ -87,6 +87,9 @@ class Emulator:
         self._phase = "reference"  # reference -> paced
         self._iteration: list[float] = []
         self._reference_runs: list[list[float]] = []
+        self._iteration_wall: list[float] = []  # the same intervals' wall time (diagnostic)
+        self._reference_walls: list[list[float]] = []
+        self._reference_wall: list[float] | None = None
         self._reference: list[float] | None = None
         if self.settings.reference is not None:
             self._reference = list(self.settings.reference)
@@ -121,13 +124,13 @@ class Emulator:
         shared = self.settings.reference is not None
         if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED and not shared:
             self._reference_runs.append(self._iteration)
-        self._iteration = []
+            self._reference_walls.append(self._iteration_wall)
+        self._iteration, self._iteration_wall = [], []
         if shared and index >= self.settings.SKIPPED:
             self._phase = "paced"
         elif self._phase == "reference" and not shared and len(self._reference_runs) >= self.settings.reference_iters:
-            runs = self._reference_runs
-            self._reference = [min(run[k] for run in runs if k < len(run))
-                               for k in range(max(map(len, runs), default=0))]
+            self._reference = _fastest_per_interval(self._reference_runs)
+            self._reference_wall = _fastest_per_interval(self._reference_walls)
             self._phase = "paced"
         self.mark()
 
@@ -157,6 +160,7 @@ class Emulator:
             thread, cpu_start = self._last_cpu
             cpu = time.thread_time() - cpu_start if thread == threading.get_ident() else measured
             self._iteration.append(min(cpu, measured))
+            self._iteration_wall.append(measured)
             self.mark()
             return
         self._iteration.append(measured)
@@ -197,6 +201,9 @@ class Emulator:
             "error": error,
             "unreferenced_intervals": self.unreferenced,
             "reference_s_per_iter": sum(self._reference or ()),
+            # The same reference timed in wall time: above the CPU time when ranks crowd the
+            # cores or wait unseen inside an interval (what the CPU-time reference leaves out).
+            "reference_wall_s_per_iter": None if self._reference_wall is None else sum(self._reference_wall),
             "reference_s": list(self._reference or ()),
             "shared_reference": self.settings.reference is not None,
             "slept_s": self.slept_s,
@@ -236,6 +243,11 @@ class Emulator:
         if self.enabled:
             self._loopback = _measure_loopback()
             _install_wrappers(self)
+
+
+def _fastest_per_interval(runs: list[list[float]]) -> list[float]:
+    """Per interval k, the fastest k-th interval of the reference iterations that have one."""
+    return [min(run[k] for run in runs if k < len(run)) for k in range(max(map(len, runs), default=0))]
 
 
 def achieved_speeds(speeds: list[float], flops: list[float]) -> list[float]:
