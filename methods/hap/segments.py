@@ -3,8 +3,9 @@
 Three ways to cut the ops, `method.segmentation`:
 - `layers` (default): only at layer-group borders, choosing among them the cuts whose groups
   come closest to equal forward FLOPs (least sum of squared segment FLOPs). A layer group is
-  one block (the ops inside an indexed child module of the model's own class, e.g.
-  `blocks.3`, a transformer block) or, outside blocks, a stage ended by a pooling op
+  one block (the ops inside an indexed child module that has modules of its own, e.g.
+  `blocks.3`, a transformer block, with the ops outside blocks up to the next block) or,
+  outside blocks, a stage ended by a pooling op
   (`max_pool2d`, `avg_pool2d`: VGG19's five conv stages); the ops before the first block
   (embeddings) and after the last one (final norm, head, loss) are groups of their own.
 - `flops`: contiguous groups of about equal forward FLOPs, wherever that falls.
@@ -67,29 +68,42 @@ def flop_cuts(flops: Sequence[float], num_segments: int) -> list[int]:
     return out
 
 
-def _block_key(node) -> str | None:
-    """The outermost module on the node's stack that is an indexed child of the model's own
-    class (a block such as `blocks.3`), or None."""
-    stack = node.fx_node.meta.get("nn_module_stack") or {}
-    for path, (_, cls) in stack.items():
-        last = path.rsplit(".", 1)[-1]
-        if last.isdigit() and not getattr(cls, "__module__", "").startswith("torch.nn"):
-            return path
-    return None
+def _stack(node) -> list[str]:
+    """Paths of the modules the op runs inside, outermost first (torch.fx's nn_module_stack)."""
+    return list(node.fx_node.meta.get("nn_module_stack") or {})
 
 
 def layer_groups(graph, order: Sequence[str]) -> list[int]:
-    """The layer group of each op in `order` (0, 1, ... non-decreasing; module docstring)."""
+    """The layer group of each op in `order` (0, 1, ... non-decreasing; module docstring).
+
+    A block is an indexed child module (`blocks.3`, the last part of its path a number) inside
+    which another module runs: a transformer block, not a single conv or linear layer of a
+    Sequential (`features.3`). An op's key is the outermost block it runs inside; an op outside
+    blocks between two blocks (a residual add written in the model's forward) belongs to the
+    block before it. A new group starts where the key changes and after every pooling op."""
+    paths = {p for name in order for p in _stack(graph[name])}
+    parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
+    parents |= {q for p in parents for q in _prefixes(p)}
+    blocks = {p for p in parents if p.rsplit(".", 1)[-1].isdigit()}
+    keys = [next((p for p in _stack(graph[name]) if p in blocks), None) for name in order]
+    last = max((i for i, k in enumerate(keys) if k is not None), default=-1)
+    for i in range(1, last):
+        if keys[i] is None:
+            keys[i] = keys[i - 1]
     out, group = [], 0
     prev_key, after_pool = None, False
-    for i, name in enumerate(order):
+    for i, (name, key) in enumerate(zip(order, keys)):
         node = graph[name]
-        key = _block_key(node)
         if i and (after_pool or key != prev_key):
             group += 1
         out.append(group)
         prev_key, after_pool = key, node.op in POOLING_OPS
     return out
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def balanced_cuts(weights: Sequence[float], num_segments: int) -> list[int]:

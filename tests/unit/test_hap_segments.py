@@ -135,3 +135,34 @@ def test_metis_without_pymetis_names_the_option_and_the_fix(bert, monkeypatch):
     monkeypatch.setitem(sys.modules, "pymetis", None)  # import pymetis raises ImportError
     with pytest.raises(SegmentationError, match=r"method.segmentation=metis needs pymetis.*pip install"):
         segment_ops(graph, order, 2, "metis")
+
+
+def test_blocks_are_indexed_modules_with_modules_inside_whatever_their_class():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from methods.capture import capture
+
+    class Stack(nn.Module):  # blocks of torch.nn classes: nn.Sequential(Linear, ReLU) in a ModuleList
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x, y):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = x + layer(x)
+            return F.cross_entropy(self.out(x), y, reduction="sum")
+
+    with torch.device("meta"):
+        model = Stack()
+    graph = capture(model, (torch.empty(4, 8, device="meta"), torch.empty(4, dtype=torch.long, device="meta")))
+    theory = derive_theory(graph, sfb=True)
+    order = [n.name for n in graph.nodes if n.name in theory.rules]
+    groups = layer_groups(graph, order)
+    assert groups[-1] + 1 == 5  # input layer, 3 blocks, output layer and loss
+    linears = [g for n, g in zip(order, groups) if graph[n].op == "linear"]
+    assert linears == [0, 1, 2, 3, 4]  # one Linear of a Sequential is not a block of its own
