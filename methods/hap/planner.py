@@ -38,6 +38,7 @@ from methods.hap.search import (
     shard_units,
     synthesize,
 )
+from methods.hap.segments import check_segmentation
 from methods.hap.theory import data_parallel_theory, derive_theory
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planne
 
 # Sources whose content decides a plan: a change invalidates cached plans.
 _CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
-         "methods/hap/planner.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
+         "methods/hap/planner.py", "methods/hap/segments.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,9 +83,12 @@ class HapPlanner:
         sfb: offer sufficient-factor-broadcasting triples for linear layers.
         lp: optimise ratios by LP, alternating with synthesis; off = compute-proportional.
         collective_choice: offer grouped broadcast / reduce besides padded collectives.
-        num_segments: ratio rows: ops are cut into this many contiguous groups of about equal
-            FLOPs, each sharded by its own row; a Gather'd tensor read in another group is
-            resharded (an all-to-all of what changes owner). 1 = one ratio vector.
+        num_segments: ratio rows: ops are cut into this many groups (see segmentation), each
+            sharded by its own row; a Gather'd tensor read in another group is resharded (an
+            all-to-all of what changes owner). 1 = one ratio vector.
+        segmentation: how the ops are cut (methods.hap.segments): "layers" at layer-group
+            borders (transformer blocks, conv stages) balancing FLOPs, "flops" at equal FLOPs
+            anywhere, "metis" by METIS graph partitioning (needs pymetis).
         max_rounds: cap on synthesis + LP rounds (stops earlier at no strict improvement).
         memory_limit: the LP keeps every device within its GPU memory.
         grad_overlap: replicated parameters' gradient all-reduces overlap the rest of
@@ -106,6 +110,7 @@ class HapPlanner:
     lp: bool = True
     collective_choice: bool = True
     num_segments: int = 1
+    segmentation: str = "layers"
     max_rounds: int = 6
     memory_limit: bool = False
     grad_overlap: bool = True
@@ -122,6 +127,7 @@ class HapPlanner:
         if not isinstance(self.num_segments, int) or self.num_segments < 1:
             raise ValueError(f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
                              "e.g. method.num_segments=4")
+        check_segmentation(self.segmentation)
         if self.max_rounds < 1:
             raise ValueError(f"method.max_rounds={self.max_rounds} must be >= 1")
         if self.bucket_cap_mb < 0:
@@ -220,7 +226,7 @@ class HapPlanner:
         if best.kind != "synthesis":
             # Codegen still needs per-op decisions: the best program of the data-parallel space.
             dp_theory = data_parallel_theory(theory)
-            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios)
+            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios, self.segmentation)
             steps_res = synthesize(dp_theory, dp_cost, self.max_expansions, self.beam_width)
         gran = best.program.granularity
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
@@ -255,7 +261,7 @@ class HapPlanner:
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, cluster.virtual_device, ratios)
+            cost = CostModel(theory, cluster, cluster.virtual_device, ratios, self.segmentation)
             t1 = time.perf_counter()
             res = synthesize(theory, cost, self.max_expansions, self.beam_width)
             stats["search_s"] += time.perf_counter() - t1

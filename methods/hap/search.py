@@ -29,6 +29,7 @@ from bench.interfaces import PlanningError
 from bench.program import Affine, Collective, Memory, Program, Stage, op_class
 from bench.cost import collective_time, device_compute_times, virtual_devices
 from methods.capture import Graph
+from methods.hap.segments import segment_ops
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
 
 ADAM_STATE_PER_PARAM = 2.0  # two fp32 moments per parameter
@@ -104,23 +105,19 @@ def comm_from_json(d: dict) -> CommRule:
     return CommRule(d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"), None if seg is None else int(seg))
 
 
-def assign_segments(theory: Theory, num_segments: int) -> tuple[dict[str, int], dict[str, int]]:
+def assign_segments(theory: Theory, num_segments: int,
+                    segmentation: str = "layers") -> tuple[dict[str, int], dict[str, int]]:
     """(segment of each op, home segment of each tensor) for `num_segments` ratio rows.
 
-    Ops in topological order are cut into contiguous groups of about equal forward FLOPs. A
+    Ops in topological order are cut into groups by `segmentation` (methods.hap.segments:
+    `layers` at layer-group borders, `flops` at equal FLOPs, `metis` by graph partitioning). A
     Gather'd tensor is sharded by the row of its home segment: an op output's is its op's, a
     parameter's that of the op that creates it (its first reader), an input's is 0 (each rank
     loads the first row's share of the batch). An op in another segment that reads it in a
     Gather layout reads a resharded copy (a `reshard` collective)."""
     graph = theory.graph
     order = [n.name for n in graph.nodes if n.name in theory.rules]
-    flops = [max(float(graph[name].flops), 0.0) for name in order]
-    total = sum(flops) or 1.0
-    op_seg: dict[str, int] = {}
-    done = 0.0
-    for name, f in zip(order, flops):
-        op_seg[name] = min(num_segments - 1, int(num_segments * (done + f / 2) / total))
-        done += f
+    op_seg = dict(zip(order, segment_ops(graph, order, num_segments, segmentation)))
     home = dict(op_seg)
     for name in order:
         for t in graph[name].inputs:
@@ -154,14 +151,15 @@ class SearchResult:
 class CostModel:
     """Stage contents and seconds of steps at fixed ratios (cached per triple/collective)."""
 
-    def __init__(self, theory: Theory, cluster: ClusterSpec, granularity: str, ratios: Sequence[Sequence[float]]):
+    def __init__(self, theory: Theory, cluster: ClusterSpec, granularity: str, ratios: Sequence[Sequence[float]],
+                 segmentation: str = "layers"):
         self.theory = theory
         self.graph = theory.graph
         self.cluster = cluster
         self.vdevs = virtual_devices(cluster, granularity)
         self.ratios = [list(r) for r in ratios]
         self.num_segments = len(self.ratios)
-        self.op_segment, self.home = assign_segments(theory, self.num_segments)
+        self.op_segment, self.home = assign_segments(theory, self.num_segments, segmentation)
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._comm_cost: dict = {}

@@ -3,7 +3,7 @@
     pytest tests/benchmarks/test_planner_bench.py --benchmark-only        # pytest-benchmark
     python tests/benchmarks/test_planner_bench.py [case ...]              # a plain table
 
-Cases: BERT / ViT / VGG19 / BERT-MoE (paper preset, 32 samples per GPU) on the 8 machines of
+Cases: BERT / ViT / VGG19 / BERT-MoE (paper preset: 64 samples per GPU, 32 for BERT-MoE) on the 8 machines of
 paper_hetero (8 GPUs each, one virtual device per machine), ViT at 12 / 24 / 48 layers
 (planner time should grow no worse than linearly), and BERT over 64 virtual devices (one per
 GPU). The plan cache is off, so every round plans from scratch.

@@ -47,16 +47,18 @@ def make_workload(model: str, n: int, global_batch: int) -> Workload:
     return Workload(model, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
 
 
-def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list, sfb: bool = True) -> Plan:
+def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list, sfb: bool = True,
+                   segmentation: str = "layers") -> Plan:
     """A HAP plan synthesized at fixed ratios per virtual device (the planner's pieces, without
     its LP); batch shares per rank as the planner gives them (a machine's share split evenly).
-    `ratios` is one row, or one row per segment (then segments are cut as the planner does)."""
+    `ratios` is one row, or one row per segment (then segments are cut as the planner does, by
+    `segmentation`)."""
     granularity = cluster.virtual_device
     rows = ratios if isinstance(ratios[0], list) else [ratios]
     ratios = rows[0]
     graph = capture_config(workload.model_cfg, workload.global_batch)
     theory = derive_theory(graph, sfb=sfb)
-    res = synthesize(theory, CostModel(theory, cluster, granularity, rows))
+    res = synthesize(theory, CostModel(theory, cluster, granularity, rows, segmentation))
     details = {
         "plan_format": PLAN_FORMAT_VERSION, "loss": graph.loss, "ratios": rows, "granularity": granularity,
         "steps": [s.to_json(graph) for s in res.steps],
@@ -89,11 +91,12 @@ def single_device(workload: Workload, seed: int, steps: int, lr: float, grad_cli
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_case(model: str, ratios: list, global_batch: int = 7, machines: list[int] | None = None, **options):
+def run_case(model: str, ratios: list, global_batch: int = 7, machines: list[int] | None = None,
+             segmentation: str = "layers", **options):
     n = sum(machines) if machines else len(ratios[0] if isinstance(ratios[0], list) else ratios)
     workload = make_workload(model, n, global_batch)
     cluster = make_cluster(n, machines)
-    plan = plan_at_ratios(workload, cluster, ratios)
+    plan = plan_at_ratios(workload, cluster, ratios, segmentation=segmentation)
     method = FixedPlanMethod(plan, mirror_full_state=True, **options)
     case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
                 measured_iters=STEPS, return_state=True)
@@ -156,16 +159,23 @@ CASES = [
 ]
 
 # Segments: a ratio row per group of ops, shards resharded where a tensor crosses into a group
-# with another row (a zero-length shard in some rows, rows that move every boundary).
+# with another row (a zero-length shard in some rows, rows that move every boundary). Cut at
+# layer groups (the default) unless a case says otherwise: at equal FLOPs inside a block, or
+# METIS parts that need not be contiguous in op order.
 SEGMENT_CASES = [
     pytest.param("bert", [[0.5, 0.0, 0.5], [0.2, 0.5, 0.3], [0.0, 0.6, 0.4]], dict(), id="bert-3dev-3seg"),
     pytest.param("vit", [[0.7, 0.3], [0.25, 0.75]], dict(force_impl="grouped"), id="vit-2dev-2seg"),
     pytest.param("bert_moe", [[0.4, 0.3, 0.3], [0.1, 0.3, 0.6]], dict(), id="bert_moe-3dev-2seg"),
+    pytest.param("vit", [[0.3, 0.7], [0.6, 0.4]], dict(segmentation="flops"), id="vit-2dev-2seg-flops"),
+    pytest.param("bert", [[0.5, 0.2, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]], dict(segmentation="metis"),
+                 id="bert-3dev-3seg-metis"),
 ]
 
 
 @pytest.mark.parametrize("model,rows,options", SEGMENT_CASES)
 def test_program_with_segments_trains_exactly_like_one_device(model, rows, options):
+    if options.get("segmentation") == "metis":
+        pytest.importorskip("pymetis")
     workload, plan, results = run_case(model, rows, **options)
     steps = plan.details["steps"]
     assert {s["segment"] for s in steps} == set(range(len(rows)))

@@ -28,6 +28,17 @@ def test_every_model_and_preset_instantiates(model, preset):
 
 
 @pytest.mark.parametrize("model", group_options("model"))
+def test_paper_preset_trains_64_samples_per_gpu_32_for_bert_moe(model):
+    cfg = compose_config(f"model={model}", "preset=paper", "cluster=paper_hetero")
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    per_gpu = 32 if model == "bert_moe" else 64  # HAP Sec. 7.1
+    assert build_workload(cfg, cluster).global_batch == per_gpu * cluster.num_devices
+    cfg = compose_config(f"model={model}", "preset=paper", "preset.batch_per_device=16")
+    assert cfg.preset.batch_per_device == 16  # the command line still overrides it
+    assert compose_config(f"model={model}").preset.batch_per_device == 8  # tiny is unchanged
+
+
+@pytest.mark.parametrize("model", group_options("model"))
 def test_tiny_workloads_count_their_flops(model):
     cfg = compose_config(f"model={model}")
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
@@ -54,6 +65,11 @@ def test_tiny_workloads_count_their_flops(model):
     (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),
     (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
     (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
+    (["method=hap", "mode=sim", "method.segmentation=random"],
+     "method.segmentation='random' is unknown; valid: layers, flops, metis"),
+    (["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head
+     "method.num_segments=5 is more than the 4 layer groups of this model (method.segmentation=layers); "
+     "use method.num_segments<=4 or method.segmentation=flops"),
 ])
 def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overrides, needle):
     cfg = cfg_factory(*overrides)

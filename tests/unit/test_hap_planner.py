@@ -20,6 +20,7 @@ from methods.capture import capture, capture_config
 from methods.hap.balance import shard_lengths
 from methods.hap.planner import HapPlanner, SfbPlanner
 from methods.hap.search import CostModel, Step, brute_force, synthesize
+from methods.hap.segments import layer_groups
 from methods.hap.theory import data_parallel_theory, derive_theory, routing_region
 
 
@@ -167,6 +168,8 @@ def test_bad_options_are_clear_errors():
         HapPlanner(num_segments=0)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         HapPlanner(bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match=r"method.segmentation='blocks' is unknown; valid: layers, flops, metis"):
+        HapPlanner(segmentation="blocks")
     assert "sim" in HapPlanner().modes
 
 
@@ -220,6 +223,15 @@ def test_segments_cut_ops_in_order_and_never_lose_to_one_segment():
         assert all(sum(row) == pytest.approx(1.0) for row in plan.ratios)
         segments = [s["segment"] for s in plan.details["steps"]]
         assert segments == sorted(segments) and set(segments) == set(range(g))
+        # The default segmentation cuts at layer-group borders only (tiny BERT: embedding,
+        # 2 blocks, head; 3 segments: the blocks apart, the head with the second block or alone).
+        graph = capture_config(wl.model_cfg, wl.global_batch)
+        order = [n.name for n in graph.nodes if n.name in {s["node"] for s in plan.details["steps"]}]
+        groups = dict(zip(order, layer_groups(graph, order)))
+        steps = plan.details["steps"]
+        for a, b in zip(steps, steps[1:]):
+            if a["segment"] != b["segment"]:
+                assert groups[a["node"]] != groups[b["node"]], (a["node"], b["node"])
         times[g] = simulate(plan.program, cl, plan.ratios).iter_time_s
         assert times[g] == pytest.approx(plan.details["predicted_iter_time_s"])
     assert times[3] <= times[1] * (1 + 1e-9)

@@ -89,7 +89,7 @@ def test_small_batch_on_slow_link_avoids_all_reducing_big_weights():
 @pytest.mark.parametrize("rows", [[[0.5, 0.25, 0.25], [0.2, 0.4, 0.4]], [[0.6, 0.4, 0.0], [0.0, 0.5, 0.5]]])
 def test_a_star_matches_brute_force_with_two_segments(rows):
     theory, _, cl = setup(256, 10.0, h=512)
-    cost = CostModel(theory, cl, "gpu", rows)
+    cost = CostModel(theory, cl, "gpu", rows, segmentation="flops")  # an MLP has one layer group
     assert set(cost.op_segment.values()) == {0, 1}
     best = synthesize(theory, cost)
     assert best.cost_s == pytest.approx(brute_force(theory, cost).cost_s, rel=1e-12)
