@@ -79,8 +79,8 @@ def replicated_flops(program: Program) -> float:
 @pytest.mark.parametrize("model", MODELS)
 def test_every_method_prices_the_same_flops_per_iteration(model, preset):
     """Summed over devices, forward + backward. The one legitimate difference: the planner may
-    compute an op whole on every device (replicated, e.g. a small conv at tiny VGG19) instead
-    of sharding it, which adds (devices - 1) x that op's FLOPs to its total. So the test checks
+    compute an op whole on every device (replicated: hap's default plan for tiny VGG19 on 8
+    single-GPU machines does so with one conv) instead of sharding it, which adds (devices - 1) x that op's FLOPs to its total. So the test checks
     that each total is its work plus exactly that, and that the work is the same for all."""
     work = {}
     for name in methods():
