@@ -311,14 +311,15 @@ def data_parallel_program(
     Args:
         num_devices: data-parallel ranks.
         global_batch: samples per iteration; device d computes ratio[d] of them.
-        layers: (forward FLOPs per sample, parameter bytes[, op class, forward ops]) per layer
-            in forward order; FLOPs of parameter-free ops belong to some neighbouring layer.
-            Without class and ops a layer is one "other" op.
+        layers: (forward FLOPs per sample, parameter bytes[, op class, forward ops[, backward
+            FLOPs per sample]]) per layer in forward order; FLOPs of parameter-free ops belong
+            to some neighbouring layer. Without class and ops a layer is one "other" op; without
+            backward FLOPs its backward is backward_factor x forward.
         activation_bytes_per_sample: bytes forward keeps for backward, per sample.
         bucket_cap_bytes: DDP gradient bucket size (DDP's default 25 MiB).
         overlap: bucket all-reduces run during the rest of backward (DDP) or after it.
         optimizer_bytes_per_param_byte: optimizer state per parameter byte (Adam: 2).
-        backward_factor: backward FLOPs / forward FLOPs.
+        backward_factor: backward FLOPs / forward FLOPs of layers that do not give theirs.
         granularity: whether a device is a GPU or a machine (DP inside it).
 
     Stages: forward + the backward of the last layers up to the first full bucket; then one
@@ -326,7 +327,8 @@ def data_parallel_program(
     """
     if global_batch < 1 or num_devices < 1:
         raise ValueError(f"global_batch={global_batch} and num_devices={num_devices} must be >= 1")
-    layers = [tuple(layer) + ("other", 1.0)[len(layer) - 2:] for layer in layers]
+    layers = [tuple(layer[:4]) + ("other", 1.0)[len(layer) - 2:]
+              + (layer[4] if len(layer) > 4 else backward_factor * layer[0],) for layer in layers]
     param_bytes = sum(layer[1] for layer in layers)
     fwd_launches = sum(layer[3] for layer in layers)
     # Walk backward, closing a bucket once it holds bucket_cap_bytes of gradients. A bucket
@@ -334,8 +336,8 @@ def data_parallel_program(
     buckets: list[tuple[dict, float, float]] = []  # (backward FLOPs per sample by class, bytes, launches)
     by_class: dict[str, float] = {}
     bytes_acc = launches_acc = 0.0
-    for f, p, cls, ops in reversed(layers):
-        by_class[cls] = by_class.get(cls, 0.0) + backward_factor * f
+    for _, p, cls, ops, bwd in reversed(layers):
+        by_class[cls] = by_class.get(cls, 0.0) + bwd
         bytes_acc += p
         launches_acc += ops + (1 if p else 0)
         if bytes_acc >= bucket_cap_bytes:
@@ -344,7 +346,7 @@ def data_parallel_program(
     if bytes_acc or sum(by_class.values()) or not buckets:
         buckets.append((by_class, bytes_acc, launches_acc))
     fwd_class: dict[str, float] = {}
-    for f, _, cls, _ in layers:
+    for f, _, cls, _, _ in layers:
         fwd_class[cls] = fwd_class.get(cls, 0.0) + f
     stages = []
     pending: Collective | None = None

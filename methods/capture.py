@@ -180,28 +180,32 @@ class Graph:
         """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""
         return sum(self[t].nbytes * f for t, f in self.saved_bytes_factor().items())
 
-    def layer_profile(self) -> list[tuple[float, float, str, int]]:
+    def layer_profile(self) -> list[tuple[float, float, str, int, float]]:
         """(forward FLOPs per sample, parameter bytes, op class of most of its FLOPs, ops that
-        compute) per parameter-holding op in forward order; parameter-free ops are counted with
-        the next op that holds parameters. The input of bench.program.data_parallel_program."""
-        out: list[tuple[float, float, str, int]] = []
+        compute, backward FLOPs per sample) per parameter-holding op in forward order;
+        parameter-free ops are counted with the next op that holds parameters. Backward FLOPs
+        are each op's forward FLOPs times its backward_factor, as the planner prices them. The
+        input of bench.program.data_parallel_program."""
+        out: list[tuple[float, float, str, int, float]] = []
         classes: dict[str, float] = {}
         ops = 0
+        bwd = 0.0
         for n in self.nodes:
             f = n.flops / max(self.batch_size, 1)
             if f:
                 classes[op_class(n.op)] = classes.get(op_class(n.op), 0.0) + f
                 ops += 1
+                bwd += f * n.backward_factor
             params = [self[i] for i in n.inputs if self[i].is_param]
             if params and n.kind != "output":
                 out.append((sum(classes.values()), float(sum(p.nbytes for p in params)),
-                            max(classes, key=classes.get) if classes else "other", ops))
-                classes, ops = {}, 0
+                            max(classes, key=classes.get) if classes else "other", ops, bwd))
+                classes, ops, bwd = {}, 0, 0.0
         if out and (classes or ops):
-            f, p, cls, k = out[-1]
-            out[-1] = (f + sum(classes.values()), p, cls, k + ops)
+            f, p, cls, k, b = out[-1]
+            out[-1] = (f + sum(classes.values()), p, cls, k + ops, b + bwd)
         elif not out:
-            out.append((sum(classes.values()), 0.0, max(classes, key=classes.get) if classes else "other", ops))
+            out.append((sum(classes.values()), 0.0, max(classes, key=classes.get) if classes else "other", ops, bwd))
         return out
 
 

@@ -44,9 +44,12 @@ class DeepSpeedZeRO:
         allgather_bucket_size: elements per ZeRO-1/2 parameter all-gather (default 5e8).
         param_persistence_threshold: ZeRO-3 keeps parameters with fewer elements than this
             unpartitioned (DeepSpeed's default 1e5).
-        moe_capacity_factor: DeepSpeed's capacity factor per routed token; None matches the
-            model's slots: model capacity_factor / top_k (ours counts both top-2 routes).
-        moe_min_capacity: DeepSpeed's minimum slots per expert.
+        moe_capacity_factor: DeepSpeed's capacity factor per routed token; None gives every
+            expert exactly the model's slots per sequence (models.bert_moe.moe_capacity) x the
+            micro-batch (matching_capacity_factor), so DeepSpeed, dp and hap run the same
+            expert work and all-to-all sizes.
+        moe_min_capacity: DeepSpeed's minimum slots per expert; 0 (the default) never raises
+            the count above the model's slots (DeepSpeed's own default is 8).
         shm_comm_op: build DeepSpeed's shared-memory all-reduce op for CPU ranks. Only
             inference calls it, and building it is a ~40 s JIT compile on first use.
         log_level: DeepSpeed's logger level in the workers.
@@ -57,7 +60,7 @@ class DeepSpeedZeRO:
     def __init__(self, name: str = "deepspeed", zero_stage: int = 1, lr: float = 5e-4,
                  grad_clip: float = 0.0, reduce_bucket_size: float = 5e8,
                  allgather_bucket_size: float = 5e8, param_persistence_threshold: float = 1e5,
-                 moe_capacity_factor: float | None = None, moe_min_capacity: int = 4,
+                 moe_capacity_factor: float | None = None, moe_min_capacity: int = 0,
                  shm_comm_op: bool = False, log_level: str = "warning"):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ConfigError(f"method.zero_stage={zero_stage!r} is invalid; use one of "
@@ -124,9 +127,10 @@ class DeepSpeedZeRO:
         if top_k not in (1, 2):
             raise ConfigError(f"model={workload.name} routes to top_k={top_k} experts; DeepSpeed's "
                               "MoE gate supports top_k 1 or 2")
+        micro = self.micro_batch(workload, cluster)
         factor = self.moe_capacity_factor
         if factor is None:
-            factor = float(cfg.capacity_factor) / top_k
+            factor = matching_capacity_factor(cfg.capacity, cfg.seq_len, micro, int(num_experts), top_k)
         return {
             "num_experts": int(num_experts),
             "ep_size": n,
@@ -136,6 +140,9 @@ class DeepSpeedZeRO:
             "min_capacity": self.moe_min_capacity,
             "d_model": int(cfg.d_model),
             "d_ff": int(cfg.d_ff),
+            # What DeepSpeed's gate will compute over one rank's micro-batch (for the record).
+            "capacity": deepspeed_capacity(micro * cfg.seq_len, int(num_experts), float(factor), top_k,
+                                           self.moe_min_capacity),
         }
 
     def ds_config(self, micro_batch: int, num_devices: int) -> dict:
@@ -296,8 +303,10 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
     The gate and this rank's experts (global experts rank * local .. rank * local + local - 1,
     DeepSpeed's expert-parallel layout) start from our layer's weights, so both models start
     from the same parameters. DeepSpeed's routing differs from ours: it normalises the two
-    gate weights to sum to one and assigns capacity over all of a rank's tokens, not per
-    sequence. The second expert is the runner-up, not sampled (as in our model).
+    gate weights to sum to one and assigns slots over all of a rank's tokens, not per
+    sequence (the same number of slots per expert with the default capacity factor, but a
+    busy expert may take more of one sequence's tokens). The second expert is the runner-up,
+    not sampled (as in our model).
     """
     # The one model import of this module: the layer type this method rewrites.
     from models.bert_moe import MoE as ZooMoE, replace_moe_layers
@@ -325,6 +334,43 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
     return replace_moe_layers(model, factory)
 
 
+# -- DeepSpeed's MoE capacity (no deepspeed import) ---------------------------------------------
+def deepspeed_capacity(tokens: int, num_experts: int, capacity_factor: float, k: int, min_capacity: int) -> int:
+    """Slots per expert DeepSpeed's gate gives one rank's `tokens` tokens (with drop_tokens).
+
+    As deepspeed.moe.sharded_moe._capacity (0.19.8) computes it: top1gating passes
+    torch.tensor(capacity_factor), top2gating torch.tensor(capacity_factor * 2) and topkgating
+    torch.tensor(capacity_factor * k), i.e. a float32 tensor; the capacity is then
+    ceil((tokens / num_experts) * factor) in float32, and at least min_capacity.
+    """
+    factor = torch.tensor(capacity_factor * k)
+    return max(int(torch.ceil((tokens / num_experts) * factor)), int(min_capacity))
+
+
+def matching_capacity_factor(slots_per_seq: int, seq_len: int, micro_batch: int, num_experts: int, k: int) -> float:
+    """DeepSpeed's capacity_factor that gives every expert exactly slots_per_seq x micro_batch
+    slots over a rank's micro_batch sequences (min_capacity aside).
+
+    The model gives each expert slots_per_seq slots in every sequence (routing groups are
+    sequences); DeepSpeed's capacity is ceil(tokens / E * factor * k) over all of a rank's
+    tokens, so factor = slots_per_seq * E / (seq_len * k) gives the same count, unless float32
+    rounding puts the product just above the integer (e.g. 7 experts). Then the factor
+    aims at the middle of the interval the ceil maps to the count. Checked with
+    deepspeed_capacity either way.
+    """
+    target = slots_per_seq * micro_batch
+    tokens = seq_len * micro_batch
+    exact = slots_per_seq * num_experts / (seq_len * k)
+    middle = (target - 0.5) * num_experts / (tokens * k)
+    for factor in (exact, middle):
+        if deepspeed_capacity(tokens, num_experts, factor, k, 0) == target:
+            return factor
+    raise ConfigError(
+        f"no DeepSpeed capacity_factor gives {target} slots per expert for {tokens} tokens and "
+        f"{num_experts} experts in float32; set method.moe_capacity_factor explicitly"
+    )
+
+
 # -- the Program for the simulator --------------------------------------------------------------
 @dataclass(frozen=True)
 class OpCost:
@@ -348,8 +394,11 @@ class WorkloadProfile:
 def profile_workload(workload: Workload, batch: int, moe: dict | None) -> WorkloadProfile:
     """Per-op FLOPs and parameter bytes from the fx capture of the single-device model.
 
-    The MoE layers' FLOPs are those of models.bert_moe (whose per-sequence dense dispatch adds
-    a few % to the experts' FLOPs that DeepSpeed's index-based dispatch does not spend).
+    The MoE layers' FLOPs are those of models.bert_moe at its slots per sequence, which are
+    DeepSpeed's slots too with the default capacity factor (matching_capacity_factor); its
+    per-sequence dense dispatch adds a few % to the experts' FLOPs that DeepSpeed's index-based
+    dispatch does not spend. An explicit method.moe_capacity_factor or moe_min_capacity that
+    gives DeepSpeed other slots changes the all-to-all bytes here, not the FLOPs.
     """
     from methods.capture import capture_config
 
@@ -381,10 +430,10 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
     a2a: tuple[float, ...] = ()
     if moe:
         # DeepSpeed's dispatch buffer: num_experts x capacity x d_model fp32 on every device, with
-        # capacity = ceil(tokens / num_experts * capacity_factor * k): per sample of the device's
-        # batch, seq_len * capacity_factor * k * d_model * 4 bytes (min_capacity ignored).
-        per_sample = (workload.model_cfg.seq_len * moe["capacity_factor"] * moe["k"]
-                      * moe["d_model"] * FP32_BYTES)
+        # the capacity its gate computes for the device's batch of tokens.
+        capacity = deepspeed_capacity(batch * workload.model_cfg.seq_len, moe["num_experts"],
+                                      moe["capacity_factor"], moe["k"], moe["min_capacity"])
+        per_sample = moe["num_experts"] * capacity * moe["d_model"] * FP32_BYTES / batch
         a2a = tuple(per_sample for _ in range(len(expert_prefixes) // 4))
     return WorkloadProfile(tuple(ops), graph.activation_bytes() / batch, a2a)
 
