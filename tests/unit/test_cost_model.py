@@ -21,7 +21,8 @@ def planned():
     """(plan, cluster) of hap on a 1 fast + 2 slow machine cluster, 2 GPUs each, 4 segments:
     overlapped gradient buckets, machine-level devices and reshards all appear."""
     cl = cluster(fast=1, slow=2, k=2, inter_gbps=5.0)
-    plan = HapPlanner(cache_dir=None, num_segments=4, dp_candidate=False).plan(bert_workload(batch=24, num_devices=6), cl)
+    plan = HapPlanner(cache_dir=None, num_segments=4, dp_candidate=False, levels="cluster").plan(
+        bert_workload(batch=24, num_devices=6), cl)
     assert plan.program.num_segments == 4
     return plan, cl
 
