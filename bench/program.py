@@ -98,6 +98,10 @@ class Collective:
     devices: tuple[int, ...] | None = None  # virtual device indices; None = all
     label: str = ""  # the tensor it moves, for readable plans
     rows: tuple[int, int] | None = None  # reshard only: (from segment, to segment)
+    # A parameter gradient all-reduce (not an activation): among machine-level devices its
+    # GPUs already hold the machine's sum (Stage.grad_bytes), so only the leaders take part
+    # and broadcast the result back (bench.cost.price.hierarchical_steps).
+    grad: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
@@ -111,9 +115,11 @@ class Collective:
                              "(from segment, to segment)")
         if self.kind == "reshard" and (not self.nbytes.is_constant or self.devices is not None):
             raise ValueError("a reshard moves a whole tensor (constant nbytes) among all devices")
+        if self.grad and self.kind != "all_reduce":
+            raise ValueError(f"a gradient collective is an all_reduce, not {self.kind}")
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "kind": self.kind,
             "nbytes": self.nbytes.to_json(),
             "impl": self.impl,
@@ -121,6 +127,9 @@ class Collective:
             "label": self.label,
             "rows": list(self.rows) if self.rows is not None else None,
         }
+        if self.grad:
+            out["grad"] = True
+        return out
 
     @staticmethod
     def from_json(d: dict) -> "Collective":
@@ -132,6 +141,7 @@ class Collective:
             tuple(devices) if devices is not None else None,
             d.get("label", ""),
             (int(rows[0]), int(rows[1])) if rows is not None else None,
+            bool(d.get("grad", False)),
         )
 
 
@@ -166,7 +176,7 @@ class Stage:
     overlap: bool = False
     # Bytes of parameter gradients produced by this stage's computation, per device. When a
     # virtual device is a whole machine they are all-reduced inside it (data parallel within
-    # the machine), and that time counts as the device's computation (HAP Sec. 3.2).
+    # the machine) beside the rest of backward, as DDP's buckets are (bench.cost.price).
     grad_bytes: Affine = Affine()
     label: str = ""
     op_class: str = "other"  # what its FLOPs are priced by (OP_CLASSES)
@@ -367,7 +377,7 @@ def data_parallel_program(
                 launches=launches + (fwd_launches if i == 0 else 0.0),
             )
         )
-        pending = Collective("all_reduce", Affine(nbytes), label=f"grad bucket {i}") if nbytes else None
+        pending = Collective("all_reduce", Affine(nbytes), label=f"grad bucket {i}", grad=True) if nbytes else None
     if pending:
         stages.append(Stage((pending,), overlap=overlap, label=f"all_reduce bucket {len(buckets) - 1}"))
     memory = Memory(

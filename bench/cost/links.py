@@ -17,6 +17,10 @@ _RING_FACTOR = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,  # pipelined: the root's link carries the tensor once
     "reduce": lambda n: 1.0,
+    # To one rank and back (a machine's leader, hierarchical collectives): the root receives
+    # (or sends) every other rank's part of the full tensor.
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
 }
 
 COLLECTIVE_KINDS = tuple(_RING_FACTOR)

@@ -11,7 +11,12 @@ The timeline has two lanes per iteration, computation and the network:
   - a stage with collectives starts when both lanes are free; its collectives run, then its
     computation (overlap=False), or its computation runs beside them (overlap=True: gradient
     buckets launched while backward goes on, as DDP does);
-  - the iteration ends when both lanes are done, plus the optimizer step of a device with a
+  - machine-level devices (data parallel inside each machine) have a third lane, the
+    intra-machine link: a stage's gradients are all-reduced among the machine's GPUs once the
+    stage has computed them, beside the rest of backward (DDP buckets inside the machine);
+  - a collective among machines is priced in the paper's three steps: inside each machine to
+    its leader, among the leaders, back (collective_price);
+  - the iteration ends when all lanes are done, plus the optimizer step of a device with a
     measured profile and the slowest device's per-step overhead.
 
 Where the LP must approximate, it prices more, never less: with free rows a reshard charges
@@ -30,7 +35,7 @@ import pulp
 
 from bench.cluster import ClusterSpec, Link
 from bench.cost.devices import VirtualDevice
-from bench.cost.links import collective_linear_cost
+from bench.cost.links import collective_linear_cost, collective_time_s
 from bench.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
 
 Value = Any  # a float, or a PuLP expression
@@ -147,7 +152,14 @@ def collective_cost(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevi
 
 def collective_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
     """Seconds of one collective: padded / ring wait for the largest device's bytes, grouped
-    calls move every device's bytes (one latency per call), a reshard what changes owner."""
+    calls move every device's bytes (one latency per call), a reshard what changes owner.
+    Among machine-level devices, plus the steps inside the machines (hierarchical_steps)."""
+    return flat_price(c, cluster, vdevs, alg) + hierarchical_steps(c, cluster, vdevs, alg)
+
+
+def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
+    """Seconds of the collective among the virtual devices themselves (for machines: among
+    their leaders, on the slowest link the members span)."""
     alpha, beta, agg = collective_cost(c, cluster, vdevs)
     if alpha == 0.0 and beta == 0.0:
         return 0.0
@@ -162,20 +174,65 @@ def collective_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDev
     return alpha + beta * (alg.sum(per_device) if agg == "sum" else alg.max(per_device))
 
 
+def _intra(kind: str, v: VirtualDevice, cluster: ClusterSpec) -> tuple[float, float]:
+    """(alpha_s, beta_s_per_byte) of one `kind` call among the GPUs of machine-level device v."""
+    link = cluster.intra_machine
+    alpha = collective_time_s(kind, 0.0, v.num_gpus, link)
+    return alpha, collective_time_s(kind, 1.0, v.num_gpus, link) - alpha
+
+
+def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
+    """Seconds of the steps inside the machines of a collective among machine-level devices
+    (HAP Sec. 3: to the machine's leader, among the leaders (flat_price), back). Zero among
+    GPU-level devices and for a collective that spans one device.
+
+    Data parallel inside a machine: each GPU holds its part of the machine's batch of an
+    activation, so the leader gathers the parts of the machine's input (intra link) and
+    scatters the parts of the output back. Per machine, input and output are: all_reduce the
+    buffer and the buffer; all_gather its shard and the gathered tensor (n x the largest shard
+    padded, the sum grouped); reduce_scatter the reverse; all_to_all its input buffer both ways.
+    A gradient all-reduce (`grad`) starts from the machine's sum (Stage.grad_bytes all-reduced
+    it inside the machine), so its leader only broadcasts the result back. The slowest machine
+    sets each step's time. Reshards are not hierarchical here (priced flat).
+    """
+    members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
+    inside = [d for d in members if vdevs[d].num_gpus > 1]
+    if len(members) <= 1 or not inside or c.kind == "reshard":
+        return 0.0
+    if c.grad:
+        return alg.max([a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]])
+    own = {d: alg.at(c.nbytes, d) for d in members}
+    if c.kind in ("all_gather", "reduce_scatter"):
+        full = alg.sum(list(own.values())) if c.impl == "grouped" else len(members) * alg.max(list(own.values()))
+        whole = {d: full for d in members}
+        ins, outs = (own, whole) if c.kind == "all_gather" else (whole, own)
+    else:  # all_reduce, all_to_all
+        ins = outs = own
+    to_leader = alg.max([a + b * ins[d] for d in inside for a, b in [_intra("gather", vdevs[d], cluster)]])
+    back = alg.max([a + b * outs[d] for d in inside for a, b in [_intra("scatter", vdevs[d], cluster)]])
+    return to_leader + back
+
+
 # -- computation -----------------------------------------------------------------------------
 def device_compute(st: Stage, cluster: ClusterSpec, v: VirtualDevice, alg) -> Value:
     """One device's seconds of a stage's computation: FLOPs / effective FLOP/s, or with a
-    measured profile, kernels x fixed cost + FLOPs / the op class's rate; a machine-level device
-    also all-reduces the stage's gradients among its GPUs (data parallel inside the machine)."""
+    measured profile, kernels x fixed cost + FLOPs / the op class's rate."""
     if v.compute is None:
         t = alg.at(st.flops, v.index) * (1.0 / v.flops)
     else:  # a measured profile: a fixed cost per kernel plus the op class's rate
         fixed, rate = v.compute.rate(st.op_class)
         t = alg.at(st.flops, v.index) * (1.0 / (rate * v.speed)) + st.launches * fixed
-    if v.num_gpus > 1 and not (st.grad_bytes.is_constant and st.grad_bytes.const == 0):
-        alpha, beta, _ = collective_linear_cost("all_reduce", "ring", v.num_gpus, cluster.intra_machine)
-        t = t + alpha + beta * alg.at(st.grad_bytes, v.index)
     return t
+
+
+def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
+    """Seconds of the all-reduce of a stage's gradients among each machine's GPUs (data
+    parallel inside a machine-level device), on the intra-machine link; the slowest machine."""
+    if st.grad_bytes.is_constant and st.grad_bytes.const == 0:
+        return 0.0
+    terms = [alpha + beta * alg.at(st.grad_bytes, v.index) for v in vdevs if v.num_gpus > 1
+             for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", v.num_gpus, cluster.intra_machine)]]
+    return alg.max(terms) if terms else 0.0
 
 
 def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> tuple[Value, Value]:
@@ -193,22 +250,29 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     compute_end: Value = 0.0
     network_end: Value = 0.0
     network_idle = True  # known: network_end <= compute_end (no max needed)
+    intra_end: Value = 0.0  # the intra-machine gradient all-reduces (machine-level devices)
+    intra_idle = True
     for st in program.stages:
         comm, comp = stage_parts(st, cluster, vdevs, alg)
+        sync = intra_grad_sync(st, cluster, vdevs, alg)
         if stage_log is not None:
-            stage_log.append((comm, comp))
+            stage_log.append((comm + sync, comp))
         if not st.collectives or (_is_zero(comm) and not st.overlap):
             compute_end = compute_end + comp
-            continue
-        start = compute_end if network_idle else alg.max([compute_end, network_end])
-        network_end = start + comm
-        if st.overlap:
-            compute_end = compute_end + comp
-            network_idle = False
         else:
-            compute_end = network_end + comp
-            network_idle = True
-    end = compute_end if network_idle else alg.max([compute_end, network_end])
+            start = compute_end if network_idle else alg.max([compute_end, network_end])
+            network_end = start + comm
+            if st.overlap:
+                compute_end = compute_end + comp
+                network_idle = False
+            else:
+                compute_end = network_end + comp
+                network_idle = True
+        if not _is_zero(sync):  # launched once the stage's gradients exist, beside what follows
+            intra_end = (compute_end if intra_idle else alg.max([compute_end, intra_end])) + sync
+            intra_idle = False
+    ends = [compute_end] + ([] if network_idle else [network_end]) + ([] if intra_idle else [intra_end])
+    end = ends[0] if len(ends) == 1 else alg.max(ends)
     return end + optimizer_time(program, vdevs, alg) + max(d.step_overhead_s for d in cluster.devices)
 
 
@@ -236,6 +300,7 @@ def device_compute_times(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDev
 
 
 def stage_time(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
-    """Seconds of a stage run alone: its collectives, then its slowest device's compute."""
+    """Seconds of a stage run alone: its collectives, then its slowest device's compute (not
+    the all-reduce of its gradients inside machines, which runs beside later stages)."""
     comm, comp = stage_parts(st, cluster, vdevs, FloatAlgebra(ratios))
     return comm + comp

@@ -97,6 +97,9 @@ class HapPlanner:
         dp_candidate: also score plain data parallelism (bench.program.data_parallel_program,
             as the dp_ev / dp_cp baselines are scored) and keep it if it is better.
         fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
+        levels: "both": on a cluster with a machine of several GPUs, synthesize over machines
+            (DP inside each) and over GPUs, and keep the faster by the simulator
+            (details["levels"]); "cluster": only the cluster's virtual_device.
         max_expansions: A* gives up (NoProgramError) after this many expanded states.
         beam_width: A* expands at most this many states per op (the cheapest prefixes);
             None = exact. details["search_exact"] says whether the cap ever bit.
@@ -117,6 +120,7 @@ class HapPlanner:
     bucket_cap_mb: float = 25.0
     dp_candidate: bool = True
     fuse_routing: bool = True
+    levels: str = "both"
     max_expansions: int = 2_000_000
     beam_width: int | None = 100
     cache_dir: str | None = None
@@ -138,6 +142,9 @@ class HapPlanner:
             raise ValueError(f"method.beam_width={self.beam_width} must be >= 1, or null for an exact search")
         if self.max_expansions < 1:
             raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
+        if self.levels not in ("both", "cluster"):
+            raise ValueError(f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
+                             "the faster kept) or 'cluster' (the cluster's virtual_device)")
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -188,29 +195,39 @@ class HapPlanner:
         }
 
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
-        granularity = cluster.virtual_device
         t0 = time.perf_counter()
         graph = capture_config(workload.model_cfg, workload.global_batch)
         theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_capture = time.perf_counter() - t0
         meta = {"method": self.name, "model": workload.name}
         bucket = self.bucket_cap_mb * 2**20
-        starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
-        if self.lp:
-            starts += [("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
-                       ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments))]
+        levels = [cluster.virtual_device]
+        if self.levels == "both" and cluster.num_machines < cluster.num_devices:
+            levels = ["machine", "gpu"]  # a machine of several GPUs: both levels differ
         best: Candidate | None = None
         rounds: list[dict] = []
+        level_rows: list[dict] = []
         stats = {"expanded": 0, "pruned": 0, "beam_pruned": 0, "search_s": 0.0, "lp_s": 0.0}
-        seen: set = set()
-        for label, ratios in starts:
-            key = _ratios_key(ratios)
-            if key in seen:
-                continue  # the same start as another (e.g. a homogeneous cluster)
-            seen.add(key)
-            cand = self._alternate(theory, cluster, meta, label, ratios, rounds, stats, seen)
-            if best is None or _better(cand, best):
-                best = cand
+        for granularity in levels:
+            starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
+            if self.lp:
+                starts += [("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
+                           ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments))]
+            seen: set = set()
+            level_best: Candidate | None = None
+            for label, ratios in starts:
+                key = _ratios_key(ratios)
+                if key in seen:
+                    continue  # the same start as another (e.g. a homogeneous cluster)
+                seen.add(key)
+                start = label if len(levels) == 1 else f"{granularity}, {label}"
+                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen)
+                if level_best is None or _better(cand, level_best):
+                    level_best = cand
+            assert level_best is not None
+            level_rows.append({"granularity": granularity, "iter_time_s": level_best.iter_time_s, "oom": level_best.oom})
+            if best is None or _better(level_best, best):
+                best = level_best
         expanded, pruned, beam_pruned = stats["expanded"], stats["pruned"], stats["beam_pruned"]
         t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
@@ -232,11 +249,14 @@ class HapPlanner:
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
         details = {
             "granularity": gran,
+            # GPUs of each machine the plan was made for (a machine-level plan runs only there)
+            "machine_gpus": [v.num_gpus for v in virtual_devices(cluster, "machine")],
             "ratios": best.ratios,
             "predicted_iter_time_s": best.iter_time_s,
             "oom": best.oom,
             "chosen": best.kind if best.kind == "synthesis" else f"data_parallel ({best.kind})",
             "synthesized_iter_time_s": synthesized.iter_time_s,
+            "levels": level_rows,  # the best synthesized program over machines and over GPUs
             "data_parallel_candidates": dp_rows,
             "rounds": rounds,
             "states_expanded": expanded,
@@ -253,15 +273,15 @@ class HapPlanner:
         log.info("%s: %d rounds, chose %s, predicted %.4f s/iter", self.name, len(rounds), details["chosen"], best.iter_time_s)
         return Plan(self.name, shares, details, best.program, best.ratios)
 
-    def _alternate(self, theory, cluster: ClusterSpec, meta: dict, start: str, ratios, rounds: list,
-                   stats: dict, seen: set) -> Candidate:
+    def _alternate(self, theory, cluster: ClusterSpec, granularity: str, meta: dict, start: str, ratios,
+                   rounds: list, stats: dict, seen: set) -> Candidate:
         """Synthesis at fixed ratios, then the LP at a fixed program, until a round brings no
         strict gain (or max_rounds); the best (program, ratios) by the simulator. `seen` holds
         the ratios already searched from: reaching one ends this start (its rounds are known)."""
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, cluster.virtual_device, ratios, self.segmentation)
+            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation)
             t1 = time.perf_counter()
             res = synthesize(theory, cost, self.max_expansions, self.beam_width)
             stats["search_s"] += time.perf_counter() - t1

@@ -203,6 +203,11 @@ def rank_ratios(plan: Plan, cluster: ClusterSpec) -> list[list[float]]:
     vdevs = virtual_devices(cluster, "machine")
     if len(vdevs) != len(ratios[0]):
         raise PlanMismatchError(f"the plan has {len(ratios[0])} machines, cluster {cluster.name!r} {len(vdevs)}")
+    made_for = (plan.details or {}).get("machine_gpus")
+    if made_for is not None and list(made_for) != [v.num_gpus for v in vdevs]:
+        raise PlanMismatchError(
+            f"plan details.machine_gpus={list(made_for)} (GPUs per machine) differ from cluster {cluster.name!r}'s "
+            f"{[v.num_gpus for v in vdevs]}; re-plan for this cluster (method.cache_dir=null or a fresh plan)")
     out = []
     for row in ratios:
         per_rank = [0.0] * cluster.num_devices

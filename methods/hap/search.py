@@ -228,7 +228,7 @@ class CostModel:
         out = []
         for t, layout in step.sources:
             if self.graph[t].is_param and layout == IDENTITY and not step.rule.sfb:
-                out.append(Collective("all_reduce", Affine(float(self.graph[t].nbytes)), label=f"grad {t}"))
+                out.append(Collective("all_reduce", Affine(float(self.graph[t].nbytes)), label=f"grad {t}", grad=True))
         return out
 
     def grad_bytes(self, step: Step) -> Affine:
@@ -258,6 +258,9 @@ class CostModel:
 
     # -- seconds -----------------------------------------------------------------------------
     def stage_time(self, st: Stage) -> float:
+        """The stage alone: its collectives, then its slowest device's compute. The all-reduce
+        of its gradients inside machine-level devices is not charged: it runs on the intra-machine
+        link beside the rest of backward (bench.cost.price), which only the simulator can price."""
         comm = sum(collective_time(c, self.cluster, self.vdevs, self.ratios) for c in st.collectives)
         return comm + max(device_compute_times(st, self.cluster, self.vdevs, self.ratios))
 
@@ -311,7 +314,7 @@ class CostModel:
             if node.is_param:
                 colls = []
                 if layout == IDENTITY and not rule.sfb:
-                    colls.append(Collective("all_reduce", Affine(float(node.nbytes))))
+                    colls.append(Collective("all_reduce", Affine(float(node.nbytes)), grad=True))
                 st = Stage(tuple(colls), Affine(), grad_bytes=self._bytes(tensor, layout))
                 t = self.stage_time(st)
             self._param_cost[key] = t
@@ -657,7 +660,7 @@ def _overlapped_backward(bwd: list[tuple[Stage, float]], cap: float) -> list[Sta
 
     def launch() -> None:
         nonlocal bucket, index
-        out.append(Stage((Collective("all_reduce", Affine(bucket), label=f"grad bucket {index}"),), overlap=True,
+        out.append(Stage((Collective("all_reduce", Affine(bucket), label=f"grad bucket {index}", grad=True),), overlap=True,
                          label=f"all_reduce grad bucket {index}"))
         bucket = 0.0
         index += 1

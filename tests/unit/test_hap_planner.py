@@ -235,3 +235,35 @@ def test_segments_cut_ops_in_order_and_never_lose_to_one_segment():
         times[g] = simulate(plan.program, cl, plan.ratios).iter_time_s
         assert times[g] == pytest.approx(plan.details["predicted_iter_time_s"])
     assert times[3] <= times[1] * (1 + 1e-9)
+
+
+def test_both_levels_are_planned_and_the_faster_kept():
+    """Machines of 2 GPUs: synthesis over machines (DP inside) and over GPUs, compared by the
+    simulator; the plan is the faster one and records both. levels=cluster plans only one."""
+    from bench.interfaces import Plan
+    from methods.hap.codegen import PlanMismatchError
+    from methods.hap.runtime import rank_ratios
+
+    cl = cluster(fast=1, slow=2, k=2, inter_gbps=5.0)
+    wl = bert_workload(batch=24, num_devices=6)
+    plan = HapPlanner(cache_dir=None, dp_candidate=False).plan(wl, cl)
+    levels = {row["granularity"]: row["iter_time_s"] for row in plan.details["levels"]}
+    assert set(levels) == {"machine", "gpu"}
+    assert plan.details["predicted_iter_time_s"] == pytest.approx(min(levels.values()))
+    assert plan.details["granularity"] == min(levels, key=levels.get)
+    assert plan.details["machine_gpus"] == [2, 2, 2]
+    only = HapPlanner(cache_dir=None, dp_candidate=False, levels="cluster").plan(wl, cl)
+    assert [row["granularity"] for row in only.details["levels"]] == ["machine"]
+    assert only.details["predicted_iter_time_s"] == pytest.approx(levels["machine"])
+    # A machine-level plan on a cluster whose machines have other sizes: one clear line.
+    other = ClusterSpec.from_config({
+        "name": "t2", "virtual_device": "machine",
+        "machines": [{"count": 1, "device": "V100-16", "num_devices": 1}, {"count": 1, "device": "P100-16", "num_devices": 3},
+                     {"count": 1, "device": "P100-16", "num_devices": 2}],
+        "links": {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
+                  "inter_machine": {"bandwidth_gbps": 5.0, "latency_s": 3e-5}}})
+    with pytest.raises(PlanMismatchError, match=r"machine_gpus=\[2, 2, 2\].*\[1, 3, 2\]; re-plan") as err:
+        rank_ratios(Plan("hap", only.batch_shares, only.details, only.program, only.ratios), other)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="method.levels='gpus' is invalid"):
+        HapPlanner(levels="gpus")

@@ -195,10 +195,13 @@ def test_all_to_all_across_machines_shares_each_machines_link():
     # A ring passes each machine's link once: unchanged.
     ag = Program((Stage((Collective("all_gather", Affine.sharded(1e9), "padded"),)),), 4)
     assert simulate(ag, cl, even_ratios(4)).iter_time_s == pytest.approx(4 * shard * 3 / 4 / 1e9)
-    # Machines as devices: one member per link, the plain (n-1)/n.
+    # Machines as devices: one member (the leader) per link, the plain (n-1)/n; plus each
+    # machine's leader gathering its other GPU's half of the 0.5 GB buffer and scattering it
+    # back (intra link: 800 Gbit/s = 1e11 B/s, 10 us).
     m = make_cluster(fast=1, slow=1, per_machine=2, inter_gbps=8.0, latency=0.0, virtual="machine")
     a2a_m = Program((Stage((Collective("all_to_all", Affine.sharded(1e9)),)),), 2, granularity="machine")
-    assert simulate(a2a_m, m, even_ratios(2)).iter_time_s == pytest.approx(0.5 * 1e9 / 2 / 1e9)
+    inside = 2 * (1e-5 + 0.5 * 0.5e9 / 1e11)
+    assert simulate(a2a_m, m, even_ratios(2)).iter_time_s == pytest.approx(0.5 * 1e9 / 2 / 1e9 + inside)
 
 
 @pytest.mark.parametrize("src,dst", [([500, 250, 250], [250, 250, 500]), ([1000, 0, 0], [0, 0, 1000]),
@@ -242,3 +245,49 @@ def test_reshard_costs_what_changes_owner_and_nothing_between_equal_rows():
     with pytest.raises(ValueError, match="rows"):
         Program((Stage((Collective("reshard", Affine(nbytes), rows=(0, 2)),)),), 3, num_segments=2)
     assert Program.from_json(prog.to_json()) == prog
+
+
+def test_collective_among_machines_is_priced_in_three_steps():
+    # Machines of 1 and 3 GPUs (intra: 800 Gbit/s = 1e11 B/s, 10 us; inter: 8 Gbit/s = 1e9 B/s,
+    # 100 us). A padded all-gather of a 1 GB tensor at ratios 0.25 / 0.75: the leaders
+    # all-gather 2 x the largest shard (0.75 GB); inside the 3-GPU machine the leader first
+    # gathers 2/3 of its 0.75 GB shard, then scatters 2/3 of the gathered 1.5 GB back. The
+    # 1-GPU machine has no step inside.
+    cl = ClusterSpec.from_config({
+        "name": "m13", "virtual_device": "machine",
+        "machines": [{"count": 1, "device": "V100-16", "num_devices": 1},
+                     {"count": 1, "device": "V100-16", "num_devices": 3}],
+        "links": {"intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
+                  "inter_machine": {"bandwidth_gbps": 8.0, "latency_s": 1e-4}}})
+    ratios = [[0.25, 0.75]]
+    ag = Program((Stage((Collective("all_gather", Affine.sharded(1e9), "padded"),)),), 2, granularity="machine")
+    among = 1e-4 + 2 * 0.75e9 * (1 / 2) / 1e9
+    inside = (1e-5 + 2 / 3 * 0.75e9 / 1e11) + (1e-5 + 2 / 3 * 1.5e9 / 1e11)
+    assert simulate(ag, cl, ratios).iter_time_s == pytest.approx(among + inside)
+    # A gradient all-reduce starts from the machine's sum: leaders all-reduce, then broadcast.
+    grad = Program((Stage((Collective("all_reduce", Affine(1e8), grad=True),)),), 2, granularity="machine")
+    assert simulate(grad, cl, ratios).iter_time_s == pytest.approx((1e-4 + 2 * 0.5 * 1e8 / 1e9) + (1e-5 + 1e8 / 1e11))
+    # The same at GPU granularity is one flat ring over the 4 GPUs (no step inside).
+    ag_gpu = Program((Stage((Collective("all_gather", Affine.sharded(1e9), "padded"),)),), 4)
+    assert simulate(ag_gpu, cl, even_ratios(4)).iter_time_s == pytest.approx(1e-4 + 4 * 0.25e9 * 3 / 4 / 1e9)
+
+
+def test_gradient_all_reduce_inside_machines_overlaps_later_backward():
+    # 2 machines x 4 GPUs. Stage 1 makes 100 MB of gradients, stage 2 computes for longer than
+    # their all-reduce inside the machine takes: only stage 2's own sync shows at the end.
+    cluster = make_cluster(fast=1, slow=1, per_machine=4, virtual="machine")
+    vd = virtual_devices(cluster, "machine")
+    intra = cluster.intra_machine
+    sync = intra.latency_s + 2 * 3 / 4 * 100e6 / intra.bytes_per_s  # 1.5e-3 s at 800 Gbit/s
+    slow_flops = vd[1].flops
+    stages = (Stage((), Affine.sharded(2e12), grad_bytes=Affine(100e6)),
+              Stage((), Affine.sharded(2e12), grad_bytes=Affine(10e6)))
+    prog = Program(stages, 2, granularity="machine")
+    compute = 2 * 1e12 / slow_flops
+    assert compute / 2 > sync  # stage 2 hides stage 1's sync
+    last = intra.latency_s + 2 * 3 / 4 * 10e6 / intra.bytes_per_s
+    assert simulate(prog, cluster, [[0.5, 0.5]]).iter_time_s == pytest.approx(compute + last)
+    # The LP prices the same (balance_ratios' objective at the ratios it picks).
+    from methods.hap.balance import balance_ratios
+    ratios, objective = balance_ratios(prog, cluster)
+    assert objective == pytest.approx(simulate(prog, cluster, ratios).iter_time_s, rel=1e-6)
