@@ -13,6 +13,7 @@ from bench.cost.devices import (
     GIB,
     VirtualDevice,
     compute_proportional_ratios,
+    device_classes,
     even_ratios,
     memory_proportional_ratios,
     virtual_devices,
@@ -21,6 +22,7 @@ from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collectiv
 from bench.cost.price import (
     FloatAlgebra,
     LpAlgebra,
+    alike,
     collective_cost,
     collective_link,
     collective_time,
@@ -31,9 +33,9 @@ from bench.cost.price import (
 from bench.cost.simulate import SimResult, simulate
 
 __all__ = [
-    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "SimResult", "VirtualDevice",
+    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "SimResult", "VirtualDevice", "alike",
     "collective_cost", "collective_link", "collective_linear_cost", "collective_time",
-    "collective_time_s", "compute_proportional_ratios", "device_compute_times", "even_ratios",
+    "collective_time_s", "compute_proportional_ratios", "device_classes", "device_compute_times", "even_ratios",
     "iteration_time", "link_bytes", "memory_proportional_ratios", "simulate", "stage_time",
     "virtual_devices",
 ]

@@ -47,6 +47,21 @@ def virtual_devices(cluster: ClusterSpec, granularity: str) -> list[VirtualDevic
     return out
 
 
+def device_classes(cluster: ClusterSpec, vdevs: list[VirtualDevice]) -> list[int]:
+    """A class index per virtual device: devices of one class are interchangeable (same
+    hardware, in machines of the same make-up), so a program, which prices every device by the
+    same expression, costs the same under any permutation of them. The load balancer gives a
+    class one ratio variable (methods.hap.balance)."""
+    parts: dict[int, list] = {}
+    for d in cluster.devices:
+        parts.setdefault(d.machine, []).append((d.type.name, d.speed))
+    makeup = {m: tuple(sorted(p)) for m, p in parts.items()}
+    keys: dict[tuple, int] = {}
+    return [keys.setdefault((v.flops, v.memory_bytes, v.speed, v.num_gpus, id(v.compute),
+                             makeup[cluster.devices[v.ranks[0]].machine]), len(keys))
+            for v in vdevs]
+
+
 def compute_proportional_ratios(cluster: ClusterSpec, granularity: str, num_segments: int = 1) -> list[list[float]]:
     """Ratios proportional to each virtual device's FLOP/s (DP-CP's split), one row per segment."""
     vdevs = virtual_devices(cluster, granularity)

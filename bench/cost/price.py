@@ -50,6 +50,10 @@ class FloatAlgebra:
     def at(self, a: Affine, device: int) -> float:
         return a.at(self.ratios, device)
 
+    def column(self, device: int) -> tuple:
+        """What a device's prices depend on besides its hardware: its ratio in every row."""
+        return tuple(row[device] for row in self.ratios)
+
     def max(self, items: Sequence[float]) -> float:
         return max(items)
 
@@ -77,6 +81,10 @@ class LpAlgebra:
         if a.is_constant:
             return a.const
         return a.const + pulp.lpSum(c * self.ratios[s][device] for s, c in a.coef)
+
+    def column(self, device: int) -> tuple:
+        """Its ratio variables: devices of one class share them (methods.hap.balance)."""
+        return tuple(id(row[device]) for row in self.ratios)
 
     def max(self, items: Sequence[Value]) -> Value:
         numbers = [x for x in items if isinstance(x, (int, float))]
@@ -112,6 +120,27 @@ class LpAlgebra:
             self.prob.addConstraint(u >= -diff, f"{u.name}_neg")
             self._gaps[key] = u
         return self._gaps[key]
+
+
+def alike(vdevs: list[VirtualDevice], alg) -> list[tuple[int, int]]:
+    """(a device, how many) per group of devices that price alike: the same hardware and the
+    same ratios (numbers, or LP variables) in every row. Every price below is a max or a sum
+    over devices of one expression, so pricing one device per group is exact; on a cluster of
+    a few device types it makes the cost independent of how many devices there are."""
+    cache = alg.__dict__.setdefault("_alike", {})
+    key = id(vdevs)
+    if key not in cache:
+        groups: dict[tuple, list[int]] = {}
+        for v in vdevs:
+            groups.setdefault((_hardware(v), alg.column(v.index)), []).append(v.index)
+        cache[key] = (vdevs, [(members[0], len(members)) for members in groups.values()])
+    return cache[key][1]
+
+
+def _hardware(v: VirtualDevice) -> tuple:
+    """What a device's prices and limits depend on besides its ratios (device_compute, the
+    steps inside a machine, the LP's memory rows)."""
+    return v.flops, v.speed, v.num_gpus, v.memory_bytes, id(v.compute)
 
 
 def _is_zero(x: Value) -> bool:
@@ -160,7 +189,11 @@ def collective_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDev
 def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
     """Seconds of the collective among the virtual devices themselves (for machines: among
     their leaders, on the slowest link the members span)."""
-    alpha, beta, agg = collective_cost(c, cluster, vdevs)
+    costs = alg.__dict__.setdefault("_costs", {})  # per algebra: its cluster and devices are fixed
+    key = (c.kind, c.impl, c.devices, id(vdevs))
+    if key not in costs:
+        costs[key] = collective_cost(c, cluster, vdevs)
+    alpha, beta, agg = costs[key]
     if alpha == 0.0 and beta == 0.0:
         return 0.0
     if agg == "reshard":
@@ -169,9 +202,10 @@ def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], 
     if c.nbytes.is_constant:
         n = 1 if agg == "max" else len(vdevs if c.devices is None else c.devices)
         return alpha + beta * c.nbytes.const * n
-    members = range(len(vdevs)) if c.devices is None else c.devices
-    per_device = [alg.at(c.nbytes, d) for d in members]
-    return alpha + beta * (alg.sum(per_device) if agg == "sum" else alg.max(per_device))
+    groups = alike(vdevs, alg) if c.devices is None else [(d, 1) for d in c.devices]
+    if agg == "sum":
+        return alpha + beta * alg.sum([n * alg.at(c.nbytes, d) if n > 1 else alg.at(c.nbytes, d) for d, n in groups])
+    return alpha + beta * alg.max([alg.at(c.nbytes, d) for d, _ in groups])
 
 
 def _intra(kind: str, v: VirtualDevice, cluster: ClusterSpec) -> tuple[float, float]:
@@ -195,15 +229,18 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
     it inside the machine), so its leader only broadcasts the result back. The slowest machine
     sets each step's time. Reshards are not hierarchical here (priced flat).
     """
-    members = list(range(len(vdevs))) if c.devices is None else list(c.devices)
+    groups = alike(vdevs, alg) if c.devices is None else [(d, 1) for d in c.devices]
+    members = [d for d, _ in groups]
+    size = sum(n for _, n in groups)
     inside = [d for d in members if vdevs[d].num_gpus > 1]
-    if len(members) <= 1 or not inside or c.kind == "reshard":
+    if size <= 1 or not inside or c.kind == "reshard":
         return 0.0
     if c.grad:
         return alg.max([a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]])
     own = {d: alg.at(c.nbytes, d) for d in members}
     if c.kind in ("all_gather", "reduce_scatter"):
-        full = alg.sum(list(own.values())) if c.impl == "grouped" else len(members) * alg.max(list(own.values()))
+        full = (alg.sum([n * own[d] if n > 1 else own[d] for d, n in groups]) if c.impl == "grouped"
+                else size * alg.max(list(own.values())))
         whole = {d: full for d in members}
         ins, outs = (own, whole) if c.kind == "all_gather" else (whole, own)
     else:  # all_reduce, all_to_all
@@ -230,8 +267,8 @@ def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice],
     parallel inside a machine-level device), on the intra-machine link; the slowest machine."""
     if st.grad_bytes.is_constant and st.grad_bytes.const == 0:
         return 0.0
-    terms = [alpha + beta * alg.at(st.grad_bytes, v.index) for v in vdevs if v.num_gpus > 1
-             for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", v.num_gpus, cluster.intra_machine)]]
+    terms = [alpha + beta * alg.at(st.grad_bytes, d) for d, _ in alike(vdevs, alg) if vdevs[d].num_gpus > 1
+             for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", vdevs[d].num_gpus, cluster.intra_machine)]]
     return alg.max(terms) if terms else 0.0
 
 
@@ -240,7 +277,7 @@ def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg
     comm: Value = 0.0
     for c in st.collectives:
         comm = comm + collective_price(c, cluster, vdevs, alg)
-    return comm, alg.max([device_compute(st, cluster, v, alg) for v in vdevs])
+    return comm, alg.max([device_compute(st, cluster, vdevs[d], alg) for d, _ in alike(vdevs, alg)])
 
 
 def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg,
@@ -281,26 +318,34 @@ def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:
     plus the parameter bytes each GPU updates over its measured rate (memory-bound). Devices
     without a profile: 0 here (their effective FLOP/s, or an emulated worker's measured
     per-step overhead, already cover it)."""
-    terms = [fixed + alg.at(program.memory.params, v.index) * (1.0 / rate)
-             for v in vdevs if v.compute is not None and v.compute.optimizer is not None
-             for fixed, rate in [v.compute.optimizer]]
+    terms = [fixed + alg.at(program.memory.params, d) * (1.0 / rate)
+             for d, _ in alike(vdevs, alg) if vdevs[d].compute is not None and vdevs[d].compute.optimizer is not None
+             for fixed, rate in [vdevs[d].compute.optimizer]]
     return alg.max(terms) if terms else 0.0
 
 
 # -- numbers ---------------------------------------------------------------------------------
-def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
+# `ratios` below may also be a FloatAlgebra: a caller pricing many things at the same ratios (the
+# search) keeps one, so the grouping of devices that price alike is made once.
+def _numbers(ratios: Ratios | FloatAlgebra) -> FloatAlgebra:
+    return ratios if isinstance(ratios, FloatAlgebra) else FloatAlgebra(ratios)
+
+
+def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> float:
     """Seconds of one collective at these ratios."""
-    return collective_price(c, cluster, vdevs, FloatAlgebra(ratios))
+    return collective_price(c, cluster, vdevs, _numbers(ratios))
 
 
-def device_compute_times(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> list[float]:
+def device_compute_times(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> list[float]:
     """Per-device seconds of a stage's computation at these ratios."""
-    alg = FloatAlgebra(ratios)
-    return [device_compute(st, cluster, v, alg) for v in vdevs]
+    alg = _numbers(ratios)
+    priced = {d: device_compute(st, cluster, vdevs[d], alg) for d, _ in alike(vdevs, alg)}
+    group = {(_hardware(v), alg.column(v.index)): d for d in priced for v in [vdevs[d]]}
+    return [priced[group[(_hardware(v), alg.column(v.index))]] for v in vdevs]
 
 
-def stage_time(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios) -> float:
+def stage_time(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> float:
     """Seconds of a stage run alone: its collectives, then its slowest device's compute (not
     the all-reduce of its gradients inside machines, which runs beside later stages)."""
-    comm, comp = stage_parts(st, cluster, vdevs, FloatAlgebra(ratios))
+    comm, comp = stage_parts(st, cluster, vdevs, _numbers(ratios))
     return comm + comp

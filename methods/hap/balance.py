@@ -15,7 +15,7 @@ from typing import Sequence
 import pulp
 
 from bench.cluster import ClusterSpec
-from bench.cost import LpAlgebra, iteration_time, virtual_devices
+from bench.cost import LpAlgebra, alike, device_classes, iteration_time, virtual_devices
 from bench.interfaces import PlanningError
 from bench.program import Program
 from bench.shares import round_shares
@@ -52,17 +52,25 @@ def balance_ratios(
         raise ValueError(f"program has {program.num_devices} devices, cluster {cluster.name!r} {len(vdevs)}")
     m, g = program.num_devices, program.num_segments
     prob = pulp.LpProblem("hap_ratios", pulp.LpMinimize)
-    r = [[prob.add_variable(f"r_{s}_{d}", lowBound=0) for d in range(m)] for s in range(g)]
+    # One variable per class of interchangeable devices and row (bench.cost.device_classes):
+    # the objective is convex and the same under any permutation within a class, so averaging
+    # an optimum over those permutations is an optimum with equal ratios in each class (with
+    # free rows, the reshard bound depends on device order: there, equal ratios per class is a
+    # restriction, and the simulator judges the result). The LP's size and the price's work
+    # then depend on the number of device types, not of devices (bench.cost.price.alike).
+    classes = device_classes(cluster, vdevs)
+    per_class = [[prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)] for s in range(g)]
+    r = [[per_class[s][classes[d]] for d in range(m)] for s in range(g)]
     for s in range(g):
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
         if tied_rows and s:
-            for d in range(m):
-                prob += r[s][d] == r[0][d], f"tie_{s}_{d}"
+            for k, var in enumerate(per_class[s]):
+                prob += var == per_class[0][k], f"tie_{s}_{k}"
     alg = LpAlgebra(prob, r, tied_rows and g > 1)
     objective = iteration_time(program, cluster, vdevs, alg)
     if memory_limit:
         total = program.memory.params + program.memory.grads + program.memory.optimizer
-        for v in vdevs:
+        for v in (vdevs[d] for d, _ in alike(vdevs, alg)):
             cap = v.memory_bytes - memory_reserve_gib * 2**30
             per_gpu = pulp.lpSum([alg.at(total, v.index), alg.at(program.memory.activations, v.index) * (1.0 / v.num_gpus)])
             prob += per_gpu <= cap, f"mem_{v.index}"

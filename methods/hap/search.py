@@ -27,7 +27,7 @@ from typing import Sequence
 from bench.cluster import ClusterSpec
 from bench.interfaces import PlanningError
 from bench.program import Affine, Collective, Memory, Program, Stage, op_class
-from bench.cost import collective_time, device_compute_times, virtual_devices
+from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
 from methods.capture import Graph
 from methods.hap.segments import segment_ops
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
@@ -158,6 +158,7 @@ class CostModel:
         self.cluster = cluster
         self.vdevs = virtual_devices(cluster, granularity)
         self.ratios = [list(r) for r in ratios]
+        self.prices = FloatAlgebra(self.ratios)  # one for every price at these ratios
         self.num_segments = len(self.ratios)
         self.op_segment, self.home = assign_segments(theory, self.num_segments, segmentation)
         self.granularity = granularity
@@ -261,13 +262,12 @@ class CostModel:
         """The stage alone: its collectives, then its slowest device's compute. The all-reduce
         of its gradients inside machine-level devices is not charged: it runs on the intra-machine
         link beside the rest of backward (bench.cost.price), which only the simulator can price."""
-        comm = sum(collective_time(c, self.cluster, self.vdevs, self.ratios) for c in st.collectives)
-        return comm + max(device_compute_times(st, self.cluster, self.vdevs, self.ratios))
+        return stage_time(st, self.cluster, self.vdevs, self.prices)
 
     def comm_time(self, c: CommRule) -> float:
         if c not in self._comm_cost:
             f, b = self.comm_collectives(c)
-            self._comm_cost[c] = sum(collective_time(x, self.cluster, self.vdevs, self.ratios) for x in f + b)
+            self._comm_cost[c] = sum(collective_time(x, self.cluster, self.vdevs, self.prices) for x in f + b)
         return self._comm_cost[c]
 
     def rule_time(self, node: str, rule: Rule) -> float:
@@ -310,7 +310,7 @@ class CostModel:
             t = 0.0
             gather = self.input_gather(tensor, layout)
             if gather is not None:
-                t = collective_time(gather, self.cluster, self.vdevs, self.ratios)
+                t = collective_time(gather, self.cluster, self.vdevs, self.prices)
             if node.is_param:
                 colls = []
                 if layout == IDENTITY and not rule.sfb:
