@@ -6,14 +6,16 @@
 
 Figures: simulated iteration time of every sim-capable method on every model at paper scale
 (deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
-and each real-capable method's measured iteration time on an emulated cluster divided by the
-simulator's prediction for the same case in the same run: the prediction is the host speed
-measured in that run (bench.flops, a plain training step that no part of the harness touches)
-and the cluster's declared links, put through the cost model. A slowdown of the worker loop, the
+and each real-capable method's measured iteration time on an emulated cluster divided by its
+slowest rank's emulated compute in the same run (iter_over_compute: that rank's full-pace
+reference, timed by its own worker, over its speed). What is left is what the harness adds to
+compute: links, waits on peers, pacing, the worker loop. A slowdown of the worker loop, the
 emulator or the data path raises every method's figure, so it is caught even when it hits every
-method alike; a slower or faster host moves the prediction with it, compute and links each by
-their own share (dividing by a reference step alone left the emulated link time in the figure,
-which moved it by 10-17% from round to round).
+method alike; how fast this VM happened to run the workers cancels. (Two normalisers failed
+before: a reference step alone left the emulated link time in the figure, which moved 10-17%
+from round to round; the simulator's prediction from the parent's host-speed probe moved every
+figure together by up to 30% between quiet runs, because a worker process here may run 40%
+slower than usual for its whole life and the probe does not see it.)
 It does not decide what is fast; it says what changed since the baseline and by how much.
 """
 
@@ -50,14 +52,15 @@ MODELS = ("vgg19", "vit", "bert", "bert_moe")
 SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
 REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",
              "measured_iters=20")
-REAL_ROUNDS = 3  # interleaved rounds; each figure is the median over them
+REAL_ROUNDS = 5  # interleaved rounds; each figure is the median over them (3 let one slow
+# worker process, 40% off its usual speed for a whole run on this VM, move a figure past 10%)
 
 # Per kind of figure: (better direction, relative tolerance before a change counts as a regression)
 TOLERANCE = {
     "sim_iter_time_s": ("lower", 0.01),  # deterministic: any real change shows
     "states_expanded": ("lower", 0.10),  # deterministic, but search tweaks move it a little
     "planner_time_s": ("lower", 2.00),  # wall clock on a shared 2-core machine: only gross slowdowns
-    "iter_over_predicted": ("lower", 0.10),  # measured, normalised, median of 3 rounds
+    "iter_over_compute": ("lower", 0.10),  # measured, normalised, median of REAL_ROUNDS rounds
 }
 
 
@@ -103,9 +106,8 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
 
 
 def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, float]:
-    """Each real-capable method's measured iteration time over the simulator's prediction for
-    the same case (the row's predicted_iter_time_s, from the host speed of this run), median of
-    REAL_ROUNDS interleaved rounds.
+    """Each real-capable method's measured iteration time over its slowest rank's emulated
+    compute in the same run, median of REAL_ROUNDS interleaved rounds (iter_over_compute).
 
     `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
     what a deliberately slower worker loop looks like to this check.
@@ -118,10 +120,23 @@ def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) ->
         for _ in range(REAL_ROUNDS):
             for m in methods:
                 record = run_case(configs[m])
-                if record.status == "ok" and record.predicted_iter_time_s:
-                    ratios[m].append(record.iter_time_s_mean / record.predicted_iter_time_s)
-    return {f"iter_over_predicted:bert-tiny/local_hetero2/{m}": statistics.median(r)
+                compute = emulated_compute_s(record)
+                if record.status == "ok" and compute:
+                    ratios[m].append(record.iter_time_s_mean / compute)
+    return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": statistics.median(r)
             for m, r in ratios.items() if len(r) == REAL_ROUNDS}
+
+
+def emulated_compute_s(record) -> float | None:
+    """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
+    time, measured by its own worker in this run) over its speed. Dividing an iteration by it
+    leaves what the harness adds to compute (links, waits, pacing, the worker loop) and cancels
+    how fast this VM ran the workers this time: a worker process here can run 40% slower than
+    usual for its whole life, and the host-speed probe of the parent (the prediction's input)
+    does not see it, so iteration over prediction moved up to 30% between quiet runs."""
+    ranks = (record.emulation or {}).get("ranks") or []
+    per_rank = [r["reference_s_per_iter"] / r["speed"] for r in ranks if r.get("reference_s_per_iter")]
+    return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
 
 
 def _selected(figure: str, chosen: dict[str, list[str]]) -> bool:
@@ -220,7 +235,7 @@ def main(argv: list[str]) -> int:
     base = load_baseline()
     expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
     if args.no_measured:
-        expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_predicted:")}
+        expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_compute:")}
     changes = compare(expected, figures)
     print(render(report_table(changes, base.get("git_sha"))))
     bad = [c for c in changes if c.regressed]

@@ -25,10 +25,10 @@ def test_no_throughput_regression_against_the_committed_baseline():
 
 
 def test_the_check_flags_a_worse_plan_and_a_lost_case():
-    base = {"sim_iter_time_s:a": 1.0, "sim_iter_time_s:b": 1.0, "iter_over_predicted:c": 3.0,
-            "iter_over_predicted:d": 3.0}
-    new = {"sim_iter_time_s:a": 1.02, "iter_over_predicted:c": 3.2, "iter_over_predicted:d": 3.6}
+    base = {"sim_iter_time_s:a": 1.0, "sim_iter_time_s:b": 1.0, "iter_over_compute:c": 3.0,
+            "iter_over_compute:d": 3.0}
+    new = {"sim_iter_time_s:a": 1.02, "iter_over_compute:c": 3.2, "iter_over_compute:d": 3.6}
     verdict = {c.figure: c.regressed for c in regress.compare(base, new)}
     assert verdict == {"sim_iter_time_s:a": True, "sim_iter_time_s:b": True,
-                       "iter_over_predicted:c": False, "iter_over_predicted:d": True}
+                       "iter_over_compute:c": False, "iter_over_compute:d": True}
     assert "REGRESSION" in _report(regress.compare(base, new), "abc")
