@@ -34,9 +34,11 @@ def test_each_rank_reports_its_achieved_dilation(cfg_factory):
 def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     """End to end: tiny BERT trained by the real worker path (one spawned process) at speeds
     0.25, 0.4 and 0.5, each between two speed-1 runs, all paced against one reference
-    (bench.dilation). Iteration time x speed over speed 1's must be 1. Band: 30 runs on a quiet
-    2-core VM fell within +-1.5% (README, "How emulation works"); 5% is the tolerance a row
-    flags (DILATION_TOLERANCE)."""
+    (bench.dilation). Iteration time x speed over speed 1's must be 1. Band: 30 values on a quiet
+    2-core VM fell within 0.997-1.000 (README, "How emulation works"); the band is the 5% a row
+    is flagged at (DILATION_TOLERANCE), not the measured spread, so that a loaded CI machine
+    (where the speed-1 rank may miss its target) does not fail it; 0.94-1.11 is what per-case
+    references gave before."""
     from bench.dilation import SPEEDS, measure
 
     achieved = measure(SPEEDS)
@@ -47,9 +49,10 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
 
 def test_four_ranks_on_two_cores_keep_a_device_s_own_reference(cfg_factory):
     """4 ranks on 2 cores: each rank's reference (4 samples of tiny BERT under dp_ev) is the
-    compute of one device, as with 2 ranks on 2 cores, not its share of the crowded host. In
-    wall time the 4-rank references came out 35-45% longer; in CPU time they agree within a few
-    percent."""
+    compute of one device, as with 2 ranks on 2 cores, not its share of the crowded host. Timed
+    in wall time, one rank in eight came out 45% longer on a quiet VM, and with other work
+    running the 4-rank references were 20% over the 2-rank ones (this test then failed); in CPU
+    time they agree within a few percent."""
     def references(cluster: str, batch: int) -> list[float]:
         cfg = cfg_factory("model=bert", "method=dp_ev", f"cluster={cluster}", f"global_batch={batch}",
                           "warmup_iters=1", "measured_iters=1", "emulation.reference_iters=4")
