@@ -155,7 +155,7 @@ class Emulator:
             # The reference is the interval's CPU time on this thread (where a CPU rank
             # computes: one intra-op thread, autograd on the caller): what the device itself
             # spent, not its share of a host crowded with more ranks than cores (local_hetero4:
-            # wall time inflated the fast ranks' references 40-85%), nor a wait on a peer inside
+            # a wall-time reference came out up to 45% long, README), nor a wait on a peer inside
             # the interval that the emulator does not see (DDP's buffer broadcast in forward).
             thread, cpu_start = self._last_cpu
             cpu = time.thread_time() - cpu_start if thread == threading.get_ident() else measured
