@@ -336,14 +336,6 @@ def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevi
     return collective_price(c, cluster, vdevs, _numbers(ratios))
 
 
-def device_compute_times(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> list[float]:
-    """Per-device seconds of a stage's computation at these ratios."""
-    alg = _numbers(ratios)
-    priced = {d: device_compute(st, cluster, vdevs[d], alg) for d, _ in alike(vdevs, alg)}
-    group = {(_hardware(v), alg.column(v.index)): d for d in priced for v in [vdevs[d]]}
-    return [priced[group[(_hardware(v), alg.column(v.index))]] for v in vdevs]
-
-
 def stage_time(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> float:
     """Seconds of a stage run alone: its collectives, then its slowest device's compute (not
     the all-reduce of its gradients inside machines, which runs beside later stages)."""
