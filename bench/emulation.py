@@ -79,7 +79,7 @@ class Emulator:
         self.wall_per_emulated_s = 1.0 / self.headroom
         self._last = time.perf_counter()
         self._last_cpu = (threading.get_ident(), time.thread_time())
-        self._link_free_at = 0.0
+        self._link_free_at: dict[int, float] = {}  # per link level this rank uses (id of the Link)
         self._loopback = (0.0, float("inf"))  # real collective cost here, measured at install
         self._lock = threading.Lock()
         self._paused = False
@@ -216,13 +216,17 @@ class Emulator:
         Completion is the one moment every rank has arrived, so the emulated time counts from
         there (counting from a rank's own issue time would let an early rank leave before the
         transfer is done). The real loopback collective already took its own time; only the
-        rest is owed. Collectives queue on one link clock per rank.
+        rest is owed. Collectives queue on one clock per rank and link level: a machine's
+        internal link and its network link carry transfers side by side. A gather or scatter
+        (to and from a machine's leader) moves the parts of all ranks: its size is theirs.
         """
         if not self.enabled or self._paused:
             return time.perf_counter()
         ranks = list(dist.get_process_group_ranks(group) if group is not None
                      else range(dist.get_world_size()))
         link = self.cluster.link_between(ranks)
+        if kind in ("gather", "scatter"):
+            nbytes *= len(ranks)
         emulated = collective_time_s(kind, nbytes, len(ranks), link) * self.wall_per_emulated_s
         alpha, bytes_per_s = self._loopback
         # A rank that arrived last saw the real cost exactly (issue to completion); the fitted
@@ -230,9 +234,9 @@ class Emulator:
         real = min(alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s,
                    time.perf_counter() - issued)
         with self._lock:
-            start = max(time.perf_counter(), self._link_free_at)
-            self._link_free_at = start + max(0.0, emulated - real)
-            return self._link_free_at
+            start = max(time.perf_counter(), self._link_free_at.get(id(link), 0.0))
+            self._link_free_at[id(link)] = start + max(0.0, emulated - real)
+            return self._link_free_at[id(link)]
 
     def install(self) -> None:
         """Measure the real loopback collective, then wrap torch.distributed's collectives.
@@ -360,6 +364,8 @@ _COLLECTIVES = {
     "reduce_scatter_single": ("reduce_scatter", "input"),
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "all_to_all_single": ("all_to_all", "input"),
+    "gather": ("gather", "tensor"),
+    "scatter": ("scatter", "tensor"),
 }
 
 

@@ -21,9 +21,10 @@ from torch import fx, nn
 from bench.shares import offsets
 from methods.capture import Graph, Node
 from methods.hap import collectives as C
+from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
 from methods.hap.search import Step, comm_from_json
-from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, local_size_args
+from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, local_size_args
 
 SUPPORTED_PLAN_FORMAT = 1
 _MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first", "reshard"}
@@ -89,9 +90,11 @@ def graph_fingerprint(graph: Graph) -> str:
     return h.hexdigest()[:16]
 
 
-def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph, world_size: int) -> None:
+def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph, world_size: int,
+               num_devices: int | None = None) -> None:
     """Raise PlanMismatchError unless the plan fits `graph` (the model at its preset and global
-    batch) and `world_size` ranks. Cheap: call it before starting workers."""
+    batch) and `world_size` ranks over `num_devices` virtual devices (default: one per rank;
+    machine-level plans: one per machine). Cheap: call it before starting workers."""
     fmt = details.get("plan_format")
     if fmt != SUPPORTED_PLAN_FORMAT:
         raise PlanMismatchError(f"plan_format={fmt!r}: this codegen reads plan format {SUPPORTED_PLAN_FORMAT}; re-plan")
@@ -101,11 +104,11 @@ def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph,
     if not ratios or len(ratios) < segments or any(len(row) != len(ratios[0]) for row in ratios):
         raise PlanMismatchError(f"ratios {ratios!r}: the plan's steps use {segments} ratio rows (segments) of "
                                 "equal length")
-    if len(ratios[0]) != world_size or len(batch_shares) != world_size:
+    num_devices = world_size if num_devices is None else num_devices
+    if len(ratios[0]) != num_devices or len(batch_shares) != world_size:
         raise PlanMismatchError(
-            f"the plan has {len(ratios[0])} virtual devices and {len(batch_shares)} batch shares for "
-            f"{world_size} ranks; give codegen one ratio per rank (methods.hap.runtime.rank_ratios splits a "
-            "machine-level plan over the machine's GPUs)")
+            f"the plan has {len(ratios[0])} virtual devices and {len(batch_shares)} batch shares; the run has "
+            f"{num_devices} virtual devices and {world_size} ranks (one batch share per rank)")
     if sum(batch_shares) != graph.batch_size:
         raise PlanMismatchError(
             f"batch shares {list(batch_shares)} sum to {sum(batch_shares)}, but the global batch is {graph.batch_size}")
@@ -138,14 +141,22 @@ class RankProgram:
         batch_shares: plan.batch_shares (samples each rank loads).
         model: the full single-device model, initialised as on every other rank.
         rank, world_size: this process's place in the default process group.
+        machines: for a machine-level plan (one ratio per machine), this rank's place among the
+            machines (methods.hap.hierarchy): the program then runs data parallel inside each
+            machine, its collectives in three steps. None: one virtual device per rank.
     """
 
     def __init__(self, graph: Graph, details: dict, ratios: Sequence[Sequence[float]], batch_shares: Sequence[int],
-                 model: nn.Module, rank: int, world_size: int, options: CodegenOptions | None = None):
+                 model: nn.Module, rank: int, world_size: int, options: CodegenOptions | None = None,
+                 machines: H.Machines | None = None):
         self.graph = graph
         self.options = options or CodegenOptions()
         self.rank, self.world_size = rank, world_size
-        check_plan(details, ratios, batch_shares, graph, world_size)
+        self.machines = machines
+        # This rank's virtual device (its machine for a machine-level plan) and their number.
+        self.vrank = rank if machines is None else machines.index
+        self.vworld = world_size if machines is None else machines.count
+        check_plan(details, ratios, batch_shares, graph, world_size, self.vworld)
         self.ratios = [[float(x) for x in row] for row in ratios]
         self.batch_shares = [int(x) for x in batch_shares]
         self.steps = [Step.from_json(s) if isinstance(s, dict) else s for s in details["steps"]]
@@ -159,6 +170,9 @@ class RankProgram:
         self.sharded: set[str] = set()  # parameters whose local value is a slice
         self.home: dict[str, int] = {}  # tensor -> the segment whose row its Gather shards follow
         self._source_values: dict[str, Any] = {}
+        # Machine-level plans: each tensor's layout inside a machine (its batch dim, or IDENTITY
+        # for what does not depend on the samples; REDUCE for a sum over them, the loss).
+        self.intra: dict[str, Layout] = {}
         self._instrs = self._compile(model)
 
     # -- shapes ----------------------------------------------------------------------------
@@ -178,10 +192,32 @@ class RankProgram:
         shape = node.shape if node.shape is not None else node.tuple_shapes[0]
         return int(shape[dim])
 
-    def _local_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0) -> tuple[int, ...]:
+    def _machine_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0) -> list[int]:
+        """The shape of this rank's virtual device's shard (a machine's, for machine-level plans)."""
         shape = list(shape)
         if isinstance(layout, int) and shape[layout] > 1:
-            shape[layout] = self.lengths(shape[layout], segment)[self.rank]
+            shape[layout] = self.lengths(shape[layout], segment)[self.vrank]
+        return shape
+
+    def _intra_lengths(self, tensor: str, machine_shape: Sequence[int]) -> list[int]:
+        """Each GPU's part, along `tensor`'s batch dim, of its machine's shard of shape
+        `machine_shape` (whole samples, split evenly)."""
+        dim = self.intra[tensor]
+        full = self._dim_len(tensor, dim)
+        per_sample, rest = divmod(full, self.graph.batch_size)
+        if rest or per_sample == 0:
+            raise PlanMismatchError(f"tensor {tensor!r}: dim {dim} of length {full} is not a batch dim of "
+                                    f"{self.graph.batch_size} samples; the plan cannot run data parallel inside a machine")
+        try:
+            return H.intra_lengths(machine_shape[dim], per_sample, self.machines.size, f"tensor {tensor!r}")
+        except ValueError as e:
+            raise PlanMismatchError(str(e)) from None
+
+    def _local_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0,
+                     tensor: str | None = None) -> tuple[int, ...]:
+        shape = self._machine_shape(shape, layout, segment)
+        if self.machines is not None and isinstance(self.intra.get(tensor), int):
+            shape[self.intra[tensor]] = self._intra_lengths(tensor, shape)[self.machines.local]
         return tuple(shape)
 
     # -- compile ---------------------------------------------------------------------------
@@ -190,6 +226,7 @@ class RankProgram:
         instrs = []
         seen_source: dict[str, Layout] = {}
         uses: dict[str, set[str]] = {}  # replicated parameter -> kinds of use (plain | sfb)
+        intra_rules = derive_theory(g, sfb=False, fuse_routing=False).rules if self.machines is not None else {}
         for step in self.steps:
             node = g[step.node]
             for c in step.comms:
@@ -204,8 +241,14 @@ class RankProgram:
                     raise PlanMismatchError(f"source {t!r} is created as {seen_source[t]!r} and {lay!r}")
                 if t not in seen_source:
                     self.home[t] = 0 if g[t].kind == "placeholder" else seg
+                    if self.machines is not None:
+                        shape = g[t].shape
+                        batch_like = g[t].kind == "placeholder" and shape and shape[0] == g.batch_size > 1
+                        self.intra[t] = 0 if batch_like else IDENTITY
                 seen_source[t] = lay
                 self._make_source(model, t, lay, self.home[t])
+            if self.machines is not None:
+                self._set_intra(step, node, intra_rules.get(node.name, ()))
             self.home[step.node] = seg
             sfb = step.rule.sfb or (self.options.force_sfb and self._sfb_candidate(step, node))
             layouts = {t: self._read_layout(t, lay, seg) for t, lay in zip(node.inputs, step.rule.pre)}
@@ -215,9 +258,9 @@ class RankProgram:
                 if lay == IDENTITY and g[t].is_param:
                     uses.setdefault(t, set()).add("sfb" if t not in replicate else "plain")
             if node.tuple_shapes is not None:
-                out_shape = tuple(self._local_shape(s, step.rule.post, seg) for s in node.tuple_shapes)
+                out_shape = tuple(self._local_shape(s, step.rule.post, seg, node.name) for s in node.tuple_shapes)
             elif node.shape is not None:
-                out_shape = self._local_shape(node.shape, step.rule.post, seg)
+                out_shape = self._local_shape(node.shape, step.rule.post, seg, node.name)
             else:
                 out_shape = None
             instrs.append(_Instr(step, node, sfb, list(step.comms), list(step.sources), layouts, out_shape, replicate))
@@ -229,10 +272,38 @@ class RankProgram:
         bucketed = {t for t, kinds in uses.items() if kinds == {"plain"} and self.options.bucket_grads}
         for ins in instrs:
             ins.replicate -= bucketed
+        # Machine-level plans: every parameter's gradient is summed inside its machine (data
+        # parallel there); those in grad_sync (replicated over machines) also among the leaders.
+        self.param_order = list(self.params)  # creation order = order of first use
         for name in self._placeholders:
             if name not in seen_source and g.users.get(name):
                 raise PlanMismatchError(f"input {name!r} is read by the model but created by no plan step")
         return instrs
+
+    def _set_intra(self, step: Step, node: Node, rules: Sequence[Rule]) -> None:
+        """The op's layout inside a machine: the data-parallel rule whose inputs are laid out
+        as they are inside the machine (the batch dim followed through the op); a rule whose
+        shape reads agree, then a Gather or Identity output before a partial sum, then an
+        Identity output where no input carries the batch."""
+        have = tuple(self.intra.get(t) for t in node.inputs)
+        if any(h is None for h in have):
+            missing = [t for t, h in zip(node.inputs, have) if h is None]
+            raise PlanMismatchError(f"step {node.name!r} reads {missing}, which no earlier step made")
+        fits = [r for r in rules if tuple(r.pre) == have and not r.first_device_only]
+        if not fits:
+            raise PlanMismatchError(
+                f"machine-level plan: op {node.name!r} ({node.op}) has no data-parallel rule for inputs laid out "
+                f"{have} inside a machine; plan over GPUs (method.levels=both or a GPU-level cluster)")
+        batch_in = any(isinstance(h, int) for h in have)
+
+        def score(r: Rule) -> tuple:
+            shape_mismatch = any(self.intra.get(t, lay) != lay for t, lay in r.shape_pre)
+            batch_read = any(isinstance(lay, int) for _, lay in r.shape_pre)
+            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read))
+
+        post = min(fits, key=score).post
+        if self.intra.setdefault(node.name, post) != post:
+            raise PlanMismatchError(f"op {node.name!r} runs in two layouts inside a machine")
 
     def _sfb_candidate(self, step: Step, node: Node) -> bool:
         r = step.rule
@@ -256,7 +327,7 @@ class RankProgram:
         if tuple(full.shape) != tuple(node.shape):
             raise PlanMismatchError(f"{target}: model has shape {tuple(full.shape)}, the plan {tuple(node.shape)}")
         if isinstance(lay, int) and full.shape[lay] > 1:
-            start, stop = offsets(self.lengths(full.shape[lay], segment))[self.rank]
+            start, stop = offsets(self.lengths(full.shape[lay], segment))[self.vrank]
             local = full.detach().narrow(lay, start, stop - start).clone()
             value = nn.Parameter(local) if is_param else local
             if is_param:
@@ -274,14 +345,21 @@ class RankProgram:
         """This rank's share of input `name` (batch dim 0) in the layout the plan wants."""
         x = batch[self._placeholders.index(name)]
         full_len = self.graph[name].shape[0] if self.graph[name].shape else 0
-        if lay == 0 and full_len > 1 and self.lengths(full_len) == self.batch_shares:
+        if lay == 0 and full_len > 1 and self.machines is None and self.lengths(full_len) == self.batch_shares:
             return x
+        if self.machines is not None and lay == 0 and full_len > 1 and self.intra.get(name) == 0:
+            mine = self._intra_lengths(name, self._machine_shape(self.graph[name].shape, 0))
+            if mine == [self.batch_shares[r] for r in self.machines.ranks[self.machines.index]]:
+                return x
         # Another layout than the loaded share (or other shard lengths): gather the whole input
         # (data only, no gradient), then keep what the layout asks for.
         whole = C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
-        if lay == IDENTITY or not isinstance(lay, int) or whole.shape[lay] <= 1:
-            return whole
-        return C.shard(whole, lay, self.lengths(whole.shape[lay]), self.rank)
+        if isinstance(lay, int) and whole.shape[lay] > 1:
+            whole = C.shard(whole, lay, self.lengths(whole.shape[lay]), self.vrank)
+        if self.machines is not None and isinstance(self.intra.get(name), int):
+            dim = self.intra[name]
+            whole = C.shard(whole, dim, self._intra_lengths(name, list(whole.shape)), self.machines.local)
+        return whole
 
     def _impl(self, impl: str) -> str:
         return self.options.force_impl or (impl if impl in C.IMPLS else "padded")
@@ -292,6 +370,10 @@ class RankProgram:
 
         def lengths(dim: int, segment: int = home) -> list[int]:
             return self.lengths(self._dim_len(c.tensor, dim), segment)
+
+        if self.machines is not None:
+            self._communicate_machines(c, x, env, lengths)
+            return
 
         if c.kind == "reshard":
             env[(c.tensor, (c.dst, c.to_segment))] = C.reshard(x, c.src, lengths(c.src), lengths(c.src, c.to_segment))
@@ -310,6 +392,41 @@ class RankProgram:
             y = C.keep_first(x)
         env[(c.tensor, c.dst)] = y
 
+    def _communicate_machines(self, c: CommRule, x: torch.Tensor, env: dict, lengths: Callable) -> None:
+        """A collective among machines: local where no data crosses a GPU (keep_first, or a
+        slice along another dim than the batch dim inside the machine), else in three steps
+        (methods.hap.hierarchy)."""
+        layout, home = self.intra[c.tensor], self.home[c.tensor]
+        node = self.graph[c.tensor]
+        full = node.shape if node.shape is not None else node.tuple_shapes[0]
+        key = (c.tensor, (c.dst, c.to_segment)) if c.kind == "reshard" else (c.tensor, c.dst)
+        if c.kind == "keep_first":
+            env[key] = x if self.vrank == 0 else x * 0
+            return
+        if c.kind == "slice" and layout != c.dst:
+            env[key] = C.shard(x, c.dst, lengths(c.dst), self.vrank)
+            return
+        src_seg, dst_seg = (home, c.to_segment) if c.kind == "reshard" else (home, home)
+        if c.kind == "all_gather":
+            op = H.MachineOp("all_gather", (c.src,), (tuple(lengths(c.src)),), self._impl(c.impl))
+        elif c.kind == "reduce_scatter":
+            op = H.MachineOp("reduce_scatter", (c.dst,), (tuple(lengths(c.dst)),), self._impl(c.impl))
+        elif c.kind == "all_to_all":
+            op = H.MachineOp("all_to_all", (c.src, c.dst), (tuple(lengths(c.src)), tuple(lengths(c.dst))))
+        elif c.kind == "reshard":
+            op = H.MachineOp("reshard", (c.src,), (tuple(lengths(c.src)), tuple(lengths(c.src, c.to_segment))))
+        elif c.kind == "slice":
+            op = H.MachineOp("slice", (c.dst,), (tuple(lengths(c.dst)),))
+        else:
+            op = H.MachineOp("all_reduce")
+        in_shape = self._machine_shape(full, c.src, src_seg)
+        out_shape = self._machine_shape(full, c.dst, dst_seg)
+        if isinstance(layout, int):
+            in_lengths, out_lengths = self._intra_lengths(c.tensor, in_shape), self._intra_lengths(c.tensor, out_shape)
+        else:
+            in_lengths = out_lengths = [0] * self.machines.size
+        env[key] = H.hierarchical(x, self.machines, op, layout, in_lengths, out_lengths, in_shape, out_shape)
+
     def _value(self, arg: fx.Node, ins: _Instr, env: dict, batch, shape_read: bool = False) -> Any:
         """The local value of an fx argument: a tensor in the step's layout, or a non-tensor
         (size, dtype) evaluated from local tensors (whose shapes are the local shards')."""
@@ -322,7 +439,7 @@ class RankProgram:
         elif name in ins.layouts:
             v = env[(name, ins.layouts[name])]
             if name in ins.replicate:
-                v = C.replicate(v)
+                v = C.replicate(v, keep=self.machines is None or self.machines.is_leader)
             return v
         if self.graph[name].is_tensor:
             have = [v for (t, _), v in env.items() if t == name]
@@ -388,7 +505,7 @@ class RankProgram:
 
         def value(a: fx.Node):
             v = self._value(a, ins, env, batch)
-            if a.name in first_only and self.rank > 0:
+            if a.name in first_only and self.vrank > 0:
                 v = v * 0  # the output is Reduce: only rank 0 adds this operand
             return v
 
@@ -399,8 +516,19 @@ class RankProgram:
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             dim = rule.pre[0]
             impl = self.options.force_impl or "padded"
-            return C.sfb_linear(x, w, b, dim, self.lengths(self._dim_len(ins.node.inputs[0], dim), ins.step.segment), impl)
-        args = local_size_args(ins.node, rule, tuple(args))
+            lengths = self.lengths(self._dim_len(ins.node.inputs[0], dim), ins.step.segment)
+            gathers = None
+            if self.machines is not None:
+                xname, seg = ins.node.inputs[0], ins.step.segment
+                gathers = tuple(
+                    H.leader_gather(self.machines, dim, lengths, lay, self._intra_lengths(t, self._machine_shape(
+                        self.graph[t].shape, dim, seg)) if isinstance(lay, int) else [0] * self.machines.size, impl)
+                    for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
+            return C.sfb_linear(x, w, b, dim, lengths, impl, gathers)
+        if self.machines is not None and ins.out_shape is not None:
+            args = explicit_size_args(ins.node, ins.out_shape, tuple(args))
+        else:
+            args = local_size_args(ins.node, rule, tuple(args))
         tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
         empty = any(t.numel() == 0 for t in tensors)
         try:
@@ -455,9 +583,29 @@ class RankProgram:
             local = local.detach()
             if name in self.sharded:
                 full_len = self.graph.gm.get_parameter(name).shape[lay]
-                local = C._gather_impl(local.contiguous(), lay, self.lengths(full_len, self.param_segments[name]), "padded")
+                lengths = self.lengths(full_len, self.param_segments[name])
+                if self.machines is not None:  # each machine's shard once, from its leader
+                    m = self.machines
+                    lengths = [lengths[i] if r == ranks[0] else 0 for i, ranks in enumerate(m.ranks) for r in ranks]
+                    local = local if m.is_leader else local.narrow(lay, 0, 0)
+                local = C._gather_impl(local.contiguous(), lay, lengths, "padded")
             out[name] = local
         return out
+
+
+def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
+    """The positional args of a view, reshape, expand or unflatten with every size given as
+    this rank's local output shape (a machine-level plan splits two dims: the machine's and,
+    inside the machine, the batch dim, which one -1 cannot both express)."""
+    if node.op in ("view", "reshape", "expand"):
+        if len(args) > 1 and isinstance(args[1], torch.dtype):
+            return args  # x.view(dtype)
+        return (args[0], *out_shape)
+    if node.op == "unflatten":
+        sizes = list(args[2])
+        dim = int(args[1]) % (len(out_shape) - len(sizes) + 1)
+        return (args[0], args[1], tuple(out_shape[dim:dim + len(sizes)]), *args[3:])
+    return args
 
 
 def _call(n: fx.Node, args, kwargs):

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 IMPLS = ("padded", "grouped")
 
 
-def _check(lengths: Sequence[int], impl: str | None = None) -> list[int]:
+def _check(lengths: Sequence[int], impl: str | None = None, group=None) -> list[int]:
     lengths = [int(x) for x in lengths]
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if len(lengths) != world or any(x < 0 for x in lengths):
         raise ValueError(f"shard lengths {lengths} must be {world} non-negative integers (one per rank)")
     if impl is not None and impl not in IMPLS:
@@ -48,9 +48,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((extra,) + tuple(t.shape[1:]))], dim=0)
 
 
-def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> torch.Tensor:
-    """The concatenation along `dim` of every rank's shard `x` (no autograd)."""
-    rank = dist.get_rank()
+def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str, group=None) -> torch.Tensor:
+    """The concatenation along `dim` of every rank's shard `x` (no autograd); `group`: the
+    process group the ranks of `lengths` are (default: all ranks)."""
+    rank = dist.get_rank(group)
     assert x.shape[dim] == lengths[rank], f"shard of length {x.shape[dim]} along dim {dim}, plan says {lengths[rank]}"
     rows = x.movedim(dim, 0)
     rest = tuple(rows.shape[1:])
@@ -59,7 +60,7 @@ def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> to
         if width == 0:
             return x.clone()
         out = rows.new_empty((width * len(lengths),) + rest)
-        _all_gather_single()(out, _pad_rows(rows, width))
+        _all_gather_single()(out, _pad_rows(rows, width), group=group)
         parts = [out[i * width:i * width + n] for i, n in enumerate(lengths)]
     else:
         parts = []
@@ -68,14 +69,14 @@ def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> to
                 parts.append(rows.new_empty((0,) + rest))
                 continue
             buf = rows.contiguous().clone() if src == rank else rows.new_empty((n,) + rest)
-            dist.broadcast(buf, src=src)
+            dist.broadcast(buf, group=group, group_src=src)
             parts.append(buf)
     return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
 
 
-def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> torch.Tensor:
+def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str, group=None) -> torch.Tensor:
     """This rank's slice along `dim` of the sum over ranks of `x` (no autograd)."""
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     assert x.shape[dim] == sum(lengths), f"length {x.shape[dim]} along dim {dim}, shards sum to {sum(lengths)}"
     rows = x.movedim(dim, 0)
     rest = tuple(rows.shape[1:])
@@ -85,7 +86,7 @@ def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> t
         if width == 0:
             return x.clone()
         out = rows.new_empty((width,) + rest)
-        _reduce_scatter_single()(out, torch.cat([_pad_rows(p, width) for p in pieces], dim=0))
+        _reduce_scatter_single()(out, torch.cat([_pad_rows(p, width) for p in pieces], dim=0), group=group)
         mine = out[: lengths[rank]]
     else:
         mine = rows.new_empty((0,) + rest)
@@ -93,22 +94,22 @@ def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str) -> t
             if lengths[dst] == 0:
                 continue
             buf = piece.contiguous().clone()  # reduce overwrites its buffer (also off the root)
-            dist.reduce(buf, dst=dst)
+            dist.reduce(buf, group=group, group_dst=dst)
             if dst == rank:
                 mine = buf
     return mine.movedim(0, dim).contiguous()
 
 
-def _all_reduce_impl(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce_impl(x: torch.Tensor, group=None) -> torch.Tensor:
     out = x.contiguous().clone()  # never the caller's tensor: all_reduce works in place
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=group)
     return out
 
 
 def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_dim: int,
-                     dst_lengths: list[int]) -> torch.Tensor:
+                     dst_lengths: list[int], group=None) -> torch.Tensor:
     """From shards along src_dim to shards along dst_dim, one all_to_all_single of flat pieces."""
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     assert x.shape[src_dim] == src_lengths[rank] and x.shape[dst_dim] == sum(dst_lengths)
     send = [p.contiguous().reshape(-1) for p in torch.split(x, dst_lengths, dim=dst_dim)]
     shapes = []
@@ -120,18 +121,19 @@ def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_
     recv_sizes = [int(torch.Size(s).numel()) for s in shapes]
     out = x.new_empty(sum(recv_sizes))
     dist.all_to_all_single(out, torch.cat(send) if send else x.new_empty(0), recv_sizes,
-                           [p.numel() for p in send])
+                           [p.numel() for p in send], group=group)
     parts = [flat.view(shape) for flat, shape in zip(torch.split(out, recv_sizes), shapes)]
     return torch.cat(parts, dim=src_dim)
 
 
-def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths: list[int]) -> torch.Tensor:
+def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths: list[int],
+                  group=None) -> torch.Tensor:
     """This rank's shard along `dim` under `dst_lengths`, from shards laid out by `src_lengths`:
     each rank keeps the overlap of its old and new interval and swaps the rest in one
     all_to_all_single. Equal layouts return x unchanged (no call)."""
     if src_lengths == dst_lengths:
         return x
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     assert x.shape[dim] == src_lengths[rank]
     src_off = [sum(src_lengths[:i]) for i in range(len(src_lengths) + 1)]
     dst_off = [sum(dst_lengths[:i]) for i in range(len(dst_lengths) + 1)]
@@ -150,7 +152,7 @@ def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths
     inner = int(torch.Size(rest).numel())
     recv_sizes = [(hi - lo) * inner for lo, hi in recv_rows]
     out = x.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, torch.cat(send), recv_sizes, [p.numel() for p in send])
+    dist.all_to_all_single(out, torch.cat(send), recv_sizes, [p.numel() for p in send], group=group)
     return out.view((dst_lengths[rank],) + rest).movedim(0, dim)
 
 
@@ -190,12 +192,14 @@ class _AllReduce(torch.autograd.Function):
 
 class _Replicate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, keep):
+        ctx.keep = keep
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_impl(grad)
+        total = _all_reduce_impl(grad)
+        return (total if ctx.keep else total * 0), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -227,22 +231,29 @@ class _SfbLinear(torch.autograd.Function):
     and computes the full dW and db on every rank, instead of all-reducing them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, lengths, impl):
+    def forward(ctx, x, weight, bias, dim, lengths, impl, gathers):
         ctx.save_for_backward(x, weight)
-        ctx.args = (dim, lengths, impl, bias is not None)
+        ctx.args = (dim, lengths, impl, bias is not None, gathers)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dim, lengths, impl, has_bias = ctx.args
+        dim, lengths, impl, has_bias, gathers = ctx.args
         grad = grad.contiguous()
         dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        full_x = _gather_impl(x.contiguous(), dim, lengths, impl).reshape(-1, x.shape[-1])
-        full_dy = _gather_impl(grad, dim, lengths, impl).reshape(-1, grad.shape[-1])
+        if gathers is None:
+            full_x = _gather_impl(x.contiguous(), dim, lengths, impl)
+            full_dy = _gather_impl(grad, dim, lengths, impl)
+        else:
+            full_x, full_dy = gathers[0](x), gathers[1](grad)
+        if full_x is None:  # a machine's GPU other than its leader: the leader has the gradient
+            return dx, torch.zeros_like(weight), (weight.new_zeros(weight.shape[0]) if has_bias else None), \
+                None, None, None, None
+        full_x, full_dy = full_x.reshape(-1, x.shape[-1]), full_dy.reshape(-1, grad.shape[-1])
         dw = full_dy.t().matmul(full_x)
         db = full_dy.sum(0) if has_bias else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 # Plain functions (not Function.apply) so generated code and tracebacks name them.
@@ -262,9 +273,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _AllReduce.apply(x)
 
 
-def replicate(x: torch.Tensor) -> torch.Tensor:
-    """Identity forward; backward all-reduces the gradient (a replicated parameter's use)."""
-    return _Replicate.apply(x)
+def replicate(x: torch.Tensor, keep: bool = True) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient (a replicated parameter's use).
+    keep=False: this rank's gradient is zero after the all-reduce (a machine's GPUs other than
+    its leader, whose gradients are then summed inside the machine)."""
+    return _Replicate.apply(x, keep)
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_dim: int,
@@ -286,12 +299,16 @@ def reshard(x: torch.Tensor, dim: int, src_lengths: Sequence[int], dst_lengths: 
 
 
 def sfb_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
-               lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+               lengths: Sequence[int], impl: str = "padded", gathers=None) -> torch.Tensor:
     """linear(x, weight, bias) on x sharded along `dim` (not the last) with the full weight;
-    the weight and bias gradients come out complete on every rank (no all-reduce needed)."""
+    the weight and bias gradients come out complete on every rank (no all-reduce needed).
+    `gathers`: (for x, for dy) functions returning the whole factor, or None on a rank that
+    only contributes (then its weight gradient is zero: methods.hap.hierarchy.leader_gather)."""
     if dim % x.dim() == x.dim() - 1:
         raise ValueError("sfb_linear: x must be sharded along a batch-like dim, not the features")
-    return _SfbLinear.apply(x, weight, bias, dim % x.dim(), _check(lengths, impl), impl)
+    if gathers is None:
+        lengths = _check(lengths, impl)
+    return _SfbLinear.apply(x, weight, bias, dim % x.dim(), list(lengths), impl, gathers)
 
 
 def keep_first(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from methods.hap.codegen import (
     RankProgram,
     check_plan,
 )
+from methods.hap.hierarchy import Machines
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -37,15 +38,28 @@ class GradBuckets:
     their gradients are accumulated, so every rank issues the same collectives in the same
     order (as DDP does). `finish()` waits for them and writes the sums back into `.grad`.
     cap_bytes None: one bucket; 0: one per parameter.
+
+    With `machines` (a machine-level plan), every parameter's gradient is all-reduced inside its
+    machine (data parallel there); those in `across` (replicated over machines) then also among
+    the machines' leaders, and each leader broadcasts the sum back into its machine. A bucket
+    holds parameters of one kind. The leaders' step of a bucket starts as soon as its
+    machine's all-reduce has completed (checked whenever a gradient arrives), in bucket order.
     """
 
-    def __init__(self, params: list[nn.Parameter], cap_bytes: float | None, overlap: bool = True):
+    def __init__(self, params: list[nn.Parameter], cap_bytes: float | None, overlap: bool = True,
+                 machines: Machines | None = None, across: set[int] | None = None):
+        self.machines = machines
+        across = across or set()
         self.buckets: list[list[nn.Parameter]] = []
+        self.across: list[bool] = []  # per bucket: also summed among the machines
         size = 0.0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            if not self.buckets or (cap_bytes is not None and (cap_bytes <= 0 or size + nbytes > cap_bytes)):
+            kind = id(p) in across
+            if (not self.buckets or (cap_bytes is not None and (cap_bytes <= 0 or size + nbytes > cap_bytes))
+                    or self.across[-1] != kind):
                 self.buckets.append([])
+                self.across.append(kind)
                 size = 0.0
             self.buckets[-1].append(p)
             size += nbytes
@@ -62,6 +76,8 @@ class GradBuckets:
         self._pending = [len(b) for b in self.buckets]
         self._works = [None] * len(self.buckets)
         self._next = 0
+        self._stage = [0] * len(self.buckets)  # machine-level: steps launched per bucket
+        self._recv: list = [None] * len(self.buckets)
 
     def _ready(self, p: nn.Parameter) -> None:
         if not self._pending:
@@ -70,18 +86,59 @@ class GradBuckets:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
+        if self.machines is not None:
+            self._advance(wait=False)
 
     def _launch(self, i: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._works[i] = (flat, dist.all_reduce(flat, async_op=True))
+        m = self.machines
+        if m is None:
+            self._works[i] = (flat, [dist.all_reduce(flat, async_op=True)])
+            return
+        works = [dist.all_reduce(flat, group=m.intra, async_op=True)] if m.size > 1 else []
+        self._works[i] = (flat, works)
+        self._stage[i] = 1
+        if self.across[i] and m.count > 1 and m.size > 1 and not m.is_leader:
+            # Post the receive of the leader's broadcast now (its own group and buffer).
+            self._recv[i] = torch.empty_like(flat)
+            works.append(dist.broadcast(self._recv[i], group=m.intra_sync, group_src=0, async_op=True))
+
+    def _advance(self, wait: bool) -> None:
+        """A leader's next steps of buckets summed among machines, in bucket order: the leaders'
+        all-reduce once the machine's sum is there, then the broadcast into the machine. Without
+        `wait`, stops at the first step whose input is not ready yet."""
+        m = self.machines
+        if not m.is_leader or m.count == 1:
+            return
+        for i in range(len(self.buckets)):
+            if not self.across[i] or self._stage[i] >= 3:
+                continue
+            if self._stage[i] == 0:
+                return  # not launched yet: later buckets wait for it
+            flat, works = self._works[i]
+            if not _done(works[-1] if works else None, wait):
+                return
+            if self._stage[i] == 1:
+                works.append(dist.all_reduce(flat, group=m.leaders_sync, async_op=True))
+                self._stage[i] = 2
+                if not _done(works[-1], wait):
+                    return
+            if m.size > 1:
+                works.append(dist.broadcast(flat, group=m.intra_sync, group_src=0, async_op=True))
+            self._stage[i] = 3
 
     def finish(self) -> None:
         while self._next < len(self.buckets):  # parameters without a gradient this step
             self._launch(self._next)
             self._next += 1
-        for bucket, (flat, work) in zip(self.buckets, self._works):
-            work.wait()
+        if self.machines is not None:
+            self._advance(wait=True)
+        for i, (bucket, (flat, works)) in enumerate(zip(self.buckets, self._works)):
+            for work in works:
+                work.wait()
+            if self._recv[i] is not None:
+                flat = self._recv[i]
             offset = 0
             for p in bucket:
                 n = p.numel()
@@ -89,6 +146,17 @@ class GradBuckets:
                     p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
         self._pending = []
+
+
+def _done(work, wait: bool) -> bool:
+    """Whether an async collective's result is there (waiting for it with `wait`). The real
+    transfer is what the next step needs; an emulated link's delay is paid at the final wait."""
+    if work is None:
+        return True
+    if wait:
+        work.wait()
+        return True
+    return getattr(work, "_work", work).is_completed()
 
 
 class HapTrainer:
@@ -122,7 +190,11 @@ class HapTrainer:
         self.params = [program.params[n] for n in sorted(program.params)]
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
         cap = None if bucket_cap_mb is None else bucket_cap_mb * 2**20
-        self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
+        if program.machines is None:
+            self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
+        else:  # every gradient is summed inside the machine; grad_sync's also among machines
+            self.grad_sync = GradBuckets([program.params[n] for n in program.param_order], cap, grad_overlap,
+                                         program.machines, {id(program.params[n]) for n in program.grad_sync})
         self.grad_clip = grad_clip
         self.mirror_full_state = mirror_full_state
         self.model = model
@@ -155,10 +227,11 @@ class HapTrainer:
         (Identity) parameters counted once (their full gradient is on every rank)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float64, device=device)  # NCCL reduces device tensors
+        leader = self.program.machines is None or self.program.machines.is_leader
         for name, p in self.program.params.items():
             if p.grad is None:
                 continue
-            if name in self.program.sharded or self.rank == 0:
+            if (name in self.program.sharded and leader) or self.rank == 0:
                 sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq)
         return sq.sqrt()
@@ -191,37 +264,37 @@ class HapTrainer:
                     p.grad = grads[name].clone() if name in grads else None
 
 
-def rank_ratios(plan: Plan, cluster: ClusterSpec) -> list[list[float]]:
-    """The plan's ratios per physical rank. A machine-level plan (one virtual device per
-    machine) runs with each machine's ratio split evenly over its GPUs: the synthesized program
-    is valid at any ratios, so this is the same program at a finer split (its non-batch shards
-    are split inside a machine too, where the planner modelled data parallelism)."""
-    ratios = plan.ratios
+def plan_machines(plan: Plan, cluster: ClusterSpec) -> list[list[int]] | None:
+    """The ranks of each machine when `plan` is machine-level (one ratio per machine) and some
+    machine has several GPUs: the program then runs data parallel inside the machines
+    (methods.hap.hierarchy). None when every virtual device is one rank.
+
+    Raises:
+        PlanMismatchError: the plan was made for other machines (one line: field and fix).
+    """
     granularity = (plan.details or {}).get("granularity", "gpu")
-    if ratios is None or granularity != "machine" or len(ratios[0]) == cluster.num_devices:
-        return ratios
+    if plan.ratios is None or granularity != "machine":
+        return None
     vdevs = virtual_devices(cluster, "machine")
-    if len(vdevs) != len(ratios[0]):
-        raise PlanMismatchError(f"the plan has {len(ratios[0])} machines, cluster {cluster.name!r} {len(vdevs)}")
+    if len(vdevs) != len(plan.ratios[0]):
+        raise PlanMismatchError(f"the plan has {len(plan.ratios[0])} machines, cluster {cluster.name!r} {len(vdevs)}; "
+                                "re-plan for this cluster (method.cache_dir=null or a fresh plan)")
     made_for = (plan.details or {}).get("machine_gpus")
     if made_for is not None and list(made_for) != [v.num_gpus for v in vdevs]:
         raise PlanMismatchError(
             f"plan details.machine_gpus={list(made_for)} (GPUs per machine) differ from cluster {cluster.name!r}'s "
             f"{[v.num_gpus for v in vdevs]}; re-plan for this cluster (method.cache_dir=null or a fresh plan)")
-    out = []
-    for row in ratios:
-        per_rank = [0.0] * cluster.num_devices
-        for v, r in zip(vdevs, row):
-            for rank in v.ranks:
-                per_rank[rank] = r / len(v.ranks)
-        out.append(per_rank)
-    return out
+    if all(v.num_gpus == 1 for v in vdevs):
+        return None
+    return [list(v.ranks) for v in vdevs]
 
 
 def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module | None = None,
-               ratios: list[list[float]] | None = None) -> Graph:
+               machines: list[list[int]] | None = None) -> Graph:
     """The reference graph of `workload`, after checking that `plan` fits it and `world_size`
-    ranks (PlanMismatchError otherwise). Call it before starting workers to fail early.
+    ranks (in `machines`, for a machine-level plan: plan_machines), and that a machine-level
+    plan can run data parallel inside its machines (PlanMismatchError otherwise). Call it
+    before starting workers to fail early.
 
     With `model` (the built model), its structure is traced through a meta-device twin that
     shares nothing with it: about 1.5 s faster in a fresh process than building the model on
@@ -236,8 +309,35 @@ def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module
         twin = copy.deepcopy(model, memo)
         batch = workload.model_cfg.synthetic_batch(workload.global_batch, torch.Generator().manual_seed(0))
         graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch)
-    check_plan(plan.details or {}, ratios or plan.ratios, plan.batch_shares, graph, world_size)
+    check_plan(plan.details or {}, plan.ratios, plan.batch_shares, graph, world_size,
+               world_size if machines is None else len(machines))
+    if machines is not None:
+        check_machine_plan(plan, graph, machines)
     return graph
+
+
+def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> None:
+    """Raise PlanMismatchError unless every GPU of a machine-level plan gets its machine's
+    batch share in whole samples, split as codegen splits it, and every tensor's batch dim
+    divides into whole samples inside each machine (compiles the program on the meta device,
+    as each machine's leader would)."""
+    from bench.shares import round_shares
+    from methods.hap.balance import batch_shares as vdev_shares
+
+    per_machine = vdev_shares(graph.batch_size, plan.ratios[0])
+    for m, (ranks, share) in enumerate(zip(machines, per_machine)):
+        want = round_shares(share, [1.0] * len(ranks))
+        got = [plan.batch_shares[r] for r in ranks]
+        if got != want:
+            raise PlanMismatchError(
+                f"plan batch_shares {got} for machine {m}'s ranks {ranks}: its share of {share} samples splits over "
+                f"its {len(ranks)} GPUs as {want}; re-plan (the planner splits a machine's share evenly)")
+    meta = copy.deepcopy(graph.gm).to("meta")
+    for m, ranks in enumerate(machines):
+        for local, rank in enumerate(ranks):
+            where = Machines(machines, rank, m, local)
+            RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, meta, rank,
+                        sum(map(len, machines)), CodegenOptions(), where)
 
 
 def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:
@@ -247,12 +347,14 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
     Raises:
         methods.hap.codegen.PlanMismatchError: the plan was made for another model, batch or world size.
     """
-    ratios = rank_ratios(plan, ctx.cluster)
-    graph = plan_graph(plan, ctx.workload, ctx.world_size, model, ratios)
+    machine_ranks = plan_machines(plan, ctx.cluster)
+    graph = plan_graph(plan, ctx.workload, ctx.world_size, model, machine_ranks)
+    machines = None if machine_ranks is None else Machines.build(machine_ranks, ctx.rank)
     options = CodegenOptions(force_impl=getattr(planner, "force_impl", None),
                              force_sfb=bool(getattr(planner, "force_sfb", False)),
                              bucket_grads=bool(getattr(planner, "bucket_grads", True)))
-    program = RankProgram(graph, plan.details, ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options)
+    program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options,
+                          machines)
     # The plan's gradient bucketing (what the simulator costed) wins over the method's options.
     sync = (plan.details or {}).get("grad_sync") or {}
     overlap = bool(sync.get("overlap", getattr(planner, "grad_overlap", True)))
@@ -288,7 +390,7 @@ class FixedPlanMethod:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         # A mismatch fails here, before any worker starts.
-        plan_graph(self.plan_, workload, cluster.num_devices, ratios=rank_ratios(self.plan_, cluster))
+        plan_graph(self.plan_, workload, cluster.num_devices, machines=plan_machines(self.plan_, cluster))
         return self.plan_
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:
