@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, Workload
+from bench.interfaces import Plan, PlanningError, Workload
 from bench.plan_cache import load_plan, plan_key, save_plan
 from bench.program import Program, data_parallel_program
 from bench.shares import round_shares
@@ -225,9 +225,16 @@ class HapPlanner:
                 if level_best is None or _better(cand, level_best):
                     level_best = cand
             assert level_best is not None
-            level_rows.append({"granularity": granularity, "iter_time_s": level_best.iter_time_s, "oom": level_best.oom})
-            if best is None or _better(level_best, best):
+            row = {"granularity": granularity, "iter_time_s": level_best.iter_time_s, "oom": level_best.oom}
+            unsplit = _unsplittable(workload.global_batch, level_best.ratios[0], cluster, granularity)
+            if unsplit:
+                row["error"] = unsplit
+            level_rows.append(row)
+            if not unsplit and (best is None or _better(level_best, best)):
                 best = level_best
+        if best is None:
+            raise PlanningError(f"{level_rows[0]['error']}; raise the global batch (preset.batch_per_device) or plan "
+                                "per GPU as well (method.levels=both)")
         expanded, pruned, beam_pruned = stats["expanded"], stats["pruned"], stats["beam_pruned"]
         t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
@@ -237,7 +244,10 @@ class HapPlanner:
             for cand in self._data_parallel_candidates(graph, workload, cluster, meta):
                 dp_rows.append({"granularity": cand.program.granularity, "ratios": cand.kind,
                                 "iter_time_s": cand.iter_time_s, "oom": cand.oom})
-                if _better(cand, best):
+                unsplit = _unsplittable(workload.global_batch, cand.ratios[0], cluster, cand.program.granularity)
+                if unsplit:
+                    dp_rows[-1]["error"] = unsplit
+                elif _better(cand, best):
                     best = cand
         steps_res = synthesized.result
         if best.kind != "synthesis":
@@ -345,13 +355,13 @@ class HapPlanner:
             program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
                                             granularity=gran, meta={**meta, "program": "data_parallel"})
             options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
-            if gran == "gpu":
+            if gran == "gpu" and batch >= n:
                 # Exactly the dp_cp baseline's split (methods/dp.py): whole samples, >= 1 each.
                 shares = round_shares(batch, [d.effective_flops for d in cluster.devices], min_share=1)
                 options.append(("compute-proportional samples", [[x / batch for x in shares]]))
             if self.lp:
                 options.append(("even", even_ratios(n)))
-                if gran == "gpu":
+                if gran == "gpu" and batch >= n:
                     shares = round_shares(batch, [1.0] * n, min_share=1)
                     options.append(("even samples", [[x / batch for x in shares]]))
                 try:
@@ -411,6 +421,18 @@ def _better(a: Candidate, b: Candidate) -> bool:
     if a.oom != b.oom:
         return not a.oom
     return a.iter_time_s < b.iter_time_s * (1 - 1e-9)
+
+
+def _unsplittable(global_batch: int, ratios: list[float], cluster: ClusterSpec, granularity: str) -> str | None:
+    """Why a machine-level split of the batch cannot run data parallel inside the machines (a
+    machine with fewer samples than GPUs, but some), or None."""
+    if granularity != "machine":
+        return None
+    for v, share in zip(virtual_devices(cluster, "machine"), batch_shares(global_batch, ratios)):
+        if 0 < share < v.num_gpus:
+            return (f"global_batch={global_batch}: machine {v.index} gets {share} sample(s) for its {v.num_gpus} GPUs, "
+                    "which data parallelism inside it cannot split")
+    return None
 
 
 def _rank_shares(global_batch: int, ratios: list[float], cluster: ClusterSpec, granularity: str) -> list[int]:

@@ -326,6 +326,10 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
 
     per_machine = vdev_shares(graph.batch_size, plan.ratios[0])
     for m, (ranks, share) in enumerate(zip(machines, per_machine)):
+        if 0 < share < len(ranks):
+            raise PlanMismatchError(
+                f"global batch {graph.batch_size}: machine {m} gets {share} sample(s) for its {len(ranks)} GPUs, which "
+                "data parallelism inside it cannot split; raise the global batch or plan per GPU (method.levels=both)")
         want = round_shares(share, [1.0] * len(ranks))
         got = [plan.batch_shares[r] for r in ranks]
         if got != want:

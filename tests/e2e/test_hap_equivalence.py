@@ -5,6 +5,7 @@ both all-gather implementations and SFB."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,8 +155,10 @@ def compiled(model: str, ratios: list[float], **options):
 # Every model on 3 devices with an empty shard (on the first, middle or last rank), one model on
 # 2 devices; each all-gather implementation forced in two cases, SFB forced in three, the plan's
 # own choices in one, global-norm clipping in one; replicated gradients all-reduced in DDP-like
-# buckets (one bucket, many small ones) or, in one case, by replicate() per use; one plan over
-# machine-level virtual devices (2 machines, 3 GPUs) run with each machine's ratio split evenly.
+# buckets (one bucket, many small ones) or, in one case, by replicate() per use. Plans over
+# machine-level virtual devices (data parallel inside a machine, collectives in three steps):
+# SFB and grouped forced with a machine of 2 GPUs beside one of 1, and with an empty machine;
+# the planner's own machine-level plans are in test_planned_machine_level_program_...
 CASES = [
     pytest.param("vgg19", [0.6, 0.0, 0.4], dict(force_impl="padded"), id="vgg19-3dev-empty1-padded"),
     pytest.param("vgg19", [0.7, 0.3], dict(force_impl="grouped", force_sfb=True, bucket_grads=False),
@@ -165,7 +168,9 @@ CASES = [
     pytest.param("bert", [0.5, 0.0, 0.5], dict(force_impl="padded", force_sfb=True, grad_clip=0.05),
                  id="bert-3dev-empty1-padded-sfb-clip"),
     pytest.param("bert_moe", [0.5, 0.3, 0.0], dict(), id="bert_moe-3dev-empty2-planned"),
-    pytest.param("bert", [0.6, 0.4], dict(machines=[2, 1]), id="bert-3dev-2machines-planned"),
+    pytest.param("vit", [0.65, 0.35], dict(machines=[2, 1], force_impl="grouped", force_sfb=True),
+                 id="vit-3dev-2machines-grouped-sfb"),
+    pytest.param("bert", [0.0, 1.0], dict(machines=[1, 2], bucket_grads=False), id="bert-3dev-2machines-empty0-replicate"),
     # Every model on 2 devices as well, with the all-gather its 3-device case does not force.
     pytest.param("vit", [0.65, 0.35], dict(force_impl="padded"), id="vit-2dev-padded"),
     pytest.param("bert", [0.3, 0.7], dict(force_impl="grouped"), id="bert-2dev-grouped"),
@@ -183,6 +188,7 @@ SEGMENT_CASES = [
     pytest.param("vit", [[0.3, 0.7], [0.6, 0.4]], dict(segmentation="flops"), id="vit-2dev-2seg-flops"),
     pytest.param("bert", [[0.5, 0.2, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]], dict(segmentation="metis"),
                  id="bert-3dev-3seg-metis"),
+    pytest.param("bert_moe", [[0.6, 0.4], [0.3, 0.7]], dict(machines=[2, 2]), id="bert_moe-2x2machines-2seg"),
 ]
 
 
@@ -204,6 +210,40 @@ def test_synthesized_program_trains_exactly_like_one_device(model, ratios, optio
     assert [r["rank"] for r in results] == list(range(sum(options.get("machines") or [1] * len(ratios))))
     assert sum(plan.batch_shares) == 7 and (0 in plan.batch_shares) == (0.0 in ratios)
     check_equivalence(workload, results, grad_clip=options.get("grad_clip", 0.0))
+
+
+def _conf_cluster(name: str) -> ClusterSpec:
+    """A shipped cluster (conf/cluster), not emulated: equivalence needs no timing."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "cluster" / f"{name}.yaml").read_text())
+    return ClusterSpec.from_config({**cfg, "emulated": False}).with_host_speed(1e10)
+
+
+# The planner's machine-level plans (LP ratios, its segments and gradient buckets) for every
+# model, on the shipped emulated clusters of 2 machines x 2 devices and of 3 machines of 1, 2
+# and 1 devices; 11 samples, so machines and their GPUs get uneven shares.
+MACHINE_CASES = [
+    pytest.param("vgg19", "local_3m", id="vgg19-local_3m"),
+    pytest.param("vit", "local_2x2", id="vit-local_2x2"),
+    pytest.param("bert", "local_3m", id="bert-local_3m"),
+    pytest.param("bert_moe", "local_2x2", id="bert_moe-local_2x2"),
+]
+
+
+@pytest.mark.parametrize("model,cluster_name", MACHINE_CASES)
+def test_planned_machine_level_program_trains_exactly_like_one_device(model, cluster_name):
+    from methods.hap.planner import HapPlanner
+
+    cluster = _conf_cluster(cluster_name)
+    workload = make_workload(model, cluster.num_devices, 11)
+    plan = HapPlanner(cache_dir=None, levels="cluster").plan(workload, cluster)
+    assert plan.details["granularity"] == "machine" and len(plan.ratios[0]) == cluster.num_machines
+    method = FixedPlanMethod(plan, mirror_full_state=True)
+    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
+                measured_iters=STEPS, return_state=True)
+    results = launch(case, cluster.num_devices, timeout_s=120)
+    check_equivalence(workload, results)
 
 
 def test_forced_options_reach_the_generated_code():

@@ -242,7 +242,7 @@ def test_both_levels_are_planned_and_the_faster_kept():
     simulator; the plan is the faster one and records both. levels=cluster plans only one."""
     from bench.interfaces import Plan
     from methods.hap.codegen import PlanMismatchError
-    from methods.hap.runtime import rank_ratios
+    from methods.hap.runtime import plan_machines
 
     cl = cluster(fast=1, slow=2, k=2, inter_gbps=5.0)
     wl = bert_workload(batch=24, num_devices=6)
@@ -263,7 +263,25 @@ def test_both_levels_are_planned_and_the_faster_kept():
         "links": {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
                   "inter_machine": {"bandwidth_gbps": 5.0, "latency_s": 3e-5}}})
     with pytest.raises(PlanMismatchError, match=r"machine_gpus=\[2, 2, 2\].*\[1, 3, 2\]; re-plan") as err:
-        rank_ratios(Plan("hap", only.batch_shares, only.details, only.program, only.ratios), other)
+        plan_machines(Plan("hap", only.batch_shares, only.details, only.program, only.ratios), other)
     assert "\n" not in str(err.value)
+    assert plan_machines(only, cl) == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="method.levels='gpus' is invalid"):
         HapPlanner(levels="gpus")
+
+
+def test_a_batch_a_machine_cannot_split_over_its_gpus_is_refused_in_one_line():
+    """Machine-level plans run data parallel inside each machine: a machine with fewer samples
+    than GPUs (but some) cannot. levels=cluster refuses with the field and the fix; levels=both
+    keeps the GPU-level plan and records why the machine level was left out."""
+    from bench.interfaces import PlanningError
+
+    cl = cluster(fast=1, slow=1, k=2, inter_gbps=5.0)
+    wl = bert_workload(batch=3, num_devices=4)
+    with pytest.raises(PlanningError, match=r"global_batch=3: machine 1 gets 1 sample\(s\) for its 2 GPUs.*"
+                                            r"method.levels=both") as err:
+        HapPlanner(cache_dir=None, levels="cluster").plan(wl, cl)
+    assert "\n" not in str(err.value)
+    plan = HapPlanner(cache_dir=None).plan(wl, cl)
+    assert plan.details["granularity"] == "gpu"
+    assert "machine 1 gets 1 sample" in plan.details["levels"][0]["error"]
