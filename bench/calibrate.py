@@ -21,6 +21,7 @@ import itertools
 import json
 import statistics
 import sys
+from types import SimpleNamespace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from rich.table import Table
 
 from bench.cluster import ClusterSpec, ConfigError, device_types
 from bench.progress import track
+from bench.regress import emulated_compute_s
 from bench.cost import simulate
 from bench.flops import device_step
 
@@ -55,6 +57,9 @@ def summarize(rows: list[dict]) -> dict:
     cases = [r for r in rows if r.get("status") == "ok" and r.get("predicted_iter_time_s")]
     for r in cases:
         r["sim_error"] = abs(r["predicted_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
+        # Where the error is: compute (the slowest rank's, measured by its own worker) and the
+        # rest of the iteration (communication not hidden behind compute, waits).
+        r["compute_s"] = emulated_compute_s(SimpleNamespace(emulation=r.get("emulation")))
     methods = sorted({r["method"] for r in cases})
     by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
     taus = {}
@@ -63,8 +68,8 @@ def summarize(rows: list[dict]) -> dict:
         taus[f"{model}/{cluster}"] = kendall_tau([r["iter_time_s_mean"] for r in group],
                                                  [r["predicted_iter_time_s"] for r in group])
     return {
-        "cases": [{k: r[k] for k in ("model", "cluster", "method", "iter_time_s_mean",
-                                     "predicted_iter_time_s", "sim_error")} for r in cases],
+        "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
+                                         "sim_error", "compute_s", "predicted_compute_s")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
         "mape_by_method": by_method,
         "kendall_tau": taus,
@@ -76,11 +81,20 @@ def summarize(rows: list[dict]) -> dict:
 def print_summary(summary: dict) -> None:
     console = Console(width=140)
     table = Table(title="simulator vs measurement (emulated clusters)")
-    for col in ("model", "cluster", "method", "measured ms", "predicted ms", "error"):
+    for col in ("model", "cluster", "method", "measured ms", "predicted ms", "error", "compute ms meas/pred",
+                "rest ms meas/pred"):
         table.add_column(col, justify="left" if col in ("model", "cluster", "method") else "right")
+
+    def pair(meas, pred) -> str:
+        return "-" if meas is None or pred is None else f"{meas * 1e3:.1f} / {pred * 1e3:.1f}"
+
     for c in summary["cases"]:
+        comp, pcomp = c.get("compute_s"), c.get("predicted_compute_s")
+        rest = None if comp is None else c["iter_time_s_mean"] - comp
+        prest = None if pcomp is None else c["predicted_iter_time_s"] - pcomp
         table.add_row(c["model"], c["cluster"], c["method"], f"{c['iter_time_s_mean'] * 1e3:.1f}",
-                      f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}")
+                      f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}", pair(comp, pcomp),
+                      pair(rest, prest))
     console.print(table)
     taus = Table(title="ordering of methods: Kendall tau (measured vs predicted)")
     taus.add_column("model/cluster")

@@ -55,6 +55,9 @@ class RunRecord:
     ideal_iter_time_s: float | None = None
     efficiency: float | None = None
     predicted_iter_time_s: float | None = None  # the simulator's, in both modes when available
+    # Its compute: per stage the slowest device's, summed, plus the slowest per-step part (the
+    # rest of the prediction is communication not hidden behind compute)
+    predicted_compute_s: float | None = None
     predicted_peak_mem_gib: list[float] | None = None  # per (virtual) device, per GPU
     predicted_oom: bool | None = None
     planner_time_s: float | None = None

@@ -281,6 +281,8 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     if plan.program is not None:
         sim = simulate(plan.program, cluster, plan.ratios)
         record.predicted_iter_time_s = sim.iter_time_s
+        # The per-step part of a device's compute (optimizer, dispatch) is charged once at the end.
+        record.predicted_compute_s = sim.compute_time_s + max(d.step_overhead_s for d in cluster.devices)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None

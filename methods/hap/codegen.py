@@ -521,8 +521,9 @@ class RankProgram:
             if self.machines is not None:
                 xname, seg = ins.node.inputs[0], ins.step.segment
                 gathers = tuple(
-                    H.leader_gather(self.machines, dim, lengths, lay, self._intra_lengths(t, self._machine_shape(
-                        self.graph[t].shape, dim, seg)) if isinstance(lay, int) else [0] * self.machines.size, impl)
+                    H.sfb_factor(self.machines, dim, lengths, lay, self._intra_lengths(t, self._machine_shape(
+                        self.graph[t].shape, dim, seg)) if isinstance(lay, int) else [0] * self.machines.size, impl,
+                        self.graph[t].shape)
                     for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
             return C.sfb_linear(x, w, b, dim, lengths, impl, gathers)
         if self.machines is not None and ins.out_shape is not None:

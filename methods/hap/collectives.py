@@ -247,9 +247,6 @@ class _SfbLinear(torch.autograd.Function):
             full_dy = _gather_impl(grad, dim, lengths, impl)
         else:
             full_x, full_dy = gathers[0](x), gathers[1](grad)
-        if full_x is None:  # a machine's GPU other than its leader: the leader has the gradient
-            return dx, torch.zeros_like(weight), (weight.new_zeros(weight.shape[0]) if has_bias else None), \
-                None, None, None, None
         full_x, full_dy = full_x.reshape(-1, x.shape[-1]), full_dy.reshape(-1, grad.shape[-1])
         dw = full_dy.t().matmul(full_x)
         db = full_dy.sum(0) if has_bias else None
@@ -302,8 +299,9 @@ def sfb_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                lengths: Sequence[int], impl: str = "padded", gathers=None) -> torch.Tensor:
     """linear(x, weight, bias) on x sharded along `dim` (not the last) with the full weight;
     the weight and bias gradients come out complete on every rank (no all-reduce needed).
-    `gathers`: (for x, for dy) functions returning the whole factor, or None on a rank that
-    only contributes (then its weight gradient is zero: methods.hap.hierarchy.leader_gather)."""
+    `gathers`: (for x, for dy) functions returning the whole factor, or this rank's part of it
+    (cut alike for both: the weight gradient is then this rank's part of the sum, as
+    methods.hap.hierarchy.sfb_factor does among machines)."""
     if dim % x.dim() == x.dim() - 1:
         raise ValueError("sfb_linear: x must be sharded along a batch-like dim, not the features")
     if gathers is None:

@@ -221,14 +221,18 @@ def hierarchical(x: torch.Tensor, m: Machines, op: MachineOp, layout: Layout, in
                                tuple(out_shape))
 
 
-def leader_gather(m: Machines, dim: int, machine_lengths: Sequence[int], layout: Layout,
-                  lengths: Sequence[int], impl: str) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """For SFB among machines: a function that gathers a factor (sharded over machines along
-    `dim`, laid out `layout` inside them) whole onto every leader, None off the leaders; the
-    leader computes the weight gradient, which the machine's gradient sync hands to its GPUs."""
-    def gather(t: torch.Tensor) -> torch.Tensor | None:
+def sfb_factor(m: Machines, dim: int, machine_lengths: Sequence[int], layout: Layout, lengths: Sequence[int],
+               impl: str, full_shape: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For SFB among machines: a function that takes a factor (sharded over machines along
+    `dim`, laid out `layout` inside them) in three steps: to the leader, all-gathered among the
+    leaders, and back as this GPU's even part along `dim` of the whole factor. Each GPU then
+    computes its part of the weight gradient from its parts of the input and output gradient
+    (cut alike), and the machine's gradient sync sums the parts."""
+    parts = round_shares(int(full_shape[dim]), [1.0] * m.size)
+
+    def factor(t: torch.Tensor) -> torch.Tensor:
         whole = to_leader(t.contiguous(), m, layout, lengths)
-        if not m.is_leader:
-            return None
-        return C._gather_impl(whole, dim, list(machine_lengths), impl, m.leaders)
-    return gather
+        if m.is_leader:
+            whole = C._gather_impl(whole, dim, list(machine_lengths), impl, m.leaders)
+        return from_leader(whole, m, dim, parts, full_shape, t)
+    return factor
