@@ -281,7 +281,7 @@ def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
     weight = torch.nn.Parameter(torch.ones(2))
 
     class NanProgram:  # what a rank's program returns when its shard's loss overflowed
-        params, grad_sync, sharded, param_layouts = {"w": weight}, [], {"w"}, {"w": 0}
+        params, grad_sync, sharded, param_layouts, machines = {"w": weight}, [], {"w"}, {"w": 0}, None
 
         def __call__(self, x):
             return (weight * x).sum() * float("nan")
