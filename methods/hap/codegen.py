@@ -211,7 +211,8 @@ class RankProgram:
         try:
             return H.intra_lengths(machine_shape[dim], per_sample, self.machines.size, f"tensor {tensor!r}")
         except ValueError as e:
-            raise PlanMismatchError(str(e)) from None
+            raise PlanMismatchError(f"{e}; re-plan (details.shard_units must cut dim length {full} in whole samples, "
+                                    f"{per_sample} rows each)") from None
 
     def _local_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0,
                      tensor: str | None = None) -> tuple[int, ...]:

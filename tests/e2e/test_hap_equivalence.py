@@ -246,6 +246,22 @@ def test_planned_machine_level_program_trains_exactly_like_one_device(model, clu
     check_equivalence(workload, results)
 
 
+def test_a_machine_shard_of_partial_samples_is_refused_before_workers_start():
+    """Inside a machine a tensor is split in whole samples: a plan whose machine shards of a
+    merged batch x sequence dim are not whole sequences (its shard unit removed) is refused
+    in one line naming the tensor and the fix, by FixedPlanMethod.plan (no worker started)."""
+    from methods.hap.codegen import PlanMismatchError
+
+    workload, cluster = make_workload("bert", 4, 7), make_cluster(4, [2, 2])
+    plan = plan_at_ratios(workload, cluster, [0.6, 0.4])
+    FixedPlanMethod(plan).plan(workload, cluster)  # as planned: whole samples
+    plan.details["shard_units"] = {}
+    with pytest.raises(PlanMismatchError, match=r"tensor '.*': a machine's \d+ rows along the batch dim are not "
+                                                r"whole samples.*re-plan \(details.shard_units") as err:
+        FixedPlanMethod(plan).plan(workload, cluster)
+    assert "\n" not in str(err.value)
+
+
 def test_forced_options_reach_the_generated_code():
     sfb = compiled("bert", [0.5, 0.0, 0.5], force_sfb=True, force_impl="grouped").summary()
     assert len(sfb["sfb"]) >= 4 and sfb["sfb_impl"] == "grouped"
