@@ -407,6 +407,9 @@ class RankProgram:
         if c.kind == "slice" and layout != c.dst:
             env[key] = C.shard(x, c.dst, lengths(c.dst), self.vrank)
             return
+        if c.kind == "reshard" and lengths(c.src) == lengths(c.src, c.to_segment):
+            env[key] = x  # rows that cut this dim alike: nothing changes owner (no call, as C.reshard)
+            return
         src_seg, dst_seg = (home, c.to_segment) if c.kind == "reshard" else (home, home)
         if c.kind == "all_gather":
             op = H.MachineOp("all_gather", (c.src,), (tuple(lengths(c.src)),), self._impl(c.impl))
