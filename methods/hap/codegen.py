@@ -227,7 +227,11 @@ class RankProgram:
         instrs = []
         seen_source: dict[str, Layout] = {}
         uses: dict[str, set[str]] = {}  # replicated parameter -> kinds of use (plain | sfb)
-        intra_rules = derive_theory(g, sfb=False, fuse_routing=False).rules if self.machines is not None else {}
+        intra_rules: dict = {}
+        if self.machines is not None:  # derived once per graph (runtime.check_machine_plan compiles every rank)
+            if getattr(g, "_dp_rules", None) is None:
+                g._dp_rules = derive_theory(g, sfb=False, fuse_routing=False).rules
+            intra_rules = g._dp_rules
         for step in self.steps:
             node = g[step.node]
             for c in step.comms:
