@@ -353,9 +353,11 @@ class RankProgram:
         if lay == 0 and full_len > 1 and self.machines is None and self.lengths(full_len) == self.batch_shares:
             return x
         if self.machines is not None and lay == 0 and full_len > 1 and self.intra.get(name) == 0:
+            per_machine = [sum(self.batch_shares[r] for r in ranks) for ranks in self.machines.ranks]
             mine = self._intra_lengths(name, self._machine_shape(self.graph[name].shape, 0))
-            if mine == [self.batch_shares[r] for r in self.machines.ranks[self.machines.index]]:
-                return x
+            if (self.lengths(full_len) == per_machine
+                    and mine == [self.batch_shares[r] for r in self.machines.ranks[self.machines.index]]):
+                return x  # the loaded samples are this GPU's part of its machine's shard
         # Another layout than the loaded share (or other shard lengths): gather the whole input
         # (data only, no gradient), then keep what the layout asks for.
         whole = C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
