@@ -21,7 +21,6 @@ import itertools
 import json
 import statistics
 import sys
-from types import SimpleNamespace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def summarize(rows: list[dict]) -> dict:
         r["sim_error"] = abs(r["predicted_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
         # Where the error is: compute (the slowest rank's, measured by its own worker) and the
         # rest of the iteration (communication not hidden behind compute, waits).
-        r["compute_s"] = emulated_compute_s(SimpleNamespace(emulation=r.get("emulation")))
+        r["compute_s"] = emulated_compute_s(r.get("emulation"))
     methods = sorted({r["method"] for r in cases})
     by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
     taus = {}

@@ -39,7 +39,6 @@ class Machines:
 
     Attributes:
         ranks: the global ranks of every machine, machine by machine (the first is its leader).
-        rank: this process's global rank.
         index: this rank's machine; local: its position inside the machine.
         intra: the process group of this rank's machine; leaders: the leaders' group (None off
             the leaders). The program's collectives use these, in program order.
@@ -49,7 +48,6 @@ class Machines:
     """
 
     ranks: list[list[int]]
-    rank: int
     index: int
     local: int
     intra: object = None
@@ -65,7 +63,7 @@ class Machines:
         if leaders != sorted(leaders) or any(r != list(range(r[0], r[0] + len(r))) for r in ranks):
             raise ValueError(f"machine ranks {ranks}: each machine must hold consecutive ranks, in machine order")
         index = next(i for i, r in enumerate(ranks) if rank in r)
-        out = cls(ranks, rank, index, ranks[index].index(rank))
+        out = cls(ranks, index, ranks[index].index(rank))
         for i, members in enumerate(ranks):  # every rank takes part in every new_group call
             intra, intra_sync = dist.new_group(members), dist.new_group(members)
             if i == index:
@@ -87,6 +85,16 @@ class Machines:
     @property
     def is_leader(self) -> bool:
         return self.local == 0
+
+
+def unsplittable_share(global_batch: int, machine_shares: Sequence[int], gpus: Sequence[int]) -> str | None:
+    """Why machines with these batch shares and GPU counts cannot run data parallel inside (a
+    machine with fewer samples than GPUs, but some), or None."""
+    for m, (share, n) in enumerate(zip(machine_shares, gpus)):
+        if 0 < share < n:
+            return (f"global_batch={global_batch}: machine {m} gets {share} sample(s) for its {n} GPUs, "
+                    "which data parallelism inside it cannot split")
+    return None
 
 
 def intra_lengths(length: int, per_sample: int, gpus: int, what: str = "") -> list[int]:
@@ -114,7 +122,7 @@ class MachineOp:
 
     def run(self, x: torch.Tensor, machines: Machines, backward: bool = False) -> torch.Tensor:
         group, k = machines.leaders, self.kind
-        lens = [list(x) for x in self.lengths]
+        lens = [list(row) for row in self.lengths]
         if k == "all_reduce":
             return C._all_reduce_impl(x, group)
         if k in ("all_gather", "reduce_scatter"):

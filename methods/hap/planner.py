@@ -38,6 +38,7 @@ from methods.hap.search import (
     shard_units,
     synthesize,
 )
+from methods.hap.hierarchy import unsplittable_share
 from methods.hap.segments import check_segmentation
 from methods.hap.theory import data_parallel_theory, derive_theory
 
@@ -428,11 +429,8 @@ def _unsplittable(global_batch: int, ratios: list[float], cluster: ClusterSpec, 
     machine with fewer samples than GPUs, but some), or None."""
     if granularity != "machine":
         return None
-    for v, share in zip(virtual_devices(cluster, "machine"), batch_shares(global_batch, ratios)):
-        if 0 < share < v.num_gpus:
-            return (f"global_batch={global_batch}: machine {v.index} gets {share} sample(s) for its {v.num_gpus} GPUs, "
-                    "which data parallelism inside it cannot split")
-    return None
+    return unsplittable_share(global_batch, batch_shares(global_batch, ratios),
+                              [v.num_gpus for v in virtual_devices(cluster, "machine")])
 
 
 def _rank_shares(global_batch: int, ratios: list[float], cluster: ClusterSpec, granularity: str) -> list[int]:

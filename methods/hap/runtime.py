@@ -25,7 +25,7 @@ from methods.hap.codegen import (
     RankProgram,
     check_plan,
 )
-from methods.hap.hierarchy import Machines
+from methods.hap.hierarchy import Machines, unsplittable_share
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -292,9 +292,8 @@ def plan_machines(plan: Plan, cluster: ClusterSpec) -> list[list[int]] | None:
 def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module | None = None,
                machines: list[list[int]] | None = None) -> Graph:
     """The reference graph of `workload`, after checking that `plan` fits it and `world_size`
-    ranks (in `machines`, for a machine-level plan: plan_machines), and that a machine-level
-    plan can run data parallel inside its machines (PlanMismatchError otherwise). Call it
-    before starting workers to fail early.
+    ranks (in `machines`, for a machine-level plan: plan_machines; PlanMismatchError
+    otherwise). Before starting workers, also check_machine_plan.
 
     With `model` (the built model), its structure is traced through a meta-device twin that
     shares nothing with it: about 1.5 s faster in a fresh process than building the model on
@@ -311,25 +310,22 @@ def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module
         graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch)
     check_plan(plan.details or {}, plan.ratios, plan.batch_shares, graph, world_size,
                world_size if machines is None else len(machines))
-    if machines is not None:
-        check_machine_plan(plan, graph, machines)
     return graph
 
 
 def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> None:
     """Raise PlanMismatchError unless every GPU of a machine-level plan gets its machine's
     batch share in whole samples, split as codegen splits it, and every tensor's batch dim
-    divides into whole samples inside each machine (compiles the program on the meta device,
-    as each machine's leader would)."""
+    divides into whole samples inside each machine (compiles every rank's program on the meta
+    device; each worker later compiles only its own)."""
     from bench.shares import round_shares
     from methods.hap.balance import batch_shares as vdev_shares
 
     per_machine = vdev_shares(graph.batch_size, plan.ratios[0])
+    unsplit = unsplittable_share(graph.batch_size, per_machine, [len(r) for r in machines])
+    if unsplit:
+        raise PlanMismatchError(f"{unsplit}; raise the global batch or plan per GPU (method.levels=both)")
     for m, (ranks, share) in enumerate(zip(machines, per_machine)):
-        if 0 < share < len(ranks):
-            raise PlanMismatchError(
-                f"global batch {graph.batch_size}: machine {m} gets {share} sample(s) for its {len(ranks)} GPUs, which "
-                "data parallelism inside it cannot split; raise the global batch or plan per GPU (method.levels=both)")
         want = round_shares(share, [1.0] * len(ranks))
         got = [plan.batch_shares[r] for r in ranks]
         if got != want:
@@ -339,7 +335,7 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
     meta = copy.deepcopy(graph.gm).to("meta")
     for m, ranks in enumerate(machines):
         for local, rank in enumerate(ranks):
-            where = Machines(machines, rank, m, local)
+            where = Machines(machines, m, local)
             RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, meta, rank,
                         sum(map(len, machines)), CodegenOptions(), where)
 
@@ -394,7 +390,10 @@ class FixedPlanMethod:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         # A mismatch fails here, before any worker starts.
-        plan_graph(self.plan_, workload, cluster.num_devices, machines=plan_machines(self.plan_, cluster))
+        machines = plan_machines(self.plan_, cluster)
+        graph = plan_graph(self.plan_, workload, cluster.num_devices, machines=machines)
+        if machines is not None:
+            check_machine_plan(self.plan_, graph, machines)
         return self.plan_
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:
