@@ -6,11 +6,17 @@ plan's steps into a list of instructions over the fx graph's nodes, with the col
 methods.hap.collectives inserted where the plan puts them. Calling it with this rank's share of
 a batch returns this rank's part of the summed loss (Reduce: the parts add up to the loss of the
 global batch). It does not plan, train or time anything (methods.hap.runtime does).
+
+The first call interprets the instructions and records every tensor it makes as a node of a
+new fx graph (shard lengths, sizes and which ops see an empty shard are fixed for a rank, so
+they become constants); later calls run that GraphModule, straight-line code with no per-node
+dispatch (`RankProgram.module.code`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +56,16 @@ class CodegenOptions:
             listed in `RankProgram.grad_sync` for the trainer to all-reduce in buckets (as DDP
             and the simulator do); off: every use goes through `replicate`, whose backward
             all-reduces that use's gradient alone.
+        compile: the first call interprets the plan and records what it ran as an fx
+            GraphModule (`RankProgram.module`), which every later call runs; off: every call
+            interprets (the reference the recording is made from).
     """
 
     force_impl: str | None = None
     force_sfb: bool = False
     check_shapes: bool = True
     bucket_grads: bool = True
+    compile: bool = True
 
     def __post_init__(self) -> None:
         if self.force_impl is not None and self.force_impl not in C.IMPLS:
@@ -174,6 +184,8 @@ class RankProgram:
         # for what does not depend on the samples; REDUCE for a sum over them, the loss).
         self.intra: dict[str, Layout] = {}
         self._instrs = self._compile(model)
+        self._module: fx.GraphModule | None = None
+        self._rec: _Recorder | None = None
 
     # -- shapes ----------------------------------------------------------------------------
     def lengths(self, length: int, segment: int = 0) -> list[int]:
@@ -360,7 +372,8 @@ class RankProgram:
                 return x  # the loaded samples are this GPU's part of its machine's shard
         # Another layout than the loaded share (or other shard lengths): gather the whole input
         # (data only, no gradient), then keep what the layout asks for.
-        whole = C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
+        whole = x if self.batch_shares[self.rank] == self.graph.batch_size else \
+            C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
         if isinstance(lay, int) and whole.shape[lay] > 1:
             whole = C.shard(whole, lay, self.lengths(whole.shape[lay]), self.vrank)
         if self.machines is not None and isinstance(self.intra.get(name), int):
@@ -371,51 +384,53 @@ class RankProgram:
     def _impl(self, impl: str) -> str:
         return self.options.force_impl or (impl if impl in C.IMPLS else "padded")
 
-    def _communicate(self, c: CommRule, env: dict) -> None:
-        x = env[(c.tensor, c.src)]
+    def _comm(self, c: CommRule) -> tuple[tuple, tuple, Callable[[torch.Tensor], torch.Tensor]]:
+        """(the env key it reads, the env key it writes, the function of that tensor) of one
+        collective of the plan, its shard lengths resolved now: they are fixed for a rank."""
         home = self.home[c.tensor]
 
         def lengths(dim: int, segment: int = home) -> list[int]:
             return self.lengths(self._dim_len(c.tensor, dim), segment)
 
+        src = (c.tensor, c.src)
+        dst = (c.tensor, (c.dst, c.to_segment)) if c.kind == "reshard" else (c.tensor, c.dst)
         if self.machines is not None:
-            self._communicate_machines(c, x, env, lengths)
-            return
-
+            return src, dst, _named(self._machine_comm(c, lengths), c.kind)
         if c.kind == "reshard":
-            env[(c.tensor, (c.dst, c.to_segment))] = C.reshard(x, c.src, lengths(c.src), lengths(c.src, c.to_segment))
-            return
-        if c.kind == "all_gather":
-            y = C.all_gather(x, c.src, lengths(c.src), self._impl(c.impl))
+            old, new = lengths(c.src), lengths(c.src, c.to_segment)
+            fn = lambda x: C.reshard(x, c.src, old, new)  # noqa: E731
+        elif c.kind == "all_gather":
+            parts, impl = lengths(c.src), self._impl(c.impl)
+            fn = lambda x: C.all_gather(x, c.src, parts, impl)  # noqa: E731
         elif c.kind == "reduce_scatter":
-            y = C.reduce_scatter(x, c.dst, lengths(c.dst), self._impl(c.impl))
+            parts, impl = lengths(c.dst), self._impl(c.impl)
+            fn = lambda x: C.reduce_scatter(x, c.dst, parts, impl)  # noqa: E731
         elif c.kind == "all_reduce":
-            y = C.all_reduce(x)
+            fn = lambda x: C.all_reduce(x)  # noqa: E731
         elif c.kind == "all_to_all":
-            y = C.all_to_all(x, c.src, lengths(c.src), c.dst, lengths(c.dst))
+            old, new = lengths(c.src), lengths(c.dst)
+            fn = lambda x: C.all_to_all(x, c.src, old, c.dst, new)  # noqa: E731
         elif c.kind == "slice":
-            y = C.shard(x, c.dst, lengths(c.dst), self.rank)
+            parts, rank = lengths(c.dst), self.rank
+            fn = lambda x: C.shard(x, c.dst, parts, rank)  # noqa: E731
         else:
-            y = C.keep_first(x)
-        env[(c.tensor, c.dst)] = y
+            fn = lambda x: C.keep_first(x)  # noqa: E731
+        return src, dst, _named(fn, c.kind)
 
-    def _communicate_machines(self, c: CommRule, x: torch.Tensor, env: dict, lengths: Callable) -> None:
+    def _machine_comm(self, c: CommRule, lengths: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
         """A collective among machines: local where no data crosses a GPU (keep_first, or a
         slice along another dim than the batch dim inside the machine), else in three steps
         (methods.hap.hierarchy)."""
         layout, home = self.intra[c.tensor], self.home[c.tensor]
         node = self.graph[c.tensor]
         full = node.shape if node.shape is not None else node.tuple_shapes[0]
-        key = (c.tensor, (c.dst, c.to_segment)) if c.kind == "reshard" else (c.tensor, c.dst)
         if c.kind == "keep_first":
-            env[key] = x if self.vrank == 0 else x * 0
-            return
+            return (lambda x: x) if self.vrank == 0 else (lambda x: x * 0)
         if c.kind == "slice" and layout != c.dst:
-            env[key] = C.shard(x, c.dst, lengths(c.dst), self.vrank)
-            return
+            parts, vrank = lengths(c.dst), self.vrank
+            return lambda x: C.shard(x, c.dst, parts, vrank)
         if c.kind == "reshard" and lengths(c.src) == lengths(c.src, c.to_segment):
-            env[key] = x  # rows that cut this dim alike: nothing changes owner (no call, as C.reshard)
-            return
+            return lambda x: x  # rows that cut this dim alike: nothing changes owner (no call, as C.reshard)
         src_seg, dst_seg = (home, c.to_segment) if c.kind == "reshard" else (home, home)
         if c.kind == "all_gather":
             op = H.MachineOp("all_gather", (c.src,), (tuple(lengths(c.src)),), self._impl(c.impl))
@@ -435,7 +450,8 @@ class RankProgram:
             in_lengths, out_lengths = self._intra_lengths(c.tensor, in_shape), self._intra_lengths(c.tensor, out_shape)
         else:
             in_lengths = out_lengths = [0] * self.machines.size
-        env[key] = H.hierarchical(x, self.machines, op, layout, in_lengths, out_lengths, in_shape, out_shape)
+        machines = self.machines
+        return lambda x: H.hierarchical(x, machines, op, layout, in_lengths, out_lengths, in_shape, out_shape)
 
     def _value(self, arg: fx.Node, ins: _Instr, env: dict, batch, shape_read: bool = False) -> Any:
         """The local value of an fx argument: a tensor in the step's layout, or a non-tensor
@@ -449,7 +465,8 @@ class RankProgram:
         elif name in ins.layouts:
             v = env[(name, ins.layouts[name])]
             if name in ins.replicate:
-                v = C.replicate(v, keep=self.machines is None or self.machines.is_leader)
+                keep = self.machines is None or self.machines.is_leader
+                v = self._note(C.replicate(v, keep=keep), C.replicate, (v,), {"keep": keep})
             return v
         if self.graph[name].is_tensor:
             have = [v for (t, _), v in env.items() if t == name]
@@ -461,7 +478,7 @@ class RankProgram:
             raise PlanMismatchError(f"non-tensor source {name!r} is not supported")
         args = fx.node.map_arg(n.args, lambda a: self._value(a, ins, env, batch, True))
         kwargs = fx.node.map_arg(n.kwargs, lambda a: self._value(a, ins, env, batch, True))
-        return _call(n, args, kwargs)
+        return _call(n, args, kwargs)  # a size or dtype: the same at every step (a constant when recorded)
 
     def _empty_result(self, ins: _Instr, args, tensors: list[torch.Tensor]) -> Any:
         """What an op over an empty shard contributes: zeros of the plan's local shape (plus a
@@ -486,6 +503,12 @@ class RankProgram:
             out = out + bias.view(1, -1, 1, 1)
         return out
 
+    @property
+    def module(self) -> fx.GraphModule | None:
+        """The recorded program (after the first call; None before, or with compile off):
+        `print(program.module.code)` shows this rank's step as straight-line Python."""
+        return self._module
+
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """This rank's part of the summed loss of the global batch (its share in `batch`)."""
         if len(batch) != len(self._placeholders):
@@ -493,20 +516,52 @@ class RankProgram:
         for x, share in zip(batch, [self.batch_shares[self.rank]] * len(batch)):
             if x.dim() and x.shape[0] != share:
                 raise PlanMismatchError(f"rank {self.rank} got {x.shape[0]} samples; its batch share is {share}")
+        if self._module is not None:
+            return self._module(*batch)
+        if not self.options.compile:
+            return self._interpret(batch)
+        self._rec = _Recorder(self._placeholders, batch)
+        try:
+            loss = self._interpret(batch)
+            self._module = self._rec.module(loss)
+        finally:
+            self._rec = None
+        return loss
+
+    def _note(self, value: Any, target: Callable | str, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """`value`, which target(*args, **kwargs) just made; recorded as a node when recording.
+        A str target is a method of args[0]."""
+        if self._rec is not None:
+            self._rec.call(value, target, args, kwargs or {})
+        return value
+
+    def _interpret(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Run the plan step by step (recording each tensor made, when compiling)."""
         env: dict = {}
         for ins in self._instrs:
             for t, lay in ins.sources:
                 if (t, lay) in env:
                     continue
-                env[(t, lay)] = self._input(t, lay, batch) if self.graph[t].kind == "placeholder" else self._source_values[t]
+                if self.graph[t].kind == "placeholder":
+                    x = self._input(t, lay, batch)
+                    load = _named(lambda *b, t=t, lay=lay: self._input(t, lay, b), f"load_{t}")
+                    env[(t, lay)] = x if any(x is b for b in batch) else self._note(x, load, tuple(batch))
+                else:
+                    env[(t, lay)] = self._source_values[t]
+                    if self._rec is not None:
+                        self._rec.attr(env[(t, lay)], t)
             for c in ins.comms:
-                self._communicate(c, env)
+                self._run_comm(c, env)
             env[(ins.node.name, ins.step.rule.post)] = self._run_op(ins, env, batch)
         for c in self.final_comms:
-            self._communicate(c, env)
+            self._run_comm(c, env)
         if (self.loss, REDUCE) not in env:
             raise PlanMismatchError(f"the plan leaves the loss {self.loss!r} in no Reduce layout")
         return env[(self.loss, REDUCE)]
+
+    def _run_comm(self, c: CommRule, env: dict) -> None:
+        src, dst, fn = self._comm(c)
+        env[dst] = self._note(fn(env[src]), fn, (env[src],))
 
     def _run_op(self, ins: _Instr, env: dict, batch) -> Any:
         n = ins.node.fx_node
@@ -516,7 +571,7 @@ class RankProgram:
         def value(a: fx.Node):
             v = self._value(a, ins, env, batch)
             if a.name in first_only and self.vrank > 0:
-                v = v * 0  # the output is Reduce: only rank 0 adds this operand
+                v = self._note(v * 0, operator.mul, (v, 0))  # the output is Reduce: only rank 0 adds this operand
             return v
 
         args = fx.node.map_arg(n.args, value)
@@ -535,34 +590,41 @@ class RankProgram:
                         self.graph[t].shape, dim, seg)) if isinstance(lay, int) else [0] * self.machines.size, impl,
                         self.graph[t].shape)
                     for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
-            return C.sfb_linear(x, w, b, dim, lengths, impl, gathers)
+            sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers), "sfb_linear")
+            return self._note(sfb(x, w, b), sfb, (x, w, b))
         if self.machines is not None and ins.out_shape is not None:
             args = explicit_size_args(ins.node, ins.out_shape, tuple(args))
         else:
             args = local_size_args(ins.node, rule, tuple(args))
         tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
         empty = any(t.numel() == 0 for t in tensors)
+        target = n.target if n.op != "call_method" else str(n.target)
         try:
             out = _call(n, args, kwargs)
         except RuntimeError:
             if not empty:
                 raise
-            return self._empty_result(ins, args, tensors)
+            return self._empty(ins, args, tensors)
         if ins.out_shape is None:
-            return out
+            return self._note(out, target, args, kwargs)
         is_tuple = ins.node.tuple_shapes is not None
         got = tuple(tuple(o.shape) for o in out) if is_tuple else tuple(out.shape)
         if got != ins.out_shape:
             if empty:  # e.g. conv2d over zero input channels returns an empty tensor
-                return self._empty_result(ins, args, tensors)
+                return self._empty(ins, args, tensors)
             if self.options.check_shapes:
                 raise PlanMismatchError(
                     f"rank {self.rank}: op {ins.node.name!r} ({rule.describe()}) made local shape {got}, "
                     f"the plan's shard is {ins.out_shape}")
         if any(o.numel() == 0 for o in (out if is_tuple else (out,))) and (empty or not is_tuple):
             # Backward kernels of some ops (pooling) refuse empty gradients.
-            return self._empty_result(ins, args, tensors)
-        return out
+            return self._empty(ins, args, tensors)
+        return self._note(out, target, args, kwargs)
+
+    def _empty(self, ins: _Instr, args: tuple, tensors: list[torch.Tensor]) -> Any:
+        """_empty_result, recorded as one call: which ops are empty is fixed for a rank."""
+        fn = _named(lambda args, tensors: self._empty_result(ins, args, tensors), f"empty_{ins.node.name}")
+        return self._note(fn(args, tensors), fn, (args, tensors))
 
     def summary(self) -> dict:
         """What this rank's code runs: collectives by kind and impl (as executed, after any
@@ -631,3 +693,82 @@ def _flatten(x) -> list:
     if isinstance(x, dict):
         return [y for v in x.values() for y in _flatten(v)]
     return [x]
+
+
+def _holds_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, (tuple, list)) and any(map(_holds_tensor, x)))
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """`fn` under a name that is a valid identifier (fx names a node and its code's global after it)."""
+    fn.__name__ = fn.__qualname__ = "".join(ch if ch.isalnum() else "_" for ch in name)
+    return fn
+
+
+class _Recorder:
+    """Records the tensors one interpreted step makes as an fx graph: each value produced is
+    bound (by identity) to the node that makes it, so an op's tensor arguments become the
+    nodes that made them and everything else (sizes, dtypes, lengths) becomes a constant."""
+
+    def __init__(self, placeholders: Sequence[str], batch: Sequence[torch.Tensor]):
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self._nodes: dict[int, fx.Node] = {}
+        self._alive: list = []  # every recorded value, so no id is reused while recording
+        self._items: dict[int, tuple[fx.Node, int]] = {}  # id of an item of a recorded tuple -> (node, index)
+        for name, x in zip(placeholders, batch):
+            self._bind(x, self.graph.placeholder(name))
+
+    def _bind(self, value: Any, node: fx.Node) -> None:
+        self._nodes[id(value)] = node
+        self._alive.append(value)
+        if isinstance(value, (tuple, list)):  # its items, should an op read one directly
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor) and id(item) not in self._nodes:
+                    self._items[id(item)] = (node, i)
+
+    def attr(self, value: Any, name: str) -> None:
+        """A parameter, buffer or constant tensor of the program: an attribute of the module."""
+        if id(value) in self._nodes:
+            return
+        field_name = f"src_{name}"  # an fx node name: a unique identifier
+        if isinstance(value, nn.Parameter):
+            self.root.register_parameter(field_name, value)
+        elif isinstance(value, torch.Tensor):
+            self.root.register_buffer(field_name, value)
+        else:
+            raise RuntimeError(f"source {name!r} is a {type(value).__name__}, not a tensor; cannot record it")
+        self._bind(value, self.graph.get_attr(field_name))
+
+    def arg(self, x: Any) -> Any:
+        """x with every recorded value replaced by its node (sizes become plain tuples)."""
+        node = self._nodes.get(id(x))
+        if node is not None:
+            return node
+        if id(x) in self._items:
+            self._bind(x, self.graph.call_function(operator.getitem, self._items.pop(id(x))))
+            return self._nodes[id(x)]
+        if isinstance(x, torch.Tensor):
+            raise RuntimeError(f"a tensor argument of shape {tuple(x.shape)} that no recorded step made; "
+                               "cannot record this program (run it with CodegenOptions(compile=False))")
+        if isinstance(x, torch.Size):
+            return tuple(int(v) for v in x)
+        if isinstance(x, (tuple, list)):
+            return type(x)(self.arg(v) for v in x)
+        if isinstance(x, dict):
+            return {k: self.arg(v) for k, v in x.items()}
+        return x
+
+    def call(self, value: Any, target: Callable | str, args: tuple, kwargs: dict) -> None:
+        if not _holds_tensor(value):
+            return  # a size or dtype: a constant of this rank, folded where it is used
+        args, kwargs = self.arg(tuple(args)), self.arg(dict(kwargs))
+        if isinstance(target, str):
+            node = self.graph.call_method(target, args, kwargs)
+        else:
+            node = self.graph.call_function(target, args, kwargs)
+        self._bind(value, node)
+
+    def module(self, loss: torch.Tensor) -> fx.GraphModule:
+        self.graph.output(self.arg(loss))
+        return fx.GraphModule(self.root, self.graph, class_name="RankStep")
