@@ -97,7 +97,8 @@ def balance_ratios(
             if max(abs(a - b) for a, b in zip(ratios[s], ratios[p])) < 1e-6:
                 ratios[s] = list(ratios[p])
                 break
-    return ratios, float(pulp.value(prob.objective))
+    # One device (or nothing the ratios change): the objective is a number, PuLP's value None.
+    return ratios, float(objective if isinstance(objective, (int, float)) else pulp.value(prob.objective))
 
 
 def shard_lengths(length: int, ratios: Sequence[float], unit: int = 1) -> list[int]:

@@ -107,6 +107,8 @@ class HapPlanner:
         cache_dir: plans are cached here as JSON by a hash of (model, preset, cluster, batch,
             these options, planner code); None = no cache.
         lr, grad_clip: the optimiser of mode=real (read by methods.hap.runtime).
+        interpret: mode=real interprets the plan node by node at every step instead of running
+            the fx module recorded from the first step (the reference; slower).
     """
 
     name: str = "hap"
@@ -127,6 +129,7 @@ class HapPlanner:
     cache_dir: str | None = None
     lr: float = 5e-4  # Adam, for mode=real (methods.hap.runtime); not a planning option
     grad_clip: float = 0.0  # max global grad norm in mode=real; 0 = off
+    interpret: bool = False  # mode=real: interpret every step (no recorded module); not a planning option
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_segments, int) or self.num_segments < 1:
@@ -154,7 +157,7 @@ class HapPlanner:
 
     def options(self) -> dict:
         """The options that decide a plan (the cache key's)."""
-        skip = ("cache_dir", "lr", "grad_clip")
+        skip = ("cache_dir", "lr", "grad_clip", "interpret")
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     # -- planning ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ plan (methods.hap.planner) and does not time iterations (bench.worker does).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -36,8 +37,11 @@ class GradBuckets:
     Buckets are filled in reverse order of first use (roughly the order backward produces the
     gradients) up to `cap_bytes` each, and launched strictly in bucket order as soon as all
     their gradients are accumulated, so every rank issues the same collectives in the same
-    order (as DDP does). `finish()` waits for them and writes the sums back into `.grad`.
-    cap_bytes None: one bucket; 0: one per parameter.
+    order (as DDP does). Each bucket is one flat buffer and its parameters' `.grad` are views
+    of it (DDP's gradient_as_bucket_view), so backward accumulates straight into what is
+    all-reduced and nothing is copied; `finish()` waits for the sums, and a parameter that got
+    no gradient this step is left with `.grad` None. cap_bytes None: one bucket; 0: one per
+    parameter.
 
     With `machines` (a machine-level plan), every parameter's gradient is all-reduced inside its
     machine (data parallel there); those in `across` (replicated over machines) then also among
@@ -51,29 +55,40 @@ class GradBuckets:
         self.machines = machines
         across = across or set()
         self.buckets: list[list[nn.Parameter]] = []
-        self.across: list[bool] = []  # per bucket: also summed among the machines
+        kinds: list[tuple] = []  # per bucket: (also summed among the machines, dtype, device)
         size = 0.0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            kind = id(p) in across
+            kind = (id(p) in across, p.dtype, p.device)
             if (not self.buckets or (cap_bytes is not None and (cap_bytes <= 0 or size + nbytes > cap_bytes))
-                    or self.across[-1] != kind):
+                    or kinds[-1] != kind):
                 self.buckets.append([])
-                self.across.append(kind)
+                kinds.append(kind)
                 size = 0.0
             self.buckets[-1].append(p)
             size += nbytes
+        self.across = [k[0] for k in kinds]
+        self.flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                      for b in self.buckets]
+        self._views = [[f[o - p.numel():o].view_as(p) for p, o in zip(b, itertools.accumulate(p.numel() for p in b))]
+                       for b, f in zip(self.buckets, self.flats)]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._pending: list[int] = []
+        self._got: set[int] = set()  # parameters whose gradient backward produced this step
         self._works: list = []
         self._next = 0
         self.overlap = overlap
-        if overlap:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._ready)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
 
     def start(self) -> None:
+        """Before backward: zero the buckets and point every `.grad` into its bucket."""
+        for flat, bucket, views in zip(self.flats, self.buckets, self._views):
+            flat.zero_()
+            for p, view in zip(bucket, views):
+                p.grad = view
         self._pending = [len(b) for b in self.buckets]
+        self._got = set()
         self._works = [None] * len(self.buckets)
         self._next = 0
         self._stage = [0] * len(self.buckets)  # machine-level: steps launched per bucket
@@ -82,6 +97,9 @@ class GradBuckets:
     def _ready(self, p: nn.Parameter) -> None:
         if not self._pending:
             return  # a backward outside step() (no bucket bookkeeping started)
+        self._got.add(id(p))
+        if not self.overlap:
+            return
         self._pending[self._bucket_of[id(p)]] -= 1
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self._next)
@@ -90,8 +108,7 @@ class GradBuckets:
             self._advance(wait=False)
 
     def _launch(self, i: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = self.flats[i]
         m = self.machines
         if m is None:
             self._works[i] = (flat, [dist.all_reduce(flat, async_op=True)])
@@ -138,13 +155,10 @@ class GradBuckets:
             for work in works:
                 work.wait()
             if self._recv[i] is not None:
-                flat = self._recv[i]
-            offset = 0
+                flat.copy_(self._recv[i])
             for p in bucket:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+                if id(p) not in self._got:
+                    p.grad = None  # no gradient this step: Adam leaves it alone, as without buckets
         self._pending = []
 
 
@@ -342,7 +356,8 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
 
 def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:
     """The trainer of `plan` on this rank. Reads from `planner` (any object): lr (default 5e-4),
-    grad_clip (0), and the test/ablation overrides force_impl, force_sfb, mirror_full_state.
+    grad_clip (0), interpret (False), and the test/ablation overrides force_impl, force_sfb,
+    mirror_full_state.
 
     Raises:
         methods.hap.codegen.PlanMismatchError: the plan was made for another model, batch or world size.
@@ -352,7 +367,8 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
     machines = None if machine_ranks is None else Machines.build(machine_ranks, ctx.rank)
     options = CodegenOptions(force_impl=getattr(planner, "force_impl", None),
                              force_sfb=bool(getattr(planner, "force_sfb", False)),
-                             bucket_grads=bool(getattr(planner, "bucket_grads", True)))
+                             bucket_grads=bool(getattr(planner, "bucket_grads", True)),
+                             compile=not getattr(planner, "interpret", False))
     program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options,
                           machines)
     # The plan's gradient bucketing (what the simulator costed) wins over the method's options.
@@ -386,6 +402,7 @@ class FixedPlanMethod:
     bucket_cap_mb: float = 25.0
     grad_overlap: bool = True
     mirror_full_state: bool = False
+    interpret: bool = False
     modes: tuple = field(default=("real",))
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
