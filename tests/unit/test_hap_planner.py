@@ -285,3 +285,10 @@ def test_a_batch_a_machine_cannot_split_over_its_gpus_is_refused_in_one_line():
     plan = HapPlanner(cache_dir=None).plan(wl, cl)
     assert plan.details["granularity"] == "gpu"
     assert "machine 1 gets 1 sample" in plan.details["levels"][0]["error"]
+
+
+def test_one_device_plans_the_whole_batch_on_it():
+    # The LP's objective on one device is a number (nothing to balance), not a PuLP expression.
+    plan = HapPlanner(max_rounds=2).plan(bert_workload(batch=8, num_devices=1), cluster(fast=1, slow=0))
+    assert plan.batch_shares == [8] and all(row == [1.0] for row in plan.ratios)
+    assert plan.program is not None
