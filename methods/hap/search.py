@@ -164,6 +164,7 @@ class CostModel:
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._comm_cost: dict = {}
+        self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._relevant: dict = {}  # search memo: op -> tensors its moves depend on
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves
@@ -265,10 +266,20 @@ class CostModel:
         return stage_time(st, self.cluster, self.vdevs, self.prices)
 
     def comm_time(self, c: CommRule) -> float:
-        if c not in self._comm_cost:
+        t = self._comm_cost.get(c)
+        if t is None:
             f, b = self.comm_collectives(c)
-            self._comm_cost[c] = sum(collective_time(x, self.cluster, self.vdevs, self.prices) for x in f + b)
-        return self._comm_cost[c]
+            t = self._comm_cost[c] = sum(self.collective_time(x) for x in f + b)
+        return t
+
+    def collective_time(self, x: Collective) -> float:
+        """Seconds of one collective at this model's ratios, priced once per distinct call
+        (tensors of one size, as in a model's repeated layers, share it: the label is not priced)."""
+        key = (x.kind, x.nbytes, x.impl, x.devices, x.rows, x.grad)
+        t = self._coll_cost.get(key)
+        if t is None:
+            t = self._coll_cost[key] = collective_time(x, self.cluster, self.vdevs, self.prices)
+        return t
 
     def rule_time(self, node: str, rule: Rule) -> float:
         """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync."""
@@ -390,17 +401,18 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
                 "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
             )
         name = order[pos]
-        for step, step_cost, new_props, new_comm in _successors(theory, cost, name, props, communicated):
-            live = new_props - dead_props[pos]
-            comm_live = new_comm - dead[pos] if new_comm else new_comm
-            child = (pos + 1, live, comm_live)
+        rest, dead_here, dead_comm = min_rest[pos + 1], dead_props[pos], dead[pos]
+        for step, step_cost, add_props, add_comm in _successors(theory, cost, name, props, communicated):
             child_g = g + step_cost
             stats.generated += 1
+            if child_g + rest >= best_cost:  # before building the child's sets
+                stats.pruned_bound += 1
+                continue
+            live = (props | add_props) - dead_here
+            comm_live = (communicated | add_comm) - dead_comm if add_comm else communicated - dead_comm
+            child = (pos + 1, live, comm_live)
             if child_g >= best_g.get(child, float("inf")):
                 stats.pruned_dedup += 1
-                continue
-            if child_g + min_rest[pos + 1] >= best_cost:
-                stats.pruned_bound += 1
                 continue
             best_g[child] = child_g
             parents[child] = (state, step)
@@ -461,16 +473,19 @@ def _dying(graph: Graph, order: list[str], last_use: dict[str, int],
     for t, i in last_use.items():
         if 0 <= i < len(order):
             dead[i].add(t)
-    dead_props = []
-    for ts in dead:
-        pairs = set()
-        for t in ts:
-            dims = range(max(graph[t].ndim, 1))
-            pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *dims)}
-            if num_segments > 1:
-                pairs |= {(t, (d, s)) for d in dims for s in range(num_segments)}
-        dead_props.append(frozenset(pairs))
-    return [frozenset(d) for d in dead], dead_props
+    return [frozenset(d) for d in dead], [_layout_pairs(graph, ts, num_segments) for ts in dead]
+
+
+def _layout_pairs(graph: Graph, tensors, num_segments: int) -> frozenset:
+    """Every (tensor, layout) pair a state can hold for these tensors, resharded copies
+    included: intersecting a state's layouts with it keeps exactly theirs."""
+    pairs = set()
+    for t in tensors:
+        dims = range(max(graph[t].ndim, 1))
+        pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *dims)}
+        if num_segments > 1:
+            pairs |= {(t, (d, s)) for d in dims for s in range(num_segments)}
+    return frozenset(pairs)
 
 
 def _finish(props, communicated, loss: str, cost: CostModel) -> tuple[float, tuple[CommRule, ...]] | None:
@@ -496,25 +511,26 @@ def _relevant(theory: Theory, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ts))
 
 
-def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, communicated: frozenset):
-    """(step, cost, props after, communicated after) for every way to run op `name` next.
+def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, communicated: frozenset) -> list:
+    """(step, cost, layouts it adds, tensors it communicates) for every way to run op `name`
+    next (the state after is props | added, communicated | communicated now).
 
     The moves depend only on the layouts of the op's own inputs, so they are memoised per
     (op, those layouts) on the cost model: most states share them.
     """
-    relevant = cost._relevant.get(name)
-    if relevant is None:
-        relevant = cost._relevant[name] = _relevant(theory, name)
-    have: dict[str, list[Layout]] = {}
-    for t, lay in props:
-        if t in relevant:
-            have.setdefault(t, []).append(lay)
-    key = (name, tuple((t, tuple(sorted(have[t], key=str)) if t in have else None, t in communicated) for t in relevant))
+    memo = cost._relevant.get(name)
+    if memo is None:
+        ts = _relevant(theory, name)
+        memo = cost._relevant[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
+    tensors, pairs = memo
+    key = (name, props & pairs, communicated & tensors)  # set operations in C: no loop over the state
     moves = cost._moves.get(key)
     if moves is None:
-        moves = cost._moves[key] = list(_moves(theory, cost, name, have, communicated))
-    for step, total, add_props, add_comm in moves:
-        yield step, total, props | add_props, communicated | add_comm if add_comm else communicated
+        have: dict[str, list[Layout]] = {}
+        for t, lay in sorted(key[1], key=str):  # a fixed order: ties between moves break alike every run
+            have.setdefault(t, []).append(lay)
+        moves = cost._moves[key] = list(_moves(theory, cost, name, have, key[2]))
+    return moves
 
 
 def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
@@ -743,9 +759,9 @@ def brute_force(theory: Theory, cost: CostModel) -> BruteForceResult:
             if extra is not None:
                 best[0] = min(best[0], g + extra[0])
             return
-        for _, c, new_props, new_comm in _successors(theory, cost, order[pos], props, communicated):
-            live = frozenset(p for p in new_props if last_use.get(p[0], -1) > pos)
-            comm_live = frozenset(t for t in new_comm if last_use.get(t, -1) > pos)
+        for _, c, add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
+            live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
+            comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
             walk(pos + 1, live, comm_live, g + c)
 
     walk(0, frozenset(), frozenset(), 0.0)
