@@ -205,6 +205,7 @@ class Emulator:
             # cores or wait unseen inside an interval (what the CPU-time reference leaves out).
             "reference_wall_s_per_iter": None if self._reference_wall is None else sum(self._reference_wall),
             "reference_s": list(self._reference or ()),
+            "reference_wall_s": list(self._reference_wall or ()),
             "shared_reference": self.settings.reference is not None,
             "slept_s": self.slept_s,
         }
@@ -334,8 +335,17 @@ class _DelayedWork:
         _sleep_until(self._deadline)
 
     def wait(self, *args, **kwargs):
+        # Waiting is communication, not compute: the compute before it ends here (paced as
+        # any interval is) and a new interval starts after it, as around a blocking collective.
+        # Without this, a wait between the trainer's stretch() and the next collective's issue
+        # (a leader's gradient sync) counted as compute, and its debt cut that rank's pacing.
+        emu = _installed[-1] if _installed and not getattr(_state, "active", False) else None
+        if emu is not None:
+            emu.stretch()
         out = self._work.wait(*args, **kwargs)
         self._delay()
+        if emu is not None:
+            emu.mark()
         return out
 
     def is_completed(self):
