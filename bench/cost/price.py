@@ -289,11 +289,18 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     network_idle = True  # known: network_end <= compute_end (no max needed)
     intra_end: Value = 0.0  # the intra-machine gradient all-reduces (machine-level devices)
     intra_idle = True
+    # The LP adds up runs of compute-only stages by the shape of their FLOPs first (exact, see
+    # _FlopsRun); numbers are added stage by stage, so the simulator's sums are unchanged.
+    run = _FlopsRun(vdevs, alg) if isinstance(alg, LpAlgebra) and stage_log is None else None
     for st in program.stages:
+        if run is not None and not st.collectives and run.take(st):
+            continue
         comm, comp = stage_parts(st, cluster, vdevs, alg)
         sync = intra_grad_sync(st, cluster, vdevs, alg)
         if stage_log is not None:
             stage_log.append((comm + sync, comp))
+        if run is not None:
+            compute_end = compute_end + run.flush()  # what came before this stage
         if not st.collectives or (_is_zero(comm) and not st.overlap):
             compute_end = compute_end + comp
         else:
@@ -308,9 +315,46 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
         if not _is_zero(sync):  # launched once the stage's gradients exist, beside what follows
             intra_end = (compute_end if intra_idle else alg.max([compute_end, intra_end])) + sync
             intra_idle = False
+    if run is not None:
+        compute_end = compute_end + run.flush()
     ends = [compute_end] + ([] if network_idle else [network_end]) + ([] if intra_idle else [intra_end])
     end = ends[0] if len(ends) == 1 else alg.max(ends)
     return end + optimizer_time(program, vdevs, alg) + max(d.step_overhead_s for d in cluster.devices)
+
+
+class _FlopsRun:
+    """Consecutive stages that only add to the compute lane (no collectives, no gradient sync
+    inside machines), kept as one FLOPs sum per shape for the LP. Each device of a stage
+    computes FLOPs(ratios) / its FLOP/s, so two stages whose FLOPs are proportional (c1 * a,
+    c2 * a) give proportional device vectors, and sum over them of the max over devices is the
+    max of the sum (max is positively homogeneous): one LP variable per shape and run instead
+    of one per stage (ViT-48: thousands of stages, a handful of shapes). Devices with a measured
+    profile (a fixed cost per kernel) are priced stage by stage."""
+
+    def __init__(self, vdevs: list[VirtualDevice], alg):
+        self.vdevs, self.alg = vdevs, alg
+        self.enabled = all(v.compute is None for v in vdevs)
+        self.sums: dict[tuple, Affine] = {}
+
+    def take(self, st: Stage) -> bool:
+        """Add a collective-free stage to the run; False when it must be priced alone."""
+        if not self.enabled or not (st.grad_bytes.is_constant and st.grad_bytes.const == 0):
+            return False
+        scale = st.flops.const + sum(c for _, c in st.flops.coef)
+        if scale <= 0 or st.flops.const < 0 or any(c < 0 for _, c in st.flops.coef):
+            return scale == 0 and st.flops.const == 0  # no FLOPs: nothing to add
+        shape = (round(st.flops.const / scale, 12), tuple((seg, round(c / scale, 12)) for seg, c in st.flops.coef))
+        self.sums[shape] = self.sums[shape] + st.flops if shape in self.sums else st.flops
+        return True
+
+    def flush(self) -> Value:
+        """The run's seconds on the compute lane (the slowest device per shape); empties it."""
+        total: Value = 0.0
+        for flops in self.sums.values():
+            total = total + self.alg.max([self.alg.at(flops, d) * (1.0 / self.vdevs[d].flops)
+                                          for d, _ in alike(self.vdevs, self.alg)])
+        self.sums = {}
+        return total
 
 
 def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:

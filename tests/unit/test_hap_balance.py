@@ -150,3 +150,17 @@ def test_an_expensive_reshard_keeps_the_rows_equal():
     best_one_row, _ = balance_ratios(merged, cl)
     assert simulate(_two_segment_program(1e12), cl, ratios).iter_time_s == pytest.approx(
         simulate(merged, cl, best_one_row).iter_time_s, rel=1e-6)
+
+
+def test_runs_of_compute_stages_priced_together_keep_the_lp_exact_and_optimal():
+    # Compute-only stages between collectives, of several FLOP shapes (sharded, replicated,
+    # mixed): the LP adds each run up per shape before the max over devices (price._FlopsRun).
+    cl = make(fast=1, slow=1, inter_gbps=1.0)
+    ag = Collective("all_gather", Affine.sharded(2e8), "padded")
+    run = [Stage((), Affine.sharded(3e12)), Stage((), Affine(4e11)), Stage((), Affine(1e11) + Affine.sharded(2e12)),
+           Stage((), Affine.sharded(1e12)), Stage((), Affine())]
+    prog = Program(tuple(run + [Stage((ag,), Affine.sharded(5e11))] + run + [Stage((ag,), Affine())]), 2)
+    ratios, obj = balance_ratios(prog, cl)
+    assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)
+    grid = [simulate(prog, cl, [[x / 100, 1 - x / 100]]).iter_time_s for x in range(0, 101)]
+    assert obj <= min(grid) * (1 + 1e-6)
