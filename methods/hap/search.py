@@ -371,12 +371,12 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     best_g: dict = {start: 0.0}
     parents: dict = {start: None}
     heap = [(min_rest[0], 0, next(counter), 0.0, start)]
-    best_cost = float("inf")
+    inf = best_cost = float("inf")
     best_state = None
     best_final: tuple[CommRule, ...] = ()
     while heap:
         f, _, _, g, state = heapq.heappop(heap)
-        if g > best_g.get(state, float("inf")):
+        if g > best_g.get(state, inf):
             stats.pruned_dedup += 1
             continue
         if f >= best_cost:
@@ -402,21 +402,23 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
             )
         name = order[pos]
         rest, dead_here, dead_comm = min_rest[pos + 1], dead_props[pos], dead[pos]
-        for step, step_cost, add_props, add_comm in _successors(theory, cost, name, props, communicated):
+        moves = _successors(theory, cost, name, props, communicated)
+        stats.generated += len(moves)
+        kept, kept_comm = props - dead_here, communicated - dead_comm  # once per state, not per child
+        for step, step_cost, add_props, add_comm in moves:
             child_g = g + step_cost
-            stats.generated += 1
             if child_g + rest >= best_cost:  # before building the child's sets
                 stats.pruned_bound += 1
                 continue
-            live = (props | add_props) - dead_here
-            comm_live = (communicated | add_comm) - dead_comm if add_comm else communicated - dead_comm
+            live = kept | (add_props - dead_here)
+            comm_live = kept_comm | (add_comm - dead_comm) if add_comm else kept_comm
             child = (pos + 1, live, comm_live)
-            if child_g >= best_g.get(child, float("inf")):
+            if child_g >= best_g.get(child, inf):
                 stats.pruned_dedup += 1
                 continue
             best_g[child] = child_g
             parents[child] = (state, step)
-            heapq.heappush(heap, (child_g + min_rest[pos + 1], -pos - 1, next(counter), child_g, child))
+            heapq.heappush(heap, (child_g + rest, -pos - 1, next(counter), child_g, child))
     if best_state is None:
         raise NoProgramError(
             f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
