@@ -166,7 +166,7 @@ class CostModel:
         self._comm_cost: dict = {}
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
-        self._relevant: dict = {}  # search memo: op -> tensors its moves depend on
+        self._relevant: dict = {}  # search memo: op -> (tensors its moves depend on, their (tensor, layout) pairs)
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves
 
     # -- stage contents ----------------------------------------------------------------------
