@@ -104,7 +104,7 @@ def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     out = run("bench.run", "cluster=local_hetero9", results_dir=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip() == ("error: cluster=local_hetero9 is unknown; known: h100x1, local_2x2, "
-                                  "local_3m, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
+                                  "local_3m, local_cpu1, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
                                   "local_homo2, motivation, paper_hetero, paper_homo")
     out = run("bench.run", "precision=fp16", "wandb.mode=disabled", results_dir=tmp_path)
     assert out.returncode != 0
