@@ -340,6 +340,8 @@ class _DelayedWork:
         # Without this, a wait between the trainer's stretch() and the next collective's issue
         # (a leader's gradient sync) counted as compute, and its debt cut that rank's pacing.
         emu = _installed[-1] if _installed and not getattr(_state, "active", False) else None
+        if emu is not None and emu._last_cpu[0] != threading.get_ident():
+            emu = None  # a wait on another thread than the rank's compute (a callback) marks nothing
         if emu is not None:
             emu.stretch()
         out = self._work.wait(*args, **kwargs)

@@ -3,6 +3,7 @@ blocked in it as compute (a leader's gradient sync once did, and its debt cut th
 
 from __future__ import annotations
 
+import threading
 import time
 
 from bench import emulation
@@ -38,6 +39,11 @@ def test_time_blocked_in_a_wait_is_not_a_compute_interval():
         emu.stretch()  # the trainer ends backward's interval
         emulation._DelayedWork(SlowWork(), time.perf_counter).wait()  # 50 ms blocked
         emu.stretch()  # the next collective's issue ends whatever interval is open
+        intervals = len(emu._iteration_wall)
+        waiter = threading.Thread(target=emulation._DelayedWork(SlowWork(), time.perf_counter).wait)
+        waiter.start()  # a wait on another thread (a callback) is not the rank's compute
+        waiter.join()
+        assert len(emu._iteration_wall) == intervals
     finally:
         emulation._installed[:] = saved
     walls = emu._iteration_wall
