@@ -74,8 +74,13 @@ class DDPTrainer:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # One rank has nothing to synchronise: the plain model, so its whole step is compute.
         self.distributed = ctx.world_size > 1
-        self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb)
-                    if self.distributed else model)
+        # DDP broadcasts the buffers from rank 0 before every forward by default: a collective
+        # the emulator cannot see, where a fast rank waits for a slow one inside its forward.
+        # Only buffers that training changes (batch norm's running statistics) need it; the
+        # zoo's are constants (attention masks).
+        running_stats = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+        self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb,
+                        broadcast_buffers=running_stats) if self.distributed else model)
         if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.
