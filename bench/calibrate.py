@@ -11,7 +11,9 @@ fitted to these steps), time and peak memory.
 
 Every real case also records the simulator's prediction for the same plan, so one real run per
 case gives both numbers. Reports each case's error, the MAPE (overall and per method) and, per
-(model, cluster), Kendall's tau between the measured and the predicted ordering of the methods.
+(model, cluster), Kendall's tau between the measured and the predicted ordering of the methods:
+over the pairs the measurement separates (the per-iteration intervals of their medians do not
+overlap; one run per case, so run-to-run drift is not in them) and over all pairs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.cost import simulate
 from bench.flops import device_step
 
 from bench.paths import PROJECT_DIR
+from bench.stats import summarize as summarize_values
 from bench.run import (_instantiate, build_workload, check_group_choices, compose_config, methods_supporting,
                        run_case)
 
@@ -41,9 +44,11 @@ MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float | None:
-    """Kendall's tau-a of two orderings of the same items (1: same order, -1: reversed)."""
-    pairs = list(itertools.combinations(range(len(a)), 2))
+def kendall_tau(a: list[float], b: list[float], separated=None) -> float | None:
+    """Kendall's tau-a of two orderings of the same items (1: same order, -1: reversed), over
+    all pairs or those `separated(i, j)` says the measurement tells apart. A tie in `b` on such
+    a pair counts as no agreement: tau 1 needs every separated pair ordered the same way."""
+    pairs = [(i, j) for i, j in itertools.combinations(range(len(a)), 2) if separated is None or separated(i, j)]
     if not pairs:
         return None
     score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
@@ -59,19 +64,36 @@ def summarize(rows: list[dict]) -> dict:
         # Where the error is: compute (the slowest rank's, measured by its own worker) and the
         # rest of the iteration (communication not hidden behind compute, waits).
         r["compute_s"] = emulated_compute_s(r.get("emulation"))
+    planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
+               for r in cases if r.get("planned_iter_time_s")]
     methods = sorted({r["method"] for r in cases})
     by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
-    taus = {}
+    taus, taus_all, separated_pairs = {}, {}, {}
     for model, cluster in sorted({(r["model"], r["cluster"]) for r in cases}):
         group = [r for r in cases if (r["model"], r["cluster"]) == (model, cluster)]
-        taus[f"{model}/{cluster}"] = kendall_tau([r["iter_time_s_mean"] for r in group],
-                                                 [r["predicted_iter_time_s"] for r in group])
+        measured = [r["iter_time_s_mean"] for r in group]
+        predicted = [r["predicted_iter_time_s"] for r in group]
+        spans = [summarize_values(r["iter_times_s"]) if r.get("iter_times_s") else None for r in group]
+
+        def separated(i, j):  # the per-iteration intervals of the median do not overlap
+            return spans[i] is not None and spans[j] is not None and not spans[i].overlaps(spans[j])
+
+        key = f"{model}/{cluster}"
+        taus[key] = kendall_tau(measured, predicted, separated)
+        taus_all[key] = kendall_tau(measured, predicted)
+        separated_pairs[key] = sum(separated(i, j) for i, j in itertools.combinations(range(len(group)), 2))
     return {
         "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
-                                         "sim_error", "compute_s", "predicted_compute_s")} for r in cases],
+                                         "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s", "iter_times_s",
+                                         "host_contention")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
+        # The same cases priced on the configured cluster, without the host's contention.
+        "mape_planned": statistics.fmean(planned) if planned else None,
         "mape_by_method": by_method,
+        # Over the pairs of methods whose measured intervals separate them, and over all pairs.
         "kendall_tau": taus,
+        "kendall_tau_all": taus_all,
+        "separated_pairs": separated_pairs,
         "failed": [f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}"
                    for r in rows if r.get("status") != "ok"],
     }
@@ -97,13 +119,20 @@ def print_summary(summary: dict) -> None:
     console.print(table)
     taus = Table(title="ordering of methods: Kendall tau (measured vs predicted)")
     taus.add_column("model/cluster")
-    taus.add_column("tau", justify="right")
+    taus.add_column("tau, separated pairs", justify="right")
+    taus.add_column("separated pairs", justify="right")
+    taus.add_column("tau, all pairs", justify="right")
     for key, tau in summary["kendall_tau"].items():
-        taus.add_row(key, "-" if tau is None else f"{tau:+.2f}")
+        every = summary.get("kendall_tau_all", {}).get(key)
+        taus.add_row(key, "-" if tau is None else f"{tau:+.2f}", str(summary.get("separated_pairs", {}).get(key, "-")),
+                     "-" if every is None else f"{every:+.2f}")
     console.print(taus)
     if summary["mape"] is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
         console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per})")
+    if summary.get("mape_planned") is not None:
+        console.print(f"MAPE {summary['mape_planned']:.1%} priced on the configured cluster (without the host's "
+                      "contention: bench.contention)")
     for line in summary["failed"]:
         console.print(f"failed: {line}")
 
@@ -208,7 +237,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+    configs = [compose_config("wandb.mode=disabled", "emulation.predict_contention=true", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
                for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
     rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
     summary = summarize(rows)

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
+from bench.contention import contention_factors, measure_contention
 from bench.flops import measure_host_speed, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch
@@ -253,6 +254,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     """Validate, measure the host, plan: everything before workers start. Fills `record`."""
     _check_protocol(cfg)
     cluster = ClusterSpec.from_config(record.config["cluster"])
+    contention = cfg.mode == "real" and _predicts_contention(cfg, cluster)
     record.cluster_hash = cluster.fingerprint()
     record.num_devices = cluster.num_devices
     method = _instantiate(cfg.method, "method")
@@ -279,10 +281,16 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.plan_hash = plan_hash(plan)
     record.batch_shares = plan.batch_shares
     if plan.program is not None:
-        sim = simulate(plan.program, cluster, plan.ratios)
+        priced = cluster
+        sim = simulate(plan.program, priced, plan.ratios)
+        if contention:
+            record.planned_iter_time_s = sim.iter_time_s
+            record.host_contention = measure_contention(workload, plan.batch_shares, cfg.seed)
+            priced = cluster.with_host_contention(contention_factors(record.host_contention, cluster, workload))
+            sim = simulate(plan.program, priced, plan.ratios)
         record.predicted_iter_time_s = sim.iter_time_s
         # The per-step part of a device's compute (optimizer, dispatch) is charged once at the end.
-        record.predicted_compute_s = sim.compute_time_s + max(d.step_overhead_s for d in cluster.devices)
+        record.predicted_compute_s = sim.compute_time_s + max(d.step_overhead_s for d in priced.devices)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
@@ -295,6 +303,16 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)
+
+
+def _predicts_contention(cfg: DictConfig, cluster: ClusterSpec) -> bool:
+    """emulation.predict_contention, validated; only CPU-emulated clusters of several ranks
+    share cores."""
+    value = cfg.emulation.get("predict_contention", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"emulation.predict_contention={value!r} must be true or false; e.g. "
+                          "emulation.predict_contention=true")
+    return value and cluster.emulated and cluster.device == "cpu" and cluster.num_devices > 1
 
 
 def plan_hash(plan) -> str:

@@ -158,3 +158,22 @@ def test_collectives_take_the_emulated_link_time():
     for rank in (0, 1):
         done = reports[rank][2] - late_issue
         assert expected_reduce - low <= done < expected_reduce + high, rank
+
+
+def test_a_calibration_case_predicts_the_run_as_the_host_realises_it(cfg_factory):
+    """emulation.predict_contention: one probe process per rank steps the plain model at its
+    rank's share, alone and in lockstep; the prediction slows each rank by its together time
+    over the host model's price, the planned time stays the configured cluster's, and the
+    emulated ranks still run at their configured speeds."""
+    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
+                      "measured_iters=4", "emulation.predict_contention=true")
+    record = run_case(cfg)
+    assert record.status == "ok", record.error
+    probe = record.host_contention
+    assert [r["samples"] for r in probe] == record.batch_shares
+    for r in probe:
+        assert r["alone_s"] > 0 and r["together_s"] > 0
+        assert r["factor"] == pytest.approx(r["together_s"] / r["host_model_s"])
+    assert record.planned_iter_time_s is not None
+    assert record.predicted_iter_time_s != record.planned_iter_time_s
+    assert [r["speed"] for r in record.emulation["ranks"]] == [1.0, 0.4]

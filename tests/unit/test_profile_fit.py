@@ -29,6 +29,10 @@ def test_kendall_tau_counts_agreeing_pairs():
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1
     assert kendall_tau([1, 2, 3], [10, 30, 20]) == pytest.approx(1 / 3)
     assert kendall_tau([1], [1]) is None
+    # Only the pairs the measurement separates; a predicted tie there is no agreement.
+    assert kendall_tau([1, 2, 3], [10, 30, 20], separated=lambda i, j: j == i + 1 and i == 0) == 1
+    assert kendall_tau([1, 2, 3], [10, 10, 20], separated=lambda i, j: True) == pytest.approx(2 / 3)
+    assert kendall_tau([1, 2], [10, 20], separated=lambda i, j: False) is None
 
 
 def test_calibration_summary_has_errors_mape_and_tau():
@@ -38,5 +42,20 @@ def test_calibration_summary_has_errors_mape_and_tau():
                  predicted_iter_time_s=p) for m, t, p in (("a", 1.0, 1.1), ("b", 2.0, 1.8))]
     rows.append(dict(model="bert", cluster="c", method="x", status="failed", error="boom"))
     s = summarize(rows)
-    assert s["mape"] == pytest.approx(0.1) and s["kendall_tau"] == {"bert/c": 1.0}
+    assert s["mape"] == pytest.approx(0.1) and s["kendall_tau_all"] == {"bert/c": 1.0}
+    assert s["kendall_tau"] == {"bert/c": None}  # no per-iteration times: nothing separated
     assert s["failed"] == ["bert/c/x: boom"]
+
+
+def test_calibration_tau_counts_only_pairs_the_measured_intervals_separate():
+    from bench.calibrate import summarize
+
+    rows = [dict(model="bert", cluster="c", method=m, status="ok", iter_time_s_mean=sum(ts) / len(ts),
+                 iter_times_s=ts, predicted_iter_time_s=p)
+            for m, ts, p in (("a", [1.0, 1.1, 1.2, 1.0, 1.1, 1.0], 2.0),  # overlaps b: mispredicted, not counted
+                             ("b", [1.1, 1.2, 1.3, 1.1, 1.2, 1.2], 1.5),
+                             ("c", [3.0, 3.1, 3.2, 3.0, 3.1, 3.0], 3.0))]
+    s = summarize(rows)
+    assert s["separated_pairs"] == {"bert/c": 2}
+    assert s["kendall_tau"] == {"bert/c": 1.0}
+    assert s["kendall_tau_all"]["bert/c"] == pytest.approx(1 / 3)
