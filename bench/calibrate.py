@@ -2,6 +2,7 @@
 
     python -m bench.calibrate                                    # 4 tiny models x methods x 3 clusters
     python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
+    python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
 
 With --device, one device instead: each paper model's training step (forward, backward, Adam)
@@ -13,7 +14,9 @@ Every real case also records the simulator's prediction for the same plan, so on
 case gives both numbers. Reports each case's error, the MAPE (overall and per method) and, per
 (model, cluster), Kendall's tau between the measured and the predicted ordering of the methods:
 over the pairs the measurement separates (the per-iteration intervals of their medians do not
-overlap; one run per case, so run-to-run drift is not in them) and over all pairs.
+overlap: with repeats=N, each (model, cluster) runs as bench.compare does, N interleaved rounds
+over the methods, and a case's number is its median; one run per case separates nothing) and
+over all pairs.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from bench.cost import simulate
 from bench.flops import device_step
 
 from bench.paths import PROJECT_DIR
-from bench.stats import summarize as summarize_values
-from bench.run import (_instantiate, build_workload, check_group_choices, compose_config, methods_supporting,
-                       run_case)
+from bench.stats import Summary
+from bench.compare import run_rounds
+from bench.run import (_instantiate, build_workload, check_group_choices, check_repeats, compose_config,
+                       methods_supporting, run_case)
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -54,6 +58,14 @@ def kendall_tau(a: list[float], b: list[float], separated=None) -> float | None:
     score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
         (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
     return score / len(pairs)
+
+
+def _repeats_interval(row: dict) -> Summary | None:
+    """The interval of a case's median over its repeats (an aggregate row of bench.compare's
+    rounds); None for one run: iterations of one run do not show how runs differ (their
+    intervals separated hap from sfb running the same program)."""
+    agg = (row.get("aggregate") or {}).get("iter_time_s")
+    return Summary(**agg) if agg else None
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -73,9 +85,9 @@ def summarize(rows: list[dict]) -> dict:
         group = [r for r in cases if (r["model"], r["cluster"]) == (model, cluster)]
         measured = [r["iter_time_s_mean"] for r in group]
         predicted = [r["predicted_iter_time_s"] for r in group]
-        spans = [summarize_values(r["iter_times_s"]) if r.get("iter_times_s") else None for r in group]
+        spans = [_repeats_interval(r) for r in group]
 
-        def separated(i, j):  # the per-iteration intervals of the median do not overlap
+        def separated(i, j):  # the intervals of the repeats' medians do not overlap
             return spans[i] is not None and spans[j] is not None and not spans[i].overlaps(spans[j])
 
         key = f"{model}/{cluster}"
@@ -84,8 +96,8 @@ def summarize(rows: list[dict]) -> dict:
         separated_pairs[key] = sum(separated(i, j) for i, j in itertools.combinations(range(len(group)), 2))
     return {
         "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
-                                         "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s", "iter_times_s",
-                                         "host_contention")} for r in cases],
+                                         "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
+                                         "host_contention", "aggregate")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
         # The same cases priced on the configured cluster, without the host's contention.
         "mape_planned": statistics.fmean(planned) if planned else None,
@@ -113,7 +125,11 @@ def print_summary(summary: dict) -> None:
         comp, pcomp = c.get("compute_s"), c.get("predicted_compute_s")
         rest = None if comp is None else c["iter_time_s_mean"] - comp
         prest = None if pcomp is None else c["predicted_iter_time_s"] - pcomp
-        table.add_row(c["model"], c["cluster"], c["method"], f"{c['iter_time_s_mean'] * 1e3:.1f}",
+        measured = f"{c['iter_time_s_mean'] * 1e3:.1f}"
+        span = (c.get("aggregate") or {}).get("iter_time_s")
+        if span:  # the median of the repeats and its interval
+            measured += f" [{span['low'] * 1e3:.1f}-{span['high'] * 1e3:.1f}]"
+        table.add_row(c["model"], c["cluster"], c["method"], measured,
                       f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}", pair(comp, pcomp),
                       pair(rest, prest))
     console.print(table)
@@ -239,7 +255,18 @@ def main(argv: list[str]) -> int:
         return 2
     configs = [compose_config("wandb.mode=disabled", "emulation.predict_contention=true", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
                for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
-    rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
+    try:
+        repeats = check_repeats(configs[0].repeats)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if repeats == 1:
+        rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
+    else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
+        rows = []
+        for i in range(0, len(configs), len(lists["method"])):
+            group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
+            rows += [vars(r) for r in run_rounds(group, repeats)]
     summary = summarize(rows)
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" /

@@ -47,15 +47,19 @@ def test_calibration_summary_has_errors_mape_and_tau():
     assert s["failed"] == ["bert/c/x: boom"]
 
 
-def test_calibration_tau_counts_only_pairs_the_measured_intervals_separate():
+def test_calibration_tau_counts_only_pairs_the_repeats_separate():
     from bench.calibrate import summarize
+    from bench.stats import summarize as interval
 
-    rows = [dict(model="bert", cluster="c", method=m, status="ok", iter_time_s_mean=sum(ts) / len(ts),
-                 iter_times_s=ts, predicted_iter_time_s=p)
-            for m, ts, p in (("a", [1.0, 1.1, 1.2, 1.0, 1.1, 1.0], 2.0),  # overlaps b: mispredicted, not counted
-                             ("b", [1.1, 1.2, 1.3, 1.1, 1.2, 1.2], 1.5),
-                             ("c", [3.0, 3.1, 3.2, 3.0, 3.1, 3.0], 3.0))]
+    def row(method, times, predicted):
+        return dict(model="bert", cluster="c", method=method, status="ok", predicted_iter_time_s=predicted,
+                    iter_time_s_mean=interval(times).median, aggregate={"iter_time_s": interval(times).as_dict()})
+
+    rows = [row("a", [1.0, 1.1, 1.2], 2.0),  # overlaps b: mispredicted, but not counted
+            row("b", [1.1, 1.2, 1.3], 1.5), row("c", [3.0, 3.1, 3.2], 3.0)]
     s = summarize(rows)
     assert s["separated_pairs"] == {"bert/c": 2}
     assert s["kendall_tau"] == {"bert/c": 1.0}
     assert s["kendall_tau_all"]["bert/c"] == pytest.approx(1 / 3)
+    # One run per case (no aggregate): nothing is separated.
+    assert summarize([{**r, "aggregate": None} for r in rows])["kendall_tau"] == {"bert/c": None}
