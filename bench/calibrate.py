@@ -145,7 +145,8 @@ def print_summary(summary: dict) -> None:
     console.print(taus)
     if summary["mape"] is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per})")
+        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); with the host's "
+                      "contention where emulation.predict_contention measured it")
     if summary.get("mape_planned") is not None:
         console.print(f"MAPE {summary['mape_planned']:.1%} priced on the configured cluster (without the host's "
                       "contention: bench.contention)")
