@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.cluster import ClusterSpec
+from bench.hostcpu import configure_process
 from bench.interfaces import Workload
 
 WARMUP_STEPS = 3
@@ -40,7 +41,7 @@ _cache: dict[tuple, list[dict]] = {}
 
 
 def _probe_rank(rank: int, workload: Workload, shares: list[int], seed: int, barrier, queue) -> None:
-    torch.set_num_threads(1)  # as an emulated worker computes
+    configure_process()  # as an emulated worker computes
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     samples = max(shares[rank], 1)

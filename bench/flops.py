@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.hostcpu import emulated_device
 from bench.interfaces import Workload
 
 # FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
@@ -48,6 +49,9 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
 
 _host_speed_cache: dict[tuple, tuple[float, float]] = {}
 REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check is this close
+# How the probe computes; a speed cached by an earlier way of probing is measured again
+# (2: bench.hostcpu's steady allocator and flushed denormals, as the workers compute).
+PROBE_VERSION = 2
 
 
 def host_cache_file() -> Path:
@@ -64,7 +68,7 @@ def _host_key(workload: Workload, batch_size: int, seed: int) -> str:
     except OSError:
         cpu = platform.processor()
     body = [platform.node(), platform.machine(), cpu, os.cpu_count(), torch.__version__,
-            workload.name, repr(workload.model_cfg), batch_size, seed]
+            workload.name, repr(workload.model_cfg), batch_size, seed, PROBE_VERSION]
     return hashlib.sha256(json.dumps(body, default=str).encode()).hexdigest()[:16]
 
 
@@ -133,13 +137,10 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
 
 def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:
     """Median time of one plain training step (forward, backward, Adam) on one thread, measured
-    now: a yardstick that no part of the harness (workers, emulator, methods) touches."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    now: a yardstick that no part of the harness (workers, emulator, methods) touches. It
+    computes as a worker does (bench.hostcpu: one thread, denormals flushed, a steady malloc)."""
+    with emulated_device():
         return _median_step_time(workload, max(batch_size, 1), seed, repeats)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: int) -> float:

@@ -17,6 +17,7 @@ change any cluster file unless asked to write one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.cost import link_bytes
 from bench.flops import ELEMENTWISE_FLOPS
+from bench.hostcpu import emulated_device
 from bench.launch import _free_port
 from bench.paths import PROJECT_DIR
 
@@ -73,10 +75,8 @@ def _op_classes():
 
 def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
     """Forward+backward speed per op class on one thread (as an emulated worker runs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     out = {}
-    try:
+    with emulated_device():
         for name, op in _op_classes():
             def step():
                 op().sum().backward()
@@ -86,8 +86,6 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
             seconds = _timed(step, repeats)
             out[name] = {"seconds": seconds, "flops": float(flops),
                          "flops_per_s": flops / seconds if flops else None}
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -157,14 +155,11 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
     """A compute profile of `device` ("cpu": one thread, as an emulated worker; "cuda[:i]"):
     per op class the fixed seconds per kernel and FLOP/s, fitted over batch sizes, and the
     Adam step's fixed seconds and parameter bytes per second."""
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
     timed = _device_timer(device, repeats)
     out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
                  "device": device if device == "cpu" else torch.cuda.get_device_name(device),
                  "compute": {}, "measured": time.strftime("%Y-%m-%d")}
-    try:
+    with emulated_device() if device == "cpu" else contextlib.nullcontext():
         for cls, launches, batches, make in _class_benchmarks(device):
             points = []
             for b in batches:
@@ -181,8 +176,6 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
             points.append((4.0 * n, timed(opt.step)))
         fixed, rate = _fit_affine(points)
         out["optimizer"] = {"fixed_s": fixed, "bytes_per_s": rate, "points": points}
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from bench import hostcpu
 from bench.cluster import ClusterSpec
 from bench.emulation import EmulationSettings, Emulator, measure_matmul_flops
 from bench.interfaces import Plan, RankContext, Workload
@@ -141,7 +142,7 @@ def rank_hardware(device: torch.device) -> dict:
             "mps_active_thread_percentage": _env_number("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         }
     return {"device": "cpu", "name": _cpu_model(), "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+            "cores_usable": hostcpu.host_cores(), "threads": torch.get_num_threads()}
 
 
 def _nvidia_driver() -> str | None:
@@ -190,24 +191,25 @@ def _busy(seconds: float) -> None:
 
 
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
-             progress: Callable[[int], None] | None = None, gather: bool = False):
+             progress: Callable[[int], None] | None = None, gather: bool = False, compute_slots=None):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
+    compute_slots: the host's semaphore of cores, shared by its ranks (bench.launch), for the
+    turns emulated ranks take while they measure their pacing references (bench.emulation).
     """
     device = pick_device(local_rank, case.cluster)
     emulated = case.cluster.emulated
     # On a GPU, compute runs at the rank's MPS share (real kernels, bench.launch): only links
     # are emulated. On the CPU, slow ranks sleep their compute out.
     pace_compute = emulated and device.type == "cpu"
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # one core per emulated device; slow ranks sleep, not spin
-    torch.set_flush_denormal(True)  # denormal softmax gradients slow CPUs down several-fold
+    # One core per CPU device (slow ranks sleep, not spin), denormals flushed, a steady malloc.
+    hostcpu.configure_process(one_thread=device.type == "cpu")
     set_precision(case.precision)
     if not dist.is_initialized():
         init_process_group(rank, world_size, device, backend_for(case.cluster, device))
     try:
-        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather)
+        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather, compute_slots)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
@@ -222,9 +224,16 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
 
 def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
-           pace_compute: bool, progress, gather: bool):
-    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
-                        pace_compute=pace_compute)
+           pace_compute: bool, progress, gather: bool, compute_slots=None):
+    settings = case.emulation or EmulationSettings()
+    # Emulated ranks first run full-pace iterations that set their pacing reference (not
+    # when a test checks exactness step by step: it needs exactly its own steps).
+    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
+    refs = 0 if settings.reference is not None else settings.reference_iters
+    shared = settings.reference is not None
+    pre = settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
+    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=settings, pace_compute=pace_compute,
+                        compute_slots=compute_slots if refs and pre else None)
     emulator.install()
     probe_flops = None
     if emulated and device.type == "cuda":
@@ -241,12 +250,6 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     )
     start, stop = offsets(case.plan.batch_shares)[rank]
     iter_times, losses, mems = [], [], []
-    # Emulated ranks first run full-pace iterations that set their pacing reference (not
-    # when a test checks exactness step by step: it needs exactly its own steps).
-    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
-    refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
-    shared = emulator.settings.reference is not None
-    pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
     precision = None
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if it == pre + case.warmup_iters:
@@ -276,6 +279,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         losses.append(value)
         if progress is not None and it >= pre:
             progress(it + 1 - pre)
+    emulator.idle()
     result = {
         "rank": rank,
         "iter_times_s": iter_times,

@@ -1,0 +1,86 @@
+"""A CPU process that computes the way an emulated device does, so that its step times repeat.
+
+Every process that runs or times emulated compute on this host (the workers, the parent's
+host-speed probe, bench.contention's probes, bench.profile's CPU profile) computes through
+`emulated_device()`:
+
+- one intra-op thread: an emulated device is one core, and slow ranks sleep rather than spin;
+- denormals flushed to zero: denormal softmax gradients made a BERT step 4x slower;
+- glibc's malloc told to keep what a step frees (`steady_allocator`). By default glibc moves
+  its mmap threshold as a process runs, so each process settles on its own split of a step's
+  buffers between the heap and fresh mappings, and a step that unmaps and re-maps a buffer
+  faults its pages in again on every step. On the 2-core dev VM (tiny models, batch 8, one
+  step = forward + backward + Adam, 8 fresh processes per line, the median of 40 steps each):
+
+  | model | page faults per step | median step, 8 processes | the same, thresholds fixed |
+  |---|---|---|---|
+  | VGG19 | 1,536-3,184 | 15.8-18.2 ms | 14.8-15.7 ms (0 faults) |
+  | BERT | 1-1,056 | 6.8-7.7 ms | 6.5-6.9 ms (0 faults) |
+
+  So two workers running the same program differed by up to 15% for the whole of their lives,
+  and the parent's probe was a third draw from the same spread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+
+import torch
+
+# mallopt parameters (glibc malloc.h). Setting either also turns glibc's dynamic adjustment off.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# The largest mmap threshold glibc accepts on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX): blocks
+# below it come from the heap; only larger ones (paper-size tensors) are mapped per allocation.
+MMAP_THRESHOLD_BYTES = 32 << 20
+# Free memory at the top of the heap kept rather than returned to the system.
+TRIM_THRESHOLD_BYTES = 1 << 30
+
+_steady: bool | None = None
+
+
+def host_cores() -> int:
+    """The cores this process may run on (emulated ranks beyond them take turns or share)."""
+    return len(os.sched_getaffinity(0))
+
+
+def steady_allocator() -> bool:
+    """Fix glibc malloc's mmap and trim thresholds in this process (once; later calls return the
+    first answer). False where the C library has no mallopt (not glibc): nothing changes."""
+    global _steady
+    if _steady is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):
+            _steady = False
+        else:
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            _steady = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+                mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _steady
+
+
+def configure_process(one_thread: bool = True) -> None:
+    """This process computes as an emulated device does from now on (module docstring); a GPU
+    rank keeps torch's threads (one_thread=False)."""
+    steady_allocator()
+    torch.set_flush_denormal(True)
+    if one_thread:
+        torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def emulated_device():
+    """Compute inside as one emulated CPU device does. The thread count is restored on the way
+    out; the process keeps flushing denormals (torch cannot say what the setting was) and keeps
+    the allocator's thresholds."""
+    threads = torch.get_num_threads()
+    configure_process()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,178 @@
+"""The emulator's pacing and turn-taking, on a simulated clock: what it sleeps and what it
+counts follow from its inputs alone, not from how busy the machine running the test is.
+
+(These tests once spun the CPU for real and asserted wall times within 2 ms; a test process
+preempted for 3.5 ms on a 2-core machine failed them.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bench import emulation
+from bench.cluster import ClusterSpec
+from bench.emulation import EmulationSettings, Emulator
+
+
+class FakeClock:
+    """Stands in for the `time` module inside bench.emulation: compute advances the wall and
+    the thread's CPU clock, a sleep or a preemption only the wall."""
+
+    def __init__(self):
+        self.wall = 100.0
+        self.cpu = 10.0
+        self.slept = []
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.wall += max(seconds, 0.0)
+
+    def compute(self, seconds: float) -> None:
+        self.wall += seconds
+        self.cpu += seconds
+
+    def preempt(self, seconds: float) -> None:
+        self.wall += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(emulation, "time", fake)
+    return fake
+
+
+def _one_device(speed: float) -> ClusterSpec:
+    return ClusterSpec.from_config({
+        "name": "one", "emulated": True,
+        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": speed}],
+        "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                  "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0}}})
+
+
+def _iterate(emu: Emulator, clock: FakeClock, busy: dict[int, float], preempted: dict[int, float] | None = None):
+    """One compute interval per iteration; returns each iteration's wall time."""
+    walls = []
+    for it, seconds in busy.items():
+        emu.begin_iteration(it)
+        start = clock.wall
+        clock.compute(seconds)
+        clock.preempt((preempted or {}).get(it, 0.0))
+        emu.stretch()
+        walls.append(clock.wall - start)
+    return walls
+
+
+def test_pacing_follows_the_reference_not_the_slowed_burst(clock):
+    """A burst that ran slower than its reference (a cold core) is not stretched: the rank
+    sleeps only what its target has left, and carries any overshoot into the next interval."""
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=2))
+    # Iterations 0-1 are skipped, 2-3 set the reference (4 ms); iteration 4 runs cold (12 ms).
+    walls = _iterate(emu, clock, {0: 0.004, 1: 0.004, 2: 0.004, 3: 0.004, 4: 0.012, 5: 0.004, 6: 0.004})
+    assert walls[:4] == pytest.approx([0.004] * 4)  # full pace until the reference is set
+    assert walls[4] == pytest.approx(0.012)  # over its 8 ms target: no sleep
+    assert walls[5] == pytest.approx(0.004)  # its 4 ms overshoot is owed back at once
+    assert walls[6] == pytest.approx(0.008)  # 2 x the 4 ms reference
+    assert emu.report()["error"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_reference_is_cpu_time_so_a_preempted_interval_does_not_lengthen_it(clock):
+    """The reference is the interval's CPU time: a rank preempted while it measured (the host
+    busy with others) still paces to what it computed."""
+    emu = Emulator(_one_device(0.25), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=2))
+    walls = _iterate(emu, clock, {i: 0.002 for i in range(5)}, preempted={2: 0.003, 3: 0.001})
+    assert emu.report()["reference_s"] == pytest.approx([0.002])
+    assert emu.report()["reference_wall_s"] == pytest.approx([0.003])
+    assert walls[4] == pytest.approx(0.008)
+
+
+def test_a_shared_reference_paces_from_the_first_iteration_after_set_up(clock):
+    """Given a reference (EmulationSettings.reference), a rank measures none of its own: only
+    the SKIPPED set-up iterations run at full pace, every later one lasts reference / speed."""
+    settings = EmulationSettings(headroom=1.0, reference_iters=12, reference=(0.005,))
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=settings)
+    walls = _iterate(emu, clock, {i: 0.002 for i in range(4)})
+    assert walls[:EmulationSettings.SKIPPED] == pytest.approx([0.002] * EmulationSettings.SKIPPED)
+    assert walls[EmulationSettings.SKIPPED:] == pytest.approx([0.010] * 2)  # 2 x the shared 5 ms
+    assert emu.report()["shared_reference"] and emu.report()["reference_s"] == [0.005]
+
+
+def test_headroom_runs_the_rank_in_slow_motion(clock):
+    """headroom h: every interval lasts 1 / h as long in wall time as it does in emulated time."""
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=0.5, reference_iters=1))
+    walls = _iterate(emu, clock, {i: 0.002 for i in range(5)})
+    assert walls[3:] == pytest.approx([0.008, 0.008])  # 2 ms x dilation 2 / headroom 0.5
+    assert emu.report()["achieved_dilation"] == pytest.approx(2.0)
+
+
+class _Slots:
+    """A semaphore that records who holds it (threading's, so one process can play ranks)."""
+
+    def __init__(self, n: int):
+        self.sem = threading.BoundedSemaphore(n)
+        self.acquired = 0
+
+    def acquire(self, timeout=None):
+        got = self.sem.acquire(timeout=0)  # the test never waits: a busy slot is a miss
+        self.acquired += got
+        return got
+
+    def release(self):
+        self.sem.release()
+
+
+def test_ranks_take_turns_while_they_measure_and_not_once_paced(clock):
+    """With one slot for two ranks, a rank computes its reference intervals only while it holds
+    the slot; it keeps it across intervals of its own (stretch) and gives it back before a wait
+    (idle); a rank that cannot get it counts a missed interval; paced ranks take no turns."""
+    slots = _Slots(1)
+    settings = EmulationSettings(headroom=1.0, reference_iters=1)
+    a = Emulator(_one_device(1.0), 0, enabled=True, settings=settings, compute_slots=slots)
+    b = Emulator(_one_device(1.0), 0, enabled=True, settings=settings, compute_slots=slots)
+    a.begin_iteration(0)
+    assert a._holding and slots.acquired == 1
+    clock.compute(0.001)
+    a.stretch()  # an interval of its own ends, the next starts: the turn goes on
+    assert a._holding and slots.acquired == 1
+    b.begin_iteration(0)
+    assert not b._holding and b.slot_missed == 1  # a's turn: b computes without a slot
+    a.idle()  # a blocks in a collective
+    b.mark()
+    assert b._holding and slots.acquired == 2
+    b.idle()
+    for it in range(1, 4):  # past SKIPPED + reference_iters: paced
+        a.begin_iteration(it)
+        clock.compute(0.001)
+        a.stretch()
+    assert not a._holding and a.pacing
+    assert a.report()["compute_slots"] and a.report()["slot_missed_intervals"] == 0
+    assert slots.acquired == 3  # a's turn again from iteration 1, kept through 2; 3 is paced
+
+
+def test_a_collective_gives_the_turn_back_but_issuing_an_async_one_does_not(clock, monkeypatch):
+    """The collective wrapper: a blocking collective ends the turn (another rank computes while
+    this one waits), an async one is issued mid-interval and the rank computes on."""
+    slots = _Slots(1)
+    emu = Emulator(_one_device(1.0), 0, enabled=True, settings=EmulationSettings(headroom=1.0),
+                   compute_slots=slots)
+    monkeypatch.setattr(emu, "link_deadline", lambda *a, **k: clock.wall)
+    monkeypatch.setattr(emulation, "_installed", [emu])
+    held = []
+
+    def collective(tensor, group=None, async_op=False):
+        held.append(emu._holding)
+        return object()
+
+    wrapped = emulation._wrap(collective, "all_reduce", "tensor")
+    emu.begin_iteration(0)
+    wrapped([], async_op=True)
+    wrapped([])
+    assert held == [True, False]
+    assert emu._holding  # the turn comes back for the compute after the collective
