@@ -97,9 +97,9 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
                                          "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
-                                         "host_contention", "aggregate")} for r in cases],
+                                         "run_host_flops_per_s", "aggregate")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
-        # The same cases priced on the configured cluster, without the host's contention.
+        # The same cases priced at the parent's probe of the host (what the planner saw).
         "mape_planned": statistics.fmean(planned) if planned else None,
         "mape_by_method": by_method,
         # Over the pairs of methods whose measured intervals separate them, and over all pairs.
@@ -145,11 +145,11 @@ def print_summary(summary: dict) -> None:
     console.print(taus)
     if summary["mape"] is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); with the host's "
-                      "contention where emulation.predict_contention measured it")
+        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
+                      "host speed each run's ranks measured (bench.flops.yardstick)")
     if summary.get("mape_planned") is not None:
-        console.print(f"MAPE {summary['mape_planned']:.1%} priced on the configured cluster (without the host's "
-                      "contention: bench.contention)")
+        console.print(f"MAPE {summary['mape_planned']:.1%} priced at the parent's probe of the host (what the "
+                      "planner planned with)")
     for line in summary["failed"]:
         console.print(f"failed: {line}")
 
@@ -254,7 +254,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = [compose_config("wandb.mode=disabled", "emulation.predict_contention=true", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
                for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
     try:
         repeats = check_repeats(configs[0].repeats)

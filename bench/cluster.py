@@ -288,9 +288,6 @@ class ClusterSpec:
     virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
     host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
     host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
-    # Per rank: how much slower its compute runs with every rank on this host at once
-    # (bench.contention); () = none. Only the prediction of an emulated run applies it.
-    host_contention: tuple[float, ...] = ()
     # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
     inline_types: tuple[DeviceType, ...] = ()
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
@@ -311,8 +308,6 @@ class ClusterSpec:
                 for _ in range(g.num_devices):
                     # A slower emulated device takes 1/speed as long for everything it computes.
                     speed = g.speed
-                    if self.host_contention:
-                        speed /= self.host_contention[len(devices)]
                     overhead = self.host_step_overhead_s / speed if g.device == "cpu" else 0.0
                     devices.append(Device(len(devices), machine, dtype, speed, overhead))
                 machine += 1
@@ -343,20 +338,13 @@ class ClusterSpec:
         """The same cluster with the host worker's measured speed filled in (bench.flops)."""
         return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s)
 
-    def with_host_contention(self, factors: list[float] | tuple[float, ...]) -> "ClusterSpec":
-        """The same cluster with each rank's compute `factors[rank]` times slower: the emulated
-        run as this host realises it (bench.contention), for predicting that run."""
-        if len(factors) != self.num_devices:
-            raise ValueError(f"{len(factors)} contention factors for {self.num_devices} devices")
-        return replace(self, host_contention=tuple(float(f) for f in factors))
-
     def fingerprint(self) -> str:
         """Short hash of everything that defines the cluster (not the host measurement).
 
         Inline device types count; packaged ones are keyed by name only. A cluster without
         inline types hashes as it did before they existed."""
         body = {k: v for k, v in asdict(self).items()
-                if k not in ("devices", "host_flops", "host_step_overhead_s", "host_contention")}
+                if k not in ("devices", "host_flops", "host_step_overhead_s")}
         if not self.inline_types:
             del body["inline_types"]
         if self.device == _default_device(self.emulated, self.machines):

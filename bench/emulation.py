@@ -11,15 +11,6 @@ left, and whatever it over- or undershoots is carried into the next interval. `h
 runs the whole emulated cluster in slow motion (links too), so that even a speed-1 rank has
 time to absorb a slowed-down burst; reported times are emulated time (wall x headroom).
 
-A reference is a device's own compute, not its share of a crowded host: with more ranks than
-cores, the ranks take turns while they measure it (`compute_slots`, one per core, from
-bench.launch): a rank holds a slot from the start of a compute interval to its end, so at most
-one rank per core computes during the reference iterations. Without the turns, 4 ranks on 2
-cores each timed 7.7-8.8 ms of CPU per tiny BERT step that took 6.5-6.9 ms with a core to
-itself (time slicing refills caches), and that excess was dilated with the rest. A wait the
-emulator cannot see inside an interval (a C++ collective) would hold a slot while blocked, so a
-slot is waited for at most SLOT_WAIT_S; the report counts the intervals that ran without one.
-
 Links: every torch.distributed collective takes at least the alpha-beta time of the emulated link
 (bench.cost), stretched by 1 / headroom; back-to-back collectives queue on one link clock.
 Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device: cuda`) paces
@@ -47,10 +38,6 @@ from bench.cost import collective_time_s, link_bytes
 
 # An emulated rank whose achieved compute time is off its target by more than this is flagged.
 DILATION_TOLERANCE = 0.05
-# Longest wait for a compute slot in the reference iterations; a rank then computes without one.
-# Any interval at full pace of the tiny models is far shorter; a holder blocked in a wait the
-# emulator cannot see is what it guards against.
-SLOT_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -79,10 +66,7 @@ class Emulator:
     """Per-rank time dilation and link emulation. A disabled one does nothing, cheaply."""
 
     def __init__(self, cluster: ClusterSpec, rank: int, enabled: bool,
-                 settings: EmulationSettings | None = None, pace_compute: bool = True,
-                 compute_slots=None):
-        """compute_slots: a semaphore shared by the ranks of this host, one per core (None:
-        every rank has a core): the turns ranks take while they measure their references."""
+                 settings: EmulationSettings | None = None, pace_compute: bool = True):
         self.enabled = enabled
         # False: links only; compute runs as fast as the hardware lets it (MPS sets its speed).
         self.pace_compute = enabled and pace_compute
@@ -112,10 +96,6 @@ class Emulator:
             self._reference = list(self.settings.reference)
         self._debt = 0.0  # wall seconds the rank is behind its target (carried forward)
         self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
-        self._slots = compute_slots if self.pace_compute else None
-        self._holding = False  # this rank holds a compute slot now
-        self.slot_wait_s = 0.0  # reference iterations: time spent waiting for a slot
-        self.slot_missed = 0  # reference intervals computed without one (waited SLOT_WAIT_S)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -153,8 +133,6 @@ class Emulator:
             self._reference = _fastest_per_interval(self._reference_runs)
             self._reference_wall = _fastest_per_interval(self._reference_walls)
             self._phase = "paced"
-        if self._phase == "paced":
-            self.idle()  # paced ranks sleep their dilation: no turns
         self.mark()
 
     @property
@@ -162,22 +140,9 @@ class Emulator:
         return self._phase == "paced"
 
     def mark(self) -> None:
-        """Start a new compute interval now (after waiting on communication or data); in the
-        reference iterations, once this rank's turn to compute has come (compute_slots)."""
-        if self._slots is not None and not self._holding and self._phase == "reference" and not self._paused:
-            start = time.perf_counter()
-            self._holding = self._slots.acquire(timeout=SLOT_WAIT_S)
-            self.slot_wait_s += time.perf_counter() - start
-            self.slot_missed += not self._holding
+        """Start a new compute interval now (after waiting on communication or data)."""
         self._last = time.perf_counter()
         self._last_cpu = (threading.get_ident(), time.thread_time())
-
-    def idle(self) -> None:
-        """What follows until the next mark() is waiting, not compute (a method that knows of a
-        wait the emulator cannot see says so): give this rank's compute slot back."""
-        if self._holding:
-            self._holding = False
-            self._slots.release()
 
     def stretch(self) -> None:
         """End the current compute interval: wait until it has lasted its target."""
@@ -197,7 +162,7 @@ class Emulator:
             cpu = time.thread_time() - cpu_start if thread == threading.get_ident() else measured
             self._iteration.append(min(cpu, measured))
             self._iteration_wall.append(measured)
-            self.mark()  # the next interval starts now, in this rank's turn
+            self.mark()
             return
         self._iteration.append(measured)
         if k < len(self._reference):
@@ -244,11 +209,6 @@ class Emulator:
             "reference_wall_s": list(self._reference_wall or ()),
             "shared_reference": self.settings.reference is not None,
             "slept_s": self.slept_s,
-            # Turns taken while measuring the reference (more ranks than cores), and the
-            # intervals that ran without one after waiting SLOT_WAIT_S.
-            "compute_slots": self._slots is not None,
-            "slot_wait_s": self.slot_wait_s,
-            "slot_missed_intervals": self.slot_missed,
         }
 
     # -- links -----------------------------------------------------------------------------
@@ -385,7 +345,6 @@ class _DelayedWork:
             emu = None  # a wait on another thread than the rank's compute (a callback) marks nothing
         if emu is not None:
             emu.stretch()
-            emu.idle()
         out = self._work.wait(*args, **kwargs)
         self._delay()
         if emu is not None:
@@ -447,12 +406,10 @@ def _wrap(fn, kind, sized_arg):
         try:
             bound = signature.bind(*args, **kwargs).arguments
             emu.stretch()  # the compute since the last communication point ends here
-            if not bound.get("async_op"):
-                emu.idle()  # a blocking collective: another rank's turn to compute
             issued = time.perf_counter()
             work = fn(*args, **kwargs)
             size, group = _nbytes(bound[sized_arg]), bound.get("group")
-            if bound.get("async_op"):  # compute goes on beside it
+            if bound.get("async_op"):
                 return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group, issued))
             _sleep_until(emu.link_deadline(kind, size, group, issued))
             emu.mark()

@@ -99,14 +99,48 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
         _host_speed_cache[key] = (cached["flops_per_s"], cached["step_overhead_s"])
         return _host_speed_cache[key]
     t1, t2 = (reference_step_s(workload, n, seed, repeats) for n in (b, 2 * b))
-    per_sample = max(t2 - t1, 0.5 * t1) / b  # noise must not make the fixed part negative
-    fixed = max(t1 - per_sample * b, 0.0)
-    _host_speed_cache[key] = (workload.flops_per_sample / per_sample, fixed)
+    _host_speed_cache[key] = split_step(workload, b, t1, t2)
     if use_disk_cache:
         _write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
                                       "step_overhead_s": fixed, "workload": workload.name,
                                       "batch_size": b})
     return _host_speed_cache[key]
+
+
+def split_step(workload: Workload, batch_size: int, t1: float, t2: float) -> tuple[float, float]:
+    """(FLOP/s of the per-sample part, seconds of the per-step part) of plain steps that took
+    t1 at `batch_size` samples and t2 at twice that."""
+    per_sample = max(t2 - t1, 0.5 * t1) / batch_size  # noise must not make the fixed part negative
+    return workload.flops_per_sample / per_sample, max(t1 - per_sample * batch_size, 0.0)
+
+
+def yardstick(workload: Workload, batch_size: int, seed: int, repeats: int = 9) -> dict:
+    """The host's speed as an emulated worker sees it, measured in that worker: the fastest of
+    `repeats` plain training steps (forward, backward, Adam; thread CPU time, as the worker's
+    pacing reference is timed) at `batch_size` samples and at twice that, in this process.
+
+    Every rank of an emulated run takes it at once, just before its reference iterations, so
+    it meets the host as the run does: this VM's speed drifts between runs (tiny BERT's step
+    took 6.6 ms in one run of local_hetero4 and 8.4-8.9 ms in the next, all four ranks alike)
+    and four ranks on two cores slow each other; a probe in the parent, minutes earlier, sees
+    neither. bench.run prices the run's prediction with it (`predict_with_yardsticks`); it is
+    a plain model's step, never the method's own program."""
+    model = workload.build(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    out = {"batch": [], "seconds": []}
+    with emulated_device():
+        for n in (batch_size, 2 * batch_size):
+            batch = workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed))
+            times = []
+            for _ in range(repeats + 2):  # the first two allocate
+                start = time.thread_time()
+                optimizer.zero_grad(set_to_none=True)
+                model(*batch).backward()
+                optimizer.step()
+                times.append(time.thread_time() - start)
+            out["batch"].append(n)
+            out["seconds"].append(min(times[2:]))
+    return out
 
 
 def _read_cache(path: Path) -> dict:

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import torch
 
-from bench import hostcpu, mps
+from bench import mps
 from bench.worker import Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
@@ -67,7 +67,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int,
-           env: dict[str, str], compute_slots) -> None:
+           env: dict[str, str]) -> None:
     # MPS settings are read when CUDA initialises in this process: before anything touches it.
     assert not (env and torch.cuda.is_initialized()), "CUDA initialised before the MPS settings"
     os.environ.update(env)
@@ -75,7 +75,7 @@ def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
-        result = run_rank(case, rank, world_size, local_rank=rank, progress=report, compute_slots=compute_slots)
+        result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
         messages.put(("result", rank, result))
     except RankOutOfMemory as exc:
         messages.put(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
@@ -102,13 +102,8 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     port = _free_port()
-    # Emulated CPU ranks outnumbering the cores take turns while they measure their pacing
-    # references, one per core (bench.emulation).
-    cores = hostcpu.host_cores()
-    slots = (ctx.BoundedSemaphore(cores) if case.cluster.emulated and case.cluster.device == "cpu"
-             and world_size > cores else None)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid(), envs[r], slots),
+        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid(), envs[r]),
                     daemon=True)
         for r in range(world_size)
     ]

@@ -55,11 +55,12 @@ class RunRecord:
     ideal_iter_time_s: float | None = None
     efficiency: float | None = None
     predicted_iter_time_s: float | None = None  # the simulator's, in both modes when available
-    # With emulation.predict_contention (bench.calibrate): the prediction above is for the run
-    # as this host realises it, each rank slowed by its factor here (bench.contention);
-    # planned_iter_time_s is then the planner's price on the configured cluster.
-    host_contention: list[dict] | None = None
+    # A real run on an emulated CPU cluster: the prediction above is priced at the host speed
+    # its ranks measured (bench.flops.yardstick), run_host_*; planned_iter_time_s is the price
+    # at the parent's probe (host_flops_per_s), what the planner planned with.
     planned_iter_time_s: float | None = None
+    run_host_flops_per_s: float | None = None
+    run_host_step_overhead_s: float | None = None
     # Its compute: per stage the slowest device's, summed, plus the slowest per-step part (the
     # rest of the prediction is communication not hidden behind compute)
     predicted_compute_s: float | None = None

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -30,8 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
-from bench.contention import contention_factors, measure_contention
-from bench.flops import measure_host_speed, train_flops_per_sample
+from bench.flops import measure_host_speed, split_step, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch
 from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
@@ -254,7 +254,6 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     """Validate, measure the host, plan: everything before workers start. Fills `record`."""
     _check_protocol(cfg)
     cluster = ClusterSpec.from_config(record.config["cluster"])
-    contention = cfg.mode == "real" and _predicts_contention(cfg, cluster)
     record.cluster_hash = cluster.fingerprint()
     record.num_devices = cluster.num_devices
     method = _instantiate(cfg.method, "method")
@@ -281,16 +280,9 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.plan_hash = plan_hash(plan)
     record.batch_shares = plan.batch_shares
     if plan.program is not None:
-        priced = cluster
-        sim = simulate(plan.program, priced, plan.ratios)
-        if contention:
-            record.planned_iter_time_s = sim.iter_time_s
-            record.host_contention = measure_contention(workload, plan.batch_shares, cfg.seed)
-            priced = cluster.with_host_contention(contention_factors(record.host_contention, cluster, workload))
-            sim = simulate(plan.program, priced, plan.ratios)
+        sim = simulate(plan.program, cluster, plan.ratios)
         record.predicted_iter_time_s = sim.iter_time_s
-        # The per-step part of a device's compute (optimizer, dispatch) is charged once at the end.
-        record.predicted_compute_s = sim.compute_time_s + max(d.step_overhead_s for d in priced.devices)
+        record.predicted_compute_s = _compute_s(sim, cluster)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
@@ -305,14 +297,29 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)
 
 
-def _predicts_contention(cfg: DictConfig, cluster: ClusterSpec) -> bool:
-    """emulation.predict_contention, validated; only CPU-emulated clusters of several ranks
-    share cores."""
-    value = cfg.emulation.get("predict_contention", False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"emulation.predict_contention={value!r} must be true or false; e.g. "
-                          "emulation.predict_contention=true")
-    return value and cluster.emulated and cluster.device == "cpu" and cluster.num_devices > 1
+def _compute_s(sim, cluster: ClusterSpec) -> float:
+    """The compute part of a prediction: per stage the slowest device's, summed, plus the
+    per-step part of a device's compute (optimizer, dispatch), which is charged once at the end."""
+    return sim.compute_time_s + max(d.step_overhead_s for d in cluster.devices)
+
+
+def predict_at_run_speed(record: RunRecord, case: Case) -> None:
+    """An emulated CPU run's prediction priced at the host speed its own ranks measured just
+    before their reference iterations (bench.flops.yardstick: plain steps of the model, not the
+    method's program; the median over ranks). `planned_iter_time_s` keeps the price at the
+    parent's probe, which the planner planned with."""
+    ranks = (record.emulation or {}).get("ranks") or []
+    sticks = [r.get("yardstick") for r in ranks]
+    if case.plan.program is None or not sticks or not all(sticks):
+        return
+    models = [split_step(case.workload, s["batch"][0], *s["seconds"]) for s in sticks]
+    record.run_host_flops_per_s = statistics.median(m[0] for m in models)
+    record.run_host_step_overhead_s = statistics.median(m[1] for m in models)
+    cluster = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
+    sim = simulate(case.plan.program, cluster, case.plan.ratios)
+    record.planned_iter_time_s = record.predicted_iter_time_s
+    record.predicted_iter_time_s = sim.iter_time_s
+    record.predicted_compute_s = _compute_s(sim, cluster)
 
 
 def plan_hash(plan) -> str:
@@ -376,6 +383,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
         else:
             results = _launch_with_progress(case, cfg)
             fill_metrics(record, results, case.workload, cfg.measured_iters)
+            predict_at_run_speed(record, case)
     except ConfigError as exc:
         record.error, refused = str(exc), True
         print(f"error: {exc}", file=sys.stderr)

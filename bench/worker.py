@@ -25,6 +25,7 @@ import torch.distributed as dist
 from bench import hostcpu
 from bench.cluster import ClusterSpec
 from bench.emulation import EmulationSettings, Emulator, measure_matmul_flops
+from bench.flops import yardstick
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
 
@@ -191,12 +192,10 @@ def _busy(seconds: float) -> None:
 
 
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
-             progress: Callable[[int], None] | None = None, gather: bool = False, compute_slots=None):
+             progress: Callable[[int], None] | None = None, gather: bool = False):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
-    compute_slots: the host's semaphore of cores, shared by its ranks (bench.launch), for the
-    turns emulated ranks take while they measure their pacing references (bench.emulation).
     """
     device = pick_device(local_rank, case.cluster)
     emulated = case.cluster.emulated
@@ -209,7 +208,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
     if not dist.is_initialized():
         init_process_group(rank, world_size, device, backend_for(case.cluster, device))
     try:
-        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather, compute_slots)
+        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
@@ -224,16 +223,9 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
 
 def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
-           pace_compute: bool, progress, gather: bool, compute_slots=None):
-    settings = case.emulation or EmulationSettings()
-    # Emulated ranks first run full-pace iterations that set their pacing reference (not
-    # when a test checks exactness step by step: it needs exactly its own steps).
-    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
-    refs = 0 if settings.reference is not None else settings.reference_iters
-    shared = settings.reference is not None
-    pre = settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
-    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=settings, pace_compute=pace_compute,
-                        compute_slots=compute_slots if refs and pre else None)
+           pace_compute: bool, progress, gather: bool):
+    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
+                        pace_compute=pace_compute)
     emulator.install()
     probe_flops = None
     if emulated and device.type == "cuda":
@@ -250,6 +242,17 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     )
     start, stop = offsets(case.plan.batch_shares)[rank]
     iter_times, losses, mems = [], [], []
+    # Emulated ranks first run full-pace iterations that set their pacing reference (not
+    # when a test checks exactness step by step: it needs exactly its own steps).
+    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
+    refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
+    shared = emulator.settings.reference is not None
+    pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
+    host = None
+    if pre and refs:  # before its references, every rank at once: the host as this run meets it
+        dist.barrier()
+        host = yardstick(workload, -(-workload.global_batch // world_size), case.seed)
+        dist.barrier()
     precision = None
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if it == pre + case.warmup_iters:
@@ -279,14 +282,13 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         losses.append(value)
         if progress is not None and it >= pre:
             progress(it + 1 - pre)
-    emulator.idle()
     result = {
         "rank": rank,
         "iter_times_s": iter_times,
         "loss_sums": losses,
         "peak_mem_gib": peak_mem_gib(device),
         "peak_mem_gib_per_iter": mems,
-        "emulation": emulator.report(probe_flops) if emulated else None,
+        "emulation": {**emulator.report(probe_flops), "yardstick": host} if emulated else None,
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
         "precision": precision,

@@ -69,17 +69,6 @@ class DataParallel:
         return DDPTrainer(self, model, ctx)
 
 
-def _allreduce_then_wait(emulator, bucket):
-    """DDP's default all-reduce hook (state: the rank's Emulator; a GradBucket in, a Future of
-    its tensor out; no annotations: DDP compares them with its own types, and this module's
-    are strings). After the last bucket, backward only waits for the sums, inside DDP's C++
-    where the emulator cannot see it, so the rank's compute turn ends (bench.emulation)."""
-    future = default_hooks.allreduce_hook(None, bucket)
-    if bucket.is_last():
-        emulator.idle()
-    return future
-
-
 class DDPTrainer:
     def __init__(self, method: DataParallel, model: nn.Module, ctx: RankContext):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -95,7 +84,7 @@ class DDPTrainer:
         if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.
-            self.ddp.register_comm_hook(ctx.emulator, _allreduce_then_wait)
+            self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         self.model = model
         self.emulator = ctx.emulator
         self.optimizer = torch.optim.Adam(model.parameters(), lr=method.lr)

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import hostcpu
 from bench.cluster import ClusterSpec
 from bench.cost import collective_time_s
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, Emulator
@@ -106,35 +105,28 @@ def test_collectives_take_the_emulated_link_time():
         assert expected_reduce - low <= done < expected_reduce + high, rank
 
 
-def test_a_calibration_case_predicts_the_run_as_the_host_realises_it(cfg_factory):
-    """emulation.predict_contention: one probe process per rank steps the plain model at its
-    rank's share, alone and in lockstep; the prediction slows each rank by its together time
-    over the host model's price, the planned time stays the configured cluster's, and the
-    emulated ranks still run at their configured speeds."""
+def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_factory):
+    """Every rank times plain steps of the model (bench.flops.yardstick) before its reference
+    iterations; the row's prediction is the simulator's at the median of their host speeds,
+    the planner's (at the parent's probe) stays as planned_iter_time_s."""
+    from bench.cost import simulate
+    from bench.flops import split_step
+    from bench.run import prepare_case, new_record
+
     cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
-                      "measured_iters=4", "emulation.predict_contention=true")
+                      "measured_iters=4")
     record = run_case(cfg)
     assert record.status == "ok", record.error
-    probe = record.host_contention
-    assert [r["samples"] for r in probe] == record.batch_shares
-    for r in probe:
-        assert r["alone_s"] > 0 and r["together_s"] > 0
-        assert r["factor"] == pytest.approx(r["together_s"] / r["host_model_s"])
-    assert record.planned_iter_time_s is not None
-    assert record.predicted_iter_time_s != record.planned_iter_time_s
-    assert [r["speed"] for r in record.emulation["ranks"]] == [1.0, 0.4]
-
-
-@pytest.mark.parametrize("method", ["dp_ev", "hap", "deepspeed"])
-def test_ranks_beyond_the_cores_measure_their_references_in_turns(cfg_factory, monkeypatch, method):
-    """4 ranks on 2 cores' worth of compute slots: every rank measured its reference in turns,
-    and none waited out bench.emulation.SLOT_WAIT_S for one. A method that blocks where the
-    emulator cannot see while it holds a turn (DDP's wait for its last bucket, without the
-    hook that gives the turn back) makes the others miss theirs."""
-    monkeypatch.setattr(hostcpu, "host_cores", lambda: 2)
-    cfg = cfg_factory("model=bert", "cluster=local_hetero4", f"method={method}", "warmup_iters=1",
-                      "measured_iters=2")
-    record = run_case(cfg)
-    assert record.status == "ok", record.error
-    for r in record.emulation["ranks"]:
-        assert r["compute_slots"] and r["slot_missed_intervals"] == 0, r
+    ranks = record.emulation["ranks"]
+    b = -(-record.global_batch // 2)
+    for r in ranks:
+        assert r["yardstick"]["batch"] == [b, 2 * b]
+        assert 0 < r["yardstick"]["seconds"][0] < r["yardstick"]["seconds"][1]
+    case = prepare_case(cfg, new_record(cfg))  # the same plan, priced again at the run's speed
+    models = sorted(split_step(case.workload, b, *r["yardstick"]["seconds"]) for r in ranks)
+    assert record.run_host_flops_per_s == pytest.approx((models[0][0] + models[1][0]) / 2)
+    run = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
+    assert record.predicted_iter_time_s == pytest.approx(simulate(case.plan.program, run, case.plan.ratios).iter_time_s)
+    assert record.planned_iter_time_s == pytest.approx(
+        simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s)
+    assert [r["speed"] for r in ranks] == [1.0, 0.4]

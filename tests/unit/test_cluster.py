@@ -209,21 +209,3 @@ def test_a_bad_device_file_names_its_path(tmp_path, text, stem, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)) as err:
         device_types(d)
     assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
-
-
-def test_host_contention_slows_each_rank_by_its_factor_in_the_simulator():
-    from bench.cost import simulate
-    from bench.program import data_parallel_program
-
-    cfg = compose_config("cluster=local_hetero2")
-    spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, step_overhead_s=0.001)
-    slowed = spec.with_host_contention([1.0, 1.5])
-    assert [d.effective_flops for d in slowed.devices] == pytest.approx([1e10, 0.4e10 / 1.5])
-    assert [d.step_overhead_s for d in slowed.devices] == pytest.approx([0.001, 0.001 / 0.4 * 1.5])
-    assert slowed.fingerprint() == spec.fingerprint()  # a host measurement, not the cluster
-    # Only the slow rank is slowed, and it alone sets the compute of an even split.
-    program = data_parallel_program(2, 8, [(1e9, 1e6)], 0.0, bucket_cap_bytes=2**20)
-    before, after = simulate(program, spec, [[0.5, 0.5]]), simulate(program, slowed, [[0.5, 0.5]])
-    assert after.compute_time_s == pytest.approx(1.5 * before.compute_time_s)
-    with pytest.raises(ValueError, match="3 contention factors for 2 devices"):
-        spec.with_host_contention([1.0, 1.0, 1.0])
