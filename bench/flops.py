@@ -102,7 +102,7 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     _host_speed_cache[key] = split_step(workload, b, t1, t2)
     if use_disk_cache:
         _write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
-                                      "step_overhead_s": fixed, "workload": workload.name,
+                                      "step_overhead_s": _host_speed_cache[key][1], "workload": workload.name,
                                       "batch_size": b})
     return _host_speed_cache[key]
 
