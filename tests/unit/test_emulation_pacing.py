@@ -110,3 +110,18 @@ def test_headroom_runs_the_rank_in_slow_motion(clock):
     walls = _iterate(emu, clock, {i: 0.002 for i in range(5)})
     assert walls[3:] == pytest.approx([0.008, 0.008])  # 2 ms x dilation 2 / headroom 0.5
     assert emu.report()["achieved_dilation"] == pytest.approx(2.0)
+
+
+def test_links_are_emulated_once_pacing_starts_not_while_the_reference_is_measured(clock):
+    """The iterations that set the reference measure compute: a collective there takes what
+    the loopback takes (no emulated link to sleep out); paced iterations pay the link."""
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=1))
+    assert emu._links_emulated  # a worker that never begins iterations (a link test) has links
+    emu.begin_iteration(0)
+    issued = clock.wall
+    clock.preempt(0.001)
+    assert emu.link_deadline("all_reduce", 10**9, None, issued) == clock.wall  # owes nothing
+    _iterate(emu, clock, {it: 0.002 for it in range(1, EmulationSettings.SKIPPED + 1)})
+    assert not emu._links_emulated
+    emu.begin_iteration(EmulationSettings.SKIPPED + 1)
+    assert emu.pacing and emu._links_emulated
