@@ -30,23 +30,26 @@ CASES: dict[str, list[str]] = {
     "vgg19_8m": ["model=vgg19"],
     "bert_moe_8m": ["model=bert_moe"],  # ~10 s
     "bert_64gpu": ["model=bert", "cluster.virtual_device=gpu"],  # <= 30 s
+    # paper_hetero scaled to 32 and 128 machines (256 and 1,024 GPUs): <= 10 s, no worse than linear
+    "bert_32m": ["model=bert", "cluster.machines.0.count=8", "cluster.machines.1.count=24"],
+    "bert_128m": ["model=bert", "cluster.machines.0.count=32", "cluster.machines.1.count=96"],
 }
 
 
 def prepare(case: str):
-    """(planner, workload, cluster) of one case, everything but the planning itself."""
-    from hydra import compose
+    """(planner, workload, cluster) of one case, everything but the planning itself. The
+    planner is conf/method/hap.yaml's, as bench.run instantiates it (segments, beam and all),
+    with the plan cache off."""
+    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     from bench.cluster import ClusterSpec
-    from bench.run import build_workload, initialize_configs
-    from methods.hap.planner import HapPlanner
+    from bench.run import build_workload, compose_config
 
-    overrides = ["preset=paper", "cluster=paper_hetero", "method=hap", "wandb.mode=disabled", *CASES[case]]
-    with initialize_configs():
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config("preset=paper", "cluster=paper_hetero", "method=hap", "wandb.mode=disabled",
+                         "method.cache_dir=null", *CASES[case])
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    return HapPlanner(cache_dir=None), build_workload(cfg, cluster), cluster
+    return instantiate(cfg.method), build_workload(cfg, cluster), cluster
 
 
 @pytest.mark.parametrize("case", list(CASES))
