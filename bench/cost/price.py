@@ -76,6 +76,13 @@ class LpAlgebra:
         self.tied_rows = tied_rows
         self._names = itertools.count()
         self._gaps: dict = {}
+        # (first, last) device of each run of neighbours that share their ratio variables
+        self._runs: list[tuple[int, int]] = []
+        for d in range(len(ratios[0]) if ratios else 0):
+            if self._runs and self.column(d) == self.column(self._runs[-1][0]):
+                self._runs[-1] = (self._runs[-1][0], d)
+            else:
+                self._runs.append((d, d))
 
     def at(self, a: Affine, device: int) -> Value:
         if a.is_constant:
@@ -102,9 +109,24 @@ class LpAlgebra:
     def reshard(self, alpha: float, beta_nbytes: float, src: int, dst: int) -> Value:
         if self.tied_rows:
             return 0.0
-        m = len(self.ratios[0])
         return alpha + beta_nbytes * self.max([self._gap(src, dst, d - 1) + self._gap(src, dst, d)
-                                               for d in range(m)])
+                                               for d in self._run_ends()])
+
+    def _run_ends(self) -> list[int]:
+        """The devices whose bound can be the largest: inside a run of devices with the same
+        variables the prefix difference is linear in the device index, so |gap(d-1)| + |gap(d)|
+        is convex along the run and its max is at one of the run's ends (exact, and linear in
+        the number of runs instead of quadratic in the number of devices)."""
+        return sorted({d for run in self._runs for d in run})
+
+    def _prefix(self, row: int, i: int) -> Value:
+        """The sum of `row`'s ratios of devices 0..i, one term per run."""
+        terms = []
+        for first, last in self._runs:
+            if first > i:
+                break
+            terms.append((min(last, i) - first + 1) * self.ratios[row][first])
+        return pulp.lpSum(terms)
 
     def _gap(self, src: int, dst: int, i: int) -> Value:
         """|prefix sum of src's first i+1 ratios - the same of dst|: how far the boundary
@@ -114,8 +136,7 @@ class LpAlgebra:
         key = (min(src, dst), max(src, dst), i)
         if key not in self._gaps:
             u = self.prob.add_variable(f"gap_{key[0]}_{key[1]}_{i}", lowBound=0)
-            diff = (pulp.lpSum(self.ratios[src][j] for j in range(i + 1))
-                    - pulp.lpSum(self.ratios[dst][j] for j in range(i + 1)))
+            diff = self._prefix(src, i) - self._prefix(dst, i)
             self.prob.addConstraint(u >= diff, f"{u.name}_pos")
             self.prob.addConstraint(u >= -diff, f"{u.name}_neg")
             self._gaps[key] = u

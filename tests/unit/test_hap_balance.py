@@ -164,3 +164,33 @@ def test_runs_of_compute_stages_priced_together_keep_the_lp_exact_and_optimal():
     assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)
     grid = [simulate(prog, cl, [[x / 100, 1 - x / 100]]).iter_time_s for x in range(0, 101)]
     assert obj <= min(grid) * (1 + 1e-6)
+
+
+def test_the_lp_reshard_bound_priced_at_run_ends_is_the_bound_over_every_device():
+    """The LP prices a reshard only at the ends of runs of devices that share ratio variables;
+    at fixed ratios its value must be the max over every device of the two boundary moves."""
+    import random
+
+    import pulp
+
+    from bench.cost.price import LpAlgebra
+
+    rng = random.Random(3)
+    classes = [0, 0, 0, 1, 1, 2, 2, 2, 2, 0, 0]  # runs of shared variables, a class seen twice
+    for _ in range(20):
+        prob = pulp.LpProblem("reshard", pulp.LpMinimize)
+        per_class = [[pulp.LpVariable(f"r{s}_{k}", lowBound=0) for k in range(3)] for s in range(2)]
+        values = [[rng.uniform(0.1, 1.0) for _ in range(3)] for _ in range(2)]
+        values = [[x / sum(row[c] for c in classes) for x in row] for row in values]  # rows sum to 1
+        for s in range(2):
+            for k in range(3):
+                prob += per_class[s][k] == values[s][k]
+        alg = LpAlgebra(prob, [[per_class[s][c] for c in classes] for s in range(2)])
+        prob += alg.reshard(0.0, 1.0, 0, 1)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        rows = [[values[s][c] for c in classes] for s in range(2)]
+        prefix = [[sum(row[: i + 1]) for i in range(len(row))] for row in rows]
+        gap = [abs(a - b) for a, b in zip(*prefix)]  # the last is 0: both rows sum to 1
+        every = max((gap[d - 1] if d else 0.0) + gap[d] for d in range(len(classes)))
+        assert pulp.value(prob.objective) == pytest.approx(every, rel=1e-7, abs=1e-9)
+        assert len(alg._run_ends()) < len(classes)
