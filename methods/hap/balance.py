@@ -67,27 +67,20 @@ def balance_ratios(
             for k, var in enumerate(per_class[s]):
                 prob += var == per_class[0][k], f"tie_{s}_{k}"
     alg = LpAlgebra(prob, r, tied_rows and g > 1)
-    objective = iteration_time(program, cluster, vdevs, alg)
     if memory_limit:
         total = program.memory.params + program.memory.grads + program.memory.optimizer
         for v in (vdevs[d] for d, _ in alike(vdevs, alg)):
             cap = v.memory_bytes - memory_reserve_gib * 2**30
             per_gpu = pulp.lpSum([alg.at(total, v.index), alg.at(program.memory.activations, v.index) * (1.0 / v.num_gpus)])
             prob += per_gpu <= cap, f"mem_{v.index}"
-    prob += objective if not isinstance(objective, (int, float)) else pulp.lpSum([objective])
-    # PuLP 3.3 deprecates PULP_CBC_CMD (the bundled CBC) in favour of COIN_CMD with a
-    # separately installed CBC; we keep the bundled one (nothing else to install).
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    prob.solve(solver)
-    status = pulp.LpStatus[prob.status]
-    # PuLP reports "Optimal" at a time limit too: sol_status tells the two apart.
-    if status != "Optimal" or prob.sol_status != pulp.LpSolutionOptimal:
-        what = "memory per device" if memory_limit else "ratio"
-        raise InfeasibleError(
-            f"load-balancing LP is {status} (solution status {pulp.LpSolution.get(prob.sol_status, prob.sol_status)}); "
-            f"the {what} constraints cannot all hold for cluster {cluster.name!r}"
-            + ("; the program does not fit in memory with any ratios" if memory_limit else "")
-        )
+        # Whether any ratios fit is a question of these few rows alone: answer it before the
+        # objective (thousands of rows on a deep model) is built and solved. (A stand-in
+        # objective: PuLP writes an invalid model when re-solving one first solved without.)
+        prob.setObjective(pulp.lpSum(per_class[0]))
+        _solve(prob, time_limit_s, "memory per device", cluster, memory_limit)
+    objective = iteration_time(program, cluster, vdevs, alg)
+    prob.setObjective(objective if not isinstance(objective, (int, float)) else pulp.lpSum([objective]))
+    _solve(prob, time_limit_s, "memory per device" if memory_limit else "ratio", cluster, memory_limit)
     ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
     ratios = [[x / sum(row) for x in row] for row in ratios]
     for s in range(1, g):
@@ -99,6 +92,22 @@ def balance_ratios(
                 break
     # One device (or nothing the ratios change): the objective is a number, PuLP's value None.
     return ratios, float(objective if isinstance(objective, (int, float)) else pulp.value(prob.objective))
+
+
+def _solve(prob: pulp.LpProblem, time_limit_s: float | None, what: str, cluster: ClusterSpec,
+           memory_limit: bool) -> None:
+    """Solve with PuLP's bundled CBC (PULP_CBC_CMD, deprecated in PuLP 3.3 in favour of
+    COIN_CMD with a separately installed CBC; we keep the bundled one: nothing else to install).
+    Anything but an optimal solution is an InfeasibleError naming the constraint family."""
+    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+    status = pulp.LpStatus[prob.status]
+    # PuLP reports "Optimal" at a time limit too: sol_status tells the two apart.
+    if status != "Optimal" or prob.sol_status != pulp.LpSolutionOptimal:
+        raise InfeasibleError(
+            f"load-balancing LP is {status} (solution status {pulp.LpSolution.get(prob.sol_status, prob.sol_status)}); "
+            f"the {what} constraints cannot all hold for cluster {cluster.name!r}"
+            + ("; the program does not fit in memory with any ratios" if memory_limit else "")
+        )
 
 
 def shard_lengths(length: int, ratios: Sequence[float], unit: int = 1) -> list[int]:
