@@ -348,10 +348,10 @@ def _order(graph: Graph, theory: Theory) -> tuple[list[str], dict[str, int]]:
 def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None) -> SearchResult:
     """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices).
 
-    score = cost so far + the remaining ops' cheapest computation at infinite bandwidth, with
-    the gradient sync of the parameters each op creates (admissible: every remaining op runs
-    one of its triples, creates the sources it reads first, and collectives cost >= 0). Ties
-    go to the deeper state, so complete programs (and their bound) come early.
+    score = cost so far + a lower bound on the remaining ops' cost (_remaining_bound: their
+    cheapest triples, the sync of the sources they create and the re-layouts along chains of
+    ops, priced as the moves are). Ties go to the deeper state, so complete programs (and
+    their bound) come early.
 
     beam_width: expand at most this many states per position (None: no cap). States at one
     position share the heuristic, so A* pops them cheapest first and the cap keeps the
@@ -433,11 +433,11 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     return SearchResult(steps, best_cost, stats, best_final)
 
 
-def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
-    """min_rest[i]: a lower bound on the cost of ops i.. : per op the cheapest triple plus the
-    sync of the sources it is the first to read, in the layout that triple asks for."""
+def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
+    """op -> positions (into its inputs) of the sources it is the first op to read: the step
+    that creates them (a source is fused into its first consumer)."""
     seen: set[str] = set()
-    first: dict[str, list[int]] = {}  # op -> positions (into its inputs) of sources it creates
+    first: dict[str, list[int]] = {}
     for name in order:
         node = theory.graph[name]
         for k, t in enumerate(node.inputs):
@@ -448,19 +448,100 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
         seen.update(node.shape_inputs)
         for r in theory.rules[name]:
             seen.update(t for t, _ in r.shape_pre)
-    n = len(order)
-    out = [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        name = order[i]
+    return first
+
+
+def _chains(theory: Theory, order: list[str], last_input_first: bool = False) -> dict[int, tuple[int, int]]:
+    """Each op's successor in a cover of the graph by chains: position -> (position of the
+    first later op that reads its output and has no predecessor yet, which input that is).
+    Every op has at most one predecessor and one successor, so each tensor feeds one chain edge.
+    An op with several computed inputs takes its first one as predecessor, or its last one
+    (`last_input_first`): the two covers relax different edges."""
+    index = {name: i for i, name in enumerate(order)}
+    succ: dict[int, tuple[int, int]] = {}
+    for i, name in enumerate(order):
         inputs = theory.graph[name].inputs
-        best = float("inf")
+        ks = [k for k, t in enumerate(inputs) if t not in inputs[:k]]
+        for k in reversed(ks) if last_input_first else ks:
+            j = index.get(inputs[k])
+            if j is not None and j not in succ:
+                succ[j] = (i, k)
+                break
+    return succ
+
+
+def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
+    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
+    larger of two chain bounds (_chain_bound), whose covers relax different edges."""
+    first = _first_reads(theory, order)
+    own = []  # per op, per triple: its compute and the sync of the sources it creates
+    for name in order:
+        inputs = theory.graph[name].inputs
+        row = []
         for r in theory.rules[name]:
             t = cost.rule_time(name, r)
             for k in first.get(name, ()):
                 if r.pre[k] in theory.sources[inputs[k]]:
                     t += cost.source_time(inputs[k], r.pre[k], r)
-            best = min(best, t)
-        out[i] = out[i + 1] + best
+            row.append(t)
+        own.append(row)
+    relayout: dict = {}
+    bounds = [_chain_bound(theory, cost, order, _chains(theory, order, last), own, relayout) for last in (False, True)]
+    return [max(b) for b in zip(*bounds)]
+
+
+def _chain_bound(theory: Theory, cost: CostModel, order: list[str], succ: dict[int, tuple[int, int]],
+                 own: list[list[float]], relayout: dict) -> list[float]:
+    """A lower bound on the cost of ops i.. for every i, along the chains of `succ`.
+
+    Ops are covered by chains (_chains: each op's output feeds at most one chain edge). Along a
+    chain the bound prices exactly what the search would: each op's cheapest triple with the
+    sync of the sources it creates, plus the re-layout of the tensor on each chain edge from
+    the layout its producer leaves to the one its consumer asks for (nothing if they are
+    equal, else the cheapest collective between them: the search communicates a tensor at
+    most once, so a consumer reads either the produced layout or the one collective's). Inputs
+    off the chain, reshards between segments and the loss's final collective are relaxed to
+    free. Every complete program pays at least this along every chain, so the sum of the
+    chains' suffixes from position i is admissible; it is the same for every state at i."""
+    graph = theory.graph
+    n = len(order)
+
+    def edge(t: str, have: Layout, want: Layout) -> float:
+        if have == want:
+            return 0.0
+        node = graph[t]  # what a re-layout's options and price depend on: not the tensor's name
+        key = (node.shape, node.nbytes, cost.home[t], t in theory.no_comm, have, want)
+        if key not in relayout:
+            options = [] if t in theory.no_comm else [c for c in theory.comm(t, have) if c.dst == want]
+            relayout[key] = min((cost.comm_time(c) for c in options), default=math.inf)
+        return relayout[key]
+
+    # wants[i]: input layout of op i's chain predecessor's tensor -> the cheapest price of op i
+    # run by a triple that asks for it, plus the rest of its chain.
+    wants: list[dict] = [{} for _ in range(n)]
+    chain_rest = [0.0] * n  # the cheapest price of op i's chain from op i on
+    pred = {i: k for i, k in succ.values()}
+    for i in range(n - 1, -1, -1):
+        name = order[i]
+        nxt = succ.get(i)
+        after: dict = {}  # post layout -> cheapest re-layout plus the rest of the chain
+        rest = math.inf
+        for r, t in zip(theory.rules[name], own[i]):
+            if nxt is not None:
+                if r.post not in after:
+                    after[r.post] = min((edge(name, r.post, want) + v for want, v in wants[nxt[0]].items()),
+                                        default=math.inf)
+                t += after[r.post]
+            rest = min(rest, t)
+            if i in pred:
+                want = r.pre[pred[i]]
+                wants[i][want] = min(wants[i].get(want, math.inf), t)
+        chain_rest[i] = rest
+    out = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):  # op i's chain contributes from op i instead of its successor
+        nxt = succ.get(i)  # chain_rest[i] >= chain_rest[nxt]: both finite or op i's is inf
+        gain = chain_rest[i] - (chain_rest[nxt[0]] if nxt is not None else 0.0)
+        out[i] = math.inf if math.isinf(chain_rest[i]) else out[i + 1] + gain
     return out
 
 

@@ -96,3 +96,56 @@ def test_a_star_matches_brute_force_with_two_segments(rows):
     program = build_program(best.steps, cost, grad_overlap=False)
     assert program.num_segments == 2
     assert simulate(program, cl, rows).iter_time_s == pytest.approx(best.cost_s, rel=1e-9)
+
+
+class Residual(nn.Module):
+    """Tensors with several readers and ops with several computed inputs: chains cross."""
+
+    def __init__(self, d=32, h=128):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+        self.gate = nn.Linear(d, d)
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x, y):
+        z = self.fc2(torch.relu(self.fc1(x))) + x
+        z = z * torch.sigmoid(self.gate(x))
+        return F.cross_entropy(self.out(z), y, reduction="sum")
+
+
+@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (256, 10.0, Residual),
+                                                    (16, 1.0, Residual), (4096, 100.0, Residual)])
+def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
+    """A*'s bound at position i (search._remaining_bound) against the exact cost of the cheapest
+    completion, computed for every state the search can reach at i (memoised over states)."""
+    from functools import lru_cache
+
+    from methods.hap.search import _finish, _order, _remaining_bound, _successors
+
+    with torch.device("meta"):
+        net = model()
+    d = net.fc1.in_features
+    graph = capture(net, (torch.empty(batch, d, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")))
+    theory = derive_theory(graph)
+    cost = CostModel(theory, cluster(inter_gbps), "gpu", compute_proportional_ratios(cluster(inter_gbps), "gpu"))
+    order, last_use = _order(graph, theory)
+    bound = _remaining_bound(theory, cost, order)
+
+    @lru_cache(maxsize=None)
+    def rest(pos, props, communicated):
+        if pos == len(order):
+            extra = _finish(props, communicated, graph.loss, cost)
+            return float("inf") if extra is None else extra[0]
+        out = float("inf")
+        for _, c, add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
+            live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
+            comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
+            out = min(out, c + rest(pos + 1, live, comm_live))
+        assert bound[pos] <= out * (1 + 1e-12), f"bound {bound[pos]} > cheapest completion {out} at {order[pos]}"
+        return out
+
+    best = rest(0, frozenset(), frozenset())
+    assert best == pytest.approx(synthesize(theory, cost).cost_s, rel=1e-12)
+    assert rest.cache_info().currsize > len(order)  # several states per position were checked
+    assert bound[0] > min(cost.rule_time(order[0], r) for r in theory.rules[order[0]])  # not trivial
