@@ -48,7 +48,7 @@ def plan_case(model: str, k: int, *overrides: str) -> dict:
     d = plan.details
     return {"iter_time_s": d["predicted_iter_time_s"], "oom": d["oom"], "chosen": d["chosen"],
             "planned_s": time.perf_counter() - start, "expanded": d["states_expanded"],
-            "exact": d["search_exact"]}
+            "exact": d["search_exact"], "beam_width": planner.beam_width}
 
 
 def monotonicity(models, ks, overrides) -> list[dict]:
@@ -96,7 +96,7 @@ def print_monotonicity(rows: list[dict], console: Console) -> None:
 
 
 def beam_vs_exact(models, ks, overrides, console: Console) -> list[dict]:
-    table = Table(title="beam (method.beam_width=100) vs exact A* (beam_width=null)")
+    table = Table()
     for col in ("model", "k", "beam ms", "exact ms", "difference", "beam states", "exact states",
                 "beam s", "exact s", "beam bit"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -110,6 +110,8 @@ def beam_vs_exact(models, ks, overrides, console: Console) -> list[dict]:
                           f"{beam['iter_time_s'] / exact['iter_time_s'] - 1:+.2%}",
                           str(beam["expanded"]), str(exact["expanded"]), f"{beam['planned_s']:.1f}",
                           f"{exact['planned_s']:.1f}", "no" if beam["exact"] else "yes")
+    width = rows[0]["beam"]["beam_width"] if rows else None
+    table.title = f"beam (method.beam_width={width}) vs exact A* (beam_width=null)"
     console.print(table)
     return rows
 

@@ -125,7 +125,7 @@ class HapPlanner:
     fuse_routing: bool = True
     levels: str = "both"
     max_expansions: int = 2_000_000
-    beam_width: int | None = 100
+    beam_width: int | None = 40
     cache_dir: str | None = None
     lr: float = 5e-4  # Adam, for mode=real (methods.hap.runtime); not a planning option
     grad_clip: float = 0.0  # max global grad norm in mode=real; 0 = off
