@@ -67,6 +67,28 @@ class FunctionalTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return False
 
+    def trace(self, root, concrete_args=None):
+        # fx.Tracer.getattr finds an attribute's name by scanning every named parameter (and
+        # buffer) of the root at each access: quadratic in depth (ViT-48: 1.5M named_modules
+        # calls). The same first names, looked up by identity.
+        self._names: tuple[dict, dict] = ({}, {})
+        if isinstance(root, nn.Module):
+            for table, items in zip(self._names, (root.named_parameters(), root.named_buffers())):
+                for name, value in items:
+                    table.setdefault(id(value), name)
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        params, buffers = self._names
+        name = params.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes and isinstance(attr_val, torch.Tensor):
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
 
 @dataclass
 class Node:
@@ -103,7 +125,7 @@ class Node:
     def nbytes(self) -> int:
         if self.dtype is None:
             return 0
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
@@ -114,10 +136,6 @@ class Node:
     def where(self) -> str:
         target = self.fx_node.target
         return f"fx node {self.name!r} (op {self.kind}, target {getattr(target, '__module__', '')}.{self.op})"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 @dataclass
@@ -168,7 +186,7 @@ class Graph:
             if n.op in _SAVES_OUTPUT:
                 out[n.name] = 1.0
             if n.op == "dropout" and n.shape is not None and n.dtype is not None:
-                out[n.name] = max(out.get(n.name, 0.0), 1.0 / _itemsize(n.dtype))
+                out[n.name] = max(out.get(n.name, 0.0), 1.0 / n.dtype.itemsize)
             if n.op in _SAVES_INPUTS:
                 for i in n.inputs:
                     src = self[i]
