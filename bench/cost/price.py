@@ -321,14 +321,14 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
         if stage_log is not None:
             stage_log.append((comm + sync, comp))
         if run is not None:
-            compute_end = compute_end + run.flush()  # what came before this stage
+            compute_end += run.flush()  # what came before this stage (in place: an LP sum grows)
         if not st.collectives or (_is_zero(comm) and not st.overlap):
-            compute_end = compute_end + comp
+            compute_end += comp
         else:
             start = compute_end if network_idle else alg.max([compute_end, network_end])
             network_end = start + comm
             if st.overlap:
-                compute_end = compute_end + comp
+                compute_end += comp
                 network_idle = False
             else:
                 compute_end = network_end + comp
@@ -337,7 +337,7 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
             intra_end = (compute_end if intra_idle else alg.max([compute_end, intra_end])) + sync
             intra_idle = False
     if run is not None:
-        compute_end = compute_end + run.flush()
+        compute_end += run.flush()
     ends = [compute_end] + ([] if network_idle else [network_end]) + ([] if intra_idle else [intra_end])
     end = ends[0] if len(ends) == 1 else alg.max(ends)
     return end + optimizer_time(program, vdevs, alg) + max(d.step_overhead_s for d in cluster.devices)
