@@ -58,14 +58,14 @@ def balance_ratios(
     # free rows, the reshard bound depends on device order: there, equal ratios per class is a
     # restriction, and the simulator judges the result). The LP's size and the price's work
     # then depend on the number of device types, not of devices (bench.cost.price.alike).
+    # Tied rows are one row of variables that every segment reads (not g rows held equal by
+    # constraints: the same LP, a quarter of the model for CBC at 4 segments).
     classes = device_classes(cluster, vdevs)
-    per_class = [[prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)] for s in range(g)]
-    r = [[per_class[s][classes[d]] for d in range(m)] for s in range(g)]
-    for s in range(g):
+    rows = 1 if tied_rows else g
+    per_class = [[prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)] for s in range(rows)]
+    r = [[per_class[min(s, rows - 1)][classes[d]] for d in range(m)] for s in range(g)]
+    for s in range(rows):
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
-        if tied_rows and s:
-            for k, var in enumerate(per_class[s]):
-                prob += var == per_class[0][k], f"tie_{s}_{k}"
     alg = LpAlgebra(prob, r, tied_rows and g > 1)
     if memory_limit:
         total = program.memory.params + program.memory.grads + program.memory.optimizer
