@@ -183,6 +183,7 @@ def fig_synthesis_time(out: Path) -> None:
         ax.plot(sub.x, sub.planner_time_s, marker="o")
         ax.set_xlabel(sweep)
         ax.set_ylabel("planner time (s)")
+        ax.set_ylim(bottom=0)  # from zero: a second's jitter must not read as growth
     _save(fig, data, "synthesis_time", out)
 
 
