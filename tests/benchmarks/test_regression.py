@@ -32,3 +32,15 @@ def test_the_check_flags_a_worse_plan_and_a_lost_case():
     assert verdict == {"sim_iter_time_s:a": True, "sim_iter_time_s:b": True,
                        "iter_over_compute:c": False, "iter_over_compute:d": True}
     assert "REGRESSION" in _report(regress.compare(base, new), "abc")
+
+
+def test_a_rebaseline_over_sessions_keeps_each_figure_median_and_every_session(monkeypatch, tmp_path):
+    values = iter([{"iter_over_compute:a": 1.2, "iter_over_compute:b": 2.0},
+                   {"iter_over_compute:a": 1.4, "iter_over_compute:b": 2.2},
+                   {"iter_over_compute:a": 1.3}])  # a figure one session lost is not kept
+    monkeypatch.setattr(regress, "measured_figures", lambda slowdown=0.0: next(values))
+    figures, sessions = regress.measured_sessions(3)
+    assert figures == {"iter_over_compute:a": 1.3} and len(sessions) == 3
+    regress.write_baseline(figures, tmp_path / "b.json", sessions=sessions, note="why")
+    body = regress.load_baseline(tmp_path / "b.json")
+    assert body["figures"] == figures and body["measured_sessions"] == sessions and body["note"] == "why"
