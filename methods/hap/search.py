@@ -452,11 +452,11 @@ def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
 
 
 def _chains(theory: Theory, order: list[str], last_input_first: bool = False) -> dict[int, tuple[int, int]]:
-    """Each op's successor in a cover of the graph by chains: position -> (position of the
-    first later op that reads its output and has no predecessor yet, which input that is).
-    Every op has at most one predecessor and one successor, so each tensor feeds one chain edge.
-    An op with several computed inputs takes its first one as predecessor, or its last one
-    (`last_input_first`): the two covers relax different edges."""
+    """A cover of the graph by chains: position of an op -> (position of its successor, which
+    input of the successor its output is). In topological order each op takes as predecessor
+    its first computed input whose producer has no successor yet (its last such input with
+    `last_input_first`: the two covers relax different edges). Every op has at most one
+    predecessor and one successor, so each tensor is charged on at most one chain edge."""
     index = {name: i for i, name in enumerate(order)}
     succ: dict[int, tuple[int, int]] = {}
     for i, name in enumerate(order):
