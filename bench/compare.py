@@ -16,6 +16,7 @@ computed round by round (same round, same machine state) with its own interval.
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
 import uuid
 from dataclasses import asdict
@@ -124,6 +125,9 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
             continue
         summary = summaries[m] = summarize(times[m])
         agg.iter_time_s_mean, agg.iter_time_s_std = summary.median, None
+        planned = [r.planner_time_s for r in ok if r.planner_time_s is not None]
+        if planned:  # the median round's, not the last round's (a cache load once took 219 ms)
+            agg.planner_time_s = statistics.median(planned)
         last = ok[-1]
         fill_rates(agg, summary.median, agg.global_batch,
                    last.tokens_per_s and last.tokens_per_s / last.samples_per_s)

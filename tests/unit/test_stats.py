@@ -54,3 +54,10 @@ def test_speedups_are_taken_round_by_round_and_a_failed_round_fails_the_aggregat
     assert out["hap"].status == "failed" and out["hap"].samples_per_s is None
     assert "1 of 3 repeats ended failed: rank 1 failed" in out["hap"].error
     assert cp["rank"] == 1 and out["dp_ev"].aggregate["rank"] == 1  # overlapping: a tie
+
+
+def test_the_aggregate_planner_time_is_the_median_round_not_the_last():
+    rows = [_row("hap", 0.05) for _ in range(3)]
+    for row, planned in zip(rows, (0.002, 0.003, 0.219)):  # the last round's cache load stalled
+        row.planner_time_s = planned
+    assert aggregate_rounds({"hap": rows})["hap"].planner_time_s == 0.003
