@@ -6,6 +6,8 @@ DDP's average over ranks equals the gradient of the mean loss over the whole glo
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -78,9 +80,13 @@ class DDPTrainer:
         # the emulator cannot see, where a fast rank waits for a slow one inside its forward.
         # Only buffers that training changes (batch norm's running statistics) need it; the
         # zoo's are constants (attention masks).
+        # (torch 2.13 renamed the flag forward_sync_buffers and warns on the old name; buffers are
+        # still synchronised once at construction, which changes nothing: every rank builds the
+        # model from one seed.)
         running_stats = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb,
-                        broadcast_buffers=running_stats) if self.distributed else model)
+                        **{flag: running_stats}) if self.distributed else model)
         if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.
