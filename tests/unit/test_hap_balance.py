@@ -179,7 +179,7 @@ def test_the_lp_reshard_bound_priced_at_run_ends_is_the_bound_over_every_device(
     classes = [0, 0, 0, 1, 1, 2, 2, 2, 2, 0, 0]  # runs of shared variables, a class seen twice
     for _ in range(20):
         prob = pulp.LpProblem("reshard", pulp.LpMinimize)
-        per_class = [[pulp.LpVariable(f"r{s}_{k}", lowBound=0) for k in range(3)] for s in range(2)]
+        per_class = [[prob.add_variable(f"r{s}_{k}", lowBound=0) for k in range(3)] for s in range(2)]
         values = [[rng.uniform(0.1, 1.0) for _ in range(3)] for _ in range(2)]
         values = [[x / sum(row[c] for c in classes) for x in row] for row in values]  # rows sum to 1
         for s in range(2):
