@@ -83,6 +83,11 @@ class LpAlgebra:
                 self._runs[-1] = (self._runs[-1][0], d)
             else:
                 self._runs.append((d, d))
+        # The devices whose reshard bound can be the largest: inside a run of devices with the
+        # same variables the prefix difference is linear in the device index, so
+        # |gap(d-1)| + |gap(d)| is convex along the run and its max is at one of the run's ends
+        # (exact, and linear in the number of runs instead of quadratic in the devices).
+        self._run_ends = sorted({d for run in self._runs for d in run})
 
     def at(self, a: Affine, device: int) -> Value:
         if a.is_constant:
@@ -110,14 +115,7 @@ class LpAlgebra:
         if self.tied_rows:
             return 0.0
         return alpha + beta_nbytes * self.max([self._gap(src, dst, d - 1) + self._gap(src, dst, d)
-                                               for d in self._run_ends()])
-
-    def _run_ends(self) -> list[int]:
-        """The devices whose bound can be the largest: inside a run of devices with the same
-        variables the prefix difference is linear in the device index, so |gap(d-1)| + |gap(d)|
-        is convex along the run and its max is at one of the run's ends (exact, and linear in
-        the number of runs instead of quadratic in the number of devices)."""
-        return sorted({d for run in self._runs for d in run})
+                                               for d in self._run_ends])
 
     def _prefix(self, row: int, i: int) -> Value:
         """The sum of `row`'s ratios of devices 0..i, one term per run."""

@@ -193,4 +193,4 @@ def test_the_lp_reshard_bound_priced_at_run_ends_is_the_bound_over_every_device(
         gap = [abs(a - b) for a, b in zip(*prefix)]  # the last is 0: both rows sum to 1
         every = max((gap[d - 1] if d else 0.0) + gap[d] for d in range(len(classes)))
         assert pulp.value(prob.objective) == pytest.approx(every, rel=1e-7, abs=1e-9)
-        assert len(alg._run_ends()) < len(classes)
+        assert len(alg._run_ends) < len(classes)
