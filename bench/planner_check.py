@@ -35,14 +35,18 @@ PARTS_OFF = {
 TOLERANCE = 1e-9  # relative: a variant is "faster" only beyond float noise
 
 
+def paper_planning(*overrides: str):
+    """(planner, workload, cluster) of hap on paper_hetero at the paper preset, as bench.run
+    builds them from conf/method/hap.yaml (plan cache off), before any planning."""
+    cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
+                         "method.cache_dir=null", "wandb.mode=disabled", *overrides)
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    return _instantiate(cfg.method, "method"), build_workload(cfg, cluster), cluster
+
+
 def plan_case(model: str, k: int, *overrides: str) -> dict:
     """Plan one case on paper_hetero (plan cache off); its predicted time and planner stats."""
-    cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
-                         "method.cache_dir=null", "wandb.mode=disabled",
-                         f"cluster.gpus_per_machine={k}", f"model={model}", *overrides)
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    workload = build_workload(cfg, cluster)
-    planner = _instantiate(cfg.method, "method")
+    planner, workload, cluster = paper_planning(f"cluster.gpus_per_machine={k}", f"model={model}", *overrides)
     start = time.perf_counter()
     plan = planner.plan(workload, cluster)
     d = plan.details

@@ -19,6 +19,9 @@ from bench.program import data_parallel_program
 from bench.shares import round_shares
 from methods.capture import capture_config
 
+# DDP's flag for syncing buffers before each forward, by the name this torch knows.
+_BUFFER_FLAG = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+
 SPLITS = ("even", "compute")
 
 
@@ -84,9 +87,8 @@ class DDPTrainer:
         # still synchronised once at construction, which changes nothing: every rank builds the
         # model from one seed.)
         running_stats = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
-        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb,
-                        **{flag: running_stats}) if self.distributed else model)
+                        **{_BUFFER_FLAG: running_stats}) if self.distributed else model)
         if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.

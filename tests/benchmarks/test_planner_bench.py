@@ -21,14 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# name -> Hydra overrides (as for bench.run); issue 3's targets in the comments.
+# name -> Hydra overrides (as for bench.run); issue 12's goals in the comments.
 CASES: dict[str, list[str]] = {
     "bert_8m": ["model=bert"],  # <= 3 s
     "vit12_8m": ["model=vit"],
     "vit24_8m": ["model=vit", "+model.spec.num_layers=24"],
-    "vit48_8m": ["model=vit", "+model.spec.num_layers=48"],
+    "vit48_8m": ["model=vit", "+model.spec.num_layers=48"],  # <= 4x vit12_8m
     "vgg19_8m": ["model=vgg19"],
-    "bert_moe_8m": ["model=bert_moe"],  # ~10 s
+    "bert_moe_8m": ["model=bert_moe"],  # <= 5 s
     "bert_64gpu": ["model=bert", "cluster.virtual_device=gpu"],  # <= 30 s
     # paper_hetero scaled to 32 and 128 machines (256 and 1,024 GPUs): <= 10 s, no worse than linear
     "bert_32m": ["model=bert", "cluster.machines.0.count=8", "cluster.machines.1.count=24"],
@@ -37,19 +37,11 @@ CASES: dict[str, list[str]] = {
 
 
 def prepare(case: str):
-    """(planner, workload, cluster) of one case, everything but the planning itself. The
-    planner is conf/method/hap.yaml's, as bench.run instantiates it (segments, beam and all),
-    with the plan cache off."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+    """(planner, workload, cluster) of one case, everything but the planning itself: the
+    planner is conf/method/hap.yaml's as bench.run builds it (segments, beam and all)."""
+    from bench.planner_check import paper_planning
 
-    from bench.cluster import ClusterSpec
-    from bench.run import build_workload, compose_config
-
-    cfg = compose_config("preset=paper", "cluster=paper_hetero", "method=hap", "wandb.mode=disabled",
-                         "method.cache_dir=null", *CASES[case])
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    return instantiate(cfg.method), build_workload(cfg, cluster), cluster
+    return paper_planning(*CASES[case])
 
 
 @pytest.mark.parametrize("case", list(CASES))
