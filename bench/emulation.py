@@ -13,7 +13,9 @@ runs the whole emulated cluster in slow motion (links too), so that even a speed
 time to absorb a slowed-down burst; reported times are emulated time (wall x headroom).
 
 Links: every torch.distributed collective takes at least the alpha-beta time of the emulated link
-(bench.cost), stretched by 1 / headroom; back-to-back collectives queue on one link clock.
+(bench.cost), stretched by 1 / headroom, counted from the moment its last member arrived (the
+ranks of one host note when they issue each collective on a board in shared memory); back-to-back
+collectives queue on one link clock.
 Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device: cuda`) paces
 links only (`pace_compute=False`): its ranks' compute runs real kernels at their MPS share of the
 GPU (bench.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
@@ -21,14 +23,19 @@ GPU (bench.mps), at headroom 1, and `measure_matmul_flops` checks the speed each
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
 import os
+import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -83,6 +90,7 @@ class Emulator:
         self._last_cpu = (threading.get_ident(), time.thread_time())
         self._link_free_at: dict[int, float] = {}  # per link level this rank uses (id of the Link)
         self._loopback = (0.0, float("inf"))  # real collective cost here, measured at install
+        self._board: ArrivalBoard | None = None  # when this host's ranks issued each collective
         self._lock = threading.Lock()
         self._paused = False
         # Pacing: per-iteration interval lists while referencing, then their medians.
@@ -107,6 +115,7 @@ class Emulator:
         self.achieved_s = 0.0  # wall time they took (compute + dilation sleep)
         self.reference_s = 0.0  # their full-pace reference
         self.unreferenced = 0  # intervals with no reference (an iteration longer than the ref)
+        self.links = [0, 0]  # emulated collectives: all, and those timed from the last arrival
 
     # -- compute ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -218,18 +227,30 @@ class Emulator:
             "reference_wall_s": list(self._reference_wall or ()),
             "shared_reference": self.settings.reference is not None,
             "slept_s": self.slept_s,
+            # Of the measured iterations' emulated collectives, the share whose link time counted
+            # from the last member's arrival (the rest: from completion, less the loopback fit).
+            "links_from_arrival": self.links[1] / self.links[0] if self.links[0] else None,
         }
 
     # -- links -----------------------------------------------------------------------------
-    def link_deadline(self, kind: str, nbytes: int, group, issued: float) -> float:
+    def arrive(self, group) -> tuple[int, int] | None:
+        """Note on the board that this rank issues its next collective on `group` now; the
+        token names that collective for link_deadline."""
+        return None if self._board is None else self._board.arrive(group, self.rank)
+
+    def link_deadline(self, kind: str, nbytes: int, group, issued: float,
+                      token: tuple[int, int] | None = None) -> float:
         """When the emulated link delivers a collective whose real run just completed.
 
-        Completion is the one moment every rank has arrived, so the emulated time counts from
-        there (counting from a rank's own issue time would let an early rank leave before the
-        transfer is done). The real loopback collective already took its own time; only the
-        rest is owed. Collectives queue on one clock per rank and link level: a machine's
-        internal link and its network link carry transfers side by side. A gather or scatter
-        (to and from a machine's leader) moves the parts of all ranks: its size is theirs.
+        The link carries the data once every member has arrived. Where the board has every
+        member's arrival (`token`), the emulated time counts from the last one and the real
+        run, which went on meanwhile, is part of it. Otherwise it counts from the completion,
+        the first moment known to follow every arrival (counting from the rank's own issue
+        would let an early rank leave before the transfer is done), and the real loopback
+        collective's fitted cost is taken off. Collectives queue on one clock per rank and
+        link level: a machine's internal link and its network link carry transfers side by
+        side. A gather or scatter (to and from a machine's leader) moves the parts of all
+        ranks: its size is theirs.
         """
         if not self.enabled or self._paused or not self._links_emulated:
             return time.perf_counter()
@@ -239,14 +260,20 @@ class Emulator:
         if kind in ("gather", "scatter"):
             nbytes *= len(ranks)
         emulated = collective_time_s(kind, nbytes, len(ranks), link) * self.wall_per_emulated_s
+        last = None if token is None or self._board is None else self._board.last_arrival(token, ranks)
         alpha, bytes_per_s = self._loopback
         # A rank that arrived last saw the real cost exactly (issue to completion); the fitted
         # loopback model covers the others.
         real = min(alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s,
                    time.perf_counter() - issued)
         with self._lock:
-            start = max(time.perf_counter(), self._link_free_at.get(id(link), 0.0))
-            self._link_free_at[id(link)] = start + max(0.0, emulated - real)
+            now, free = time.perf_counter(), self._link_free_at.get(id(link), 0.0)
+            self.links[0] += 1
+            if last is not None:
+                self.links[1] += 1
+                self._link_free_at[id(link)] = max(now, max(last, free) + emulated)
+            else:
+                self._link_free_at[id(link)] = max(now, free) + max(0.0, emulated - real)
             return self._link_free_at[id(link)]
 
     def install(self) -> None:
@@ -256,8 +283,90 @@ class Emulator:
         sets up: DeepSpeed keeps references to the collectives at initialize.
         """
         if self.enabled:
-            self._loopback = _measure_loopback()
+            if dist.get_world_size() > 1:
+                self._board = ArrivalBoard.open(dist.get_world_size())
+            self._loopback = _measure_loopback()  # its collectives: every rank has the board after
             _install_wrappers(self)
+
+
+class ArrivalBoard:
+    """When each rank of this host issued its k-th collective on each process group, in a file
+    in shared memory every rank of the run maps (perf_counter is one clock for all processes
+    of a host). Ranks call collectives on a group in the same order, so (group, k) is the same
+    collective on every member. A cell holds (k, issue time); a member whose cell holds another
+    k (a rank on another host, or one SLOTS collectives ahead) makes the arrival unknown."""
+
+    GROUPS, SLOTS = 64, 256
+
+    def __init__(self, table: np.ndarray):
+        self._table = table
+        self._count: dict[str, int] = {}
+
+    @classmethod
+    def open(cls, world_size: int) -> "ArrivalBoard":
+        """The run's board (named by the launching process and the rendezvous port), created
+        by whichever rank comes first; unlinked at exit, while mappings stay valid. A process
+        that runs several cases keeps its board and its counts (bench.dilation, tests)."""
+        shm = Path("/dev/shm")
+        folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        path = folder / f"hetbench-arrivals-{os.getppid()}-{os.environ.get('MASTER_PORT', '0')}"
+        shape = (world_size, cls.GROUPS, cls.SLOTS, 2)
+        if (path, shape) in _boards:
+            return _boards[path, shape]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = int(np.prod(shape)) * 8
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # zeros: no collective is numbered 0
+        finally:
+            os.close(fd)
+        board = _boards[path, shape] = cls(np.memmap(path, dtype=np.float64, mode="r+", shape=shape))
+        atexit.register(path.unlink, missing_ok=True)
+        return board
+
+    @classmethod
+    def _row(cls, name: str) -> int:
+        # torch numbers process groups in creation order, the same on every rank
+        return int(name) % cls.GROUPS if name.isdigit() else zlib.crc32(name.encode()) % cls.GROUPS
+
+    def arrive(self, group, rank: int) -> tuple[int, int] | None:
+        name = getattr(group if group is not None else c10d._get_default_group(), "group_name", None)
+        if not name:
+            return None
+        k = self._count[name] = self._count.get(name, 0) + 1
+        row = self._row(name)
+        cell = self._table[rank, row, k % self.SLOTS]
+        cell[1] = time.perf_counter()
+        cell[0] = k  # last: a reader that sees k sees its time
+        return row, k
+
+    def last_arrival(self, token: tuple[int, int], ranks: list[int]) -> float | None:
+        row, k = token
+        latest = 0.0
+        for r in ranks:
+            cell = self._table[r, row, k % self.SLOTS]
+            if cell[0] != k:
+                return None
+            t = float(cell[1])
+            if cell[0] != k:  # overwritten while read
+                return None
+            latest = max(latest, t)
+        return latest
+
+
+_boards: dict[tuple[Path, tuple[int, ...]], ArrivalBoard] = {}
+
+
+def emulated_compute_s(emulation: dict | None) -> float | None:
+    """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
+    time, measured by its own worker in this run) over its speed. Dividing an iteration by it
+    leaves what the harness adds to compute (links, waits, pacing, the worker loop) and cancels
+    how fast this VM ran the workers this time: a worker process here can run 40% slower than
+    usual for its whole life, and the host-speed probe of the parent (the prediction's input)
+    does not see it, so iteration over prediction moved up to 30% between quiet runs."""
+    ranks = (emulation or {}).get("ranks") or []
+    per_rank = [r["reference_s_per_iter"] / r["speed"] for r in ranks if r.get("reference_s_per_iter")]
+    return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
 
 
 def _fastest_per_interval(runs: list[list[float]]) -> list[float]:
@@ -332,17 +441,30 @@ def _sleep_until(deadline: float) -> None:
 
 
 class _DelayedWork:
-    """An async collective handle that completes no earlier than the emulated link allows."""
+    """An async collective handle that completes no earlier than the emulated link allows.
+
+    The link's time counts from the real completion, seen by a callback on the work's future
+    (gloo completes it on its own thread), not from whenever the rank waits: a gradient bucket
+    waited for at the end of backward finished on its link long before."""
 
     def __init__(self, work, deadline_at_completion):
         self._work = work
         self._deadline_at_completion = deadline_at_completion
         self._deadline = None
+        self._lock = threading.Lock()
+        try:
+            work.get_future().then(lambda _: self._settle())
+        except (AttributeError, RuntimeError):  # no future: the link's time counts from the wait
+            pass
+
+    def _settle(self) -> float:
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = self._deadline_at_completion()
+            return self._deadline
 
     def _delay(self) -> None:
-        if self._deadline is None:
-            self._deadline = self._deadline_at_completion()
-        _sleep_until(self._deadline)
+        _sleep_until(self._settle())
 
     def wait(self, *args, **kwargs):
         # Waiting is communication, not compute: the compute before it ends here (paced as
@@ -415,12 +537,13 @@ def _wrap(fn, kind, sized_arg):
         try:
             bound = signature.bind(*args, **kwargs).arguments
             emu.stretch()  # the compute since the last communication point ends here
+            size, group = _nbytes(bound[sized_arg]), bound.get("group")
+            token = emu.arrive(group)
             issued = time.perf_counter()
             work = fn(*args, **kwargs)
-            size, group = _nbytes(bound[sized_arg]), bound.get("group")
             if bound.get("async_op"):
-                return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group, issued))
-            _sleep_until(emu.link_deadline(kind, size, group, issued))
+                return _DelayedWork(work, lambda: emu.link_deadline(kind, size, group, issued, token))
+            _sleep_until(emu.link_deadline(kind, size, group, issued, token))
             emu.mark()
             return work
         finally:

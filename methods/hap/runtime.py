@@ -163,14 +163,14 @@ class GradBuckets:
 
 
 def _done(work, wait: bool) -> bool:
-    """Whether an async collective's result is there (waiting for it with `wait`). The real
-    transfer is what the next step needs; an emulated link's delay is paid at the final wait."""
+    """Whether an async collective's result is there (waiting for it with `wait`); on an
+    emulated link, once the link has delivered it (bench.emulation), as on a real one."""
     if work is None:
         return True
     if wait:
         work.wait()
         return True
-    return getattr(work, "_work", work).is_completed()
+    return work.is_completed()
 
 
 class HapTrainer:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from bench import emulation
 from bench.cluster import ClusterSpec
 
@@ -49,3 +51,58 @@ def test_time_blocked_in_a_wait_is_not_a_compute_interval():
     walls = emu._iteration_wall
     assert walls[0] >= 0.005
     assert max(walls[1:]) < 0.01, f"a wait was counted as compute: intervals {walls}"
+
+
+class DoneWork:
+    """An async handle whose transfer completes when its future does."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self, *args, **kwargs):
+        self.future.wait()
+        return True
+
+    def is_completed(self):
+        return self.future.done()
+
+
+def test_an_emulated_link_counts_from_the_real_completion_not_from_the_wait():
+    """A gradient bucket completes during backward and is waited for at its end: its link time
+    ran beside backward, so the wait owes nothing once that time has passed."""
+    work = DoneWork()
+    handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.02)  # 20 ms on the link
+    work.future.set_result(None)  # the real transfer completes now
+    assert not handle.is_completed()  # ... the emulated link has not delivered yet
+    time.sleep(0.05)  # backward goes on
+    assert handle.is_completed()
+    start = time.perf_counter()
+    handle.wait()
+    assert time.perf_counter() - start < 0.01
+
+
+def test_the_arrival_board_knows_a_collective_once_every_member_has_arrived():
+    """Each rank numbers its collectives per process group; the last member's issue time is
+    known once every member has written that number, and unknown before (or after a member
+    has run SLOTS collectives further)."""
+    import types
+
+    import numpy as np
+
+    table = np.zeros((2, emulation.ArrivalBoard.GROUPS, emulation.ArrivalBoard.SLOTS, 2))
+    ranks = [emulation.ArrivalBoard(table), emulation.ArrivalBoard(table)]  # two processes' views
+    group, other = types.SimpleNamespace(group_name="3"), types.SimpleNamespace(group_name="4")
+    token = ranks[0].arrive(group, 0)
+    assert ranks[0].last_arrival(token, [0, 1]) is None  # rank 1 has not issued it yet
+    ranks[1].arrive(other, 1)  # another group's collective says nothing about this one
+    assert ranks[0].last_arrival(token, [0, 1]) is None
+    time.sleep(0.002)
+    assert ranks[1].arrive(group, 1) == token  # the same collective on both ranks
+    last = ranks[0].last_arrival(token, [0, 1])
+    assert last == table[1, token[0], token[1], 1] and last > table[0, token[0], token[1], 1]
+    for _ in range(emulation.ArrivalBoard.SLOTS):  # rank 1 runs a whole ring of collectives ahead
+        ranks[1].arrive(group, 1)
+    assert ranks[0].last_arrival(token, [0, 1]) is None
