@@ -34,7 +34,7 @@ from rich.table import Table
 
 from bench.cluster import ClusterSpec, ConfigError, device_types
 from bench.progress import track
-from bench.regress import emulated_compute_s
+from bench.emulation import emulated_compute_s
 from bench.cost import simulate
 from bench.flops import device_step
 
@@ -75,7 +75,8 @@ def summarize(rows: list[dict]) -> dict:
         r["sim_error"] = abs(r["predicted_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
         # Where the error is: compute (the slowest rank's, measured by its own worker) and the
         # rest of the iteration (communication not hidden behind compute, waits).
-        r["compute_s"] = emulated_compute_s(r.get("emulation"))
+        # (an aggregate row of repeats carries the median of its runs' figure)
+        r["compute_s"] = emulated_compute_s(r.get("emulation")) or (r.get("emulation") or {}).get("compute_s")
     planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
                for r in cases if r.get("planned_iter_time_s")]
     methods = sorted({r["method"] for r in cases})

@@ -25,6 +25,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench.cluster import ConfigError
+from bench.emulation import emulated_compute_s
 from bench.progress import progress_bar
 from bench.records import RunRecord, case_key, finished_record
 from bench.run import (
@@ -128,6 +129,12 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         planned = [r.planner_time_s for r in ok if r.planner_time_s is not None]
         if planned:  # the median round's, not the last round's (a cache load once took 219 ms)
             agg.planner_time_s = statistics.median(planned)
+        # The prediction each run priced at its own ranks' host speed (bench.run.predict_at_run_speed):
+        # the median over the repeats, like the measurement it is compared with.
+        for field in ("predicted_iter_time_s", "predicted_compute_s", "planned_iter_time_s"):
+            values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
+            if len(values) == len(ok):
+                setattr(agg, field, statistics.median(values))
         last = ok[-1]
         fill_rates(agg, summary.median, agg.global_batch,
                    last.tokens_per_s and last.tokens_per_s / last.samples_per_s)
@@ -141,8 +148,10 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         flags = [r.emulation for r in rows if r.emulation and "ok" in r.emulation]
         if flags:
             worst = max((f["max_error"] for f in flags), key=abs)
+            computes = [emulated_compute_s(r.emulation) for r in ok]
             agg.emulation = {**last.emulation, "ranks": None, "max_error": worst,
-                             "ok": all(f["ok"] for f in flags)}
+                             "ok": all(f["ok"] for f in flags),
+                             "compute_s": statistics.median(computes) if all(computes) else None}
         out[m] = agg
     for m, rank in ranks(summaries).items():
         out[m].aggregate["rank"] = rank

@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cluster import ConfigError
+from bench.emulation import emulated_compute_s
 from bench.records import fingerprint
 from bench.paths import PROJECT_DIR
 from bench.run import (
@@ -126,18 +127,6 @@ def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) ->
                     ratios[m].append(record.iter_time_s_mean / compute)
     return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": statistics.median(r)
             for m, r in ratios.items() if len(r) == REAL_ROUNDS}
-
-
-def emulated_compute_s(emulation: dict | None) -> float | None:
-    """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
-    time, measured by its own worker in this run) over its speed. Dividing an iteration by it
-    leaves what the harness adds to compute (links, waits, pacing, the worker loop) and cancels
-    how fast this VM ran the workers this time: a worker process here can run 40% slower than
-    usual for its whole life, and the host-speed probe of the parent (the prediction's input)
-    does not see it, so iteration over prediction moved up to 30% between quiet runs."""
-    ranks = (emulation or {}).get("ranks") or []
-    per_rank = [r["reference_s_per_iter"] / r["speed"] for r in ranks if r.get("reference_s_per_iter")]
-    return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
 
 
 def _selected(figure: str, chosen: dict[str, list[str]]) -> bool:

@@ -61,3 +61,18 @@ def test_the_aggregate_planner_time_is_the_median_round_not_the_last():
     for row, planned in zip(rows, (0.002, 0.003, 0.219)):  # the last round's cache load stalled
         row.planner_time_s = planned
     assert aggregate_rounds({"hap": rows})["hap"].planner_time_s == 0.003
+
+
+def test_the_aggregate_prediction_and_compute_are_the_medians_of_the_rounds():
+    """Calibration compares the median measurement with the median prediction (each run priced
+    at its own ranks' host speed), not the last round's, and reports the median of the runs'
+    emulated compute (the slowest rank's reference over its speed)."""
+    rows = [_row("hap", 0.05) for _ in range(3)]
+    for row, predicted, reference in zip(rows, (0.043, 0.047, 0.041), (0.010, 0.012, 0.011)):
+        row.predicted_iter_time_s = predicted
+        row.emulation = {"ok": True, "max_error": 0.0,
+                         "ranks": [{"speed": 0.5, "reference_s_per_iter": reference},
+                                   {"speed": 1.0, "reference_s_per_iter": reference}]}
+    agg = aggregate_rounds({"hap": rows})["hap"]
+    assert agg.predicted_iter_time_s == 0.043
+    assert agg.emulation["compute_s"] == pytest.approx(0.022) and agg.emulation["ranks"] is None
