@@ -235,7 +235,8 @@ def main(argv: list[str]) -> int:
             return 2
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
                                   args.device, cluster, args.preset)
-        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"), "rows": rows}
+        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"), "rows": rows,
+                   "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +270,7 @@ def main(argv: list[str]) -> int:
         for i in range(0, len(configs), len(lists["method"])):
             group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
             rows += [vars(r) for r in run_rounds(group, repeats)]
-    summary = summarize(rows)
+    summary = {**summarize(rows), "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" /
                        f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json")

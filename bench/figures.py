@@ -195,15 +195,21 @@ def fig_ablation(out: Path, *overrides: str) -> None:
 
 def fig_sim_accuracy(out: Path) -> None:
     """The latest calibration's errors (python -m bench.calibrate) as a box plot per method."""
-    runs = sorted((PROJECT_DIR / "results" / "calibration").glob("*.json"))
+    runs = {}  # emulated-cluster calibrations (a --device one has rows, not cases)
+    for path in (PROJECT_DIR / "results" / "calibration").glob("*.json"):
+        body = json.loads(path.read_text())
+        if body.get("cases"):
+            runs[path] = body
     if not runs:
         raise SystemExit("error: no calibration yet; run `python -m bench.calibrate` first")
-    data = pd.DataFrame(json.loads(runs[-1].read_text())["cases"])
+    # The newest by the time it was written (files before that field: by name, and older).
+    latest = max(runs, key=lambda p: (runs[p].get("written_at", ""), p.name))
+    data = pd.DataFrame(runs[latest]["cases"])
     fig, ax = plt.subplots(figsize=(6, 3.4))
     methods = sorted(data.method.unique())
     ax.boxplot([data[data.method == m].sim_error * 100 for m in methods], tick_labels=methods)
     ax.set_ylabel("|predicted - measured| / measured (%)")
-    ax.set_title(f"simulator error, {len(data)} cases ({runs[-1].stem})", fontsize=9)
+    ax.set_title(f"simulator error, {len(data)} cases ({latest.stem})", fontsize=9)
     _save(fig, data, "sim_accuracy", out)
 
 

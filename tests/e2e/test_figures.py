@@ -50,7 +50,10 @@ def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):
     cases = [{"model": "bert", "cluster": "c", "method": m, "iter_time_s_mean": 1.0,
               "predicted_iter_time_s": 1.0 + e, "sim_error": e}
              for m, e in (("dp_ev", 0.1), ("dp_ev", 0.2), ("dp_cp", 0.05))]
-    (calibration / "20260101-000000.json").write_text(json.dumps({"cases": cases}))
+    (calibration / "20260101-000000.json").write_text(json.dumps({"cases": cases, "written_at": "2026-01-01T00:00:00"}))
+    # later by name, but written before the field existed: older; a --device calibration has no cases
+    (calibration / "20260101-machines.json").write_text(json.dumps({"cases": cases[:1]}))
+    (calibration / "20260102-000000-H100-80.json").write_text(json.dumps({"rows": [], "written_at": "2026-01-02"}))
     monkeypatch.setattr(figures, "PROJECT_DIR", tmp_path)
     figures.fig_sim_accuracy(tmp_path / "out")
     assert len(pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")) == 3
