@@ -7,6 +7,7 @@ sharding (methods.hap.theory does); FLOP conventions are documented in docs/plan
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -121,8 +122,10 @@ class Node:
             return sum(math.prod(s) for s in self.tuple_shapes)
         return 0
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """(Cached: the search reads it for every priced move; a node's shape and dtype are
+        set when capture builds it and never change.)"""
         if self.dtype is None:
             return 0
         return self.numel * self.dtype.itemsize

@@ -18,6 +18,7 @@ choose ratios (methods.hap.balance) and does not generate per-rank code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -282,8 +283,13 @@ class CostModel:
         return t
 
     def rule_time(self, node: str, rule: Rule) -> float:
-        """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync."""
-        key = (node, rule)
+        """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync.
+        Cached by what the price reads (rule_parts, compute_kind), not by the op's name: the
+        repeated layers of a deep model share one entry per segment."""
+        n = self.graph[node]
+        first = self.graph[n.inputs[0]].nbytes if n.inputs else 0
+        key = (self.op_segment[node], n.op, n.flops, n.backward_factor, n.nbytes, first,
+               any(self.graph[t].is_param for t in n.inputs), rule.sharded, rule.sfb)
         if key not in self._rule_cost:
             fwd, bwd, extra = self.rule_parts(node, rule)
             kind_f, kind_b = self.compute_kind(node)
@@ -315,9 +321,9 @@ class CostModel:
         """Backward gradient sync of a parameter created in `layout` (plus the intra-machine
         all-reduce of its gradient when a device is a machine), or the all-gather of an input
         created in another layout than the one each rank loads."""
-        key = (tensor, layout, rule.sfb)
+        node = self.graph[tensor]  # cached by what the price reads, as rule_time is
+        key = (node.kind, node.shape, node.nbytes, node.is_param, self.home[tensor], layout, rule.sfb)
         if key not in self._param_cost:
-            node = self.graph[tensor]
             t = 0.0
             gather = self.input_gather(tensor, layout)
             if gather is not None:
@@ -562,12 +568,16 @@ def _dying(graph: Graph, order: list[str], last_use: dict[str, int],
 def _layout_pairs(graph: Graph, tensors, num_segments: int) -> frozenset:
     """Every (tensor, layout) pair a state can hold for these tensors, resharded copies
     included: intersecting a state's layouts with it keeps exactly theirs."""
-    pairs = set()
-    for t in tensors:
-        dims = range(max(graph[t].ndim, 1))
-        pairs |= {(t, lay) for lay in (IDENTITY, REDUCE, *dims)}
-        if num_segments > 1:
-            pairs |= {(t, (d, s)) for d in dims for s in range(num_segments)}
+    return frozenset().union(*(_tensor_pairs(t, graph[t].ndim, num_segments) for t in tensors))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tensor_pairs(t: str, ndim: int, num_segments: int) -> frozenset:
+    """One tensor's pairs (_layout_pairs): the planner's rounds and levels ask for them again."""
+    dims = range(max(ndim, 1))
+    pairs = {(t, lay) for lay in (IDENTITY, REDUCE, *dims)}
+    if num_segments > 1:
+        pairs |= {(t, (d, s)) for d in dims for s in range(num_segments)}
     return frozenset(pairs)
 
 
