@@ -497,4 +497,3 @@ def _no_cyclic_gc():
     finally:
         if enabled:
             gc.enable()
-
