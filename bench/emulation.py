@@ -302,14 +302,20 @@ class ArrivalBoard:
         self._table = table
         self._count: dict[str, int] = {}
 
-    @classmethod
-    def open(cls, world_size: int) -> "ArrivalBoard":
-        """The run's board (named by the launching process and the rendezvous port), created
-        by whichever rank comes first; unlinked at exit, while mappings stay valid. A process
-        that runs several cases keeps its board and its counts (bench.dilation, tests)."""
+    @staticmethod
+    def path(launcher_pid: int, port: int | str) -> Path:
+        """The board of the ranks that process `launcher_pid` started with rendezvous `port`."""
         shm = Path("/dev/shm")
         folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-        path = folder / f"hetbench-arrivals-{os.getppid()}-{os.environ.get('MASTER_PORT', '0')}"
+        return folder / f"hetbench-arrivals-{launcher_pid}-{port}"
+
+    @classmethod
+    def open(cls, world_size: int) -> "ArrivalBoard":
+        """The run's board, created by whichever rank comes first; unlinked at a rank's exit
+        (mappings stay valid) and by the launcher once its workers are gone (bench.launch: a
+        killed worker runs no exit handler). A process that runs several cases keeps its board
+        and its counts (bench.dilation, tests)."""
+        path = cls.path(os.getppid(), os.environ.get("MASTER_PORT", "0"))
         shape = (world_size, cls.GROUPS, cls.SLOTS, 2)
         if (path, shape) in _boards:
             return _boards[path, shape]

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import torch
 
 from bench import mps
+from bench.emulation import ArrivalBoard
 from bench.worker import Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
@@ -144,6 +145,7 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)
+        ArrivalBoard.path(os.getpid(), port).unlink(missing_ok=True)  # the workers' link board
         messages.close()
         messages.join_thread()
 
