@@ -260,12 +260,12 @@ class Emulator:
         if kind in ("gather", "scatter"):
             nbytes *= len(ranks)
         emulated = collective_time_s(kind, nbytes, len(ranks), link) * self.wall_per_emulated_s
-        last = None if token is None or self._board is None else self._board.last_arrival(token, ranks)
-        alpha, bytes_per_s = self._loopback
-        # A rank that arrived last saw the real cost exactly (issue to completion); the fitted
-        # loopback model covers the others.
-        real = min(alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s,
-                   time.perf_counter() - issued)
+        last = None if token is None else self._board.last_arrival(token, ranks)  # a token means a board
+        if last is None:
+            # A rank that arrived last saw the real cost exactly (issue to completion); the
+            # fitted loopback model covers the others.
+            alpha, bytes_per_s = self._loopback
+            real = min(alpha + link_bytes(kind, nbytes, len(ranks)) / bytes_per_s, time.perf_counter() - issued)
         with self._lock:
             now, free = time.perf_counter(), self._link_free_at.get(id(link), 0.0)
             self.links[0] += 1

@@ -164,6 +164,7 @@ class CostModel:
         self.op_segment, self.home = assign_segments(theory, self.num_segments, segmentation)
         self.granularity = granularity
         self._rule_cost: dict = {}
+        self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
         self._comm_cost: dict = {}
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
@@ -286,10 +287,13 @@ class CostModel:
         """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync.
         Cached by what the price reads (rule_parts, compute_kind), not by the op's name: the
         repeated layers of a deep model share one entry per segment."""
-        n = self.graph[node]
-        first = self.graph[n.inputs[0]].nbytes if n.inputs else 0
-        key = (self.op_segment[node], n.op, n.flops, n.backward_factor, n.nbytes, first,
-               any(self.graph[t].is_param for t in n.inputs), rule.sharded, rule.sfb)
+        sig = self._op_sig.get(node)
+        if sig is None:  # once per op: the search asks for its triples' prices again and again
+            n = self.graph[node]
+            first = self.graph[n.inputs[0]].nbytes if n.inputs else 0
+            sig = self._op_sig[node] = (self.op_segment[node], n.op, n.flops, n.backward_factor, n.nbytes, first,
+                                        any(self.graph[t].is_param for t in n.inputs))
+        key = (*sig, rule.sharded, rule.sfb)
         if key not in self._rule_cost:
             fwd, bwd, extra = self.rule_parts(node, rule)
             kind_f, kind_b = self.compute_kind(node)
