@@ -54,6 +54,7 @@ class EmulationSettings:
 
     headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
     reference_iters: int = 12  # full-pace iterations (after SKIPPED ones) that set the reference
+    pin_cores: bool = True  # each CPU rank bound to one core (bench.hostcpu.pin_to_core)
     # A reference measured earlier for this same rank workload (Emulator.report's
     # `reference_s`): the rank is paced against it from the start, so that cases sharing it
     # emulate one device at one speed however this host drifts between them (bench.dilation).

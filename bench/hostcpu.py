@@ -47,6 +47,25 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def pin_to_core(local_rank: int) -> int:
+    """Bind this thread, and every thread it starts from now on (gloo's), to one of the cores it
+    may run on: the `local_rank`-th, modulo their number; returns the core.
+
+    An unbound rank that waited on a peer inside a collective computes its next burst slower
+    (woken, most likely, on whichever core is free, with caches its peer just filled); a sleep
+    of the same length in a lone process costs nothing. Tiny ViT at 5 samples, two gloo ranks on the 2-core dev VM, each step followed by a
+    small all-reduce, fastest of 35 steps: 4.1 ms when the peer also ran 5 samples (no wait),
+    4.5 ms when the peer ran 11 and 4.8 ms when it ran 16; bound to a core each, 4.25 ms in all
+    three. With four ranks on the two cores the median step fell from 5.4 to 4.5 ms. So an
+    emulated rank's pacing reference, measured at full pace, charged a rank more the longer it
+    waited: the slow devices of a compute-proportional split ran 13-29% slower than declared.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local_rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def steady_allocator() -> bool:
     """Fix glibc malloc's mmap and trim thresholds in this process (once; later calls return the
     first answer). False where the C library has no mallopt (not glibc): nothing changes."""

@@ -168,7 +168,10 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
     if not isinstance(refs, int) or isinstance(refs, bool) or refs < 0:
         raise ConfigError(f"emulation.reference_iters={refs!r} must be an integer >= 0 "
                           "(0: pace the compute just measured); e.g. emulation.reference_iters=12")
-    return EmulationSettings(headroom=float(headroom), reference_iters=refs)
+    pin = node.get("pin_cores", True)
+    if not isinstance(pin, bool):
+        raise ConfigError(f"emulation.pin_cores={pin!r} must be true or false; e.g. emulation.pin_cores=false")
+    return EmulationSettings(headroom=float(headroom), reference_iters=refs, pin_cores=pin)
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -288,10 +291,10 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
     if emulation is not None and cluster.device == "cuda":
         # Real kernels at MPS shares: no slow motion, no pacing reference (bench.emulation).
-        emulation = EmulationSettings(headroom=1.0, reference_iters=0)
+        emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
     record.emulation = None if emulation is None else {
         "device": cluster.device, "headroom": emulation.headroom,
-        "reference_iters": emulation.reference_iters}
+        "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)

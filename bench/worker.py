@@ -204,11 +204,13 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
     pace_compute = emulated and device.type == "cpu"
     # One core per CPU device (slow ranks sleep, not spin), denormals flushed, a steady malloc.
     hostcpu.configure_process(one_thread=device.type == "cpu")
+    # Bound before the process group starts, so that gloo's threads share the rank's core.
+    core = hostcpu.pin_to_core(local_rank) if pace_compute and (case.emulation or EmulationSettings()).pin_cores else None
     set_precision(case.precision)
     if not dist.is_initialized():
         init_process_group(rank, world_size, device, backend_for(case.cluster, device))
     try:
-        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather)
+        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather, core)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
@@ -223,7 +225,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
 
 def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
-           pace_compute: bool, progress, gather: bool):
+           pace_compute: bool, progress, gather: bool, core: int | None = None):
     emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
                         pace_compute=pace_compute)
     emulator.install()
@@ -288,7 +290,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "loss_sums": losses,
         "peak_mem_gib": peak_mem_gib(device),
         "peak_mem_gib_per_iter": mems,
-        "emulation": {**emulator.report(probe_flops), "yardstick": host} if emulated else None,
+        "emulation": {**emulator.report(probe_flops), "yardstick": host, "core": core} if emulated else None,
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
         "precision": precision,

@@ -24,6 +24,8 @@ def test_each_rank_reports_its_achieved_dilation(cfg_factory):
     ranks = record.emulation["ranks"]
     assert [r["speed"] for r in ranks] == [1.0, 0.4]
     assert record.emulation["headroom"] == EmulationSettings.auto_headroom(2)
+    cores = sorted(os.sched_getaffinity(0))  # each rank bound to its own (bench.hostcpu.pin_to_core)
+    assert [r["core"] for r in ranks] == [cores[0], cores[1 % len(cores)]]
     for r in ranks:
         assert r["unreferenced_intervals"] == 0
         assert r["achieved_dilation"] == pytest.approx(1 / r["speed"], rel=0.5)

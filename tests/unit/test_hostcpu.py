@@ -60,3 +60,24 @@ def test_the_emulated_device_context_computes_on_one_thread_and_restores_the_cou
 
 def test_host_cores_are_the_ones_this_process_may_use():
     assert 1 <= hostcpu.host_cores() <= (torch.multiprocessing.cpu_count())
+
+
+# A fresh interpreter binds itself as local rank N, then starts a thread (as gloo does).
+_PIN = r"""
+import json, os, sys, threading
+from bench import hostcpu
+allowed = sorted(os.sched_getaffinity(0))
+core = hostcpu.pin_to_core(int(sys.argv[1]))
+later = []
+t = threading.Thread(target=lambda: later.append(sorted(os.sched_getaffinity(0))))
+t.start(); t.join()
+print(json.dumps({"allowed": allowed, "core": core, "now": sorted(os.sched_getaffinity(0)), "thread": later[0]}))
+"""
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 5])
+def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank):
+    out = json.loads(subprocess.run([sys.executable, "-c", _PIN, str(local_rank)], capture_output=True,
+                                    text=True, check=True).stdout)
+    assert out["core"] == out["allowed"][local_rank % len(out["allowed"])]
+    assert out["now"] == out["thread"] == [out["core"]]
