@@ -347,3 +347,26 @@ def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
     with pytest.raises(FloatingPointError, match="loss is nan at step 0 on rank 1"):
         trainer.step((torch.ones(2),))
     assert torch.equal(weight.detach(), torch.ones(2))  # no update
+
+
+
+def test_a_reshard_between_equal_rows_is_no_op_in_the_program(monkeypatch):
+    """Segments whose rows cut a tensor alike move nothing, and the cost model charges nothing
+    for it: the program holds no reshard call, not even an autograd node (the function it runs
+    returns its input); rows that differ keep the real collective."""
+    from methods.hap import collectives
+    from methods.hap.codegen import CodegenOptions, RankProgram
+
+    monkeypatch.setattr(collectives, "reshard", lambda x, *args: ("reshard", args))
+    workload = make_workload("bert", 2, 4)
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    x = torch.ones(2, 3, requires_grad=True)
+    for rows, moves in (([[0.5, 0.5], [0.5, 0.5]], False), ([[0.5, 0.5], [0.75, 0.25]], True)):
+        plan = plan_at_ratios(workload, make_cluster(2), rows)
+        program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 2,
+                              CodegenOptions())
+        reshards = [c for s in program.steps for c in s.comms if c.kind == "reshard"]
+        assert reshards, rows
+        for c in reshards:
+            fn = program._comm(c)[2]
+            assert fn(x)[0] == "reshard" if moves else fn(x) is x, (rows, c)
