@@ -205,7 +205,8 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
     # One core per CPU device (slow ranks sleep, not spin), denormals flushed, a steady malloc.
     hostcpu.configure_process(one_thread=device.type == "cpu")
     # Bound before the process group starts, so that gloo's threads share the rank's core.
-    core = hostcpu.pin_to_core(local_rank) if pace_compute and (case.emulation or EmulationSettings()).pin_cores else None
+    pin = pace_compute and (case.emulation or EmulationSettings()).pin_cores
+    core = hostcpu.pin_to_core(local_rank) if pin else None
     set_precision(case.precision)
     if not dist.is_initialized():
         init_process_group(rank, world_size, device, backend_for(case.cluster, device))

@@ -349,7 +349,6 @@ def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
     assert torch.equal(weight.detach(), torch.ones(2))  # no update
 
 
-
 def test_a_reshard_between_equal_rows_is_no_op_in_the_program(monkeypatch):
     """Segments whose rows cut a tensor alike move nothing, and the cost model charges nothing
     for it: the program holds no reshard call, not even an autograd node (the function it runs
