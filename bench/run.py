@@ -315,7 +315,7 @@ def predict_at_run_speed(record: RunRecord, case: Case) -> None:
     sticks = [r.get("yardstick") for r in ranks]
     if case.plan.program is None or not sticks or not all(sticks):
         return
-    models = [split_step(case.workload, s["batch"][0], *s["seconds"]) for s in sticks]
+    models = [split_step(case.workload, s["batch"], s["seconds"]) for s in sticks]
     record.run_host_flops_per_s = statistics.median(m[0] for m in models)
     record.run_host_step_overhead_s = statistics.median(m[1] for m in models)
     cluster = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from bench import hostcpu
 from bench.cluster import ClusterSpec
 from bench.emulation import EmulationSettings, Emulator, measure_matmul_flops
-from bench.flops import yardstick
+from bench.flops import yardstick, yardstick_batches
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
 
@@ -254,7 +254,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     host = None
     if pre and refs:  # before its references, every rank at once: the host as this run meets it
         dist.barrier()
-        host = yardstick(workload, -(-workload.global_batch // world_size), case.seed)
+        host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
         dist.barrier()
     precision = None
     for it in range(pre + case.warmup_iters + case.measured_iters):

@@ -112,7 +112,7 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     iterations; the row's prediction is the simulator's at the median of their host speeds,
     the planner's (at the parent's probe) stays as planned_iter_time_s."""
     from bench.cost import simulate
-    from bench.flops import split_step
+    from bench.flops import split_step, yardstick_batches
     from bench.run import prepare_case, new_record
 
     cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
@@ -120,12 +120,13 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     record = run_case(cfg)
     assert record.status == "ok", record.error
     ranks = record.emulation["ranks"]
-    b = -(-record.global_batch // 2)
+    batches = list(yardstick_batches(record.batch_shares))
+    assert batches[0] == min(record.batch_shares) < max(record.batch_shares) <= batches[1]
     for r in ranks:
-        assert r["yardstick"]["batch"] == [b, 2 * b]
+        assert r["yardstick"]["batch"] == batches
         assert 0 < r["yardstick"]["seconds"][0] < r["yardstick"]["seconds"][1]
     case = prepare_case(cfg, new_record(cfg))  # the same plan, priced again at the run's speed
-    models = sorted(split_step(case.workload, b, *r["yardstick"]["seconds"]) for r in ranks)
+    models = sorted(split_step(case.workload, batches, r["yardstick"]["seconds"]) for r in ranks)
     assert record.run_host_flops_per_s == pytest.approx((models[0][0] + models[1][0]) / 2)
     run = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
     assert record.predicted_iter_time_s == pytest.approx(simulate(case.plan.program, run, case.plan.ratios).iter_time_s)

@@ -52,3 +52,24 @@ def test_a_corrupt_cache_is_only_a_lost_shortcut(timings, monkeypatch):
     flops.host_cache_file().write_text("{not json")
     assert flops.measure_host_speed(_Workload(), 4, 0) == pytest.approx((1e9 / 0.002, 0.002))
     assert len(flops._read_cache(flops.host_cache_file())) == 1
+
+
+@pytest.mark.parametrize("shares, batches", [
+    ([8, 8], (8, 16)),  # an even split: the share and twice it
+    ([11, 5], (5, 11)),  # uneven: exact at both shares
+    ([12, 11, 6, 3], (3, 12)),
+    ([9, 7], (7, 14)),  # close shares: at least twice the smallest, for a slope above the noise
+    ([4, 0], (1, 4)),  # a device with no sample: the model still needs one
+])
+def test_the_yardstick_times_the_plans_smallest_share_and_spans_its_largest(shares, batches):
+    assert flops.yardstick_batches(shares) == batches
+
+
+def test_a_step_splits_into_a_per_sample_and_a_per_step_part_through_any_two_batches():
+    # 2 ms per sample, 3 ms per step, timed at 5 and 11 samples
+    assert flops.split_step(_Workload(), (5, 11), (0.013, 0.025)) == pytest.approx((1e9 / 0.002, 0.003))
+    # a step mostly per-step part (tiny VGG19 here: 8.3 of 12.3 ms at 8 samples) is split as timed
+    assert flops.split_step(_Workload(), (8, 16), (0.0123, 0.0163)) == pytest.approx((1e9 / 0.0005, 0.0083))
+    # noise that makes the larger batch look cheaper: a tenth of the step is still per sample
+    rate, fixed = flops.split_step(_Workload(), (5, 11), (0.013, 0.012))
+    assert (rate, fixed) == pytest.approx((1e9 / (0.1 * 0.013 / 5), 0.9 * 0.013))
