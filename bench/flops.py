@@ -140,7 +140,7 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     it meets the host as the run does: this VM's speed drifts between runs (tiny BERT's step
     took 6.6 ms in one run of local_hetero4 and 8.4-8.9 ms in the next, all four ranks alike)
     and four ranks on two cores slow each other; a probe in the parent, minutes earlier, sees
-    neither. bench.run prices the run's prediction with it (`predict_with_yardsticks`); it is
+    neither. bench.run prices the run's prediction with it (`predict_at_run_speed`); it is
     a plain model's step, never the method's own program."""
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
