@@ -57,8 +57,8 @@ def pin_to_core(local_rank: int) -> int:
     on the 2-core dev VM, each step followed by a small all-reduce, fastest of 35 steps: 4.1 ms
     when the peer also ran 5 samples (no wait), 4.5 ms when it ran 11 and 4.8 ms when it ran
     16; bound to a core each, 4.25-4.30 ms in all three. With four ranks on the two cores the
-    median step fell from 5.0-5.5 to 4.5-4.6 ms. Unbound, an emulated rank's pacing reference, measured
-    at full pace, charged a rank more the longer it waited: the slow device of a
+    median step fell from 5.0-5.5 to 4.5-4.6 ms. Unbound, an emulated rank's pacing reference,
+    measured at full pace, charged a rank more the longer it waited: the slow device of a
     compute-proportional split ran 13-29% slower than declared (README: How emulation works).
     """
     cores = sorted(os.sched_getaffinity(0))
