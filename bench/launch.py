@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 import torch
 
 from bench import mps
+from bench.cluster import ClusterSpec
 from bench.emulation import ArrivalBoard
-from bench.worker import Case, RankOutOfMemory, run_rank
+from bench.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
 
@@ -69,8 +70,8 @@ def _die_with_parent(parent: int) -> None:
 
 def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int,
            env: dict[str, str]) -> None:
-    # MPS settings are read when CUDA initialises in this process: before anything touches it.
-    assert not (env and torch.cuda.is_initialized()), "CUDA initialised before the MPS settings"
+    # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
+    assert not (env and torch.cuda.is_initialized()), "CUDA initialised before the rank's environment"
     os.environ.update(env)
     _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -91,11 +92,19 @@ def launch(case: Case, world_size: int, timeout_s: float,
     """Run `case` on `world_size` local workers; returns their results ordered by rank.
 
     An emulated cluster with `device: cuda` runs under its own MPS daemon, stopped when the
-    case ends, failed or not; ConfigError (one line) when MPS is not installed."""
+    case ends, failed or not; ConfigError (one line) when MPS is not installed. The workers of
+    a cluster that computes on the CPU see no GPU (CPU_ONLY_ENV)."""
     on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
     with (mps.mps_daemon() if on_gpu else contextlib.nullcontext()) as dirs:
-        envs = mps.worker_envs(case.cluster, *dirs) if on_gpu else [{}] * world_size
-        return _run_workers(case, world_size, timeout_s, on_progress, envs)
+        return _run_workers(case, world_size, timeout_s, on_progress, rank_envs(case.cluster, world_size, dirs))
+
+
+def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] | None) -> list[dict[str, str]]:
+    """What each worker adds to its environment first: its MPS share on a shared GPU, no GPU
+    at all on a cluster that computes on the CPU, nothing on real GPUs."""
+    if mps_dirs is not None:
+        return mps.worker_envs(cluster, *mps_dirs)
+    return [dict(CPU_ONLY_ENV) if cluster.device == "cpu" else {} for _ in range(world_size)]
 
 
 def _run_workers(case: Case, world_size: int, timeout_s: float,

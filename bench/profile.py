@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.compat import all_gather_single, reduce_scatter_single
 from bench.cost import link_bytes
 from bench.flops import ELEMENTWISE_FLOPS
 from bench.hostcpu import emulated_device
@@ -192,7 +193,7 @@ def _allgather_padded(shards, rank):
     padded = torch.zeros(max(shards))
     padded[: shards[rank]] = local
     out = torch.empty(max(shards) * len(shards))
-    return lambda: dist.all_gather_single(out, padded)
+    return lambda: all_gather_single()(out, padded)
 
 
 def _allgather_grouped(shards, rank):
@@ -203,7 +204,7 @@ def _allgather_grouped(shards, rank):
 def _reduce_scatter_padded(shards, rank):
     full = torch.ones(max(shards) * len(shards))
     out = torch.empty(max(shards))
-    return lambda: dist.reduce_scatter_single(out, full)
+    return lambda: reduce_scatter_single()(out, full)
 
 
 def _reduce_scatter_grouped(shards, rank):

@@ -49,7 +49,7 @@ from bench.records import (
 from bench.cost import simulate
 from bench.table import print_table
 from bench.tracking import WANDB_MODES, Tracker, track_case, track_sweep
-from bench.worker import PRECISIONS, Case, init_process_group, pick_device, run_rank
+from bench.worker import CPU_ONLY_ENV, PRECISIONS, Case, backend_for, init_process_group, pick_device, run_rank
 
 log = logging.getLogger("bench.run")
 
@@ -502,8 +502,15 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    init_process_group(rank, world, pick_device(local_rank))  # torchrun: real GPUs, NCCL
     record = new_record(cfg)
+    try:  # where the ranks compute: a cluster on cpu runs on gloo and hides the GPUs
+        cluster = ClusterSpec.from_config(record.config["cluster"])
+    except ConfigError:
+        cluster = None  # rank 0's prepare_case reports it below, on a process group of GPUs
+    if cluster is not None and cluster.device == "cpu":
+        os.environ.update(CPU_ONLY_ENV)
+    device = pick_device(local_rank, cluster)
+    init_process_group(rank, world, device, None if cluster is None else backend_for(cluster, device))
     record.run_id = os.environ.get(RUN_ID_ENV) or record.run_id  # a multi-node job's, if any
     box: list = [None, None]
     if rank == 0:

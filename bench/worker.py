@@ -94,6 +94,12 @@ def init_process_group(rank: int, world_size: int, device: torch.device, backend
     dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
+# What a rank of a cluster that computes on the CPU sets before anything touches CUDA: it sees no
+# GPU, so no library picks one behind the harness's back (on a GPU host DeepSpeed's engine took
+# CUDA and set the device to the local rank: "invalid device ordinal" for rank 1 of 2).
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def backend_for(cluster: ClusterSpec, device: torch.device) -> str:
     """gloo for emulated clusters: NCCL refuses two ranks of one communicator on one GPU, and
     gloo takes CUDA tensors (it copies them through host memory itself)."""

@@ -197,6 +197,7 @@ class DeepSpeedZeRO:
     # -- running (one worker rank) ------------------------------------------------------------
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DeepSpeedTrainer":
         deepspeed = import_deepspeed()
+        use_accelerator(ctx.device.type)
         deepspeed.utils.logger.setLevel(self.log_level)
         # DeepSpeed 0.19.8 still calls torch.distributed's old all-gather name: one warning per
         # rank and case that says nothing about the run.
@@ -252,6 +253,21 @@ class DeepSpeedTrainer:
 
 
 # -- deepspeed, imported late -----------------------------------------------------------------
+def use_accelerator(device_type: str) -> None:
+    """DeepSpeed's accelerator for this rank's device. It picks CUDA whenever it sees a GPU and
+    then sets the device to the local rank, also for ranks that compute on the CPU (the
+    launcher hides the GPUs from those; a process under torchrun may have looked already)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device_type:
+        return
+    if device_type == "cuda":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+    else:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+    set_accelerator(Accelerator())
+
+
 def import_deepspeed():
     """import deepspeed, or one line that says what is wrong and how to install it."""
     try:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.compat import all_gather_single, reduce_scatter_single
+
 IMPLS = ("padded", "grouped")
 
 
@@ -31,13 +33,6 @@ def _check(lengths: Sequence[int], impl: str | None = None, group=None) -> list[
     return lengths
 
 
-def _all_gather_single():
-    # torch >= 2.10 names (the old ones still work but warn); looked up at call time.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_single():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -60,7 +55,7 @@ def _gather_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str, group
         if width == 0:
             return x.clone()
         out = rows.new_empty((width * len(lengths),) + rest)
-        _all_gather_single()(out, _pad_rows(rows, width), group=group)
+        all_gather_single()(out, _pad_rows(rows, width), group=group)
         parts = [out[i * width:i * width + n] for i, n in enumerate(lengths)]
     else:
         parts = []
@@ -86,7 +81,7 @@ def _scatter_impl(x: torch.Tensor, dim: int, lengths: list[int], impl: str, grou
         if width == 0:
             return x.clone()
         out = rows.new_empty((width,) + rest)
-        _reduce_scatter_single()(out, torch.cat([_pad_rows(p, width) for p in pieces], dim=0), group=group)
+        reduce_scatter_single()(out, torch.cat([_pad_rows(p, width) for p in pieces], dim=0), group=group)
         mine = out[: lengths[rank]]
     else:
         mine = rows.new_empty((0,) + rest)

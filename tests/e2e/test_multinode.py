@@ -13,6 +13,8 @@ import pytest
 from bench.records import load_records
 
 pytestmark = pytest.mark.e2e
+# The slurm extra (pip install ".[slurm]"; scripts/setup.sh installs it) brings the launcher.
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra")
 
 ROOT = Path(__file__).resolve().parents[2]
 TWO_TASKS = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",

@@ -62,10 +62,13 @@ def test_the_mps_daemon_gets_private_directories_and_is_stopped_when_the_case_fa
     log = tmp_path / "mps.log"
     monkeypatch.setenv("PATH", f"{control.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("LOG", str(log))
+    # The workers must fail at their first CUDA call, as on a host without a GPU, also where
+    # there is one (they inherit this; the fake daemon serves no MPS clients).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     cfg = cfg_factory(*QUICK)
     case = runner.prepare_case(cfg, runner.new_record(cfg))
     case.cluster = dataclasses.replace(case.cluster, device="cuda")
-    # No GPU here: the workers fail at their first CUDA call; the daemon must still be stopped.
+    # The daemon must still be stopped.
     with pytest.raises(WorkerError):
         launch(case, 2, timeout_s=120)
     start, stop = [line.split() for line in log.read_text().splitlines()]

@@ -6,6 +6,7 @@ import torch
 from bench import mps, run as runner
 from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import Emulator, achieved_speeds
+from bench.launch import rank_envs
 from bench.records import case_key, load_records
 from bench.worker import (
     backend_for,
@@ -64,6 +65,28 @@ def test_a_cpu_emulated_cluster_never_picks_cuda_even_when_cuda_exists(monkeypat
     real = cluster(emulated=False, machines=gpu_machines(1, 1))
     assert pick_device(1, real) == torch.device("cuda", 1)
     assert backend_for(real, torch.device("cuda", 1)) == "nccl"
+
+
+def test_workers_of_a_cpu_cluster_see_no_gpu_and_deepspeed_follows_the_ranks_device():
+    # On a GPU host DeepSpeed took CUDA for cpu ranks and set the device to the local rank.
+    assert rank_envs(cluster(), 2, None) == [{"CUDA_VISIBLE_DEVICES": ""}] * 2
+    assert rank_envs(cluster(emulated=False, machines=gpu_machines(1, 1)), 1, None) == [{}]
+    shared = rank_envs(cluster(device="cuda", machines=gpu_machines(1, 0.4)), 2, ("/p", "/l"))
+    assert [e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in shared] == ["71", "28"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in shared)
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    from methods.ds_zero import use_accelerator
+
+    before = get_accelerator().device_name()
+    try:
+        use_accelerator("cuda")
+        assert get_accelerator().device_name() == "cuda"
+        use_accelerator("cpu")
+        assert get_accelerator().device_name() == "cpu"
+    finally:
+        use_accelerator(before)
 
 
 def test_mps_shares_are_each_speeds_share_of_the_sum_and_never_oversubscribe():

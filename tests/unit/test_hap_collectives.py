@@ -156,3 +156,15 @@ def test_collectives_forward_and_backward_match_single_process_with_uneven_and_e
         found.append(errors.get())
     assert not found, "\n".join(f"rank {r}:\n{tb}" for r, tb in found)
 
+
+
+def test_collective_names_of_older_torch_are_used_where_the_new_ones_are_missing(monkeypatch):
+    # torch 2.11 (the GPU host's) has no all_gather_single: bench.profile died on it there.
+    import torch.distributed as dist
+
+    from bench import compat
+
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.delattr(dist, name, raising=False)
+    assert compat.all_gather_single() is dist.all_gather_into_tensor
+    assert compat.reduce_scatter_single() is dist.reduce_scatter_tensor
