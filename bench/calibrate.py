@@ -29,6 +29,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -37,6 +38,8 @@ from bench.progress import track
 from bench.emulation import emulated_compute_s
 from bench.cost import simulate
 from bench.flops import device_step
+from bench.records import fingerprint
+from bench.worker import rank_hardware
 
 from bench.paths import PROJECT_DIR
 from bench.stats import Summary
@@ -235,7 +238,9 @@ def main(argv: list[str]) -> int:
             return 2
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
                                   args.device, cluster, args.preset)
-        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"), "rows": rows,
+        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"),
+                   "device_type": args.device_type, "profile": args.profile,
+                   "hardware": rank_hardware(torch.device(args.device)), **fingerprint(), "rows": rows,
                    "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")

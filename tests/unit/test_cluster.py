@@ -97,7 +97,7 @@ def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
 
 # Device types are data: conf/device/*.yaml, or inline in a cluster file.
 
-PACKAGED = ["H100-80", "A100-80", "A100-40", "V100-16", "V100-32", "P100-16", "L4", "T4", "cpu"]
+PACKAGED = ["H100-80", "H200", "A100-80", "A100-40", "V100-16", "V100-32", "P100-16", "L4", "T4", "cpu"]
 MY_GPU = {"memory_gib": 24, "peak_flops": 30.0e12, "effective_flops": 7.0e12,
           "sources": {"memory_gib": "vendor sheet", "peak_flops": "vendor sheet",
                       "effective_flops": "assumption: 0.23 x peak"}}
