@@ -97,7 +97,9 @@ def _class_benchmarks(device: str):
     norm + GELU (FLOPs counted as the planner's graph counts them: bench.flops)."""
     gpu = device != "cpu"
     d, side = (1024, 32) if gpu else (256, 16)
-    batches = (8, 32, 128, 512, 2048) if gpu else (4, 16, 64, 256)
+    # On a GPU up to a few ms per call (a 2048-row linear took 0.35 ms on an H200, no more than
+    # its fixed cost: the rate fitted from it was 3x the card's fp32 peak).
+    batches = (8, 64, 512, 4096, 32768) if gpu else (4, 16, 64, 256)
 
     def linear(b):
         x = torch.randn(b, d, device=device, requires_grad=True)
@@ -106,7 +108,7 @@ def _class_benchmarks(device: str):
         return (lambda: F.linear(x, w).backward(g)), 3 * 2.0 * b * d * d
 
     def conv(b):
-        img = torch.randn(max(1, b // (4 if gpu else 16)), 64, side, side, device=device, requires_grad=True)
+        img = torch.randn(max(1, b // 16), 64, side, side, device=device, requires_grad=True)
         k = torch.randn(64, 64, 3, 3, device=device, requires_grad=True)
         g = torch.ones(img.shape[0], 64, side, side, device=device)
         return (lambda: F.conv2d(img, k, padding=1).backward(g)), 3 * 2.0 * g.numel() * 64 * 9
@@ -121,8 +123,14 @@ def _class_benchmarks(device: str):
     return [("matmul", 3, batches, linear), ("conv", 3, batches, conv), ("other", 5, batches, other)]
 
 
-def _device_timer(device: str, repeats: int):
-    """median seconds of fn() after one warm-up: CUDA events on a GPU, wall clock on the CPU."""
+GPU_BURST = 10  # calls timed back to back between two CUDA events
+
+
+def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
+    """median seconds of fn() after warm-up: wall clock per call on the CPU; on a GPU, CUDA
+    events around `burst` calls queued back to back, as a training step queues its kernels
+    (timed one by one, each call also paid the queue's start and the sync: 0.2-0.5 ms per
+    call on an H200, whatever its size)."""
     if device == "cpu":
         return lambda fn: _timed(fn, repeats)
 
@@ -134,19 +142,22 @@ def _device_timer(device: str, repeats: int):
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(burst):
+                fn()
             end.record()
             torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / burst)
         return statistics.median(times)
     return timed
 
 
 def _fit_affine(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept_s, units per second) of t = intercept + x / rate, least squares; a
-    non-positive intercept is 0 (the rate is then refitted through the origin)."""
+    """(intercept_s, units per second) of t = intercept + x / rate, least squares of the
+    relative error (so the small points set the intercept and the large ones the rate, over
+    sizes three orders apart); a non-positive intercept is 0 (the rate is then refitted
+    through the origin)."""
     x, t = np.array([p[0] for p in points]), np.array([p[1] for p in points])
-    slope, intercept = np.polyfit(x, t, 1)
+    slope, intercept = np.polyfit(x, t, 1, w=1.0 / t)
     if intercept <= 0 or slope <= 0:
         intercept, slope = 0.0, float((x @ t) / (x @ x))
     return float(intercept), float(1.0 / slope)
@@ -159,7 +170,9 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
     timed = _device_timer(device, repeats)
     out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
                  "device": device if device == "cpu" else torch.cuda.get_device_name(device),
-                 "compute": {}, "measured": time.strftime("%Y-%m-%d")}
+                 "compute": {}, "measured": time.strftime("%Y-%m-%d"),
+                 "timing": (f"median of {repeats} calls" if device == "cpu" else
+                            f"median of {repeats} bursts of {GPU_BURST} calls between CUDA events")}
     with emulated_device() if device == "cpu" else contextlib.nullcontext():
         for cls, launches, batches, make in _class_benchmarks(device):
             points = []

@@ -63,3 +63,15 @@ def test_calibration_tau_counts_only_pairs_the_repeats_separate():
     assert s["kendall_tau_all"]["bert/c"] == pytest.approx(1 / 3)
     # One run per case (no aggregate): nothing is separated.
     assert summarize([{**r, "aggregate": None} for r in rows])["kendall_tau"] == {"bert/c": None}
+
+
+def test_the_compute_fit_keeps_the_fixed_cost_when_the_largest_point_is_off():
+    # t = 20 us + FLOPs / 50 TFLOP/s over sizes four orders apart, the largest point 5% slow:
+    # least squares of the absolute error gave 13 us; of the relative error it keeps ~20 us.
+    from bench.profile import _fit_affine
+
+    points = [(x, 20e-6 + x / 50e12) for x in (5e7, 4e8, 3.2e9, 2.6e10, 2e11)]
+    assert _fit_affine(points) == pytest.approx((20e-6, 50e12), rel=1e-6)
+    slow = points[:-1] + [(points[-1][0], points[-1][1] * 1.05)]
+    fixed, rate = _fit_affine(slow)
+    assert fixed == pytest.approx(20e-6, rel=0.02) and rate == pytest.approx(50e12, rel=0.03)
