@@ -4,6 +4,7 @@
     python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
     python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
+    python -m bench.calibrate --reprice results/calibration/20261126-H200-steps.json   # no GPU needed
 
 With --device, one device instead: each paper model's training step (forward, backward, Adam)
 at batch 1 to 128, measured on that device and predicted by the simulator from the device
@@ -181,18 +182,32 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
     rows = []
     for model in models:
         for batch in batches:
-            cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev",
-                                 f"global_batch={batch}", "wandb.mode=disabled")
-            workload = build_workload(cfg, cluster)
-            plan = _instantiate(cfg.method, "method").plan(workload, cluster)
-            sim = simulate(plan.program, cluster, plan.ratios)
-            seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
-            rows.append({"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
-                         "time_error": abs(sim.iter_time_s - seconds) / seconds,
-                         "measured_peak_gib": None if peak is None else peak / 2**30,
-                         "predicted_peak_gib": sim.peak_mem_gib[0],
-                         "memory_error": None if peak is None else abs(sim.peak_mem_gib[0] * 2**30 - peak) / peak})
+            cfg = _step_config(model, batch, preset)
+            seconds, peak = device_step(build_workload(cfg, cluster), batch, cfg.seed, device, repeats)
+            rows.append(_predicted(model, batch, seconds, None if peak is None else peak / 2**30, cluster, preset))
     return rows
+
+
+def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
+    """An earlier run's measured steps against today's cost model (same profile and plans)."""
+    return [_predicted(r["model"], r["batch"], r["measured_s"], r["measured_peak_gib"], cluster, preset) for r in rows]
+
+
+def _step_config(model: str, batch: int, preset: str):
+    return compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
+                          "wandb.mode=disabled")
+
+
+def _predicted(model: str, batch: int, seconds: float, peak_gib: float | None, cluster: ClusterSpec,
+               preset: str) -> dict:
+    cfg = _step_config(model, batch, preset)
+    workload = build_workload(cfg, cluster)
+    plan = _instantiate(cfg.method, "method").plan(workload, cluster)
+    sim = simulate(plan.program, cluster, plan.ratios)
+    return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
+            "time_error": abs(sim.iter_time_s - seconds) / seconds, "measured_peak_gib": peak_gib,
+            "predicted_peak_gib": sim.peak_mem_gib[0],
+            "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib}
 
 
 def print_single_device(rows: list[dict], title: str) -> dict:
@@ -223,11 +238,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile --compute-out)")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
+    parser.add_argument("--reprice", type=Path, default=None,
+                        help="an earlier --device calibration file: its measured steps against today's cost model")
     parser.add_argument("overrides", nargs="*",
                         help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
                              f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
                              "method=every method that runs for real), as in compare and -m sweeps")
     args = parser.parse_args(argv)
+    if args.reprice is not None:
+        try:
+            earlier = json.loads(args.reprice.read_text())
+            cluster = single_device_cluster(earlier["device_type"], earlier["profile"])
+        except (OSError, ValueError, KeyError, ConfigError) as exc:
+            print(f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
+                  file=sys.stderr)
+            return 2
+        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset),
+                            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today")
+        return 0
     if args.device is not None:
         if not (args.device_type and args.profile):
             parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")

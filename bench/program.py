@@ -223,6 +223,19 @@ class Memory:
     def total(self) -> Affine:
         return self.params + self.grads + self.optimizer + self.activations
 
+    def resident(self) -> Affine:
+        """What stays for the whole iteration: parameters, gradients, optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    def optimizer_step(self) -> Affine:
+        """What a device holds while Adam steps: the resident state plus half the optimizer
+        state again. torch's multi-tensor Adam (the default on a GPU) takes the square root of
+        every second moment at once (torch/optim/adam.py, _multi_tensor_adam), so the step
+        needs one more fp32 buffer per parameter it updates. Where activations are small this
+        is the peak: on an H200 the paper models at 1-4 samples peaked 0.35-0.59 GiB, about
+        their parameter bytes, above the resident state plus activations."""
+        return self.resident() + self.optimizer.scale(0.5)
+
     def to_json(self) -> dict:
         return {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations")}
 

@@ -225,6 +225,16 @@ def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["predicted_peak_gib"] > 0
         assert r["measured_peak_gib"] is None  # no allocator statistics on the CPU
+    # --reprice: the same measured steps against today's cost model, from the file alone.
+    from bench.calibrate import main, repriced_rows
+
+    again = repriced_rows(rows, cluster, preset="tiny")
+    assert [(a["measured_s"], a["predicted_s"]) for a in again] == [(r["measured_s"], r["predicted_s"]) for r in rows]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"device_type": "T4", "profile": str(path), "rows": rows}))
+    assert main(["--reprice", str(earlier), "--preset", "tiny"]) == 0
+    earlier.write_text(json.dumps({"rows": rows}))
+    assert main(["--reprice", str(earlier)]) == 2  # not a --device file: one line, no table
 
 
 @pytest.mark.gpu
