@@ -502,15 +502,17 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    record = new_record(cfg)
     try:  # where the ranks compute: a cluster on cpu runs on gloo and hides the GPUs
-        cluster = ClusterSpec.from_config(record.config["cluster"])
+        cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     except ConfigError:
         cluster = None  # rank 0's prepare_case reports it below, on a process group of GPUs
     if cluster is not None and cluster.device == "cpu":
+        # Before anything asks CUDA for its devices (the row's fingerprint does): from then on
+        # the process keeps the devices it saw.
         os.environ.update(CPU_ONLY_ENV)
     device = pick_device(local_rank, cluster)
     init_process_group(rank, world, device, None if cluster is None else backend_for(cluster, device))
+    record = new_record(cfg)
     record.run_id = os.environ.get(RUN_ID_ENV) or record.run_id  # a multi-node job's, if any
     box: list = [None, None]
     if rank == 0:
