@@ -254,9 +254,10 @@ class DeepSpeedTrainer:
 
 # -- deepspeed, imported late -----------------------------------------------------------------
 def use_accelerator(device_type: str) -> None:
-    """DeepSpeed's accelerator for this rank's device. It picks CUDA whenever it sees a GPU and
-    then sets the device to the local rank, also for ranks that compute on the CPU (the
-    launcher hides the GPUs from those; a process under torchrun may have looked already)."""
+    """DeepSpeed's accelerator for this rank's device. Left to itself it picks CUDA whenever it
+    sees a GPU and sets the device to the local rank, also for ranks that compute on the CPU.
+    The harness hides the GPUs from those before CUDA starts (bench.worker.CPU_ONLY_ENV); this
+    makes the choice explicit where a process saw them already (run_rank called in-process)."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
     if get_accelerator().device_name() == device_type:
