@@ -182,26 +182,27 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
     rows = []
     for model in models:
         for batch in batches:
-            cfg = _step_config(model, batch, preset)
-            seconds, peak = device_step(build_workload(cfg, cluster), batch, cfg.seed, device, repeats)
-            rows.append(_predicted(model, batch, seconds, None if peak is None else peak / 2**30, cluster, preset))
+            cfg, workload = _step(model, batch, preset, cluster)
+            seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
+            rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30))
     return rows
 
 
 def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
     """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(r["model"], r["batch"], r["measured_s"], r["measured_peak_gib"], cluster, preset) for r in rows]
+    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"])
+            for r in rows]
 
 
-def _step_config(model: str, batch: int, preset: str):
-    return compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                          "wandb.mode=disabled")
+def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
+    """The config and workload of one plain training step of `model` at `batch` samples."""
+    cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
+                         "wandb.mode=disabled")
+    return cfg, build_workload(cfg, cluster)
 
 
-def _predicted(model: str, batch: int, seconds: float, peak_gib: float | None, cluster: ClusterSpec,
-               preset: str) -> dict:
-    cfg = _step_config(model, batch, preset)
-    workload = build_workload(cfg, cluster)
+def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None) -> dict:
+    model, batch = cfg.model.name, workload.global_batch
     plan = _instantiate(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
