@@ -37,7 +37,7 @@ from rich.table import Table
 from bench.cluster import ClusterSpec, ConfigError, device_types
 from bench.progress import track
 from bench.emulation import emulated_compute_s
-from bench.cost import simulate
+from bench.cost import host_time, simulate, virtual_devices
 from bench.flops import device_step
 from bench.records import fingerprint
 from bench.worker import rank_hardware
@@ -185,6 +185,10 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
             cfg, workload = _step(model, batch, preset, cluster)
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
             rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30))
+            r = rows[-1]  # as it goes: a run cut short keeps what it measured in its log
+            print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
+                  f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
+                  f"(predicted {r['predicted_peak_gib']:.3f})", flush=True)
     return rows
 
 
@@ -205,7 +209,9 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     model, batch = cfg.model.name, workload.global_batch
     plan = _instantiate(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
+    host = host_time(plan.program, virtual_devices(cluster, "gpu"))
     return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
+            "predicted_host_s": host,
             "time_error": abs(sim.iter_time_s - seconds) / seconds, "measured_peak_gib": peak_gib,
             "predicted_peak_gib": sim.peak_mem_gib[0],
             "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib}
@@ -214,11 +220,13 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
 def print_single_device(rows: list[dict], title: str) -> dict:
     console = Console(width=140)
     table = Table(title=title)
-    for col in ("model", "batch", "measured ms", "predicted ms", "error", "peak GiB", "predicted GiB", "error "):
+    for col in ("model", "batch", "measured ms", "predicted ms", "of it host", "error", "peak GiB", "predicted GiB",
+                "error "):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
-        mem = r["measured_peak_gib"]
-        table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
+        mem, host = r["measured_peak_gib"], r.get("predicted_host_s") or 0.0
+        bound = "host" if host >= r["predicted_s"] - 1e-12 and host > 0 else "-"
+        table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}", bound,
                       f"{r['time_error']:.0%}", "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
                       "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}")
     console.print(table)
@@ -236,7 +244,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i]: calibrate one device's steps instead")
     parser.add_argument("--device-type", default=None, help="with --device: the conf/device type it is")
-    parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile --compute-out)")
+    parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile "
+                        "--compute-out); with --reprice: price with this profile instead of the file's")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("--reprice", type=Path, default=None,
@@ -249,13 +258,14 @@ def main(argv: list[str]) -> int:
     if args.reprice is not None:
         try:
             earlier = json.loads(args.reprice.read_text())
-            cluster = single_device_cluster(earlier["device_type"], earlier["profile"])
+            cluster = single_device_cluster(earlier["device_type"], args.profile or earlier["profile"])
         except (OSError, ValueError, KeyError, ConfigError) as exc:
             print(f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
                   file=sys.stderr)
             return 2
         print_single_device(repriced_rows(earlier["rows"], cluster, args.preset),
-                            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today")
+                            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
+                            + (f" with {args.profile}" if args.profile else ""))
         return 0
     if args.device is not None:
         if not (args.device_type and args.profile):

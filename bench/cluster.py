@@ -48,20 +48,30 @@ class DeviceType:
 class ComputeProfile:
     """Measured compute of one device type (`python -m bench.profile --compute-out`).
 
-    Per op class (bench.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s;
-    the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did not measure is
-    priced as "other".
+    Per op class (bench.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s
+    on the device; the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did
+    not measure is priced as "other". On a GPU the host queues kernels while the device runs
+    them: `dispatch_s` is the host's seconds per kernel (per class; the optimizer step's whole),
+    and a step takes at least the host's time to queue it (bench.cost.price.host_time). 0 where
+    the host is the device (a CPU worker) or where the profile did not measure it.
     """
 
     device_type: str
     classes: tuple[tuple[str, float, float], ...]  # (op class, fixed_s, flops_per_s)
     optimizer: tuple[float, float] | None  # (fixed_s, parameter bytes per second)
     path: str
+    dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel)
+    optimizer_dispatch_s: float = 0.0
 
     def rate(self, op_class: str) -> tuple[float, float]:
         """(fixed_s per kernel, FLOP/s) of an op class."""
         table = {c: (f, r) for c, f, r in self.classes}
         return table.get(op_class) or table["other"]
+
+    def dispatch_s(self, op_class: str) -> float:
+        """Host seconds to queue one kernel of an op class (0 if not measured)."""
+        table = dict(self.dispatch)
+        return table.get(op_class, table.get("other", 0.0))
 
 
 def _read_profile(path: str, where: str, fix: str):
@@ -95,12 +105,21 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
             raise ConfigError(f"{where}={path!r}: {key} needs fixed_s >= 0 and {rate} > 0 (got {entry!r}); {fix}")
         return float(fixed), float(speed)
 
-    classes = tuple((c, *numbers(e, f"compute.{c}", "flops_per_s")) for c, e in sorted(data["compute"].items()))
+    def host(entry: Any, key: str) -> float:
+        value = entry.get("dispatch_s", 0.0) if isinstance(entry, dict) else 0.0
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{where}={path!r}: {key}.dispatch_s must be a number >= 0 (got {value!r}); {fix}")
+        return float(value)
+
+    items = sorted(data["compute"].items())
+    classes = tuple((c, *numbers(e, f"compute.{c}", "flops_per_s")) for c, e in items)
     if "other" not in {c for c, _, _ in classes}:
         raise ConfigError(f"{where}={path!r} has no compute.other (the class unmeasured ones fall back to); {fix}")
     opt = data.get("optimizer")
     optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
-    return ComputeProfile(type_name, classes, optimizer, str(path))
+    return ComputeProfile(type_name, classes, optimizer, str(path),
+                          tuple((c, host(e, f"compute.{c}")) for c, e in items),
+                          0.0 if opt is None else host(opt, "optimizer"))
 
 
 _TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}

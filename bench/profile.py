@@ -91,63 +91,119 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
 
 
 # -- compute profile of a device type (bench.cluster.ComputeProfile) ------------------------
+CHAIN = 8  # ops per forward+backward call: one autograd run per call, as in a step
+
+
 def _class_benchmarks(device: str):
-    """(op class, kernels per step as the planner counts them, batches, make(batch) -> (step,
-    FLOPs)) per class: forward + backward of a linear layer, a 3x3 convolution, and a layer
-    norm + GELU (FLOPs counted as the planner's graph counts them: bench.flops)."""
+    """(op class, kernels per call as the planner counts them, batches, make(batch) -> (call,
+    FLOPs)) per class: forward + backward of a chain of CHAIN linear layers, 3x3 convolutions,
+    or layer norm + GELU pairs (FLOPs counted as the planner's graph counts them:
+    bench.flops). A chain, not one op: a training step runs one autograd pass over many ops,
+    so the pass's own start-up should not be charged to each kernel."""
     gpu = device != "cpu"
     d, side = (1024, 32) if gpu else (256, 16)
-    # On a GPU up to a few ms per call (a 2048-row linear took 0.35 ms on an H200, no more than
-    # its fixed cost: the rate fitted from it was 3x the card's fp32 peak).
-    batches = (8, 64, 512, 4096, 32768) if gpu else (4, 16, 64, 256)
+    # On a GPU the largest call takes ~10 ms (the rate); the smallest a few us per kernel
+    # (the fixed cost). A 2048-row linear on an H200 took no longer than its fixed cost.
+    batches = (8, 64, 512, 4096, 16384) if gpu else (4, 16, 64, 256)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, generator=g, device=device, requires_grad=grad)
 
     def linear(b):
-        x = torch.randn(b, d, device=device, requires_grad=True)
-        w = torch.randn(d, d, device=device, requires_grad=True)
-        g = torch.ones(b, d, device=device)
-        return (lambda: F.linear(x, w).backward(g)), 3 * 2.0 * b * d * d
+        x, ws = rand(b, d, grad=True), [(rand(d, d) / d**0.5).requires_grad_() for _ in range(CHAIN)]
+        g_out = torch.ones(b, d, device=device)
+
+        def call():
+            y = x
+            for w in ws:
+                y = F.linear(y, w)
+            y.backward(g_out)
+        return call, CHAIN * 3 * 2.0 * b * d * d
 
     def conv(b):
-        img = torch.randn(max(1, b // 16), 64, side, side, device=device, requires_grad=True)
-        k = torch.randn(64, 64, 3, 3, device=device, requires_grad=True)
-        g = torch.ones(img.shape[0], 64, side, side, device=device)
-        return (lambda: F.conv2d(img, k, padding=1).backward(g)), 3 * 2.0 * g.numel() * 64 * 9
+        img = rand(max(1, b // (64 if gpu else 16)), 64, side, side, grad=True)
+        ks = [(rand(64, 64, 3, 3) / 24).requires_grad_() for _ in range(CHAIN)]
+        g_out = torch.ones_like(img)
+
+        def call():
+            y = img
+            for k in ks:
+                y = F.conv2d(y, k, padding=1)
+            y.backward(g_out)
+        return call, CHAIN * 3 * 2.0 * g_out.numel() * 64 * 9
 
     def other(b):
-        h = torch.randn(b, d, device=device, requires_grad=True)
-        ln = torch.nn.LayerNorm(d, device=device)
-        g = torch.ones(b, d, device=device)
+        h = rand(b, d, grad=True)
+        lns = [torch.nn.LayerNorm(d, device=device) for _ in range(CHAIN)]
+        g_out = torch.ones(b, d, device=device)
         per = ELEMENTWISE_FLOPS["layer_norm"] + ELEMENTWISE_FLOPS["gelu"]
-        return (lambda: F.gelu(ln(h)).backward(g)), 2.0 * per * b * d  # backward factor 1
 
-    return [("matmul", 3, batches, linear), ("conv", 3, batches, conv), ("other", 5, batches, other)]
+        def call():
+            y = h
+            for ln in lns:
+                y = F.gelu(ln(y))
+            y.backward(g_out)
+        return call, CHAIN * 2.0 * per * b * d  # backward factor 1
+
+    # kernels per link of the chain: forward 1, backward 2 (input and weight gradients) for
+    # linear and conv; layer norm 1 + 2, GELU 1 + 1
+    return [("matmul", CHAIN * 3, batches, linear), ("conv", CHAIN * 3, batches, conv),
+            ("other", CHAIN * 5, batches, other)]
 
 
-GPU_BURST = 10  # calls timed back to back between two CUDA events
+GPU_BURST = 10  # calls queued back to back between two CUDA events
+
+
+def _sleep_cycles_per_s(device: str) -> float:
+    """GPU clock cycles per second as torch.cuda._sleep counts them (timed with events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 10_000_000 / (start.elapsed_time(end) / 1e3)
 
 
 def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
-    """median seconds of fn() after warm-up: wall clock per call on the CPU; on a GPU, CUDA
-    events around `burst` calls queued back to back, as a training step queues its kernels
-    (timed one by one, each call also paid the queue's start and the sync: 0.2-0.5 ms per
-    call on an H200, whatever its size)."""
+    """fn -> (device seconds per call, host seconds per call), medians after warm-up. On the
+    CPU both are the wall clock (the host computes). On a GPU: `burst` calls queued back to
+    back behind a GPU sleep longer than their queueing, so the events between them time the
+    kernels alone, as in a step whose host runs ahead (timed one by one, each call also paid
+    the queue's start and a sync: 0.2-0.5 ms on an H200, whatever its size); and the host's
+    wall clock while it queues them (what a step costs when its kernels are too small to keep
+    the GPU busy)."""
     if device == "cpu":
-        return lambda fn: _timed(fn, repeats)
+        def timed_cpu(fn):
+            t = _timed(fn, repeats)
+            return t, t
+        return timed_cpu
+    cycles_per_s = _sleep_cycles_per_s(device)
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
         for _ in range(3):
             fn()
         torch.cuda.synchronize(device)
-        times = []
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        torch.cuda.synchronize(device)
+        # sleep 3x the burst's whole time (at least 1 ms): the host has queued it all by then
+        sleep = int(max(3 * (time.perf_counter() - t0), 1e-3) * cycles_per_s)
+        gpu, host = [], []
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleep)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(burst):
                 fn()
+            host.append((time.perf_counter() - t0) / burst)
             end.record()
             torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3 / burst)
-        return statistics.median(times)
+            gpu.append(start.elapsed_time(end) / 1e3 / burst)
+        return statistics.median(gpu), statistics.median(host)
     return timed
 
 
@@ -165,31 +221,42 @@ def _fit_affine(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
     """A compute profile of `device` ("cpu": one thread, as an emulated worker; "cuda[:i]"):
-    per op class the fixed seconds per kernel and FLOP/s, fitted over batch sizes, and the
-    Adam step's fixed seconds and parameter bytes per second."""
+    per op class the device's fixed seconds per kernel and FLOP/s, fitted over batch sizes,
+    and on a GPU the host's seconds to queue a kernel; the Adam step's fixed seconds and
+    parameter bytes per second (and its host seconds). `points` keep every measurement:
+    (FLOPs or bytes, device seconds, host seconds)."""
     timed = _device_timer(device, repeats)
+    gpu = device != "cpu"
     out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
-                 "device": device if device == "cpu" else torch.cuda.get_device_name(device),
+                 "device": device if not gpu else torch.cuda.get_device_name(device),
                  "compute": {}, "measured": time.strftime("%Y-%m-%d"),
-                 "timing": (f"median of {repeats} calls" if device == "cpu" else
-                            f"median of {repeats} bursts of {GPU_BURST} calls between CUDA events")}
-    with emulated_device() if device == "cpu" else contextlib.nullcontext():
+                 "timing": (f"median of {repeats} calls" if not gpu else
+                            f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
+                            "between CUDA events (device) and on the host's clock (dispatch)")}
+
+    def entry(points, units: str, per: int) -> dict:
+        intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
+        e = {"fixed_s": intercept / per, units: rate}
+        if gpu:  # the host's time to queue a call does not grow with its size: the median
+            e["dispatch_s"] = statistics.median(h for _, _, h in points) / per
+        return e
+
+    with emulated_device() if not gpu else contextlib.nullcontext():
         for cls, launches, batches, make in _class_benchmarks(device):
             points = []
             for b in batches:
-                step, flops = make(b)
-                points.append((flops, timed(step)))
-            intercept, rate = _fit_affine(points)
-            out["compute"][cls] = {"fixed_s": intercept / launches, "flops_per_s": rate,
-                                   "kernels_per_step": launches, "points": points}
+                call, flops = make(b)
+                points.append((flops, *timed(call)))
+                del call
+            out["compute"][cls] = {**entry(points, "flops_per_s", launches), "kernels_per_call": launches,
+                                   "points": points}
         points = []
-        for n in ((1 << 20, 1 << 22, 1 << 24, 1 << 26) if device != "cpu" else (1 << 14, 1 << 16, 1 << 18, 1 << 20)):
+        for n in ((1 << 20, 1 << 22, 1 << 24, 1 << 26) if gpu else (1 << 14, 1 << 16, 1 << 18, 1 << 20)):
             p = torch.nn.Parameter(torch.randn(n, device=device))
             p.grad = torch.randn(n, device=device)
             opt = torch.optim.Adam([p], lr=1e-4)
-            points.append((4.0 * n, timed(opt.step)))
-        fixed, rate = _fit_affine(points)
-        out["optimizer"] = {"fixed_s": fixed, "bytes_per_s": rate, "points": points}
+            points.append((4.0 * n, *timed(opt.step)))
+        out["optimizer"] = {**entry(points, "bytes_per_s", 1), "points": points}
     return out
 
 
@@ -345,11 +412,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.device != "cpu" and not torch.cuda.is_available():
             parser.error(f"--device={args.device} but torch sees no CUDA device; use --device cpu")
         prof = profile_device(args.device, args.device_type, args.repeats)
-        print(f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}   ({prof['device']})")
+        host = "dispatch_s" in prof["optimizer"]
+        print(f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}" + (f" {'host us/kernel':>15}" if host else "")
+              + f"   ({prof['device']})")
         for cls, c in prof["compute"].items():
-            print(f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}")
+            print(f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
+                  + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else ""))
         o = prof["optimizer"]
-        print(f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters")
+        print(f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
+              + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else ""))
         args.compute_out.parent.mkdir(parents=True, exist_ok=True)
         args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
         print(f"wrote {args.compute_out}")

@@ -72,7 +72,8 @@ class RunRecord:
     loss_last: float | None = None
     loss_per_iter: list[float] | None = None  # mean loss per target, per measured iteration
     peak_mem_gib_per_iter: list[float] | None = None  # per measured iteration: max over ranks of
-    # each rank's peak so far (CPU: RSS high-water mark; CUDA: max_memory_allocated)
+    # each rank's peak (CUDA: max_memory_allocated during that iteration, the steady state a
+    # cost model predicts; CPU: the RSS high-water mark so far, which cannot be reset)
     flops_per_iter: float | None = None
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes

@@ -263,6 +263,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
         dist.barrier()
     precision = None
+    peak = 0.0  # the run's peak: every iteration's, and what came before on a GPU
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if it == pre + case.warmup_iters:
             emulator.reset_stats()
@@ -273,6 +274,9 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            if it >= pre:  # this iteration's own peak (a first step may hold more: kept in peak)
+                peak = max(peak, peak_mem_gib(device))
+                torch.cuda.reset_peak_memory_stats(device)
         emulator.begin_iteration(it)
         t0 = time.perf_counter()
         with step_context(case.precision, device):
@@ -285,6 +289,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
             iter_times.append((time.perf_counter() - t0) * emulator.headroom)
             mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
+            peak = max(peak, mems[-1])
         value = float(loss)
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
@@ -295,7 +300,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "rank": rank,
         "iter_times_s": iter_times,
         "loss_sums": losses,
-        "peak_mem_gib": peak_mem_gib(device),
+        "peak_mem_gib": max(peak, peak_mem_gib(device)),
         "peak_mem_gib_per_iter": mems,
         "emulation": {**emulator.report(probe_flops), "yardstick": host, "core": core} if emulated else None,
         "host": os.uname().nodename,

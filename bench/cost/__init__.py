@@ -26,6 +26,7 @@ from bench.cost.price import (
     collective_cost,
     collective_link,
     collective_time,
+    host_time,
     iteration_time,
     stage_time,
 )
@@ -34,7 +35,7 @@ from bench.cost.simulate import SimResult, simulate
 __all__ = [
     "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "SimResult", "VirtualDevice", "alike",
     "collective_cost", "collective_link", "collective_linear_cost", "collective_time",
-    "collective_time_s", "compute_proportional_ratios", "device_classes", "even_ratios",
+    "collective_time_s", "compute_proportional_ratios", "device_classes", "even_ratios", "host_time",
     "iteration_time", "link_bytes", "memory_proportional_ratios", "simulate", "stage_time",
     "virtual_devices",
 ]

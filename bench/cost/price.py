@@ -17,7 +17,9 @@ The timeline has two lanes per iteration, computation and the network:
   - a collective among machines is priced in the paper's three steps: inside each machine to
     its leader, among the leaders, back (collective_price);
   - the iteration ends when all lanes are done, plus the optimizer step of a device with a
-    measured profile and the slowest device's per-step overhead.
+    measured profile, but not before the host of a GPU whose profile measured its dispatch
+    cost has queued every kernel (host_time: small shares are launch-bound), plus the slowest
+    device's per-step overhead.
 
 Where the LP must approximate, it prices more, never less: with free rows a reshard charges
 the moved intervals' ends (an upper bound of what moves, bench.program.reshard_fractions) and
@@ -352,7 +354,11 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
         compute_end += run.flush()
     ends = [compute_end] + ([] if network_idle else [network_end]) + ([] if intra_idle else [intra_end])
     end = ends[0] if len(ends) == 1 else alg.max(ends)
-    return end + optimizer_time(program, vdevs, alg) + max(d.step_overhead_s for d in cluster.devices)
+    end = end + optimizer_time(program, vdevs, alg)
+    host = host_time(program, vdevs)
+    if host > 0:  # the device cannot finish before the host has queued the last kernel
+        end = alg.max([end, host])
+    return end + max(d.step_overhead_s for d in cluster.devices)
 
 
 class _FlopsRun:
@@ -399,6 +405,17 @@ def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:
              for d, _ in alike(vdevs, alg) if vdevs[d].compute is not None and vdevs[d].compute.optimizer is not None
              for fixed, rate in [vdevs[d].compute.optimizer]]
     return alg.max(terms) if terms else 0.0
+
+
+def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
+    """Seconds the host of the slowest device spends queueing one iteration's kernels (each
+    stage's kernels x its class's dispatch cost, and the optimizer step's), for devices whose
+    profile measured it (GPUs: they run kernels while their host queues the next ones, so an
+    iteration takes the larger of the two lanes, bench.cluster.ComputeProfile). The same at
+    any ratios: a rank launches the same kernels whatever its share."""
+    profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None}
+    return max((sum(st.launches * c.dispatch_s(st.op_class) for st in program.stages) + c.optimizer_dispatch_s
+                for c in profiles.values()), default=0.0)
 
 
 # -- numbers ---------------------------------------------------------------------------------

@@ -184,8 +184,34 @@ def test_a_profiled_device_pays_a_fixed_cost_per_kernel_its_class_rate_and_the_o
     assert objective == pytest.approx(matmul + conv + optimizer, rel=1e-6)
 
 
+def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path):
+    """With dispatch costs measured, an iteration ends no sooner than the host has queued
+    every kernel: small shares are launch-bound, large ones pay the device's time alone."""
+    from bench.cost import host_time, virtual_devices
+    from bench.program import Memory
+
+    compute = {"matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
+               "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
+    cl = _cluster_with_profile(_profile_file(tmp_path, compute=compute,
+                                             optimizer={"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5}))
+
+    def program(flops):
+        return Program((Stage((), Affine.sharded(flops), op_class="matmul", launches=100),
+                        Stage((), Affine.sharded(flops / 10), op_class="other", launches=50)), 2,
+                       memory=Memory(params=Affine.sharded(1e6)))
+
+    host = 100 * 2e-5 + 50 * 1e-5 + 3e-5
+    for flops in (2e6, 2e11):  # 1 us of device work per device, or 0.2 s
+        prog = program(flops)
+        assert host_time(prog, virtual_devices(cl, "gpu")) == pytest.approx(host)
+        device = 150 * 1e-6 + 2 * (flops / 2) / 1e12 + 1e-5 + 5e5 / 1e12
+        assert simulate(prog, cl, [[0.5, 0.5]]).iter_time_s == pytest.approx(max(host, device))
+        assert balance_ratios(prog, cl)[1] == pytest.approx(max(host, device), rel=1e-6)  # the LP agrees
+
+
 @pytest.mark.parametrize("change,message", [
     ({"device_type": "OtherGPU"}, "was measured on device type 'OtherGPU', not 'MyGPU'"),
+    ({"compute": {"other": {"fixed_s": 0, "flops_per_s": 1e12, "dispatch_s": "x"}}}, "dispatch_s must be a number"),
     ({"compute": {"matmul": {"fixed_s": 0, "flops_per_s": 1e12}}}, "has no compute.other"),
     ({"compute": {"other": {"fixed_s": -1, "flops_per_s": 1e12}}}, "needs fixed_s >= 0"),
 ])
@@ -247,6 +273,8 @@ def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
 
     path = tmp_path / "H100-80.json"
     prof = profile_device("cuda", "H100-80", repeats=5)
+    for entry in [*prof["compute"].values(), prof["optimizer"]]:  # the device's and the host's times
+        assert entry["fixed_s"] >= 0 and entry["dispatch_s"] > 0
     path.write_text(json.dumps(prof))
     rows = single_device_rows(["bert"], [1, 8], "cuda", single_device_cluster("H100-80", str(path)),
                               preset="tiny", repeats=5)
