@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -234,13 +235,6 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
                             f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
                             "between CUDA events (device) and on the host's clock (dispatch)")}
 
-    def entry(points, units: str, per: int) -> dict:
-        intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
-        e = {"fixed_s": intercept / per, units: rate}
-        if gpu:  # the host's time to queue a call does not grow with its size: the median
-            e["dispatch_s"] = statistics.median(h for _, _, h in points) / per
-        return e
-
     with emulated_device() if not gpu else contextlib.nullcontext():
         for cls, launches, batches, make in _class_benchmarks(device):
             points = []
@@ -248,7 +242,7 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
                 call, flops = make(b)
                 points.append((flops, *timed(call)))
                 del call
-            out["compute"][cls] = {**entry(points, "flops_per_s", launches), "kernels_per_call": launches,
+            out["compute"][cls] = {**fit_entry(points, "flops_per_s", launches, gpu), "kernels_per_call": launches,
                                    "points": points}
         points = []
         for n in ((1 << 20, 1 << 22, 1 << 24, 1 << 26) if gpu else (1 << 14, 1 << 16, 1 << 18, 1 << 20)):
@@ -256,7 +250,32 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
             p.grad = torch.randn(n, device=device)
             opt = torch.optim.Adam([p], lr=1e-4)
             points.append((4.0 * n, *timed(opt.step)))
-        out["optimizer"] = {**entry(points, "bytes_per_s", 1), "points": points}
+        out["optimizer"] = {**fit_entry(points, "bytes_per_s", 1, gpu), "points": points}
+    return out
+
+
+def fit_entry(points: list, units: str, per: int, host: bool) -> dict:
+    """A profile entry from its points (size, device seconds, host seconds): the device's
+    fixed seconds per kernel and rate (_fit_affine), and with `host` the host's seconds per
+    kernel. Queueing a call costs the host the same at any size, but a large call can also
+    make it wait for the device (an allocation that synchronises: on an H200 the conv
+    chain's host time grew from 1.1 to 16.8 ms with the size, tracking the GPU sleep), so the
+    dispatch cost is the smallest of them."""
+    intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
+    e = {"fixed_s": intercept / per, units: rate}
+    if host:
+        e["dispatch_s"] = min(h for _, _, h in points) / per
+    return e
+
+
+def refit(prof: dict) -> dict:
+    """The profile with every entry fitted again from its stored points (today's fit_entry),
+    for a profile measured before a change of the fit; no device needed."""
+    gpu = prof.get("device", "cpu") != "cpu"  # "cpu", or the GPU's name
+    out = {**prof, "compute": {}, "refit": f"fitted again from its points on {time.strftime('%Y-%m-%d')}"}
+    for cls, e in prof["compute"].items():
+        out["compute"][cls] = {**e, **fit_entry(e["points"], "flops_per_s", e["kernels_per_call"], gpu)}
+    out["optimizer"] = {**prof["optimizer"], **fit_entry(prof["optimizer"]["points"], "bytes_per_s", 1, gpu)}
     return out
 
 
@@ -405,7 +424,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="only profile compute of one device type and write it here (a device type's `profile`)")
     parser.add_argument("--device-type", default=None, help="the conf/device type the profile describes (with --compute-out)")
     parser.add_argument("--device", default="cpu", help="cpu (one worker thread) or cuda[:i] (with --compute-out)")
+    parser.add_argument("--refit", type=Path, default=None,
+                        help="a compute profile: fit its stored points again and write it to --compute-out (no device)")
     args = parser.parse_args(argv)
+    if args.refit is not None:
+        if args.compute_out is None:
+            parser.error("--refit needs --compute-out PATH (where the refitted profile goes)")
+        try:
+            prof = refit(json.loads(args.refit.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --refit={args.refit}: {exc!r}; give a file written by bench.profile --compute-out",
+                  file=sys.stderr)
+            return 2
+        args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
+        print(f"wrote {args.compute_out}")
+        return 0
     if args.compute_out is not None:
         if not args.device_type:
             parser.error("--compute-out needs --device-type NAME (the conf/device type it describes, e.g. H100-80)")

@@ -75,3 +75,34 @@ def test_the_compute_fit_keeps_the_fixed_cost_when_the_largest_point_is_off():
     slow = points[:-1] + [(points[-1][0], points[-1][1] * 1.05)]
     fixed, rate = _fit_affine(slow)
     assert fixed == pytest.approx(20e-6, rel=0.02) and rate == pytest.approx(50e12, rel=0.03)
+
+
+def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_points(tmp_path):
+    # The host queues a call in ~1 ms at any size; at the two largest sizes it also waited for
+    # the device (an allocation that synchronises), as the conv chain did on an H200.
+    import json
+
+    from bench.cluster import load_compute_profile
+    from bench.profile import fit_entry, main, refit
+
+    points = [(x, 20e-6 + x / 50e12, h) for x, h in ((5e7, 1.1e-3), (4e8, 1.0e-3), (3.2e9, 1.2e-3),
+                                                     (2.6e10, 4.0e-3), (2e11, 16.8e-3))]
+    entry = fit_entry(points, "flops_per_s", 20, host=True)
+    assert entry["dispatch_s"] == pytest.approx(1.0e-3 / 20)
+    assert entry["fixed_s"] == pytest.approx(1e-6, rel=1e-6) and entry["flops_per_s"] == pytest.approx(50e12)
+    assert "dispatch_s" not in fit_entry(points, "flops_per_s", 20, host=False)  # a CPU: the host computes
+    measured = {"device_type": "G", "device": "Some GPU",
+                "compute": {"other": {"fixed_s": 0.0, "flops_per_s": 1.0, "dispatch_s": 9.0,
+                                      "kernels_per_call": 20, "points": points}},
+                "optimizer": {"fixed_s": 0.0, "bytes_per_s": 1.0, "dispatch_s": 9.0,
+                              "points": [(1e6, 1e-4, 2e-4), (1e8, 1e-3, 3e-4)]}}
+    again = refit(measured)
+    assert again["compute"]["other"]["dispatch_s"] == pytest.approx(1.0e-3 / 20)
+    assert again["optimizer"]["dispatch_s"] == pytest.approx(2e-4) and again["compute"]["other"]["points"] == points
+    src, dst = tmp_path / "G.json", tmp_path / "G-refit.json"
+    src.write_text(json.dumps(measured))
+    assert main(["--refit", str(src), "--compute-out", str(dst)]) == 0
+    prof = load_compute_profile(str(dst), "cluster.device_types.G.profile", "G")
+    assert prof.dispatch_s("other") == pytest.approx(5e-5) and prof.optimizer_dispatch_s == pytest.approx(2e-4)
+    src.write_text("{}")
+    assert main(["--refit", str(src), "--compute-out", str(dst)]) == 2  # one line, exit 2
