@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,7 @@ class RankProgram:
         # for what does not depend on the samples; REDUCE for a sum over them, the loss).
         self.intra: dict[str, Layout] = {}
         self._instrs = self._compile(model)
+        self._dead_after = self._last_reads()
         self._module: fx.GraphModule | None = None
         self._rec: _Recorder | None = None
 
@@ -528,6 +530,7 @@ class RankProgram:
             loss = self._interpret(batch)
             self._module = self._rec.module(loss)
         finally:
+            self._rec.close()
             self._rec = None
         return loss
 
@@ -538,10 +541,43 @@ class RankProgram:
             self._rec.call(value, target, args, kwargs or {})
         return value
 
+    def _reads(self, ins: _Instr) -> set[str]:
+        """The tensors an instruction may read from the environment: what it creates or
+        communicates, its op's tensor arguments, and the tensors a size argument is computed
+        from (sizes are evaluated from local shards when the op runs)."""
+        names = {t for t, _ in ins.sources} | {c.tensor for c in ins.comms} | set(ins.layouts)
+        stack, seen = list(ins.node.fx_node.all_input_nodes), set()
+        while stack:
+            a = stack.pop()
+            if a.name in seen:
+                continue
+            seen.add(a.name)
+            names.add(a.name)
+            if a.name not in self.graph.by_name or not self.graph[a.name].is_tensor:
+                stack.extend(a.all_input_nodes)
+        return names
+
+    def _last_reads(self) -> list[set[str]]:
+        """Per instruction, the tensors no later instruction reads (the loss and what the
+        final collectives read excepted): the interpreter drops them once it has run it, so
+        a first step holds what autograd saves, as the recorded program's later steps do,
+        not every value of the forward pass."""
+        last: dict[str, int] = {}
+        for i, ins in enumerate(self._instrs):
+            for t in self._reads(ins) | {ins.node.name}:
+                last[t] = i
+        keep = {self.loss} | {c.tensor for c in self.final_comms}
+        dead: list[set[str]] = [set() for _ in self._instrs]
+        for t, i in last.items():
+            if t not in keep:
+                dead[i].add(t)
+        return dead
+
     def _interpret(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Run the plan step by step (recording each tensor made, when compiling)."""
+        """Run the plan step by step (recording each tensor made, when compiling), dropping
+        each value after its last reader."""
         env: dict = {}
-        for ins in self._instrs:
+        for ins, dead in zip(self._instrs, self._dead_after):
             for t, lay in ins.sources:
                 if (t, lay) in env:
                     continue
@@ -556,6 +592,9 @@ class RankProgram:
             for c in ins.comms:
                 self._run_comm(c, env)
             env[(ins.node.name, ins.step.rule.post)] = self._run_op(ins, env, batch)
+            if dead:
+                for key in [k for k in env if k[0] in dead]:
+                    del env[key]
         for c in self.final_comms:
             self._run_comm(c, env)
         if (self.loss, REDUCE) not in env:
@@ -717,18 +756,25 @@ class _Recorder:
         self.graph = fx.Graph()
         self.root = nn.Module()
         self._nodes: dict[int, fx.Node] = {}
-        self._alive: list = []  # every recorded value, so no id is reused while recording
+        # A tensor's id is forgotten when it is freed (before the id can be reused), so
+        # recording keeps no value alive that the step itself would have freed.
+        self._watch: list[weakref.finalize] = []
         self._items: dict[int, tuple[fx.Node, int]] = {}  # id of an item of a recorded tuple -> (node, index)
         for name, x in zip(placeholders, batch):
             self._bind(x, self.graph.placeholder(name))
 
     def _bind(self, value: Any, node: fx.Node) -> None:
-        self._nodes[id(value)] = node
-        self._alive.append(value)
-        if isinstance(value, (tuple, list)):  # its items, should an op read one directly
-            for i, item in enumerate(value):
-                if isinstance(item, torch.Tensor) and id(item) not in self._nodes:
-                    self._items[id(item)] = (node, i)
+        if isinstance(value, torch.Tensor):
+            self._nodes[id(value)] = node
+            self._watch.append(weakref.finalize(value, self._forget, id(value)))
+            return
+        # A tuple or list an op returned is found through its items (it cannot be watched,
+        # and a freed one's id may come back as another tuple's): an item read later
+        # becomes a getitem node, the whole passed on becomes a tuple of them.
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor) and id(item) not in self._nodes:
+                self._items[id(item)] = (node, i)
+                self._watch.append(weakref.finalize(item, self._forget, id(item)))
 
     def attr(self, value: Any, name: str) -> None:
         """A parameter, buffer or constant tensor of the program: an attribute of the module."""
@@ -772,6 +818,16 @@ class _Recorder:
             node = self.graph.call_function(target, args, kwargs)
         self._bind(value, node)
 
+    def _forget(self, key: int) -> None:
+        self._nodes.pop(key, None)
+        self._items.pop(key, None)
+
     def module(self, loss: torch.Tensor) -> fx.GraphModule:
         self.graph.output(self.arg(loss))
         return fx.GraphModule(self.root, self.graph, class_name="RankStep")
+
+    def close(self) -> None:
+        """Done recording: the tensors still alive no longer point at this recorder."""
+        for f in self._watch:
+            f.detach()
+        self._watch = []
