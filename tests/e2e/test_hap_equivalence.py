@@ -4,6 +4,7 @@ both all-gather implementations and SFB."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from pathlib import Path
 
@@ -273,15 +274,13 @@ def test_forced_options_reach_the_generated_code():
     assert all(not k.endswith("/grouped") for k in vgg["collectives"])
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_the_recorded_module_runs_what_the_interpreter_runs(model):
-    """After its first call a program runs the fx module it recorded: three Adam steps give
-    bit-identical losses, gradients and parameters to interpreting the plan at every step (one
-    rank; the multi-rank equivalence tests above run the recorded module from step 2 on)."""
+@contextlib.contextmanager
+def _one_rank(model):
+    """(workload, plan, graph, batch) of tiny `model` planned for one rank, inside a one-rank
+    gloo group (a RankProgram's collectives need one even alone)."""
     import torch.distributed as dist
 
     from bench.launch import _free_port
-    from methods.hap.codegen import CodegenOptions, RankProgram
 
     workload = make_workload(model, 1, 3)
     plan = plan_at_ratios(workload, make_cluster(1), [1.0])
@@ -289,6 +288,19 @@ def test_the_recorded_module_runs_what_the_interpreter_runs(model):
     batch = workload.model_cfg.synthetic_batch(3, torch.Generator().manual_seed(1))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
+        yield workload, plan, graph, batch
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_recorded_module_runs_what_the_interpreter_runs(model):
+    """After its first call a program runs the fx module it recorded: three Adam steps give
+    bit-identical losses, gradients and parameters to interpreting the plan at every step (one
+    rank; the multi-rank equivalence tests above run the recorded module from step 2 on)."""
+    from methods.hap.codegen import CodegenOptions, RankProgram
+
+    with _one_rank(model) as (workload, plan, graph, batch):
         runs = []
         for compile_ in (True, False):
             program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 1,
@@ -302,8 +314,6 @@ def test_the_recorded_module_runs_what_the_interpreter_runs(model):
                 optimizer.step()
                 losses.append(loss.item())
             runs.append((program, losses, {k: p.detach().clone() for k, p in program.params.items()}))
-    finally:
-        dist.destroy_process_group()
     (recorded, losses, params), (interpreted, ref_losses, ref_params) = runs
     assert recorded.module is not None and interpreted.module is None
     assert "load_" not in recorded.module.code  # one rank holds the whole batch: nothing gathered
@@ -321,11 +331,9 @@ def test_the_first_call_holds_no_more_than_the_recorded_module(model):
     above every later one for BERT-Base at 64 samples, 0.4-1 GiB for ViT and BERT-MoE)."""
     import weakref
 
-    import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from bench.launch import _free_port
     from methods.hap.codegen import CodegenOptions, RankProgram
 
     class Made(TorchDispatchMode):  # every tensor an op returns (weakly), and the most alive at once
@@ -339,12 +347,7 @@ def test_the_first_call_holds_no_more_than_the_recorded_module(model):
             self.peak = max(self.peak, sum(1 for r in self.refs if r() is not None))
             return out
 
-    workload = make_workload(model, 1, 3)
-    plan = plan_at_ratios(workload, make_cluster(1), [1.0])
-    graph = capture_config(workload.model_cfg, workload.global_batch)
-    batch = workload.model_cfg.synthetic_batch(3, torch.Generator().manual_seed(1))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
+    with _one_rank(model) as (workload, plan, graph, batch):
         program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 1,
                               CodegenOptions())
         held = []
@@ -354,8 +357,6 @@ def test_the_first_call_holds_no_more_than_the_recorded_module(model):
             held.append((made.peak, len(made.refs)))
             loss.backward()
             del loss
-    finally:
-        dist.destroy_process_group()
     (first, made_first), (later, made_later) = held
     assert made_first == made_later  # the same ops ran
     assert first == later, held
