@@ -60,7 +60,7 @@ class ComputeProfile:
     classes: tuple[tuple[str, float, float], ...]  # (op class, fixed_s, flops_per_s)
     optimizer: tuple[float, float] | None  # (fixed_s, parameter bytes per second)
     path: str
-    dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel)
+    dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
     optimizer_dispatch_s: float = 0.0
 
     def rate(self, op_class: str) -> tuple[float, float]:
@@ -118,7 +118,7 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     opt = data.get("optimizer")
     optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
     return ComputeProfile(type_name, classes, optimizer, str(path),
-                          tuple((c, host(e, f"compute.{c}")) for c, e in items),
+                          tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
                           0.0 if opt is None else host(opt, "optimizer"))
 
 

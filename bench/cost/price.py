@@ -413,9 +413,14 @@ def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
     profile measured it (GPUs: they run kernels while their host queues the next ones, so an
     iteration takes the larger of the two lanes, bench.cluster.ComputeProfile). The same at
     any ratios: a rank launches the same kernels whatever its share."""
-    profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None}
-    return max((sum(st.launches * c.dispatch_s(st.op_class) for st in program.stages) + c.optimizer_dispatch_s
-                for c in profiles.values()), default=0.0)
+    profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
+    if not profiles:
+        return 0.0
+    launches: Counter = Counter()
+    for st in program.stages:
+        launches[st.op_class] += st.launches
+    return max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) + c.optimizer_dispatch_s
+               for c in profiles.values())
 
 
 # -- numbers ---------------------------------------------------------------------------------
