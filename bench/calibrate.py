@@ -176,9 +176,10 @@ def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
 
 
 def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
-                       repeats: int = 10) -> list[dict]:
+                       repeats: int = 10, on_row=None) -> list[dict]:
     """Per (model, batch): the measured step on `device` and the simulator's prediction of
-    plain training on `cluster` (one device: dp_ev's program), time and peak memory."""
+    plain training on `cluster` (one device: dp_ev's program), time and peak memory;
+    on_row(rows so far) after each."""
     rows = []
     for model in models:
         for batch in batches:
@@ -189,6 +190,8 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
             print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
                   f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
                   f"(predicted {r['predicted_peak_gib']:.3f})", flush=True)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -275,16 +278,21 @@ def main(argv: list[str]) -> int:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
-                                  args.device, cluster, args.preset)
-        summary = {**print_single_device(rows, f"{args.device_type} on {args.device}: one training step"),
-                   "device_type": args.device_type, "profile": args.profile,
-                   "hardware": rank_hardware(torch.device(args.device)), **fingerprint(), "rows": rows,
-                   "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1) + "\n")
+        about = {"device_type": args.device_type, "profile": args.profile,
+                 "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
+
+        def write(rows: list[dict], summary: dict | None = None) -> None:
+            # after every step, so a run cut short leaves what it measured (--reprice reads it)
+            out.write_text(json.dumps({**(summary or {"partial": True}), **about, "rows": rows,
+                                       "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                                      indent=1) + "\n")
+
+        rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
+                                  args.device, cluster, args.preset, on_row=write)
+        write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
         print(f"wrote {out}")
         return 0
     lists = {"model": list(MODELS), "cluster": list(CLUSTERS), "method": methods_supporting("real")}

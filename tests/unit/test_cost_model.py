@@ -263,6 +263,28 @@ def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
     assert main(["--reprice", str(earlier)]) == 2  # not a --device file: one line, no table
 
 
+def test_a_device_calibration_writes_its_rows_after_every_step(tmp_path, monkeypatch):
+    """A run cut short (a GPU lease ending) leaves a file with the steps it measured."""
+    from bench import calibrate
+
+    profile = _profile_file(tmp_path, "T4")  # a T4 profile's shape; the steps run on this CPU
+    out = tmp_path / "steps.json"
+    args = ["--device", "cpu", "--device-type", "T4", "--profile", profile, "--models", "bert",
+            "--batches", "1,2", "--preset", "tiny", "--out", str(out)]
+    assert calibrate.main(args) == 0
+    done = json.loads(out.read_text())
+    assert "partial" not in done and [r["batch"] for r in done["rows"]] == [1, 2] and done["time_mape"] > 0
+
+    def cut(*_):
+        raise KeyboardInterrupt  # the lease ends after the last step, before the summary
+    monkeypatch.setattr(calibrate, "print_single_device", cut)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.main(args)
+    kept = json.loads(out.read_text())
+    assert kept["partial"] is True and [r["batch"] for r in kept["rows"]] == [1, 2]
+    assert kept["device_type"] == "T4" and kept["profile"] == profile
+
+
 @pytest.mark.gpu
 def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
     torch = pytest.importorskip("torch")
