@@ -52,8 +52,8 @@ class ComputeProfile:
     on the device; the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did
     not measure is priced as "other". On a GPU the host queues kernels while the device runs
     them: `dispatch_s` is the host's seconds per kernel (per class; the optimizer step's whole),
-    and a step takes at least the host's time to queue it (bench.cost.price.host_time). 0 where
-    the host is the device (a CPU worker) or where the profile did not measure it.
+    and a step takes at least the host's time to queue it (bench.cost.price.host_times). None
+    where the host is the device (a CPU worker) or where the profile did not measure it.
     """
 
     device_type: str

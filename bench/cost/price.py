@@ -16,10 +16,11 @@ The timeline has two lanes per iteration, computation and the network:
     stage has computed them, beside the rest of backward (DDP buckets inside the machine);
   - a collective among machines is priced in the paper's three steps: inside each machine to
     its leader, among the leaders, back (collective_price);
-  - the iteration ends when all lanes are done, plus the optimizer step of a device with a
-    measured profile, but not before the host of a GPU whose profile measured its dispatch
-    cost has queued every kernel (host_time: small shares are launch-bound), plus the slowest
-    device's per-step overhead.
+  - the iteration ends when all lanes are done, but not before the host of a GPU whose
+    profile measured its dispatch cost has queued every kernel of forward and backward
+    (host_times: small shares are launch-bound); then the optimizer step of a device with a
+    measured profile (its kernels, or its host's queueing of them, whichever is longer), plus
+    the slowest device's per-step overhead.
 
 Where the LP must approximate, it prices more, never less: with free rows a reshard charges
 the moved intervals' ends (an upper bound of what moves, bench.program.reshard_fractions) and
@@ -354,11 +355,16 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
         compute_end += run.flush()
     ends = [compute_end] + ([] if network_idle else [network_end]) + ([] if intra_idle else [intra_end])
     end = ends[0] if len(ends) == 1 else alg.max(ends)
-    end = end + optimizer_time(program, vdevs, alg)
-    host = host_time(program, vdevs)
-    if host > 0:  # the device cannot finish before the host has queued the last kernel
-        end = alg.max([end, host])
-    return end + max(d.step_overhead_s for d in cluster.devices)
+    # A device runs no kernel before its host has queued it: forward and backward end no
+    # sooner than the host has queued them, and the optimizer step, whose kernels wait for
+    # backward's, then takes the longer of its kernels and its queueing.
+    host_steps, host_optimizer = host_times(program, vdevs)
+    if host_steps > 0:
+        end = alg.max([end, host_steps])
+    optimizer = optimizer_time(program, vdevs, alg)
+    if host_optimizer > 0:
+        optimizer = alg.max([optimizer, host_optimizer])
+    return end + optimizer + max(d.step_overhead_s for d in cluster.devices)
 
 
 class _FlopsRun:
@@ -407,20 +413,25 @@ def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:
     return alg.max(terms) if terms else 0.0
 
 
-def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
-    """Seconds the host of the slowest device spends queueing one iteration's kernels (each
-    stage's kernels x its class's dispatch cost, and the optimizer step's), for devices whose
-    profile measured it (GPUs: they run kernels while their host queues the next ones, so an
-    iteration takes the larger of the two lanes, bench.cluster.ComputeProfile). The same at
-    any ratios: a rank launches the same kernels whatever its share."""
+def host_times(program: Program, vdevs: list[VirtualDevice]) -> tuple[float, float]:
+    """(seconds the host spends queueing one iteration's forward and backward kernels: each
+    stage's kernels x its class's dispatch cost; and the optimizer step's) on the slowest
+    host, for devices whose profile measured them (GPUs: they run kernels while their host
+    queues the next ones, bench.cluster.ComputeProfile). The same at any ratios: a rank
+    launches the same kernels whatever its share."""
     profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
     if not profiles:
-        return 0.0
+        return 0.0, 0.0
     launches: Counter = Counter()
     for st in program.stages:
         launches[st.op_class] += st.launches
-    return max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) + c.optimizer_dispatch_s
-               for c in profiles.values())
+    return (max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) for c in profiles.values()),
+            max(c.optimizer_dispatch_s for c in profiles.values()))
+
+
+def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
+    """Seconds the host spends queueing one iteration's kernels (host_times, added up)."""
+    return sum(host_times(program, vdevs))
 
 
 # -- numbers ---------------------------------------------------------------------------------
