@@ -97,58 +97,42 @@ CHAIN = 8  # ops per forward+backward call: one autograd run per call, as in a s
 
 def _class_benchmarks(device: str):
     """(op class, kernels per call as the planner counts them, batches, make(batch) -> (call,
-    FLOPs)) per class: forward + backward of a chain of CHAIN linear layers, 3x3 convolutions,
-    or layer norm + GELU pairs (FLOPs counted as the planner's graph counts them:
-    bench.flops). A chain, not one op: a training step runs one autograd pass over many ops,
-    so the pass's own start-up should not be charged to each kernel."""
+    FLOPs)) per class: forward + backward of a chain of CHAIN nn.Linear layers, 3x3
+    nn.Conv2d layers, or nn.LayerNorm + nn.GELU pairs (FLOPs counted as the planner's graph
+    counts them: bench.flops). A chain, not one op: a training step runs one autograd pass
+    over many ops, so the pass's own start-up should not be charged to each kernel; modules
+    with biases, not bare functions: the models call modules, and their hosts pay for it."""
     gpu = device != "cpu"
     d, side = (1024, 32) if gpu else (256, 16)
     # On a GPU the largest call takes ~10 ms (the rate); the smallest a few us per kernel
     # (the fixed cost). A 2048-row linear on an H200 took no longer than its fixed cost.
     batches = (8, 64, 512, 4096, 16384) if gpu else (4, 16, 64, 256)
     g = torch.Generator(device=device).manual_seed(0)
+    torch.manual_seed(0)  # the modules' initial weights
 
-    def rand(*shape, grad=False):
-        return torch.randn(*shape, generator=g, device=device, requires_grad=grad)
+    def chain(x, layers, flops):
+        net = torch.nn.Sequential(*layers).to(device)
+        g_out = torch.ones_like(net(x))
+        return (lambda: net(x).backward(g_out)), flops
 
     def linear(b):
-        x, ws = rand(b, d, grad=True), [(rand(d, d) / d**0.5).requires_grad_() for _ in range(CHAIN)]
-        g_out = torch.ones(b, d, device=device)
-
-        def call():
-            y = x
-            for w in ws:
-                y = F.linear(y, w)
-            y.backward(g_out)
-        return call, CHAIN * 3 * 2.0 * b * d * d
+        x = torch.randn(b, d, generator=g, device=device, requires_grad=True)
+        return chain(x, [torch.nn.Linear(d, d) for _ in range(CHAIN)], CHAIN * 3 * 2.0 * b * d * d)
 
     def conv(b):
-        img = rand(max(1, b // (64 if gpu else 16)), 64, side, side, grad=True)
-        ks = [(rand(64, 64, 3, 3) / 24).requires_grad_() for _ in range(CHAIN)]
-        g_out = torch.ones_like(img)
-
-        def call():
-            y = img
-            for k in ks:
-                y = F.conv2d(y, k, padding=1)
-            y.backward(g_out)
-        return call, CHAIN * 3 * 2.0 * g_out.numel() * 64 * 9
+        n = max(1, b // (64 if gpu else 16))
+        x = torch.randn(n, 64, side, side, generator=g, device=device, requires_grad=True)
+        return chain(x, [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(CHAIN)],
+                     CHAIN * 3 * 2.0 * n * 64 * side * side * 64 * 9)
 
     def other(b):
-        h = rand(b, d, grad=True)
-        lns = [torch.nn.LayerNorm(d, device=device) for _ in range(CHAIN)]
-        g_out = torch.ones(b, d, device=device)
+        x = torch.randn(b, d, generator=g, device=device, requires_grad=True)
         per = ELEMENTWISE_FLOPS["layer_norm"] + ELEMENTWISE_FLOPS["gelu"]
+        layers = [m for _ in range(CHAIN) for m in (torch.nn.LayerNorm(d), torch.nn.GELU())]
+        return chain(x, layers, CHAIN * 2.0 * per * b * d)  # backward factor 1
 
-        def call():
-            y = h
-            for ln in lns:
-                y = F.gelu(ln(y))
-            y.backward(g_out)
-        return call, CHAIN * 2.0 * per * b * d  # backward factor 1
-
-    # kernels per link of the chain: forward 1, backward 2 (input and weight gradients) for
-    # linear and conv; layer norm 1 + 2, GELU 1 + 1
+    # kernels per link of the chain as the planner counts them: forward 1, backward 2 (input
+    # and weight gradients) for linear and conv; layer norm 1 + 2, GELU 1 + 1
     return [("matmul", CHAIN * 3, batches, linear), ("conv", CHAIN * 3, batches, conv),
             ("other", CHAIN * 5, batches, other)]
 
