@@ -263,7 +263,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
         dist.barrier()
     precision = None
-    peak = 0.0  # the run's peak: every iteration's, and what came before on a GPU
+    peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if it == pre + case.warmup_iters:
             emulator.reset_stats()
@@ -289,7 +289,6 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
             iter_times.append((time.perf_counter() - t0) * emulator.headroom)
             mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
-            peak = max(peak, mems[-1])
         value = float(loss)
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")

@@ -33,8 +33,6 @@ def _check(lengths: Sequence[int], impl: str | None = None, group=None) -> list[
     return lengths
 
 
-
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t (rows first) padded with zeros to `rows` rows (zeros, not garbage: the pad is sent)."""
     extra = rows - t.shape[0]
