@@ -36,21 +36,6 @@ def rows(results_dir):
     return load_records(Path(results_dir) / "records.jsonl")
 
 
-def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
-    out = run("bench.run", "-m", "cluster=h100x1", "model=vgg19,vit,bert,bert_moe", f"method={METHODS}",
-              *QUICK, results_dir=tmp_path)
-    got = rows(tmp_path)
-    assert len(got) == 20, out.stderr[-3000:]
-    failed = [(r["model"], r["method"], (r["error"] or "")[-500:]) for r in got if r["status"] != "ok"]
-    assert not failed, failed
-    name = torch.cuda.get_device_name(0)
-    for r in got:
-        [hw] = r["rank_hardware"]
-        assert hw["device"] == "cuda" and hw["name"] == name and hw["memory_gib"] > 1
-        assert hw["cuda"] == torch.version.cuda and hw["nccl"]
-        assert r["precision"]["matmul_allow_tf32"] is False and r["emulation"] is None
-
-
 def test_every_method_trains_on_two_mps_ranks_of_one_gpu(tmp_path):
     # the README's main job on local_gpu_hetero2; scripts/gpu-check prints its table
     out = run("bench.compare", "cluster=local_gpu_hetero2", "repeats=1", *QUICK, results_dir=tmp_path)
@@ -118,3 +103,18 @@ def test_hap_on_two_mps_ranks_trains_exactly_like_one_device():
     results = launch(case, 2, timeout_s=300)
     assert all(r["hardware"]["device"] == "cuda" for r in results)
     check_equivalence(workload, results, reference=_single_device_on_gpu(workload))
+
+
+def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
+    out = run("bench.run", "-m", "cluster=h100x1", "model=vgg19,vit,bert,bert_moe", f"method={METHODS}",
+              *QUICK, results_dir=tmp_path)
+    got = rows(tmp_path)
+    assert len(got) == 20, out.stderr[-3000:]
+    failed = [(r["model"], r["method"], (r["error"] or "")[-500:]) for r in got if r["status"] != "ok"]
+    assert not failed, failed
+    name = torch.cuda.get_device_name(0)
+    for r in got:
+        [hw] = r["rank_hardware"]
+        assert hw["device"] == "cuda" and hw["name"] == name and hw["memory_gib"] > 1
+        assert hw["cuda"] == torch.version.cuda and hw["nccl"]
+        assert r["precision"]["matmul_allow_tf32"] is False and r["emulation"] is None
