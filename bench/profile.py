@@ -247,9 +247,9 @@ def fit_entry(points: list, units: str, per: int, host: bool) -> dict:
     """A profile entry from its points (size, device seconds, host seconds): the device's
     fixed seconds per kernel and rate (_fit_affine), and with `host` the host's seconds per
     kernel. Queueing a call costs the host the same at any size, but a large call can also
-    make it wait for the device (an allocation that synchronises: on an H200 the conv
-    chain's host time grew from 1.1 to 16.8 ms with the size, tracking the GPU sleep), so the
-    dispatch cost is the smallest of them."""
+    make it wait for the device (a launch queue full behind the GPU sleep, or an allocation
+    that synchronises: on an H200 the conv chain's host time grew from 1.1 to 16.8 ms with
+    the size, tracking the sleep), so the dispatch cost is the smallest of them."""
     intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
     e = {"fixed_s": intercept / per, units: rate}
     if host:

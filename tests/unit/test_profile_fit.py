@@ -79,7 +79,8 @@ def test_the_compute_fit_keeps_the_fixed_cost_when_the_largest_point_is_off():
 
 def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_points(tmp_path):
     # The host queues a call in ~1 ms at any size; at the two largest sizes it also waited for
-    # the device (an allocation that synchronises), as the conv chain did on an H200.
+    # the device (a full launch queue, or an allocation that synchronises), as the conv chain
+    # did on an H200.
     import json
 
     from bench.cluster import load_compute_profile
