@@ -38,7 +38,7 @@ from bench.cluster import ClusterSpec, ConfigError, device_types
 from bench.progress import track
 from bench.emulation import emulated_compute_s
 from bench.cost import host_time, simulate, virtual_devices
-from bench.flops import device_step
+from bench.flops import device_step, host_probe
 from bench.records import fingerprint
 from bench.worker import rank_hardware
 
@@ -184,12 +184,14 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
     for model in models:
         for batch in batches:
             cfg, workload = _step(model, batch, preset, cluster)
+            probe = host_probe(device)
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
-            rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30))
+            rows.append({**_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30),
+                         "host_probe_s": probe})
             r = rows[-1]  # as it goes: a run cut short keeps what it measured in its log
             print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
                   f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
-                  f"(predicted {r['predicted_peak_gib']:.3f})", flush=True)
+                  f"(predicted {r['predicted_peak_gib']:.3f}); host probe {probe * 1e6:.2f} us/op", flush=True)
             if on_row is not None:
                 on_row(rows)
     return rows

@@ -198,6 +198,25 @@ def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: i
     return device_step(workload, batch_size, seed, "cpu", repeats)[0]
 
 
+def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
+    """How fast this host dispatches right now: seconds per tiny op (an in-place add on a
+    one-element tensor), the median of `repeats` runs of `ops`. On a GPU the ops are only
+    queued, their kernels far shorter than their launches, so it times the host alone. The
+    GPU calibration records it beside each step and the profile beside its dispatch costs:
+    the same host-bound step ran 19 ms on one H200 machine and 30 on the next (docs/gpu.md)."""
+    x = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            x.add_(1)
+        if i:  # the first run warms up
+            times.append((time.perf_counter() - t0) / ops)
+        sync()
+    return statistics.median(times)
+
+
 def device_step(workload: Workload, batch_size: int, seed: int, device: str = "cpu",
                 repeats: int = 21) -> tuple[float, float | None]:
     """(median seconds, peak bytes allocated or None on the CPU) of one plain training step

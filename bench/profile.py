@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench.compat import all_gather_single, reduce_scatter_single
 from bench.cost import link_bytes
-from bench.flops import ELEMENTWISE_FLOPS
+from bench.flops import ELEMENTWISE_FLOPS, host_probe
 from bench.hostcpu import emulated_device
 from bench.launch import _free_port
 from bench.paths import PROJECT_DIR
@@ -223,6 +223,8 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
                  "timing": (f"median of {repeats} calls" if not gpu else
                             f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
                             "between CUDA events (device) and on the host's clock (dispatch)")}
+    if gpu:  # the host's dispatch speed when its dispatch costs were measured (bench.flops.host_probe)
+        out["host_probe_s"] = host_probe(device)
 
     with emulated_device() if not gpu else contextlib.nullcontext():
         for cls, launches, batches, make in _class_benchmarks(device):

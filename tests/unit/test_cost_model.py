@@ -255,6 +255,7 @@ def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["predicted_peak_gib"] > 0
         assert r["measured_peak_gib"] is None  # no allocator statistics on the CPU
+        assert 0 < r["host_probe_s"] < r["measured_s"]  # the host's speed beside the step
     # --reprice: the same measured steps against today's cost model, from the file alone.
     from bench.calibrate import main, repriced_rows
 
@@ -301,6 +302,7 @@ def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
     prof = profile_device("cuda", "H100-80", repeats=5)
     for entry in [*prof["compute"].values(), prof["optimizer"]]:  # the device's and the host's times
         assert entry["fixed_s"] >= 0 and entry["dispatch_s"] > 0
+    assert 0 < prof["host_probe_s"] < prof["compute"]["other"]["dispatch_s"] * 10
     path.write_text(json.dumps(prof))
     rows = single_device_rows(["bert"], [1, 8], "cuda", single_device_cluster("H100-80", str(path)),
                               preset="tiny", repeats=5)
