@@ -203,7 +203,7 @@ def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
     one-element tensor), the median of `repeats` runs of `ops`. On a GPU the ops are only
     queued, their kernels far shorter than their launches, so it times the host alone. The
     GPU calibration records it beside each step and the profile beside its dispatch costs:
-    the same host-bound step ran 19 ms on one H200 machine and 30 on the next (docs/gpu.md)."""
+    the same host-bound step ran 30 ms on one H200 machine and 19 on another (docs/gpu.md)."""
     x = torch.zeros(1, device=device)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
