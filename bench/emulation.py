@@ -376,6 +376,25 @@ def emulated_compute_s(emulation: dict | None) -> float | None:
     return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
 
 
+def pooled_compute_s(emulation: dict | None) -> float | None:
+    """Every rank's full-pace compute per iteration (its reference, CPU time timed by its own
+    worker in this run) summed, over the ranks' summed speeds: the cluster's compute were it
+    spread evenly. A steadier measure of how fast this VM ran the run's workers than the
+    slowest rank's alone (emulated_compute_s): each rank's reference is the fastest of a dozen
+    iterations of one process, and an iteration need not follow it. hap's and sfb's on
+    local_hetero2 follow the fast rank's more (28 rounds each: iteration = 1.46 x rank 0's
+    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%), so over the slow rank's compute they
+    moved 3.8-4.6% (coefficient of variation), some rounds 13-14% above the median (its
+    reference came out fast, the iteration did not follow), and over this 2.4%; dp_ev's
+    iteration is its slow rank's compute plus a constant 4.7 ms: 1.6% over that, 2.3% over
+    this."""
+    ranks = (emulation or {}).get("ranks") or []
+    work = [r["reference_s_per_iter"] for r in ranks if r.get("reference_s_per_iter")]
+    if not work or len(work) != len(ranks):
+        return None
+    return sum(work) / sum(r["speed"] for r in ranks)
+
+
 def _fastest_per_interval(runs: list[list[float]]) -> list[float]:
     """Per interval k, the fastest k-th interval of the reference iterations that have one."""
     return [min(run[k] for run in runs if k < len(run)) for k in range(max(map(len, runs), default=0))]

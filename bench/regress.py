@@ -7,16 +7,18 @@
 
 Figures: simulated iteration time of every sim-capable method on every model at paper scale
 (deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
-and each real-capable method's measured iteration time on an emulated cluster divided by its
-slowest rank's emulated compute in the same run (iter_over_compute: that rank's full-pace
-reference, timed by its own worker, over its speed). What is left is what the harness adds to
-compute: links, waits on peers, pacing, the worker loop. A slowdown of the worker loop, the
-emulator or the data path raises every method's figure, so it is caught even when it hits every
-method alike; how fast this VM happened to run the workers cancels. (Two normalisers failed
-before: a reference step alone left the emulated link time in the figure, which moved 10-17%
-from round to round; the simulator's prediction from the parent's host-speed probe moved every
-figure together by up to 30% between quiet runs, because a worker process here may run 40%
-slower than usual for its whole life and the probe does not see it.)
+and each real-capable method's measured iteration time on an emulated cluster divided by the
+cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
+timed by its own worker, summed over the summed speeds; bench.emulation.pooled_compute_s). What
+is left is what the harness adds to compute: links, waits on peers, pacing, the worker loop. A
+slowdown of the worker loop, the emulator or the data path raises every method's figure, so it
+is caught even when it hits every method alike; how fast this VM happened to run the workers
+cancels. (Three normalisers failed before: a reference step alone left the emulated link time
+in the figure, which moved 10-17% from round to round; the simulator's prediction from the
+parent's host-speed probe moved every figure together by up to 30% between quiet runs, because
+a worker process here may run 40% slower than usual for its whole life and the probe does not
+see it; the slowest rank's compute alone put 6 of 56 rounds of hap and sfb 8-14% above their
+median, and CI once saw sfb's median of five 10.5% above its baseline, hap's 1.7%.)
 It does not decide what is fast; it says what changed since the baseline and by how much.
 """
 
@@ -37,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.cluster import ConfigError
-from bench.emulation import emulated_compute_s
+from bench.emulation import pooled_compute_s
 from bench.records import fingerprint
 from bench.paths import PROJECT_DIR
 from bench.run import (
@@ -108,8 +110,8 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
 
 
 def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, float]:
-    """Each real-capable method's measured iteration time over its slowest rank's emulated
-    compute in the same run, median of REAL_ROUNDS interleaved rounds (iter_over_compute).
+    """Each real-capable method's measured iteration time over the cluster's pooled compute in
+    the same run, median of REAL_ROUNDS interleaved rounds (iter_over_compute).
 
     `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
     what a deliberately slower worker loop looks like to this check.
@@ -122,7 +124,7 @@ def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) ->
         for _ in range(REAL_ROUNDS):
             for m in methods:
                 record = run_case(configs[m])
-                compute = emulated_compute_s(record.emulation)
+                compute = pooled_compute_s(record.emulation)
                 if record.status == "ok" and compute:
                     ratios[m].append(record.iter_time_s_mean / compute)
     return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": statistics.median(r)

@@ -125,3 +125,12 @@ def test_links_are_emulated_once_pacing_starts_not_while_the_reference_is_measur
     assert not emu._links_emulated
     emu.begin_iteration(EmulationSettings.SKIPPED + 1)
     assert emu.pacing and emu._links_emulated
+
+
+def test_the_pooled_compute_is_every_ranks_reference_over_the_summed_speeds():
+    ranks = [{"speed": 1.0, "reference_s_per_iter": 0.009}, {"speed": 0.4, "reference_s_per_iter": 0.005}]
+    assert emulation.pooled_compute_s({"ranks": ranks}) == pytest.approx(0.014 / 1.4)
+    assert emulation.emulated_compute_s({"ranks": ranks}) == pytest.approx(0.0125)  # the slow rank's
+    # A rank with no reference (unpaced, or it failed) leaves no figure, not a partial one.
+    assert emulation.pooled_compute_s({"ranks": [ranks[0], {"speed": 0.4}]}) is None
+    assert emulation.pooled_compute_s(None) is None
