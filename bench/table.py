@@ -33,6 +33,14 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _efficiency(value: float | None) -> str:
+    """Two decimals, or two significant digits below 0.005: a tiny model on a GPU rated at
+    tens of TFLOP/s (bert-tiny on two MPS ranks of an H200) would otherwise read 0.00."""
+    if value is None:
+        return "-"
+    return format(value, ".2f" if value >= 0.005 or value == 0 else ".1e")
+
+
 def _interval(summary: dict, scale: float = 1.0, spec: str = ".1f") -> str:
     return (f"{summary['median'] * scale:{spec}} [{summary['low'] * scale:{spec}}-"
             f"{summary['high'] * scale:{spec}}]")
@@ -76,7 +84,7 @@ def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
             f"{r['model']}-{r['preset']}", r["cluster"], r["method"], r.get("origin", "-"),
             _status(r), it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),
             _interval(up, spec=".2f") if up else _fmt(speedup(r, rows), ".2f"),
-            _fmt(r.get("efficiency"), ".2f"),
+            _efficiency(r.get("efficiency")),
             _fmt(None if r.get("planner_time_s") is None else r["planner_time_s"] * 1e3, ".1f"),
         ]
         if repeated:

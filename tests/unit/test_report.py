@@ -137,3 +137,8 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
     assert len(points) == 10  # 5 methods x 2 k, one model
     assert all(p[0] == "experiment=fig_main" and p[-1] == "preset=tiny" for p in points)
     assert [len(axis) for axis in sweep_axes({"a": "1,2", "b": "range(3)", "c": "x"})] == [2, 3, 1]
+
+
+def test_a_tiny_efficiency_keeps_its_digits():
+    from bench.table import _efficiency
+    assert [_efficiency(v) for v in (None, 0.0, 0.31, 0.00042)] == ["-", "0.00", "0.31", "4.2e-04"]
