@@ -387,7 +387,7 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
     moved 3.8-4.6% (coefficient of variation), some rounds 13-14% above the median (its
     reference came out fast, the iteration did not follow), and over this 2.4%; dp_ev's
     iteration is its slow rank's compute plus a constant 4.7 ms: 1.6% over that, 2.3% over
-    this."""
+    this (results/baselines/20261126-normaliser-rounds.json)."""
     ranks = (emulation or {}).get("ranks") or []
     work = [r["reference_s_per_iter"] for r in ranks if r.get("reference_s_per_iter")]
     if not work or len(work) != len(ranks):
