@@ -366,11 +366,9 @@ _boards: dict[tuple[Path, tuple[int, ...]], ArrivalBoard] = {}
 
 def emulated_compute_s(emulation: dict | None) -> float | None:
     """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
-    time, measured by its own worker in this run) over its speed. Dividing an iteration by it
-    leaves what the harness adds to compute (links, waits, pacing, the worker loop) and cancels
-    how fast this VM ran the workers this time: a worker process here can run 40% slower than
-    usual for its whole life, and the host-speed probe of the parent (the prediction's input)
-    does not see it, so iteration over prediction moved up to 30% between quiet runs."""
+    time, measured by its own worker in this run) over its speed. Calibration tables split an
+    iteration by it into compute and the rest (links, waits, pacing, the worker loop). As a
+    yardstick of how fast this VM ran the workers, pooled_compute_s is steadier."""
     ranks = (emulation or {}).get("ranks") or []
     per_rank = [r["reference_s_per_iter"] / r["speed"] for r in ranks if r.get("reference_s_per_iter")]
     return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
