@@ -117,6 +117,9 @@ class Emulator:
         self.reference_s = 0.0  # their full-pace reference
         self.unreferenced = 0  # intervals with no reference (an iteration longer than the ref)
         self.links = [0, 0]  # emulated collectives: all, and those timed from the last arrival
+        # Of those timed from the last arrival: wall seconds of their emulated link time, and of
+        # the real run past it (the collective completed after the emulated link would have).
+        self.link_wall = [0.0, 0.0]
 
     # -- compute ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -231,6 +234,8 @@ class Emulator:
             # Of the measured iterations' emulated collectives, the share whose link time counted
             # from the last member's arrival (the rest: from completion, less the loopback fit).
             "links_from_arrival": self.links[1] / self.links[0] if self.links[0] else None,
+            "link_emulated_s": self.link_wall[0] * self.headroom,  # emulated time, measured iterations
+            "link_overrun_s": self.link_wall[1] * self.headroom,
         }
 
     # -- links -----------------------------------------------------------------------------
@@ -272,6 +277,8 @@ class Emulator:
             self.links[0] += 1
             if last is not None:
                 self.links[1] += 1
+                self.link_wall[0] += emulated
+                self.link_wall[1] += max(0.0, now - (max(last, free) + emulated))
                 self._link_free_at[id(link)] = max(now, max(last, free) + emulated)
             else:
                 self._link_free_at[id(link)] = max(now, free) + max(0.0, emulated - real)
@@ -381,7 +388,10 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
     slowest rank's alone (emulated_compute_s): each rank's reference is the fastest of a dozen
     iterations of one process, and an iteration need not follow it. hap's and sfb's on
     local_hetero2 follow the fast rank's more (28 rounds each: iteration = 1.46 x rank 0's
-    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%), so over the slow rank's compute they
+    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%): their 4.4 ms of gradient all-reduces a
+    step start with the slow rank's first bucket and hide the rest of its backward (the links
+    ran to their emulated time; the simulator at the run's speed, flat too, priced them within
+    2-4%). So over the slow rank's compute they
     moved 3.8-4.6% (coefficient of variation), some rounds 13-14% above the median (its
     reference came out fast, the iteration did not follow), and over this 2.4%; dp_ev's
     iteration is its slow rank's compute plus a constant 4.7 ms: 1.6% over that, 2.3% over
