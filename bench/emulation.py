@@ -388,10 +388,11 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
     slowest rank's alone (emulated_compute_s): each rank's reference is the fastest of a dozen
     iterations of one process, and an iteration need not follow it. hap's and sfb's on
     local_hetero2 follow the fast rank's more (28 rounds each: iteration = 1.46 x rank 0's
-    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%): their 4.4 ms of gradient all-reduces a
-    step start with the slow rank's first bucket and hide the rest of its backward (the links
-    ran to their emulated time; the simulator at the run's speed, flat too, priced them within
-    2-4%). So over the slow rank's compute they
+    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%). Their links ran to their emulated time
+    (4.44 ms of gradient all-reduce a step, overrun under 0.1 ms), and the simulator at the
+    run's own speed, whose timeline overlaps those all-reduces with the slow rank's backward,
+    priced 8 such rounds 1-4% under and as flat as they were while the slow rank's compute
+    moved 11.8-13.8 ms. So over the slow rank's compute they
     moved 3.8-4.6% (coefficient of variation), some rounds 13-14% above the median (its
     reference came out fast, the iteration did not follow), and over this 2.4%; dp_ev's
     iteration is its slow rank's compute plus a constant 4.7 ms: 1.6% over that, 2.3% over
