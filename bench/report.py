@@ -260,7 +260,12 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
             cells = {d["x"]: d for d in sub if d["method"] == method}
             draw_bars(ax, [j + i * width for j in range(len(xvals))],
                       [cells.get(v) for v in xvals], width, method)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(xvals))], [str(v) for v in xvals])
+        labels = [str(v) for v in xvals]
+        # Level labels overlap past about 28 characters per 4.2-inch panel (the ablation's
+        # "no SFB", "no collective choice", ...): slant them.
+        slant = sum(map(len, labels)) > 28
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(xvals))], labels,
+                      rotation=25 if slant else 0, ha="right" if slant else "center")
         ax.set_title(str(model))
         ax.set_xlabel(x)
     origins = sorted({str(d["origin"]) for d in lines})
