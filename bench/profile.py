@@ -137,6 +137,33 @@ def _class_benchmarks(device: str):
             ("other", CHAIN * 5, batches, other)]
 
 
+# Views per call of the two view chains: the host's cost of one view call is the slope between.
+VIEW_CHAINS = (64, 256)
+
+
+def _view_chain(device: str, views: int):
+    """Forward + backward of a chain of `views` view calls (unsqueeze, squeeze): each runs the
+    dispatcher and records an autograd node, whose backward is a view too, and launches no
+    kernel. A step calls many (ViT and BERT at paper sizes: about 2,000 aten ops a step,
+    docs/gpu.md), and the op count that prices the host's queueing counts only kernels. The sum
+    and the backward's start are the same in both chains, so the slope leaves them out."""
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+
+    def call():
+        y = x
+        for _ in range(views // 2):
+            y = y.unsqueeze(0).squeeze(0)
+        y.sum().backward()
+    return call
+
+
+def view_entry(points: list[tuple[int, float, float]]) -> dict:
+    """The host's seconds per view call (forward and its backward node) from the two chains'
+    (views, device seconds, host seconds); on a GPU the host's clock, on the CPU the wall."""
+    (n1, _, h1), (n2, _, h2) = points
+    return {"dispatch_s": max(h2 - h1, 0.0) / (n2 - n1), "points": points}
+
+
 GPU_BURST = 10  # calls queued back to back between two CUDA events
 
 
@@ -213,8 +240,9 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
     """A compute profile of `device` ("cpu": one thread, as an emulated worker; "cuda[:i]"):
     per op class the device's fixed seconds per kernel and FLOP/s, fitted over batch sizes,
     and on a GPU the host's seconds to queue a kernel; the Adam step's fixed seconds and
-    parameter bytes per second (and its host seconds). `points` keep every measurement:
-    (FLOPs or bytes, device seconds, host seconds)."""
+    parameter bytes per second (and its host seconds); the host's seconds per view call
+    (`views`, view_entry). `points` keep every measurement: (FLOPs, bytes or views, device
+    seconds, host seconds)."""
     timed = _device_timer(device, repeats)
     gpu = device != "cpu"
     out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
@@ -242,6 +270,9 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
             opt = torch.optim.Adam([p], lr=1e-4)
             points.append((4.0 * n, *timed(opt.step)))
         out["optimizer"] = {**fit_entry(points, "bytes_per_s", 1, gpu), "points": points}
+        # Not priced yet (bench.cost counts kernels); measured so that a profile can tell how
+        # much of a host-bound step the calls that launch no kernel take.
+        out["views"] = view_entry([(n, *timed(_view_chain(device, n))) for n in VIEW_CHAINS])
     return out
 
 
@@ -267,6 +298,8 @@ def refit(prof: dict) -> dict:
     for cls, e in prof["compute"].items():
         out["compute"][cls] = {**e, **fit_entry(e["points"], "flops_per_s", e["kernels_per_call"], gpu)}
     out["optimizer"] = {**prof["optimizer"], **fit_entry(prof["optimizer"]["points"], "bytes_per_s", 1, gpu)}
+    if "views" in prof:  # profiles before 2026-11-26 did not measure them
+        out["views"] = view_entry(prof["views"]["points"])
     return out
 
 
@@ -445,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         o = prof["optimizer"]
         print(f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
               + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else ""))
+        print(f"view call  {prof['views']['dispatch_s'] * 1e6:10.2f} us on the host (forward and backward; no kernel)")
         args.compute_out.parent.mkdir(parents=True, exist_ok=True)
         args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
         print(f"wrote {args.compute_out}")

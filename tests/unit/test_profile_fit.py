@@ -96,8 +96,11 @@ def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_po
                 "compute": {"other": {"fixed_s": 0.0, "flops_per_s": 1.0, "dispatch_s": 9.0,
                                       "kernels_per_call": 20, "points": points}},
                 "optimizer": {"fixed_s": 0.0, "bytes_per_s": 1.0, "dispatch_s": 9.0,
-                              "points": [(1e6, 1e-4, 2e-4), (1e8, 1e-3, 3e-4)]}}
+                              "points": [(1e6, 1e-4, 2e-4), (1e8, 1e-3, 3e-4)]},
+                "views": {"dispatch_s": 9.0, "points": [(64, 1e-5, 2e-4), (256, 1e-5, 6e-4)]}}
     again = refit(measured)
+    assert again["views"]["dispatch_s"] == pytest.approx(4e-4 / 192)  # the slope between the chains
+    assert "views" not in refit({k: v for k, v in measured.items() if k != "views"})  # an older profile
     assert again["compute"]["other"]["dispatch_s"] == pytest.approx(1.0e-3 / 20)
     assert again["optimizer"]["dispatch_s"] == pytest.approx(2e-4) and again["compute"]["other"]["points"] == points
     src, dst = tmp_path / "G.json", tmp_path / "G-refit.json"
