@@ -144,9 +144,10 @@ VIEW_CHAINS = (64, 256)
 def _view_chain(device: str, views: int):
     """Forward + backward of a chain of `views` view calls (unsqueeze, squeeze): each runs the
     dispatcher and records an autograd node, whose backward is a view too, and launches no
-    kernel. A step calls many (ViT and BERT at paper sizes: about 2,000 aten ops a step,
-    docs/gpu.md), and the op count that prices the host's queueing counts only kernels. The sum
-    and the backward's start are the same in both chains, so the slope leaves them out."""
+    kernel. A step calls many (ViT and BERT at paper sizes: about 1,350 of their 3,800 aten
+    calls a step, scripts/step-kernels), and the op count that prices the host's queueing
+    counts only kernels. The sum and the backward's start are the same in both chains, so the
+    slope leaves them out."""
     x = torch.randn(8, 64, device=device, requires_grad=True)
 
     def call():
