@@ -371,37 +371,35 @@ class ArrivalBoard:
 _boards: dict[tuple[Path, tuple[int, ...]], ArrivalBoard] = {}
 
 
+def _references(emulation: dict | None) -> list[tuple[float, float]] | None:
+    """(full-pace reference seconds per iteration, speed) of every rank of a row's
+    `emulation`, or None when any rank has none (unpaced, or it failed): no partial figure."""
+    ranks = (emulation or {}).get("ranks") or []
+    refs = [(r["reference_s_per_iter"], r["speed"]) for r in ranks if r.get("reference_s_per_iter")]
+    return refs if refs and len(refs) == len(ranks) else None
+
+
 def emulated_compute_s(emulation: dict | None) -> float | None:
     """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
     time, measured by its own worker in this run) over its speed. Calibration tables split an
     iteration by it into compute and the rest (links, waits, pacing, the worker loop). As a
     yardstick of how fast this VM ran the workers, pooled_compute_s is steadier."""
-    ranks = (emulation or {}).get("ranks") or []
-    per_rank = [r["reference_s_per_iter"] / r["speed"] for r in ranks if r.get("reference_s_per_iter")]
-    return max(per_rank) if per_rank and len(per_rank) == len(ranks) else None
+    refs = _references(emulation)
+    return None if refs is None else max(ref / speed for ref, speed in refs)
 
 
 def pooled_compute_s(emulation: dict | None) -> float | None:
-    """Every rank's full-pace compute per iteration (its reference, CPU time timed by its own
-    worker in this run) summed, over the ranks' summed speeds: the cluster's compute were it
-    spread evenly. A steadier measure of how fast this VM ran the run's workers than the
-    slowest rank's alone (emulated_compute_s): each rank's reference is the fastest of a dozen
-    iterations of one process, and an iteration need not follow it. hap's and sfb's on
-    local_hetero2 follow the fast rank's more (28 rounds each: iteration = 1.46 x rank 0's
-    compute + 0.36 x rank 1's - 1.5 ms, residual 2.2%). Their links ran to their emulated time
-    (4.44 ms of gradient all-reduce a step, overrun under 0.1 ms), and the simulator at the
-    run's own speed, whose timeline overlaps those all-reduces with the slow rank's backward,
-    priced 8 such rounds 1-4% under and as flat as they were while the slow rank's compute
-    moved 11.8-13.8 ms. So over the slow rank's compute they
-    moved 3.8-4.6% (coefficient of variation), some rounds 13-14% above the median (its
-    reference came out fast, the iteration did not follow), and over this 2.4%; dp_ev's
-    iteration is its slow rank's compute plus a constant 4.7 ms: 1.6% over that, 2.3% over
-    this (results/baselines/20261126-normaliser-rounds.json)."""
-    ranks = (emulation or {}).get("ranks") or []
-    work = [r["reference_s_per_iter"] for r in ranks if r.get("reference_s_per_iter")]
-    if not work or len(work) != len(ranks):
-        return None
-    return sum(work) / sum(r["speed"] for r in ranks)
+    """Every rank's full-pace compute per iteration summed, over the ranks' summed speeds: the
+    cluster's compute were it spread evenly. The regression check divides iterations by it.
+
+    Each rank's reference is the fastest of a dozen iterations of one process, and an iteration
+    need not follow the slowest rank's: hap's and sfb's on local_hetero2 follow the fast rank's
+    more (iteration = 1.46 x rank 0's compute + 0.36 x rank 1's - 1.5 ms over 56 rounds). Over
+    the slow rank's compute alone (emulated_compute_s) their figure moved 3.8-4.6% (coefficient
+    of variation), some rounds 13-14% above the median; over this 2.4%, and dp_ev's 2.3%
+    (results/baselines/20261126-normaliser-rounds.json)."""
+    refs = _references(emulation)
+    return None if refs is None else sum(ref for ref, _ in refs) / sum(speed for _, speed in refs)
 
 
 def _fastest_per_interval(runs: list[list[float]]) -> list[float]:
