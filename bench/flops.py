@@ -58,12 +58,13 @@ MIN_PER_SAMPLE_SHARE = 0.1  # the least part of a step split_step attributes to 
 
 
 def host_cache_file() -> Path:
-    """Per-user cache of measured host speeds (HETBENCH_CACHE_DIR overrides the folder)."""
+    """Per-user cache of measured host speeds (HETBENCH_CACHE_DIR overrides the folder; the
+    DeepSpeed engine probe keeps its own file beside it)."""
     folder = os.environ.get("HETBENCH_CACHE_DIR") or Path.home() / ".cache" / "hetbench"
     return Path(folder) / "host_speed.json"
 
 
-def _host_key(workload: Workload, batch_size: int, seed: int) -> str:
+def host_key(workload: Workload, batch_size: int, seed: int) -> str:
     """This host (name, processor, cores, torch) and this workload: what a speed belongs to."""
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -95,8 +96,8 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     key = (workload.name, repr(workload.model_cfg), b, seed)
     if key in _host_speed_cache:
         return _host_speed_cache[key]
-    path, disk_key = host_cache_file(), _host_key(workload, b, seed)
-    cached = _read_cache(path).get(disk_key) if use_disk_cache else None
+    path, disk_key = host_cache_file(), host_key(workload, b, seed)
+    cached = read_cache(path).get(disk_key) if use_disk_cache else None
     if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) \
             <= REVALIDATE_TOLERANCE:
         _host_speed_cache[key] = (cached["flops_per_s"], cached["step_overhead_s"])
@@ -104,7 +105,7 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     t1, t2 = (reference_step_s(workload, n, seed, repeats) for n in (b, 2 * b))
     _host_speed_cache[key] = split_step(workload, (b, 2 * b), (t1, t2))
     if use_disk_cache:
-        _write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
+        write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
                                       "step_overhead_s": _host_speed_cache[key][1], "workload": workload.name,
                                       "batch_size": b})
     return _host_speed_cache[key]
@@ -160,14 +161,14 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     return out
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write_cache(path: Path, key: str, entry: dict) -> None:
+def write_cache(path: Path, key: str, entry: dict) -> None:
     """Merge one entry under a lock; a cache that cannot be written is only a lost shortcut."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -254,6 +254,10 @@ class Program:
     granularity: str = "gpu"  # what a device of this program is: one GPU or one machine
     memory: Memory = Memory()
     meta: dict = field(default_factory=dict, compare=False)  # JSON-ready notes (method, model)
+    # The method's own host work per iteration beside the model's, as FLOPs at the host
+    # worker's rate (DeepSpeed's engine on CPU workers, methods.ds_zero.engine_work): priced at
+    # each device's FLOP/s like the model's work, once per iteration (bench.cost.price.per_step_s).
+    host_work_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -293,6 +297,7 @@ class Program:
             "granularity": self.granularity,
             "memory": self.memory.to_json(),
             "meta": self.meta,
+            **({"host_work_flops": self.host_work_flops} if self.host_work_flops else {}),
         }
 
     def dumps(self) -> str:
@@ -309,6 +314,7 @@ class Program:
             d.get("granularity", "gpu"),
             Memory.from_json(d.get("memory", {})),
             dict(d.get("meta", {})),
+            float(d.get("host_work_flops", 0.0)),
         )
 
 

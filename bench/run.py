@@ -285,7 +285,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     if plan.program is not None:
         sim = simulate(plan.program, cluster, plan.ratios)
         record.predicted_iter_time_s = sim.iter_time_s
-        record.predicted_compute_s = _compute_s(sim, cluster)
+        record.predicted_compute_s = _compute_s(sim)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
@@ -300,10 +300,11 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)
 
 
-def _compute_s(sim, cluster: ClusterSpec) -> float:
+def _compute_s(sim) -> float:
     """The compute part of a prediction: per stage the slowest device's, summed, plus the
-    per-step part of a device's compute (optimizer, dispatch), which is charged once at the end."""
-    return sim.compute_time_s + max(d.step_overhead_s for d in cluster.devices)
+    per-step part of a device's compute (optimizer, dispatch, the method's host work), which
+    is charged once at the end."""
+    return sim.compute_time_s + sim.per_step_s
 
 
 def predict_at_run_speed(record: RunRecord, case: Case) -> None:
@@ -322,7 +323,7 @@ def predict_at_run_speed(record: RunRecord, case: Case) -> None:
     sim = simulate(case.plan.program, cluster, case.plan.ratios)
     record.planned_iter_time_s = record.predicted_iter_time_s
     record.predicted_iter_time_s = sim.iter_time_s
-    record.predicted_compute_s = _compute_s(sim, cluster)
+    record.predicted_compute_s = _compute_s(sim)
 
 
 def plan_hash(plan) -> str:

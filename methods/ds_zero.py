@@ -2,22 +2,31 @@
 for BERT-MoE, DeepSpeed's own MoE layer with one expert-parallel group over all devices.
 
 It does not balance load: DeepSpeed gives every device the same micro-batch, which is what this
-baseline measures on mixed GPUs. deepspeed is imported only inside setup(), so planning and
-simulating work without it.
+baseline measures on mixed GPUs. deepspeed is imported only by setup() and by the engine probe
+(engine_work, in a child process), so planning and simulating work without it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import multiprocessing as mp
 import os
+import statistics
+import tempfile
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from bench.cluster import ClusterSpec, ConfigError
+from bench.flops import host_cache_file, host_key, read_cache, write_cache
+from bench.emulation import EmulationSettings
+from bench.hostcpu import emulated_device
 from bench.interfaces import Plan, RankContext, Workload
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import even_ratios
@@ -29,6 +38,9 @@ FP32_BYTES = 4
 # training), so their optimizer state is three parameter-sized tensors per partition.
 ADAM_STATE_COPIES = 2
 ZERO_STATE_COPIES = 3
+ENGINE_PROBE_VERSION = 2  # a cached probe made another way is measured again
+
+log = logging.getLogger(__name__)
 
 
 class DeepSpeedZeRO:
@@ -53,6 +65,9 @@ class DeepSpeedZeRO:
         shm_comm_op: build DeepSpeed's shared-memory all-reduce op for CPU ranks. Only
             inference calls it, and building it is a ~40 s JIT compile on first use.
         log_level: DeepSpeed's logger level in the workers.
+        engine_probe: on an emulated CPU cluster, price the engine's own work (engine_work:
+            timed once per host, workload and config in a world of one, then cached) as the
+            Program's host work; false prices the model's work and collectives only.
     """
 
     modes = ("real", "sim")
@@ -61,7 +76,7 @@ class DeepSpeedZeRO:
                  grad_clip: float = 0.0, reduce_bucket_size: float = 5e8,
                  allgather_bucket_size: float = 5e8, param_persistence_threshold: float = 1e5,
                  moe_capacity_factor: float | None = None, moe_min_capacity: int = 0,
-                 shm_comm_op: bool = False, log_level: str = "warning"):
+                 shm_comm_op: bool = False, log_level: str = "warning", engine_probe: bool = True):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ConfigError(f"method.zero_stage={zero_stage!r} is invalid; use one of "
                               f"{', '.join(map(str, ZERO_STAGES))}")
@@ -92,6 +107,7 @@ class DeepSpeedZeRO:
         self.moe_min_capacity = moe_min_capacity
         self.shm_comm_op = bool(shm_comm_op)
         self.log_level = str(log_level).upper()
+        self.engine_probe = bool(engine_probe)
 
     # -- planning (CPU only, no deepspeed) ----------------------------------------------------
     def micro_batch(self, workload: Workload, cluster: ClusterSpec) -> int:
@@ -192,7 +208,12 @@ class DeepSpeedZeRO:
             "moe": moe,
             "ds_config": config,
         }
-        return Plan(self.name, [micro] * n, details=details, program=program, ratios=even_ratios(n))
+        plan = Plan(self.name, [micro] * n, details=details, program=program, ratios=even_ratios(n))
+        if self.engine_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu":
+            engine = details["engine"] = engine_work(self, plan, workload, cluster)
+            if engine is not None:
+                plan.program = replace(program, host_work_flops=host_work_flops(engine, workload, micro, cluster))
+        return plan
 
     # -- running (one worker rank) ------------------------------------------------------------
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DeepSpeedTrainer":
@@ -239,7 +260,7 @@ class DeepSpeedTrainer:
         loss_sum = self.engine(*batch)
         self.emulator.stretch()  # forward compute
         self.engine.backward(loss_sum * self.loss_scale)
-        self.emulator.mark()  # backward ended in a gradient reduction: waiting, not compute
+        self.emulator.stretch()  # backward compute after its last collective (DeepSpeed copies the reduced buckets back)
         return loss_sum.detach()
 
     def optimizer_step(self) -> None:
@@ -297,6 +318,115 @@ def skip_shm_comm_op(deepspeed) -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster: ClusterSpec,
+                seed: int = 0, repeats: int = EmulationSettings.reference_iters) -> dict | None:
+    """What the engine adds to a training step on an emulated CPU worker, beside the model's own
+    work: {"plain_s", "engine_s"}, the median over ranks of the seconds a rank computes in a
+    plain step (forward, backward, Adam on the whole model) and in the method's own step
+    (setup()'s trainer: engine, hooks, buckets, ZeRO partitions, MoE layers), interleaved, at
+    the plan's micro-batch, each timed as a run times it (_engine_probe). The ranks are child
+    processes, one per device and core, in a gloo world of their own. On this 2-core VM the
+    engine adds 20-45% to the tiny models' steps (README "The DeepSpeed baseline").
+
+    Measured once per host, workload, devices and config, then read from the cache next to the
+    host speeds (bench.flops.host_cache_file). None, with a warning, where it cannot be measured
+    (deepspeed missing or failing): the plan then prices the model's work only."""
+    n, micro = cluster.num_devices, plan.batch_shares[0]
+    path = host_cache_file().with_name("deepspeed_engine.json")
+    body = [host_key(workload, micro, seed), n, plan.details["ds_config"], plan.details.get("moe"),
+            method.lr, method.shm_comm_op, repeats, ENGINE_PROBE_VERSION]
+    key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    cached = read_cache(path).get(key)
+    if cached:
+        return {"plain_s": cached["plain_s"], "engine_s": cached["engine_s"]}
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="hetbench-ds-probe-") as folder:
+        pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+        procs = [ctx.Process(target=_engine_probe, daemon=True,
+                             args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        answers = []
+        for (receive, send), p in zip(pipes, procs):
+            send.close()
+            try:
+                answers.append(receive.recv() if receive.poll(300) else {"error": "no answer within 300 s"})
+            except EOFError:
+                answers.append({"error": f"probe rank exited with code {p.join(10) or p.exitcode}"})
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = [a["error"] for a in answers if "error" in a]
+    if errors:
+        log.warning("DeepSpeed's engine work was not measured (%s); its plan prices the model's "
+                    "work and collectives only", errors[0])
+        return None
+    out = {k: statistics.median(a[k] for a in answers) for k in ("plain_s", "engine_s")}
+    write_cache(path, key, {**out, "workload": workload.name, "micro_batch": micro, "devices": n})
+    return out
+
+
+def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO", plan: Plan,
+                  workload: Workload, cluster: ClusterSpec, seed: int, repeats: int, conn) -> None:
+    """One rank of engine_work. The method's steps run under the run's own emulator in its
+    reference phase (bench.emulation: per interval between collectives, the fastest thread CPU
+    time; collectives at loopback speed, not counted), the plain steps as the run's yardstick
+    times them (bench.flops.yardstick: the fastest thread CPU time of a whole step)."""
+    try:
+        import torch.distributed as dist
+
+        from bench import hostcpu
+        from bench.emulation import Emulator
+
+        hostcpu.pin_to_core(rank)  # as the workers are
+        # MASTER_PORT names the emulator's arrival board (bench.emulation.ArrivalBoard.path).
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_PORT=os.path.basename(os.path.dirname(store)))
+        dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        with emulated_device():
+            data = workload.model_cfg.synthetic_batch(plan.batch_shares[rank], torch.Generator().manual_seed(seed))
+            model = workload.build(seed)
+            optimizer = torch.optim.Adam(model.parameters(), lr=method.lr)
+            emulator = Emulator(cluster, rank, enabled=True, settings=EmulationSettings(reference_iters=repeats))
+            emulator.install()  # before setup: DeepSpeed keeps references to the collectives
+            ctx = RankContext(rank, world_size, torch.device("cpu"), cluster, workload, emulator)
+            trainer = method.setup(plan, workload.build(seed), ctx)
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel("ERROR")
+            plain = []
+            for i in range(EmulationSettings.SKIPPED + repeats):
+                start = time.thread_time()
+                optimizer.zero_grad(set_to_none=True)
+                model(*data).backward()
+                optimizer.step()
+                plain.append(time.thread_time() - start)
+                emulator.begin_iteration(i)
+                trainer.step(data)
+            emulator.begin_iteration(EmulationSettings.SKIPPED + repeats)  # sets the reference
+        conn.send({"plain_s": min(plain[EmulationSettings.SKIPPED:]),
+                   "engine_s": emulator.report()["reference_s_per_iter"]})
+    except Exception as exc:  # reported to the parent, which plans without it
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+        # Not a normal exit: DeepSpeed's groups keep gloo threads that abort at interpreter
+        # teardown ("terminate called without an active exception").
+        os._exit(0)
+
+
+def host_work_flops(engine: dict, workload: Workload, micro_batch: int, cluster: ClusterSpec) -> float:
+    """The engine's work as the Program's host work: the share it adds to the probe's plain
+    step, times the plain step the cost model prices at this micro-batch (per-sample FLOPs plus
+    the per-step part), in FLOPs at the host's rate. So it follows the host's speed (a run's
+    own yardstick, bench.run.predict_at_run_speed) and each device's (1/speed as long)."""
+    added = max(engine["engine_s"] / engine["plain_s"] - 1.0, 0.0)
+    return added * (workload.flops_per_sample * micro_batch + cluster.host_step_overhead_s * cluster.host_flops)
 
 
 class DeepSpeedMoEBlock(nn.Module):

@@ -20,7 +20,7 @@ The timeline has two lanes per iteration, computation and the network:
     profile measured its dispatch cost has queued every kernel of forward and backward
     (host_times: small shares are launch-bound); then the optimizer step of a device with a
     measured profile (its kernels, or its host's queueing of them, whichever is longer), plus
-    the slowest device's per-step overhead.
+    the slowest device's per-step overhead and the method's own host work (per_step_s).
 
 Where the LP must approximate, it prices more, never less: with free rows a reshard charges
 the moved intervals' ends (an upper bound of what moves, bench.program.reshard_fractions) and
@@ -364,7 +364,15 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     optimizer = optimizer_time(program, vdevs, alg)
     if host_optimizer > 0:
         optimizer = alg.max([optimizer, host_optimizer])
-    return end + optimizer + max(d.step_overhead_s for d in cluster.devices)
+    return end + optimizer + per_step_s(program, cluster)
+
+
+def per_step_s(program: Program, cluster: ClusterSpec) -> float:
+    """Seconds of an iteration charged once, after its stages, on the slowest device: an
+    emulated worker's measured per-step overhead (bench.flops) plus the method's own host work
+    (Program.host_work_flops, at the device's FLOP/s: DeepSpeed's engine on CPU workers)."""
+    work = program.host_work_flops
+    return max(d.step_overhead_s + (work / d.effective_flops if work else 0.0) for d in cluster.devices)
 
 
 class _FlopsRun:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from bench.cluster import ClusterSpec
 from bench.cost.devices import GIB, virtual_devices
-from bench.cost.price import FloatAlgebra, iteration_time
+from bench.cost.price import FloatAlgebra, iteration_time, per_step_s
 from bench.program import Program, Ratios
 
 
@@ -20,6 +20,7 @@ class SimResult:
     stage_times: list[tuple[float, float]]  # (comm_s, compute_s) per stage
     comm_time_s: float  # sum over stages, before overlap
     compute_time_s: float  # sum over stages of the slowest device's compute
+    per_step_s: float  # charged once after the stages (bench.cost.price.per_step_s)
     memory_gib: list[dict[str, float]]  # per virtual device, per GPU of it: params, grads, ...
     peak_mem_gib: list[float]  # per virtual device, per GPU
     oom: bool
@@ -47,7 +48,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
 
     The time is bench.cost.price.iteration_time at these ratios (its docstring says how
     stages and their overlap are timed); the per-step overhead measured for emulated devices
-    (bench.flops) is added once, on the slowest device.
+    (bench.flops) and the method's own host work are added once, on the slowest device.
     """
     vdevs = virtual_devices(cluster, program.granularity)
     if len(vdevs) != program.num_devices:
@@ -79,6 +80,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         stage_times=stage_times,
         comm_time_s=sum(c for c, _ in stage_times),
         compute_time_s=sum(p for _, p in stage_times),
+        per_step_s=per_step_s(program, cluster),
         memory_gib=memory,
         peak_mem_gib=peaks,
         oom=bool(oom_devices),

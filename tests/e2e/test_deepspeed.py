@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from bench.cluster import ClusterSpec
 from bench.launch import launch
 from bench.records import load_records
-from bench.run import new_record, prepare_case
+from bench.run import build_workload, compose_config, new_record, prepare_case
 from methods.ds_zero import DeepSpeedZeRO
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +62,8 @@ class RecordingTrainer:
 
 def _case(cfg_factory, tmp_path, model, stage, global_batch):
     cfg = cfg_factory(f"model={model}", "method=deepspeed", f"method.zero_stage={stage}",
-                      f"global_batch={global_batch}", "warmup_iters=0", f"measured_iters={STEPS}")
+                      f"global_batch={global_batch}", "warmup_iters=0", f"measured_iters={STEPS}",
+                      "method.engine_probe=false")  # these check training, not prices
     case = prepare_case(cfg, new_record(cfg))
     method = RecordingDeepSpeed.__new__(RecordingDeepSpeed)
     method.__dict__.update(case.method.__dict__, dump_dir=str(tmp_path))
@@ -164,4 +167,21 @@ def test_runner_cli_records_an_ok_deepspeed_row(tmp_path):
     (row,) = load_records(tmp_path / "records.jsonl")
     assert row["status"] == "ok" and row["method"] == "deepspeed" and row["batch_shares"] == [8, 8]
     assert row["plan"]["zero_stage"] == 1 and len(row["iter_times_s"]) == 3
+    engine = row["plan"]["engine"]  # the engine's own work, probed in a world of the same 2 ranks
+    assert engine["plain_s"] > 0 and engine["engine_s"] > 0, engine
     assert row["versions"].get("deepspeed", "").startswith("0.19") or "deepspeed" not in row["versions"]
+
+
+def test_an_engine_probe_that_fails_is_a_warning_and_no_price(caplog):
+    """A probe rank that raises (here: no steps to time) answers with its error; the parent
+    logs one warning and plans without the engine's work."""
+    pytest.importorskip("deepspeed")
+    from methods.ds_zero import engine_work
+
+    cfg = compose_config("model=bert", "cluster=local_hetero2", "method=deepspeed")
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    workload = build_workload(cfg, cluster)
+    method = DeepSpeedZeRO(engine_probe=False)
+    plan = method.plan(workload, cluster)
+    assert engine_work(method, plan, workload, cluster, repeats=0) is None
+    assert "engine work was not measured (" in caplog.text

@@ -93,6 +93,10 @@ def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
     assert [d.step_overhead_s for d in spec.devices] == pytest.approx([0.002, 0.005])
     empty = Program((), 2)
     assert simulate(empty, spec, [[0.5, 0.5]]).iter_time_s == pytest.approx(0.005)
+    # A method's own host work (DeepSpeed's engine) is priced like the model's: 2e7 FLOPs at
+    # 1e10 FLOP/s x speed 0.4 is 5 ms more on the slow device, counted as compute.
+    engine = simulate(Program((), 2, host_work_flops=2e7), spec, [[0.5, 0.5]])
+    assert engine.iter_time_s == pytest.approx(0.010) and engine.per_step_s == pytest.approx(0.010)
 
 
 # Device types are data: conf/device/*.yaml, or inline in a cluster file.

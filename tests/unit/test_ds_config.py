@@ -170,3 +170,32 @@ def test_moe_program_has_four_all_to_alls_per_moe_layer_and_owns_its_experts_onl
     result = simulate(plan.program, cluster, plan.ratios)
     # All 128 x 6 experts replicated would be ~14 GiB of parameters alone; each GPU owns 2 x 6.
     assert result.memory_gib[0]["params"] < 1.0 and not result.oom
+
+
+def test_an_emulated_cpu_cluster_prices_the_engines_own_work_as_measured(monkeypatch):
+    """The engine probe's share over the plain step becomes the Program's host work, in FLOPs at
+    the host's rate; without a host speed (a simulated cluster), switched off, or with a probe
+    that could not measure, the Program is the model's work and collectives only."""
+    from methods import ds_zero
+
+    probes = []
+
+    def probe(method, plan, workload, cluster):
+        probes.append((plan.batch_shares, cluster.num_devices))
+        return {"plain_s": 0.010, "engine_s": 0.013}
+
+    monkeypatch.setattr(ds_zero, "engine_work", probe)
+    workload = _workload(TINY_BERT)  # 16 samples, 1 FLOP each: 8 per device
+    host = _cluster().with_host_speed(1e9, step_overhead_s=0.002)
+    plan = DeepSpeedZeRO().plan(workload, host)
+    assert probes == [([8, 8], 2)] and plan.details["engine"] == {"plain_s": 0.010, "engine_s": 0.013}
+    assert plan.program.host_work_flops == pytest.approx(0.3 * (8 * 1.0 + 0.002 * 1e9))
+    bare = DeepSpeedZeRO(engine_probe=False).plan(workload, host).program
+    assert bare.host_work_flops == 0 and bare.stages == plan.program.stages
+    assert simulate(plan.program, host, plan.ratios).iter_time_s == pytest.approx(
+        simulate(bare, host, plan.ratios).iter_time_s + 0.3 * (8e-9 + 0.002))
+    assert DeepSpeedZeRO().plan(workload, _cluster()).program.host_work_flops == 0  # no host speed
+    assert len(probes) == 1
+    monkeypatch.setattr(ds_zero, "engine_work", lambda *a: None)
+    unmeasured = DeepSpeedZeRO().plan(workload, host)
+    assert unmeasured.program.host_work_flops == 0 and unmeasured.details["engine"] is None

@@ -42,7 +42,7 @@ def test_a_host_that_changed_is_measured_again(timings, monkeypatch):
     table.update({4: 0.020, 8: 0.036})  # twice as slow now
     again = flops.measure_host_speed(_Workload(), 4, 0)
     assert again == pytest.approx((1e9 / 0.004, 0.004))
-    assert flops._read_cache(flops.host_cache_file())  # and the cache holds the new numbers
+    assert flops.read_cache(flops.host_cache_file())  # and the cache holds the new numbers
     monkeypatch.setattr(flops, "_host_speed_cache", {})
     assert flops.measure_host_speed(_Workload(), 4, 0) == pytest.approx(again)
 
@@ -51,7 +51,7 @@ def test_a_corrupt_cache_is_only_a_lost_shortcut(timings, monkeypatch):
     flops.host_cache_file().parent.mkdir(parents=True, exist_ok=True)
     flops.host_cache_file().write_text("{not json")
     assert flops.measure_host_speed(_Workload(), 4, 0) == pytest.approx((1e9 / 0.002, 0.002))
-    assert len(flops._read_cache(flops.host_cache_file())) == 1
+    assert len(flops.read_cache(flops.host_cache_file())) == 1
 
 
 @pytest.mark.parametrize("shares, batches", [

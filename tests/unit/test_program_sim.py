@@ -59,10 +59,12 @@ def test_program_round_trips_through_json():
         num_devices=2,
         memory=Memory(params=Affine(1.0), activations=Affine.sharded(2.0)),
         meta={"method": "test"},
+        host_work_flops=3e7,
     )
     again = Program.from_json(prog.dumps())
     assert again == prog
-    assert again.meta == {"method": "test"}
+    assert again.meta == {"method": "test"} and again.host_work_flops == 3e7
+    assert "host_work_flops" not in Program((), 1).to_json()  # rows without it read as before
 
 
 def test_program_rejects_segment_and_device_out_of_range():
