@@ -66,8 +66,8 @@ class DeepSpeedZeRO:
             inference calls it, and building it is a ~40 s JIT compile on first use.
         log_level: DeepSpeed's logger level in the workers.
         engine_probe: on an emulated CPU cluster, price the engine's own work (engine_work:
-            timed once per host, workload and config in a world of one, then cached) as the
-            Program's host work; false prices the model's work and collectives only.
+            timed once per host, workload, devices and config, then cached) as the Program's
+            host work; false prices the model's work and collectives only.
     """
 
     modes = ("real", "sim")
@@ -328,7 +328,7 @@ def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster
     (setup()'s trainer: engine, hooks, buckets, ZeRO partitions, MoE layers), interleaved, at
     the plan's micro-batch, each timed as a run times it (_engine_probe). The ranks are child
     processes, one per device and core, in a gloo world of their own. On this 2-core VM the
-    engine adds 20-45% to the tiny models' steps (README "The DeepSpeed baseline").
+    engine adds 18-34% to the tiny models' steps (README "The DeepSpeed baseline").
 
     Measured once per host, workload, devices and config, then read from the cache next to the
     host speeds (bench.flops.host_cache_file). None, with a warning, where it cannot be measured
@@ -355,7 +355,8 @@ def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster
             try:
                 answers.append(receive.recv() if receive.poll(300) else {"error": "no answer within 300 s"})
             except EOFError:
-                answers.append({"error": f"probe rank exited with code {p.join(10) or p.exitcode}"})
+                p.join(10)
+                answers.append({"error": f"probe rank exited with code {p.exitcode}"})
         for p in procs:
             p.join(10)
             if p.is_alive():
