@@ -106,8 +106,8 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     _host_speed_cache[key] = split_step(workload, (b, 2 * b), (t1, t2))
     if use_disk_cache:
         write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
-                                      "step_overhead_s": _host_speed_cache[key][1], "workload": workload.name,
-                                      "batch_size": b})
+                                     "step_overhead_s": _host_speed_cache[key][1], "workload": workload.name,
+                                     "batch_size": b})
     return _host_speed_cache[key]
 
 

@@ -9,6 +9,7 @@ baseline measures on mixed GPUs. deepspeed is imported only by setup() and by th
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import multiprocessing as mp
@@ -94,6 +95,9 @@ class DeepSpeedZeRO:
                               "or null to match the model's capacity")
         if isinstance(moe_min_capacity, bool) or not isinstance(moe_min_capacity, int) or moe_min_capacity < 0:
             raise ConfigError(f"method.moe_min_capacity={moe_min_capacity!r} must be an integer >= 0")
+        for key, value in (("shm_comm_op", shm_comm_op), ("engine_probe", engine_probe)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"method.{key}={value!r} is invalid; use true or false")
         if logging.getLevelName(str(log_level).upper()) not in range(0, 60):
             raise ConfigError(f"method.log_level={log_level!r} is invalid; use debug, info, warning or error")
         self.name = name
@@ -341,6 +345,10 @@ def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster
     cached = read_cache(path).get(key)
     if cached:
         return {"plain_s": cached["plain_s"], "engine_s": cached["engine_s"]}
+    if importlib.util.find_spec("deepspeed") is None:  # no child to start: it could only fail
+        log.warning("DeepSpeed's engine work was not measured (deepspeed is not installed: %s); "
+                    "its plan prices the model's work and collectives only", INSTALL_HINT)
+        return None
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hetbench-ds-probe-") as folder:
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
@@ -397,9 +405,6 @@ def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO
             emulator.install()  # before setup: DeepSpeed keeps references to the collectives
             ctx = RankContext(rank, world_size, torch.device("cpu"), cluster, workload, emulator)
             trainer = method.setup(plan, workload.build(seed), ctx)
-            import deepspeed
-
-            deepspeed.utils.logger.setLevel("ERROR")
             plain = []
             for i in range(EmulationSettings.SKIPPED + repeats):
                 start = time.thread_time()

@@ -61,6 +61,8 @@ def test_the_conf_option_instantiates_stage_one_with_the_papers_adam():
     ({"reduce_bucket_size": 0}, "method.reduce_bucket_size=0 must be >= 1"),
     ({"moe_capacity_factor": -1.0}, "method.moe_capacity_factor=-1.0 must be > 0"),
     ({"log_level": "loud"}, "method.log_level='loud' is invalid"),
+    ({"engine_probe": "no"}, "method.engine_probe='no' is invalid; use true or false"),
+    ({"shm_comm_op": 1}, "method.shm_comm_op=1 is invalid; use true or false"),
 ])
 def test_bad_options_fail_in_one_line_at_construction(kwargs, needle):
     with pytest.raises(ConfigError) as err:
@@ -199,3 +201,19 @@ def test_an_emulated_cpu_cluster_prices_the_engines_own_work_as_measured(monkeyp
     monkeypatch.setattr(ds_zero, "engine_work", lambda *a: None)
     unmeasured = DeepSpeedZeRO().plan(workload, host)
     assert unmeasured.program.host_work_flops == 0 and unmeasured.details["engine"] is None
+
+
+def test_without_deepspeed_the_engine_probe_starts_nothing_and_says_so(monkeypatch, tmp_path, caplog):
+    import importlib.util
+
+    from methods import ds_zero
+
+    monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))  # nothing cached
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setattr(ds_zero.mp, "get_context", lambda *a: pytest.fail("a probe process was started"))
+    host = _cluster().with_host_speed(1e9, step_overhead_s=0.002)
+    method = DeepSpeedZeRO(engine_probe=False)
+    plan = method.plan(_workload(TINY_BERT), host)
+    assert ds_zero.engine_work(method, plan, _workload(TINY_BERT), host) is None
+    assert "deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed==0.19.8" in caplog.text
