@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import statistics
 import tempfile
@@ -40,6 +41,7 @@ FP32_BYTES = 4
 ADAM_STATE_COPIES = 2
 ZERO_STATE_COPIES = 3
 ENGINE_PROBE_VERSION = 2  # a cached probe made another way is measured again
+PROBE_TIMEOUT_S = 300
 
 log = logging.getLogger(__name__)
 
@@ -357,26 +359,40 @@ def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster
                  for r in range(n)]
         for p in procs:
             p.start()
-        answers = []
-        for (receive, send), p in zip(pipes, procs):
+        for _, send in pipes:
             send.close()
-            try:
-                answers.append(receive.recv() if receive.poll(300) else {"error": "no answer within 300 s"})
-            except EOFError:
-                p.join(10)
-                answers.append({"error": f"probe rank exited with code {p.exitcode}"})
-        for p in procs:
-            p.join(10)
+        answers = _gather({receive: r for r, (receive, _) in enumerate(pipes)}, PROBE_TIMEOUT_S)
+        errors = [a["error"] for a in answers.values() if "error" in a]
+        if not errors and len(answers) < n:
+            errors.append(f"no answer from every rank within {PROBE_TIMEOUT_S} s")
+        for p in procs:  # a rank still waiting on a peer that failed is stopped here
+            p.join(0 if errors else 10)
             if p.is_alive():
                 p.kill()
-    errors = [a["error"] for a in answers if "error" in a]
     if errors:
         log.warning("DeepSpeed's engine work was not measured (%s); its plan prices the model's "
                     "work and collectives only", errors[0])
         return None
-    out = {k: statistics.median(a[k] for a in answers) for k in ("plain_s", "engine_s")}
+    out = {k: statistics.median(a[k] for a in answers.values()) for k in ("plain_s", "engine_s")}
     write_cache(path, key, {**out, "workload": workload.name, "micro_batch": micro, "devices": n})
     return out
+
+
+def _gather(pending: dict, timeout_s: float) -> dict:
+    """Each probe rank's answer by rank, as they come, until all have answered, one has failed
+    (its peers may be blocked in a collective) or `timeout_s` has passed."""
+    deadline, answers = time.monotonic() + timeout_s, {}
+    while pending and not any("error" in a for a in answers.values()):
+        ready = mp_connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                answers[rank] = conn.recv()
+            except EOFError:
+                answers[rank] = {"error": f"probe rank {rank} exited without an answer"}
+    return answers
 
 
 def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO", plan: Plan,

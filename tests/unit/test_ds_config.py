@@ -217,3 +217,19 @@ def test_without_deepspeed_the_engine_probe_starts_nothing_and_says_so(monkeypat
     plan = method.plan(_workload(TINY_BERT), host)
     assert ds_zero.engine_work(method, plan, _workload(TINY_BERT), host) is None
     assert "deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed==0.19.8" in caplog.text
+
+
+def test_a_failed_probe_rank_ends_the_wait_for_its_peers():
+    """A rank that failed answers at once; its peers, blocked in a collective, never will: the
+    parent stops waiting at the first error, and a rank gone without an answer is an error."""
+    import multiprocessing as mp
+
+    from methods.ds_zero import _gather
+
+    (quiet, _keep), (failing, send) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
+    send.send({"error": "RuntimeError: boom"})
+    assert _gather({quiet: 0, failing: 1}, timeout_s=60) == {1: {"error": "RuntimeError: boom"}}
+    gone, closed = mp.Pipe(duplex=False)
+    closed.close()
+    assert _gather({gone: 3}, timeout_s=60) == {3: {"error": "probe rank 3 exited without an answer"}}
+    assert _gather({quiet: 0}, timeout_s=0.05) == {}  # nothing within the time: no answer
