@@ -46,6 +46,11 @@ from bench.cost import collective_time_s, link_bytes
 
 # An emulated rank whose achieved compute time is off its target by more than this is flagged.
 DILATION_TOLERANCE = 0.05
+# A rank whose full-pace reference iterations waited at least this share of their compute is
+# probed for the pause penalty (Emulator.discount_reference); below it the probe's noise would
+# exceed the penalty (+3% after a pause of half a step, README).
+PAUSE_PROBE_MIN_SHARE = 0.25
+MAX_PAUSE_PENALTY = 1.5
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class EmulationSettings:
     # `reference_s`): the rank is paced against it from the start, so that cases sharing it
     # emulate one device at one speed however this host drifts between them (bench.dilation).
     reference: tuple[float, ...] | None = None
+    # A rank that waited on its peers while referencing discounts the pause's slowdown
+    # (Emulator.discount_reference).
+    pause_discount: bool = True
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
     @staticmethod
@@ -102,6 +110,10 @@ class Emulator:
         self._reference_walls: list[list[float]] = []
         self._reference_wall: list[float] | None = None
         self._reference: list[float] | None = None
+        self._iteration_start = time.perf_counter()
+        self._reference_pauses: list[float] = []  # per reference iteration: wall less its compute
+        self.pause_probe: dict | None = None  # discount_reference's measurement
+        self._cold_reference_s: float | None = None
         if self.settings.reference is not None:
             self._reference = list(self.settings.reference)
         self._debt = 0.0  # wall seconds the rank is behind its target (carried forward)
@@ -139,9 +151,12 @@ class Emulator:
         only ever makes an interval slower), the rest are paced. With a shared reference
         (`EmulationSettings.reference`) pacing starts right after the SKIPPED iterations."""
         shared = self.settings.reference is not None
+        now = time.perf_counter()
         if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED and not shared:
             self._reference_runs.append(self._iteration)
             self._reference_walls.append(self._iteration_wall)
+            self._reference_pauses.append(max(0.0, now - self._iteration_start - sum(self._iteration)))
+        self._iteration_start = now
         self._iteration, self._iteration_wall = [], []
         if shared and index >= self.settings.SKIPPED:
             self._phase = "paced"
@@ -160,6 +175,37 @@ class Emulator:
     @property
     def pacing(self) -> bool:
         return self._phase == "paced"
+
+    @property
+    def reference_pause_s(self) -> float | None:
+        """How long this rank waited per full-pace reference iteration (the median over them of
+        the iteration's wall time less its compute intervals' CPU time): on peers with more work,
+        on the loopback collectives, on the worker loop. None before the reference is set."""
+        if self._reference is None or not self._reference_pauses:
+            return None
+        return float(np.median(self._reference_pauses))
+
+    @property
+    def reference_step_s(self) -> float | None:
+        return None if self._reference is None else sum(self._reference)
+
+    def discount_reference(self, probe: dict, apply: bool = True) -> None:
+        """Take the pause penalty out of the reference (bench.flops.pause_penalty measured it,
+        for this rank's pause, just now).
+
+        At full pace a rank with less work than its peers waits on them at every iteration, and
+        on this VM a burst that follows a pause computes slower (README: How emulation works).
+        Its reference is then cold, and pacing against it emulated a slower device than the
+        cluster declares: the slow device of a compute-proportional split referenced 6-30% above
+        a plain step at its share, where ranks that did not wait came out within 5%. The probe's
+        ratio of a plain step after the same pause to one run back to back divides the reference,
+        clamped to [1, MAX_PAUSE_PENALTY] (a noisy probe never makes a reference slower).
+        apply=False records the probe only (a rank that hardly waited: its probe is noise)."""
+        self.pause_probe = dict(probe)
+        factor = min(max(probe["penalty"], 1.0), MAX_PAUSE_PENALTY) if apply else 1.0
+        self.pause_probe["applied"] = factor
+        self._cold_reference_s = sum(self._reference)
+        self._reference = [r / factor for r in self._reference]
 
     def mark(self) -> None:
         """Start a new compute interval now (after waiting on communication or data)."""
@@ -230,6 +276,10 @@ class Emulator:
             "reference_s": list(self._reference or ()),
             "reference_wall_s": list(self._reference_wall or ()),
             "shared_reference": self.settings.reference is not None,
+            "reference_pause_s": self.reference_pause_s,
+            # The reference as measured, before discount_reference divided it (None: not probed).
+            "reference_cold_s_per_iter": self._cold_reference_s,
+            "pause_probe": self.pause_probe,
             "slept_s": self.slept_s,
             # Of the measured iterations' emulated collectives, the share whose link time counted
             # from the last member's arrival (the rest: from completion, less the loopback fit).

@@ -161,6 +161,35 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     return out
 
 
+def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int = 9) -> dict:
+    """How much slower this host computes right after a pause of `pause_s`, measured now: plain
+    training steps at `batch` samples in pairs, one after sleeping `pause_s` and one right after
+    it, back to back (so that a drift of the host hits both alike); the fastest of each kind,
+    in thread CPU time as the emulator's reference is timed. On this VM a small-share rank's
+    full-pace reference waits on its peers every iteration and comes out cold
+    (bench.emulation.Emulator.discount_reference)."""
+    model = workload.build(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    inputs = workload.model_cfg.synthetic_batch(max(batch, 1), torch.Generator().manual_seed(seed))
+
+    def step() -> float:
+        start = time.thread_time()
+        optimizer.zero_grad(set_to_none=True)
+        model(*inputs).backward()
+        optimizer.step()
+        return time.thread_time() - start
+
+    cold, warm = [], []
+    with emulated_device():
+        for _ in range(2):  # the first steps allocate
+            step()
+        for _ in range(repeats):
+            time.sleep(pause_s)
+            cold.append(step())
+            warm.append(step())
+    return {"pause_s": pause_s, "warm_s": min(warm), "cold_s": min(cold), "penalty": min(cold) / min(warm)}
+
+
 def read_cache(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

@@ -171,7 +171,12 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
     pin = node.get("pin_cores", True)
     if not isinstance(pin, bool):
         raise ConfigError(f"emulation.pin_cores={pin!r} must be true or false; e.g. emulation.pin_cores=false")
-    return EmulationSettings(headroom=float(headroom), reference_iters=refs, pin_cores=pin)
+    discount = node.get("pause_discount", True)
+    if not isinstance(discount, bool):
+        raise ConfigError(f"emulation.pause_discount={discount!r} must be true or false; "
+                          "e.g. emulation.pause_discount=false")
+    return EmulationSettings(headroom=float(headroom), reference_iters=refs, pin_cores=pin,
+                             pause_discount=discount)
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -294,7 +299,8 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
     record.emulation = None if emulation is None else {
         "device": cluster.device, "headroom": emulation.headroom,
-        "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores}
+        "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores,
+        "pause_discount": emulation.pause_discount}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)

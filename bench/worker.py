@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from bench import hostcpu
 from bench.cluster import ClusterSpec
-from bench.emulation import EmulationSettings, Emulator, measure_matmul_flops
-from bench.flops import yardstick, yardstick_batches
+from bench.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
+from bench.flops import pause_penalty, yardstick, yardstick_batches
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
 
@@ -197,6 +197,22 @@ def _busy(seconds: float) -> None:
         pass
 
 
+def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: int) -> None:
+    """Every rank at once, so that the host is as loaded as in training (as for the yardstick):
+    each measures how much slower a plain step at its share runs after the pause its reference
+    iterations took (waiting on peers with more work, on the loopback collectives), and a rank
+    whose pause is a fair share of its compute discounts its reference by that
+    (Emulator.discount_reference)."""
+    pause, step = emulator.reference_pause_s, emulator.reference_step_s
+    if pause is None or not step:
+        return
+    with emulator.paused():  # neither the barriers nor the probe are an iteration's
+        dist.barrier()
+        probe = pause_penalty(workload, share, seed, pause)
+        dist.barrier()
+    emulator.discount_reference(probe, apply=pause >= PAUSE_PROBE_MIN_SHARE * step)
+
+
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
              progress: Callable[[int], None] | None = None, gather: bool = False):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
@@ -278,6 +294,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
                 peak = max(peak, peak_mem_gib(device))
                 torch.cuda.reset_peak_memory_stats(device)
         emulator.begin_iteration(it)
+        if it == pre and refs and emulator.settings.pause_discount:  # reference set: take out waiting's cost
+            _discount_pause(emulator, workload, case.plan.batch_shares[rank], case.seed)
         t0 = time.perf_counter()
         with step_context(case.precision, device):
             precision = precision or precision_in_force(case.precision, device)

@@ -66,6 +66,7 @@ def test_tiny_workloads_count_their_flops(model):
     (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
     (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
     (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
+    (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
     (["method=hap", "mode=sim", "method.segmentation=random"],
      "method.segmentation='random' is unknown; valid: layers, flops, metis"),
     (["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head

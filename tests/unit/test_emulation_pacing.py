@@ -134,3 +134,48 @@ def test_the_pooled_compute_is_every_ranks_reference_over_the_summed_speeds():
     # A rank with no reference (unpaced, or it failed) leaves no figure, not a partial one.
     assert emulation.pooled_compute_s({"ranks": [ranks[0], {"speed": 0.4}]}) is None
     assert emulation.pooled_compute_s(None) is None
+
+
+def _waiting_iterations(emu: Emulator, clock: FakeClock, count: int, busy: float, wait: float) -> None:
+    """`count` iterations of `busy` compute, each followed by `wait` spent waiting on peers."""
+    for it in range(count):
+        emu.begin_iteration(it)
+        clock.compute(busy)
+        emu.stretch()
+        clock.preempt(wait)
+        emu.mark()
+
+
+def test_the_pause_of_the_reference_iterations_is_their_wall_time_less_their_compute(clock):
+    """A rank with less work than its peers waits on them at every full-pace iteration: that
+    wait is its reference pause (what discount_reference is measured for)."""
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=3))
+    _waiting_iterations(emu, clock, EmulationSettings.SKIPPED + 3, busy=0.004, wait=0.003)
+    assert emu.reference_pause_s is None  # the reference is set at the next iteration's start
+    emu.begin_iteration(EmulationSettings.SKIPPED + 3)
+    assert emu.reference_pause_s == pytest.approx(0.003)
+    assert emu.reference_step_s == pytest.approx(0.004)
+
+
+@pytest.mark.parametrize("penalty, apply, factor", [
+    (1.2, True, 1.2),  # measured slowdown after the pause: taken out
+    (0.95, True, 1.0),  # a noisy probe never makes the reference slower
+    (3.0, True, emulation.MAX_PAUSE_PENALTY),  # nor takes out more than the clamp
+    (1.2, False, 1.0),  # a rank that hardly waited: recorded, not applied
+])
+def test_the_pause_discount_divides_the_reference_by_the_measured_penalty(clock, penalty, apply, factor):
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=2))
+    _waiting_iterations(emu, clock, EmulationSettings.SKIPPED + 3, busy=0.006, wait=0.004)
+    assert emu.pacing
+    emu.discount_reference({"pause_s": 0.004, "warm_s": 0.005, "cold_s": 0.005 * penalty, "penalty": penalty},
+                           apply=apply)
+    report = emu.report()
+    assert report["reference_s_per_iter"] == pytest.approx(0.006 / factor)
+    assert report["reference_cold_s_per_iter"] == pytest.approx(0.006)
+    assert report["pause_probe"]["applied"] == pytest.approx(factor)
+    # Paced against the discounted reference: 2 x (6 ms / factor).
+    start = clock.wall
+    emu.begin_iteration(10)
+    clock.compute(0.006)
+    emu.stretch()
+    assert clock.wall - start == pytest.approx(max(0.012 / factor, 0.006))

@@ -73,3 +73,48 @@ def test_a_step_splits_into_a_per_sample_and_a_per_step_part_through_any_two_bat
     # noise that makes the larger batch look cheaper: a tenth of the step is still per sample
     rate, fixed = flops.split_step(_Workload(), (5, 11), (0.013, 0.012))
     assert (rate, fixed) == pytest.approx((1e9 / (0.1 * 0.013 / 5), 0.9 * 0.013))
+
+
+def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after_them(monkeypatch):
+    """Each cold step (after sleeping the pause) is followed at once by a warm one, so a drift of
+    the host hits both kinds alike; the fastest of each kind are compared."""
+    import torch
+
+    class Clock:
+        cpu, cold, sleeps = 0.0, False, []
+
+        def thread_time(self):
+            return self.cpu
+
+        def sleep(self, seconds):
+            self.sleeps.append(seconds)
+            self.cold = True
+
+    clock = Clock()
+    drift = iter([1.0, 1.0, 1.0, 1.0, 1.3, 1.3, 1.0, 1.0] + [1.0] * 100)  # one slow pair
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            clock.cpu += (0.006 if clock.cold else 0.005) * next(drift)
+            clock.cold = False
+            return (self.w * x).sum()
+
+    class Cfg:
+        def synthetic_batch(self, n, generator):
+            return (torch.ones(n),)
+
+    class Workload:
+        model_cfg = Cfg()
+
+        def build(self, seed):
+            return Model()
+
+    monkeypatch.setattr(flops, "time", clock)
+    probe = flops.pause_penalty(Workload(), 4, 0, pause_s=0.003, repeats=3)
+    assert clock.sleeps == [0.003] * 3
+    assert probe["warm_s"] == pytest.approx(0.005) and probe["cold_s"] == pytest.approx(0.006)
+    assert probe["penalty"] == pytest.approx(1.2)
