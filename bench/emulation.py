@@ -155,7 +155,9 @@ class Emulator:
         if self._phase == "reference" and self._iteration and index > self.settings.SKIPPED and not shared:
             self._reference_runs.append(self._iteration)
             self._reference_walls.append(self._iteration_wall)
-            self._reference_pauses.append(max(0.0, now - self._iteration_start - sum(self._iteration)))
+            # Between its compute intervals: collectives and the worker loop. A rank that
+            # shares its core is also preempted inside its intervals; that is not a pause.
+            self._reference_pauses.append(max(0.0, now - self._iteration_start - sum(self._iteration_wall)))
         self._iteration_start = now
         self._iteration, self._iteration_wall = [], []
         if shared and index >= self.settings.SKIPPED:
@@ -179,8 +181,8 @@ class Emulator:
     @property
     def reference_pause_s(self) -> float | None:
         """How long this rank waited per full-pace reference iteration (the median over them of
-        the iteration's wall time less its compute intervals' CPU time): on peers with more work,
-        on the loopback collectives, on the worker loop. None before the reference is set."""
+        the iteration's wall time less its compute intervals' wall time): on peers with more
+        work, on the loopback collectives, on the worker loop. None before the reference is set."""
         if self._reference is None or not self._reference_pauses:
             return None
         return float(np.median(self._reference_pauses))

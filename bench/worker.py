@@ -198,19 +198,21 @@ def _busy(seconds: float) -> None:
 
 
 def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: int) -> None:
-    """Every rank at once, so that the host is as loaded as in training (as for the yardstick):
-    each measures how much slower a plain step at its share runs after the pause its reference
-    iterations took (waiting on peers with more work, on the loopback collectives), and a rank
-    whose pause is a fair share of its compute discounts its reference by that
-    (Emulator.discount_reference)."""
+    """A rank whose reference iterations waited (on peers with more work, on the loopback
+    collectives) for a quarter of its compute or more measures how much slower a plain step at
+    its share runs after that pause, and discounts its reference by it
+    (Emulator.discount_reference). When any rank does, every rank probes at once, so that the
+    host is as loaded as in training (as for the yardstick); when none does, none probes."""
     pause, step = emulator.reference_pause_s, emulator.reference_step_s
-    if pause is None or not step:
-        return
-    with emulator.paused():  # neither the barriers nor the probe are an iteration's
+    due = pause is not None and bool(step) and pause >= PAUSE_PROBE_MIN_SHARE * step
+    with emulator.paused():  # neither the collectives nor the probe are an iteration's
+        flags = [False] * dist.get_world_size()
+        dist.all_gather_object(flags, due)
+        if not any(flags):
+            return
+        probe = pause_penalty(workload, share, seed, pause or 0.0)
         dist.barrier()
-        probe = pause_penalty(workload, share, seed, pause)
-        dist.barrier()
-    emulator.discount_reference(probe, apply=pause >= PAUSE_PROBE_MIN_SHARE * step)
+    emulator.discount_reference(probe, apply=due)
 
 
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
