@@ -8,7 +8,9 @@ iterations at full pace and records how long each compute interval of an iterati
 k-th interval between communication points, the fastest of those iterations). From then on the
 k-th interval must last reference_k / (speed x headroom) of wall time: the rank sleeps what is
 left, and whatever it over- or undershoots is carried into the next interval (links are emulated
-from then on, not while the reference is measured). `headroom` < 1
+from then on, not while the reference is measured). A rank that waited on its peers through
+its reference iterations measured cold bursts: it divides its reference by how much slower a
+plain step runs after such a pause (Emulator.discount_reference). `headroom` < 1
 runs the whole emulated cluster in slow motion (links too), so that even a speed-1 rank has
 time to absorb a slowed-down burst; reported times are emulated time (wall x headroom).
 
