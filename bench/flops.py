@@ -167,7 +167,13 @@ def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, rep
     it, back to back (so that a drift of the host hits both alike); the fastest of each kind,
     in thread CPU time as the emulator's reference is timed. On this VM a small-share rank's
     full-pace reference waits on its peers every iteration and comes out cold
-    (bench.emulation.Emulator.discount_reference)."""
+    (bench.emulation.Emulator.discount_reference). It runs between training iterations, so the
+    random state it seeds and draws from (model initialisation, dropout) is restored after."""
+    with torch.random.fork_rng(devices=[]):
+        return _pause_penalty(workload, batch, seed, pause_s, repeats)
+
+
+def _pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int) -> dict:
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     inputs = workload.model_cfg.synthetic_batch(max(batch, 1), torch.Generator().manual_seed(seed))

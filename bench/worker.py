@@ -204,7 +204,7 @@ def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: in
     (Emulator.discount_reference). When any rank does, every rank probes at once, so that the
     host is as loaded as in training (as for the yardstick); when none does, none probes."""
     pause, step = emulator.reference_pause_s, emulator.reference_step_s
-    due = pause is not None and bool(step) and pause >= PAUSE_PROBE_MIN_SHARE * step
+    due = pause is not None and step is not None and step > 0 and pause >= PAUSE_PROBE_MIN_SHARE * step
     with emulator.paused():  # neither the collectives nor the probe are an iteration's
         flags = [False] * dist.get_world_size()
         dist.all_gather_object(flags, due)
@@ -212,7 +212,8 @@ def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: in
             return
         probe = pause_penalty(workload, share, seed, pause or 0.0)
         dist.barrier()
-    emulator.discount_reference(probe, apply=due)
+    if step is not None:  # a rank with no reference (no compute interval) has nothing to discount
+        emulator.discount_reference(probe, apply=due)
 
 
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
@@ -296,7 +297,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
                 peak = max(peak, peak_mem_gib(device))
                 torch.cuda.reset_peak_memory_stats(device)
         emulator.begin_iteration(it)
-        if it == pre and refs and emulator.settings.pause_discount:  # reference set: take out waiting's cost
+        if pre and refs and it == pre and emulator.settings.pause_discount:  # reference set: discount waiting
             _discount_pause(emulator, workload, case.plan.batch_shares[rank], case.seed)
         t0 = time.perf_counter()
         with step_context(case.precision, device):

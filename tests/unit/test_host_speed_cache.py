@@ -77,7 +77,8 @@ def test_a_step_splits_into_a_per_sample_and_a_per_step_part_through_any_two_bat
 
 def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after_them(monkeypatch):
     """Each cold step (after sleeping the pause) is followed at once by a warm one, so a drift of
-    the host hits both kinds alike; the fastest of each kind are compared."""
+    the host hits both kinds alike; the fastest of each kind are compared, and the caller's
+    random state is left alone."""
     import torch
 
     class Clock:
@@ -111,10 +112,15 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
         model_cfg = Cfg()
 
         def build(self, seed):
+            torch.manual_seed(seed)
             return Model()
 
     monkeypatch.setattr(flops, "time", clock)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
     probe = flops.pause_penalty(Workload(), 4, 0, pause_s=0.003, repeats=3)
+    # It runs between training iterations: the random state training draws from is as it was.
+    assert torch.equal(torch.get_rng_state(), before)
     assert clock.sleeps == [0.003] * 3
     assert probe["warm_s"] == pytest.approx(0.005) and probe["cold_s"] == pytest.approx(0.006)
     assert probe["penalty"] == pytest.approx(1.2)
