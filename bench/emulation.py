@@ -115,7 +115,6 @@ class Emulator:
         self._iteration_start = time.perf_counter()
         self._reference_pauses: list[float] = []  # per reference iteration: wall less its compute
         self.pause_probe: dict | None = None  # discount_reference's measurement
-        self._cold_reference_s: float | None = None
         if self.settings.reference is not None:
             self._reference = list(self.settings.reference)
         self._debt = 0.0  # wall seconds the rank is behind its target (carried forward)
@@ -208,7 +207,6 @@ class Emulator:
         self.pause_probe = dict(probe)
         factor = min(max(probe["penalty"], 1.0), MAX_PAUSE_PENALTY) if apply else 1.0
         self.pause_probe["applied"] = factor
-        self._cold_reference_s = sum(self._reference)
         self._reference = [r / factor for r in self._reference]
 
     def mark(self) -> None:
@@ -282,7 +280,8 @@ class Emulator:
             "shared_reference": self.settings.reference is not None,
             "reference_pause_s": self.reference_pause_s,
             # The reference as measured, before discount_reference divided it (None: not probed).
-            "reference_cold_s_per_iter": self._cold_reference_s,
+            "reference_cold_s_per_iter": (None if self.pause_probe is None
+                                          else sum(self._reference) * self.pause_probe["applied"]),
             "pause_probe": self.pause_probe,
             "slept_s": self.slept_s,
             # Of the measured iterations' emulated collectives, the share whose link time counted

@@ -149,16 +149,19 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     with emulated_device():
         for n in batches:
             batch = workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed))
-            times = []
-            for _ in range(repeats + 2):  # the first two allocate
-                start = time.thread_time()
-                optimizer.zero_grad(set_to_none=True)
-                model(*batch).backward()
-                optimizer.step()
-                times.append(time.thread_time() - start)
+            times = [_thread_timed_step(model, optimizer, batch) for _ in range(repeats + 2)]
             out["batch"].append(n)
-            out["seconds"].append(min(times[2:]))
+            out["seconds"].append(min(times[2:]))  # the first two allocate
     return out
+
+
+def _thread_timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> float:
+    """One plain training step (forward, backward, Adam), in this thread's CPU seconds."""
+    start = time.thread_time()
+    optimizer.zero_grad(set_to_none=True)
+    model(*batch).backward()
+    optimizer.step()
+    return time.thread_time() - start
 
 
 def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int = 9) -> dict:
@@ -178,21 +181,14 @@ def _pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, re
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     inputs = workload.model_cfg.synthetic_batch(max(batch, 1), torch.Generator().manual_seed(seed))
 
-    def step() -> float:
-        start = time.thread_time()
-        optimizer.zero_grad(set_to_none=True)
-        model(*inputs).backward()
-        optimizer.step()
-        return time.thread_time() - start
-
     cold, warm = [], []
     with emulated_device():
         for _ in range(2):  # the first steps allocate
-            step()
+            _thread_timed_step(model, optimizer, inputs)
         for _ in range(repeats):
             time.sleep(pause_s)
-            cold.append(step())
-            warm.append(step())
+            cold.append(_thread_timed_step(model, optimizer, inputs))
+            warm.append(_thread_timed_step(model, optimizer, inputs))
     return {"pause_s": pause_s, "warm_s": min(warm), "cold_s": min(cold), "penalty": min(cold) / min(warm)}
 
 
