@@ -164,6 +164,7 @@ def _thread_timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return time.thread_time() - start
 
 
+@torch.random.fork_rng(devices=[])
 def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int = 9) -> dict:
     """How much slower this host computes right after a pause of `pause_s`, measured now: plain
     training steps at `batch` samples in pairs, one after sleeping `pause_s` and one right after
@@ -172,11 +173,6 @@ def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, rep
     full-pace reference waits on its peers every iteration and comes out cold
     (bench.emulation.Emulator.discount_reference). It runs between training iterations, so the
     random state it seeds and draws from (model initialisation, dropout) is restored after."""
-    with torch.random.fork_rng(devices=[]):
-        return _pause_penalty(workload, batch, seed, pause_s, repeats)
-
-
-def _pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int) -> dict:
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     inputs = workload.model_cfg.synthetic_batch(max(batch, 1), torch.Generator().manual_seed(seed))

@@ -204,7 +204,7 @@ def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: in
     (Emulator.discount_reference). When any rank does, every rank probes at once, so that the
     host is as loaded as in training (as for the yardstick); when none does, none probes."""
     pause, step = emulator.reference_pause_s, emulator.reference_step_s
-    due = pause is not None and step is not None and step > 0 and pause >= PAUSE_PROBE_MIN_SHARE * step
+    due = pause is not None and step > 0 and pause >= PAUSE_PROBE_MIN_SHARE * step  # a pause means a reference
     with emulator.paused():  # neither the collectives nor the probe are an iteration's
         flags = [False] * dist.get_world_size()
         dist.all_gather_object(flags, due)
