@@ -1,10 +1,15 @@
-"""scripts/gpu-check's paper table, from the rows bench.compare writes (no GPU needed)."""
+"""scripts/gpu-check without a GPU: the paper table from the rows bench.compare writes, and the
+suite and main job it runs beside the GPU checks."""
 
 import json
+import os
 import subprocess
+import sys
 from importlib.machinery import SourceFileLoader
 from importlib.util import module_from_spec, spec_from_loader
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,3 +45,49 @@ def test_the_paper_table_reads_each_methods_aggregate_and_marks_a_failed_model(m
     assert table["bert"].split()[-2] == f"{0.1397 / 0.1369:.3f}"
     assert table["vit"].split()[-1] == "2.50/2.75"  # the last iteration's peak, the largest round's
     assert table["bert_moe"].split()[1:] == ["-", "-", "-", "-"]  # no rows: drawn as missing, not a number
+
+
+def test_background_jobs_get_disjoint_core_pairs_after_the_foregrounds_or_wait_for_it():
+    gpu_check = _script()
+    assert gpu_check.core_sets(3, list(range(16))) == [{4, 5}, {6, 7}, {8, 9}]
+    assert gpu_check.core_sets(7, list(range(16))) is None  # 4 + 14 > 16: they run after the foreground
+    assert gpu_check.core_sets(1, [0, 1]) is None  # CI's machine
+    assert gpu_check.deal(list("abcdefg"), 3) == [["a", "d", "g"], ["b", "e"], ["c", "f"]]
+    assert gpu_check.deal(["a"], 4) == [["a"]]  # no empty pytest process
+
+
+def test_a_background_job_runs_on_its_cores_and_logs_there(tmp_path):
+    gpu_check = _script()
+    core = min(os.sched_getaffinity(0))
+    job = gpu_check.Background("affinity", [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               tmp_path / "job.log", {core})
+    name, result, _ = job.finish()  # never begun: it starts now, as on a host with too few cores
+    assert (name, result) == (f"affinity (cores {core}-{core})", "pass")
+    assert (tmp_path / "job.log").read_text().strip() == f"[{core}]"
+
+
+def test_the_suite_option_runs_its_groups_and_reports_each_failure_by_name(monkeypatch, tmp_path, capsys):
+    gpu_check = _script()
+    tests = tmp_path / "test_some.py"
+    tests.write_text("def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2\n\n"
+                     "import pytest\n\n@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+    ids = [f"{tests}::{name}" for name in ("test_passes", "test_fails", "test_skipped")]
+    monkeypatch.setattr(gpu_check, "collect_suite", lambda: ids)
+    code = gpu_check.main(["--skip-tests", "--suite", "2", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert code == 1
+    group1 = next(line for line in printed.splitlines() if line.startswith("suite 1/2, 2 tests"))
+    assert "1 passed, 0 failed, 1 skipped" in group1 and group1.split()[-2] == "pass"
+    group2 = next(line for line in printed.splitlines() if line.startswith("suite 2/2, 1 tests"))
+    assert "0 passed, 1 failed, 0 skipped" in group2 and group2.split()[-2] == "fail"
+    assert "failed: test_some::test_fails" in printed
+    assert (tmp_path / "out" / "suite-1.xml").exists() and (tmp_path / "out" / "suite-2.log").exists()
+
+
+def test_nothing_to_run_and_a_negative_suite_are_refused_in_one_line(capsys):
+    gpu_check = _script()
+    for argv, words in ((["--skip-tests"], "--skip-tests leaves nothing to run"),
+                        (["--suite", "-1"], "--suite -1: the number of test processes is 1 or more")):
+        with pytest.raises(SystemExit) as stop:
+            gpu_check.main(argv)
+        assert stop.value.code == 2 and words in capsys.readouterr().err
