@@ -27,6 +27,7 @@ import itertools
 import json
 import statistics
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -186,8 +187,7 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
             cfg, workload = _step(model, batch, preset, cluster)
             probe = host_probe(device)
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
-            rows.append({**_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30),
-                         "host_probe_s": probe})
+            rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30, probe))
             r = rows[-1]  # as it goes: a run cut short keeps what it measured in its log
             print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
                   f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
@@ -199,8 +199,16 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
 
 def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
     """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"])
-            for r in rows]
+    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"],
+                       r.get("host_probe_s")) for r in rows]
+
+
+def at_host_probe(cluster: ClusterSpec, probe_s: float) -> ClusterSpec:
+    """The cluster behind a host that probes at `probe_s`: its own device types' dispatch costs
+    scaled by it (ComputeProfile.at_host_probe); itself where no profile has a probe."""
+    types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t
+                  for t in cluster.inline_types)
+    return cluster if types == cluster.inline_types else replace(cluster, inline_types=types)
 
 
 def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
@@ -210,35 +218,48 @@ def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
     return cfg, build_workload(cfg, cluster)
 
 
-def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None) -> dict:
+def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None,
+               host_probe_s: float | None = None) -> dict:
+    """The step's prediction from the profile as measured, and, where both the profile and the
+    row probed the host (bench.flops.host_probe), also with the host's dispatch costs at the
+    row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
     model, batch = cfg.model.name, workload.global_batch
     plan = _instantiate(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))
+    probed = cluster if host_probe_s is None else at_host_probe(cluster, host_probe_s)
+    at_probe = None if probed is cluster else simulate(plan.program, probed, plan.ratios).iter_time_s
     return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
             "predicted_host_s": host,
             "time_error": abs(sim.iter_time_s - seconds) / seconds, "measured_peak_gib": peak_gib,
             "predicted_peak_gib": sim.peak_mem_gib[0],
-            "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib}
+            "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib,
+            "host_probe_s": host_probe_s, "predicted_at_probe_s": at_probe,
+            "time_error_at_probe": None if at_probe is None else abs(at_probe - seconds) / seconds}
 
 
 def print_single_device(rows: list[dict], title: str) -> dict:
-    console = Console(width=140)
+    console = Console(width=160)
     table = Table(title=title)
-    for col in ("model", "batch", "measured ms", "predicted ms", "host ms", "error", "peak GiB", "predicted GiB",
-                "error "):
+    probed = all(r.get("time_error_at_probe") is not None for r in rows)
+    for col in ("model", "batch", "measured ms", "predicted ms", "host ms", "error",
+                *(("at probe ms", "error ") if probed else ()), "peak GiB", "predicted GiB", "error  "):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         mem, host = r["measured_peak_gib"], r.get("predicted_host_s")
+        at_probe = (f"{r['predicted_at_probe_s'] * 1e3:.1f}", f"{r['time_error_at_probe']:.0%}") if probed else ()
         table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
-                      "-" if not host else f"{host * 1e3:.1f}",
-                      f"{r['time_error']:.0%}", "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
+                      "-" if not host else f"{host * 1e3:.1f}", f"{r['time_error']:.0%}", *at_probe,
+                      "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
                       "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}")
     console.print(table)
     summary = {"time_mape": statistics.fmean(r["time_error"] for r in rows)}
     mem = [r["memory_error"] for r in rows if r["memory_error"] is not None]
     summary["memory_mape"] = statistics.fmean(mem) if mem else None
+    summary["time_mape_at_probe"] = statistics.fmean(r["time_error_at_probe"] for r in rows) if probed else None
     console.print(f"step time MAPE {summary['time_mape']:.1%} over {len(rows)} cases"
+                  + ("" if not probed else f" ({summary['time_mape_at_probe']:.1%} with the host's dispatch "
+                                           "costs at each step's probe)")
                   + ("" if not mem else f"; peak memory MAPE {summary['memory_mape']:.1%}"))
     return summary
 

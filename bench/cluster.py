@@ -62,6 +62,7 @@ class ComputeProfile:
     path: str
     dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
     optimizer_dispatch_s: float = 0.0
+    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.flops.host_probe)
 
     def rate(self, op_class: str) -> tuple[float, float]:
         """(fixed_s per kernel, FLOP/s) of an op class."""
@@ -72,6 +73,16 @@ class ComputeProfile:
         """Host seconds to queue one kernel of an op class (0 if not measured)."""
         table = dict(self.dispatch)
         return table.get(op_class, table.get("other", 0.0))
+
+    def at_host_probe(self, probe_s: float) -> "ComputeProfile":
+        """The same device behind a host that probes at `probe_s` (bench.flops.host_probe, timed
+        just before a run): every dispatch cost scaled by that over the profile's own probe, the
+        device's times unchanged. Unchanged itself where the profile has no probe or no dispatch."""
+        if not self.host_probe_s or not self.dispatch:
+            return self
+        k = probe_s / self.host_probe_s
+        return replace(self, dispatch=tuple((c, s * k) for c, s in self.dispatch),
+                       optimizer_dispatch_s=self.optimizer_dispatch_s * k, host_probe_s=probe_s)
 
 
 def _read_profile(path: str, where: str, fix: str):
@@ -117,9 +128,12 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
         raise ConfigError(f"{where}={path!r} has no compute.other (the class unmeasured ones fall back to); {fix}")
     opt = data.get("optimizer")
     optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
+    probe = data.get("host_probe_s")
+    if probe is not None and (not isinstance(probe, (int, float)) or probe <= 0):
+        raise ConfigError(f"{where}={path!r}: host_probe_s must be a number > 0 (got {probe!r}); {fix}")
     return ComputeProfile(type_name, classes, optimizer, str(path),
                           tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
-                          0.0 if opt is None else host(opt, "optimizer"))
+                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe))
 
 
 _TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}

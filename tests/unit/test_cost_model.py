@@ -213,11 +213,30 @@ def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path)
         assert balance_ratios(prog, cl)[1] == pytest.approx(expected, rel=1e-6)  # the LP agrees
 
 
+def test_a_host_that_probes_slower_than_the_profiles_queues_kernels_that_much_slower(tmp_path):
+    """bench.calibrate prices each step also at the host's probe just before it: the dispatch
+    costs scale by the probe over the profile's own, the device's times do not."""
+    from bench.calibrate import at_host_probe
+    from bench.cost import host_time, virtual_devices
+
+    compute = {"other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
+    optimizer = {"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5}
+    prog = Program((Stage((), Affine.sharded(2e6), op_class="other", launches=100),), 1)
+    cl = _cluster_with_profile(_profile_file(tmp_path, compute=compute, optimizer=optimizer, host_probe_s=2e-6), 1)
+    slower = at_host_probe(cl, 3e-6)
+    assert host_time(prog, virtual_devices(slower, "gpu")) == pytest.approx(1.5 * (100 * 1e-5 + 3e-5))
+    assert slower.devices[0].type.compute.rate("other") == cl.devices[0].type.compute.rate("other")
+    assert simulate(prog, slower, [[1.0]]).iter_time_s > simulate(prog, cl, [[1.0]]).iter_time_s
+    unprobed = _cluster_with_profile(_profile_file(tmp_path, compute=compute, optimizer=optimizer), 1)
+    assert at_host_probe(unprobed, 3e-6) is unprobed  # a profile without a probe: nothing to scale by
+
+
 @pytest.mark.parametrize("change,message", [
     ({"device_type": "OtherGPU"}, "was measured on device type 'OtherGPU', not 'MyGPU'"),
     ({"compute": {"other": {"fixed_s": 0, "flops_per_s": 1e12, "dispatch_s": "x"}}}, "dispatch_s must be a number"),
     ({"compute": {"matmul": {"fixed_s": 0, "flops_per_s": 1e12}}}, "has no compute.other"),
     ({"compute": {"other": {"fixed_s": -1, "flops_per_s": 1e12}}}, "needs fixed_s >= 0"),
+    ({"host_probe_s": 0}, "host_probe_s must be a number > 0"),
 ])
 def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, change, message):
     from bench.cluster import ConfigError
@@ -276,13 +295,19 @@ def test_a_device_calibration_writes_its_rows_after_every_step(tmp_path, monkeyp
     """A run cut short (a GPU lease ending) leaves a file with the steps it measured."""
     from bench import calibrate
 
-    profile = _profile_file(tmp_path, "T4")  # a T4 profile's shape; the steps run on this CPU
+    # a T4 profile's shape, its host probed; the steps run on this CPU
+    profile = _profile_file(tmp_path, "T4", host_probe_s=1e-6,
+                            compute={"other": {"fixed_s": 2e-5, "flops_per_s": 1e11, "dispatch_s": 1e-5}})
     out = tmp_path / "steps.json"
     args = ["--device", "cpu", "--device-type", "T4", "--profile", profile, "--models", "bert",
             "--batches", "1,2", "--preset", "tiny", "--out", str(out)]
     assert calibrate.main(args) == 0
     done = json.loads(out.read_text())
     assert "partial" not in done and [r["batch"] for r in done["rows"]] == [1, 2] and done["time_mape"] > 0
+    for r in done["rows"]:  # also priced at the host's probe before each step (dispatch costs scaled)
+        assert r["host_probe_s"] > 0 and r["predicted_at_probe_s"] > 0
+        assert r["time_error_at_probe"] == pytest.approx(abs(r["predicted_at_probe_s"] / r["measured_s"] - 1))
+    assert done["time_mape_at_probe"] == pytest.approx(sum(r["time_error_at_probe"] for r in done["rows"]) / 2)
 
     def cut(*_):
         raise KeyboardInterrupt  # the lease ends after the last step, before the summary
