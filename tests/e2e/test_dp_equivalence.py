@@ -23,6 +23,15 @@ def _single_device_step(case):
     return loss.item(), grads, dict(model.named_parameters())
 
 
+def _adam_step(case, grads):
+    """The initial model's parameters after one Adam step on `grads`."""
+    model = case.workload.build(case.seed)
+    for name, p in model.named_parameters():
+        p.grad = torch.as_tensor(np.asarray(grads[name])).clone()
+    torch.optim.Adam(model.parameters(), lr=case.method.lr).step()
+    return dict(model.named_parameters())
+
+
 @pytest.mark.parametrize("method", ["dp_ev", "dp_cp"])
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model, method):
@@ -44,10 +53,17 @@ def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factor
     for name, ref in grads.items():
         np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale,
                                    err_msg=name)
-    for name, ref in params.items():  # after one Adam step
-        if grads[name].abs().max() < 1e-3 * scale:
-            # A gradient that is zero in exact arithmetic (e.g. attention's key bias: softmax
-            # ignores a shift shared by all keys) is float noise, which Adam scales up to +-lr.
-            continue
+    # The ranks' Adam step, on every element: one Adam step of the initial model on the gradients
+    # the ranks reduced gives the parameters they hold.
+    for name, ref in _adam_step(case, got).items():
         np.testing.assert_allclose(results[0]["params"][name], ref.detach().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"{name}: not Adam on the reduced gradient")
+    for name, ref in params.items():  # after one Adam step, against the single device's
+        # Adam's first step moves an element by lr * g / (|g| + eps): near |g| ~ eps (1e-8) fp32
+        # noise in g moves it by up to lr. A gradient at float noise (zero in exact arithmetic, as
+        # attention's key bias, or a single element: 4.5e-8 against 0.14, bert, on an AVX2 host,
+        # moved 1.1e-6) has no defined update; such elements are left out, as the DeepSpeed and
+        # hap equivalence tests leave them out.
+        kept = grads[name].abs().numpy() >= 1e-4 * scale
+        np.testing.assert_allclose(np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept],
                                    rtol=1e-5, atol=1e-6, err_msg=name)
