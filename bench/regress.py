@@ -3,10 +3,14 @@
     python -m bench.regress                 # compute the figures, compare, exit 1 on a regression
     python -m bench.regress --rebaseline    # deliberately write new baselines (commit + versions)
     python -m bench.regress --rebaseline --sessions 3 --note "why"   # measured figures: median of 3
+    python -m bench.regress --rebaseline --no-measured --note "why"  # only the sim figures; the
+                                                                     # measured ones are kept
     python -m bench.regress method=hap      # only hap's figures (model=a,b likewise)
 
 Figures: simulated iteration time of every sim-capable method on every model at paper scale
-(deterministic: tight tolerance), the planner's search effort (deterministic) and wall time (loose),
+(deterministic: tight tolerance), the planner's search effort (deterministic) and wall time over a
+pure-Python yardstick timed in the same process (planner_time_rel, loose: how fast this machine
+runs Python today cancels; the raw seconds failed on a day this VM ran the same code 3x slower),
 and each real-capable method's measured iteration time on an emulated cluster divided by the
 cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
 timed by its own worker, summed over the summed speeds; bench.emulation.pooled_compute_s). What
@@ -25,6 +29,7 @@ It does not decide what is fast; it says what changed since the baseline and by 
 from __future__ import annotations
 
 import argparse
+import heapq
 import io
 import json
 import statistics
@@ -63,7 +68,7 @@ REAL_ROUNDS = 5  # interleaved rounds; each figure is the median over them (3 le
 TOLERANCE = {
     "sim_iter_time_s": ("lower", 0.01),  # deterministic: any real change shows
     "states_expanded": ("lower", 0.10),  # deterministic, but search tweaks move it a little
-    "planner_time_s": ("lower", 2.00),  # wall clock on a shared 2-core machine: only gross slowdowns
+    "planner_time_rel": ("lower", 2.00),  # wall clock over a yardstick, on a shared machine: gross slowdowns
     "iter_over_compute": ("lower", 0.10),  # measured, normalised, median of REAL_ROUNDS rounds
 }
 
@@ -89,13 +94,36 @@ def _compose(*overrides: str):
     return cfg
 
 
+def python_yardstick_s(repeats: int = 5) -> float:
+    """Seconds this process takes for a fixed piece of pure-Python work of the search's kind
+    (small tuples hashed into a dict, floats compared, a heap pushed), the fastest of `repeats`:
+    the unit of planner_time_rel."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        seen: dict = {}
+        heap: list = []
+        top = 0.0
+        for i in range(30_000):
+            key = (i % 997, i & 15)
+            cost = seen.get(key, 0.0) + (i % 7) * 0.5
+            if cost > top:
+                top = cost
+                heapq.heappush(heap, (cost, i))
+            seen[key] = cost
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
-    """Deterministic figures: predicted iteration time, planner effort and time per case."""
+    """Deterministic figures: predicted iteration time and planner effort per case, and the
+    planner's time in units of this process's Python speed, timed just before it planned."""
     out = {}
     for model in models:
         for method in methods_supporting("sim") if methods is None else methods:
             cfg = _compose(*SIM_CASE, f"model={model}", f"method={method}")
             record = new_record(cfg)
+            yardstick = python_yardstick_s()
             try:
                 prepare_case(cfg, record)
             except Exception as exc:  # an unplannable case is a figure too: it has no value
@@ -105,7 +133,7 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
             out[f"sim_iter_time_s:{key}"] = record.predicted_iter_time_s
             if record.plan and "states_expanded" in record.plan:
                 out[f"states_expanded:{key}"] = float(record.plan["states_expanded"])
-                out[f"planner_time_s:{key}"] = record.planner_time_s
+                out[f"planner_time_rel:{key}"] = record.planner_time_s / yardstick
     return out
 
 
@@ -173,7 +201,8 @@ def render(table: Table) -> str:
     return buffer.getvalue()
 
 
-def load_baseline(path: Path = BASELINE_FILE) -> dict:
+def load_baseline(path: Path | None = None) -> dict:
+    path = path or BASELINE_FILE
     if not path.exists():
         raise SystemExit(f"error: no baseline at {path}; create one with "
                          "`python -m bench.regress --rebaseline` and commit it")
@@ -190,13 +219,24 @@ def measured_sessions(sessions: int, slowdown: float = 0.0) -> tuple[dict[str, f
     return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}, runs
 
 
-def write_baseline(figures: dict[str, float], path: Path = BASELINE_FILE, sessions: list | None = None,
-                   note: str | None = None) -> None:
+def kept_measured(base: dict) -> tuple[dict[str, float], list | None, dict]:
+    """A baseline's measured figures, their sessions and where they were measured (its commit
+    and date, or those it kept them from): what `--rebaseline --no-measured` carries over."""
+    figures = {k: v for k, v in base["figures"].items() if k.startswith("iter_over_compute:")}
+    origin = base.get("measured_from") or {"git_sha": base.get("git_sha"), "created": base.get("created")}
+    return figures, base.get("measured_sessions"), origin
+
+
+def write_baseline(figures: dict[str, float], path: Path | None = None, sessions: list | None = None,
+                   note: str | None = None, measured_from: dict | None = None) -> None:
+    path = path or BASELINE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"created": datetime.now(timezone.utc).isoformat(), **fingerprint(),
             "tolerance": TOLERANCE, "figures": figures}
     if sessions is not None:  # the measured figures of each session (figures holds their median)
         body["measured_sessions"] = sessions
+    if measured_from is not None:  # measured figures kept from an earlier baseline: its commit and date
+        body["measured_from"] = measured_from
     if note:
         body["note"] = note
     path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
@@ -206,7 +246,8 @@ def write_baseline(figures: dict[str, float], path: Path = BASELINE_FILE, sessio
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rebaseline", action="store_true", help="write new baselines")
-    parser.add_argument("--no-measured", action="store_true", help="skip the measured figures")
+    parser.add_argument("--no-measured", action="store_true", help="skip the measured figures (with "
+                        "--rebaseline: keep the current baseline's, noting where they were measured)")
     parser.add_argument("--slowdown", type=float, default=0.0,
                         help="demo: stretch every measured iteration by this fraction (e.g. 0.15)")
     parser.add_argument("--sessions", type=int, default=1,
@@ -249,7 +290,11 @@ def main(argv: list[str]) -> int:
         figures.update(measured_figures(args.slowdown, None if methods is None else
                                         [m for m in methods if m in methods_supporting("real")]))
     if args.rebaseline:
-        write_baseline(figures, sessions=sessions, note=args.note)
+        origin = None
+        if args.no_measured:
+            measured, sessions, origin = kept_measured(load_baseline())
+            figures.update(measured)
+        write_baseline(figures, sessions=sessions, note=args.note, measured_from=origin)
         return 0
     base = load_baseline()
     expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
