@@ -27,7 +27,6 @@ import itertools
 import json
 import statistics
 import sys
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -203,14 +202,6 @@ def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper")
                        r.get("host_probe_s")) for r in rows]
 
 
-def at_host_probe(cluster: ClusterSpec, probe_s: float) -> ClusterSpec:
-    """The cluster behind a host that probes at `probe_s`: its own device types' dispatch costs
-    scaled by it (ComputeProfile.at_host_probe); itself where no profile has a probe."""
-    types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t
-                  for t in cluster.inline_types)
-    return cluster if types == cluster.inline_types else replace(cluster, inline_types=types)
-
-
 def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
     """The config and workload of one plain training step of `model` at `batch` samples."""
     cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
@@ -227,7 +218,7 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     plan = _instantiate(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))
-    probed = cluster if host_probe_s is None else at_host_probe(cluster, host_probe_s)
+    probed = cluster if host_probe_s is None else cluster.with_host_probe(host_probe_s)
     at_probe = None if probed is cluster else simulate(plan.program, probed, plan.ratios).iter_time_s
     return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
             "predicted_host_s": host,

@@ -371,6 +371,14 @@ class ClusterSpec:
         """The same cluster with the host worker's measured speed filled in (bench.flops)."""
         return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s)
 
+    def with_host_probe(self, probe_s: float) -> "ClusterSpec":
+        """The same cluster behind a host that probes at `probe_s` (bench.flops.host_probe): its
+        own device types' dispatch costs scaled by it (ComputeProfile.at_host_probe); itself
+        where no profile has a probe."""
+        types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t
+                      for t in self.inline_types)
+        return self if types == self.inline_types else replace(self, inline_types=types)
+
     def fingerprint(self) -> str:
         """Short hash of everything that defines the cluster (not the host measurement).
 

@@ -216,19 +216,18 @@ def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path)
 def test_a_host_that_probes_slower_than_the_profiles_queues_kernels_that_much_slower(tmp_path):
     """bench.calibrate prices each step also at the host's probe just before it: the dispatch
     costs scale by the probe over the profile's own, the device's times do not."""
-    from bench.calibrate import at_host_probe
     from bench.cost import host_time, virtual_devices
 
     compute = {"other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
     optimizer = {"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5}
     prog = Program((Stage((), Affine.sharded(2e6), op_class="other", launches=100),), 1)
     cl = _cluster_with_profile(_profile_file(tmp_path, compute=compute, optimizer=optimizer, host_probe_s=2e-6), 1)
-    slower = at_host_probe(cl, 3e-6)
+    slower = cl.with_host_probe(3e-6)
     assert host_time(prog, virtual_devices(slower, "gpu")) == pytest.approx(1.5 * (100 * 1e-5 + 3e-5))
     assert slower.devices[0].type.compute.rate("other") == cl.devices[0].type.compute.rate("other")
     assert simulate(prog, slower, [[1.0]]).iter_time_s > simulate(prog, cl, [[1.0]]).iter_time_s
     unprobed = _cluster_with_profile(_profile_file(tmp_path, compute=compute, optimizer=optimizer), 1)
-    assert at_host_probe(unprobed, 3e-6) is unprobed  # a profile without a probe: nothing to scale by
+    assert unprobed.with_host_probe(3e-6) is unprobed  # a profile without a probe: nothing to scale by
 
 
 @pytest.mark.parametrize("change,message", [
