@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from bench import regress
+from bench.emulation import pooled_compute_s
 
 pytestmark = pytest.mark.e2e
 
@@ -67,8 +68,10 @@ def _rounds(name: str) -> dict[str, list[float]]:
     body = _body(name)
     out: dict[str, list[float]] = {}
     for row in (r for session in body["sessions"] for r in session):
-        refs = [(r["reference_s"], r["speed"]) for r in row["ranks"]]
-        pooled = sum(sum(ref) if isinstance(ref, list) else ref for ref, _ in refs) / sum(s for _, s in refs)
+        # one file keeps each rank's reference per interval, the other summed
+        pooled = pooled_compute_s({"ranks": [
+            {"reference_s_per_iter": sum(r["reference_s"]) if isinstance(r["reference_s"], list) else r["reference_s"],
+             "speed": r["speed"]} for r in row["ranks"]]})
         out.setdefault(f"iter_over_compute:bert-tiny/local_hetero2/{row['method']}", []).append(row["iter_s"] / pooled)
     return out
 
