@@ -40,10 +40,19 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     2-core VM fell within 0.997-1.000 (README, "How emulation works"); the band is the 5% a row
     is flagged at (DILATION_TOLERANCE), not the measured spread, so that a loaded CI machine
     (where the speed-1 rank may miss its target) does not fail it; 0.94-1.11 is what per-case
-    references gave before."""
+    references gave before.
+
+    At headroom 0.4, not the runner's 0.6: a speed-1 run then has 2.5x slack for a slowed-down
+    host, not 1.67x. A core of this VM sometimes runs 1.6-1.9x slow for a tenth of a second or
+    more, and one suite run read 0.909 at speed 0.25. With both cores taken for 0.15 s about once
+    a second (a burner process per core), 18 runs at 0.6 gave 54 values over 0.963-1.071 (3
+    outside 5%: a stretch the speed-1 neighbour could not absorb, and its debt repaid in the
+    iterations after it, so its median moved either way); 10 runs at 0.4 gave 30 within
+    0.997-1.000. The pacing under test is the same at any headroom; rows whose ranks miss their
+    target say so (EmulationSettings, the row's emulation.ok)."""
     from bench.dilation import SPEEDS, measure
 
-    achieved = measure(SPEEDS)
+    achieved = measure(SPEEDS, ("emulation.headroom=0.4",))
     assert set(achieved) == set(SPEEDS)
     for speed, value in achieved.items():
         assert value == pytest.approx(1.0, abs=DILATION_TOLERANCE), (speed, achieved)
