@@ -1,7 +1,8 @@
 """CI's throughput regression check: today's figures against results/baselines/regression.json.
 
-Fails with the table (figure, baseline, new, change, rounds past, baseline commit) when a figure got worse than
-its tolerance. Re-baselining is deliberate: `python -m bench.regress --rebaseline`, then commit.
+Fails with the table (figure, baseline, new, change, rounds past, baseline commit) when a figure
+got worse than its tolerance. Re-baselining is deliberate: `python -m bench.regress --rebaseline`,
+then commit.
 """
 
 import json
