@@ -142,17 +142,23 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     took 6.6 ms in one run of local_hetero4 and 8.4-8.9 ms in the next, all four ranks alike)
     and four ranks on two cores slow each other; a probe in the parent, minutes earlier, sees
     neither. bench.run prices the run's prediction with it (`predict_at_run_speed`); it is
-    a plain model's step, never the method's own program."""
+    a plain model's step, never the method's own program.
+
+    The batch sizes take turns, one step each, so that a slow stretch of the host (on this VM
+    a core ran 1.6-1.9x slow for ~150 ms at a time) hits them alike: timed one size after the
+    other, one CI run read tiny BERT at 5 samples as slow as at 11 (18.6 ms both, where 10.5 and
+    17 are usual), and 180 yardsticks taken two at once read t(11)/t(5) over 1.03-2.12; taking
+    turns, 1.46-1.78 (median 1.61 both ways)."""
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
-    out = {"batch": [], "seconds": []}
+    inputs = [workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed)) for n in batches]
+    times: list[list[float]] = [[] for _ in batches]
     with emulated_device():
-        for n in batches:
-            batch = workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed))
-            times = [_thread_timed_step(model, optimizer, batch) for _ in range(repeats + 2)]
-            out["batch"].append(n)
-            out["seconds"].append(min(times[2:]))  # the first two allocate
-    return out
+        for _ in range(repeats + 2):
+            for batch, timed in zip(inputs, times):
+                timed.append(_thread_timed_step(model, optimizer, batch))
+    # the first two steps at each size allocate
+    return {"batch": list(batches), "seconds": [min(timed[2:]) for timed in times]}
 
 
 def _thread_timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> float:

@@ -124,3 +124,37 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
     assert clock.sleeps == [0.003] * 3
     assert probe["warm_s"] == pytest.approx(0.005) and probe["cold_s"] == pytest.approx(0.006)
     assert probe["penalty"] == pytest.approx(1.2)
+
+
+def test_the_yardstick_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch):
+    """The host runs 1.8x slow for the first 13 steps the yardstick takes: all of one size's
+    steps, were the sizes timed one after the other. Taking turns, each size still has fast
+    steps, and the fastest of each is the host's own speed."""
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    class Config:
+        def synthetic_batch(self, n, generator):
+            return (torch.zeros(n),)
+
+    class Workload:
+        model_cfg = Config()
+
+        def build(self, seed):
+            return Model()
+
+    calls = []
+
+    def step(model, optimizer, batch):
+        calls.append(len(batch[0]))
+        seconds = 0.003 + 0.002 * len(batch[0])  # 3 ms per step, 2 ms per sample
+        return seconds * (1.8 if len(calls) <= 13 else 1.0)
+
+    monkeypatch.setattr(flops, "_thread_timed_step", step)
+    out = flops.yardstick(Workload(), (5, 11), seed=0, repeats=9)
+    assert calls == [5, 11] * 11
+    assert out == {"batch": [5, 11], "seconds": [pytest.approx(0.013), pytest.approx(0.025)]}
