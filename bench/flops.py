@@ -52,8 +52,9 @@ _host_speed_cache: dict[tuple, tuple[float, float]] = {}
 REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check is this close
 # How the probe computes; a speed cached by an earlier way of probing is measured again
 # (2: bench.hostcpu's steady allocator and flushed denormals, as the workers compute;
-# 3: split_step's floor on the per-sample part lowered to MIN_PER_SAMPLE_SHARE).
-PROBE_VERSION = 3
+# 3: split_step's floor on the per-sample part lowered to MIN_PER_SAMPLE_SHARE;
+# 4: the two batch sizes take turns, reference_steps_s).
+PROBE_VERSION = 4
 MIN_PER_SAMPLE_SHARE = 0.1  # the least part of a step split_step attributes to its samples
 
 
@@ -102,7 +103,7 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
             <= REVALIDATE_TOLERANCE:
         _host_speed_cache[key] = (cached["flops_per_s"], cached["step_overhead_s"])
         return _host_speed_cache[key]
-    t1, t2 = (reference_step_s(workload, n, seed, repeats) for n in (b, 2 * b))
+    t1, t2 = reference_steps_s(workload, (b, 2 * b), seed, repeats)
     _host_speed_cache[key] = split_step(workload, (b, 2 * b), (t1, t2))
     if use_disk_cache:
         write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
@@ -149,25 +150,34 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     other, one CI run read tiny BERT at 5 samples as slow as at 11 (18.6 ms both, where 10.5 and
     17 are usual), and 180 yardsticks taken two at once read t(11)/t(5) over 1.03-2.12; taking
     turns, 1.46-1.78 (median 1.61 both ways)."""
+    times = _turns(workload, batches, seed, repeats, time.thread_time)
+    return {"batch": list(batches), "seconds": [min(timed) for timed in times]}
+
+
+def _turns(workload: Workload, batches: Sequence[int], seed: int, repeats: int, clock) -> list[list[float]]:
+    """Seconds by `clock` of `repeats` plain training steps (forward, backward, Adam) at each of
+    `batches` samples, one model, the sizes taking turns one step each, so that a slow stretch
+    of the host hits every size alike; the first two rounds (they allocate) are dropped."""
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     inputs = [workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed)) for n in batches]
     times: list[list[float]] = [[] for _ in batches]
     with emulated_device():
-        for _ in range(repeats + 2):
+        for i in range(repeats + 2):
             for batch, timed in zip(inputs, times):
-                timed.append(_thread_timed_step(model, optimizer, batch))
-    # the first two steps at each size allocate
-    return {"batch": list(batches), "seconds": [min(timed[2:]) for timed in times]}
+                seconds = _timed_step(model, optimizer, batch, clock)
+                if i >= 2:
+                    timed.append(seconds)
+    return times
 
 
-def _thread_timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> float:
-    """One plain training step (forward, backward, Adam), in this thread's CPU seconds."""
-    start = time.thread_time()
+def _timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, clock) -> float:
+    """One plain training step (forward, backward, Adam), in seconds of `clock`."""
+    start = clock()
     optimizer.zero_grad(set_to_none=True)
     model(*batch).backward()
     optimizer.step()
-    return time.thread_time() - start
+    return clock() - start
 
 
 @torch.random.fork_rng(devices=[])
@@ -186,11 +196,11 @@ def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, rep
     cold, warm = [], []
     with emulated_device():
         for _ in range(2):  # the first steps allocate
-            _thread_timed_step(model, optimizer, inputs)
+            _timed_step(model, optimizer, inputs, time.thread_time)
         for _ in range(repeats):
             time.sleep(pause_s)
-            cold.append(_thread_timed_step(model, optimizer, inputs))
-            warm.append(_thread_timed_step(model, optimizer, inputs))
+            cold.append(_timed_step(model, optimizer, inputs, time.thread_time))
+            warm.append(_timed_step(model, optimizer, inputs, time.thread_time))
     return {"pause_s": pause_s, "warm_s": min(warm), "cold_s": min(cold), "penalty": min(cold) / min(warm)}
 
 
@@ -224,12 +234,16 @@ def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: in
     """Median time of one plain training step (forward, backward, Adam) on one thread, measured
     now: a yardstick that no part of the harness (workers, emulator, methods) touches. It
     computes as a worker does (bench.hostcpu: one thread, denormals flushed, a steady malloc)."""
-    with emulated_device():
-        return _median_step_time(workload, max(batch_size, 1), seed, repeats)
+    return reference_steps_s(workload, (max(batch_size, 1),), seed, repeats)[0]
 
 
-def _median_step_time(workload: Workload, batch_size: int, seed: int, repeats: int) -> float:
-    return device_step(workload, batch_size, seed, "cpu", repeats)[0]
+def reference_steps_s(workload: Workload, batches: Sequence[int], seed: int, repeats: int = 21) -> list[float]:
+    """reference_step_s at each of `batches` samples, the sizes taking turns (_turns). Timed
+    one size after the other, a slow stretch of this VM could fall on one size alone: tiny BERT
+    at 8 and 16 samples, 100 probes taken two at once, read t(16)/t(8) over 1.06-2.46 that way
+    (so 0.15-2.88 ms per sample), 1.47-1.85 taking turns (1.03-1.83 ms; medians 1.62, 1.21
+    both ways); and a probe's split is cached for every later run on the host."""
+    return [statistics.median(timed) for timed in _turns(workload, batches, seed, repeats, time.perf_counter)]
 
 
 def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:

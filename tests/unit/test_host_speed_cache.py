@@ -11,16 +11,16 @@ class _Workload:
 
 @pytest.fixture
 def timings(monkeypatch, tmp_path):
-    """reference_step_s answers from a table the test sets: {batch: seconds}, and counts calls."""
+    """reference_steps_s answers from a table the test sets: {batch: seconds}, and counts calls."""
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(flops, "_host_speed_cache", {})
     table, calls = {4: 0.010, 8: 0.018}, []
 
-    def fake(workload, batch, seed, repeats=21):
-        calls.append((batch, repeats))
-        return table[batch]
+    def fake(workload, batches, seed, repeats=21):
+        calls.append((tuple(batches), repeats))
+        return [table[b] for b in batches]
 
-    monkeypatch.setattr(flops, "reference_step_s", fake)
+    monkeypatch.setattr(flops, "reference_steps_s", fake)
     return table, calls
 
 
@@ -28,11 +28,12 @@ def test_a_new_process_reuses_the_cached_speed_after_a_quick_check(timings, monk
     table, calls = timings
     first = flops.measure_host_speed(_Workload(), 4, 0)
     assert first == pytest.approx((1e9 / 0.002, 0.002))  # 2 ms per sample, 2 ms per step
+    assert calls == [((4, 8), 21)]  # both sizes in one probe: they take turns
     monkeypatch.setattr(flops, "_host_speed_cache", {})  # a new process
     table[4] = 0.0105  # 5% off: within the tolerance
     calls.clear()
     assert flops.measure_host_speed(_Workload(), 4, 0) == first
-    assert calls == [(4, 7)]  # the quick check only
+    assert calls == [((4,), 7)]  # the quick check only
 
 
 def test_a_host_that_changed_is_measured_again(timings, monkeypatch):
@@ -126,10 +127,14 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
     assert probe["penalty"] == pytest.approx(1.2)
 
 
-def test_the_yardstick_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch):
-    """The host runs 1.8x slow for the first 13 steps the yardstick takes: all of one size's
-    steps, were the sizes timed one after the other. Taking turns, each size still has fast
-    steps, and the fastest of each is the host's own speed."""
+@pytest.mark.parametrize("measure, repeats, slow", [
+    (lambda w, r: flops.yardstick(w, (5, 11), 0, r)["seconds"], 9, 13),  # the fastest step of each size
+    (lambda w, r: flops.reference_steps_s(w, (5, 11), 0, r), 21, 17),  # the parent's probe: the median
+])
+def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, measure, repeats, slow):
+    """The host runs 1.8x slow for the first `slow` steps timed: past what the estimate of the
+    first size can absorb, were the sizes timed one after the other. Taking turns, both sizes
+    keep enough steps at the host's own speed."""
     import torch
 
     class Model(torch.nn.Module):
@@ -149,12 +154,11 @@ def test_the_yardstick_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch)
 
     calls = []
 
-    def step(model, optimizer, batch):
+    def step(model, optimizer, batch, clock):
         calls.append(len(batch[0]))
         seconds = 0.003 + 0.002 * len(batch[0])  # 3 ms per step, 2 ms per sample
-        return seconds * (1.8 if len(calls) <= 13 else 1.0)
+        return seconds * (1.8 if len(calls) <= slow else 1.0)
 
-    monkeypatch.setattr(flops, "_thread_timed_step", step)
-    out = flops.yardstick(Workload(), (5, 11), seed=0, repeats=9)
-    assert calls == [5, 11] * 11
-    assert out == {"batch": [5, 11], "seconds": [pytest.approx(0.013), pytest.approx(0.025)]}
+    monkeypatch.setattr(flops, "_timed_step", step)
+    assert measure(Workload(), repeats) == [pytest.approx(0.013), pytest.approx(0.025)]
+    assert calls == [5, 11] * (repeats + 2)
