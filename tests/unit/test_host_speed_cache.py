@@ -1,12 +1,31 @@
 """The host speed is measured once per host and workload, cached on disk and re-validated."""
 
 import pytest
+import torch
 
 from bench import flops
 
 
 class _Workload:
     name, model_cfg, flops_per_sample = "toy", "ToyConfig()", 1e9
+
+
+class _Ones:
+    def synthetic_batch(self, n, generator):
+        return (torch.ones(n),)
+
+
+class _Built:
+    """A workload that builds `model()` (seeded) and feeds it `n` ones for a batch of n."""
+
+    model_cfg = _Ones()
+
+    def __init__(self, model):
+        self.model = model
+
+    def build(self, seed):
+        torch.manual_seed(seed)
+        return self.model()
 
 
 @pytest.fixture
@@ -80,7 +99,6 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
     """Each cold step (after sleeping the pause) is followed at once by a warm one, so a drift of
     the host hits both kinds alike; the fastest of each kind are compared, and the caller's
     random state is left alone."""
-    import torch
 
     class Clock:
         cpu, cold, sleeps = 0.0, False, []
@@ -105,21 +123,10 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
             clock.cold = False
             return (self.w * x).sum()
 
-    class Cfg:
-        def synthetic_batch(self, n, generator):
-            return (torch.ones(n),)
-
-    class Workload:
-        model_cfg = Cfg()
-
-        def build(self, seed):
-            torch.manual_seed(seed)
-            return Model()
-
     monkeypatch.setattr(flops, "time", clock)
     torch.manual_seed(7)
     before = torch.get_rng_state()
-    probe = flops.pause_penalty(Workload(), 4, 0, pause_s=0.003, repeats=3)
+    probe = flops.pause_penalty(_Built(Model), 4, 0, pause_s=0.003, repeats=3)
     # It runs between training iterations: the random state training draws from is as it was.
     assert torch.equal(torch.get_rng_state(), before)
     assert clock.sleeps == [0.003] * 3
@@ -135,23 +142,6 @@ def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, mea
     """The host runs 1.8x slow for the first `slow` steps timed: past what the estimate of the
     first size can absorb, were the sizes timed one after the other. Taking turns, both sizes
     keep enough steps at the host's own speed."""
-    import torch
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-    class Config:
-        def synthetic_batch(self, n, generator):
-            return (torch.zeros(n),)
-
-    class Workload:
-        model_cfg = Config()
-
-        def build(self, seed):
-            return Model()
-
     calls = []
 
     def step(model, optimizer, batch, clock):
@@ -160,5 +150,5 @@ def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, mea
         return seconds * (1.8 if len(calls) <= slow else 1.0)
 
     monkeypatch.setattr(flops, "_timed_step", step)
-    assert measure(Workload(), repeats) == [pytest.approx(0.013), pytest.approx(0.025)]
+    assert measure(_Built(lambda: torch.nn.Linear(1, 1)), repeats) == [pytest.approx(0.013), pytest.approx(0.025)]
     assert calls == [5, 11] * (repeats + 2)
