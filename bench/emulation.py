@@ -358,6 +358,7 @@ class ArrivalBoard:
     k (a rank on another host, or one SLOTS collectives ahead) makes the arrival unknown."""
 
     GROUPS, SLOTS = 64, 256
+    ENV = "HETBENCH_ARRIVAL_BOARD"  # bench.launch names its workers' board here
 
     def __init__(self, table: np.ndarray):
         self._table = table
@@ -374,9 +375,11 @@ class ArrivalBoard:
     def open(cls, world_size: int) -> "ArrivalBoard":
         """The run's board, created by whichever rank comes first; unlinked at a rank's exit
         (mappings stay valid) and by the launcher once its workers are gone (bench.launch: a
-        killed worker runs no exit handler). A process that runs several cases keeps its board
-        and its counts (bench.dilation, tests)."""
-        path = cls.path(os.getppid(), os.environ.get("MASTER_PORT", "0"))
+        killed or forked worker runs no exit handler). A process that runs several cases keeps
+        its board and its counts (bench.dilation, tests). bench.launch names the board (its
+        forked workers' parent is a server, not the launcher); elsewhere the ranks' parent and
+        MASTER_PORT do (torchrun)."""
+        path = Path(os.environ.get(cls.ENV) or cls.path(os.getppid(), os.environ.get("MASTER_PORT", "0")))
         shape = (world_size, cls.GROUPS, cls.SLOTS, 2)
         if (path, shape) in _boards:
             return _boards[path, shape]

@@ -4,12 +4,23 @@ A failing worker ends the whole case: the others are terminated (then killed), i
 raised as WorkerError (WorkerOutOfMemory when it ran out of memory). An emulated cluster on a GPU
 runs inside a private MPS daemon (bench.mps), each worker with its SM share. Across hosts use
 torchrun instead (see README); this is not a launcher for many machines.
+
+Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
+has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
+case's method and model, once per launcher and with GPUs hidden. On the 2-core dev VM a spawned
+worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
+one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
+forked children. A forked worker takes the launcher's environment and working directory as they
+are when the case starts, as a spawned one would; only what torch reads at import comes from
+the server's start. Workers that compute on a GPU are spawned, as before (CUDA must not be
+initialised in a process that forks; a server for them has not been tried on a GPU host).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.forkserver
 import os
 import queue
 import signal
@@ -28,6 +39,8 @@ from bench.emulation import ArrivalBoard
 from bench.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
+# The process that imported this module first; in a worker forked from the server, the server.
+_IMPORTED_BY = os.getpid()
 
 
 class WorkerError(RuntimeError):
@@ -68,13 +81,29 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _entry(rank: int, world_size: int, port: int, case: Case, messages, parent: int,
-           env: dict[str, str]) -> None:
+def _release_server() -> None:
+    """The server exits when the last copy of its launcher's end of a pipe closes, and
+    multiprocessing hands each forked worker a copy (for workers that fork their own); a worker
+    that keeps it, its launcher killed, keeps the server and so itself alive. Closed, the
+    server goes with the launcher, and the worker with the server (PR_SET_PDEATHSIG)."""
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, forked: bool,
+           env: dict[str, str], cwd: str) -> None:
     # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
-    assert not (env and torch.cuda.is_initialized()), "CUDA initialised before the rank's environment"
+    assert not torch.cuda.is_initialized(), "CUDA initialised before the rank's environment"
+    os.environ.clear()
     os.environ.update(env)
-    _die_with_parent(parent)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    # A forked worker's parent is the server, which exits when the launcher does.
+    _die_with_parent(_IMPORTED_BY if forked else launcher)
+    if forked:
+        _release_server()
     try:
         report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
         result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
@@ -107,14 +136,45 @@ def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] |
     return [dict(CPU_ONLY_ENV) if cluster.device == "cpu" else {} for _ in range(world_size)]
 
 
+def _context(case: Case):
+    """Fork CPU workers from a server that has imported what they run (see the module's
+    docstring); spawn the rest. The server starts with the first case that needs it and lives as
+    long as this process: later cases' own modules are imported by each worker."""
+    if case.cluster.device != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "torch._dynamo", type(case.method).__module__,
+                                type(case.workload.model_cfg).__module__])
+    with _environment(CPU_ONLY_ENV):  # the server inherits it: it never sees a GPU
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _run_workers(case: Case, world_size: int, timeout_s: float,
                  on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(case)
+    forked = ctx.get_start_method() == "forkserver"
     messages = ctx.Queue()
     port = _free_port()
+    board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, case, messages, os.getpid(), envs[r]),
-                    daemon=True)
+        ctx.Process(target=_entry, daemon=True,
+                    args=(r, world_size, case, messages, os.getpid(), forked, {**common, **envs[r]}, os.getcwd()))
         for r in range(world_size)
     ]
     for p in procs:
@@ -154,7 +214,7 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)
-        ArrivalBoard.path(os.getpid(), port).unlink(missing_ok=True)  # the workers' link board
+        board.unlink(missing_ok=True)
         messages.close()
         messages.join_thread()
 
