@@ -347,6 +347,8 @@ class Emulator:
             if dist.get_world_size() > 1:
                 self._board = ArrivalBoard.open(dist.get_world_size())
             self._loopback = _measure_loopback()  # its collectives: every rank has the board after
+            if self._board is not None:
+                self._board.unlink()  # mapped by every rank: no file is left, however the run ends
             _install_wrappers(self)
 
 
@@ -360,9 +362,15 @@ class ArrivalBoard:
     GROUPS, SLOTS = 64, 256
     ENV = "HETBENCH_ARRIVAL_BOARD"  # bench.launch names its workers' board here
 
-    def __init__(self, table: np.ndarray):
+    def __init__(self, table: np.ndarray, path: Path | None = None):
         self._table = table
+        self._path = path
         self._count: dict[str, int] = {}
+
+    def unlink(self) -> None:
+        """Remove the board's file once every rank has mapped it (the mappings stay valid)."""
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
 
     @staticmethod
     def path(launcher_pid: int, port: int | str) -> Path:
@@ -373,12 +381,12 @@ class ArrivalBoard:
 
     @classmethod
     def open(cls, world_size: int) -> "ArrivalBoard":
-        """The run's board, created by whichever rank comes first; unlinked at a rank's exit
-        (mappings stay valid) and by the launcher once its workers are gone (bench.launch: a
-        killed or forked worker runs no exit handler). A process that runs several cases keeps
-        its board and its counts (bench.dilation, tests). bench.launch names the board (its
-        forked workers' parent is a server, not the launcher); elsewhere the ranks' parent and
-        MASTER_PORT do (torchrun)."""
+        """The run's board, created by whichever rank comes first. Unlinked once every rank
+        has mapped it (Emulator.install); before that, at a rank's exit and by the launcher once
+        its workers are gone (bench.launch: a killed or forked worker runs no exit handler). A
+        process that runs several cases keeps its board and its counts (bench.dilation, tests).
+        bench.launch names the board (its forked workers' parent is a server, not the
+        launcher); elsewhere the ranks' parent and MASTER_PORT do (torchrun)."""
         path = Path(os.environ.get(cls.ENV) or cls.path(os.getppid(), os.environ.get("MASTER_PORT", "0")))
         shape = (world_size, cls.GROUPS, cls.SLOTS, 2)
         if (path, shape) in _boards:
@@ -390,7 +398,7 @@ class ArrivalBoard:
                 os.ftruncate(fd, size)  # zeros: no collective is numbered 0
         finally:
             os.close(fd)
-        board = _boards[path, shape] = cls(np.memmap(path, dtype=np.float64, mode="r+", shape=shape))
+        board = _boards[path, shape] = cls(np.memmap(path, dtype=np.float64, mode="r+", shape=shape), path)
         atexit.register(path.unlink, missing_ok=True)
         return board
 

@@ -405,12 +405,13 @@ def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO
         import torch.distributed as dist
 
         from bench import hostcpu
-        from bench.emulation import Emulator
+        from bench.emulation import ArrivalBoard, Emulator
 
         hostcpu.pin_to_core(rank)  # as the workers are
-        # MASTER_PORT names the emulator's arrival board (bench.emulation.ArrivalBoard.path).
+        # The emulator's arrival board goes in the probe's folder, removed with it: the probe
+        # ends in os._exit, which runs no exit handler.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_PORT=os.path.basename(os.path.dirname(store)))
+                          **{ArrivalBoard.ENV: os.path.join(os.path.dirname(store), "arrivals")})
         dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
         warnings.filterwarnings("ignore", category=FutureWarning)
         with emulated_device():
