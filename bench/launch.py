@@ -93,13 +93,14 @@ def _release_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, forked: bool,
+def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
            env: dict[str, str], cwd: str) -> None:
     # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
     assert not torch.cuda.is_initialized(), "CUDA initialised before the rank's environment"
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    forked = _IMPORTED_BY != os.getpid()  # a spawned worker imported this module itself
     # A forked worker's parent is the server, which exits when the launcher does.
     _die_with_parent(_IMPORTED_BY if forked else launcher)
     if forked:
@@ -145,36 +146,26 @@ def _context(case: Case):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "torch._dynamo", type(case.method).__module__,
                                 type(case.workload.model_cfg).__module__])
-    with _environment(CPU_ONLY_ENV):  # the server inherits it: it never sees a GPU
-        multiprocessing.forkserver.ensure_running()
-    return ctx
-
-
-@contextlib.contextmanager
-def _environment(extra: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    saved = dict(os.environ)
+    os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:
-        yield
+        multiprocessing.forkserver.ensure_running()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
+    return ctx
 
 
 def _run_workers(case: Case, world_size: int, timeout_s: float,
                  on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
     ctx = _context(case)
-    forked = ctx.get_start_method() == "forkserver"
     messages = ctx.Queue()
     port = _free_port()
     board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
     common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
     procs = [
         ctx.Process(target=_entry, daemon=True,
-                    args=(r, world_size, case, messages, os.getpid(), forked, {**common, **envs[r]}, os.getcwd()))
+                    args=(r, world_size, case, messages, os.getpid(), {**common, **envs[r]}, os.getcwd()))
         for r in range(world_size)
     ]
     for p in procs:
