@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import multiprocessing.forkserver
 import os
 import queue
@@ -100,6 +101,9 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A worker that dies in native code (an abort, a segfault) prints where each of its Python
+    # threads was to its stderr, the launcher's: the row can only say which signal ended it.
+    faulthandler.enable(all_threads=True)
     forked = _IMPORTED_BY != os.getpid()  # a spawned worker imported this module itself
     # A forked worker's parent is the server, which exits when the launcher does.
     _die_with_parent(_IMPORTED_BY if forked else launcher)
@@ -184,9 +188,7 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
                     try:
                         kind, rank, payload = messages.get(timeout=1.0)
                     except queue.Empty:
-                        r, code = dead[0]
-                        raise WorkerError(r, f"exited with code {code} and no traceback "
-                                             "(killed, e.g. out of memory?)") from None
+                        raise WorkerError(dead[0][0], _silent_exit(dead[0][1])) from None
                 elif time.monotonic() > deadline:
                     raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
                 else:
@@ -199,7 +201,7 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
             elif kind == "oom":
                 raise WorkerOutOfMemory(rank, payload["detail"], payload["peak_mem_gib"])
             else:
-                raise WorkerError(rank, payload)
+                raise _first_cause(procs, WorkerError(rank, payload))
         for p in procs:
             p.join(timeout=10)
         return [results[r] for r in range(world_size)]
@@ -208,6 +210,33 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
         board.unlink(missing_ok=True)
         messages.close()
         messages.join_thread()
+
+
+def _first_cause(procs, error: WorkerError) -> WorkerError:
+    """The failure to report for `error`: a worker killed by a signal sends nothing, and its
+    peers' collectives then break, so the first traceback to arrive may be a consequence.
+    Waits a second for such a death before taking `error` as the cause."""
+    end = time.monotonic() + 1.0
+    while True:
+        killed = [(r, p.exitcode) for r, p in enumerate(procs) if (p.exitcode or 0) < 0]
+        if killed:
+            rank, code = killed[0]
+            then = (error.detail.strip().splitlines() or [""])[-1]
+            return WorkerError(rank, f"{_silent_exit(code)}\n(after it, rank {error.rank} failed: {then})")
+        if time.monotonic() > end:
+            return error
+        time.sleep(0.05)
+
+
+def _silent_exit(code: int) -> str:
+    """What the exit code of a worker that sent no traceback says about its end."""
+    if code >= 0:
+        return f"exited with code {code} and no traceback"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    if -code == signal.SIGKILL:
+        return f"killed by {name} (by the kernel when out of memory, or by someone)"
+    return (f"killed by {name}, in native code or from outside; where its Python threads were is "
+            "in the log, after 'Fatal Python error'")
 
 
 def _stop(procs) -> None:

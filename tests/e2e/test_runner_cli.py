@@ -1,6 +1,7 @@
 """The runner and the main job as a user runs them: subprocesses, rows on disk, exit codes."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +77,37 @@ def test_a_failing_worker_ends_its_case_fast_and_the_sweep_goes_on(tmp_path):
     assert elapsed < 90, f"the sweep took {elapsed:.0f} s: the failing case was not ended fast"
     time.sleep(0.5)
     assert _processes_with(tag) == [], "worker processes outlived their case"
+
+
+def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its_stack(tmp_path):
+    tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"
+    cmd = [sys.executable, "-m", "bench.run", "wandb.mode=disabled", "measured_iters=100000",
+           f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **dict([tag.split("=", 1)])},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the workers: tagged processes that the runner did not start itself (the server did),
+    # once each has installed its handler for fatal signals
+    workers = lambda: [p for p in _processes_with(tag) if _status(p, "PPid") not in (proc.pid, None)]
+    ready = lambda: [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
+    deadline = time.monotonic() + 90
+    while len(ready()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(ready()[-1], signal.SIGABRT)  # as a C++ exception escaping a destructor ends it
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    (row,) = rows(tmp_path)
+    assert row["status"] == "failed" and "killed by SIGABRT" in row["error"], row["error"]
+    assert "Fatal Python error: Aborted" in stderr and "most recent call first" in stderr
+
+
+def _status(pid, field):
+    """A field of /proc/<pid>/status (PPid as an int), None once the process is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    value = next(line.split()[1] for line in lines if line.startswith(f"{field}:"))
+    return int(value) if field == "PPid" else value
 
 
 def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(tmp_path):
