@@ -78,12 +78,14 @@ def devices_per_node(task: NodeTask, cluster: ClusterSpec) -> list[int]:
     return machines
 
 
-def torchrun_command(task: NodeTask, nproc: int, overrides: list[str]) -> list[str]:
-    """This task's torchrun, running `python -m bench.run <overrides>` on `nproc` workers."""
+def torchrun_command(task: NodeTask, nproc: int, overrides: list[str], log_dir: Path) -> list[str]:
+    """This task's torchrun, running `python -m bench.run <overrides>` on `nproc` workers and
+    keeping what it logs per attempt and rank under `log_dir` (by default, a new folder in /tmp
+    on every run)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={task.num_tasks}",
             f"--node-rank={task.rank}", f"--nproc-per-node={nproc}",
             f"--master-addr={task.master_addr}", f"--master-port={task.master_port}",
-            "-m", "bench.run", *overrides]
+            f"--log-dir={log_dir}", "-m", "bench.run", *overrides]
 
 
 def run_torchrun(command: list[str], run_id: str, timeout_s: float) -> int | None:

@@ -570,7 +570,8 @@ def _run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir) / f"node{task.rank}"
     overrides = [*hydra_cfg.overrides.task, f"hydra.run.dir={run_dir}"]
-    code = run_torchrun(torchrun_command(task, nproc, overrides), record.run_id, cfg.timeout_s)
+    code = run_torchrun(torchrun_command(task, nproc, overrides, run_dir / "torchrun"), record.run_id,
+                        cfg.timeout_s)
     if task.rank != 0:
         return
     if any(row.get("run_id") == record.run_id for row in load_records(results_file(cfg))):

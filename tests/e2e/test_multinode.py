@@ -34,7 +34,9 @@ def test_one_case_runs_across_two_nodes_each_with_its_torchrun(tmp_path):
     assert row["status"] == "ok" and row["num_devices"] == 2 and row["batch_shares"] == [11, 5]
     assert len(row["peak_mem_gib"]) == 2 and len(row["iter_times_s"]) == 2
     # each task started its own torchrun (the runner it started put its Hydra dir here)
-    assert sorted(p.name for p in (tmp_path / "sweep" / "0").glob("node*")) == ["node0", "node1"]
+    nodes = sorted((tmp_path / "sweep" / "0").glob("node*"))
+    assert [p.name for p in nodes] == ["node0", "node1"]
+    assert all((p / "torchrun").is_dir() for p in nodes)  # its logs, not a new folder in /tmp
 
 
 def test_a_job_whose_tasks_do_not_match_the_machines_fails_with_the_setting_to_change(tmp_path):

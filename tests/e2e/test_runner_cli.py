@@ -174,7 +174,8 @@ def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
 
 def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "bench.run", "method=dp_cp",
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'torchrun'}",
+           "-m", "bench.run", "method=dp_cp",
            "wandb.mode=disabled", *QUICK, f"results_dir={tmp_path}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -40,9 +42,10 @@ def test_tasks_must_match_machines_and_gpu_nodes_take_one_task_each(cfg_factory)
 
 def test_every_task_builds_the_same_rendezvous_with_its_own_node_rank():
     first, third = _task(rank=0), _task(rank=2)
-    cmd = torchrun_command(third, 8, ["method=hap", "cluster=paper_hetero"])
+    cmd = torchrun_command(third, 8, ["method=hap", "cluster=paper_hetero"], Path("job/node2/torchrun"))
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert {"--nnodes=8", "--node-rank=2", "--nproc-per-node=8", "--master-addr=gpu00"} <= set(cmd)
+    assert {"--nnodes=8", "--node-rank=2", "--nproc-per-node=8", "--master-addr=gpu00",
+            "--log-dir=job/node2/torchrun"} <= set(cmd)
     assert first.master_port == third.master_port and 15000 <= first.master_port < 30000
     assert cmd[-4:] == ["-m", "bench.run", "method=hap", "cluster=paper_hetero"]
     assert _task(local=True).master_addr == "127.0.0.1"
