@@ -91,12 +91,16 @@ def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its
     # once each has installed its handler for fatal signals
     workers = lambda: [p for p in _processes_with(tag) if _status(p, "PPid") not in (proc.pid, None)]
     ready = lambda: [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
-    deadline = time.monotonic() + 90
-    while len(ready()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(ready()) == 2, "the workers never set up faulthandler"
-    os.kill(ready()[-1], signal.SIGABRT)  # as a C++ exception escaping a destructor ends it
-    assert proc.wait(timeout=60) != 0
+    try:
+        deadline = time.monotonic() + 90
+        while len(ready()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ready()) == 2, "the workers never set up faulthandler"
+        os.kill(ready()[-1], signal.SIGABRT)  # as a C++ exception escaping a destructor ends it
+        assert proc.wait(timeout=60) != 0
+    finally:  # a long case: never left running when the test fails
+        proc.kill()
+        proc.wait()
     (row,) = rows(tmp_path)
     assert row["status"] == "failed" and "killed by SIGABRT" in row["error"], row["error"]
     printed = log.read_text()
