@@ -232,7 +232,10 @@ def _silent_exit(code: int) -> str:
     """What the exit code of a worker that sent no traceback says about its end."""
     if code >= 0:
         return f"exited with code {code} and no traceback"
-    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-code}"
     if -code == signal.SIGKILL:
         return f"killed by {name} (by the kernel when out of memory, or by someone)"
     return (f"killed by {name}, in native code or from outside; where its Python threads were is "
