@@ -6,8 +6,10 @@ runs inside a private MPS daemon (bench.mps), each worker with its SM share. Acr
 torchrun instead (see README); this is not a launcher for many machines.
 
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
-has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
-case's method and model, once per launcher and with GPUs hidden. On the 2-core dev VM a spawned
+has imported torch, torch._dynamo (DDP's constructor imports it), this module, the launcher's
+main module and the first case's method and model, once per launcher and with GPUs hidden. Its
+imports take 6 s on the 2-core dev VM; bench.run starts it while it prepares the first case
+(start_server), so that they run beside the FLOP count. On the 2-core dev VM a spawned
 worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
 one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
 forked children. A forked worker takes the launcher's environment and working directory as they
@@ -26,6 +28,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from typing import Callable
@@ -141,15 +144,17 @@ def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] |
     return [dict(CPU_ONLY_ENV) if cluster.device == "cpu" else {} for _ in range(world_size)]
 
 
-def _context(case: Case):
-    """Fork CPU workers from a server that has imported what they run (see the module's
-    docstring); spawn the rest. The server starts with the first case that needs it and lives as
-    long as this process: later cases' own modules are imported by each worker."""
-    if case.cluster.device != "cpu":
-        return mp.get_context("spawn")
+def start_server(*modules: str) -> None:
+    """Start the server CPU workers fork from (see the module's docstring), preloading
+    `modules` besides torch and this module, unless it runs already. Returns at once: the server
+    imports for seconds while the caller goes on (bench.run plans meanwhile). It lives as long
+    as this process; later cases' own modules are imported by each worker."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "torch._dynamo", type(case.method).__module__,
-                                type(case.workload.model_cfg).__module__])
+    # Each forked process runs the launcher's main module again (multiprocessing's
+    # __mp_main__): preloaded, what it imports is imported once.
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)
+    launcher = [main] if main and not main.endswith("__main__") else []
+    ctx.set_forkserver_preload([__name__, "torch._dynamo", *launcher, *modules])
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:
@@ -157,7 +162,26 @@ def _context(case: Case):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return ctx
+
+
+def _exit_at_once() -> None:
+    os._exit(0)
+
+
+def wait_for_server() -> None:
+    """Return once the server has imported what it preloads, so that a timing taken next (the
+    host's speed, the planner's time) has both cores to itself: its first fork comes only then."""
+    probe = mp.get_context("forkserver").Process(target=_exit_at_once, daemon=True)
+    probe.start()
+    probe.join()
+
+
+def _context(case: Case):
+    """Fork CPU workers from the server (start_server); spawn the rest."""
+    if case.cluster.device != "cpu":
+        return mp.get_context("spawn")
+    start_server(type(case.method).__module__, type(case.workload.model_cfg).__module__)
+    return mp.get_context("forkserver")
 
 
 def _run_workers(case: Case, world_size: int, timeout_s: float,

@@ -33,7 +33,7 @@ from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
-from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch
+from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch, start_server, wait_for_server
 from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
 from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
 from bench.progress import interactive, progress_bar
@@ -180,6 +180,11 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
+    return workload_from(cfg, *check_workload(cfg, cluster))
+
+
+def check_workload(cfg: DictConfig, cluster: ClusterSpec) -> tuple[object, int, dict]:
+    """The case's model spec, global batch and data, each checked (a ConfigError of one line)."""
     model_cfg = _instantiate(cfg.model.spec, "model.spec", num_devices=cluster.num_devices)
     n = cluster.num_devices
     batch = cfg.global_batch if cfg.global_batch is not None else cfg.preset.batch_per_device * n
@@ -193,6 +198,11 @@ def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
         model_cfg.dataset(data["source"], data["path"], data["split"], cfg.seed)
     except ValueError as exc:
         raise ConfigError(str(exc).replace("\n", " ")) from None
+    return model_cfg, batch, data
+
+
+def workload_from(cfg: DictConfig, model_cfg, batch: int, data: dict) -> Workload:
+    """The workload of checked parts (check_workload); counts its FLOPs (seconds for a big model)."""
     return Workload(
         name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
         flops_per_sample=train_flops_per_sample(model_cfg), data=data,
@@ -258,8 +268,13 @@ def hydra_job() -> tuple[str | None, str | None]:
     return (hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None), output_dir
 
 
-def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None) -> Case:
-    """Validate, measure the host, plan: everything before workers start. Fills `record`."""
+def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None,
+                 launching: bool = False) -> Case:
+    """Validate, measure the host, plan: everything before workers start. Fills `record`.
+
+    `launching`: this process launches the case's workers next (bench.launch.launch); when they
+    fork from a server on the CPU, it starts here, as soon as the case is valid, so that its
+    seconds of imports overlap the FLOP count (start_server)."""
     _check_protocol(cfg)
     cluster = ClusterSpec.from_config(record.config["cluster"])
     record.cluster_hash = cluster.fingerprint()
@@ -268,11 +283,16 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     if cfg.mode not in getattr(method, "modes", ("real",)):
         raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
                           f"supports {', '.join(method.modes)}")
-    workload = build_workload(cfg, cluster)
-    record.global_batch = workload.global_batch
-    record.flops_per_iter = workload.flops_per_iter
+    model_cfg, record.global_batch, data = check_workload(cfg, cluster)
     if cfg.mode == "real":
         _check_hardware(cluster, world_size)
+    forked = launching and cluster.device == "cpu"
+    if forked:
+        start_server(type(method).__module__, type(model_cfg).__module__)
+    workload = workload_from(cfg, model_cfg, record.global_batch, data)
+    record.flops_per_iter = workload.flops_per_iter
+    if forked:
+        wait_for_server()  # the host's speed and the planner's time are measured on a quiet host
     if cluster.emulated and cluster.device == "cpu":
         per_device = -(-workload.global_batch // cluster.num_devices)
         record.host_flops_per_s, record.host_step_overhead_s = measure_host_speed(
@@ -387,7 +407,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
         return done
     refused = False
     try:
-        case = prepare_case(cfg, record)
+        case = prepare_case(cfg, record, launching=cfg.mode == "real")
         if cfg.mode == "sim":
             fill_predicted_metrics(record, case.workload)
         else:

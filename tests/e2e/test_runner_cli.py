@@ -190,6 +190,37 @@ def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
     assert row["status"] == "ok" and row["batch_shares"] == [11, 5] and len(row["peak_mem_gib"]) == 2
 
 
+_SERVERS = """
+import os, sys
+from pathlib import Path
+from bench.run import compose_config, new_record, prepare_case
+
+def servers():  # this process's children that run multiprocessing's fork server
+    found = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            found += ppid == os.getpid() and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+    return found
+
+if __name__ == "__main__":
+    cfg = compose_config("wandb.mode=disabled", f"results_dir={sys.argv[1]}")
+    prepare_case(cfg, new_record(cfg))  # as bench.plan does: nothing to launch
+    print(servers())
+    prepare_case(cfg, new_record(cfg), launching=True)  # as the runner does before it launches
+    print(servers())
+"""
+
+
+def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _SERVERS, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0", "1"]
+
+
 # Tagged processes when the launcher is killed: the runner, multiprocessing's resource tracker
 # and the server the workers fork from (bench.launch), still importing torch; then the workers,
 # given time to set up and train (a second at most on the 2-core dev VM).
