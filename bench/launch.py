@@ -6,10 +6,11 @@ runs inside a private MPS daemon (bench.mps), each worker with its SM share. Acr
 torchrun instead (see README); this is not a launcher for many machines.
 
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
-has imported torch, torch._dynamo (DDP's constructor imports it), this module, the launcher's
-main module and the first case's method and model, once per launcher and with GPUs hidden. Its
-imports take 6 s on the 2-core dev VM; bench.run starts it while it prepares the first case
-(start_server), so that they run beside the FLOP count. On the 2-core dev VM a spawned
+has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
+case's method and model, once per launcher and with GPUs hidden. Its imports take 6 s on the
+2-core dev VM; bench.run starts it while it prepares the first case (start_server), so that
+they run beside the FLOP count. (Not the launcher's main module: each forked process runs it
+again as __mp_main__, and runpy warns when it finds that module imported.) A spawned
 worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
 one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
 forked children. A forked worker takes the launcher's environment and working directory as they
@@ -28,7 +29,6 @@ import os
 import queue
 import signal
 import socket
-import sys
 import time
 import traceback
 from typing import Callable
@@ -150,11 +150,7 @@ def start_server(*modules: str) -> None:
     imports for seconds while the caller goes on (bench.run plans meanwhile). It lives as long
     as this process; later cases' own modules are imported by each worker."""
     ctx = mp.get_context("forkserver")
-    # Each forked process runs the launcher's main module again (multiprocessing's
-    # __mp_main__): preloaded, what it imports is imported once.
-    main = getattr(sys.modules["__main__"].__spec__, "name", None)
-    launcher = [main] if main and not main.endswith("__main__") else []
-    ctx.set_forkserver_preload([__name__, "torch._dynamo", *launcher, *modules])
+    ctx.set_forkserver_preload([__name__, "torch._dynamo", *modules])
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:

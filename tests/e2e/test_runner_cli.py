@@ -164,6 +164,7 @@ def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
     out = run("bench.compare", "wandb.mode=disabled", "repeats=2", *QUICK, results_dir=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "speedup vs dp_ev" in out.stdout and "rank" in out.stdout
+    assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.launch)
     recorded = rows(tmp_path)
     repeats = [r for r in recorded if r["row_kind"] == "repeat"]
     methods = [r["method"] for r in repeats]
