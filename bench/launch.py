@@ -147,8 +147,8 @@ def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] |
 def start_server(*modules: str) -> None:
     """Start the server CPU workers fork from (see the module's docstring), preloading
     `modules` besides torch and this module, unless it runs already. Returns at once: the server
-    imports for seconds while the caller goes on (bench.run plans meanwhile). It lives as long
-    as this process; later cases' own modules are imported by each worker."""
+    imports for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile).
+    It lives as long as this process; later cases' own modules are imported by each worker."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "torch._dynamo", *modules])
     saved = dict(os.environ)
