@@ -172,9 +172,15 @@ def wait_for_server() -> None:
     probe.join()
 
 
+def forks_workers(cluster: ClusterSpec) -> bool:
+    """Whether this launcher forks the cluster's workers from the server: those that compute on
+    the CPU; workers on a GPU are spawned."""
+    return cluster.device == "cpu"
+
+
 def _context(case: Case):
     """Fork CPU workers from the server (start_server); spawn the rest."""
-    if case.cluster.device != "cpu":
+    if not forks_workers(case.cluster):
         return mp.get_context("spawn")
     start_server(type(case.method).__module__, type(case.workload.model_cfg).__module__)
     return mp.get_context("forkserver")

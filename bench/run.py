@@ -33,7 +33,8 @@ from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
-from bench.launch import CaseTimeout, WorkerError, WorkerOutOfMemory, launch, start_server, wait_for_server
+from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, forks_workers, launch, start_server,
+                          wait_for_server)
 from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
 from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
 from bench.progress import interactive, progress_bar
@@ -286,7 +287,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     model_cfg, record.global_batch, data = check_workload(cfg, cluster)
     if cfg.mode == "real":
         _check_hardware(cluster, world_size)
-    forked = launching and cluster.device == "cpu"
+    forked = launching and forks_workers(cluster)
     if forked:
         start_server(type(method).__module__, type(model_cfg).__module__)
     workload = workload_from(cfg, model_cfg, record.global_batch, data)
