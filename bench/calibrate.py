@@ -46,7 +46,7 @@ from bench.paths import PROJECT_DIR
 from bench.stats import Summary
 from bench.compare import run_rounds
 from bench.run import (_instantiate, build_workload, check_group_choices, check_repeats, compose_config,
-                       methods_supporting, run_case)
+                       expect_cases, methods_supporting, run_case)
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -324,6 +324,7 @@ def main(argv: list[str]) -> int:
         return 2
     configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
                for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
+    expect_cases(configs)
     try:
         repeats = check_repeats(configs[0].repeats)
     except ConfigError as exc:

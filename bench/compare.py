@@ -32,6 +32,7 @@ from bench.run import (
     check_group_choices,
     check_repeats,
     compose_config,
+    expect_cases,
     fill_rates,
     group_options,
     make_trackers,
@@ -74,6 +75,7 @@ def compare(overrides: list[str]) -> list[RunRecord]:
         repeats = 1
     methods = _methods(overrides, base.mode)
     configs = {m: compose_config(*rest, f"method={m}", f"repeats={repeats}") for m in methods}
+    expect_cases(configs.values())
     if repeats == 1:
         return [run_case(configs[m]) for m in methods]
     return run_rounds(configs, repeats)

@@ -100,7 +100,8 @@ class Trainer(Protocol):
 class Method(Protocol):
     """A training method. `modes` lists what it supports: "sim" needs plan() to return a
     Program and ratios, "real" needs setup(). bench.compare runs the methods that support the
-    requested mode."""
+    requested mode. Optionally `worker_modules`: modules setup() imports that the server CPU
+    workers fork from should import once instead (bench.launch.method_modules)."""
 
     name: str
     modes: tuple[str, ...]

@@ -7,10 +7,13 @@ torchrun instead (see README); this is not a launcher for many machines.
 
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
 has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
-case's method and model, once per launcher and with GPUs hidden. Its imports take 6 s on the
-2-core dev VM; bench.run starts it while it prepares the first case (start_server), so that
-they run beside the FLOP count. (Not the launcher's main module: each forked process runs it
-again as __mp_main__, and runpy warns when it finds that module imported.) A spawned
+case's method and model, once per launcher and with GPUs hidden; a series of cases names the
+methods of its later ones beforehand (bench.run.expect_cases), and the server imports theirs
+too. Its imports take 6 s on the 2-core dev VM (9 s with DeepSpeed's); bench.run starts it while
+it prepares the first case (start_server), so that they run beside the FLOP count. (Not the
+launcher's main module: each forked process runs it again as __mp_main__, and runpy warns when
+it finds that module imported.) Each worker freezes what it inherits (gc.freeze), so its
+collections never walk the server's 300,000 objects. A spawned
 worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
 one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
 forked children. A forked worker takes the launcher's environment and working directory as they
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import multiprocessing.forkserver
 import os
 import queue
@@ -112,6 +116,9 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     _die_with_parent(_IMPORTED_BY if forked else launcher)
     if forked:
         _release_server()
+    # What exists now (the server's imports, the case) is never garbage: no collection scans it
+    # again. The collection at a rank's end (run_rank) took 0.2-0.35 s without this, once per case.
+    gc.freeze()
     try:
         report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
         result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
@@ -144,13 +151,25 @@ def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] |
     return [dict(CPU_ONLY_ENV) if cluster.device == "cpu" else {} for _ in range(world_size)]
 
 
+# Modules of cases this process will launch later (expect_modules), preloaded with the first's.
+_expected: list[str] = []
+
+
+def expect_modules(*modules: str) -> None:
+    """Name modules that the workers of a later case import (its method's), so that
+    the server imports them once when it starts instead of every such worker importing them
+    itself. Too late once the server runs."""
+    _expected.extend(m for m in modules if m not in _expected)
+
+
 def start_server(*modules: str) -> None:
     """Start the server CPU workers fork from (see the module's docstring), preloading
-    `modules` besides torch and this module, unless it runs already. Returns at once: the server
-    imports for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile).
-    It lives as long as this process; later cases' own modules are imported by each worker."""
+    `modules` and those expected (expect_modules) besides torch and this module, unless it runs
+    already. Returns at once: the server imports for seconds while the caller goes on (bench.run
+    counts the model's FLOPs meanwhile). It lives as long as this process; a later case's
+    modules that it did not preload are imported by each of that case's workers."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "torch._dynamo", *modules])
+    ctx.set_forkserver_preload([__name__, "torch._dynamo", *modules, *_expected])
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:
@@ -158,6 +177,14 @@ def start_server(*modules: str) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def method_modules(method) -> list[str]:
+    """The modules a method's workers import: its own and those it names in `worker_modules`
+    (what its set-up imports late: DeepSpeed's engine imports torch's compiler, 3.6 s in every
+    worker on the 2-core dev VM). `method`: its class, or the function a config names that
+    makes it."""
+    return [method.__module__, *getattr(method, "worker_modules", ())]
 
 
 def _exit_at_once() -> None:
@@ -182,7 +209,7 @@ def _context(case: Case):
     """Fork CPU workers from the server (start_server); spawn the rest."""
     if not forks_workers(case.cluster):
         return mp.get_context("spawn")
-    start_server(type(case.method).__module__, type(case.workload.model_cfg).__module__)
+    start_server(*method_modules(type(case.method)), type(case.workload.model_cfg).__module__)
     return mp.get_context("forkserver")
 
 

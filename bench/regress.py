@@ -61,6 +61,7 @@ from bench.paths import PROJECT_DIR
 from bench.run import (
     check_group_choices,
     compose_config,
+    expect_cases,
     methods_supporting,
     new_record,
     prepare_case,
@@ -162,6 +163,7 @@ def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> 
     with tempfile.TemporaryDirectory() as tmp:
         configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
                                f"test.slowdown={slowdown}") for m in methods}
+        expect_cases(configs.values())
         for _ in range(REAL_ROUNDS):
             for m in methods:
                 record = run_case(configs[m])

@@ -10,6 +10,7 @@ not know any concrete method or model: `_target_` in conf/ wires them.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -33,8 +34,8 @@ from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
-from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, forks_workers, launch, start_server,
-                          wait_for_server)
+from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, expect_modules, forks_workers, launch,
+                          method_modules, start_server, wait_for_server)
 from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
 from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
 from bench.progress import interactive, progress_bar
@@ -289,7 +290,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         _check_hardware(cluster, world_size)
     forked = launching and forks_workers(cluster)
     if forked:
-        start_server(type(method).__module__, type(model_cfg).__module__)
+        start_server(*method_modules(type(method)), type(model_cfg).__module__)
     workload = workload_from(cfg, model_cfg, record.global_batch, data)
     record.flops_per_iter = workload.flops_per_iter
     if forked:
@@ -389,6 +390,20 @@ def write_record(cfg: DictConfig, record: RunRecord, track: bool = True) -> None
         track_case(make_trackers(cfg), record, results_file(cfg))
     if record.status != "ok":
         _failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
+
+
+def expect_cases(configs) -> None:
+    """Before a series of cases in this process (a comparison's methods, the regression check's
+    rounds, a calibration): the server their CPU workers fork from, started by the first case,
+    preloads what every case's method imports in its workers (bench.launch.expect_modules), not
+    the first's alone. (A model's module is small: each worker imports its own.)"""
+    for cfg in configs:
+        module, _, name = str(cfg.method.get("_target_", "")).rpartition(".")
+        try:
+            target = getattr(importlib.import_module(module), name)
+        except Exception:  # a method that cannot load: its case says so, in one line
+            continue
+        expect_modules(*method_modules(target))
 
 
 def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = None) -> RunRecord:

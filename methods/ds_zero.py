@@ -74,6 +74,12 @@ class DeepSpeedZeRO:
     """
 
     modes = ("real", "sim")
+    # What setup imports in each worker, for the server CPU workers fork from to import once
+    # (bench.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer module that
+    # deepspeed.initialize imports to check the optimizer, which compiles a function with torch's
+    # compiler at import (0.8 + 2.8 s of each worker's set-up on the 2-core dev VM). The server
+    # skips a name that another DeepSpeed version lacks.
+    worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
 
     def __init__(self, name: str = "deepspeed", zero_stage: int = 1, lr: float = 5e-4,
                  grad_clip: float = 0.0, reduce_bucket_size: float = 5e8,

@@ -6,6 +6,7 @@ DeepSpeed from building its shared-memory comm op (method.shm_comm_op=false), wh
 case checks, and uses torch.optim.Adam instead of DeepSpeed's fused CPU Adam.
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,10 @@ def test_an_engine_probe_that_fails_is_a_warning_and_no_price(caplog):
     plan = method.plan(workload, cluster)
     assert engine_work(method, plan, workload, cluster, repeats=0) is None
     assert "engine work was not measured (" in caplog.text
+
+
+def test_every_module_the_workers_server_preloads_for_deepspeed_exists():
+    """The server the workers fork from skips a module it cannot import (bench.launch): a
+    DeepSpeed release that moved one would slow every case's workers again, silently."""
+    for name in DeepSpeedZeRO.worker_modules:
+        assert importlib.util.find_spec(name) is not None, f"{name} is not in this DeepSpeed"
