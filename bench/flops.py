@@ -38,14 +38,24 @@ ELEMENTWISE_FLOPS = {
 log = logging.getLogger(__name__)
 
 
+# Counted FLOPs by (config type, its repr: every field, samples), for the life of the process.
+_counted: dict[tuple[type, str, int], float] = {}
+
+
 def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
-    """Forward + backward FLOPs per sample, counted on the meta device (nothing is allocated)."""
-    with torch.device("meta"):
-        model = model_cfg.build()
-        batch = model_cfg.synthetic_batch(samples, None)
-    with FlopCounterMode(display=False) as counter:
-        model(*batch).backward()
-    return counter.get_total_flops() / samples
+    """Forward + backward FLOPs per sample, counted on the meta device (nothing is allocated),
+    once per process for equal model configs: a paper-size model takes 0.5-0.9 s to count on
+    the 2-core dev VM, and a comparison, a calibration or the regression check prepares the same
+    model once for each method (and round)."""
+    key = (type(model_cfg), repr(model_cfg), samples)
+    if key not in _counted:
+        with torch.device("meta"):
+            model = model_cfg.build()
+            batch = model_cfg.synthetic_batch(samples, None)
+        with FlopCounterMode(display=False) as counter:
+            model(*batch).backward()
+        _counted[key] = counter.get_total_flops() / samples
+    return _counted[key]
 
 
 _host_speed_cache: dict[tuple, tuple[float, float]] = {}

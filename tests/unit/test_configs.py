@@ -1,10 +1,13 @@
 """Every conf option composes and instantiates; bad input gives one line and no ok row."""
 
+import dataclasses
+
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from bench.cluster import ClusterSpec
+from bench.flops import train_flops_per_sample
 from bench.records import load_records
 from bench.run import build_workload, group_options, run_case
 from tests.conftest import compose_config
@@ -45,6 +48,12 @@ def test_tiny_workloads_count_their_flops(model):
     workload = build_workload(cfg, cluster)
     assert workload.global_batch == cfg.preset.batch_per_device * 2
     assert workload.flops_per_sample > 0
+    # counted once per process for equal configs; any field that differs is counted anew
+    model_cfg = workload.model_cfg
+    assert train_flops_per_sample(dataclasses.replace(model_cfg)) == workload.flops_per_sample
+    field = "vocab_size" if hasattr(model_cfg, "vocab_size") else "num_classes"
+    wider = dataclasses.replace(model_cfg, **{field: getattr(model_cfg, field) * 4})
+    assert train_flops_per_sample(wider) > workload.flops_per_sample
 
 
 @pytest.mark.parametrize("overrides,needle", [
