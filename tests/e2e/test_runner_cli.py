@@ -211,7 +211,7 @@ if __name__ == "__main__":
     cfg = compose_config("wandb.mode=disabled", f"results_dir={sys.argv[1]}")
     prepare_case(cfg, new_record(cfg))  # as bench.plan does: nothing to launch
     print(servers())
-    expect_cases([compose_config("method=deepspeed")])  # as bench.compare does: a later case's
+    expect_cases([compose_config("method=deepspeed")])  # as bench.compare does for later cases
     prepare_case(cfg, new_record(cfg), launching=True)  # as the runner does before it launches
     print(servers())
     # a process forked from the server finds what the later case's workers import already there
