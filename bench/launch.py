@@ -162,12 +162,14 @@ def expect_modules(*modules: str) -> None:
     _expected.extend(m for m in modules if m not in _expected)
 
 
-def start_server(*modules: str) -> None:
-    """Start the server CPU workers fork from (see the module's docstring), preloading
-    `modules` and those expected (expect_modules) besides torch and this module, unless it runs
-    already. Returns at once: the server imports for seconds while the caller goes on (bench.run
-    counts the model's FLOPs meanwhile). It lives as long as this process; a later case's
-    modules that it did not preload are imported by each of that case's workers."""
+def start_server(method, model_cfg) -> None:
+    """Start the server CPU workers fork from (see the module's docstring), preloading the
+    modules of the case's method (method_modules) and model and those expected (expect_modules)
+    besides torch and this module, unless it runs already. Returns at once: the server imports
+    for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile). It lives
+    as long as this process; a later case's modules that it did not preload are imported by
+    each of that case's workers."""
+    modules = [*method_modules(type(method)), type(model_cfg).__module__]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "torch._dynamo", *modules, *_expected])
     saved = dict(os.environ)
@@ -209,7 +211,7 @@ def _context(case: Case):
     """Fork CPU workers from the server (start_server); spawn the rest."""
     if not forks_workers(case.cluster):
         return mp.get_context("spawn")
-    start_server(*method_modules(type(case.method)), type(case.workload.model_cfg).__module__)
+    start_server(case.method, case.workload.model_cfg)
     return mp.get_context("forkserver")
 
 

@@ -290,7 +290,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         _check_hardware(cluster, world_size)
     forked = launching and forks_workers(cluster)
     if forked:
-        start_server(*method_modules(type(method)), type(model_cfg).__module__)
+        start_server(method, model_cfg)
     workload = workload_from(cfg, model_cfg, record.global_batch, data)
     record.flops_per_iter = workload.flops_per_iter
     if forked:
