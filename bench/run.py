@@ -397,8 +397,13 @@ def expect_cases(configs) -> None:
     rounds, a calibration): the server their CPU workers fork from, started by the first case,
     preloads what every case's method imports in its workers (bench.launch.expect_modules), not
     the first's alone. (A model's module is small: each worker imports its own.)"""
-    for cfg in configs:
-        module, _, name = str(cfg.method.get("_target_", "")).rpartition(".")
+    expect_methods(str(cfg.method.get("_target_", "")) for cfg in configs)
+
+
+def expect_methods(targets) -> None:
+    """expect_cases for the methods' `_target_` paths."""
+    for path in targets:
+        module, _, name = path.rpartition(".")
         try:
             target = getattr(importlib.import_module(module), name)
         except Exception:  # a method that cannot load: its case says so, in one line
@@ -630,6 +635,9 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._started = datetime.now(timezone.utc).isoformat()
         self._t0, self._done, self._total = time.monotonic(), 0, sweep_size(config)
+        # The basic launcher runs the jobs in this process: the workers' server that the first
+        # job starts preloads the methods of the later ones too (expect_cases).
+        expect_methods(swept_method_targets(config))
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if not hasattr(self, "_t0") or not interactive():
@@ -672,17 +680,38 @@ def sweep_axes(params: dict[str, str]) -> list[list[str]]:
     return axes
 
 
+def sweep_params(config: DictConfig) -> dict[str, str]:
+    """A --multirun sweep's `key: values` (command line and the experiment's
+    hydra.sweeper.params; the command line wins for a key)."""
+    params = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
+    for item in config.hydra.overrides.task:
+        key, _, value = str(item).partition("=")
+        params[key] = value
+    return params
+
+
 def sweep_size(config: DictConfig) -> int | None:
-    """How many cases a --multirun sweep has: the product of its swept values (command line
-    and the experiment's hydra.sweeper.params; the command line wins for a key)."""
+    """How many cases a --multirun sweep has: the product of its swept values."""
     try:
-        params = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
-        for item in config.hydra.overrides.task:
-            key, _, value = str(item).partition("=")
-            params[key] = value
-        return math.prod(len(axis) for axis in sweep_axes(params))
+        return math.prod(len(axis) for axis in sweep_axes(sweep_params(config)))
     except Exception:  # progress is a courtesy: a sweep syntax it cannot count shows no total
         return None
+
+
+def swept_method_targets(config: DictConfig) -> list[str]:
+    """The `_target_` of each method a --multirun sweep names (conf/method/<name>.yaml); none
+    where the sweep's syntax or a method's file cannot be read (its job then says why)."""
+    try:
+        axis = next((a for a in sweep_axes(sweep_params(config)) if a[0].startswith("method=")), [])
+    except Exception:
+        return []
+    targets = []
+    for choice in axis:
+        try:
+            targets.append(str(OmegaConf.load(CONF_DIR / "method" / f"{choice.partition('=')[2]}.yaml")["_target_"]))
+        except Exception:
+            continue
+    return targets
 
 
 @hydra.main(config_path=CONF_SOURCE, config_name="config", version_base="1.3")

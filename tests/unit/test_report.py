@@ -142,3 +142,16 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
 def test_a_tiny_efficiency_keeps_its_digits():
     from bench.table import _efficiency
     assert [_efficiency(v) for v in (None, 0.0, 0.31, 0.00042)] == ["-", "0.00", "0.31", "4.2e-04"]
+
+
+def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatch):
+    from omegaconf import OmegaConf
+    from bench import launch
+    from bench.run import SweepSummary
+
+    monkeypatch.setattr(launch, "_expected", [])
+    config = OmegaConf.create({"hydra": {"sweeper": {"params": {"method": "dp_ev,nosuch"}},
+                                         "overrides": {"task": ["method=dp_ev,nosuch,deepspeed", "cluster=a,b"]}}})
+    SweepSummary().on_multirun_start(config)
+    assert {"methods.dp", "methods.ds_zero", "deepspeed"} <= set(launch._expected)
+    assert not [m for m in launch._expected if "nosuch" in m]  # its job fails in one line, as before
