@@ -65,7 +65,7 @@ def test_a_failing_worker_ends_its_case_fast_and_the_sweep_goes_on(tmp_path):
     start = time.monotonic()
     # Case 0 trains; in case 1 rank 1 raises while rank 0 waits in an all-reduce forever.
     out = run("bench.run", "-m", "test.fail_rank=null,1", "wandb.mode=disabled", "timeout_s=300",
-              "warmup_iters=1", "measured_iters=50", results_dir=tmp_path,
+              *QUICK, results_dir=tmp_path,
               env=dict([tag.split("=", 1)]))
     elapsed = time.monotonic() - start
     assert out.returncode != 0
@@ -142,22 +142,23 @@ def test_real_wikitext_files_train_through_the_runner(tmp_path):
 
 
 def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
-    out = run("bench.run", "cluster=local_hetero9", results_dir=tmp_path)
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("error: cluster=local_hetero9 is unknown; known: h100x1, local_2x2, "
-                                  "local_3m, local_cpu1, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
-                                  "local_homo2, motivation, paper_hetero, paper_homo")
-    out = run("bench.run", "precision=fp16", "wandb.mode=disabled", results_dir=tmp_path)
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == [
+    # three runners at once, each with its own results: none reaches a worker
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.run", *args, "wandb.mode=disabled",
+                               f"results_dir={tmp_path / str(i)}"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i, args in enumerate([["cluster=local_hetero9"], ["precision=fp16"], ["global_batch=1"]])]
+    unknown, precision, batch = [(proc.communicate(timeout=300)[1], proc.returncode)[::-1] for proc in procs]
+    assert unknown == (2, "error: cluster=local_hetero9 is unknown; known: h100x1, local_2x2, local_3m, "
+                          "local_cpu1, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
+                          "local_homo2, motivation, paper_hetero, paper_homo\n")
+    assert precision[0] != 0 and precision[1].strip().splitlines() == [
         "error: precision='fp16' is invalid; valid: fp32, tf32, bf16 (fp32 as in the paper; e.g. "
         "precision=bf16)"]
-    out = run("bench.run", "global_batch=1", "wandb.mode=disabled", results_dir=tmp_path)
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == [
+    assert batch[0] != 0 and batch[1].strip().splitlines() == [
         "error: global_batch=1 is smaller than the 2 devices of cluster=local_hetero2; every "
         "device needs a sample: set global_batch>=2 (or preset.batch_per_device>=1)"]
-    assert [r["status"] for r in rows(tmp_path)] == ["failed", "failed"]
+    assert not rows(tmp_path / "0")  # an unknown name: no case to record
+    assert [r["status"] for i in (1, 2) for r in rows(tmp_path / str(i))] == ["failed", "failed"]
 
 
 def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):

@@ -1,6 +1,9 @@
-"""bench.launch: what the exit code of a worker that sent no traceback says in its row."""
+"""bench.launch: what the exit code of a worker that sent no traceback says in its row; how the
+workers' server and its launcher leave."""
 
 import signal
+import subprocess
+import sys
 
 from bench.launch import _silent_exit
 
@@ -11,3 +14,43 @@ def test_a_silent_worker_is_named_by_its_exit_code_or_its_signal():
     assert _silent_exit(-signal.SIGABRT).startswith("killed by SIGABRT, in native code")
     realtime = signal.SIGRTMIN + 2  # valid, but without a name of its own
     assert _silent_exit(-realtime).startswith(f"killed by signal {realtime}, in native code")
+
+
+_SERVER_EXIT = """
+import bench.server_exit
+class Held:  # what a server holds: torch, the modules it preloaded
+    def __del__(self):
+        print("torn down")
+held = Held()
+print("written", end="")  # buffered (stdout is a pipe): still written
+"""
+
+
+def test_the_workers_server_leaves_without_tearing_down_what_it_imported():
+    out = subprocess.run([sys.executable, "-c", _SERVER_EXIT], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "written", "")
+    # without it, the interpreter's teardown runs
+    plain = subprocess.run([sys.executable, "-c", _SERVER_EXIT.replace("import bench.server_exit", "")],
+                           capture_output=True, text=True, timeout=60)
+    assert plain.stdout == "writtentorn down\n"
+
+
+def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at_exit(monkeypatch):
+    import atexit
+    import gc
+    import multiprocessing.forkserver
+
+    from bench import launch
+
+    preloads, registered = [], []
+    monkeypatch.setattr(launch.mp, "get_context", lambda kind: type("Ctx", (), {
+        "set_forkserver_preload": staticmethod(preloads.append)})())
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
+    class Method:
+        pass
+
+    for _ in range(3):  # a case each
+        launch.start_server(Method(), object())
+    assert preloads[0][0] == "bench.server_exit" and registered == [gc.freeze]
