@@ -57,24 +57,25 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
              "cfg = compose_config('cluster=local_hetero4', 'method=hap');"
              "print(bench.__file__, p.CONF_SOURCE, p.CONF_DIR, p.PROJECT_DIR, cfg.cluster.name,"
              " cfg.method.name, ','.join(group_options('method')))")
-    done = subprocess.run([*python, "-c", probe], cwd=elsewhere, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    module, source, conf_dir, project, cluster, method, methods = done.stdout.split()
+    run = ["-m", "bench.cli", "run", "mode=sim", "model=bert", "cluster=local_hetero2", "method=dp_ev",
+           "wandb.mode=disabled"]
+    # the three at once: none writes what another reads
+    procs = [subprocess.Popen([*python, *args], cwd=elsewhere, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args in (["-c", probe], run, ["-m", "bench.cli", "run", "cluster=nowhere"])]
+    (probed, ran, bad) = [(proc.communicate(timeout=120), proc.returncode) for proc in procs]
+
+    assert probed[1] == 0, probed[0][1][-3000:]
+    module, source, conf_dir, project, cluster, method, methods = probed[0][0].split()
     assert Path(module).is_relative_to(target) and source == "pkg://bench.conf"
     assert Path(conf_dir) == target / "bench" / "conf" and Path(project) == elsewhere
     assert (cluster, method) == ("local_hetero4", "hap") and "dp_ev" in methods.split(",")
 
-    run = [*python, "-m", "bench.cli", "run", "mode=sim", "model=bert", "cluster=local_hetero2",
-           "method=dp_ev", "wandb.mode=disabled"]
-    done = subprocess.run(run, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # results_dir is relative to the working directory
+    assert ran[1] == 0, ran[0][1][-3000:]
+    # results_dir is relative to the working directory; the unknown cluster records nothing
     (row,) = [json.loads(line) for line in
               (elsewhere / "results" / "runs" / "records.jsonl").read_text().splitlines()]
     assert row["status"] == "ok" and row["mode"] == "sim" and row["num_devices"] == 2
 
-    bad = subprocess.run([*python, "-m", "bench.cli", "run", "cluster=nowhere"], cwd=elsewhere,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0
-    assert bad.stderr.strip().splitlines()[-1].startswith("error: cluster=nowhere is unknown; known:")
+    assert bad[1] != 0
+    assert bad[0][1].strip().splitlines()[-1].startswith("error: cluster=nowhere is unknown; known:")
