@@ -47,6 +47,23 @@ def test_calibration_summary_has_errors_mape_and_tau():
     assert s["failed"] == ["bert/c/x: boom"]
 
 
+def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
+    from bench.calibrate import summarize
+
+    def row(method, measured, predicted, predicted_compute, slow_rank_reference):
+        ranks = [{"reference_s_per_iter": 0.010, "speed": 1.0}, {"reference_s_per_iter": slow_rank_reference, "speed": 0.5}]
+        return dict(model="bert", cluster="c", method=method, status="ok", iter_time_s_mean=measured,
+                    predicted_iter_time_s=predicted, predicted_compute_s=predicted_compute, emulation={"ranks": ranks})
+
+    # a: compute measured 20% over its price (the host slowed down), the rest priced exactly;
+    # b: compute as priced, the rest 10 ms short of the 100 ms measured
+    s = summarize([row("a", 0.110, 0.100, 0.050, 0.030), row("b", 0.100, 0.090, 0.060, 0.030)])
+    assert [c["compute_s"] for c in s["cases"]] == pytest.approx([0.060, 0.060])
+    assert s["mape"] == pytest.approx((0.01 / 0.11 + 0.1) / 2)
+    assert s["mape_outside_compute"] == pytest.approx((0.0 + 0.1) / 2)
+    assert summarize([{**row("a", 0.1, 0.1, 0.05, 0.03), "emulation": None}])["mape_outside_compute"] is None
+
+
 def test_calibration_tau_counts_only_pairs_the_repeats_separate():
     from bench.calibrate import summarize
     from bench.stats import summarize as interval
