@@ -48,6 +48,7 @@ def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
+
     class Method:
         pass
 
