@@ -51,7 +51,8 @@ def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
     from bench.calibrate import summarize
 
     def row(method, measured, predicted, predicted_compute, slow_rank_reference):
-        ranks = [{"reference_s_per_iter": 0.010, "speed": 1.0}, {"reference_s_per_iter": slow_rank_reference, "speed": 0.5}]
+        ranks = [{"reference_s_per_iter": 0.010, "speed": 1.0},
+                 {"reference_s_per_iter": slow_rank_reference, "speed": 0.5}]
         return dict(model="bert", cluster="c", method=method, status="ok", iter_time_s_mean=measured,
                     predicted_iter_time_s=predicted, predicted_compute_s=predicted_compute, emulation={"ranks": ranks})
 
