@@ -25,7 +25,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench.cluster import ConfigError
-from bench.emulation import emulated_compute_s
+from bench.emulation import DILATION_TOLERANCE, emulated_compute_s
 from bench.progress import progress_bar
 from bench.records import RunRecord, case_key, finished_record
 from bench.run import (
@@ -151,9 +151,15 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         if flags:
             worst = max((f["max_error"] for f in flags), key=abs)
             computes = [emulated_compute_s(r.emulation) for r in ok]
+            # The links' overrun is the program's on this host, not a run's accident: the median
+            # run's, flagged against the median iteration.
+            overruns = [r.emulation.get("link_overrun_s") for r in ok]
+            overrun = statistics.median(overruns) if overruns and None not in overruns else None
             agg.emulation = {**last.emulation, "ranks": None, "max_error": worst,
                              "ok": all(f["ok"] for f in flags),
-                             "compute_s": statistics.median(computes) if all(computes) else None}
+                             "compute_s": statistics.median(computes) if all(computes) else None,
+                             "link_overrun_s": overrun,
+                             "links_ok": overrun is None or overrun <= DILATION_TOLERANCE * summary.median}
         out[m] = agg
     for m, rank in ranks(summaries).items():
         out[m].aggregate["rank"] = rank

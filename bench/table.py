@@ -45,10 +45,18 @@ def _interval(summary: dict, scale: float = 1.0, spec: str = ".1f") -> str:
 
 
 def _status(r: dict) -> str:
+    """The row's status, and for an ok row whose emulation missed its targets by more than 5%
+    by how much: its compute pacing (dilation) or its links (their real collectives ran past
+    the emulated time by that share of the iteration)."""
     emulation = r.get("emulation") or {}
-    if r["status"] == "ok" and emulation.get("ok") is False:
-        return f"ok, dilation {emulation['max_error']:+.0%}"
-    return r["status"]
+    if r["status"] != "ok":
+        return r["status"]
+    flags = ["ok"]
+    if emulation.get("ok") is False:
+        flags.append(f"dilation {emulation['max_error']:+.0%}")
+    if emulation.get("links_ok") is False and emulation.get("link_overrun_s") and r.get("iter_time_s_mean"):
+        flags.append(f"links +{emulation['link_overrun_s'] / r['iter_time_s_mean']:.0%}")
+    return ", ".join(flags)
 
 
 def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:

@@ -76,3 +76,36 @@ def test_the_aggregate_prediction_and_compute_are_the_medians_of_the_rounds():
     agg = aggregate_rounds({"hap": rows})["hap"]
     assert agg.predicted_iter_time_s == 0.043
     assert agg.emulation["compute_s"] == pytest.approx(0.022) and agg.emulation["ranks"] is None
+
+
+def test_links_that_ran_past_their_emulated_time_are_flagged_in_the_row_and_its_aggregate():
+    """An ok row whose real collectives overran the emulated link by more than 5% of the
+    iteration says so, as a missed dilation does; the rank that saw most counts."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from bench.run import fill_metrics
+    from bench.table import _status
+
+    workload = SimpleNamespace(global_batch=16, targets_per_iter=16,
+                               model_cfg=SimpleNamespace(tokens_per_sample=None))
+
+    def run(overruns):  # two ranks, 4 measured iterations of 0.1 s; overrun summed over them
+        record = _row("hap", None)
+        record.emulation = {"headroom": 0.6}
+        results = [{"iter_times_s": [0.1] * 4, "peak_mem_gib": 0.01, "loss_sums": [1.0] * 4, "host": "h",
+                    "emulation": {"error": 0.0, "link_overrun_s": o}} for o in overruns]
+        fill_metrics(record, results, workload, measured=4)
+        return record
+
+    flagged, quiet = run([0.0, 0.08]), run([0.01, 0.0])
+    flagged_dict, quiet_dict = asdict(flagged), asdict(quiet)
+    assert flagged.emulation["link_overrun_s"] == pytest.approx(0.02) and flagged.emulation["links_ok"] is False
+    assert quiet.emulation["link_overrun_s"] == pytest.approx(0.0025) and quiet.emulation["links_ok"] is True
+    assert _status(flagged_dict) == "ok, links +20%" and _status(quiet_dict) == "ok"
+    assert _status({**flagged_dict, "emulation": {**flagged.emulation, "ok": False, "max_error": 0.07}}) \
+        == "ok, dilation +7%, links +20%"
+    # an aggregate: the median run's overrun against the median iteration
+    assert aggregate_rounds({"hap": [flagged, quiet, quiet]})["hap"].emulation["links_ok"] is True
+    agg = aggregate_rounds({"hap": [flagged, flagged, quiet]})["hap"]
+    assert agg.emulation["link_overrun_s"] == pytest.approx(0.02) and agg.emulation["links_ok"] is False
