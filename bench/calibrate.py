@@ -81,6 +81,8 @@ def summarize(rows: list[dict]) -> dict:
         # rest of the iteration (communication not hidden behind compute, waits).
         # (an aggregate row of repeats carries the median of its runs' figure)
         r["compute_s"] = emulated_compute_s(r.get("emulation")) or (r.get("emulation") or {}).get("compute_s")
+        # Part of the rest: how far the real collectives ran past the emulated links (bench.run)
+        r["link_overrun_s"] = (r.get("emulation") or {}).get("link_overrun_s")
     planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
                for r in cases if r.get("planned_iter_time_s")]
     # The same predictions with their compute part swapped for the compute measured in the run:
@@ -108,7 +110,7 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
                                          "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
-                                         "run_host_flops_per_s", "aggregate")} for r in cases],
+                                         "link_overrun_s", "run_host_flops_per_s", "aggregate")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
         # The same cases priced at the parent's probe of the host (what the planner saw).
         "mape_planned": statistics.fmean(planned) if planned else None,
