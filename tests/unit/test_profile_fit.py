@@ -61,6 +61,9 @@ def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
     s = summarize([row("a", 0.110, 0.100, 0.050, 0.030), row("b", 0.100, 0.090, 0.060, 0.030)])
     assert [c["compute_s"] for c in s["cases"]] == pytest.approx([0.060, 0.060])
     assert [c["link_overrun_s"] for c in s["cases"]] == [None, None]  # the rows recorded none
+    overran = row("a", 0.110, 0.100, 0.050, 0.030)
+    overran["emulation"]["link_overrun_s"] = 0.004
+    assert summarize([overran])["cases"][0]["link_overrun_s"] == 0.004
     assert s["mape"] == pytest.approx((0.01 / 0.11 + 0.1) / 2)
     assert s["mape_outside_compute"] == pytest.approx((0.0 + 0.1) / 2)
     assert summarize([{**row("a", 0.1, 0.1, 0.05, 0.03), "emulation": None}])["mape_outside_compute"] is None
