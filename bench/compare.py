@@ -25,7 +25,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench.cluster import ConfigError
-from bench.emulation import DILATION_TOLERANCE, emulated_compute_s
+from bench.emulation import emulated_compute_s, links_ok
 from bench.progress import progress_bar
 from bench.records import RunRecord, case_key, finished_record
 from bench.run import (
@@ -159,7 +159,7 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
                              "ok": all(f["ok"] for f in flags),
                              "compute_s": statistics.median(computes) if all(computes) else None,
                              "link_overrun_s": overrun,
-                             "links_ok": overrun is None or overrun <= DILATION_TOLERANCE * summary.median}
+                             "links_ok": overrun is None or links_ok(overrun, summary.median)}
         out[m] = agg
     for m, rank in ranks(summaries).items():
         out[m].aggregate["rank"] = rank

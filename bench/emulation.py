@@ -443,6 +443,12 @@ def _references(emulation: dict | None) -> list[tuple[float, float]] | None:
     return refs if refs and len(refs) == len(ranks) else None
 
 
+def links_ok(overrun_s: float, iter_s: float) -> bool:
+    """Whether the real collectives' overrun of the emulated link time (per iteration) stays
+    within DILATION_TOLERANCE of the iteration: the declared links are what ran."""
+    return overrun_s <= DILATION_TOLERANCE * iter_s
+
+
 def emulated_compute_s(emulation: dict | None) -> float | None:
     """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
     time, measured by its own worker in this run) over its speed. Calibration tables split an

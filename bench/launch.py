@@ -20,8 +20,9 @@ forked children. The server leaves the same way (bench.server_exit) and the laun
 heap before its interpreter's last collections: a runner's output used to end about 3 s before
 its pipes closed, now 0.3-0.4 s. A forked worker takes the launcher's environment and working
 directory as they are when the case starts, as a spawned one would; only what torch reads at
-import comes from the server's start. Workers that compute on a GPU are spawned, as before (CUDA must not be
-initialised in a process that forks; a server for them has not been tried on a GPU host).
+import comes from the server's start. Workers that compute on a GPU are spawned, as before
+(CUDA must not be initialised in a process that forks; a server for them has not been tried on
+a GPU host).
 """
 
 from __future__ import annotations

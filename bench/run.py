@@ -31,7 +31,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from bench.cluster import ClusterSpec, ConfigError
-from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds
+from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds, links_ok
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
 from bench.interfaces import PlanningError, Workload
 from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, expect_modules, forks_workers, launch,
@@ -519,7 +519,7 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
         overrun = max(r.get("link_overrun_s") or 0.0 for r in ranks) / measured
         record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
                             "ok": abs(worst) <= DILATION_TOLERANCE, "link_overrun_s": overrun,
-                            "links_ok": overrun <= DILATION_TOLERANCE * mean}
+                            "links_ok": links_ok(overrun, mean)}
     record.status = "ok"
 
 
