@@ -287,6 +287,9 @@ class Device:
     type: DeviceType
     speed: float  # multiplier on the type's effective FLOP/s
     step_overhead_s: float = 0.0  # seconds per training step that do not scale with the batch
+    # Seconds per parameter byte this device's optimizer step updates (emulated CPU workers: the
+    # part of the host's per-step time that a sharded parameter shrinks; step_overhead_s is the rest)
+    optimizer_s_per_byte: float = 0.0
 
     @property
     def effective_flops(self) -> float:
@@ -321,6 +324,12 @@ class ClusterSpec:
     virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
     host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
     host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
+    # ... of which Adam's per-byte part: seconds per parameter byte, and the bytes it covered
+    host_optimizer_s_per_byte: float = 0.0
+    host_param_bytes: float = 0.0
+    # Emulated CPU clusters: the least seconds a collective of each kind takes on this host's
+    # own transport (bench.hostlinks), whatever the emulated link; priced as a floor.
+    link_floor: tuple[tuple[str, float], ...] = ()
     # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
     inline_types: tuple[DeviceType, ...] = ()
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
@@ -330,6 +339,10 @@ class ClusterSpec:
             object.__setattr__(self, "device", _default_device(self.emulated, self.machines))
         devices = []
         machine = 0
+        # The host's per-step part splits into Adam's per-byte cost over the model's parameters
+        # and the rest; a device pays the rest, and the per-byte cost over what it holds.
+        adam_s = min(self.host_optimizer_s_per_byte * self.host_param_bytes, self.host_step_overhead_s)
+        per_byte = adam_s / self.host_param_bytes if self.host_param_bytes else 0.0
         for g in self.machines:
             base = self.device_type(g.device)
             dtype = replace(
@@ -341,8 +354,10 @@ class ClusterSpec:
                 for _ in range(g.num_devices):
                     # A slower emulated device takes 1/speed as long for everything it computes.
                     speed = g.speed
-                    overhead = self.host_step_overhead_s / speed if g.device == "cpu" else 0.0
-                    devices.append(Device(len(devices), machine, dtype, speed, overhead))
+                    host = g.device == "cpu"
+                    devices.append(Device(len(devices), machine, dtype, speed,
+                                          (self.host_step_overhead_s - adam_s) / speed if host else 0.0,
+                                          per_byte / speed if host else 0.0))
                 machine += 1
         object.__setattr__(self, "devices", tuple(devices))
 
@@ -367,9 +382,28 @@ class ClusterSpec:
     def total_effective_flops(self) -> float:
         return sum(d.effective_flops for d in self.devices)
 
-    def with_host_speed(self, flops: float, step_overhead_s: float = 0.0) -> "ClusterSpec":
-        """The same cluster with the host worker's measured speed filled in (bench.flops)."""
-        return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s)
+    def with_host_speed(self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0,
+                        param_bytes: float = 0.0) -> "ClusterSpec":
+        """The same cluster with the host worker's measured speed filled in (bench.flops.HostSpeed:
+        its fields in order)."""
+        return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s,
+                       host_optimizer_s_per_byte=optimizer_s_per_byte, host_param_bytes=param_bytes)
+
+    def at_run_speed(self, flops: float, step_overhead_s: float) -> "ClusterSpec":
+        """The same cluster at the host speed a run's own yardstick measured (whole plain steps,
+        bench.flops.yardstick): Adam's per-byte part scales with the per-step part."""
+        scale = step_overhead_s / self.host_step_overhead_s if self.host_step_overhead_s else 1.0
+        return self.with_host_speed(flops, step_overhead_s, self.host_optimizer_s_per_byte * scale,
+                                    self.host_param_bytes)
+
+    def with_link_floor(self, floor: dict[str, float]) -> "ClusterSpec":
+        """The same cluster with the host transport's measured floor per collective kind."""
+        return replace(self, link_floor=tuple(sorted(floor.items())))
+
+    def floor_s(self, kind: str) -> float:
+        """The host transport's least seconds for one `kind` call (0 where none was measured);
+        a reshard is one all-to-all."""
+        return dict(self.link_floor).get("all_to_all" if kind == "reshard" else kind, 0.0)
 
     def with_host_probe(self, probe_s: float) -> "ClusterSpec":
         """The same cluster behind a host that probes at `probe_s` (bench.flops.host_probe): its
@@ -385,7 +419,8 @@ class ClusterSpec:
         Inline device types count; packaged ones are keyed by name only. A cluster without
         inline types hashes as it did before they existed."""
         body = {k: v for k, v in asdict(self).items()
-                if k not in ("devices", "host_flops", "host_step_overhead_s")}
+                if k not in ("devices", "host_flops", "host_step_overhead_s", "host_optimizer_s_per_byte",
+                             "host_param_bytes", "link_floor")}
         if not self.inline_types:
             del body["inline_types"]
         if self.device == _default_device(self.emulated, self.machines):

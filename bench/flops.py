@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -58,13 +59,26 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
     return _counted[key]
 
 
-_host_speed_cache: dict[tuple, tuple[float, float]] = {}
+class HostSpeed(NamedTuple):
+    """One host worker thread training a workload: the emulated device of speed 1.0."""
+
+    flops_per_s: float  # the per-sample part of a plain step, as FLOP/s
+    step_overhead_s: float  # the per-step part (optimizer, per-op dispatch) of the whole model
+    # Of the per-step part, Adam's cost per parameter byte a rank updates, and the model's
+    # parameter bytes the per-step part was measured with (bench.cluster.ClusterSpec).
+    optimizer_s_per_byte: float = 0.0
+    param_bytes: float = 0.0
+
+
+_host_speed_cache: dict[tuple, HostSpeed] = {}
 REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check is this close
 # How the probe computes; a speed cached by an earlier way of probing is measured again
 # (2: bench.hostcpu's steady allocator and flushed denormals, as the workers compute;
 # 3: split_step's floor on the per-sample part lowered to MIN_PER_SAMPLE_SHARE;
-# 4: the two batch sizes take turns, reference_steps_s).
-PROBE_VERSION = 4
+# 4: the two batch sizes take turns, reference_steps_s;
+# 5: Adam's cost per parameter byte, optimizer_s_per_byte).
+PROBE_VERSION = 5
+ADAM_PROBE_MAX_BYTES = 64 << 20  # optimizer_s_per_byte times Adam over at most this many bytes
 MIN_PER_SAMPLE_SHARE = 0.1  # the least part of a step split_step attributes to its samples
 
 
@@ -88,20 +102,19 @@ def host_key(workload: Workload, batch_size: int, seed: int) -> str:
 
 
 def measure_host_speed(workload: Workload, batch_size: int, seed: int,
-                       repeats: int = 21, use_disk_cache: bool = True) -> tuple[float, float]:
+                       repeats: int = 21, use_disk_cache: bool = True) -> HostSpeed:
     """How fast one worker thread trains this workload: the emulated device of speed 1.0.
 
     Times whole training steps (forward, backward, Adam) single-threaded, as the workers run
     them, at `batch_size` and twice that, and splits a step into a part per sample and a part
-    per step (optimizer, per-op dispatch: the same whatever a rank's share).
+    per step (optimizer, per-op dispatch: the same whatever a rank's share). Of the per-step
+    part, Adam's cost per parameter byte is timed on its own (optimizer_s_per_byte): a rank
+    that holds a shard of a parameter updates that shard only.
 
     Measured once per host and workload: kept in this process and in `host_cache_file()`, and
     re-validated on each new process by a quick timing at `batch_size` (re-measured if it moved
     more than 10%). So efficiencies and the plans that depend on the host speed stay comparable
     across the cases of a sweep and across sweeps.
-
-    Returns:
-        (FLOP/s of the per-sample part, seconds of the per-step part).
     """
     b = max(batch_size, 1)
     key = (workload.name, repr(workload.model_cfg), b, seed)
@@ -111,15 +124,43 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
     cached = read_cache(path).get(disk_key) if use_disk_cache else None
     if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) \
             <= REVALIDATE_TOLERANCE:
-        _host_speed_cache[key] = (cached["flops_per_s"], cached["step_overhead_s"])
+        _host_speed_cache[key] = HostSpeed(cached["flops_per_s"], cached["step_overhead_s"],
+                                           cached["optimizer_s_per_byte"], cached["param_bytes"])
         return _host_speed_cache[key]
     t1, t2 = reference_steps_s(workload, (b, 2 * b), seed, repeats)
-    _host_speed_cache[key] = split_step(workload, (b, 2 * b), (t1, t2))
+    param_bytes = float(sum(p.numel() * p.element_size() for p in workload.build(seed).parameters()))
+    speed = HostSpeed(*split_step(workload, (b, 2 * b), (t1, t2)), optimizer_s_per_byte(param_bytes), param_bytes)
+    _host_speed_cache[key] = speed
     if use_disk_cache:
-        write_cache(path, disk_key, {"t1": t1, "flops_per_s": _host_speed_cache[key][0],
-                                     "step_overhead_s": _host_speed_cache[key][1], "workload": workload.name,
-                                     "batch_size": b})
-    return _host_speed_cache[key]
+        write_cache(path, disk_key, {"t1": t1, **speed._asdict(), "workload": workload.name, "batch_size": b})
+    return speed
+
+
+def optimizer_s_per_byte(param_bytes: float, repeats: int = 21) -> float:
+    """Seconds per parameter byte of one Adam step on one worker thread (as the workers compute,
+    bench.hostcpu): the step over one fp32 parameter of `param_bytes`, less the step over half
+    of it, the two taking turns (median of each), over the bytes between them. Adam reads and
+    writes four tensors per parameter (it, its gradient, two moments): memory-bound, so linear
+    in the bytes past a fixed cost per tensor, which stays with the per-step part (a shard is
+    still one tensor). Tiny VGG19 (5.6 MB of parameters) here: 0.86 ns per byte, 4.3 ms of its
+    6.2 ms Adam step and of its 12-14 ms per-step part. Past ADAM_PROBE_MAX_BYTES (far beyond
+    any cache) it is timed at that size."""
+    elements = max(int(min(param_bytes, ADAM_PROBE_MAX_BYTES)) // 4, 2)
+    sizes = (elements, elements // 2)
+    steps, times = [], [[], []]
+    for n in sizes:
+        p = torch.nn.Parameter(torch.zeros(n))
+        p.grad = torch.ones_like(p)
+        steps.append(torch.optim.Adam([p], lr=1e-6).step)
+    with emulated_device():
+        for i in range(repeats + 2):
+            for step, timed in zip(steps, times):
+                start = time.perf_counter()
+                step()
+                if i >= 2:  # the first steps allocate the moments
+                    timed.append(time.perf_counter() - start)
+    full, half = (statistics.median(t) for t in times)
+    return max(full - half, 0.0) / ((sizes[0] - sizes[1]) * 4)
 
 
 def split_step(workload: Workload, batches: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

@@ -77,6 +77,8 @@ class RunRecord:
     flops_per_iter: float | None = None
     host_flops_per_s: float | None = None  # measured speed of one emulated device of speed 1
     host_step_overhead_s: float | None = None  # and its per-step time that no batch share changes
+    host_optimizer_s_per_byte: float | None = None  # of that, Adam's seconds per parameter byte held
+    host_link_floor_s: dict | None = None  # per collective kind: the host transport's least seconds
     emulation: dict | None = None  # emulated clusters: headroom, per-rank achieved dilation, ok
     precision: dict | None = None  # precision, autocast dtype and TF32 flags in force (rank 0)
     rank_hardware: list[dict] | None = None  # per rank: GPU name, memory, driver, CUDA, NCCL; or CPU

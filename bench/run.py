@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import math
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -33,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds, links_ok
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
+from bench.hostlinks import host_floor
 from bench.interfaces import PlanningError, Workload
 from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, expect_modules, forks_workers, launch,
                           method_modules, start_server, wait_for_server)
@@ -297,9 +299,13 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         wait_for_server()  # the host's speed and the planner's time are measured on a quiet host
     if cluster.emulated and cluster.device == "cpu":
         per_device = -(-workload.global_batch // cluster.num_devices)
-        record.host_flops_per_s, record.host_step_overhead_s = measure_host_speed(
-            workload, per_device, cfg.seed)
-        cluster = cluster.with_host_speed(record.host_flops_per_s, record.host_step_overhead_s)
+        speed = measure_host_speed(workload, per_device, cfg.seed)
+        record.host_flops_per_s, record.host_step_overhead_s = speed.flops_per_s, speed.step_overhead_s
+        record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
+        cluster = cluster.with_host_speed(*speed)
+        if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
+            record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None)
+            cluster = cluster.with_link_floor(record.host_link_floor_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
         f"simulated {cluster.describe()}, planned on {platform.node()}")
@@ -347,7 +353,7 @@ def predict_at_run_speed(record: RunRecord, case: Case) -> None:
     models = [split_step(case.workload, s["batch"], s["seconds"]) for s in sticks]
     record.run_host_flops_per_s = statistics.median(m[0] for m in models)
     record.run_host_step_overhead_s = statistics.median(m[1] for m in models)
-    cluster = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
+    cluster = case.cluster.at_run_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
     sim = simulate(case.plan.program, cluster, case.plan.ratios)
     record.planned_iter_time_s = record.predicted_iter_time_s
     record.predicted_iter_time_s = sim.iter_time_s

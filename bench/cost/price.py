@@ -230,16 +230,38 @@ def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], 
     alpha, beta, agg = costs[key]
     if alpha == 0.0 and beta == 0.0:
         return 0.0
+    members = len(vdevs if c.devices is None else c.devices)
     if agg == "reshard":
         src, dst = c.rows
-        return 0.0 if src == dst else alg.reshard(alpha, beta * c.nbytes.const, src, dst)
+        price = 0.0 if src == dst else alg.reshard(alpha, beta * c.nbytes.const, src, dst)
+        return 0.0 if _is_zero(price) else floored(alg, price, cluster.floor_s("reshard"))  # 0: no call
+    # grouped: one broadcast (reduce) per member, each no faster than the host's transport
+    floor = (members * cluster.floor_s("broadcast" if c.kind == "all_gather" else "reduce") if agg == "sum"
+             else cluster.floor_s(c.kind))
     if c.nbytes.is_constant:
-        n = 1 if agg == "max" else len(vdevs if c.devices is None else c.devices)
-        return alpha + beta * c.nbytes.const * n
+        n = 1 if agg == "max" else members
+        return max(alpha + beta * c.nbytes.const * n, floor)
     groups = alike(vdevs, alg) if c.devices is None else [(d, 1) for d in c.devices]
     if agg == "sum":
-        return alpha + beta * alg.sum([n * alg.at(c.nbytes, d) if n > 1 else alg.at(c.nbytes, d) for d, n in groups])
-    return alpha + beta * alg.max([alg.at(c.nbytes, d) for d, _ in groups])
+        return floored(alg, alpha + beta * alg.sum([n * alg.at(c.nbytes, d) if n > 1 else alg.at(c.nbytes, d)
+                                                    for d, n in groups]), floor)
+    return floored(alg, alpha + beta * alg.max([alg.at(c.nbytes, d) for d, _ in groups]), floor)
+
+
+def _floor_term(cluster: ClusterSpec, kind: str) -> list[float]:
+    """The host transport's floor for a `kind` call as one more term of a max (none: [])."""
+    floor = cluster.floor_s(kind)
+    return [floor] if floor > 0.0 else []
+
+
+def floored(alg, price: Value, floor: float) -> Value:
+    """A collective's price, no less than the host transport's floor for its calls (emulated CPU
+    clusters, bench.hostlinks): the emulated link paces a real call, which ends when it ends.
+    The grouped calls' floor is charged on their sum (exact when every call is at or above its
+    floor, or every one below; the least it can be otherwise)."""
+    if floor <= 0.0:
+        return price
+    return max(price, floor) if isinstance(price, (int, float)) else alg.max([price, floor])
 
 
 def _intra(kind: str, v: VirtualDevice, cluster: ClusterSpec) -> tuple[float, float]:
@@ -270,7 +292,8 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
     if size <= 1 or not inside or c.kind == "reshard":
         return 0.0
     if c.grad:
-        return alg.max([a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]])
+        return alg.max([a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]]
+                       + _floor_term(cluster, "broadcast"))
     own = {d: alg.at(c.nbytes, d) for d in members}
     if c.kind in ("all_gather", "reduce_scatter"):
         full = (alg.sum([n * own[d] if n > 1 else own[d] for d, n in groups]) if c.impl == "grouped"
@@ -279,8 +302,10 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
         ins, outs = (own, whole) if c.kind == "all_gather" else (whole, own)
     else:  # all_reduce, all_to_all
         ins = outs = own
-    to_leader = alg.max([a + b * ins[d] for d in inside for a, b in [_intra("gather", vdevs[d], cluster)]])
-    back = alg.max([a + b * outs[d] for d in inside for a, b in [_intra("scatter", vdevs[d], cluster)]])
+    to_leader = alg.max([a + b * ins[d] for d in inside for a, b in [_intra("gather", vdevs[d], cluster)]]
+                        + _floor_term(cluster, "gather"))
+    back = alg.max([a + b * outs[d] for d in inside for a, b in [_intra("scatter", vdevs[d], cluster)]]
+                   + _floor_term(cluster, "scatter"))
     return to_leader + back
 
 
@@ -303,7 +328,7 @@ def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice],
         return 0.0
     terms = [alpha + beta * alg.at(st.grad_bytes, d) for d, _ in alike(vdevs, alg) if vdevs[d].num_gpus > 1
              for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", vdevs[d].num_gpus, cluster.intra_machine)]]
-    return alg.max(terms) if terms else 0.0
+    return alg.max(terms + _floor_term(cluster, "all_reduce")) if terms else 0.0
 
 
 def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> tuple[Value, Value]:
@@ -364,15 +389,23 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     optimizer = optimizer_time(program, vdevs, alg)
     if host_optimizer > 0:
         optimizer = alg.max([optimizer, host_optimizer])
-    return end + optimizer + per_step_s(program, cluster)
+    return end + optimizer + per_step_s(program, cluster, vdevs, alg)
 
 
-def per_step_s(program: Program, cluster: ClusterSpec) -> float:
+def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
     """Seconds of an iteration charged once, after its stages, on the slowest device: an
-    emulated worker's measured per-step overhead (bench.flops) plus the method's own host work
-    (Program.host_work_flops, at the device's FLOP/s: DeepSpeed's engine on CPU workers)."""
+    emulated worker's measured per-step overhead (bench.flops), Adam's per-byte cost over the
+    parameter bytes the device holds (all of them under data parallelism, its shard of a
+    sharded parameter), plus the method's own host work (Program.host_work_flops, at the
+    device's FLOP/s: DeepSpeed's engine on CPU workers)."""
     work = program.host_work_flops
-    return max(d.step_overhead_s + (work / d.effective_flops if work else 0.0) for d in cluster.devices)
+    terms = []
+    for d, _ in alike(vdevs, alg):
+        devices = [cluster.devices[r] for r in vdevs[d].ranks]  # a machine's GPUs hold its params alike
+        for fixed, per_byte in {(dev.step_overhead_s + (work / dev.effective_flops if work else 0.0),
+                                 dev.optimizer_s_per_byte) for dev in devices}:
+            terms.append(fixed + alg.at(program.memory.params, d) * per_byte if per_byte else fixed)
+    return alg.max(terms)
 
 
 class _FlopsRun:

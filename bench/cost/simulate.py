@@ -80,7 +80,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         stage_times=stage_times,
         comm_time_s=sum(c for c, _ in stage_times),
         compute_time_s=sum(p for _, p in stage_times),
-        per_step_s=per_step_s(program, cluster),
+        per_step_s=per_step_s(program, cluster, vdevs, FloatAlgebra(ratios)),
         memory_gib=memory,
         peak_mem_gib=peaks,
         oom=bool(oom_devices),

@@ -195,6 +195,9 @@ class HapPlanner:
             "device_types": sorted({(d.type.name, d.type.effective_flops, d.type.memory_gib, repr(d.type.compute))
                                     for d in cluster.devices}),
             "host_flops": cluster.host_flops,
+            # Adam's per-byte part of the per-step time prices a rank's parameter shard
+            "host_step": [cluster.host_step_overhead_s, cluster.host_optimizer_s_per_byte, cluster.host_param_bytes],
+            "link_floor": cluster.link_floor,  # the host transport's, under emulated links
             "global_batch": workload.global_batch,
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,

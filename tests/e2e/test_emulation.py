@@ -127,6 +127,7 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     the planner's (at the parent's probe) stays as planned_iter_time_s."""
     from bench.cost import simulate
     from bench.flops import split_step, yardstick_batches
+    from bench.hostlinks import _KINDS
     from bench.run import prepare_case, new_record
 
     cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
@@ -142,8 +143,11 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     case = prepare_case(cfg, new_record(cfg))  # the same plan, priced again at the run's speed
     models = sorted(split_step(case.workload, batches, r["yardstick"]["seconds"]) for r in ranks)
     assert record.run_host_flops_per_s == pytest.approx((models[0][0] + models[1][0]) / 2)
-    run = case.cluster.with_host_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
+    run = case.cluster.at_run_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
     assert record.predicted_iter_time_s == pytest.approx(simulate(case.plan.program, run, case.plan.ratios).iter_time_s)
     assert record.planned_iter_time_s == pytest.approx(
         simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s)
     assert [r["speed"] for r in ranks] == [1.0, 0.4]
+    # and with the host transport's floor under the emulated links, measured by real gloo calls
+    assert set(record.host_link_floor_s) == set(_KINDS) and all(0 < s < 0.1 for s in record.host_link_floor_s.values())
+    assert dict(case.cluster.link_floor) == pytest.approx(record.host_link_floor_s)

@@ -99,6 +99,44 @@ def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
     assert engine.iter_time_s == pytest.approx(0.010) and engine.per_step_s == pytest.approx(0.010)
 
 
+def test_adams_per_byte_part_follows_the_parameter_bytes_a_device_holds():
+    """Of a host's 6 ms per-step part, 4 ms is Adam over the model's 4 MB of parameters (1 ns a
+    byte). A device that holds all of them pays the whole 6 ms (over its speed, as before the
+    split); one that holds a 0.75 / 0.25 shard of 3 MB of them pays for the bytes it holds."""
+    import pulp
+
+    from bench.cost import simulate, virtual_devices
+    from bench.cost.price import LpAlgebra, per_step_s
+    from bench.program import Affine, Memory, Program
+
+    cfg = compose_config("cluster=local_hetero2")
+    spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, 0.006, 1e-9, 4e6)
+    assert [d.step_overhead_s for d in spec.devices] == pytest.approx([0.002, 0.005])
+    assert [d.optimizer_s_per_byte for d in spec.devices] == pytest.approx([1e-9, 2.5e-9])
+    whole = Program((), 2, memory=Memory(params=Affine(4e6)))
+    assert simulate(whole, spec, [[0.5, 0.5]]).per_step_s == pytest.approx(0.006 / 0.4)
+    sharded = Program((), 2, memory=Memory(params=Affine(1e6) + Affine.sharded(3e6)))
+    # fast: 2 ms + 1 ns x 3.25 MB; slow: 5 ms + 2.5 ns x 1.75 MB = 9.375 ms
+    assert simulate(sharded, spec, [[0.75, 0.25]]).per_step_s == pytest.approx(0.009375)
+    # The load balancer prices it the same way: the slow device's part falls as its share does.
+    prob = pulp.LpProblem("per_step", pulp.LpMinimize)
+    r = [[prob.add_variable("r0", 0, 1), prob.add_variable("r1", 0, 1)]]
+    t = per_step_s(sharded, spec, virtual_devices(spec, "gpu"), LpAlgebra(prob, r))
+    prob += t
+    prob += r[0][0] + r[0][1] == 1
+    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    at = [[r[0][0].value(), r[0][1].value()]]
+    assert pulp.value(t) == pytest.approx(simulate(sharded, spec, at).per_step_s)
+    assert pulp.value(t) < 0.009375 and at[0][1] < 0.25
+    # A run's yardstick times whole steps: the per-byte part scales with its per-step part.
+    slow = spec.at_run_speed(5e9, 0.012)
+    assert slow.host_optimizer_s_per_byte == pytest.approx(2e-9) and slow.host_param_bytes == 4e6
+    # A measured per-byte cost above the whole per-step part is held to it.
+    held = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, 0.002, 1e-9, 4e6)
+    assert [d.step_overhead_s for d in held.devices] == pytest.approx([0.0, 0.0])
+    assert held.devices[0].optimizer_s_per_byte == pytest.approx(0.5e-9)
+
+
 # Device types are data: conf/device/*.yaml, or inline in a cluster file.
 
 PACKAGED = ["H100-80", "H200", "A100-80", "A100-40", "V100-16", "V100-32", "P100-16", "L4", "T4", "cpu"]

@@ -121,6 +121,34 @@ def test_a_profiled_kind_is_priced_by_its_fit_and_the_others_by_the_link(tmp_pat
     assert simulate(prog, cl, [[0.5, 0.5]]).iter_time_s == pytest.approx(1e-3 + 1e8 / 1e8)
 
 
+def test_an_emulated_collective_takes_at_least_the_hosts_own_transport():
+    """The host's transport floor (bench.hostlinks) bounds each call from below: a small call is
+    priced at the floor, a large one at its link; grouped calls pay it once per call, and a
+    reshard that moves nothing makes no call. The LP prices it as the simulator does."""
+    cl = cluster(fast=1, slow=1, inter_gbps=8.0, virtual="gpu")  # 1e9 bytes/s, 30 us
+    floored = cl.with_link_floor({"all_reduce": 5e-4, "all_gather": 4e-4, "broadcast": 2e-4, "all_to_all": 3e-4})
+
+    def price(c: Collective, ratios=((0.5, 0.5),), spec=floored) -> float:
+        return simulate(Program((Stage((c,), Affine()),), 2, c.rows[1] + 1 if c.rows else 1), spec,
+                        [list(r) for r in ratios]).iter_time_s
+
+    small, large = Collective("all_reduce", Affine(1e3)), Collective("all_reduce", Affine(1e6))
+    assert price(small, spec=cl) == pytest.approx(3e-5 + 1e3 / 1e9)
+    assert price(small) == pytest.approx(5e-4)
+    assert price(large) == pytest.approx(price(large, spec=cl)) == pytest.approx(3e-5 + 1e6 / 1e9)
+    # grouped all-gather: one broadcast per member, each 30 us + its bytes: 2 x 200 us floor
+    grouped = Collective("all_gather", Affine.sharded(2e4), "grouped")
+    assert price(grouped) == pytest.approx(4e-4)
+    assert price(Collective("reshard", Affine(1e3), rows=(0, 1)), ((0.5, 0.5), (0.5, 0.5))) == 0.0
+    assert price(Collective("reshard", Affine(1e3), rows=(0, 1)), ((0.5, 0.5), (0.6, 0.4))) == pytest.approx(3e-4)
+    assert floored.fingerprint() == cl.fingerprint()  # a measurement of the host, not the cluster
+    # The load balancer: a padded all-gather of small shards sits on the floor (an LP term).
+    prog = Program((Stage((Collective("all_gather", Affine.sharded(2e5), "padded"), small), Affine.sharded(1e9)),), 2)
+    ratios, objective = balance_ratios(prog, floored)
+    assert objective == pytest.approx(simulate(prog, floored, ratios).iter_time_s, rel=1e-6)
+    assert simulate(prog, floored, ratios).comm_time_s == pytest.approx(4e-4 + 5e-4)
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "cannot be read"),
     ("{not json", "is not JSON"),
