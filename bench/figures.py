@@ -264,6 +264,7 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     is the simulator's figure for the same plan at the measured host speed.
     """
     from bench.flops import measure_host_speed
+    from bench.hostlinks import host_floor
     from bench.launch import launch
     from bench.records import summarize_times
     from bench.worker import Case
@@ -293,6 +294,7 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
         workload, cluster, seed = _tp_case(CP_VS_EV_REAL, d, "real")
         per_device = -(-workload.global_batch // cluster.num_devices)
         cluster = cluster.with_host_speed(*measure_host_speed(workload, per_device, seed, repeats=5))
+        cluster = cluster.with_link_floor(host_floor(cluster.num_devices))  # priced as bench.run does
         graph, points = tp.workload_points(workload, cluster)
         runs: list[tuple] = []  # (point, mean, std) of each plan run so far
         for point in points.values():
