@@ -139,8 +139,8 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
 def optimizer_s_per_byte(param_bytes: float, repeats: int = 21) -> float:
     """Seconds per parameter byte of one Adam step on one worker thread (as the workers compute,
     bench.hostcpu): the step over one fp32 parameter of `param_bytes`, less the step over half
-    of it, the two taking turns (median of each), over the bytes between them. Adam reads and
-    writes four tensors per parameter (it, its gradient, two moments): memory-bound, so linear
+    of it, the two taking turns (median of each), over the bytes between them. Adam reads four
+    tensors per parameter (it, its gradient, two moments) and writes three: memory-bound, so linear
     in the bytes past a fixed cost per tensor, which stays with the per-step part (a shard is
     still one tensor). Tiny VGG19 (5.6 MB of parameters) here: 0.86 ns per byte, 4.3 ms of its
     6.2 ms Adam step and of its 12-14 ms per-step part. Past ADAM_PROBE_MAX_BYTES (far beyond
