@@ -225,19 +225,20 @@ def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], 
     their leaders, on the slowest link the members span)."""
     costs = alg.__dict__.setdefault("_costs", {})  # per algebra: its cluster and devices are fixed
     key = (c.kind, c.impl, c.devices, id(vdevs))
+    members = len(vdevs if c.devices is None else c.devices)
     if key not in costs:
-        costs[key] = collective_cost(c, cluster, vdevs)
-    alpha, beta, agg = costs[key]
+        alpha, beta, agg = collective_cost(c, cluster, vdevs)
+        # The host transport's floor for the call (grouped: one broadcast or reduce per member)
+        floor = (members * cluster.floor_s("broadcast" if c.kind == "all_gather" else "reduce") if agg == "sum"
+                 else cluster.floor_s(c.kind))
+        costs[key] = alpha, beta, agg, floor
+    alpha, beta, agg, floor = costs[key]
     if alpha == 0.0 and beta == 0.0:
         return 0.0
-    members = len(vdevs if c.devices is None else c.devices)
     if agg == "reshard":
         src, dst = c.rows
         price = 0.0 if src == dst else alg.reshard(alpha, beta * c.nbytes.const, src, dst)
-        return 0.0 if _is_zero(price) else floored(alg, price, cluster.floor_s("reshard"))  # 0: no call
-    # grouped: one broadcast (reduce) per member, each no faster than the host's transport
-    floor = (members * cluster.floor_s("broadcast" if c.kind == "all_gather" else "reduce") if agg == "sum"
-             else cluster.floor_s(c.kind))
+        return 0.0 if _is_zero(price) else floored(alg, price, floor)  # 0: nothing moves, no call
     if c.nbytes.is_constant:
         n = 1 if agg == "max" else members
         return max(alpha + beta * c.nbytes.const * n, floor)
