@@ -403,6 +403,8 @@ class ClusterSpec:
     def floor_s(self, kind: str) -> float:
         """The host transport's least seconds for one `kind` call (0 where none was measured);
         a reshard is one all-to-all."""
+        if not self.link_floor:  # every cluster but an emulated CPU one: the search's hot path
+            return 0.0
         return dict(self.link_floor).get("all_to_all" if kind == "reshard" else kind, 0.0)
 
     def with_host_probe(self, probe_s: float) -> "ClusterSpec":

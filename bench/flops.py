@@ -89,16 +89,24 @@ def host_cache_file() -> Path:
     return Path(folder) / "host_speed.json"
 
 
-def host_key(workload: Workload, batch_size: int, seed: int) -> str:
-    """This host (name, processor, cores, torch) and this workload: what a speed belongs to."""
+def host_identity() -> list:
+    """This host as the caches key it: name, architecture, processor, cores, torch."""
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), platform.processor())
     except OSError:
         cpu = platform.processor()
-    body = [platform.node(), platform.machine(), cpu, os.cpu_count(), torch.__version__,
-            workload.name, repr(workload.model_cfg), batch_size, seed, PROBE_VERSION]
+    return [platform.node(), platform.machine(), cpu, os.cpu_count(), torch.__version__]
+
+
+def digest(body: list) -> str:
+    """A short stable key for a JSON-able list (a host cache's entry)."""
     return hashlib.sha256(json.dumps(body, default=str).encode()).hexdigest()[:16]
+
+
+def host_key(workload: Workload, batch_size: int, seed: int) -> str:
+    """This host (host_identity) and this workload: what a speed belongs to."""
+    return digest([*host_identity(), workload.name, repr(workload.model_cfg), batch_size, seed, PROBE_VERSION])
 
 
 def measure_host_speed(workload: Workload, batch_size: int, seed: int,

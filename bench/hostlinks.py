@@ -17,12 +17,9 @@ calls). Once per host and number of ranks, kept in the host cache beside the hos
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import queue
 import statistics
 import time
@@ -31,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench.compat import all_gather_single, reduce_scatter_single
-from bench.flops import host_cache_file, read_cache, write_cache
+from bench.flops import digest, host_cache_file, host_identity, read_cache, write_cache
 from bench.hostcpu import pin_to_core
 from bench.launch import _free_port
 
@@ -120,16 +117,16 @@ def measure_floor(num_ranks: int, context=None) -> dict[str, float]:
 
 
 def _key(num_ranks: int) -> str:
-    body = [platform.node(), platform.processor(), os.cpu_count(), len(os.sched_getaffinity(0)),
-            torch.__version__, num_ranks, FLOOR_VERSION]
-    return "links:" + hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
+    return "links:" + digest([*host_identity(), len(os.sched_getaffinity(0)), num_ranks, FLOOR_VERSION])
 
 
 def host_floor(num_ranks: int, context=None) -> dict[str, float]:
     """measure_floor, once per host and number of ranks: kept in this process and in the host
     cache, so that the plans priced with it stay the same from run to run (delete the cache
-    file, bench.flops.host_cache_file, to measure it again). A probe that fails is a warning
-    and no floor (nothing cached)."""
+    file, bench.flops.host_cache_file, to measure it again). {} for one rank; a probe that
+    fails is a warning and no floor (nothing cached)."""
+    if num_ranks <= 1:
+        return {}
     if num_ranks not in _floors:
         path, key = host_cache_file(), _key(num_ranks)
         cached = read_cache(path).get(key)
