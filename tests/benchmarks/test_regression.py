@@ -128,12 +128,18 @@ def _slow_python(frame, event, arg):  # a line tracer: every line of Python cost
 
 def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     """On a host slower at Python the planner's seconds grow past their tolerance; its time over
-    the yardstick timed beside it does not (the raw seconds failed on a day this VM ran the same
+    the yardstick timed beside it, for as long, does not (the raw seconds failed on a day this VM ran the same
     code 3x slower)."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
-    sticks = []
+    sticks, windows = [], []
     yardstick = regress.python_yardstick_s
-    monkeypatch.setattr(regress, "python_yardstick_s", lambda: sticks.append(yardstick()) or sticks[-1])
+
+    def timed(at_least_s):
+        windows.append(at_least_s)
+        sticks.append(yardstick(at_least_s))
+        return sticks[-1]
+
+    monkeypatch.setattr(regress, "python_yardstick_s", timed)
     plain = regress.sim_figures(["vgg19"], ["sfb"])
     sys.settrace(_slow_python)
     try:
@@ -142,6 +148,7 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
         sys.settrace(None)
     _, tol = regress.TOLERANCE["planner_time_rel"]
     seconds = [plain[key] * sticks[0], slow[key] * sticks[1]]
+    assert windows == pytest.approx(seconds)  # the yardstick is timed for as long as the planner ran
     assert seconds[1] > seconds[0] * (1 + tol)  # in seconds it would be a regression
     assert slow[key] < plain[key] * (1 + tol)  # in yardsticks it is not
     assert slow[key.replace("planner_time_rel", "states_expanded")] == plain[key.replace("planner_time_rel", "states_expanded")]
