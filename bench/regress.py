@@ -115,10 +115,11 @@ def python_yardstick_s(at_least_s: float = 0.0, repeats: int = 5) -> float:
 
     A mean over a window as long as the planning, not the fastest of a few: this VM's speed at
     Python moves 2x within a second (runs of 7.5 to 15 ms back to back), and a planner that
-    takes 0.6-4 s averages over those moves where 50 ms of yardstick does not. Timed so, the
-    figure's spread over six plans of each of four cases fell from 19-34% to 10-21% (coefficient
-    of variation), and the one failure it caused (ViT's sfb 3.3x its baseline, the planner's
-    seconds as usual) came from a yardstick timed in a fast 50 ms."""
+    takes 0.6-4 s averages over those moves where 50 ms of yardstick does not. Six plans of each
+    of four cases, both units from the same plans: coefficient of variation 11-22% (the largest
+    over the smallest 1.34-1.88x) against 26-34% (1.96-2.73x) for the fastest of 5 just before.
+    With that older unit and a one-sample baseline, the check once failed ViT's sfb at 3.3x while
+    the planner's seconds were as usual."""
     runs = []
     start = time.perf_counter()
     while len(runs) < repeats or time.perf_counter() - start < at_least_s:
@@ -161,7 +162,7 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
 
 def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
     """sim_figures `sessions` times over, each figure's median: the deterministic figures come
-    out the same every time, planner_time_rel does not (10-21% spread here), and a baseline is
+    out the same every time, planner_time_rel does not (11-22% spread here), and a baseline is
     what every later check is judged against."""
     runs = [sim_figures(models, methods) for _ in range(sessions)]
     keys = set.intersection(*(set(r) for r in runs))
