@@ -169,3 +169,18 @@ def test_a_rebaseline_of_the_sim_figures_keeps_the_measured_ones_and_where_they_
         assert body["measured_sessions"] == first["measured_sessions"] and body["note"] == note
         # where the measured figures come from: the first baseline's commit, not the rebaseline's
         assert body["measured_from"] == {"git_sha": first["git_sha"], "created": first["created"]}
+
+
+def test_a_rebaseline_over_sessions_plans_that_many_times_and_keeps_the_planner_figure_median(monkeypatch, tmp_path):
+    """The planner's figure moves from plan to plan (11-22% here); a baseline of one plan carried
+    that plan's luck into every check (one failed ViT's sfb at 3.3x it)."""
+    monkeypatch.setattr(regress, "BASELINE_FILE", tmp_path / "regression.json")
+    regress.write_baseline({"iter_over_compute:b": 1.3})
+    plans = iter([{"sim_iter_time_s:a": 0.9, "planner_time_rel:a": rel} for rel in (12.0, 30.0, 14.0)])
+    monkeypatch.setattr(regress, "sim_figures", lambda models, methods: next(plans))
+    assert regress.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
+    assert regress.load_baseline()["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 14.0,
+                                                   "iter_over_compute:b": 1.3}
+    assert next(plans, None) is None  # planned three times
+    # A check plans once; more sessions than one is a rebaseline's option only.
+    assert regress.main(["--sessions", "3"]) == 2
