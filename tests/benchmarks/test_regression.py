@@ -128,8 +128,8 @@ def _slow_python(frame, event, arg):  # a line tracer: every line of Python cost
 
 def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     """On a host slower at Python the planner's seconds grow past their tolerance; its time over
-    the yardstick timed beside it, for as long, does not (the raw seconds failed on a day this VM ran the same
-    code 3x slower)."""
+    the yardstick timed beside it, for as long, does not (the raw seconds failed on a day this VM
+    ran the same code 3x slower)."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
     sticks, windows = [], []
     yardstick = regress.python_yardstick_s
@@ -171,7 +171,7 @@ def test_a_rebaseline_of_the_sim_figures_keeps_the_measured_ones_and_where_they_
         assert body["measured_from"] == {"git_sha": first["git_sha"], "created": first["created"]}
 
 
-def test_a_rebaseline_over_sessions_plans_that_many_times_and_keeps_the_planner_figure_median(monkeypatch, tmp_path):
+def test_a_rebaseline_over_sessions_keeps_the_planner_figure_median_of_as_many_plans(monkeypatch, tmp_path):
     """The planner's figure moves from plan to plan (11-22% here); a baseline of one plan carried
     that plan's luck into every check (one failed ViT's sfb at 3.3x it)."""
     monkeypatch.setattr(regress, "BASELINE_FILE", tmp_path / "regression.json")
