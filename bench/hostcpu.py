@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 
 import torch
@@ -73,8 +72,10 @@ def steady_allocator() -> bool:
     global _steady
     if _steady is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
+            # The symbols this process has loaded, the C library's among them. Not
+            # ctypes.util.find_library("c"): it runs `ldconfig -p`, a child process that every
+            # worker started right after installing its fatal-signal handlers.
+            mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError):
             _steady = False
         else:

@@ -51,6 +51,16 @@ def test_a_steady_allocator_faults_no_pages_once_steps_repeat():
     assert sorted(faults)[len(faults) // 2] == 0 and sum(f == 0 for f in faults) >= 0.8 * len(faults), result
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_the_allocator_is_set_without_starting_a_process(monkeypatch):
+    """Every worker sets it right after installing its fatal-signal handlers: a child process
+    then (ctypes.util.find_library runs `ldconfig -p`) holds those handlers until it execs, and a
+    test looking for the workers once counted it as a third."""
+    monkeypatch.setattr(hostcpu, "_steady", None)
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda *a, **k: pytest.fail("it started a process"))
+    assert hostcpu.steady_allocator() is True
+
+
 def test_the_emulated_device_context_computes_on_one_thread_and_restores_the_count():
     threads = torch.get_num_threads()
     with hostcpu.emulated_device():
