@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.hostcpu import emulated_device
+from bench.hostcpu import cpu_model, emulated_device
 from bench.interfaces import Workload
 
 # FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
@@ -91,12 +91,7 @@ def host_cache_file() -> Path:
 
 def host_identity() -> list:
     """This host as the caches key it: name, architecture, processor, cores, torch."""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                    if line.startswith("model name")), platform.processor())
-    except OSError:
-        cpu = platform.processor()
-    return [platform.node(), platform.machine(), cpu, os.cpu_count(), torch.__version__]
+    return [platform.node(), platform.machine(), cpu_model(), os.cpu_count(), torch.__version__]
 
 
 def digest(body: list) -> str:

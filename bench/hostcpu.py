@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 
 import torch
 
@@ -39,6 +40,19 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 _steady: bool | None = None
+
+
+def cpu_model() -> str:
+    """The processor's name, from /proc/cpuinfo; else what `platform` says, which asks a child
+    process (`uname -p`), so only when there is no cpuinfo to read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def host_cores() -> int:

@@ -12,7 +12,6 @@ import contextlib
 import gc
 import math
 import os
-import platform
 import resource
 import time
 import traceback
@@ -148,7 +147,7 @@ def rank_hardware(device: torch.device) -> dict:
             "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
             "mps_active_thread_percentage": _env_number("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         }
-    return {"device": "cpu", "name": _cpu_model(), "cores": os.cpu_count(),
+    return {"device": "cpu", "name": hostcpu.cpu_model(), "cores": os.cpu_count(),
             "cores_usable": hostcpu.host_cores(), "threads": torch.get_num_threads()}
 
 
@@ -166,17 +165,6 @@ def _nvidia_driver() -> str | None:
     except pynvml.NVMLError:
         return None
     return version.decode() if isinstance(version, bytes) else version
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _env_number(name: str) -> float | None:
