@@ -69,6 +69,10 @@ class EmulationSettings:
     # A rank that waited on its peers while referencing discounts the pause's slowdown
     # (Emulator.discount_reference).
     pause_discount: bool = True
+    # gloo's threads at real-time priority, so that a collective never waits for the rank's
+    # compute to give up the core (bench.hostcpu.realtime_comm_threads). Off by default: a
+    # spinning gloo thread then holds its core for up to a second.
+    realtime_comm: bool = False
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
     @staticmethod

@@ -9,10 +9,11 @@ ran 7-11 ms per iteration over its emulated links. The cost model prices an emul
 collective as the longer of its link's time and this floor (bench.cost.price.flat_price).
 
 The floor is measured per collective kind with the calls the runtime makes, one element per
-rank, the workers bound to cores as emulated ranks are; the ranks take turns to come last while
-the others wait idle in the call, as in a run, and the last one's time counts (median over its
-calls). Once per host and number of ranks, kept in the host cache beside the host speed
-(bench.flops.host_cache_file).
+rank, the workers bound to cores as emulated ranks are and gloo's threads at real-time priority
+where the runs put them there (`emulation.realtime_comm`); the ranks take turns to come last
+while the others wait idle in the call, as in a run, and the last one's time counts (median over
+its calls). Once per host, number of ranks and priority, kept in the host cache beside the host
+speed (bench.flops.host_cache_file).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from bench.compat import all_gather_single, reduce_scatter_single
 from bench.flops import digest, host_cache_file, host_identity, read_cache, write_cache
-from bench.hostcpu import pin_to_core
+from bench.hostcpu import pin_to_core, realtime_comm_threads
 from bench.launch import _free_port
 
 FLOOR_VERSION = 1
@@ -40,7 +41,7 @@ CALLS = 12  # timed calls per kind; each rank in turn comes last
 # 0.4-0.6 ms from the last arrival in tiny VGG19's hap run)
 LATE_S = 0.002
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter")
-_floors: dict[int, dict[str, float]] = {}
+_floors: dict[tuple[int, bool], dict[str, float]] = {}  # by number of ranks and `realtime`
 log = logging.getLogger(__name__)
 
 
@@ -60,10 +61,12 @@ def _calls(rank: int, n: int) -> dict:
     }
 
 
-def _probe(rank: int, n: int, port: int, results) -> None:
+def _probe(rank: int, n: int, port: int, results, realtime: bool) -> None:
     pin_to_core(rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    if realtime:
+        realtime_comm_threads()
     try:
         calls = _calls(rank, n)
         for call in calls.values():  # warm-up: the first calls of a new process are slow
@@ -87,16 +90,18 @@ def _probe(rank: int, n: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def measure_floor(num_ranks: int, context=None) -> dict[str, float]:
+def measure_floor(num_ranks: int, context=None, realtime: bool = False) -> dict[str, float]:
     """Seconds of one small collective of each kind among `num_ranks` CPU worker processes on
     this host, from the last rank's arrival (module docstring); {} for one rank. `context`: the
     multiprocessing context to start them with (the launcher's forkserver when it runs; spawn
-    otherwise). RuntimeError when a probe process dies."""
+    otherwise); `realtime`: gloo's threads at real-time priority, as `emulation.realtime_comm`
+    puts a run's. RuntimeError when a probe process dies."""
     if num_ranks <= 1:
         return {}
     ctx = context or mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_probe, args=(r, num_ranks, port, results), daemon=True) for r in range(num_ranks)]
+    procs = [ctx.Process(target=_probe, args=(r, num_ranks, port, results, realtime),
+                         daemon=True) for r in range(num_ranks)]
     for p in procs:
         p.start()
     per_rank: dict[int, dict] = {}
@@ -116,27 +121,28 @@ def measure_floor(num_ranks: int, context=None) -> dict[str, float]:
     return {kind: statistics.median(t for times in per_rank.values() for t in times[kind]) for kind in _KINDS}
 
 
-def _key(num_ranks: int) -> str:
-    return "links:" + digest([*host_identity(), len(os.sched_getaffinity(0)), num_ranks, FLOOR_VERSION])
+def _key(num_ranks: int, realtime: bool) -> str:
+    what = [*host_identity(), len(os.sched_getaffinity(0)), num_ranks, FLOOR_VERSION]
+    return "links:" + digest(what + ["realtime"] if realtime else what)
 
 
-def host_floor(num_ranks: int, context=None) -> dict[str, float]:
-    """measure_floor, once per host and number of ranks: kept in this process and in the host
-    cache, so that the plans priced with it stay the same from run to run (delete the cache
-    file, bench.flops.host_cache_file, to measure it again). {} for one rank; a probe that
-    fails is a warning and no floor (nothing cached)."""
+def host_floor(num_ranks: int, context=None, realtime: bool = False) -> dict[str, float]:
+    """measure_floor, once per host, number of ranks and priority of gloo's threads: kept in
+    this process and in the host cache, so that the plans priced with it stay the same from run
+    to run (delete the cache file, bench.flops.host_cache_file, to measure it again). {} for
+    one rank; a probe that fails is a warning and no floor (nothing cached)."""
     if num_ranks <= 1:
         return {}
-    if num_ranks not in _floors:
-        path, key = host_cache_file(), _key(num_ranks)
+    if (num_ranks, realtime) not in _floors:
+        path, key = host_cache_file(), _key(num_ranks, realtime)
         cached = read_cache(path).get(key)
         if not isinstance(cached, dict) or set(cached) != set(_KINDS):
             try:
-                cached = measure_floor(num_ranks, context)
+                cached = measure_floor(num_ranks, context, realtime)
             except (RuntimeError, OSError) as exc:
                 log.warning("the host transport's floor was not measured (%s); emulated links are "
                             "priced without it", exc)
                 return {}
             write_cache(path, key, cached)
-        _floors[num_ranks] = cached
-    return _floors[num_ranks]
+        _floors[num_ranks, realtime] = cached
+    return _floors[num_ranks, realtime]

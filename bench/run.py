@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from bench.cluster import ClusterSpec, ConfigError
 from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds, links_ok
 from bench.flops import measure_host_speed, split_step, train_flops_per_sample
+from bench.hostcpu import host_cores
 from bench.hostlinks import host_floor
 from bench.interfaces import PlanningError, Workload
 from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, expect_modules, forks_workers, launch,
@@ -179,8 +180,16 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
     if not isinstance(discount, bool):
         raise ConfigError(f"emulation.pause_discount={discount!r} must be true or false; "
                           "e.g. emulation.pause_discount=false")
+    realtime = node.get("realtime_comm", False)
+    if not isinstance(realtime, bool):
+        raise ConfigError(f"emulation.realtime_comm={realtime!r} must be true or false; "
+                          "e.g. emulation.realtime_comm=false")
+    if realtime and num_ranks > host_cores():
+        # Two ranks' real-time gloo threads on one core held it for a second (README).
+        raise ConfigError(f"emulation.realtime_comm=true needs a core per rank: {num_ranks} ranks on "
+                          f"{host_cores()} cores; use emulation.realtime_comm=false")
     return EmulationSettings(headroom=float(headroom), reference_iters=refs, pin_cores=pin,
-                             pause_discount=discount)
+                             pause_discount=discount, realtime_comm=realtime)
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -304,7 +313,9 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
         cluster = cluster.with_host_speed(*speed)
         if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
-            record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None)
+            realtime = emulation_settings(cfg, cluster.num_devices).realtime_comm
+            record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None,
+                                                  realtime)
             cluster = cluster.with_link_floor(record.host_link_floor_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
@@ -328,7 +339,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.emulation = None if emulation is None else {
         "device": cluster.device, "headroom": emulation.headroom,
         "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores,
-        "pause_discount": emulation.pause_discount}
+        "pause_discount": emulation.pause_discount, "realtime_comm": emulation.realtime_comm}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)

@@ -271,7 +271,11 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         dist.barrier()
     precision = None
     peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
+    realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
     for it in range(pre + case.warmup_iters + case.measured_iters):
+        if pace_compute and emulator.settings.realtime_comm and it <= emulator.settings.SKIPPED:
+            with emulator.paused():  # again after the lazy set-up, which may start process groups
+                realtime = hostcpu.realtime_comm_threads()
         if it == pre + case.warmup_iters:
             emulator.reset_stats()
         if case.fail_rank == rank:
@@ -310,7 +314,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "loss_sums": losses,
         "peak_mem_gib": max(peak, peak_mem_gib(device)),
         "peak_mem_gib_per_iter": mems,
-        "emulation": {**emulator.report(probe_flops), "yardstick": host, "core": core} if emulated else None,
+        "emulation": ({**emulator.report(probe_flops), "yardstick": host, "core": core,
+                       "realtime_comm_threads": realtime} if emulated else None),
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
         "precision": precision,

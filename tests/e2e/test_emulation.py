@@ -26,11 +26,27 @@ def test_each_rank_reports_its_achieved_dilation(cfg_factory):
     assert record.emulation["headroom"] == EmulationSettings.auto_headroom(2)
     cores = sorted(os.sched_getaffinity(0))  # each rank bound to its own (bench.hostcpu.pin_to_core)
     assert [r["core"] for r in ranks] == [cores[0], cores[1 % len(cores)]]
+    assert record.emulation["realtime_comm"] is False  # gloo's threads at normal priority
+    assert [r["realtime_comm_threads"] for r in ranks] == [None, None]
     for r in ranks:
         assert r["unreferenced_intervals"] == 0
         assert r["achieved_dilation"] == pytest.approx(1 / r["speed"], rel=0.5)
         assert r["link_emulated_s"] > 0 and r["link_overrun_s"] >= 0  # the gradient all-reduces
     assert record.emulation["ok"] == (abs(record.emulation["max_error"]) <= 0.05)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core per rank")
+def test_real_time_gloo_threads_are_set_on_every_rank_and_recorded(cfg_factory):
+    """emulation.realtime_comm=true (bench.hostcpu.realtime_comm_threads): each rank's gloo
+    threads, its transport's event loop and its process group's worker(s), at SCHED_FIFO; None
+    only where the host refuses it."""
+    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "warmup_iters=1", "measured_iters=2",
+                      "emulation.realtime_comm=true")
+    record = run_case(cfg)
+    assert record.status == "ok", record.error
+    assert record.emulation["realtime_comm"] is True
+    counts = [r["realtime_comm_threads"] for r in record.emulation["ranks"]]
+    assert counts == [None, None] or all(n >= 2 for n in counts), counts
 
 
 def test_a_slow_device_takes_one_over_its_speed_through_the_worker():

@@ -6,7 +6,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec
+from bench.cluster import ClusterSpec, ConfigError
 from bench.flops import train_flops_per_sample
 from bench.records import load_records
 from bench.run import build_workload, group_options, run_case
@@ -76,6 +76,7 @@ def test_tiny_workloads_count_their_flops(model):
     (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
     (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
     (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
+    (["emulation.realtime_comm=yes"], "emulation.realtime_comm='yes' must be true or false"),
     (["method=hap", "mode=sim", "method.segmentation=random"],
      "method.segmentation='random' is unknown; valid: layers, flops, metis"),
     (["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head
@@ -115,3 +116,16 @@ def test_compare_refuses_bad_repeats_before_any_run(tmp_path, capsys, value):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: ") and "repeats=" in err and "\n" not in err
     assert not (tmp_path / "records.jsonl").exists()
+
+
+def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
+    from bench import run
+
+    cfg = cfg_factory("cluster=local_hetero4", "emulation.realtime_comm=true")
+    monkeypatch.setattr(run, "host_cores", lambda: 2)
+    with pytest.raises(ConfigError, match=r"emulation.realtime_comm=true needs a core per rank: 4 ranks "
+                                          r"on 2 cores; use emulation.realtime_comm=false"):
+        run.emulation_settings(cfg, 4)
+    monkeypatch.setattr(run, "host_cores", lambda: 4)
+    assert run.emulation_settings(cfg, 4).realtime_comm is True
+    assert run.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).realtime_comm is False

@@ -91,3 +91,46 @@ def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank
                                     text=True, check=True).stdout)
     assert out["core"] == out["allowed"][local_rank % len(out["allowed"])]
     assert out["now"] == out["thread"] == [out["core"]]
+
+
+# A fresh interpreter with a one-rank gloo process group (its transport loop and worker threads):
+# the policy of every thread after realtime_comm_threads, optionally with the host refusing.
+_REALTIME = r"""
+import json, os, sys, tempfile
+import torch.distributed as dist
+from bench import hostcpu
+if sys.argv[1] == "refuse":
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+    os.sched_setscheduler = refuse
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+counts = [hostcpu.realtime_comm_threads(), hostcpu.realtime_comm_threads()]
+threads = {}
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        threads[tid] = [f.read().strip(), os.sched_getscheduler(int(tid)) == os.SCHED_FIFO]
+print(json.dumps({"counts": counts, "main": str(os.getpid()), "threads": threads}))
+dist.destroy_process_group()
+"""
+
+
+def _realtime(mode: str) -> dict:
+    return json.loads(subprocess.run([sys.executable, "-c", _REALTIME, mode], capture_output=True,
+                                     text=True, check=True).stdout)
+
+
+def test_gloo_threads_and_only_they_run_at_real_time_priority_where_the_host_allows():
+    out = _realtime("allow")
+    gloo = {tid for tid, (name, _) in out["threads"].items() if name.startswith(("gloo", "pt_gloo"))}
+    assert len(gloo) >= 2  # the transport's event loop and the process group's worker(s)
+    fifo = {tid for tid, (_, rt) in out["threads"].items() if rt}
+    if out["counts"][0] is None:  # this host refuses real-time priority: nothing changed
+        assert out["counts"] == [None, None] and fifo == set()
+    else:
+        assert out["counts"] == [len(gloo), len(gloo)] and fifo == gloo and out["main"] not in fifo
+
+
+def test_a_host_that_refuses_real_time_priority_gets_none():
+    out = _realtime("refuse")
+    assert out["counts"] == [None, None]
+    assert not any(rt for _, rt in out["threads"].values())

@@ -11,21 +11,27 @@ def test_the_probe_times_every_kind_the_emulator_paces():
     assert {kind for kind, _ in _COLLECTIVES.values()} <= set(hostlinks._KINDS)
 
 
-def test_the_floor_is_measured_once_per_host_and_number_of_ranks(monkeypatch, tmp_path):
+def test_the_floor_is_measured_once_per_host_number_of_ranks_and_priority(monkeypatch, tmp_path):
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(hostlinks, "_floors", {})
     measured = []
 
-    def fake(num_ranks, context=None):
-        measured.append(num_ranks)
-        return {kind: 1e-4 * num_ranks for kind in hostlinks._KINDS}
+    def fake(num_ranks, context=None, realtime=False):
+        measured.append((num_ranks, realtime))
+        return {kind: 1e-4 * num_ranks * (3 if realtime else 1) for kind in hostlinks._KINDS}
 
     monkeypatch.setattr(hostlinks, "measure_floor", fake)
     assert hostlinks.host_floor(2) == {kind: pytest.approx(2e-4) for kind in hostlinks._KINDS}
-    assert hostlinks.host_floor(2) and measured == [2]  # this process keeps it
+    assert hostlinks.host_floor(2) and measured == [(2, False)]  # this process keeps it
     monkeypatch.setattr(hostlinks, "_floors", {})  # a new process reads the host cache
-    assert hostlinks.host_floor(2)["gather"] == pytest.approx(2e-4) and measured == [2]
-    assert hostlinks.host_floor(4)["gather"] == pytest.approx(4e-4) and measured == [2, 4]
+    assert hostlinks.host_floor(2)["gather"] == pytest.approx(2e-4) and measured == [(2, False)]
+    assert hostlinks.host_floor(4)["gather"] == pytest.approx(4e-4) and measured == [(2, False), (4, False)]
+    # gloo's threads at real-time priority (emulation.realtime_comm=true): a floor of its own
+    assert hostlinks.host_floor(2, realtime=True)["gather"] == pytest.approx(6e-4)
+    monkeypatch.setattr(hostlinks, "_floors", {})
+    assert hostlinks.host_floor(2, realtime=True)["gather"] == pytest.approx(6e-4)
+    assert hostlinks.host_floor(2)["gather"] == pytest.approx(2e-4)
+    assert measured == [(2, False), (4, False), (2, True)]
 
 
 def test_one_rank_has_no_floor():
@@ -36,7 +42,7 @@ def test_a_failed_probe_is_a_warning_and_no_floor(monkeypatch, tmp_path, caplog)
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(hostlinks, "_floors", {})
 
-    def dies(num_ranks, context=None):
+    def dies(num_ranks, context=None, realtime=False):
         raise RuntimeError("a transport probe process exited with [-9, None]")
 
     monkeypatch.setattr(hostlinks, "measure_floor", dies)
