@@ -299,6 +299,8 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     model_cfg, record.global_batch, data = check_workload(cfg, cluster)
     if cfg.mode == "real":
         _check_hardware(cluster, world_size)
+    # Validated for this cluster before any worker starts (realtime_comm needs a core per rank).
+    emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
     forked = launching and forks_workers(cluster)
     if forked:
         start_server(method, model_cfg)
@@ -313,9 +315,8 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
         cluster = cluster.with_host_speed(*speed)
         if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
-            realtime = emulation_settings(cfg, cluster.num_devices).realtime_comm
             record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None,
-                                                  realtime)
+                                                  emulation.realtime_comm)
             cluster = cluster.with_link_floor(record.host_link_floor_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
@@ -332,7 +333,6 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.predicted_compute_s = _compute_s(sim)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
-    emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
     if emulation is not None and cluster.device == "cuda":
         # Real kernels at MPS shares: no slow motion, no pacing reference (bench.emulation).
         emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
