@@ -72,6 +72,17 @@ def _repeats_interval(row: dict) -> Summary | None:
     return Summary(**agg) if agg else None
 
 
+def memory_error(row: dict) -> float | None:
+    """The mean over a row's ranks of |predicted - measured| / measured peak tensor memory: each
+    CPU rank's peak of live tensor bytes (`tensor_peak_gib`) against the simulator's peak for its
+    device (`predicted_peak_mem_gib`). None where the row has no such measurement, or where its
+    devices are not one rank each (a machine planned as one device)."""
+    measured, predicted = row.get("tensor_peak_gib"), row.get("predicted_peak_mem_gib")
+    if not measured or not predicted or len(measured) != len(predicted) or not all(measured):
+        return None
+    return statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured))
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per-case errors, MAPE overall and per method, tau per (model, cluster)."""
     cases = [r for r in rows if r.get("status") == "ok" and r.get("predicted_iter_time_s")]
@@ -83,6 +94,7 @@ def summarize(rows: list[dict]) -> dict:
         r["compute_s"] = emulated_compute_s(r.get("emulation")) or (r.get("emulation") or {}).get("compute_s")
         # Part of the rest: how far the real collectives ran past the emulated links (bench.run)
         r["link_overrun_s"] = (r.get("emulation") or {}).get("link_overrun_s")
+        r["memory_error"] = memory_error(r)
     planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
                for r in cases if r.get("planned_iter_time_s")]
     # The same predictions with their compute part swapped for the compute measured in the run:
@@ -93,6 +105,9 @@ def summarize(rows: list[dict]) -> dict:
                / r["iter_time_s_mean"] for r in cases if r.get("compute_s") and r.get("predicted_compute_s")]
     methods = sorted({r["method"] for r in cases})
     by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
+    with_memory = [r for r in cases if r["memory_error"] is not None]
+    memory_by_method = {m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
+                        for m in sorted({r["method"] for r in with_memory})}
     taus, taus_all, separated_pairs = {}, {}, {}
     for model, cluster in sorted({(r["model"], r["cluster"]) for r in cases}):
         group = [r for r in cases if (r["model"], r["cluster"]) == (model, cluster)]
@@ -110,12 +125,16 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
                                          "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
-                                         "link_overrun_s", "run_host_flops_per_s", "aggregate")} for r in cases],
+                                         "link_overrun_s", "run_host_flops_per_s", "tensor_peak_gib",
+                                         "predicted_peak_mem_gib", "memory_error", "aggregate")} for r in cases],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
         # The same cases priced at the parent's probe of the host (what the planner saw).
         "mape_planned": statistics.fmean(planned) if planned else None,
         "mape_outside_compute": statistics.fmean(outside) if outside else None,
         "mape_by_method": by_method,
+        # Each rank's peak of live tensor bytes against its device's predicted peak (CPU ranks)
+        "memory_mape": statistics.fmean(r["memory_error"] for r in with_memory) if with_memory else None,
+        "memory_mape_by_method": memory_by_method,
         # Over the pairs of methods whose measured intervals separate them, and over all pairs.
         "kendall_tau": taus,
         "kendall_tau_all": taus_all,
@@ -126,10 +145,10 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    console = Console(width=140)
+    console = Console(width=170)
     table = Table(title="simulator vs measurement (emulated clusters)")
     for col in ("model", "cluster", "method", "measured ms", "predicted ms", "error", "compute ms meas/pred",
-                "rest ms meas/pred"):
+                "rest ms meas/pred", "peak MiB meas/pred", "mem error"):
         table.add_column(col, justify="left" if col in ("model", "cluster", "method") else "right")
 
     def pair(meas, pred) -> str:
@@ -143,9 +162,11 @@ def print_summary(summary: dict) -> None:
         span = (c.get("aggregate") or {}).get("iter_time_s")
         if span:  # the median of the repeats and its interval
             measured += f" [{span['low'] * 1e3:.1f}-{span['high'] * 1e3:.1f}]"
+        mem, pmem = c.get("tensor_peak_gib"), c.get("predicted_peak_mem_gib")
+        peaks = "-" if c.get("memory_error") is None else f"{max(mem) * 1024:.1f} / {max(pmem) * 1024:.1f}"
         table.add_row(c["model"], c["cluster"], c["method"], measured,
                       f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}", pair(comp, pcomp),
-                      pair(rest, prest))
+                      pair(rest, prest), peaks, "-" if c.get("memory_error") is None else f"{c['memory_error']:.0%}")
     console.print(table)
     taus = Table(title="ordering of methods: Kendall tau (measured vs predicted)")
     taus.add_column("model/cluster")
@@ -161,6 +182,11 @@ def print_summary(summary: dict) -> None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
         console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
                       "host speed each run's ranks measured (bench.flops.yardstick)")
+    if summary.get("memory_mape") is not None:
+        per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
+        cases = sum(c.get("memory_error") is not None for c in summary["cases"])
+        console.print(f"peak tensor memory: MAPE {summary['memory_mape']:.1%} over {cases} cases ({per}); each "
+                      "CPU rank's live tensor bytes against its device's predicted peak")
     if summary.get("mape_planned") is not None:
         console.print(f"MAPE {summary['mape_planned']:.1%} priced at the parent's probe of the host (what the "
                       "planner planned with)")

@@ -68,6 +68,9 @@ class RunRecord:
     predicted_oom: bool | None = None
     planner_time_s: float | None = None
     peak_mem_gib: list[float] | None = None  # per rank
+    # per CPU rank: the peak of its live tensor bytes in its last lazy set-up iteration, the
+    # steady state the cost model predicts (bench.tensor_memory; CUDA's is peak_mem_gib_per_iter)
+    tensor_peak_gib: list[float | None] | None = None
     loss_first: float | None = None  # mean loss per target, first and last iteration
     loss_last: float | None = None
     loss_per_iter: list[float] | None = None  # mean loss per target, per measured iteration

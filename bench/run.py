@@ -515,6 +515,8 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
     record.iter_time_s_mean, record.iter_time_s_std = mean, std
     fill_rates(record, mean, workload.global_batch, workload.model_cfg.tokens_per_sample)
     record.peak_mem_gib = [r["peak_mem_gib"] for r in results]
+    if any(r.get("tensor_peak_gib") is not None for r in results):
+        record.tensor_peak_gib = [r.get("tensor_peak_gib") for r in results]
     loss_sums = [sum(step) for step in zip(*(r["loss_sums"] for r in results))]
     record.loss_first = loss_sums[0] / workload.targets_per_iter
     record.loss_last = loss_sums[-1] / workload.targets_per_iter

@@ -27,6 +27,7 @@ from bench.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, 
 from bench.flops import pause_penalty, yardstick, yardstick_batches
 from bench.interfaces import Plan, RankContext, Workload
 from bench.shares import offsets
+from bench.tensor_memory import TensorBytes
 
 
 @dataclass
@@ -248,22 +249,28 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         dist.barrier()  # every rank probes at once, sharing the GPU as in training
         probe_flops = measure_matmul_flops(device)
     workload = case.workload
-    model = workload.build(case.seed).to(device)
-    ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
-    with emulator.paused():  # set-up is not part of an iteration: not emulated
-        trainer = case.method.setup(case.plan, model, ctx)
-    data = workload.model_cfg.dataset(
-        workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
-        case.seed,
-    )
-    start, stop = offsets(case.plan.batch_shares)[rank]
-    iter_times, losses, mems = [], [], []
     # Emulated ranks first run full-pace iterations that set their pacing reference (not
     # when a test checks exactness step by step: it needs exactly its own steps).
     # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
     refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
     shared = emulator.settings.reference is not None
     pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
+    # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
+    # iterations, which no clock times; the peak is the last of them's (bench.tensor_memory).
+    tensors = TensorBytes() if pre else None
+    with tensors or contextlib.nullcontext():
+        model = workload.build(case.seed).to(device)
+        ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
+        with emulator.paused():  # set-up is not part of an iteration: not emulated
+            trainer = case.method.setup(case.plan, model, ctx)
+    if not case.return_state:  # what the trainer does not hold (hap's unsharded copies) is freed
+        del model
+    data = workload.model_cfg.dataset(
+        workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
+        case.seed,
+    )
+    start, stop = offsets(case.plan.batch_shares)[rank]
+    iter_times, losses, mems = [], [], []
     host = None
     if pre and refs:  # before its references, every rank at once: the host as this run meets it
         dist.barrier()
@@ -291,8 +298,11 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         emulator.begin_iteration(it)
         if pre and refs and it == pre and emulator.settings.pause_discount:  # reference set: discount waiting
             _discount_pause(emulator, workload, case.plan.batch_shares[rank], case.seed)
+        counted = tensors is not None and it < emulator.settings.SKIPPED
+        if counted and it == emulator.settings.SKIPPED - 1:
+            tensors.reset_peak()
         t0 = time.perf_counter()
-        with step_context(case.precision, device):
+        with step_context(case.precision, device), (tensors if counted else contextlib.nullcontext()):
             precision = precision or precision_in_force(case.precision, device)
             loss = trainer.step(batch)
         if case.slowdown:
@@ -313,6 +323,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "iter_times_s": iter_times,
         "loss_sums": losses,
         "peak_mem_gib": max(peak, peak_mem_gib(device)),
+        "tensor_peak_gib": None if tensors is None else tensors.peak / 2**30,
         "peak_mem_gib_per_iter": mems,
         "emulation": ({**emulator.report(probe_flops), "yardstick": host, "core": core,
                        "realtime_comm_threads": realtime} if emulated else None),

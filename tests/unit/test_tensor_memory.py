@@ -1,0 +1,58 @@
+"""bench.tensor_memory: a CPU rank's live tensor bytes, counted op by op."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from bench.tensor_memory import TensorBytes
+
+MIB = 2**20
+
+
+def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
+    """Parameters, gradients, two moments and the square roots torch's multi-tensor Adam takes of
+    every second moment at once: the cost model's optimizer_step (bench.program.Memory)."""
+    tensors = TensorBytes()
+    with tensors:
+        model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of parameters
+        opt = torch.optim.Adam(model.parameters(), foreach=True)
+    x = torch.randn(8, 1024)
+    for step in range(2):
+        with tensors:
+            if step == 1:
+                tensors.reset_peak()
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    step_count = 4  # Adam's step, a one-element fp32 tensor
+    assert tensors.peak == 5 * 4 * MIB + step_count
+    assert tensors.live == 3 * 4 * MIB + step_count  # parameters, moments; the gradient set to None
+
+
+def test_views_share_their_base_and_what_was_made_before_is_not_counted():
+    before = torch.zeros(MIB // 4)
+    tensors = TensorBytes()
+    with tensors:
+        base = torch.empty(MIB // 4)  # 1 MiB
+        halves = base.view(2, -1)
+        before + 1  # a new 1 MiB result, freed at once
+    assert tensors.live == MIB and tensors.peak == 2 * MIB
+    del base, halves
+    assert tensors.live == 0  # freed with the mode left: still uncounted
+
+
+def test_a_storage_resized_in_place_and_one_freed_on_another_thread_are_counted_right():
+    tensors = TensorBytes()
+    with tensors:
+        t = torch.empty(256)
+        t.resize_(MIB // 4)
+        t.add_(0)  # seen again: counted at its new size
+    assert tensors.live == MIB
+    box = [t]
+    del t
+    worker = threading.Thread(target=box.clear)
+    worker.start()
+    worker.join()
+    assert tensors.live == 0 and tensors.peak == MIB
