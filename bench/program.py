@@ -219,13 +219,17 @@ class Memory:
     grads: Affine = Affine()
     optimizer: Affine = Affine()  # Adam: two fp32 moments per parameter
     activations: Affine = Affine()  # everything forward keeps for backward
+    # What the framework holds besides: DDP's gradient buckets, a flat copy of every gradient
+    # (gradient_as_bucket_view off, its default; tiny VGG19's dp_ev held 32.8 MiB of tensors a
+    # rank, 26.7 priced without them, 32.0 with)
+    buckets: Affine = Affine()
 
     def total(self) -> Affine:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.resident() + self.activations
 
     def resident(self) -> Affine:
-        """What stays for the whole iteration: parameters, gradients, optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """What stays for the whole iteration: parameters, gradients, optimizer state, buckets."""
+        return self.params + self.grads + self.optimizer + self.buckets
 
     def optimizer_step(self) -> Affine:
         """What a device holds while Adam steps: the resident state plus half the optimizer
@@ -237,7 +241,7 @@ class Memory:
         return self.resident() + self.optimizer.scale(0.5)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations")}
+        return {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")}
 
     @staticmethod
     def from_json(d: dict) -> "Memory":
@@ -333,6 +337,7 @@ def data_parallel_program(
     optimizer_bytes_per_param_byte: float = 2.0,
     backward_factor: float = 2.0,
     granularity: str = "gpu",
+    bucket_copies: bool = False,
     meta: dict[str, Any] | None = None,
 ) -> Program:
     """The Program of DDP training with the batch split by the (single segment) ratios.
@@ -350,6 +355,8 @@ def data_parallel_program(
         optimizer_bytes_per_param_byte: optimizer state per parameter byte (Adam: 2).
         backward_factor: backward FLOPs / forward FLOPs of layers that do not give theirs.
         granularity: whether a device is a GPU or a machine (DP inside it).
+        bucket_copies: the gradients' buckets are a copy of them (torch's DDP), not the
+            gradients' own storage (hap's runtime: methods.hap.runtime.GradBuckets).
 
     Stages: forward + the backward of the last layers up to the first full bucket; then one
     stage per bucket whose all-reduce overlaps the backward of the layers before it.
@@ -404,5 +411,6 @@ def data_parallel_program(
         grads=Affine(param_bytes),
         optimizer=Affine(param_bytes * optimizer_bytes_per_param_byte),
         activations=Affine.sharded(activation_bytes_per_sample * global_batch),
+        buckets=Affine(param_bytes if bucket_copies else 0.0),
     )
     return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}))

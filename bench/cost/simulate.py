@@ -65,6 +65,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
             "params": program.memory.params.at(ratios, v.index),
             "grads": program.memory.grads.at(ratios, v.index),
             "optimizer": program.memory.optimizer.at(ratios, v.index),
+            "buckets": program.memory.buckets.at(ratios, v.index),
             # Data parallel inside a machine: each GPU keeps the activations of its share.
             "activations": program.memory.activations.at(ratios, v.index) / v.num_gpus,
         }

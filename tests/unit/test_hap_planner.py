@@ -182,15 +182,18 @@ def test_activations_count_what_autograd_keeps():
         def forward(self, x, y):
             h = x + 1.0  # add keeps nothing, but fc reads h in backward
             z = F.dropout(torch.relu(self.fc(h)), 0.1)  # relu keeps its output, dropout a mask
-            return F.cross_entropy(z + x, y, reduction="sum")
+            s = F.dropout(torch.softmax(z * 0.5, -1), 0.0)  # a product with a number keeps nothing;
+            return F.cross_entropy(s * z + x, y, reduction="sum")  # nor does dropout at p = 0
 
     with torch.device("meta"):
         model = Block()
     g = capture(model, (torch.empty(4, 8, device="meta"), torch.empty(4, dtype=torch.long, device="meta")))
     saved = g.saved_bytes_factor()
-    by_op = {g[t].op: f for t, f in saved.items()}
-    assert by_op["add"] == 1.0  # the add output, read by fc's and the loss's backward
-    assert by_op["relu"] == 1.0 and by_op["dropout"] == pytest.approx(0.25)
+    kept = sorted((g[t].op, f) for t, f in saved.items())
+    # h (read by fc), relu's output, z (read by s * z) and its dropout mask (a byte an element),
+    # the softmax's output (read by s * z through the dropout that drops nothing) and the loss's
+    # input: kept once, and twice more for the gradients backward starts with
+    assert kept == [("add", 1.0), ("add", 3.0), ("dropout", 1.25), ("relu", 1.0), ("softmax", 1.0)]
     assert "fc_weight" not in saved and "x" not in saved
     assert g.activation_bytes() == pytest.approx(sum(g[t].nbytes * f for t, f in saved.items()))
 
