@@ -256,7 +256,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     shared = emulator.settings.reference is not None
     pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
     # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
-    # iterations, which no clock times; the peak is the last of them's (bench.tensor_memory).
+    # iterations, which no clock times; its peak is that of the last of them (bench.tensor_memory).
     tensors = TensorBytes() if pre else None
     with tensors or contextlib.nullcontext():
         model = workload.build(case.seed).to(device)
