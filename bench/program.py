@@ -216,20 +216,28 @@ class Memory:
     machine-level device divides activations among its GPUs)."""
 
     params: Affine = Affine()
-    grads: Affine = Affine()
+    grads: Affine = Affine()  # every gradient, as the optimizer steps
     optimizer: Affine = Affine()  # Adam: two fp32 moments per parameter
     activations: Affine = Affine()  # everything forward keeps for backward
     # What the framework holds besides: DDP's gradient buckets, a flat copy of every gradient
     # (gradient_as_bucket_view off, its default; tiny VGG19's dp_ev held 32.8 MiB of tensors a
     # rank, 26.7 priced without them, 32.0 with)
     buckets: Affine = Affine()
-
-    def total(self) -> Affine:
-        return self.resident() + self.activations
+    # (gradients made, activations still kept) at the points of backward where a device's
+    # peak may fall (backward_sweep); empty: every gradient beside every activation.
+    backward: tuple[tuple[Affine, Affine], ...] = ()
 
     def resident(self) -> Affine:
-        """What stays for the whole iteration: parameters, gradients, optimizer state, buckets."""
+        """What a device holds once backward is done: parameters, gradients, optimizer state, buckets."""
         return self.params + self.grads + self.optimizer + self.buckets
+
+    def backward_points(self) -> tuple[tuple[Affine, Affine], ...]:
+        """(everything but activations, activations) at each point of backward where the peak
+        may fall. Gradients are made as backward goes while the activations it has passed are
+        freed: a transformer peaks as backward starts, before any gradient exists (BERT at 8 to
+        128 samples on an H200: 0.41 GiB, its gradients' bytes, below all of both together)."""
+        held = self.params + self.optimizer + self.buckets
+        return tuple((held + g, a) for g, a in (self.backward or ((self.grads, self.activations),)))
 
     def optimizer_step(self) -> Affine:
         """What a device holds while Adam steps: the resident state plus half the optimizer
@@ -241,11 +249,84 @@ class Memory:
         return self.resident() + self.optimizer.scale(0.5)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")}
+        out: dict[str, Any] = {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")}
+        if self.backward:
+            out["backward"] = [[g.to_json(), a.to_json()] for g, a in self.backward]
+        return out
 
     @staticmethod
     def from_json(d: dict) -> "Memory":
-        return Memory(**{k: Affine.from_json(v) for k, v in d.items()})
+        backward = tuple((Affine.from_json(g), Affine.from_json(a)) for g, a in d.get("backward", ()))
+        return Memory(**{k: Affine.from_json(v) for k, v in d.items() if k != "backward"}, backward=backward)
+
+
+def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tuple[int, Affine]],
+                   made_before: Affine = Affine()) -> tuple[tuple[Affine, Affine], ...]:
+    """Memory.backward of one iteration: (gradients made, activations kept) as backward passes
+    each forward position, reduced to the points where a device's peak may fall.
+
+    Args:
+        grads: (position, bytes) per parameter: backward makes its gradient at that position,
+            its parameter's last use in forward.
+        activations: (position, bytes) per kept tensor: held until backward has passed that
+            position, the first op that keeps it.
+        made_before: gradient storage that exists before backward starts (buckets the
+            gradients accumulate into).
+
+    A point is left out when, coefficient by coefficient, it is at most a mixture of two points
+    kept: with ratios >= 0 it is then below one of them for every ratio (the points go on a chain
+    like a convex hull's, ordered by gradient bytes). Along a stack of equal layers only the
+    first and last layer's points remain.
+    """
+    made: dict[int, Affine] = {}
+    freed: dict[int, Affine] = {}
+    for pos, b in grads:
+        made[pos] = made.get(pos, Affine()) + b
+    for pos, b in activations:
+        freed[pos] = freed.get(pos, Affine()) + b
+    positions = sorted(made.keys() | freed.keys())
+    kept, a = [], Affine()
+    for pos in positions:  # kept while backward is at pos: what is freed there or before it
+        a = a + freed.get(pos, Affine())
+        kept.append(a)
+    g = made_before
+    points: list[tuple[Affine, Affine]] = []
+    for pos, a in zip(reversed(positions), reversed(kept)):
+        g = g + made.get(pos, Affine())
+        points.append((g, a))
+    segments = sorted({seg for pair in points for x in pair for seg, _ in x.coef})
+
+    def vector(x: Affine) -> tuple[float, ...]:
+        coef = dict(x.coef)
+        return (x.const, *(coef.get(seg, 0.0) for seg in segments))
+
+    chain: list[tuple[tuple[float, ...], float, tuple[Affine, Affine]]] = []  # (coefficients, gradient bytes, point)
+    for g, a in points:
+        gv = vector(g)
+        vec, t = gv + vector(a), sum(gv)
+        if chain and _at_most(vec, chain[-1][0]):
+            continue
+        while chain and _at_most(chain[-1][0], vec):
+            chain.pop()
+        while len(chain) >= 2 and _mixture_covers(chain[-2], (vec, t), chain[-1]):
+            chain.pop()
+        chain.append((vec, t, (g, a)))
+    return tuple(p for _, _, p in chain)
+
+
+def _at_most(x: Sequence[float], y: Sequence[float]) -> bool:
+    return all(a <= b + 1e-9 * max(1.0, abs(b)) for a, b in zip(x, y))
+
+
+def _mixture_covers(lo: tuple, hi: tuple, mid: tuple) -> bool:
+    """Whether `mid` is at most, coefficient by coefficient, the mixture of `lo` and `hi` that
+    has its gradient bytes (the sum of the gradient coefficients; each is (coefficients,
+    gradient bytes, ...))."""
+    (x0, t0), (x1, t1), (x, t) = lo[:2], hi[:2], mid[:2]
+    if not t0 < t < t1:
+        return False
+    w = (t - t0) / (t1 - t0)
+    return _at_most(x, [(1 - w) * a + w * b for a, b in zip(x0, x1)])
 
 
 @dataclass(frozen=True)
@@ -338,6 +419,8 @@ def data_parallel_program(
     backward_factor: float = 2.0,
     granularity: str = "gpu",
     bucket_copies: bool = False,
+    backward_memory: tuple[Sequence[tuple[int, float]], Sequence[tuple[int, float]]] | None = None,
+    grads_before_backward: bool = False,
     meta: dict[str, Any] | None = None,
 ) -> Program:
     """The Program of DDP training with the batch split by the (single segment) ratios.
@@ -357,6 +440,12 @@ def data_parallel_program(
         granularity: whether a device is a GPU or a machine (DP inside it).
         bucket_copies: the gradients' buckets are a copy of them (torch's DDP), not the
             gradients' own storage (hap's runtime: methods.hap.runtime.GradBuckets).
+        backward_memory: (gradients, activations) as methods.capture.Graph.backward_memory
+            gives them, activations at the whole batch: where the peak of backward is
+            (backward_sweep); None: every gradient beside every activation.
+        grads_before_backward: the gradients' storage exists before backward (hap's buckets
+            with more than one device), not made as backward goes (DDP, which sets them to
+            None each step).
 
     Stages: forward + the backward of the last layers up to the first full bucket; then one
     stage per bucket whose all-reduce overlaps the backward of the layers before it.
@@ -412,5 +501,9 @@ def data_parallel_program(
         optimizer=Affine(param_bytes * optimizer_bytes_per_param_byte),
         activations=Affine.sharded(activation_bytes_per_sample * global_batch),
         buckets=Affine(param_bytes if bucket_copies else 0.0),
+        backward=() if backward_memory is None else backward_sweep(
+            [] if grads_before_backward else [(p, Affine(b)) for p, b in backward_memory[0]],
+            [(p, Affine.sharded(b)) for p, b in backward_memory[1]],
+            Affine(param_bytes) if grads_before_backward else Affine()),
     )
     return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}))

@@ -194,6 +194,12 @@ class Graph:
         of the input itself. Where the vocabulary is large that is backward's peak: BERT at 128
         samples on an H200 peaked 17.9 GiB, 14.3 priced with it once, 18.3 with it three times.
         """
+        return {t: f for t, (f, _) in self.kept_until().items()}
+
+    def kept_until(self) -> dict[str, tuple[float, str]]:
+        """saved_bytes_factor's tensors with, for each, the first op (in forward) that keeps it:
+        autograd frees it once backward has passed that op, the last of its keepers to run
+        backward. A tensor an op keeps as its own output is kept by that op."""
         alias = {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and not _drops(n)}
 
         def base(name: str) -> str:
@@ -203,18 +209,42 @@ class Graph:
 
         kept: dict[str, float] = {}
         masks: dict[str, float] = {}  # a dropout's mask, beside its output if that is kept too
+        first: dict[str, str] = {}
         for n in self.ops:
             if n.op in _SAVES_OUTPUT:
                 kept[n.name] = max(kept.get(n.name, 0.0), 1.0)
+                first.setdefault(n.name, n.name)
             if n.op == "dropout" and n.name not in alias and n.shape is not None and n.dtype is not None:
                 masks[n.name] = 1.0 / n.dtype.itemsize
+                first.setdefault(n.name, n.name)
             operands = [i for i in n.inputs if self[i].is_tensor]
             if n.op in _SAVES_INPUTS and not (n.op in _BY_A_NUMBER and len(operands) < 2):
                 for i in map(base, operands):
                     src = self[i]
                     if not src.is_param and src.dtype is not None and src.dtype.is_floating_point:
                         kept[i] = max(kept.get(i, 0.0), 3.0 if n.op == "cross_entropy" else 1.0)
-        return {t: kept.get(t, 0.0) + masks.get(t, 0.0) for t in {**kept, **masks}}
+                        first.setdefault(i, n.name)
+        return {t: (kept.get(t, 0.0) + masks.get(t, 0.0), first[t]) for t in {**kept, **masks}}
+
+    def grad_ready(self) -> dict[str, str]:
+        """Parameter -> the op of its last use in forward, through views: backward makes the
+        parameter's gradient there (the first of its uses backward reaches)."""
+        position = {n.name: i for i, n in enumerate(self.nodes)}
+
+        def last_use(name: str) -> str:
+            users = [last_use(u) if self[u].op in VIEW_OPS else u for u in self.users.get(name, [])]
+            return max(users, key=position.__getitem__, default=name)
+
+        return {n.name: last_use(n.name) for n in self.nodes if n.is_param}
+
+    def backward_memory(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """(gradients, activations) as bench.program.backward_sweep reads them: each
+        parameter's bytes at the position its gradient is made (grad_ready), each kept tensor's
+        bytes (activation_bytes' share) at the position after which backward frees it."""
+        position = {n.name: i for i, n in enumerate(self.nodes)}
+        grads = [(position[op], float(self[t].nbytes)) for t, op in self.grad_ready().items()]
+        acts = [(position[op], self[t].nbytes * f) for t, (f, op) in self.kept_until().items()]
+        return grads, acts
 
     def activation_bytes(self) -> float:
         """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""

@@ -71,8 +71,10 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         }
         gib = {k: val / GIB for k, val in parts.items()}
         memory.append(gib)
-        # The larger of backward's peak (everything, activations included) and Adam's step.
-        peak = max(sum(gib.values()), program.memory.optimizer_step().at(ratios, v.index) / GIB)
+        # The larger of backward's peak (activations included) and Adam's step.
+        peak = max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
+                       for held, acts in program.memory.backward_points()) / GIB,
+                   program.memory.optimizer_step().at(ratios, v.index) / GIB)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

@@ -68,11 +68,12 @@ def balance_ratios(
         prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
     alg = LpAlgebra(prob, r, tied_rows and g > 1)
     if memory_limit:
-        resident, stepping = program.memory.resident(), program.memory.optimizer_step()
+        points, stepping = program.memory.backward_points(), program.memory.optimizer_step()
         for v in (vdevs[d] for d, _ in alike(vdevs, alg)):
             cap = v.memory_bytes - memory_reserve_gib * 2**30
-            per_gpu = pulp.lpSum([alg.at(resident, v.index), alg.at(program.memory.activations, v.index) * (1.0 / v.num_gpus)])
-            prob += per_gpu <= cap, f"mem_{v.index}"
+            for i, (held, acts) in enumerate(points):
+                per_gpu = pulp.lpSum([alg.at(held, v.index), alg.at(acts, v.index) * (1.0 / v.num_gpus)])
+                prob += per_gpu <= cap, f"mem_{v.index}_{i}"
             prob += pulp.lpSum([alg.at(stepping, v.index)]) <= cap, f"mem_step_{v.index}"  # as the simulator
         # Whether any ratios fit is a question of these few rows alone: answer it before the
         # objective (thousands of rows on a deep model) is built and solved. (A stand-in

@@ -382,8 +382,11 @@ class HapPlanner:
         act = graph.activation_bytes() / batch
         for gran in ("gpu", "machine"):
             n = len(virtual_devices(cluster, gran))
+            # hap's runtime: with more than one rank, the gradients are views of its buckets
             program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
-                                            granularity=gran, meta={**meta, "program": "data_parallel"})
+                                            granularity=gran, backward_memory=graph.backward_memory(),
+                                            grads_before_backward=cluster.num_devices > 1,
+                                            meta={**meta, "program": "data_parallel"})
             options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
             if gran == "gpu" and batch >= n:
                 # Exactly the dp_cp baseline's split (methods/dp.py): whole samples, >= 1 each.

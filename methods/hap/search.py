@@ -27,7 +27,7 @@ from typing import Sequence
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import PlanningError
-from bench.program import Affine, Collective, Memory, Program, Stage, op_class
+from bench.program import Affine, Collective, Memory, Program, Stage, backward_sweep, op_class
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
 from methods.capture import Graph
 from methods.hap.segments import segment_ops
@@ -729,11 +729,21 @@ def build_program(
         bucket_cap_bytes: gradient bytes per bucket; 0 = one all-reduce per parameter.
     """
     graph = cost.graph
-    saved = graph.saved_bytes_factor()
+    kept = graph.kept_until()
+    ready = graph.grad_ready()
+    position = {step.node: i for i, step in enumerate(steps)}
+    # With more than one rank the runtime's gradients of replicated parameters are views of
+    # its buckets, made before backward (methods.hap.runtime.GradBuckets; on machine-level
+    # devices every gradient is); a parameter an SFB linear reads as its weight is not bucketed.
+    bucketed = sum(v.num_gpus for v in cost.vdevs) > 1
+    sfb_weights = {t for step in steps if step.rule.sfb for t in graph[step.node].inputs[1:3]}
     fwd, bwd = [], []
     params = Affine()
     activations = Affine()
-    for step in steps:
+    grads_made: list[tuple[int, Affine]] = []
+    kept_bytes: list[tuple[int, Affine]] = []
+    grads_before = Affine()
+    for i, step in enumerate(steps):
         if grad_overlap:
             f, b = cost.stages(step, param_sync=False)
             sync = sum(c.nbytes.const for c in cost.param_sync(step))
@@ -744,19 +754,32 @@ def build_program(
         bwd.append((b, sync))
         for t, layout in step.sources:
             if graph[t].is_param:
-                params = params + cost._bytes(t, layout)
+                nbytes = cost._bytes(t, layout)
+                params = params + nbytes
+                if bucketed and (cost.granularity == "machine" or (layout == IDENTITY and t not in sfb_weights)):
+                    grads_before = grads_before + nbytes
+                else:
+                    grads_made.append((position.get(ready[t], i), nbytes))
         node = graph[step.node]
         # What autograd keeps for backward (methods.capture.Graph.saved_bytes_factor), in the
-        # layout it exists in: the op's output, and collected copies its consumers read.
-        if node.shape is not None and step.node in saved:
-            activations = activations + cost._bytes(step.node, step.rule.post).scale(saved[step.node])
+        # layout it exists in: the op's output, and collected copies its consumers read; each
+        # until backward has passed the first op that keeps it.
+        # (A copy made for this op is this op's to keep.)
+        held: list[tuple[str, Affine, int]] = []
+        if node.shape is not None and step.node in kept:
+            held.append((step.node, cost._bytes(step.node, step.rule.post), position.get(kept[step.node][1], i)))
         for c in step.comms:
-            if not c.free and c.tensor in saved:
-                activations = activations + cost._bytes(c.tensor, c.dst, c.to_segment).scale(saved[c.tensor])
+            if not c.free and c.tensor in kept:
+                held.append((c.tensor, cost._bytes(c.tensor, c.dst, c.to_segment), i))
         for t, layout in step.sources:
-            if t in saved and not graph[t].is_param:
-                activations = activations + cost._bytes(t, layout).scale(saved[t])
-    memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations)
+            if t in kept and not graph[t].is_param:
+                held.append((t, cost._bytes(t, layout), position.get(kept[t][1], i)))
+        for t, nbytes, until in held:
+            nbytes = nbytes.scale(kept[t][0])
+            activations = activations + nbytes
+            kept_bytes.append((until, nbytes))
+    memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations,
+                    backward=backward_sweep(grads_made, kept_bytes, grads_before))
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
     return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}))
 

@@ -310,3 +310,61 @@ def test_adams_step_is_the_peak_where_activations_are_small_and_the_lp_keeps_it_
     assert res.peak_mem_gib[0] == pytest.approx(5 * 3.5) and res.oom  # Adam's step: does not
     with pytest.raises(InfeasibleError, match="memory"):
         balance_ratios(prog, cluster, memory_limit=True)
+
+
+def _peak(points, ratios, device):
+    return max(g.at(ratios, device) + a.at(ratios, device) for g, a in points)
+
+
+def test_backward_sweep_keeps_every_point_where_the_peak_can_fall():
+    # Six equal layers, then a head whose gradient is large and whose activations are small:
+    # gradients appear from the last layer back while activations are freed. Each layer's
+    # tensors live in one of two segments, sharded by that segment's ratios.
+    import random
+
+    from bench.program import backward_sweep
+
+    grads, acts = [], []
+    for layer in range(6):
+        seg = layer % 2
+        grads += [(3 * layer, Affine(4e6)), (3 * layer + 1, Affine.sharded(2e6, seg))]
+        acts += [(3 * layer, Affine.sharded(9e6, seg)), (3 * layer + 2, Affine.sharded(1e6, 1 - seg))]
+    grads.append((20, Affine(30e6)))
+    acts.append((20, Affine.sharded(0.5e6, 0)))
+    kept = backward_sweep(grads, acts)
+    # Every point, by brute force: at position k, the gradients made at k or later and the
+    # activations freed at k or before.
+    positions = sorted({p for p, _ in grads + acts}, reverse=True)
+    everything = [(sum((b for p, b in grads if p >= k), Affine()), sum((b for p, b in acts if p <= k), Affine()))
+                  for k in positions]
+    assert len(kept) < len(everything) / 2
+    assert all(point in everything for point in kept)
+    rng = random.Random(0)
+    for _ in range(200):
+        ratios = [[x, 1 - x] for x in (rng.random(), rng.random())]
+        for d in range(2):
+            assert _peak(kept, ratios, d) == pytest.approx(_peak(everything, ratios, d), rel=1e-12)
+    # The first point is backward's start: every activation, only the head's gradient.
+    g0, a0 = kept[0]
+    assert g0 == Affine(30e6) and a0.at([[1.0], [1.0]], 0) == pytest.approx(sum(b.at([[1.0], [1.0]], 0) for _, b in acts))
+
+
+def test_ddp_peaks_before_its_gradients_exist_where_activations_dominate():
+    # DDP sets gradients to None each step: backward starts with every activation and no
+    # gradient; the gradients exist at its end, when the activations are gone.
+    layers = [(1e9, 0.5 * GIB)] * 4
+    acts_per_sample = 0.1 * GIB  # 5 GiB a device
+    backward = ([(i, 0.5 * GIB) for i in range(4)], [(i, acts_per_sample * 100 / 4) for i in range(4)])
+    swept = data_parallel_program(2, 100, layers, acts_per_sample, backward_memory=backward, bucket_copies=True)
+    together = data_parallel_program(2, 100, layers, acts_per_sample, bucket_copies=True)
+    cluster = make_cluster(fast=1, slow=1)
+    ratios = [[0.5, 0.5]]
+    held = 2 + 4 + 2  # parameters, Adam's moments, DDP's buckets (GiB)
+    assert simulate(together, cluster, ratios).peak_mem_gib[0] == pytest.approx(held + 2 + 5)
+    # The last layer's gradient is made while every activation is still kept.
+    assert simulate(swept, cluster, ratios).peak_mem_gib[0] == pytest.approx(held + 0.5 + 5)
+    assert len(swept.memory.backward) == 2  # the first and the last layer's
+    assert Program.from_json(swept.to_json()).memory == swept.memory
+    # hap's runtime: the gradients are views of buckets made before backward.
+    before = data_parallel_program(2, 100, layers, acts_per_sample, backward_memory=backward, grads_before_backward=True)
+    assert simulate(before, cluster, ratios).peak_mem_gib[0] == pytest.approx(2 + 4 + 2 + 5)
