@@ -329,7 +329,8 @@ class HapPlanner:
             stats["beam_pruned"] += res.stats.beam_pruned
             stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
             program = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
-            cand = _score("synthesis", program, cluster, ratios, res)
+            cand = _score("synthesis", program, cluster, ratios, theory.graph.batch_size, res)
+            seen.add(_ratios_key(cand.ratios))  # searched from, as they run
             rounds.append({"start": start, "round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s,
                            "oom": cand.oom, "grouped": _uses_grouped(res)})
             improved = best is None or _better(cand, best)
@@ -338,7 +339,7 @@ class HapPlanner:
             if not self.lp or not improved:
                 break
             t1 = time.perf_counter()
-            balanced = self._balance(program, cluster, res, start, i, rounds)
+            balanced = self._balance(program, cluster, res, theory.graph.batch_size, start, i, rounds)
             stats["lp_s"] += time.perf_counter() - t1
             if balanced is None or not _better(balanced, best):
                 break
@@ -351,7 +352,7 @@ class HapPlanner:
         assert best is not None
         return best
 
-    def _balance(self, program: Program, cluster: ClusterSpec, res: SearchResult, start: str, i: int,
+    def _balance(self, program: Program, cluster: ClusterSpec, res: SearchResult, batch: int, start: str, i: int,
                  rounds: list) -> Candidate | None:
         """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
         segment the same row: the LP's objective is exactly the simulator's time) and rows
@@ -364,7 +365,7 @@ class HapPlanner:
                     ratios, objective = balance_ratios(program, cluster, memory_limit=memory, tied_rows=tied)
                 except InfeasibleError:
                     break
-                cand = _score("synthesis", program, cluster, ratios, res)
+                cand = _score("synthesis", program, cluster, ratios, batch, res)
                 rows = ", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")
                 rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if memory else ''}{rows}",
                                "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
@@ -376,7 +377,8 @@ class HapPlanner:
 
     def _data_parallel_candidates(self, graph: Graph, workload: Workload, cluster: ClusterSpec, meta: dict):
         """DDP's program (bucketed, overlapped all-reduce) at GPU and machine granularity, with
-        compute-proportional ratios, and with even and LP ratios when the LP is on."""
+        compute-proportional ratios, and with even and LP ratios when the LP is on, each
+        rounded to the whole samples its ranks run."""
         batch = workload.global_batch
         layers = graph.layer_profile()
         act = graph.activation_bytes() / batch
@@ -402,7 +404,8 @@ class HapPlanner:
                 except InfeasibleError as exc:
                     log.info("data-parallel LP at %s granularity: %s", gran, exc)
             for label, ratios in options:
-                yield _score(f"{gran}, {label}", program, cluster, ratios)
+                # Priced as it runs: each device computes whole samples (_rank_shares).
+                yield _score(f"{gran}, {label}", program, cluster, ratios, batch)
 
     def setup(self, plan, model, ctx):
         try:
@@ -440,9 +443,21 @@ def _graph_fingerprint(graph: Graph) -> str | None:
     return graph_fingerprint(graph)
 
 
-def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, result: SearchResult | None = None) -> Candidate:
+def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int,
+           result: SearchResult | None = None) -> Candidate:
+    """A candidate priced by the simulator at its ratios as the runtime splits the batch."""
+    ratios = _as_run(ratios, batch)
     sim = simulate(program, cluster, ratios)
-    return Candidate(kind, program, [list(r) for r in ratios], sim.iter_time_s, sim.oom, result)
+    return Candidate(kind, program, ratios, sim.iter_time_s, sim.oom, result)
+
+
+def _as_run(ratios, batch: int) -> list[list[float]]:
+    """Each row rounded to whole samples of the batch, as the runtime splits it
+    (balance.batch_shares; tokens split in whole samples too, search.shard_units). Exact for a
+    row that splits only the batch; a row that also splits d_model, heads or experts cuts each in
+    whole units of its own (balance.shard_lengths), within one such unit of the row, as it was
+    within one before. Every row is rounded alike, so rows the LP tied stay tied."""
+    return [[k / batch for k in batch_shares(batch, row)] for row in ratios]
 
 
 def _uses_grouped(res: SearchResult) -> bool:

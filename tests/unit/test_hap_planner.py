@@ -17,7 +17,7 @@ from bench.plan_cache import plan_from_json, plan_to_json
 from bench.program import data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
 from methods.capture import capture, capture_config
-from methods.hap.balance import shard_lengths
+from methods.hap.balance import batch_shares, shard_lengths
 from methods.hap.planner import HapPlanner, SfbPlanner
 from methods.hap.search import CostModel, Step, brute_force, synthesize
 from methods.hap.segments import layer_groups
@@ -101,7 +101,23 @@ def test_hap_is_never_slower_than_data_parallel_or_sfb(inter_gbps):
         dp = data_parallel_program(n, wl.global_batch, graph.layer_profile(), graph.activation_bytes() / wl.global_batch,
                                    granularity=gran)
         for ratios in (even_ratios(n), compute_proportional_ratios(cl, gran)):
+            # as DP runs them: whole samples per device
+            ratios = [[k / wl.global_batch for k in batch_shares(wl.global_batch, ratios[0])]]
             assert t_hap <= simulate(dp, cl, ratios).iter_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", ["bert", "vit"])  # chooses plain data parallelism; a synthesized program
+def test_hap_prices_the_whole_samples_its_ranks_run(name):
+    # V100 : P100 compute splits 16 samples 10.3 : 5.7; the ranks run 10 and 6.
+    cl = cluster(fast=1, slow=1, virtual="gpu")
+    mod = pytest.importorskip(f"models.{name}")
+    cfg = (mod.ViTConfig if name == "vit" else mod.BertConfig).from_preset("tiny", num_devices=2)
+    plan = HapPlanner(max_rounds=2).plan(Workload(name, "tiny", cfg, 16, 0.0), cl)
+    assert plan.details["chosen"].startswith("data_parallel" if name == "bert" else "synthesis")
+    for row in plan.ratios:
+        assert [r * 16 for r in row] == pytest.approx([round(r * 16) for r in row], abs=1e-9)
+    assert plan.batch_shares == [round(r * 16) for r in plan.ratios[0]]
+    assert plan.details["predicted_iter_time_s"] == simulate(plan.program, cl, plan.ratios).iter_time_s
 
 
 def test_data_parallel_choice_still_carries_steps_codegen_can_run():
