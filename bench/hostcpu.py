@@ -89,7 +89,11 @@ def realtime_comm_threads() -> int | None:
     """Put this process's gloo threads at real-time priority (SCHED_FIFO, the lowest level), so
     that a woken one runs at once on a core busy with the rank's compute; returns how many run
     so now, or None where the host refuses it (no CAP_SYS_NICE nor `ulimit -r`). Threads gloo
-    starts later (a new process group's) need another call.
+    starts later (a new process group's) need another call, and so does a thread it has started
+    that has not run yet: each names itself when it first runs, and until then carries the
+    interpreter's name (with the 2 cores busy four times over, 7 of 40 fresh one-rank groups
+    had a thread unnamed right after init_process_group). So call it once the group has done some work; the worker
+    calls it at each of its set-up iterations.
 
     A woken thread of normal priority waits, often, for the core's next timer interrupt: on the
     dev VM (kernel 6.18, 250 Hz) an async all-reduce of 32 KB between two ranks, each bound to

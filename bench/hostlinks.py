@@ -65,13 +65,13 @@ def _probe(rank: int, n: int, port: int, results, realtime: bool) -> None:
     pin_to_core(rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    if realtime:
-        realtime_comm_threads()
     try:
         calls = _calls(rank, n)
         for call in calls.values():  # warm-up: the first calls of a new process are slow
             for _ in range(WARMUP):
                 call()
+        if realtime:  # after the warm-up: by then every thread gloo started has run and has its name
+            realtime_comm_threads()
         times = {}
         for kind, call in calls.items():
             timed = []

@@ -96,7 +96,7 @@ def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank
 # A fresh interpreter with a one-rank gloo process group (its transport loop and worker threads):
 # the policy of every thread after realtime_comm_threads, optionally with the host refusing.
 _REALTIME = r"""
-import json, os, sys, tempfile
+import json, os, sys, tempfile, time
 import torch.distributed as dist
 from bench import hostcpu
 if sys.argv[1] == "refuse":
@@ -104,6 +104,17 @@ if sys.argv[1] == "refuse":
         raise PermissionError(1, "Operation not permitted")
     os.sched_setscheduler = refuse
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+# gloo's threads name themselves when they first run (on a loaded host, after init returns):
+# wait for its transport loop and its two workers (torch's default) to have theirs.
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    named = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            named += f.read().startswith(hostcpu.COMM_THREAD_PREFIXES)
+    if named >= 3:
+        break
+    time.sleep(0.01)
 counts = [hostcpu.realtime_comm_threads(), hostcpu.realtime_comm_threads()]
 threads = {}
 for tid in os.listdir("/proc/self/task"):
