@@ -308,7 +308,7 @@ def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tu
             continue
         while chain and _at_most(chain[-1][0], vec):
             chain.pop()
-        while len(chain) >= 2 and _mixture_covers(chain[-2], (vec, t), chain[-1]):
+        while len(chain) >= 2 and _mixture_covers(chain[-2][:2], (vec, t), chain[-1][:2]):
             chain.pop()
         chain.append((vec, t, (g, a)))
     return tuple(p for _, _, p in chain)
@@ -318,11 +318,11 @@ def _at_most(x: Sequence[float], y: Sequence[float]) -> bool:
     return all(a <= b + 1e-9 * max(1.0, abs(b)) for a, b in zip(x, y))
 
 
-def _mixture_covers(lo: tuple, hi: tuple, mid: tuple) -> bool:
-    """Whether `mid` is at most, coefficient by coefficient, the mixture of `lo` and `hi` that
-    has its gradient bytes (the sum of the gradient coefficients; each is (coefficients,
-    gradient bytes, ...))."""
-    (x0, t0), (x1, t1), (x, t) = lo[:2], hi[:2], mid[:2]
+def _mixture_covers(lo: tuple[Sequence[float], float], hi: tuple[Sequence[float], float],
+                    mid: tuple[Sequence[float], float]) -> bool:
+    """Whether `mid` is at most, coefficient by coefficient, the mixture of `lo` and `hi` with
+    its gradient bytes; each is (coefficients, gradient bytes)."""
+    (x0, t0), (x1, t1), (x, t) = lo, hi, mid
     if not t0 < t < t1:
         return False
     w = (t - t0) / (t1 - t0)

@@ -382,11 +382,12 @@ class HapPlanner:
         batch = workload.global_batch
         layers = graph.layer_profile()
         act = graph.activation_bytes() / batch
+        backward = graph.backward_memory()
         for gran in ("gpu", "machine"):
             n = len(virtual_devices(cluster, gran))
             # hap's runtime: with more than one rank, the gradients are views of its buckets
             program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
-                                            granularity=gran, backward_memory=graph.backward_memory(),
+                                            granularity=gran, backward_memory=backward,
                                             grads_before_backward=cluster.num_devices > 1,
                                             meta={**meta, "program": "data_parallel"})
             options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
@@ -404,7 +405,6 @@ class HapPlanner:
                 except InfeasibleError as exc:
                     log.info("data-parallel LP at %s granularity: %s", gran, exc)
             for label, ratios in options:
-                # Priced as it runs: each device computes whole samples (_rank_shares).
                 yield _score(f"{gran}, {label}", program, cluster, ratios, batch)
 
     def setup(self, plan, model, ctx):
@@ -455,8 +455,8 @@ def _as_run(ratios, batch: int) -> list[list[float]]:
     """Each row rounded to whole samples of the batch, as the runtime splits it
     (balance.batch_shares; tokens split in whole samples too, search.shard_units). Exact for a
     row that splits only the batch; a row that also splits d_model, heads or experts cuts each in
-    whole units of its own (balance.shard_lengths), within one such unit of the row, as it was
-    within one before. Every row is rounded alike, so rows the LP tied stay tied."""
+    whole units of its own (balance.shard_lengths), so there the price is off by up to one such
+    unit or one sample. Every row is rounded alike, so rows the LP tied stay tied."""
     return [[k / batch for k in batch_shares(batch, row)] for row in ratios]
 
 
