@@ -47,53 +47,88 @@ def balance_ratios(
     Raises:
         InfeasibleError: the LP has no solution (the message says which constraint family).
     """
-    vdevs = virtual_devices(cluster, program.granularity)
-    if len(vdevs) != program.num_devices:
-        raise ValueError(f"program has {program.num_devices} devices, cluster {cluster.name!r} {len(vdevs)}")
-    m, g = program.num_devices, program.num_segments
-    prob = pulp.LpProblem("hap_ratios", pulp.LpMinimize)
-    # One variable per class of interchangeable devices and row (bench.cost.device_classes):
-    # the objective is convex and the same under any permutation within a class, so averaging
-    # an optimum over those permutations is an optimum with equal ratios in each class (with
-    # free rows, the reshard bound depends on device order: there, equal ratios per class is a
-    # restriction, and the simulator judges the result). The LP's size and the price's work
-    # then depend on the number of device types, not of devices (bench.cost.price.alike).
-    # Tied rows are one row of variables that every segment reads (not g rows held equal by
-    # constraints: the same LP, a quarter of the model for CBC at 4 segments).
-    classes = device_classes(cluster, vdevs)
-    rows = 1 if tied_rows else g
-    per_class = [[prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)] for s in range(rows)]
-    r = [[per_class[min(s, rows - 1)][classes[d]] for d in range(m)] for s in range(g)]
-    for s in range(rows):
-        prob += pulp.lpSum(r[s]) == 1, f"sum_{s}"
-    alg = LpAlgebra(prob, r, tied_rows and g > 1)
+    lp = RatioLP(program, cluster, tied_rows, time_limit_s)
     if memory_limit:
-        points, stepping = program.memory.backward_points(), program.memory.optimizer_step()
-        for v in (vdevs[d] for d, _ in alike(vdevs, alg)):
+        lp.add_memory_rows(memory_reserve_gib)
+    return lp.solve()
+
+
+class RatioLP:
+    """The LP of one program's ratios (balance_ratios), kept so that memory rows can be added
+    after a solve without them: the planner solves for the fastest ratios first and, when
+    those overflow a GPU, again with the rows, building the objective (thousands of rows on a
+    deep model) once."""
+
+    def __init__(self, program: Program, cluster: ClusterSpec, tied_rows: bool = False,
+                 time_limit_s: float | None = 30.0):
+        self.program, self.cluster, self.time_limit_s = program, cluster, time_limit_s
+        self.vdevs = virtual_devices(cluster, program.granularity)
+        if len(self.vdevs) != program.num_devices:
+            raise ValueError(f"program has {program.num_devices} devices, cluster {cluster.name!r} {len(self.vdevs)}")
+        m, g = program.num_devices, program.num_segments
+        self.prob = pulp.LpProblem("hap_ratios", pulp.LpMinimize)
+        # One variable per class of interchangeable devices and row (bench.cost.device_classes):
+        # the objective is convex and the same under any permutation within a class, so averaging
+        # an optimum over those permutations is an optimum with equal ratios in each class (with
+        # free rows, the reshard bound depends on device order: there, equal ratios per class is a
+        # restriction, and the simulator judges the result). The LP's size and the price's work
+        # then depend on the number of device types, not of devices (bench.cost.price.alike).
+        # Tied rows are one row of variables that every segment reads (not g rows held equal by
+        # constraints: the same LP, a quarter of the model for CBC at 4 segments).
+        classes = device_classes(cluster, self.vdevs)
+        rows = 1 if tied_rows else g
+        self.per_class = [[self.prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)]
+                          for s in range(rows)]
+        self.r = [[self.per_class[min(s, rows - 1)][classes[d]] for d in range(m)] for s in range(g)]
+        for s in range(rows):
+            self.prob += pulp.lpSum(self.r[s]) == 1, f"sum_{s}"
+        self.alg = LpAlgebra(self.prob, self.r, tied_rows and g > 1)
+        self.objective = None  # built at the first solve
+        self.memory_limit = False
+
+    def add_memory_rows(self, memory_reserve_gib: float = 0.0) -> None:
+        """Require each device's memory (bench.program.Memory) to fit its GPU, less the reserve;
+        a second call adds nothing. Raises InfeasibleError when no ratios fit."""
+        if self.memory_limit:
+            return
+        self.memory_limit = True
+        prob, alg = self.prob, self.alg
+        points, stepping = self.program.memory.backward_points(), self.program.memory.optimizer_step()
+        for v in (self.vdevs[d] for d, _ in alike(self.vdevs, alg)):
             cap = v.memory_bytes - memory_reserve_gib * 2**30
             for i, (held, acts) in enumerate(points):
                 per_gpu = pulp.lpSum([alg.at(held, v.index), alg.at(acts, v.index) * (1.0 / v.num_gpus)])
                 prob += per_gpu <= cap, f"mem_{v.index}_{i}"
             prob += pulp.lpSum([alg.at(stepping, v.index)]) <= cap, f"mem_step_{v.index}"  # as the simulator
-        # Whether any ratios fit is a question of these few rows alone: answer it before the
-        # objective (thousands of rows on a deep model) is built and solved. (A stand-in
-        # objective: PuLP writes an invalid model when re-solving one first solved without.)
-        prob.setObjective(pulp.lpSum(per_class[0]))
-        _solve(prob, time_limit_s, "memory per device", cluster, memory_limit)
-    objective = iteration_time(program, cluster, vdevs, alg)
-    prob.setObjective(objective if not isinstance(objective, (int, float)) else pulp.lpSum([objective]))
-    _solve(prob, time_limit_s, "memory per device" if memory_limit else "ratio", cluster, memory_limit)
-    ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
-    ratios = [[x / sum(row) for x in row] for row in ratios]
-    for s in range(1, g):
-        # A row the solver left within rounding of an earlier one is that row: a reshard
-        # between equal rows moves nothing (and the simulator charges it nothing).
-        for p in range(s):
-            if max(abs(a - b) for a, b in zip(ratios[s], ratios[p])) < 1e-6:
-                ratios[s] = list(ratios[p])
-                break
-    # One device (or nothing the ratios change): the objective is a number, PuLP's value None.
-    return ratios, float(objective if isinstance(objective, (int, float)) else pulp.value(prob.objective))
+        if self.objective is None:
+            # Whether any ratios fit is a question of these few rows alone: answer it before the
+            # objective is built and solved. (A stand-in objective: PuLP writes an invalid model
+            # when re-solving one first solved without.)
+            prob.setObjective(pulp.lpSum(self.per_class[0]))
+            _solve(prob, self.time_limit_s, "memory per device", self.cluster, True)
+
+    def solve(self) -> tuple[list[list[float]], float]:
+        """The optimal ratios under the rows added so far, and the LP's objective (s)."""
+        prob, r = self.prob, self.r
+        if self.objective is None:
+            self.objective = iteration_time(self.program, self.cluster, self.vdevs, self.alg)
+            prob.setObjective(self.objective if not isinstance(self.objective, (int, float))
+                              else pulp.lpSum([self.objective]))
+        _solve(prob, self.time_limit_s, "memory per device" if self.memory_limit else "ratio", self.cluster,
+               self.memory_limit)
+        m, g = self.program.num_devices, self.program.num_segments
+        ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
+        ratios = [[x / sum(row) for x in row] for row in ratios]
+        for s in range(1, g):
+            # A row the solver left within rounding of an earlier one is that row: a reshard
+            # between equal rows moves nothing (and the simulator charges it nothing).
+            for p in range(s):
+                if max(abs(a - b) for a, b in zip(ratios[s], ratios[p])) < 1e-6:
+                    ratios[s] = list(ratios[p])
+                    break
+        # One device (or nothing the ratios change): the objective is a number, PuLP's value None.
+        objective = self.objective
+        return ratios, float(objective if isinstance(objective, (int, float)) else pulp.value(prob.objective))
 
 
 def _solve(prob: pulp.LpProblem, time_limit_s: float | None, what: str, cluster: ClusterSpec,

@@ -30,7 +30,7 @@ from bench.cost import (
     virtual_devices,
 )
 from methods.capture import Graph, capture_config
-from methods.hap.balance import InfeasibleError, balance_ratios, batch_shares
+from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, batch_shares
 from methods.hap.search import (
     CostModel,
     SearchResult,
@@ -285,6 +285,7 @@ class HapPlanner:
         simulator; per level its best (with the reason when its batch cannot be split)."""
         best: Candidate | None = None
         level_rows: list[dict] = []
+        balanced: dict = {}  # (granularity, steps) -> the LP's candidate: starts often meet one program
         for granularity in levels:
             starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
             if self.lp:
@@ -298,7 +299,7 @@ class HapPlanner:
                     continue  # the same start as another (e.g. a homogeneous cluster)
                 seen.add(key)
                 start = prefix + (label if len(levels) == 1 else f"{granularity}, {label}")
-                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen)
+                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen, balanced)
                 if level_best is None or _better(cand, level_best):
                     level_best = cand
             assert level_best is not None
@@ -314,10 +315,12 @@ class HapPlanner:
         return best, level_rows
 
     def _alternate(self, theory, cluster: ClusterSpec, granularity: str, meta: dict, start: str, ratios,
-                   rounds: list, stats: dict, seen: set) -> Candidate:
+                   rounds: list, stats: dict, seen: set, balanced: dict) -> Candidate:
         """Synthesis at fixed ratios, then the LP at a fixed program, until a round brings no
         strict gain (or max_rounds); the best (program, ratios) by the simulator. `seen` holds
-        the ratios already searched from: reaching one ends this start (its rounds are known)."""
+        the ratios already searched from: reaching one ends this start (its rounds are known).
+        `balanced` holds the LP's answer per program already balanced (a program is its steps:
+        its stages and memory are symbolic in the ratios, so the LP would answer the same)."""
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
@@ -338,13 +341,19 @@ class HapPlanner:
                 best = cand
             if not self.lp or not improved:
                 break
-            t1 = time.perf_counter()
-            balanced = self._balance(program, cluster, res, theory.graph.batch_size, start, i, rounds)
-            stats["lp_s"] += time.perf_counter() - t1
-            if balanced is None or not _better(balanced, best):
+            key = (granularity, tuple(res.steps))
+            if key in balanced:
+                lp = balanced[key]
+                rounds.append({"start": start, "round": i, "stage": "lp (this program was balanced before)",
+                               "iter_time_s": lp and lp.iter_time_s, "oom": lp and lp.oom})
+            else:
+                t1 = time.perf_counter()
+                lp = balanced[key] = self._balance(program, cluster, res, theory.graph.batch_size, start, i, rounds)
+                stats["lp_s"] += time.perf_counter() - t1
+            if lp is None or not _better(lp, best):
                 break
-            best = balanced
-            ratios = balanced.ratios
+            best = lp
+            ratios = lp.ratios
             key = _ratios_key(ratios)
             if key in seen:
                 break
@@ -360,9 +369,12 @@ class HapPlanner:
         overflow a GPU. None when no LP is feasible."""
         best = None
         for tied in ((True, False) if program.num_segments > 1 else (False,)):
+            lp = RatioLP(program, cluster, tied_rows=tied)
             for memory in (self.memory_limit, True):
                 try:
-                    ratios, objective = balance_ratios(program, cluster, memory_limit=memory, tied_rows=tied)
+                    if memory:
+                        lp.add_memory_rows()
+                    ratios, objective = lp.solve()
                 except InfeasibleError:
                     break
                 cand = _score("synthesis", program, cluster, ratios, batch, res)

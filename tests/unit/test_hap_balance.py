@@ -8,7 +8,7 @@ from bench.cluster import ClusterSpec
 from bench.interfaces import Workload
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import compute_proportional_ratios, simulate, virtual_devices
-from methods.hap.balance import InfeasibleError, balance_ratios, shard_lengths
+from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, shard_lengths
 
 
 def make(fast=1, slow=1, inter_gbps=10.0):
@@ -84,6 +84,22 @@ def test_memory_limit_shifts_work_off_the_device_that_would_overflow():
     prog = Program((Stage((), Affine.sharded(1e12)),), 2, memory=Memory(activations=Affine.sharded(act)))
     ratios, _ = balance_ratios(prog, cl, memory_limit=True)
     assert not simulate(prog, cl, ratios).oom
+
+
+def test_memory_rows_added_after_a_solve_give_the_fresh_lps_answer():
+    # The planner solves for the fastest ratios, then (they overflow) again with memory rows on
+    # the same LP: the answer must be the one a fresh LP with the rows gives.
+    cl = make(fast=1, slow=1)
+    prog = Program((Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),), 2,
+                   memory=Memory(activations=Affine.sharded(28 * 2**30)))
+    lp = RatioLP(prog, cl)
+    fastest, _ = lp.solve()
+    assert simulate(prog, cl, fastest).oom  # the fast V100 takes more than its 16 GiB
+    lp.add_memory_rows()
+    ratios, objective = lp.solve()
+    fresh_ratios, fresh_objective = balance_ratios(prog, cl, memory_limit=True)
+    assert ratios[0] == pytest.approx(fresh_ratios[0], abs=1e-9) and objective == pytest.approx(fresh_objective, rel=1e-9)
+    assert not simulate(prog, cl, ratios).oom and objective > simulate(prog, cl, fastest).iter_time_s
 
 
 def test_shard_lengths_sum_exactly_and_never_split_length_one():
