@@ -226,6 +226,9 @@ class Memory:
     # (gradients made, activations still kept) at the points of backward where a device's
     # peak may fall (backward_sweep); empty: every gradient beside every activation.
     backward: tuple[tuple[Affine, Affine], ...] = ()
+    # The largest parameter tensor's bytes on a device (None: not known): what torch's
+    # per-tensor Adam needs beside the resident state (optimizer_step)
+    largest_param: Affine | None = None
 
     def resident(self) -> Affine:
         """What a device holds once backward is done: parameters, gradients, optimizer state, buckets."""
@@ -239,19 +242,26 @@ class Memory:
         held = self.params + self.optimizer + self.buckets
         return tuple((held + g, a) for g, a in (self.backward or ((self.grads, self.activations),)))
 
-    def optimizer_step(self) -> Affine:
-        """What a device holds while Adam steps: the resident state plus half the optimizer
-        state again. torch's multi-tensor Adam (the default on a GPU) takes the square root of
-        every second moment at once (torch/optim/adam.py, _multi_tensor_adam), so the step
-        needs one more fp32 buffer per parameter it updates. Where activations are small this
-        is the peak: on an H200 the paper models at 1-4 samples peaked 0.35-0.59 GiB, about
-        their parameter bytes, above the resident state plus activations."""
-        return self.resident() + self.optimizer.scale(0.5)
+    def optimizer_step(self, foreach: bool = True) -> Affine:
+        """What a device holds while Adam steps: the resident state plus its temporaries.
+        torch's multi-tensor Adam (its default on a GPU, `foreach`) takes the square root of
+        every second moment at once (torch/optim/adam.py, _multi_tensor_adam): one more fp32
+        buffer per parameter it updates. Where activations are small this is the peak: on an
+        H200 the paper models at 1-4 samples peaked 0.35-0.59 GiB, about their parameter
+        bytes, above the resident state plus activations. Its per-tensor Adam (the default on
+        CPU) steps one parameter at a time, with two temporaries of that parameter's size (the
+        square root, then its quotient): tiny VGG19's DDP ranks peaked at 32.8 MiB, 26.7 resident
+        and twice its 3.1 MiB classifier weight; without largest_param, the foreach price."""
+        if foreach or self.largest_param is None:
+            return self.resident() + self.optimizer.scale(0.5)
+        return self.resident() + self.largest_param.scale(2.0)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")}
         if self.backward:
             out["backward"] = [[g.to_json(), a.to_json()] for g, a in self.backward]
+        if self.largest_param is not None:
+            out["largest_param"] = self.largest_param.to_json()
         return out
 
     @staticmethod
@@ -261,9 +271,11 @@ class Memory:
 
 
 def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tuple[int, Affine]],
-                   made_before: Affine = Affine()) -> tuple[tuple[Affine, Affine], ...]:
-    """Memory.backward of one iteration: (gradients made, activations kept) as backward passes
-    each forward position, reduced to the points where a device's peak may fall.
+                   made_before: Affine = Affine(),
+                   in_flight: Iterable[tuple[int, int, Affine]] = ()) -> tuple[tuple[Affine, Affine], ...]:
+    """Memory.backward of one iteration: (gradients made, activations and activation gradients
+    held) as backward passes each forward position, reduced to the points where a device's
+    peak may fall.
 
     Args:
         grads: (position, bytes) per parameter: backward makes its gradient at that position,
@@ -272,6 +284,8 @@ def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tu
             position, the first op that keeps it.
         made_before: gradient storage that exists before backward starts (buckets the
             gradients accumulate into).
+        in_flight: (from, to, bytes) per activation gradient: held while backward is at a
+            position from `from` to `to` (methods.capture.Graph.grads_in_flight).
 
     A point is left out when, coefficient by coefficient, it is at most a mixture of two points
     kept: with ratios >= 0 it is then below one of them for every ratio (the points go on a chain
@@ -280,20 +294,28 @@ def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tu
     """
     made: dict[int, Affine] = {}
     freed: dict[int, Affine] = {}
+    arrive: dict[int, Affine] = {}  # gradients backward makes at a position (the `to` of in_flight)
+    leave: dict[int, Affine] = {}  # and consumes there (the `from`)
     for pos, b in grads:
         made[pos] = made.get(pos, Affine()) + b
     for pos, b in activations:
         freed[pos] = freed.get(pos, Affine()) + b
-    positions = sorted(made.keys() | freed.keys())
+    for start, end, b in in_flight:
+        arrive[end] = arrive.get(end, Affine()) + b
+        leave[start] = leave.get(start, Affine()) + b
+    positions = sorted(made.keys() | freed.keys() | arrive.keys() | leave.keys())
     kept, a = [], Affine()
     for pos in positions:  # kept while backward is at pos: what is freed there or before it
         a = a + freed.get(pos, Affine())
         kept.append(a)
-    g = made_before
+    g, flying = made_before, Affine()
     points: list[tuple[Affine, Affine]] = []
     for pos, a in zip(reversed(positions), reversed(kept)):
         g = g + made.get(pos, Affine())
-        points.append((g, a))
+        flying = flying + arrive.get(pos, Affine())
+        points.append((g, a + flying))
+        if pos in leave:
+            flying = flying + leave[pos].scale(-1.0)
     segments = sorted({seg for pair in points for x in pair for seg, _ in x.coef})
 
     def vector(x: Affine) -> tuple[float, ...]:
@@ -419,8 +441,9 @@ def data_parallel_program(
     backward_factor: float = 2.0,
     granularity: str = "gpu",
     bucket_copies: bool = False,
-    backward_memory: tuple[Sequence[tuple[int, float]], Sequence[tuple[int, float]]] | None = None,
+    backward_memory: tuple[Sequence, ...] | None = None,
     grads_before_backward: bool = False,
+    largest_param_bytes: float | None = None,
     meta: dict[str, Any] | None = None,
 ) -> Program:
     """The Program of DDP training with the batch split by the (single segment) ratios.
@@ -440,12 +463,14 @@ def data_parallel_program(
         granularity: whether a device is a GPU or a machine (DP inside it).
         bucket_copies: the gradients' buckets are a copy of them (torch's DDP), not the
             gradients' own storage (hap's runtime: methods.hap.runtime.GradBuckets).
-        backward_memory: (gradients, activations) as methods.capture.Graph.backward_memory
-            gives them, activations at the whole batch: where the peak of backward is
-            (backward_sweep); None: every gradient beside every activation.
+        backward_memory: (gradients, activations[, gradients in flight]) as
+            methods.capture.Graph.backward_memory gives them, activations at the whole batch:
+            where the peak of backward is (backward_sweep); None: every gradient beside every
+            activation.
         grads_before_backward: the gradients' storage exists before backward (hap's buckets
             with more than one device), not made as backward goes (DDP, which sets them to
             None each step).
+        largest_param_bytes: the largest parameter tensor's bytes (Memory.largest_param).
 
     Stages: forward + the backward of the last layers up to the first full bucket; then one
     stage per bucket whose all-reduce overlaps the backward of the layers before it.
@@ -504,6 +529,8 @@ def data_parallel_program(
         backward=() if backward_memory is None else backward_sweep(
             [] if grads_before_backward else [(p, Affine(b)) for p, b in backward_memory[0]],
             [(p, Affine.sharded(b)) for p, b in backward_memory[1]],
-            Affine(param_bytes) if grads_before_backward else Affine()),
+            Affine(param_bytes) if grads_before_backward else Affine(),
+            [(a, b, Affine.sharded(x)) for a, b, x in (backward_memory[2] if len(backward_memory) > 2 else ())]),
+        largest_param=None if largest_param_bytes is None else Affine(largest_param_bytes),
     )
     return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}))

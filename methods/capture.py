@@ -175,6 +175,9 @@ class Graph:
     def param_bytes(self) -> int:
         return sum(n.nbytes for n in self.nodes if n.is_param)
 
+    def largest_param_bytes(self) -> int:
+        return max((n.nbytes for n in self.nodes if n.is_param), default=0)
+
     def saved_bytes_factor(self) -> dict[str, float]:
         """Tensors autograd keeps from forward for backward: name -> fraction of the tensor's
         bytes kept (1.0, or 1/itemsize for a dropout's boolean mask).
@@ -189,10 +192,11 @@ class Graph:
         number keeps nothing (only the number; each tensor operand is kept for the other's
         gradient). Counted per tensor, tiny ViT's dp_ev rank held 7.0 MiB, 5.7 measured.
 
-        The input of cross-entropy counts three times: the log-probabilities its backward keeps,
-        and, when backward starts, beside everything else kept, the gradient of those and then
-        of the input itself. Where the vocabulary is large that is backward's peak: BERT at 128
-        samples on an H200 peaked 17.9 GiB, 14.3 priced with it once, 18.3 with it three times.
+        A layer norm keeps its mean and reciprocal deviation beside (two floats a row), a
+        max-pool where each maximum was (an int64 per output element); a slice
+        kept (x[:, 0]) keeps its base's storage. The gradients backward holds besides, among
+        them cross-entropy's (where the vocabulary is large, backward's peak: BERT at 128
+        samples on an H200 peaked at 17.9 GiB), are grads_in_flight's.
         """
         return {t: f for t, (f, _) in self.kept_until().items()}
 
@@ -200,6 +204,35 @@ class Graph:
         """saved_bytes_factor's tensors with, for each, the first op (in forward) that keeps it:
         autograd frees it once backward has passed that op, the last of its keepers to run
         backward. A tensor an op keeps as its own output is kept by that op."""
+        keepers, masks = self.keepers(), self.own_saves()
+        position = self._positions
+        out = {t: ((1.0 if t in keepers else 0.0) + masks.get(t, 0.0),
+                   min([*keepers.get(t, ()), *([t] if t in masks else [])], key=position.__getitem__))
+               for t in {**keepers, **masks}}
+        for t in list(out):
+            # A slice autograd keeps (ViT's class token, x[:, 0]) keeps its base's whole
+            # storage: counted at the base's size, once, unless the base is kept itself.
+            base = self._sliced_from(t)
+            if base is not None:
+                factor, keeper = out.pop(t)
+                if base not in out:
+                    out[t] = (factor * self[base].nbytes / max(self[t].nbytes, 1), keeper)
+        return out
+
+    def keepers(self) -> dict[str, tuple[str, ...]]:
+        """Floating tensor -> the ops whose backward reads its value (saved_bytes_factor's
+        rules): the op itself for one that keeps its own output, its consumers for inputs. A
+        dropout that drops nothing is its input."""
+        return self._saves[0]
+
+    def own_saves(self) -> dict[str, float]:
+        """Tensor -> bytes, as a fraction of its own, that the op making it keeps beside the
+        value: a dropout's boolean mask, a max-pool's int64 indices (one per output element),
+        a layer norm's mean and reciprocal deviation (two floats per normalised row)."""
+        return self._saves[1]
+
+    @functools.cached_property
+    def _saves(self) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
         alias = {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and not _drops(n)}
 
         def base(name: str) -> str:
@@ -207,44 +240,135 @@ class Graph:
                 name = alias[name]
             return name
 
-        kept: dict[str, float] = {}
-        masks: dict[str, float] = {}  # a dropout's mask, beside its output if that is kept too
-        first: dict[str, str] = {}
+        keepers: dict[str, list[str]] = {}
+        masks: dict[str, float] = {}
         for n in self.ops:
             if n.op in _SAVES_OUTPUT:
-                kept[n.name] = max(kept.get(n.name, 0.0), 1.0)
-                first.setdefault(n.name, n.name)
+                keepers.setdefault(n.name, []).append(n.name)
             if n.op == "dropout" and n.name not in alias and n.shape is not None and n.dtype is not None:
                 masks[n.name] = 1.0 / n.dtype.itemsize
-                first.setdefault(n.name, n.name)
+            if n.op == "max_pool2d" and n.shape:
+                masks[n.name] = 8.0 / n.dtype.itemsize
+            if n.op == "layer_norm" and n.shape:
+                masks[n.name] = 2.0 / math.prod(_normalized_shape(n))
             operands = [i for i in n.inputs if self[i].is_tensor]
             if n.op in _SAVES_INPUTS and not (n.op in _BY_A_NUMBER and len(operands) < 2):
-                for i in map(base, operands):
+                for i in dict.fromkeys(map(base, operands)):
                     src = self[i]
                     if not src.is_param and src.dtype is not None and src.dtype.is_floating_point:
-                        kept[i] = max(kept.get(i, 0.0), 3.0 if n.op == "cross_entropy" else 1.0)
-                        first.setdefault(i, n.name)
-        return {t: (kept.get(t, 0.0) + masks.get(t, 0.0), first[t]) for t in {**kept, **masks}}
+                        keepers.setdefault(i, []).append(n.name)
+        return {t: tuple(ops) for t, ops in keepers.items()}, masks
+
+    def _sliced_from(self, name: str) -> str | None:
+        """The tensor whose storage `name` is a smaller view of (basic indexing, then any
+        views), or None when it is not one."""
+        n = self[name]
+        if n.op != "getitem" or not n.inputs or self[n.inputs[0]].shape is None:
+            return None  # not a view, or an element of a tuple (its own tensor)
+        index = n.fx_node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index):
+            return None  # advanced indexing copies
+        base = n.inputs[0]
+        while self[base].op in VIEW_OPS and self[base].op != "getitem" and self[base].inputs:
+            base = self[base].inputs[0]
+        return base if self[base].nbytes > n.nbytes else None
+
+    def _last_use(self, name: str) -> str:
+        """The op of `name`'s last use in forward, through views (`name` itself if unused)."""
+        position = self._positions
+        users = [self._last_use(u) if self._is_view(u) else u for u in self.users.get(name, [])]
+        return max(users, key=position.__getitem__, default=name)
+
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def _is_view(self, name: str) -> bool:
+        """Whether `name` shares its input's storage (and its gradient the input's gradient's):
+        a view op, but not an element of a tuple (topk's values are their own tensor)."""
+        n = self[name]
+        if n.op == "dropout":
+            return not _drops(n)  # returns its input itself
+        return n.op in VIEW_OPS and not (n.op == "getitem" and n.inputs and self[n.inputs[0]].shape is None)
 
     def grad_ready(self) -> dict[str, str]:
         """Parameter -> the op of its last use in forward, through views: backward makes the
         parameter's gradient there (the first of its uses backward reaches)."""
-        position = {n.name: i for i, n in enumerate(self.nodes)}
+        return {n.name: self._last_use(n.name) for n in self.nodes if n.is_param}
 
-        def last_use(name: str) -> str:
-            users = [last_use(u) if self[u].op in VIEW_OPS else u for u in self.users.get(name, [])]
-            return max(users, key=position.__getitem__, default=name)
+    def grads_in_flight(self) -> list[tuple[str, str, str]]:
+        """The gradients of activations backward holds: (tensor, from, to) each live while
+        backward is at an op from `from` to `to` (forward order), `tensor` its size.
 
-        return {n.name: last_use(n.name) for n in self.nodes if n.is_param}
+        A tensor's gradient is made by the backward of its last use (through views) and
+        consumed by that of the op that made it. Where that last use is a sum of same-shaped
+        operands (a residual connection: x + f(x)), backward hands the sum's gradient itself
+        to them: one storage, live until the last of them is consumed. Only tensors that need
+        a gradient (floating, made from a parameter) have one. cross_entropy's one op is two
+        inside (log_softmax, nll_loss): its backward also holds the log-probabilities'
+        gradient, the size of its input."""
+        position = self._positions
+        needs: dict[str, bool] = {}
+        owner: dict[str, str] = {}  # tensor -> the tensor whose gradient storage it shares
+        span: dict[str, list] = {}  # owner -> [from, to] (op names)
+        extra: list[tuple[str, str, str]] = []
+        for n in self.nodes:
+            floating = n.dtype is not None and n.dtype.is_floating_point
+            needs[n.name] = n.is_param or (floating and n.kind in ("call_function", "call_method")
+                                           and any(needs.get(i, False) for i in n.inputs))
+            if n.op == "cross_entropy" and n.inputs and needs.get(n.inputs[0], False):
+                extra.append((n.inputs[0], n.name, n.name))
+        for n in reversed(self.nodes):  # a sum's gradient exists before its operands'
+            if not needs[n.name] or n.is_param or not n.shape or self._is_view(n.name):
+                continue
+            last = self._last_use(n.name)
+            if last == n.name:
+                continue
+            user = self[last]
+            shares = (user.op == "add" or (user.op == "sub" and self._operand(last, 0) == n.name)) \
+                and user.shape == n.shape and user.name in owner
+            if shares:
+                owner[n.name] = owner[user.name]
+                span[owner[n.name]][0] = n.name  # consumed later in backward: earlier in forward
+            else:
+                owner[n.name] = n.name
+                span[n.name] = [n.name, last]
+        return [(t, a, b) for t, (a, b) in span.items()] + extra
 
-    def backward_memory(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        """(gradients, activations) as bench.program.backward_sweep reads them: each
-        parameter's bytes at the position its gradient is made (grad_ready), each kept tensor's
-        bytes (activation_bytes' share) at the position after which backward frees it."""
-        position = {n.name: i for i, n in enumerate(self.nodes)}
+    def _operand(self, name: str, k: int) -> str | None:
+        """The tensor (through views) that is operand `k` of op `name`."""
+        args = [a for a in self[name].fx_node.args if isinstance(a, fx.Node)]
+        if k >= len(args):
+            return None
+        t = args[k].name
+        while self._is_view(t) and self[t].inputs:
+            t = self[t].inputs[0]
+        return t
+
+    def backward_memory(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, int, float]]]:
+        """(gradients, activations, gradients in flight) as bench.program.backward_sweep reads
+        them: each parameter's bytes at the position its gradient is made (grad_ready), each
+        kept tensor's bytes (activation_bytes' share) at the position after which backward
+        frees it, each activation gradient's bytes over the positions it lives (grads_in_flight)."""
+        position = self._positions
         grads = [(position[op], float(self[t].nbytes)) for t, op in self.grad_ready().items()]
         acts = [(position[op], self[t].nbytes * f) for t, (f, op) in self.kept_until().items()]
-        return grads, acts
+        flight = [(position[a], position[b], float(self[t].nbytes)) for t, a, b in self.grads_in_flight()]
+        return grads, acts, flight
+
+    def peak_bytes_in_flight(self) -> float:
+        """The most bytes of activation gradients backward holds at once (grads_in_flight)."""
+        position = self._positions
+        change: dict[int, float] = {}
+        for t, a, b in self.grads_in_flight():
+            change[position[b]] = change.get(position[b], 0.0) + self[t].nbytes  # made there
+            change[position[a] - 1] = change.get(position[a] - 1, 0.0) - self[t].nbytes  # gone after it
+        held = peak = 0.0
+        for pos in sorted(change, reverse=True):  # backward's order
+            held += change[pos]
+            peak = max(peak, held)
+        return peak
 
     def activation_bytes(self) -> float:
         """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""
@@ -293,6 +417,13 @@ _SAVES_INPUTS = {
 }
 _SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt"}
 _BY_A_NUMBER = {"mul", "truediv", "div"}  # with one tensor operand, their backward keeps none
+
+
+def _normalized_shape(node: Node) -> tuple[int, ...]:
+    """A layer_norm node's normalized_shape (F.layer_norm's second argument)."""
+    args, kwargs = node.fx_node.args, node.fx_node.kwargs
+    shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else node.shape[-1:])
+    return (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
 
 
 def _drops(node: Node) -> bool:

@@ -65,7 +65,7 @@ class DataParallel:
             graph.activation_bytes() / workload.global_batch,
             bucket_cap_bytes=self.bucket_cap_mb * 2**20, granularity="gpu",
             bucket_copies=cluster.num_devices > 1,  # one rank trains the plain model, no DDP
-            backward_memory=graph.backward_memory(),
+            backward_memory=graph.backward_memory(), largest_param_bytes=graph.largest_param_bytes(),
             meta={"method": self.name, "model": workload.name},
         )
         ratios = [[s / workload.global_batch for s in shares]]

@@ -611,7 +611,8 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
                                       moe["capacity_factor"], moe["k"], moe["min_capacity"])
         per_sample = moe["num_experts"] * capacity * moe["d_model"] * FP32_BYTES / batch
         a2a = tuple(per_sample for _ in range(len(expert_prefixes) // 4))
-    return WorkloadProfile(tuple(ops), graph.activation_bytes() / batch, a2a)
+    # Every activation kept beside the most activation gradients backward holds at once.
+    return WorkloadProfile(tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a)
 
 
 def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: int, zero_stage: int,

@@ -74,7 +74,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         # The larger of backward's peak (activations included) and Adam's step.
         peak = max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
                        for held, acts in program.memory.backward_points()) / GIB,
-                   program.memory.optimizer_step().at(ratios, v.index) / GIB)
+                   program.memory.optimizer_step(foreach=cluster.device == "cuda").at(ratios, v.index) / GIB)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

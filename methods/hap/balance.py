@@ -93,7 +93,7 @@ class RatioLP:
             return
         self.memory_limit = True
         prob, alg = self.prob, self.alg
-        points, stepping = self.program.memory.backward_points(), self.program.memory.optimizer_step()
+        points, stepping = self.program.memory.backward_points(), self.program.memory.optimizer_step(foreach=self.cluster.device == "cuda")
         for v in (self.vdevs[d] for d, _ in alike(self.vdevs, alg)):
             cap = v.memory_bytes - memory_reserve_gib * 2**30
             for i, (held, acts) in enumerate(points):

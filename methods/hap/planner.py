@@ -401,6 +401,7 @@ class HapPlanner:
             program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
                                             granularity=gran, backward_memory=backward,
                                             grads_before_backward=cluster.num_devices > 1,
+                                            largest_param_bytes=graph.largest_param_bytes(),
                                             meta={**meta, "program": "data_parallel"})
             options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
             if gran == "gpu" and batch >= n:

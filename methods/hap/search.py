@@ -729,9 +729,12 @@ def build_program(
         bucket_cap_bytes: gradient bytes per bucket; 0 = one all-reduce per parameter.
     """
     graph = cost.graph
-    kept = graph.kept_until()
+    kept, keepers, own = graph.kept_until(), graph.keepers(), graph.own_saves()
     ready = graph.grad_ready()
     position = {step.node: i for i, step in enumerate(steps)}
+    # Tensors each op reads as a re-laid copy (gathered, exchanged): the op keeps the copy.
+    # A reshard between rows is not counted as a copy (with tied rows it is the tensor itself).
+    relaid = [{c.tensor for c in step.comms if not c.free and c.kind != "reshard"} for step in steps]
     # With more than one rank the runtime's gradients of replicated parameters are views of
     # its buckets, made before backward (methods.hap.runtime.GradBuckets; on machine-level
     # devices every gradient is); a parameter an SFB linear reads as its weight is not bucketed.
@@ -743,6 +746,7 @@ def build_program(
     grads_made: list[tuple[int, Affine]] = []
     kept_bytes: list[tuple[int, Affine]] = []
     grads_before = Affine()
+    largest: tuple[int, Affine] | None = None  # (full bytes, bytes on a device) of the largest parameter
     for i, step in enumerate(steps):
         if grad_overlap:
             f, b = cost.stages(step, param_sync=False)
@@ -756,30 +760,42 @@ def build_program(
             if graph[t].is_param:
                 nbytes = cost._bytes(t, layout)
                 params = params + nbytes
+                if largest is None or graph[t].nbytes > largest[0]:
+                    largest = (graph[t].nbytes, nbytes)
                 if bucketed and (cost.granularity == "machine" or (layout == IDENTITY and t not in sfb_weights)):
                     grads_before = grads_before + nbytes
                 else:
                     grads_made.append((position.get(ready[t], i), nbytes))
         node = graph[step.node]
         # What autograd keeps for backward (methods.capture.Graph.saved_bytes_factor), in the
-        # layout it exists in: the op's output, and collected copies its consumers read; each
-        # until backward has passed the first op that keeps it.
-        # (A copy made for this op is this op's to keep.)
-        held: list[tuple[str, Affine, int]] = []
+        # layout it exists in, each until backward has passed the first op that keeps it: the
+        # op's output (its value while an op that keeps it reads it as it is; what the op
+        # keeps beside, always), and the re-laid copies ops that keep them read (a copy made
+        # for this op is this op's to keep).
+        held: list[tuple[Affine, float, int]] = []
         if node.shape is not None and step.node in kept:
-            held.append((step.node, cost._bytes(step.node, step.rule.post), position.get(kept[step.node][1], i)))
+            t = step.node
+            read = any(k == t or t not in relaid[position[k]] for k in keepers.get(t, ()) if k in position)
+            factor = own.get(t, 0.0) + (kept[t][0] - own.get(t, 0.0) if read else 0.0)
+            held.append((cost._bytes(t, step.rule.post), factor, position.get(kept[t][1], i)))
         for c in step.comms:
-            if not c.free and c.tensor in kept:
-                held.append((c.tensor, cost._bytes(c.tensor, c.dst, c.to_segment), i))
+            if not c.free and c.kind != "reshard" and step.node in keepers.get(c.tensor, ()):
+                held.append((cost._bytes(c.tensor, c.dst, c.to_segment), 1.0, i))
         for t, layout in step.sources:
             if t in kept and not graph[t].is_param:
-                held.append((t, cost._bytes(t, layout), position.get(kept[t][1], i)))
-        for t, nbytes, until in held:
-            nbytes = nbytes.scale(kept[t][0])
-            activations = activations + nbytes
-            kept_bytes.append((until, nbytes))
+                held.append((cost._bytes(t, layout), kept[t][0], position.get(kept[t][1], i)))
+        for nbytes, factor, until in held:
+            if factor:
+                nbytes = nbytes.scale(factor)
+                activations = activations + nbytes
+                kept_bytes.append((until, nbytes))
+    # Activation gradients, each in the layout of the tensor it is the gradient of.
+    layouts = {step.node: step.rule.post for step in steps}
+    flying = [(position[a], position[b], cost._bytes(t, layouts[t])) for t, a, b in graph.grads_in_flight()
+              if t in layouts and a in position and b in position]
     memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations,
-                    backward=backward_sweep(grads_made, kept_bytes, grads_before))
+                    backward=backward_sweep(grads_made, kept_bytes, grads_before, flying),
+                    largest_param=None if largest is None else largest[1])
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
     return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}))
 

@@ -208,10 +208,17 @@ def test_activations_count_what_autograd_keeps():
     kept = sorted((g[t].op, f) for t, f in saved.items())
     # h (read by fc), relu's output, z (read by s * z) and its dropout mask (a byte an element),
     # the softmax's output (read by s * z through the dropout that drops nothing) and the loss's
-    # input: kept once, and twice more for the gradients backward starts with
-    assert kept == [("add", 1.0), ("add", 3.0), ("dropout", 1.25), ("relu", 1.0), ("softmax", 1.0)]
+    # input (its log-probabilities)
+    assert kept == [("add", 1.0), ("add", 1.0), ("dropout", 1.25), ("relu", 1.0), ("softmax", 1.0)]
     assert "fc_weight" not in saved and "x" not in saved
     assert g.activation_bytes() == pytest.approx(sum(g[t].nbytes * f for t, f in saved.items()))
+    # The gradients backward holds: each from its tensor's last use to the op that made it
+    # (softmax's through the dropout that is its input); s * z's is the sum's own (s * z + x
+    # hands it its gradient); cross-entropy's inside, at its own backward. h and x need none.
+    assert sorted(g.grads_in_flight()) == sorted([
+        ("linear", "linear", "relu"), ("relu", "relu", "dropout"), ("dropout", "dropout", "mul_1"),
+        ("mul", "mul", "softmax"), ("softmax", "softmax", "mul_1"), ("add_1", "mul_1", "cross_entropy"),
+        ("add_1", "cross_entropy", "cross_entropy")])
 
 
 def _dp_cp_time(wl: Workload, cl: ClusterSpec) -> float:

@@ -31,6 +31,32 @@ def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
     assert tensors.live == 3 * 4 * MIB + step_count  # parameters, moments; the gradient set to None
 
 
+def test_adam_on_cpu_steps_one_parameter_at_a_time_with_two_temporaries_of_its_size():
+    """torch's default Adam on CPU tensors is the per-tensor one: the square root of a second
+    moment, then its quotient, for one parameter at a time (Memory.optimizer_step(foreach=False))."""
+    from bench.program import Affine, Memory
+
+    tensors = TensorBytes()
+    with tensors:
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 256, bias=False))
+        opt = torch.optim.Adam(model.parameters())  # 4 + 1 MiB of parameters
+    x = torch.randn(8, 1024)
+    for step in range(2):
+        with tensors:
+            if step == 1:
+                tensors.reset_peak()
+            model(x).sum().backward()
+            resident = tensors.live  # parameters, gradients, moments (and backward's leftovers)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    params = 5 * MIB
+    memory = Memory(Affine(params), Affine(params), Affine(2 * params), largest_param=Affine(4 * MIB))
+    step_count = 2 * 4  # one one-element fp32 tensor per parameter
+    assert tensors.peak - resident == 2 * 4 * MIB
+    assert tensors.peak == memory.optimizer_step(foreach=False).const + step_count
+    assert memory.optimizer_step(foreach=True).const == 5 * params  # the multi-tensor one's
+
+
 def test_views_share_their_base_and_what_was_made_before_is_not_counted():
     before = torch.zeros(MIB // 4)
     tensors = TensorBytes()
