@@ -17,7 +17,7 @@ import pulp
 from bench.cluster import ClusterSpec
 from bench.cost import LpAlgebra, alike, device_classes, iteration_time, virtual_devices
 from bench.interfaces import PlanningError
-from bench.program import Program
+from bench.program import Affine, Program
 from bench.shares import round_shares
 
 
@@ -85,6 +85,7 @@ class RatioLP:
         self.alg = LpAlgebra(self.prob, self.r, tied_rows and g > 1)
         self.objective = None  # built at the first solve
         self.memory_limit = False
+        self.reserve_bytes = 0.0
 
     def add_memory_rows(self, memory_reserve_gib: float = 0.0) -> None:
         """Require each device's memory (bench.program.Memory) to fit its GPU, less the reserve;
@@ -92,20 +93,39 @@ class RatioLP:
         if self.memory_limit:
             return
         self.memory_limit = True
-        prob, alg = self.prob, self.alg
-        points, stepping = self.program.memory.backward_points(), self.program.memory.optimizer_step(foreach=self.cluster.device == "cuda")
-        for v in (self.vdevs[d] for d, _ in alike(self.vdevs, alg)):
-            cap = v.memory_bytes - memory_reserve_gib * 2**30
-            for i, (held, acts) in enumerate(points):
-                per_gpu = pulp.lpSum([alg.at(held, v.index), alg.at(acts, v.index) * (1.0 / v.num_gpus)])
-                prob += per_gpu <= cap, f"mem_{v.index}_{i}"
-            prob += pulp.lpSum([alg.at(stepping, v.index)]) <= cap, f"mem_step_{v.index}"  # as the simulator
+        self.reserve_bytes = memory_reserve_gib * 2**30
+        prob = self.prob
+        for v in (self.vdevs[d] for d, _ in alike(self.vdevs, self.alg)):
+            self._memory_rows(v, 0.0, "mem")
         if self.objective is None:
             # Whether any ratios fit is a question of these few rows alone: answer it before the
             # objective is built and solved. (A stand-in objective: PuLP writes an invalid model
             # when re-solving one first solved without.)
             prob.setObjective(pulp.lpSum(self.per_class[0]))
             _solve(prob, self.time_limit_s, "memory per device", self.cluster, True)
+
+    def hold_one_sample_more(self, devices, batch: int) -> None:
+        """Memory rows for `devices` that hold with one sample more than their ratios give:
+        a share the rows held exactly can overflow once rounded up to whole samples (planner
+        _as_run). Only for the devices that did, as a margin on every device may leave no
+        split that fits where a whole-sample one exists."""
+        for d in devices:
+            self._memory_rows(self.vdevs[d], 1.0 / batch, f"mem_whole_{d}")
+
+    def _memory_rows(self, v, extra: float, name: str) -> None:
+        """Rows: device v's memory at each of backward's points and at Adam's step (as the
+        simulator prices them), at its ratios plus `extra` of the batch, fits its GPU."""
+        alg = self.alg
+        memory = self.program.memory
+        cap = v.memory_bytes - self.reserve_bytes
+
+        def at(x: Affine):
+            return [alg.at(x, v.index), sum(c for _, c in x.coef) * extra]
+
+        for i, (held, acts) in enumerate(memory.backward_points()):
+            self.prob += pulp.lpSum(at(held) + [a * (1.0 / v.num_gpus) for a in at(acts)]) <= cap, f"{name}_{v.index}_{i}"
+        step = memory.optimizer_step(foreach=self.cluster.device == "cuda")
+        self.prob += pulp.lpSum(at(step)) <= cap, f"{name}_step_{v.index}"
 
     def solve(self) -> tuple[list[list[float]], float]:
         """The optimal ratios under the rows added so far, and the LP's objective (s)."""

@@ -8,7 +8,7 @@ from bench.cluster import ClusterSpec
 from bench.interfaces import Workload
 from bench.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import compute_proportional_ratios, simulate, virtual_devices
-from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, shard_lengths
+from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, batch_shares, shard_lengths
 
 
 def make(fast=1, slow=1, inter_gbps=10.0):
@@ -100,6 +100,28 @@ def test_memory_rows_added_after_a_solve_give_the_fresh_lps_answer():
     fresh_ratios, fresh_objective = balance_ratios(prog, cl, memory_limit=True)
     assert ratios[0] == pytest.approx(fresh_ratios[0], abs=1e-9) and objective == pytest.approx(fresh_objective, rel=1e-9)
     assert not simulate(prog, cl, ratios).oom and objective > simulate(prog, cl, fastest).iter_time_s
+
+
+def test_a_device_that_overflows_in_whole_samples_is_held_one_sample_more():
+    # The fast V100 takes all it can hold: 16 of 28 GiB of activations, 5.71 of 10 samples;
+    # run as 6, it overflows. Its rows then hold with one sample more (a margin on both would
+    # leave no split: 2 x 13.2 GiB < 28), and 5 samples each fit.
+    cl = make(fast=1, slow=1)
+    prog = Program((Stage((), Affine.sharded(1e13)),), 2, memory=Memory(activations=Affine.sharded(28 * 2**30)))
+
+    def as_run(ratios):
+        return [[k / 10 for k in batch_shares(10, ratios[0])]]
+
+    lp = RatioLP(prog, cl)
+    lp.add_memory_rows()
+    exact, _ = lp.solve()
+    assert not simulate(prog, cl, exact).oom and simulate(prog, cl, as_run(exact)).oom_devices == [0]
+    lp.hold_one_sample_more([0], 10)
+    held, _ = lp.solve()
+    assert not simulate(prog, cl, as_run(held)).oom and as_run(held)[0] == [0.5, 0.5]
+    with pytest.raises(InfeasibleError):
+        lp.hold_one_sample_more([1], 10)
+        lp.solve()
 
 
 def test_shard_lengths_sum_exactly_and_never_split_length_one():
