@@ -63,6 +63,9 @@ class ComputeProfile:
     dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
     optimizer_dispatch_s: float = 0.0
     host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.flops.host_probe)
+    # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
+    # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
+    workspace_bytes: float = 0.0
 
     def rate(self, op_class: str) -> tuple[float, float]:
         """(fixed_s per kernel, FLOP/s) of an op class."""
@@ -131,9 +134,13 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     probe = data.get("host_probe_s")
     if probe is not None and (not isinstance(probe, (int, float)) or probe <= 0):
         raise ConfigError(f"{where}={path!r}: host_probe_s must be a number > 0 (got {probe!r}); {fix}")
+    workspace = data.get("workspace_bytes", 0.0)
+    if not isinstance(workspace, (int, float)) or workspace < 0:
+        raise ConfigError(f"{where}={path!r}: workspace_bytes must be a number >= 0 (got {workspace!r}); {fix}")
     return ComputeProfile(type_name, classes, optimizer, str(path),
                           tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
-                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe))
+                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
+                          float(workspace))
 
 
 _TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}

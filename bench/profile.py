@@ -246,6 +246,7 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
     seconds, host seconds)."""
     timed = _device_timer(device, repeats)
     gpu = device != "cpu"
+    allocated = torch.cuda.memory_allocated(device) if gpu else 0
     out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
                  "device": device if not gpu else torch.cuda.get_device_name(device),
                  "compute": {}, "measured": time.strftime("%Y-%m-%d"),
@@ -271,10 +272,27 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
             opt = torch.optim.Adam([p], lr=1e-4)
             points.append((4.0 * n, *timed(opt.step)))
         out["optimizer"] = {**fit_entry(points, "bytes_per_s", 1, gpu), "points": points}
+        del p, opt
+        if gpu:
+            out["workspace_bytes"] = workspace_bytes(device, allocated)
         # Not priced yet (bench.cost counts kernels); measured so that a profile can tell how
         # much of a host-bound step the calls that launch no kernel take.
         out["views"] = view_entry([(n, *timed(_view_chain(device, n))) for n in VIEW_CHAINS])
     return out
+
+
+def workspace_bytes(device: str, before: int) -> int:
+    """Bytes allocated on `device` that no tensor holds, since `before` (its allocation when
+    the profile began): what the libraries keep once they have run (cuBLAS and cuBLASLt
+    workspaces, one per handle and stream, made at a first matrix product), which every
+    training step's peak includes. A forward and backward of a linear layer first, so that
+    they exist whatever ran before."""
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    layer = torch.nn.Linear(256, 256, device=device)
+    layer(x).sum().backward()
+    del x, layer
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) - before
 
 
 def fit_entry(points: list, units: str, per: int, host: bool) -> dict:

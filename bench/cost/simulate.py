@@ -75,6 +75,8 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         peak = max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
                        for held, acts in program.memory.backward_points()) / GIB,
                    program.memory.optimizer_step(foreach=cluster.device == "cuda").at(ratios, v.index) / GIB)
+        if v.compute is not None:
+            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.profile.workspace_bytes)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

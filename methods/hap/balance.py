@@ -117,7 +117,7 @@ class RatioLP:
         simulator prices them), at its ratios plus `extra` of the batch, fits its GPU."""
         alg = self.alg
         memory = self.program.memory
-        cap = v.memory_bytes - self.reserve_bytes
+        cap = v.memory_bytes - self.reserve_bytes - (v.compute.workspace_bytes if v.compute is not None else 0.0)
 
         def at(x: Affine):
             return [alg.at(x, v.index), sum(c for _, c in x.coef) * extra]

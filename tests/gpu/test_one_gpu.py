@@ -118,3 +118,26 @@ def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
         assert hw["device"] == "cuda" and hw["name"] == name and hw["memory_gib"] > 1
         assert hw["cuda"] == torch.version.cuda and hw["nccl"]
         assert r["precision"]["matmul_allow_tf32"] is False and r["emulation"] is None
+
+
+def test_the_libraries_workspace_is_measured_and_a_steps_peak_holds_it():
+    """bench.profile.workspace_bytes in a fresh process: what cuBLAS keeps after a first matrix
+    product; a step after it keeps no more than its tensors (the workspace is made once)."""
+    code = (
+        "import torch\n"
+        "from bench.profile import workspace_bytes\n"
+        "w = workspace_bytes('cuda', torch.cuda.memory_allocated())\n"
+        "torch.cuda.reset_peak_memory_stats()\n"
+        "base = torch.cuda.memory_allocated()\n"
+        "x = torch.randn(64, 256, device='cuda', requires_grad=True)\n"
+        "layer = torch.nn.Linear(256, 256, device='cuda')\n"
+        "layer(x).sum().backward()\n"
+        "print(w, torch.cuda.memory_allocated() - base)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=os.environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    workspace, live = (int(v) for v in out.stdout.split())
+    assert 0 < workspace < 2**30
+    tensors = (64 * 256 + 256 * 256 + 256) * 4 * 2  # x, weight, bias and their gradients
+    assert live <= tensors + 2**16

@@ -212,6 +212,23 @@ def test_a_profiled_device_pays_a_fixed_cost_per_kernel_its_class_rate_and_the_o
     assert objective == pytest.approx(matmul + conv + optimizer, rel=1e-6)
 
 
+def test_the_libraries_workspace_a_profile_measured_is_in_every_peak_and_the_lps_rows(tmp_path):
+    from bench.program import Memory
+
+    GIB = 2**30
+    workspace = 2 * GIB
+    prog = Program((Stage((), Affine.sharded(2e12), op_class="matmul"),), 2,
+                   memory=Memory(params=Affine(4 * GIB), activations=Affine.sharded(36 * GIB)))
+    plain = _cluster_with_profile(_profile_file(tmp_path))
+    cl = _cluster_with_profile(_profile_file(tmp_path, workspace_bytes=workspace))
+    assert cl.devices[0].type.compute.workspace_bytes == workspace
+    assert simulate(prog, cl, [[0.5, 0.5]]).peak_mem_gib == pytest.approx([24.0, 24.0])  # 22 + 2: just fits
+    assert simulate(prog, plain, [[0.5, 0.5]]).peak_mem_gib == pytest.approx([22.0, 22.0])
+    assert not simulate(prog, cl, [[0.5, 0.5]]).oom and simulate(prog, cl, [[0.52, 0.48]]).oom
+    ratios, _ = balance_ratios(prog, cl, memory_limit=True)  # the only split that fits
+    assert ratios[0] == pytest.approx([0.5, 0.5], abs=1e-6)
+
+
 def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path):
     """With dispatch costs measured, forward and backward end no sooner than the host has
     queued their kernels (small shares are launch-bound, large ones pay the device's time
@@ -264,6 +281,7 @@ def test_a_host_that_probes_slower_than_the_profiles_queues_kernels_that_much_sl
     ({"compute": {"matmul": {"fixed_s": 0, "flops_per_s": 1e12}}}, "has no compute.other"),
     ({"compute": {"other": {"fixed_s": -1, "flops_per_s": 1e12}}}, "needs fixed_s >= 0"),
     ({"host_probe_s": 0}, "host_probe_s must be a number > 0"),
+    ({"workspace_bytes": -1}, "workspace_bytes must be a number >= 0"),
 ])
 def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, change, message):
     from bench.cluster import ConfigError
