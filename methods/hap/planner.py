@@ -379,14 +379,16 @@ class HapPlanner:
                     break
                 cand = _score("synthesis", program, cluster, ratios, batch, res)
                 over = simulate(program, cluster, cand.ratios).oom_devices if memory and cand.oom else []
+                wider = ""
                 if over:  # fits as the LP split it, not in whole samples: hold those a sample more
                     try:
                         lp.hold_one_sample_more(over, batch)
                         ratios, objective = lp.solve()
                         cand = _score("synthesis", program, cluster, ratios, batch, res)
+                        wider = f", a sample wider on devices {over}"
                     except InfeasibleError:
                         pass
-                rows = ", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")
+                rows = (", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")) + wider
                 rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if memory else ''}{rows}",
                                "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
                 if best is None or _better(cand, best):
