@@ -11,6 +11,22 @@ from bench.tensor_memory import TensorBytes
 MIB = 2**20
 
 
+def _two_steps(tensors: TensorBytes, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Two training steps counted by `tensors`, its peak reset for the second; the bytes live
+    as the second's Adam step begins (parameters, gradients, moments)."""
+    x = torch.randn(8, 1024)
+    resident = 0
+    for step in range(2):
+        with tensors:
+            if step == 1:
+                tensors.reset_peak()
+            model(x).sum().backward()
+            resident = tensors.live
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return resident
+
+
 def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
     """Parameters, gradients, two moments and the square roots torch's multi-tensor Adam takes of
     every second moment at once: the cost model's optimizer_step (bench.program.Memory)."""
@@ -18,14 +34,7 @@ def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
     with tensors:
         model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of parameters
         opt = torch.optim.Adam(model.parameters(), foreach=True)
-    x = torch.randn(8, 1024)
-    for step in range(2):
-        with tensors:
-            if step == 1:
-                tensors.reset_peak()
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    _two_steps(tensors, model, opt)
     step_count = 4  # Adam's step, a one-element fp32 tensor
     assert tensors.peak == 5 * 4 * MIB + step_count
     assert tensors.live == 3 * 4 * MIB + step_count  # parameters, moments; the gradient set to None
@@ -40,15 +49,7 @@ def test_adam_on_cpu_steps_one_parameter_at_a_time_with_two_temporaries_of_its_s
     with tensors:
         model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 256, bias=False))
         opt = torch.optim.Adam(model.parameters())  # 4 + 1 MiB of parameters
-    x = torch.randn(8, 1024)
-    for step in range(2):
-        with tensors:
-            if step == 1:
-                tensors.reset_peak()
-            model(x).sum().backward()
-            resident = tensors.live  # parameters, gradients, moments (and backward's leftovers)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    resident = _two_steps(tensors, model, opt)
     params = 5 * MIB
     memory = Memory(Affine(params), Affine(params), Affine(2 * params), largest_param=Affine(4 * MIB))
     step_count = 2 * 4  # one one-element fp32 tensor per parameter
