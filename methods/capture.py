@@ -308,7 +308,6 @@ class Graph:
         a gradient (floating, made from a parameter) have one. cross_entropy's one op is two
         inside (log_softmax, nll_loss): its backward also holds the log-probabilities'
         gradient, the size of its input."""
-        position = self._positions
         needs: dict[str, bool] = {}
         owner: dict[str, str] = {}  # tensor -> the tensor whose gradient storage it shares
         span: dict[str, list] = {}  # owner -> [from, to] (op names)
