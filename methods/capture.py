@@ -233,7 +233,7 @@ class Graph:
 
     @functools.cached_property
     def _saves(self) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
-        alias = {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and not _drops(n)}
+        alias = {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and self._is_view(n.name)}
 
         def base(name: str) -> str:
             while name in alias:

@@ -69,8 +69,12 @@ class Candidate:
     program: Program
     ratios: list[list[float]]
     iter_time_s: float
-    oom: bool
+    oom_devices: tuple[int, ...]  # the devices it overflows
     result: SearchResult | None = None  # the synthesized program's steps
+
+    @property
+    def oom(self) -> bool:
+        return bool(self.oom_devices)
 
     @property
     def key(self) -> tuple[bool, float]:
@@ -378,7 +382,7 @@ class HapPlanner:
                 except InfeasibleError:
                     break
                 cand = _score("synthesis", program, cluster, ratios, batch, res)
-                over = simulate(program, cluster, cand.ratios).oom_devices if memory and cand.oom else []
+                over = list(cand.oom_devices) if memory else []
                 wider = ""
                 if over:  # fits as the LP split it, not in whole samples: hold those a sample more
                     try:
@@ -471,7 +475,7 @@ def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int
     """A candidate priced by the simulator at its ratios as the runtime splits the batch."""
     ratios = _as_run(ratios, batch)
     sim = simulate(program, cluster, ratios)
-    return Candidate(kind, program, ratios, sim.iter_time_s, sim.oom, result)
+    return Candidate(kind, program, ratios, sim.iter_time_s, tuple(sim.oom_devices), result)
 
 
 def _as_run(ratios, batch: int) -> list[list[float]]:
