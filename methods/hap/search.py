@@ -359,7 +359,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices).
 
     score = cost so far + a lower bound on the remaining ops' cost (_remaining_bound: their
-    cheapest triples, the sync of the sources they create and the re-layouts along chains of
+    cheapest triples, the sync of the sources they create and the re-layouts along trees of
     ops, priced as the moves are). Ties go to the deeper state, so complete programs (and
     their bound) come early.
 
@@ -461,28 +461,26 @@ def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
     return first
 
 
-def _chains(theory: Theory, order: list[str], last_input_first: bool = False) -> dict[int, tuple[int, int]]:
-    """A cover of the graph by chains: position of an op -> (position of its successor, which
-    input of the successor its output is). In topological order each op takes as predecessor
-    its first computed input whose producer has no successor yet (its last such input with
-    `last_input_first`: the two covers relax different edges). Every op has at most one
-    predecessor and one successor, so each tensor is charged on at most one chain edge."""
+def _trees(theory: Theory, order: list[str], last_input: bool = False) -> dict[int, tuple[int, int]]:
+    """A cover of the graph by trees: position of an op -> (position of its parent, which of
+    its inputs the parent's output is). Each op takes as parent the producer of its first
+    computed input (its last with `last_input`: the two covers relax different edges); an op
+    may have several children, all reading its one output, so each tensor is charged on its
+    own tree edges only."""
     index = {name: i for i, name in enumerate(order)}
-    succ: dict[int, tuple[int, int]] = {}
+    parent: dict[int, tuple[int, int]] = {}
     for i, name in enumerate(order):
         inputs = theory.graph[name].inputs
-        ks = [k for k, t in enumerate(inputs) if t not in inputs[:k]]
-        for k in reversed(ks) if last_input_first else ks:
-            j = index.get(inputs[k])
-            if j is not None and j not in succ:
-                succ[j] = (i, k)
-                break
-    return succ
+        ks = [k for k, t in enumerate(inputs) if index.get(t) is not None]
+        if ks:
+            k = ks[-1] if last_input else ks[0]
+            parent[i] = (index[inputs[k]], k)
+    return parent
 
 
 def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
     """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
-    larger of two chain bounds (_chain_bound), whose covers relax different edges."""
+    larger of two tree bounds (_tree_bound), whose covers relax different edges."""
     first = _first_reads(theory, order)
     own = []  # per op, per triple: its compute and the sync of the sources it creates
     for name in order:
@@ -496,63 +494,90 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
             row.append(t)
         own.append(row)
     relayout: dict = {}
-    bounds = [_chain_bound(theory, cost, order, _chains(theory, order, last), own, relayout) for last in (False, True)]
+    bounds = [_tree_bound(theory, cost, order, _trees(theory, order, last), own, relayout) for last in (False, True)]
     return [max(b) for b in zip(*bounds)]
 
 
-def _chain_bound(theory: Theory, cost: CostModel, order: list[str], succ: dict[int, tuple[int, int]],
-                 own: list[list[float]], relayout: dict) -> list[float]:
-    """A lower bound on the cost of ops i.. for every i, along the chains of `succ`.
+def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[int, tuple[int, int]],
+                own: list[list[float]], relayout: dict) -> list[float]:
+    """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
 
-    Ops are covered by chains (_chains: each op's output feeds at most one chain edge). Along a
-    chain the bound prices exactly what the search would: each op's cheapest triple with the
-    sync of the sources it creates, plus the re-layout of the tensor on each chain edge from
-    the layout its producer leaves to the one its consumer asks for (nothing if they are
-    equal, else the cheapest collective between them: the search communicates a tensor at
-    most once, so a consumer reads either the produced layout or the one collective's). Inputs
-    off the chain, reshards between segments and the loss's final collective are relaxed to
-    free. Every complete program pays at least this along every chain, so the sum of the
-    chains' suffixes from position i is admissible; it is the same for every state at i."""
+    Each op hangs below the producer of one of its inputs (_trees). Over a tree the bound
+    prices exactly what the search would: each op's cheapest triple with the sync of the
+    sources it creates, and per parent the re-layout of its output for the children that
+    read it: a tensor is communicated at most once, so every child reads either the layout
+    the parent leaves or one other layout, paid for once (the cheapest collective to it).
+    Inputs off the trees, reshards between segments and the loss's final collective are
+    relaxed to free. At position i the ops i.. form subtrees whose roots' parents have run;
+    their edges in are relaxed (an earlier reader may have paid the collective), so the sum of
+    the roots' prices is admissible and the same for every state at i."""
     graph = theory.graph
     n = len(order)
 
-    def edge(t: str, have: Layout, want: Layout) -> float:
-        if have == want:
-            return 0.0
-        node = graph[t]  # what a re-layout's options and price depend on: not the tensor's name
-        key = (node.shape, node.nbytes, cost.home[t], t in theory.no_comm, have, want)
-        if key not in relayout:
-            options = [] if t in theory.no_comm else [c for c in theory.comm(t, have) if c.dst == want]
-            relayout[key] = min((cost.comm_time(c) for c in options), default=math.inf)
-        return relayout[key]
+    def edges(t: str) -> dict:
+        """(layout left, layout read) -> the cheapest re-layout of t, shared by the tensors
+        whose re-layouts are priced alike (not by the tensor's name)."""
+        node = graph[t]
+        return relayout.setdefault((node.shape, node.nbytes, cost.home[t], t in theory.no_comm), {})
 
-    # wants[i]: input layout of op i's chain predecessor's tensor -> the cheapest price of op i
-    # run by a triple that asks for it, plus the rest of its chain.
+    def price(t: str, have: Layout, want: Layout) -> float:
+        options = [] if t in theory.no_comm else [c for c in theory.comm(t, have) if c.dst == want]
+        return min((cost.comm_time(c) for c in options), default=math.inf)
+
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i, (p, _) in parent.items():
+        children[p].append(i)
+    # wants[i]: layout op i reads its parent's output in -> the cheapest price of op i's
+    # subtree run by a triple of op i that reads it so.
     wants: list[dict] = [{} for _ in range(n)]
-    chain_rest = [0.0] * n  # the cheapest price of op i's chain from op i on
-    pred = {i: k for i, k in succ.values()}
+    root = [0.0] * n  # the cheapest price of op i's subtree, its edge in relaxed
     for i in range(n - 1, -1, -1):
         name = order[i]
-        nxt = succ.get(i)
-        after: dict = {}  # post layout -> cheapest re-layout plus the rest of the chain
-        rest = math.inf
+        kids = [wants[c] for c in children[i]]
+        out_edges = edges(name) if kids else {}
+        below: dict = {}  # the layout op i leaves -> the cheapest price of its children's subtrees
+        best = math.inf
         for r, t in zip(theory.rules[name], own[i]):
-            if nxt is not None:
-                if r.post not in after:
-                    after[r.post] = min((edge(name, r.post, want) + v for want, v in wants[nxt[0]].items()),
-                                        default=math.inf)
-                t += after[r.post]
-            rest = min(rest, t)
-            if i in pred:
-                want = r.pre[pred[i]]
+            if kids:
+                if r.post not in below:
+                    below[r.post] = _children_price(name, r.post, kids, out_edges, price)
+                t += below[r.post]
+            best = min(best, t)
+            if i in parent:
+                want = r.pre[parent[i][1]]
                 wants[i][want] = min(wants[i].get(want, math.inf), t)
-        chain_rest[i] = rest
+        root[i] = best
     out = [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):  # op i's chain contributes from op i instead of its successor
-        nxt = succ.get(i)  # chain_rest[i] >= chain_rest[nxt]: both finite or op i's is inf
-        gain = chain_rest[i] - (chain_rest[nxt[0]] if nxt is not None else 0.0)
-        out[i] = math.inf if math.isinf(chain_rest[i]) else out[i + 1] + gain
+    for i in range(n - 1, -1, -1):  # op i's subtree replaces its children's as a root
+        if math.isinf(root[i]):  # then every subtree above it is too
+            out[i] = math.inf
+        else:
+            out[i] = out[i + 1] + root[i] - sum(root[c] for c in children[i])
     return out
+
+
+def _children_price(tensor: str, have: Layout, kids: list[dict], edges: dict, price) -> float:
+    """The cheapest price of a parent's children (each a map: layout read -> its subtree's
+    price) when the parent leaves `tensor` in `have`: all read `have`, or each reads `have` or
+    one other layout made by one collective (`edges` memoises those collectives' prices)."""
+    inf = math.inf
+
+    def edge(want: Layout) -> float:
+        if want == have:
+            return 0.0
+        e = edges.get((have, want))
+        if e is None:
+            e = edges[(have, want)] = price(tensor, have, want)
+        return e
+
+    if len(kids) == 1:  # one reader: the layout it reads, made from `have` if need be
+        return min((edge(lay) + v for lay, v in kids[0].items()), default=inf)
+    best = sum(k.get(have, inf) for k in kids)
+    for other in {lay for k in kids for lay in k if lay != have}:
+        e = edge(other)
+        if e < best:
+            best = min(best, e + sum(min(k.get(have, inf), k.get(other, inf)) for k in kids))
+    return best
 
 
 def _dying(graph: Graph, order: list[str], last_use: dict[str, int],
