@@ -87,9 +87,10 @@ class RatioLP:
         self.memory_limit = False
         self.reserve_bytes = 0.0
 
-    def add_memory_rows(self, memory_reserve_gib: float = 0.0) -> None:
+    def add_memory_rows(self, memory_reserve_gib: float = 0.0, ask_first: bool = True) -> None:
         """Require each device's memory (bench.program.Memory) to fit its GPU, less the reserve;
-        a second call adds nothing. Raises InfeasibleError when no ratios fit."""
+        a second call adds nothing. Raises InfeasibleError when no ratios fit (ask_first=False:
+        solve() does, once the objective is built; the planner builds it either way)."""
         if self.memory_limit:
             return
         self.memory_limit = True
@@ -97,7 +98,7 @@ class RatioLP:
         prob = self.prob
         for v in (self.vdevs[d] for d, _ in alike(self.vdevs, self.alg)):
             self._memory_rows(v, 0.0, "mem")
-        if self.objective is None:
+        if ask_first and self.objective is None:
             # Whether any ratios fit is a question of these few rows alone: answer it before the
             # objective is built and solved. (A stand-in objective: PuLP writes an invalid model
             # when re-solving one first solved without.)

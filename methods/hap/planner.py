@@ -369,36 +369,39 @@ class HapPlanner:
                  rounds: list) -> Candidate | None:
         """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
         segment the same row: the LP's objective is exactly the simulator's time) and rows
-        free (reshards priced from above), each with memory rows when the fastest ratios
-        overflow a GPU. None when no LP is feasible."""
+        free (reshards priced from above), each with memory rows (slack where the fastest
+        ratios fit: one solve answers both), or, when no ratios fit and method.memory_limit is
+        off, without them (the fastest ratios, flagged OOM). None when no LP is feasible."""
         best = None
         for tied in ((True, False) if program.num_segments > 1 else (False,)):
             lp = RatioLP(program, cluster, tied_rows=tied)
-            for memory in (self.memory_limit, True):
+            lp.add_memory_rows(ask_first=False)
+            try:
+                ratios, objective = lp.solve()
+            except InfeasibleError:
+                if self.memory_limit:
+                    continue
+                lp = RatioLP(program, cluster, tied_rows=tied)  # nothing fits: the fastest ratios
                 try:
-                    if memory:
-                        lp.add_memory_rows()
                     ratios, objective = lp.solve()
                 except InfeasibleError:
-                    break
-                cand = _score("synthesis", program, cluster, ratios, batch, res)
-                over = list(cand.oom_devices) if memory else []
-                wider = ""
-                if over:  # fits as the LP split it, not in whole samples: hold those a sample more
-                    try:
-                        lp.hold_one_sample_more(over, batch)
-                        ratios, objective = lp.solve()
-                        cand = _score("synthesis", program, cluster, ratios, batch, res)
-                        wider = f", a sample wider on devices {over}"
-                    except InfeasibleError:
-                        pass
-                rows = (", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")) + wider
-                rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if memory else ''}{rows}",
-                               "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
-                if best is None or _better(cand, best):
-                    best = cand
-                if memory or not cand.oom:
-                    break  # memory rows only when the fastest ratios overflow a GPU
+                    continue
+            cand = _score("synthesis", program, cluster, ratios, batch, res)
+            over = list(cand.oom_devices) if lp.memory_limit else []
+            wider = ""
+            if over:  # fits as the LP split it, not in whole samples: hold those a sample more
+                try:
+                    lp.hold_one_sample_more(over, batch)
+                    ratios, objective = lp.solve()
+                    cand = _score("synthesis", program, cluster, ratios, batch, res)
+                    wider = f", a sample wider on devices {over}"
+                except InfeasibleError:
+                    pass
+            rows = (", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")) + wider
+            rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if lp.memory_limit else ''}{rows}",
+                           "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
+            if best is None or _better(cand, best):
+                best = cand
         return best
 
     def _data_parallel_candidates(self, graph: Graph, workload: Workload, cluster: ClusterSpec, meta: dict):

@@ -87,8 +87,8 @@ def test_memory_limit_shifts_work_off_the_device_that_would_overflow():
 
 
 def test_memory_rows_added_after_a_solve_give_the_fresh_lps_answer():
-    # The planner solves for the fastest ratios, then (they overflow) again with memory rows on
-    # the same LP: the answer must be the one a fresh LP with the rows gives.
+    # Solving for the fastest ratios, then (they overflow) again with memory rows on the same
+    # LP: the answer must be the one a fresh LP with the rows gives.
     cl = make(fast=1, slow=1)
     prog = Program((Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),), 2,
                    memory=Memory(activations=Affine.sharded(28 * 2**30)))
@@ -100,6 +100,27 @@ def test_memory_rows_added_after_a_solve_give_the_fresh_lps_answer():
     fresh_ratios, fresh_objective = balance_ratios(prog, cl, memory_limit=True)
     assert ratios[0] == pytest.approx(fresh_ratios[0], abs=1e-9) and objective == pytest.approx(fresh_objective, rel=1e-9)
     assert not simulate(prog, cl, ratios).oom and objective > simulate(prog, cl, fastest).iter_time_s
+
+
+def test_one_lp_with_memory_rows_answers_as_the_fastest_where_they_fit():
+    # The planner builds the objective and the memory rows together and solves once: where the
+    # fastest ratios fit, the rows are slack and the answer is the fastest; where nothing fits,
+    # an LP without them gives the fastest ratios (flagged OOM).
+    cl = make(fast=1, slow=1)
+    fits = Program((Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),), 2,
+                   memory=Memory(activations=Affine.sharded(4 * 2**30)))
+    nowhere = Program(fits.stages, 2, memory=Memory(params=Affine(20 * 2**30)))
+    for prog in (fits, nowhere):
+        fastest, fastest_objective = balance_ratios(prog, cl)
+        lp = RatioLP(prog, cl)
+        lp.add_memory_rows(ask_first=False)
+        if prog is nowhere:
+            with pytest.raises(InfeasibleError, match="does not fit in memory"):
+                lp.solve()
+            lp = RatioLP(prog, cl)
+        ratios, objective = lp.solve()
+        assert ratios[0] == pytest.approx(fastest[0], abs=1e-9) and objective == pytest.approx(fastest_objective, rel=1e-9)
+        assert simulate(prog, cl, ratios).oom == (prog is nowhere)
 
 
 def test_a_device_that_overflows_in_whole_samples_is_held_one_sample_more():
