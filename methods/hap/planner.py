@@ -290,6 +290,7 @@ class HapPlanner:
         best: Candidate | None = None
         level_rows: list[dict] = []
         balanced: dict = {}  # (granularity, steps) -> the LP's candidate: starts often meet one program
+        built: dict = {}  # (granularity, steps) -> its Program
         for granularity in levels:
             starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
             if self.lp:
@@ -303,7 +304,8 @@ class HapPlanner:
                     continue  # the same start as another (e.g. a homogeneous cluster)
                 seen.add(key)
                 start = prefix + (label if len(levels) == 1 else f"{granularity}, {label}")
-                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen, balanced)
+                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen, balanced,
+                                       built)
                 if level_best is None or _better(cand, level_best):
                     level_best = cand
             assert level_best is not None
@@ -319,12 +321,13 @@ class HapPlanner:
         return best, level_rows
 
     def _alternate(self, theory, cluster: ClusterSpec, granularity: str, meta: dict, start: str, ratios,
-                   rounds: list, stats: dict, seen: set, balanced: dict) -> Candidate:
+                   rounds: list, stats: dict, seen: set, balanced: dict, built: dict) -> Candidate:
         """Synthesis at fixed ratios, then the LP at a fixed program, until a round brings no
         strict gain (or max_rounds); the best (program, ratios) by the simulator. `seen` holds
         the ratios already searched from: reaching one ends this start (its rounds are known).
-        `balanced` holds the LP's answer per program already balanced (a program is its steps:
-        its stages and memory are symbolic in the ratios, so the LP would answer the same)."""
+        `balanced` holds the LP's answer per program already balanced and `built` the program
+        (a program is its steps: its stages and memory are symbolic in the ratios, so the LP
+        would answer the same)."""
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
@@ -335,7 +338,10 @@ class HapPlanner:
             stats["expanded"] += res.stats.expanded
             stats["beam_pruned"] += res.stats.beam_pruned
             stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
-            program = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
+            key = (granularity, tuple(res.steps))
+            program = built.get(key)
+            if program is None:  # its stages and memory are symbolic in the ratios: built once
+                program = built[key] = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
             cand = _score("synthesis", program, cluster, ratios, theory.graph.batch_size, res)
             seen.add(_ratios_key(cand.ratios))  # searched from, as they run
             rounds.append({"start": start, "round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s,
@@ -345,7 +351,6 @@ class HapPlanner:
                 best = cand
             if not self.lp or not improved:
                 break
-            key = (granularity, tuple(res.steps))
             if key in balanced:
                 lp = balanced[key]
                 rounds.append({"start": start, "round": i, "stage": "lp (this program was balanced before)",

@@ -165,7 +165,8 @@ class CostModel:
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
-        self._comm_cost: dict = {}
+        self._comm_cost: dict = {}  # CommRule -> seconds
+        self._comm_price: dict = {}  # what a CommRule's price reads (comm_time) -> seconds
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._relevant: dict = {}  # search memo: op -> (tensors its moves depend on, their (tensor, layout) pairs)
@@ -270,8 +271,13 @@ class CostModel:
     def comm_time(self, c: CommRule) -> float:
         t = self._comm_cost.get(c)
         if t is None:
-            f, b = self.comm_collectives(c)
-            t = self._comm_cost[c] = sum(self.collective_time(x) for x in f + b)
+            # priced once per what comm_collectives reads: a deep model's layers share it
+            key = (c.kind, c.impl, c.to_segment, self.graph[c.tensor].nbytes, self.home[c.tensor])
+            t = self._comm_price.get(key)
+            if t is None:
+                f, b = self.comm_collectives(c)
+                t = self._comm_price[key] = sum(self.collective_time(x) for x in f + b)
+            self._comm_cost[c] = t
         return t
 
     def collective_time(self, x: Collective) -> float:
