@@ -467,26 +467,31 @@ def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
     return first
 
 
-def _trees(theory: Theory, order: list[str], last_input: bool = False) -> dict[int, tuple[int, int]]:
+def _tree(theory: Theory, order: list[str]) -> dict[int, tuple[int, int]]:
     """A cover of the graph by trees: position of an op -> (position of its parent, which of
-    its inputs the parent's output is). Each op takes as parent the producer of its first
-    computed input (its last with `last_input`: the two covers relax different edges); an op
-    may have several children, all reading its one output, so each tensor is charged on its
-    own tree edges only."""
+    its inputs the parent's output is). An op hangs below the producer of the computed input
+    with the fewest readers (the last such input on a tie): a tensor many ops read is priced
+    through its other readers, one read by this op alone only here (a residual sum hangs below
+    its branch, not below the stream the branch began from). An op may have several
+    children, all reading its one output."""
     index = {name: i for i, name in enumerate(order)}
+    readers: dict[str, int] = {}
+    for name in order:
+        for t in set(theory.graph[name].inputs):
+            readers[t] = readers.get(t, 0) + 1
     parent: dict[int, tuple[int, int]] = {}
     for i, name in enumerate(order):
         inputs = theory.graph[name].inputs
         ks = [k for k, t in enumerate(inputs) if index.get(t) is not None]
         if ks:
-            k = ks[-1] if last_input else ks[0]
+            k = min(reversed(ks), key=lambda k: readers[inputs[k]])
             parent[i] = (index[inputs[k]], k)
     return parent
 
 
 def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
-    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
-    larger of two tree bounds (_tree_bound), whose covers relax different edges."""
+    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i), over
+    a cover of the graph by trees (_tree, _tree_bound)."""
     first = _first_reads(theory, order)
     own = []  # per op, per triple: its compute and the sync of the sources it creates
     for name in order:
@@ -499,16 +504,14 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
                     t += cost.source_time(inputs[k], r.pre[k], r)
             row.append(t)
         own.append(row)
-    relayout: dict = {}
-    bounds = [_tree_bound(theory, cost, order, _trees(theory, order, last), own, relayout) for last in (False, True)]
-    return [max(b) for b in zip(*bounds)]
+    return _tree_bound(theory, cost, order, _tree(theory, order), own)
 
 
 def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[int, tuple[int, int]],
-                own: list[list[float]], relayout: dict) -> list[float]:
+                own: list[list[float]]) -> list[float]:
     """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
 
-    Each op hangs below the producer of one of its inputs (_trees). Over a tree the bound
+    Each op hangs below the producer of one of its inputs (_tree). Over a tree the bound
     prices exactly what the search would: each op's cheapest triple with the sync of the
     sources it creates, and per parent the re-layout of its output for the children that
     read it: a tensor is communicated at most once, so every child reads either the layout
@@ -519,6 +522,7 @@ def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[
     the roots' prices is admissible and the same for every state at i."""
     graph = theory.graph
     n = len(order)
+    relayout: dict = {}
 
     def edges(t: str) -> dict:
         """(layout left, layout read) -> the cheapest re-layout of t, shared by the tensors
