@@ -467,13 +467,14 @@ def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
     return first
 
 
-def _tree(theory: Theory, order: list[str]) -> dict[int, tuple[int, int]]:
+def _tree(theory: Theory, order: list[str], fewest: bool) -> dict[int, tuple[int, int]]:
     """A cover of the graph by trees: position of an op -> (position of its parent, which of
     its inputs the parent's output is). An op hangs below the producer of the computed input
-    with the fewest readers (the last such input on a tie): a tensor many ops read is priced
-    through its other readers, one read by this op alone only here (a residual sum hangs below
-    its branch, not below the stream the branch began from). An op may have several
-    children, all reading its one output."""
+    with the fewest readers (`fewest`; the last such input on a tie), or with the most (the
+    first on a tie): the two covers relax opposite edges where an op reads two computed
+    tensors (a residual sum: below its branch, or below the stream the branch began from),
+    whatever order the model wrote them in. An op may have several children, all reading its
+    one output."""
     index = {name: i for i, name in enumerate(order)}
     readers: dict[str, int] = {}
     for name in order:
@@ -484,14 +485,15 @@ def _tree(theory: Theory, order: list[str]) -> dict[int, tuple[int, int]]:
         inputs = theory.graph[name].inputs
         ks = [k for k, t in enumerate(inputs) if index.get(t) is not None]
         if ks:
-            k = min(reversed(ks), key=lambda k: readers[inputs[k]])
+            k = (min(reversed(ks), key=lambda k: readers[inputs[k]]) if fewest
+                 else max(ks, key=lambda k: readers[inputs[k]]))
             parent[i] = (index[inputs[k]], k)
     return parent
 
 
 def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
-    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i), over
-    a cover of the graph by trees (_tree, _tree_bound)."""
+    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
+    larger of two tree bounds (_tree, _tree_bound), whose covers relax opposite edges."""
     first = _first_reads(theory, order)
     own = []  # per op, per triple: its compute and the sync of the sources it creates
     for name in order:
@@ -504,11 +506,13 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
                     t += cost.source_time(inputs[k], r.pre[k], r)
             row.append(t)
         own.append(row)
-    return _tree_bound(theory, cost, order, _tree(theory, order), own)
+    relayout: dict = {}
+    bounds = [_tree_bound(theory, cost, order, _tree(theory, order, fewest), own, relayout) for fewest in (True, False)]
+    return [max(b) for b in zip(*bounds)]
 
 
 def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[int, tuple[int, int]],
-                own: list[list[float]]) -> list[float]:
+                own: list[list[float]], relayout: dict) -> list[float]:
     """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
 
     Each op hangs below the producer of one of its inputs (_tree). Over a tree the bound
@@ -522,7 +526,6 @@ def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[
     the roots' prices is admissible and the same for every state at i."""
     graph = theory.graph
     n = len(order)
-    relayout: dict = {}
 
     def edges(t: str) -> dict:
         """(layout left, layout read) -> the cheapest re-layout of t, shared by the tensors
