@@ -574,20 +574,22 @@ def _children_price(tensor: str, have: Layout, kids: list[dict], edges: dict, pr
     price) when the parent leaves `tensor` in `have`: all read `have`, or each reads `have` or
     one other layout made by one collective (`edges` memoises those collectives' prices)."""
     inf = math.inf
-
-    def edge(want: Layout) -> float:
-        if want == have:
-            return 0.0
-        e = edges.get((have, want))
-        if e is None:
-            e = edges[(have, want)] = price(tensor, have, want)
-        return e
-
-    if len(kids) == 1:  # one reader: the layout it reads, made from `have` if need be
-        return min((edge(lay) + v for lay, v in kids[0].items()), default=inf)
+    if len(kids) == 1:  # one reader: the layout it reads, made from `have` if need be (inlined: hot)
+        best = inf
+        for lay, v in kids[0].items():
+            if lay != have:
+                e = edges.get((have, lay))
+                if e is None:
+                    e = edges[(have, lay)] = price(tensor, have, lay)
+                v += e
+            if v < best:
+                best = v
+        return best
     best = sum(k.get(have, inf) for k in kids)
     for other in {lay for k in kids for lay in k if lay != have}:
-        e = edge(other)
+        e = edges.get((have, other))
+        if e is None:
+            e = edges[(have, other)] = price(tensor, have, other)
         if e < best:
             best = min(best, e + sum(min(k.get(have, inf), k.get(other, inf)) for k in kids))
     return best
