@@ -133,6 +133,12 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     except BaseException:
         messages.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
+    finally:
+        # Deliver the message whole before the process starts to exit: a worker that ended
+        # with its result half-written (the queue's feeder thread still sending 1 MB of state
+        # when a library's thread aborted the exit) left the launcher blocked mid-read.
+        messages.close()
+        messages.join_thread()
 
 
 def launch(case: Case, world_size: int, timeout_s: float,
