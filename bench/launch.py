@@ -34,11 +34,11 @@ import faulthandler
 import gc
 import multiprocessing.forkserver
 import os
-import queue
 import signal
 import socket
 import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Callable
 
 import torch.multiprocessing as mp
@@ -124,21 +124,17 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     # again. The collection at a rank's end (run_rank) took 0.2-0.35 s without this, once per case.
     gc.freeze()
     try:
-        report = (lambda it: messages.put(("progress", rank, it))) if rank == 0 else None
+        report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
         result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
-        messages.put(("result", rank, result))
+        messages.send(("result", rank, result))
     except RankOutOfMemory as exc:
-        messages.put(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
+        messages.send(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
         raise SystemExit(1)
     except BaseException:
-        messages.put(("error", rank, traceback.format_exc()))
+        messages.send(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
     finally:
-        # Deliver the message whole before the process starts to exit: a worker that ended
-        # with its result half-written (the queue's feeder thread still sending 1 MB of state
-        # when a library's thread aborted the exit) left the launcher blocked mid-read.
         messages.close()
-        messages.join_thread()
 
 
 def launch(case: Case, world_size: int, timeout_s: float,
@@ -232,36 +228,55 @@ def _context(case: Case):
 def _run_workers(case: Case, world_size: int, timeout_s: float,
                  on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
     ctx = _context(case)
-    messages = ctx.Queue()
+    # A pipe per worker, its writing end held by that worker alone once it has started: a worker
+    # that dies, even halfway through a message, ends its pipe (a queue's pipe, which the
+    # launcher also holds open for writing, left a launcher blocked mid-read for good).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     port = _free_port()
     board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
     common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
     procs = [
         ctx.Process(target=_entry, daemon=True,
-                    args=(r, world_size, case, messages, os.getpid(), {**common, **envs[r]}, os.getcwd()))
+                    args=(r, world_size, case, pipes[r][1], os.getpid(), {**common, **envs[r]}, os.getcwd()))
         for r in range(world_size)
     ]
-    for p in procs:
+    for p, (_, writer) in zip(procs, pipes):
         p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout_s
+        writer.close()
     try:
-        while len(results) < world_size:
+        results = _collect(procs, [reader for reader, _ in pipes], timeout_s, on_progress)
+        for p in procs:
+            p.join(timeout=10)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        board.unlink(missing_ok=True)
+        for reader, _ in pipes:
+            reader.close()
+
+
+def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None] | None) -> dict[int, dict]:
+    """Each worker's result, read from its pipe (rank r writes readers[r]'s other end) until
+    every rank has sent one. A rank whose pipe ends first failed: WorkerError, with its
+    traceback when it sent one, else what its exit says; after `timeout_s`, CaseTimeout."""
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, dict] = {}
+    open_ = {conn: r for r, conn in enumerate(readers)}
+    while len(results) < len(procs):
+        ready = wait(list(open_), timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        if not ready and time.monotonic() > deadline:
+            raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
+        for conn in ready:
+            r = open_[conn]
             try:
-                kind, rank, payload = messages.get(timeout=0.2)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    # Give a dying worker a moment to deliver its traceback.
-                    try:
-                        kind, rank, payload = messages.get(timeout=1.0)
-                    except queue.Empty:
-                        raise WorkerError(dead[0][0], _silent_exit(dead[0][1])) from None
-                elif time.monotonic() > deadline:
-                    raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
-                else:
+                kind, rank, payload = conn.recv()
+            except (EOFError, OSError):  # ended, between messages or inside one
+                del open_[conn]
+                if r in results:
                     continue
+                procs[r].join(timeout=1.0)  # its pipe closes as it exits: its exit code
+                code = procs[r].exitcode
+                raise WorkerError(r, "closed its pipe without a result" if code is None else _silent_exit(code))
             if kind == "progress":
                 if on_progress:
                     on_progress(payload)
@@ -271,14 +286,7 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
                 raise WorkerOutOfMemory(rank, payload["detail"], payload["peak_mem_gib"])
             else:
                 raise _first_cause(procs, WorkerError(rank, payload))
-        for p in procs:
-            p.join(timeout=10)
-        return [results[r] for r in range(world_size)]
-    finally:
-        _stop(procs)
-        board.unlink(missing_ok=True)
-        messages.close()
-        messages.join_thread()
+    return results
 
 
 def _first_cause(procs, error: WorkerError) -> WorkerError:

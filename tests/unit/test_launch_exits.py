@@ -55,3 +55,43 @@ def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at
     for _ in range(3):  # a case each
         launch.start_server(Method(), object())
     assert preloads[0][0] == "bench.server_exit" and registered == [gc.freeze]
+
+
+def _sends_its_result(conn):
+    conn.send(("result", 0, {"iter_time_s": 0.5}))
+    conn.close()
+
+
+def _dies_mid_message(conn):
+    import faulthandler
+    import os
+    import struct
+
+    faulthandler.disable()  # (the abort is meant)
+    os.write(conn.fileno(), struct.pack("!i", 2**20) + b"\x80" * 10)  # a 1 MB message begun
+    os.abort()
+
+
+def test_a_worker_that_dies_halfway_through_a_message_fails_the_case_at_once():
+    """Its pipe ends (the launcher holds no writing end of it), so the read stops there rather
+    than wait for the rest of the message for good."""
+    import multiprocessing
+    import time
+
+    import pytest
+
+    from bench.launch import WorkerError, _collect
+
+    ctx = multiprocessing.get_context("fork")  # the workers touch no torch
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=f, args=(w,), daemon=True) for f, (_, w) in zip((_sends_its_result, _dies_mid_message), pipes)]
+    for p, (_, w) in zip(procs, pipes):
+        p.start()
+        w.close()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        _collect(procs, [r for r, _ in pipes], timeout_s=60, on_progress=None)
+    assert time.monotonic() - t0 < 10
+    assert err.value.rank == 1 and err.value.detail.startswith("killed by SIGABRT"), err.value
+    for p in procs:
+        p.join()
