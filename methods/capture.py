@@ -477,14 +477,86 @@ def _count_flops(name: str, node: fx.Node, args: Sequence[Any], out: Any) -> tup
 
 
 class _ShapeRecorder(fx.Interpreter):
+    """Runs the graph on meta tensors and keeps every node's value. A meta op's result depends
+    only on what it reads (shapes, strides, dtypes and plain arguments), and a deep model calls
+    each of its layer's ops once per layer on the same shapes: a call seen before gets fresh
+    meta tensors of the remembered description instead of running again. An in-place op runs
+    every time (it can change what it reads)."""
+
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.values: dict[str, Any] = {}
+        self._seen: dict[tuple, tuple] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         self.values[n.name] = out
         return out
+
+    def call_function(self, target, args, kwargs):
+        return self._once(target, args, kwargs, super().call_function)
+
+    def call_method(self, target, args, kwargs):
+        return self._once(target, args, kwargs, super().call_method)
+
+    def _once(self, target, args, kwargs, call):
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        try:
+            if name.endswith("_") or name.startswith("__i") or target in _MUTATING:
+                raise _Unseen
+            key = (target, _meta_key(args), _meta_key(kwargs))
+            hit = self._seen.get(key)
+        except (_Unseen, TypeError):  # TypeError: an unhashable target
+            return call(target, args, kwargs)
+        if hit is not None:
+            return _from_spec(hit)
+        out = call(target, args, kwargs)
+        try:
+            self._seen[key] = _meta_key(out)
+        except _Unseen:
+            pass
+        return out
+
+
+class _Unseen(Exception):
+    """A call or value that its description (_meta_key) cannot stand for."""
+
+
+_MUTATING = {operator.setitem, operator.delitem, setattr}
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
+          type(Ellipsis))
+
+
+def _meta_key(x: Any) -> tuple:
+    """What a meta op can see of `x`: a meta tensor's shape, strides and dtype; plain values as
+    they are (with their type: 1, 1.0 and True differ); containers item by item."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "meta" or x.storage_offset():
+            raise _Unseen
+        return ("tensor", tuple(x.shape), x.stride(), x.dtype)
+    if type(x) in (tuple, list, torch.Size):  # (not a named tuple: topk's result)
+        return (type(x), tuple(_meta_key(v) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _meta_key(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return (slice, _meta_key(x.start), _meta_key(x.stop), _meta_key(x.step))
+    if isinstance(x, _PLAIN):
+        return (type(x), x)
+    raise _Unseen
+
+
+def _from_spec(spec: tuple) -> Any:
+    """A value that _meta_key described (a meta op's result): fresh tensors of that description."""
+    kind = spec[0]
+    if kind == "tensor":
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
+    if kind in (tuple, list, torch.Size):
+        return kind(_from_spec(v) for v in spec[1])
+    if kind is dict:
+        return {k: _from_spec(v) for k, v in spec[1]}
+    if kind is slice:
+        return slice(*(_from_spec(v) for v in spec[1:]))
+    return spec[1]
 
 
 def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None) -> Graph:
