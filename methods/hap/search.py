@@ -375,10 +375,13 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     == 0), a bounded-effort approximation otherwise.
     """
     graph = theory.graph
-    order, last_use = _order(graph, theory)
+    key = ("order", cost.num_segments)
+    if key not in theory.search_cache:
+        order, last_use = _order(graph, theory)
+        theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
+    order, (dead, dead_props) = theory.search_cache[key]
     n = len(order)
     min_rest = _remaining_bound(theory, cost, order)
-    dead, dead_props = _dying(graph, order, last_use, cost.num_segments)
     per_pos = [0] * (n + 1)
     stats = SearchStats()
     counter = itertools.count()
@@ -494,7 +497,10 @@ def _tree(theory: Theory, order: list[str], fewest: bool) -> dict[int, tuple[int
 def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
     """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
     larger of two tree bounds (_tree, _tree_bound), whose covers relax opposite edges."""
-    first = _first_reads(theory, order)
+    key = ("trees", tuple(order))
+    if key not in theory.search_cache:
+        theory.search_cache[key] = _first_reads(theory, order), [_tree(theory, order, fewest) for fewest in (True, False)]
+    first, trees = theory.search_cache[key]
     own = []  # per op, per triple: its compute and the sync of the sources it creates
     for name in order:
         inputs = theory.graph[name].inputs
@@ -507,7 +513,7 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
             row.append(t)
         own.append(row)
     relayout: dict = {}
-    bounds = [_tree_bound(theory, cost, order, _tree(theory, order, fewest), own, relayout) for fewest in (True, False)]
+    bounds = [_tree_bound(theory, cost, order, tree, own, relayout) for tree in trees]
     return [max(b) for b in zip(*bounds)]
 
 
