@@ -161,7 +161,13 @@ class CostModel:
         self.ratios = [list(r) for r in ratios]
         self.prices = FloatAlgebra(self.ratios)  # one for every price at these ratios
         self.num_segments = len(self.ratios)
-        self.op_segment, self.home = assign_segments(theory, self.num_segments, segmentation)
+        key = ("segments", self.num_segments, segmentation)
+        if key not in theory.search_cache:  # the ratios do not move them: shared by every search
+            theory.search_cache[key] = assign_segments(theory, self.num_segments, segmentation)
+        self.op_segment, self.home = theory.search_cache[key]
+        # The search's moves without their prices (_successors): they depend on the theory and
+        # the segments alone, so every search of this theory at this segmentation shares them.
+        self._recipes: dict = theory.search_cache.setdefault(("moves", self.num_segments, segmentation), {})
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
@@ -169,8 +175,7 @@ class CostModel:
         self._comm_price: dict = {}  # what a CommRule's price reads (comm_time) -> seconds
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
-        self._relevant: dict = {}  # search memo: op -> (tensors its moves depend on, their (tensor, layout) pairs)
-        self._moves: dict = {}  # search memo: (op, their layouts) -> moves
+        self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
 
     # -- stage contents ----------------------------------------------------------------------
     def _bytes(self, tensor: str, layout: Layout, segment: int | None = None) -> Affine:
@@ -659,34 +664,61 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
     next (the state after is props | added, communicated | communicated now).
 
     The moves depend only on the layouts of the op's own inputs, so they are memoised per
-    (op, those layouts) on the cost model: most states share them.
+    (op, those layouts): most states share them. What a move does is the same at any ratios
+    (_recipes, once per theory); its price and its choice between padded and grouped
+    collectives are the cost model's (_priced).
     """
-    memo = cost._relevant.get(name)
-    if memo is None:
+    relevant = cost._recipes.get(name)
+    if relevant is None:
         ts = _relevant(theory, name)
-        memo = cost._relevant[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
-    tensors, pairs = memo
+        relevant = cost._recipes[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
+    tensors, pairs = relevant
     key = (name, props & pairs, communicated & tensors)  # set operations in C: no loop over the state
     moves = cost._moves.get(key)
     if moves is None:
-        have: dict[str, list[Layout]] = {}
-        for t, lay in sorted(key[1], key=str):  # a fixed order: ties between moves break alike every run
-            have.setdefault(t, []).append(lay)
-        moves = cost._moves[key] = list(_moves(theory, cost, name, have, key[2]))
+        recipes = cost._recipes.get(key)
+        if recipes is None:
+            have: dict[str, list[Layout]] = {}
+            for t, lay in sorted(key[1], key=str):  # a fixed order: ties between moves break alike every run
+                have.setdefault(t, []).append(lay)
+            recipes = cost._recipes[key] = list(_recipes(theory, cost, name, have, key[2]))
+        moves = cost._moves[key] = [_priced(cost, name, r) for r in recipes]
     return moves
 
 
-def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
+def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:
+    """A move of _recipes at the cost model's ratios: its collectives chosen and its seconds
+    added up in the order the search has always added them (so ties break alike)."""
+    rule, items, terms, choices, sources, seg, new_props, new_comm = recipe
+    chosen = [min(options, key=cost.comm_time) for options in choices]  # padded vs grouped: the cheaper
+    total = cost.rule_time(name, rule)
+    for kind, x in terms:
+        if kind == "source":
+            total += cost.source_time(x[0], x[1], rule)
+        else:
+            total += cost.comm_time(chosen[x] if kind == "chosen" else x)
+    comms = tuple(chosen[c] if isinstance(c, int) else c for c in items)
+    return Step(name, rule, comms, sources, seg), total, new_props, new_comm
+
+
+def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
+    """Every way to run op `name` with its inputs in the layouts `have`, without prices: (rule,
+    its collectives (a CommRule, or an index into the choices), what its price adds up in order
+    (("source", (tensor, layout)), ("comm", CommRule), ("chosen", index)), the choices (the
+    collectives that make one layout, padded and grouped), sources, segment, layouts it adds,
+    tensors it communicates). Reads the segments of `cost`, never its prices."""
     graph = theory.graph
     node = graph[name]
     seg = cost.op_segment[name]
     for rule in theory.rules[name]:
         needs = list(zip(node.inputs, rule.pre)) + list(rule.shape_pre)
-        total = cost.rule_time(name, rule)
-        comms: list[CommRule] = []
+        items: list = []
+        terms: list = []
+        choices: list = []
         sources: list[tuple[str, Layout]] = []
         new_props: set = set()
         new_comm: set = set()
+        made: set = set()  # (tensor, layout) the collectives so far make
         ok = True
         for t, want in needs:
             present = have.get(t)
@@ -701,12 +733,13 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
                     break
                 sources.append((t, want))
                 new_props.add((t, want))
-                total += cost.source_time(t, want, rule)
+                terms.append(("source", (t, want)))
                 if cost.needs_reshard(t, want, seg):  # an input loaded by row 0, read in another
                     c = cost.reshard(t, want, seg)
-                    comms.append(c)
+                    items.append(c)
+                    made.add((c.tensor, c.dst))
                     new_props.add((t, (want, seg)))
-                    total += cost.comm_time(c)
+                    terms.append(("comm", c))
                 continue
             if present is None:
                 ok = False  # an input not computed yet cannot happen in topological order
@@ -720,14 +753,15 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
                     ok = False  # parameters are created once, in one row
                     break
                 reshard = cost.reshard(t, want, seg)
-                total += cost.comm_time(reshard)
+                terms.append(("comm", reshard))
                 new_props.add((t, (want, seg)))
                 if want in present or (t, want) in new_props:
-                    comms.append(reshard)
+                    items.append(reshard)
+                    made.add((t, want))
                     continue
             else:
                 reshard = None
-            if want in present or any(c.tensor == t and c.dst == want for c in comms):
+            if want in present or (t, want) in made:
                 continue
             if t in theory.sources or t in communicated or t in new_comm or t in theory.no_comm:
                 ok = False
@@ -736,13 +770,15 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
             if not options:
                 ok = False
                 break
-            best = min(options, key=cost.comm_time)  # padded vs grouped: the cheaper one
-            comms.append(best)
+            items.append(len(choices))
+            terms.append(("chosen", len(choices)))
+            choices.append(options)
+            made.add((t, want))
             new_comm.add(t)
             new_props.add((t, want))
-            total += cost.comm_time(best)
             if reshard is not None:
-                comms.append(reshard)
+                items.append(reshard)
+                made.add((t, want))
         if not ok:
             continue
         for t in node.shape_inputs:
@@ -750,7 +786,7 @@ def _moves(theory: Theory, cost: CostModel, name: str, have: dict, communicated:
                 sources.append((t, IDENTITY))
                 new_props.add((t, IDENTITY))
         new_props.add((name, rule.post))
-        yield Step(name, rule, tuple(comms), tuple(sources), seg), total, frozenset(new_props), frozenset(new_comm)
+        yield rule, tuple(items), tuple(terms), tuple(choices), tuple(sources), seg, frozenset(new_props), frozenset(new_comm)
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
