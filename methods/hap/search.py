@@ -176,6 +176,7 @@ class CostModel:
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
+        self._move_price: dict = {}  # what a move's price reads (_recipes) -> (seconds, its choices)
 
     # -- stage contents ----------------------------------------------------------------------
     def _bytes(self, tensor: str, layout: Layout, segment: int | None = None) -> Affine:
@@ -273,11 +274,14 @@ class CostModel:
         link beside the rest of backward (bench.cost.price), which only the simulator can price."""
         return stage_time(st, self.cluster, self.vdevs, self.prices)
 
+    def comm_key(self, c: CommRule) -> tuple:
+        """What the price of a re-layout reads (comm_collectives): a deep model's layers share it."""
+        return (c.kind, c.impl, c.to_segment, self.graph[c.tensor].nbytes, self.home[c.tensor])
+
     def comm_time(self, c: CommRule) -> float:
         t = self._comm_cost.get(c)
         if t is None:
-            # priced once per what comm_collectives reads: a deep model's layers share it
-            key = (c.kind, c.impl, c.to_segment, self.graph[c.tensor].nbytes, self.home[c.tensor])
+            key = self.comm_key(c)
             t = self._comm_price.get(key)
             if t is None:
                 f, b = self.comm_collectives(c)
@@ -294,17 +298,21 @@ class CostModel:
             t = self._coll_cost[key] = collective_time(x, self.cluster, self.vdevs, self.prices)
         return t
 
-    def rule_time(self, node: str, rule: Rule) -> float:
-        """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync.
-        Cached by what the price reads (rule_parts, compute_kind), not by the op's name: the
-        repeated layers of a deep model share one entry per segment."""
+    def rule_key(self, node: str, rule: Rule) -> tuple:
+        """What the price of a triple reads (rule_parts, compute_kind), not the op's name: the
+        repeated layers of a deep model share one per segment."""
         sig = self._op_sig.get(node)
         if sig is None:  # once per op: the search asks for its triples' prices again and again
             n = self.graph[node]
             first = self.graph[n.inputs[0]].nbytes if n.inputs else 0
             sig = self._op_sig[node] = (self.op_segment[node], n.op, n.flops, n.backward_factor, n.nbytes, first,
                                         any(self.graph[t].is_param for t in n.inputs))
-        key = (*sig, rule.sharded, rule.sfb)
+        return (*sig, rule.sharded, rule.sfb)
+
+    def rule_time(self, node: str, rule: Rule) -> float:
+        """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync
+        (cached by rule_key)."""
+        key = self.rule_key(node, rule)
         if key not in self._rule_cost:
             fwd, bwd, extra = self.rule_parts(node, rule)
             kind_f, kind_b = self.compute_kind(node)
@@ -332,13 +340,18 @@ class CostModel:
         return Collective("all_gather", Affine.sharded(float(node.nbytes), 0), "padded",
                           label=f"{tensor} (input)")
 
+    def source_key(self, tensor: str, layout: Layout, rule: Rule) -> tuple:
+        """What the price of creating a source reads (source_time), as rule_key for triples."""
+        node = self.graph[tensor]
+        return (node.kind, node.shape, node.nbytes, node.is_param, self.home[tensor], layout, rule.sfb)
+
     def source_time(self, tensor: str, layout: Layout, rule: Rule) -> float:
         """Backward gradient sync of a parameter created in `layout` (plus the intra-machine
         all-reduce of its gradient when a device is a machine), or the all-gather of an input
         created in another layout than the one each rank loads."""
-        node = self.graph[tensor]  # cached by what the price reads, as rule_time is
-        key = (node.kind, node.shape, node.nbytes, node.is_param, self.home[tensor], layout, rule.sfb)
+        key = self.source_key(tensor, layout, rule)
         if key not in self._param_cost:
+            node = self.graph[tensor]
             t = 0.0
             gather = self.input_gather(tensor, layout)
             if gather is not None:
@@ -688,17 +701,26 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
 
 def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:
     """A move of _recipes at the cost model's ratios: its collectives chosen and its seconds
-    added up in the order the search has always added them (so ties break alike)."""
-    rule, items, terms, choices, sources, seg, new_props, new_comm = recipe
-    chosen = [min(options, key=cost.comm_time) for options in choices]  # padded vs grouped: the cheaper
-    total = cost.rule_time(name, rule)
-    for kind, x in terms:
-        if kind == "source":
-            total += cost.source_time(x[0], x[1], rule)
-        else:
-            total += cost.comm_time(chosen[x] if kind == "chosen" else x)
-    comms = tuple(chosen[c] if isinstance(c, int) else c for c in items)
-    return Step(name, rule, comms, sources, seg), total, new_props, new_comm
+    added up in the order the search has always added them (so ties break alike); priced once
+    per what the price reads (the ops of a deep model's layers share it)."""
+    rule, items, terms, choices, sources, seg, new_props, new_comm, price_key, steps = recipe
+    price = cost._move_price.get(price_key)
+    if price is None:
+        # padded vs grouped: the cheaper (the first of equals)
+        picks = tuple(min(range(len(options)), key=lambda j: cost.comm_time(options[j])) for options in choices)
+        total = cost.rule_time(name, rule)
+        for kind, x in terms:
+            if kind == "source":
+                total += cost.source_time(x[0], x[1], rule)
+            else:
+                total += cost.comm_time(choices[x][picks[x]] if kind == "chosen" else x)
+        price = cost._move_price[price_key] = total, picks
+    total, picks = price
+    step = steps.get(picks)
+    if step is None:
+        comms = tuple(choices[c][picks[c]] if isinstance(c, int) else c for c in items)
+        step = steps[picks] = Step(name, rule, comms, sources, seg)
+    return step, total, new_props, new_comm
 
 
 def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
@@ -706,7 +728,8 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
     its collectives (a CommRule, or an index into the choices), what its price adds up in order
     (("source", (tensor, layout)), ("comm", CommRule), ("chosen", index)), the choices (the
     collectives that make one layout, padded and grouped), sources, segment, layouts it adds,
-    tensors it communicates). Reads the segments of `cost`, never its prices."""
+    tensors it communicates, what its price reads, its Steps per choice). Reads the segments
+    of `cost`, never its prices."""
     graph = theory.graph
     node = graph[name]
     seg = cost.op_segment[name]
@@ -786,7 +809,12 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
                 sources.append((t, IDENTITY))
                 new_props.add((t, IDENTITY))
         new_props.add((name, rule.post))
-        yield rule, tuple(items), tuple(terms), tuple(choices), tuple(sources), seg, frozenset(new_props), frozenset(new_comm)
+        price_key = (cost.rule_key(name, rule),
+                     tuple((kind, cost.source_key(x[0], x[1], rule) if kind == "source" else
+                            x if kind == "chosen" else cost.comm_key(x)) for kind, x in terms),
+                     tuple(tuple(cost.comm_key(c) for c in options) for options in choices))
+        yield (rule, tuple(items), tuple(terms), tuple(choices), tuple(sources), seg, frozenset(new_props),
+               frozenset(new_comm), price_key, {})
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
