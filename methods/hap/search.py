@@ -167,7 +167,8 @@ class CostModel:
         self.op_segment, self.home = theory.search_cache[key]
         # The search's moves without their prices (_successors): they depend on the theory and
         # the segments alone, so every search of this theory at this segmentation shares them.
-        self._recipes: dict = theory.search_cache.setdefault(("moves", self.num_segments, segmentation), {})
+        self.segments_key = (self.num_segments, segmentation)
+        self._recipes: dict = theory.search_cache.setdefault(("moves", self.segments_key), {})
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
@@ -519,16 +520,29 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
     if key not in theory.search_cache:
         theory.search_cache[key] = _first_reads(theory, order), [_tree(theory, order, fewest) for fewest in (True, False)]
     first, trees = theory.search_cache[key]
-    own = []  # per op, per triple: its compute and the sync of the sources it creates
-    for name in order:
+    def created(name: str, r: Rule) -> list[int]:  # the sources op `name` creates when it runs r
         inputs = theory.graph[name].inputs
-        row = []
-        for r in theory.rules[name]:
-            t = cost.rule_time(name, r)
-            for k in first.get(name, ()):
-                if r.pre[k] in theory.sources[inputs[k]]:
+        return [k for k in first.get(name, ()) if r.pre[k] in theory.sources[inputs[k]]]
+
+    key = ("rows", cost.segments_key, tuple(order))
+    if key not in theory.search_cache:  # per op: what its row reads (ops of a deep model's layers share it)
+        theory.search_cache[key] = [
+            tuple((cost.rule_key(name, r), tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r)
+                                                  for k in created(name, r)))
+                  for r in theory.rules[name])
+            for name in order]
+    rows: dict = {}
+    own = []  # per op, per triple: its compute and the sync of the sources it creates
+    for name, row_key in zip(order, theory.search_cache[key]):
+        row = rows.get(row_key)
+        if row is None:
+            inputs = theory.graph[name].inputs
+            row = rows[row_key] = []
+            for r in theory.rules[name]:
+                t = cost.rule_time(name, r)
+                for k in created(name, r):
                     t += cost.source_time(inputs[k], r.pre[k], r)
-            row.append(t)
+                row.append(t)
         own.append(row)
     relayout: dict = {}
     bounds = [_tree_bound(theory, cost, order, tree, own, relayout) for tree in trees]
