@@ -352,11 +352,21 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     # The LP adds up runs of compute-only stages by the shape of their FLOPs first (exact, see
     # _FlopsRun); numbers are added stage by stage, so the simulator's sums are unchanged.
     run = _FlopsRun(vdevs, alg) if isinstance(alg, LpAlgebra) and stage_log is None else None
+    # In numbers, a stage is priced once per what its price reads (a deep model's layers repeat
+    # their stages but for the labels): the same numbers, once.
+    seen: dict | None = {} if isinstance(alg, FloatAlgebra) else None
     for st in program.stages:
         if run is not None and not st.collectives and run.take(st):
             continue
-        comm, comp = stage_parts(st, cluster, vdevs, alg)
-        sync = intra_grad_sync(st, cluster, vdevs, alg)
+        if seen is None:
+            comm, comp = stage_parts(st, cluster, vdevs, alg)
+            sync = intra_grad_sync(st, cluster, vdevs, alg)
+        else:
+            key = _stage_key(st)
+            parts = seen.get(key)
+            if parts is None:
+                parts = seen[key] = (*stage_parts(st, cluster, vdevs, alg), intra_grad_sync(st, cluster, vdevs, alg))
+            comm, comp, sync = parts
         if stage_log is not None:
             stage_log.append((comm + sync, comp))
         if run is not None:
@@ -391,6 +401,12 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     if host_optimizer > 0:
         optimizer = alg.max([optimizer, host_optimizer])
     return end + optimizer + per_step_s(program, cluster, vdevs, alg)
+
+
+def _stage_key(st: Stage) -> tuple:
+    """What stage_parts and intra_grad_sync read of a stage (not its labels)."""
+    return (st.flops, st.grad_bytes, st.op_class, st.launches,
+            tuple((c.kind, c.nbytes, c.impl, c.devices, c.rows, c.grad) for c in st.collectives))
 
 
 def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:

@@ -60,21 +60,27 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
     stage_times: list[tuple[float, float]] = []
     iter_time = iteration_time(program, cluster, vdevs, FloatAlgebra(ratios), stage_times)
     memory, peaks, oom_devices = [], [], []
+    points = program.memory.backward_points()
+    step = program.memory.optimizer_step(foreach=cluster.device == "cuda")
+    alike: dict = {}  # (its ratios, its GPUs) -> (memory, peak): a device type's devices hold alike
     for v in vdevs:
-        parts = {
-            "params": program.memory.params.at(ratios, v.index),
-            "grads": program.memory.grads.at(ratios, v.index),
-            "optimizer": program.memory.optimizer.at(ratios, v.index),
-            "buckets": program.memory.buckets.at(ratios, v.index),
-            # Data parallel inside a machine: each GPU keeps the activations of its share.
-            "activations": program.memory.activations.at(ratios, v.index) / v.num_gpus,
-        }
-        gib = {k: val / GIB for k, val in parts.items()}
-        memory.append(gib)
-        # The larger of backward's peak (activations included) and Adam's step.
-        peak = max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
-                       for held, acts in program.memory.backward_points()) / GIB,
-                   program.memory.optimizer_step(foreach=cluster.device == "cuda").at(ratios, v.index) / GIB)
+        key = (tuple(row[v.index] for row in ratios), v.num_gpus)
+        if key not in alike:
+            parts = {
+                "params": program.memory.params.at(ratios, v.index),
+                "grads": program.memory.grads.at(ratios, v.index),
+                "optimizer": program.memory.optimizer.at(ratios, v.index),
+                "buckets": program.memory.buckets.at(ratios, v.index),
+                # Data parallel inside a machine: each GPU keeps the activations of its share.
+                "activations": program.memory.activations.at(ratios, v.index) / v.num_gpus,
+            }
+            # The larger of backward's peak (activations included) and Adam's step.
+            alike[key] = ({k: val / GIB for k, val in parts.items()},
+                          max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
+                                  for held, acts in points) / GIB,
+                              step.at(ratios, v.index) / GIB))
+        gib, peak = alike[key]
+        memory.append(dict(gib))
         if v.compute is not None:
             peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.profile.workspace_bytes)
         peaks.append(peak)
