@@ -352,9 +352,10 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     # The LP adds up runs of compute-only stages by the shape of their FLOPs first (exact, see
     # _FlopsRun); numbers are added stage by stage, so the simulator's sums are unchanged.
     run = _FlopsRun(vdevs, alg) if isinstance(alg, LpAlgebra) and stage_log is None else None
-    # In numbers, a stage is priced once per what its price reads (a deep model's layers repeat
-    # their stages but for the labels): the same numbers, once.
-    seen: dict | None = {} if isinstance(alg, FloatAlgebra) else None
+    # A stage is priced once per what its price reads (a deep model's layers repeat their stages
+    # but for the labels): in numbers the same numbers, once; in the LP the same variables, each
+    # a max that the objective, increasing in it, holds at its least (exact at the optimum).
+    seen: dict | None = {}
     for st in program.stages:
         if run is not None and not st.collectives and run.take(st):
             continue
