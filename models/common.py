@@ -242,8 +242,11 @@ def init_transformer_weights(module: nn.Module) -> None:
     """BERT-style init: N(0, 0.02) Linear/Embedding/Conv weights, zero biases, unit LayerNorms.
 
     Apply with ``model.apply(init_transformer_weights)``; parameters owned directly by a
-    module (class token, position embeddings, expert weights) are initialised by it.
+    module (class token, position embeddings, expert weights) are initialised by it. A module
+    on the meta device (the planner's capture: shapes only) has no values to set.
     """
+    if any(p.is_meta for p in module.parameters(recurse=False)):
+        return
     if isinstance(module, (nn.Linear, nn.Conv2d)):
         nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
         if module.bias is not None:
