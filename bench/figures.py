@@ -165,24 +165,26 @@ def fig_allgather_skew(out: Path, ranks: int = 2, megabytes: float = 16.0) -> No
     _save(fig, data, "allgather_skew", out)
 
 
-def fig_synthesis_time(out: Path) -> None:
-    """Planner time of hap vs ViT depth (8 machines) and vs devices (BERT, one per GPU)."""
+def fig_synthesis_time(out: Path, repeats: int = 3) -> None:
+    """Planner time of hap vs ViT depth (8 machines) and vs devices (BERT, one per GPU): every
+    point planned `repeats` times, in rounds over the whole sweep (a slow spell of the machine
+    then touches every point alike); the median drawn with the range. One row per plan."""
+    points = [("vit layers", layers, ("model=vit", f"+model.spec.num_layers={layers}")) for layers in (4, 8, 12, 24, 48)]
+    points += [("bert devices", 8 * k, ("model=bert", f"cluster.gpus_per_machine={k}", "cluster.virtual_device=gpu"))
+               for k in KS]
     rows = []
-    for layers in (4, 8, 12, 24, 48):
-        row = simulate_case("preset=paper", "cluster=paper_hetero", "model=vit", "method=hap",
-                            f"+model.spec.num_layers={layers}", "method.cache_dir=null")
-        rows.append({**row, "sweep": "vit layers", "x": layers})
-    for k in KS:
-        row = simulate_case("preset=paper", "cluster=paper_hetero", "model=bert", "method=hap",
-                            f"cluster.gpus_per_machine={k}", "cluster.virtual_device=gpu",
-                            "method.cache_dir=null")  # time the planning, not a cache hit
-        rows.append({**row, "sweep": "bert devices", "x": 8 * k})
+    for r in range(repeats):
+        for sweep, x, overrides in points:
+            row = simulate_case("preset=paper", "cluster=paper_hetero", "method=hap", *overrides,
+                                "method.cache_dir=null")  # time the planning, not a cache hit
+            rows.append({**row, "sweep": sweep, "x": x, "repeat": r})
     data = pd.DataFrame(rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, (sweep, sub) in zip(axes, data.groupby("sweep", sort=False)):
-        ax.plot(sub.x, sub.planner_time_s, marker="o")
+        t = sub.groupby("x").planner_time_s.agg(["median", "min", "max"])
+        ax.errorbar(t.index, t["median"], yerr=[t["median"] - t["min"], t["max"] - t["median"]], marker="o", capsize=3)
         ax.set_xlabel(sweep)
-        ax.set_ylabel("planner time (s)")
+        ax.set_ylabel(f"planner time (s): median, range of {repeats}")
         ax.set_ylim(bottom=0)  # from zero: a second's jitter must not read as growth
     _save(fig, data, "synthesis_time", out)
 
