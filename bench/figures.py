@@ -72,7 +72,10 @@ def simulate_case(*overrides: str) -> dict:
             "status": record.status, "samples_per_s": record.samples_per_s,
             "predicted_iter_time_s": record.predicted_iter_time_s,
             "planner_time_s": record.planner_time_s, "num_devices": record.num_devices,
-            "peak_mem_gib": max(record.peak_mem_gib or [0]) or None, "error": record.error}
+            "peak_mem_gib": max(record.peak_mem_gib or [0]) or None, "error": record.error,
+            # the iteration simulated; the planner's time measured where it planned
+            "origin": f"{record.origin}, planner time measured", "hardware": record.hardware,
+            "git_sha": (record.git_sha or "")[:10], "git_dirty": record.git_dirty}
 
 
 def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
