@@ -355,19 +355,15 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
     # A stage is priced once per what its price reads (a deep model's layers repeat their stages
     # but for the labels): in numbers the same numbers, once; in the LP the same variables, each
     # a max that the objective, increasing in it, holds at its least (exact at the optimum).
-    seen: dict | None = {}
+    seen: dict = {}
     for st in program.stages:
         if run is not None and not st.collectives and run.take(st):
             continue
-        if seen is None:
-            comm, comp = stage_parts(st, cluster, vdevs, alg)
-            sync = intra_grad_sync(st, cluster, vdevs, alg)
-        else:
-            key = _stage_key(st)
-            parts = seen.get(key)
-            if parts is None:
-                parts = seen[key] = (*stage_parts(st, cluster, vdevs, alg), intra_grad_sync(st, cluster, vdevs, alg))
-            comm, comp, sync = parts
+        key = _stage_key(st)
+        parts = seen.get(key)
+        if parts is None:
+            parts = seen[key] = (*stage_parts(st, cluster, vdevs, alg), intra_grad_sync(st, cluster, vdevs, alg))
+        comm, comp, sync = parts
         if stage_log is not None:
             stage_log.append((comm + sync, comp))
         if run is not None:

@@ -520,6 +520,7 @@ def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[
     if key not in theory.search_cache:
         theory.search_cache[key] = _first_reads(theory, order), [_tree(theory, order, fewest) for fewest in (True, False)]
     first, trees = theory.search_cache[key]
+
     def created(name: str, r: Rule) -> list[int]:  # the sources op `name` creates when it runs r
         inputs = theory.graph[name].inputs
         return [k for k in first.get(name, ()) if r.pre[k] in theory.sources[inputs[k]]]

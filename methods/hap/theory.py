@@ -605,9 +605,10 @@ class Theory:
     # Only free re-layouts (slice, keep_first): the space of data-parallel programs.
     free_comms_only: bool = False
     _comm_cache: dict = field(default_factory=dict, repr=False)
-    # What methods.hap.search derives from the graph and the rules alone (the op order, which
-    # tensors die where, the trees of its bound): once per theory, not once per search.
-    search_cache: dict = field(default_factory=dict, repr=False)
+    # What methods.hap.search derives from the graph and the rules alone, not from the ratios
+    # (the op order, where tensors die, its bound's trees, the segments, each move without its
+    # price): once per theory, not once per search.
+    search_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def comm(self, tensor: str, src: Layout) -> list[CommRule]:
         key = (tensor, src)
