@@ -169,6 +169,8 @@ class CostModel:
         # the segments alone, so every search of this theory at this segmentation shares them.
         self.segments_key = (self.num_segments, segmentation)
         self._recipes: dict = theory.search_cache.setdefault(("moves", self.segments_key), {})
+        # op -> (tensors its moves depend on, their (tensor, layout) pairs)
+        self._relevant: dict = theory.search_cache.setdefault(("relevant", self.num_segments), {})
         self.granularity = granularity
         self._rule_cost: dict = {}
         self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
@@ -696,10 +698,10 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
     (_recipes, once per theory); its price and its choice between padded and grouped
     collectives are the cost model's (_priced).
     """
-    relevant = cost._recipes.get(name)
+    relevant = cost._relevant.get(name)
     if relevant is None:
         ts = _relevant(theory, name)
-        relevant = cost._recipes[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
+        relevant = cost._relevant[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
     tensors, pairs = relevant
     key = (name, props & pairs, communicated & tensors)  # set operations in C: no loop over the state
     moves = cost._moves.get(key)
