@@ -263,7 +263,7 @@ def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None
     results: dict[int, dict] = {}
     open_ = {conn: r for r, conn in enumerate(readers)}
     while len(results) < len(procs):
-        ready = wait(list(open_), timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        ready = wait(list(open_), timeout=max(0.0, deadline - time.monotonic()))
         if not ready and time.monotonic() > deadline:
             raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
         for conn in ready:

@@ -502,7 +502,7 @@ class _ShapeRecorder(fx.Interpreter):
     def _once(self, target, args, kwargs, call):
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
         try:
-            if name.endswith("_") or name.startswith("__i") or target in _MUTATING:
+            if name.endswith("_") or target in _MUTATING:  # (a method's "__iadd__" ends with "_")
                 raise _Unseen
             key = (target, _meta_key(args), _meta_key(kwargs))
             hit = self._seen.get(key)
@@ -522,7 +522,10 @@ class _Unseen(Exception):
     """A call or value that its description (_meta_key) cannot stand for."""
 
 
-_MUTATING = {operator.setitem, operator.delitem, setattr}
+# what writes into what it reads without a trailing "_" (x += y traces to operator.iadd)
+_MUTATING = {operator.setitem, operator.delitem, setattr, operator.iadd, operator.isub, operator.imul,
+             operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+             operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
           type(Ellipsis))
 
