@@ -161,6 +161,12 @@ class HapPlanner:
         """"sim" always; "real" once methods.hap.runtime (per-rank codegen) exists."""
         return ("sim", "real") if importlib.util.find_spec("methods.hap.runtime") else ("sim",)
 
+    @property
+    def _grad_bucket_bytes(self) -> float:
+        """The gradient bucket the search prices replicated parameters' syncs by: the one
+        build_program buckets them in (none without overlap: one all-reduce per parameter)."""
+        return self.bucket_cap_mb * 2**20 if self.grad_overlap else 0.0
+
     def options(self) -> dict:
         """The options that decide a plan (the cache key's)."""
         skip = ("cache_dir", "lr", "grad_clip", "interpret")
@@ -253,7 +259,8 @@ class HapPlanner:
         if best.kind != "synthesis":
             # Codegen still needs per-op decisions: the best program of the data-parallel space.
             dp_theory = data_parallel_theory(theory)
-            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios, self.segmentation)
+            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios, self.segmentation,
+                                self._grad_bucket_bytes)
             steps_res = synthesize(dp_theory, dp_cost, self.max_expansions, self.beam_width)
         gran = best.program.granularity
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
@@ -331,7 +338,7 @@ class HapPlanner:
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation)
+            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes)
             t1 = time.perf_counter()
             res = synthesize(theory, cost, self.max_expansions, self.beam_width)
             stats["search_s"] += time.perf_counter() - t1
