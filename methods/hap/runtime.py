@@ -27,6 +27,7 @@ from methods.hap.codegen import (
     check_plan,
 )
 from methods.hap.hierarchy import Machines, unsplittable_share
+from methods.hap.search import bucket_runs
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -54,20 +55,12 @@ class GradBuckets:
                  machines: Machines | None = None, across: set[int] | None = None):
         self.machines = machines
         across = across or set()
-        self.buckets: list[list[nn.Parameter]] = []
-        kinds: list[tuple] = []  # per bucket: (also summed among the machines, dtype, device)
-        size = 0.0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            kind = (id(p) in across, p.dtype, p.device)
-            if (not self.buckets or (cap_bytes is not None and (cap_bytes <= 0 or size + nbytes > cap_bytes))
-                    or kinds[-1] != kind):
-                self.buckets.append([])
-                kinds.append(kind)
-                size = 0.0
-            self.buckets[-1].append(p)
-            size += nbytes
-        self.across = [k[0] for k in kinds]
+        ordered = list(reversed(params))
+        # per gradient: (also summed among the machines, dtype, device)
+        kinds = [(id(p) in across, p.dtype, p.device) for p in ordered]
+        runs = bucket_runs([(p.numel() * p.element_size(), k) for p, k in zip(ordered, kinds)], cap_bytes)
+        self.buckets: list[list[nn.Parameter]] = [[ordered[i] for i in run] for run in runs]
+        self.across = [kinds[run[0]][0] for run in runs]
         self.flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
                       for b in self.buckets]
         self._views = [[f[o - p.numel():o].view_as(p) for p, o in zip(b, itertools.accumulate(p.numel() for p in b))]

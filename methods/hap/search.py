@@ -27,7 +27,7 @@ from typing import Sequence
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import PlanningError
-from bench.program import Affine, Collective, Memory, Program, Stage, backward_sweep, op_class
+from bench.program import Affine, Collective, Memory, Program, Stage, affine_sum, backward_sweep, op_class
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
 from methods.capture import Graph
 from methods.hap.segments import segment_ops
@@ -862,6 +862,23 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
 
 
+def bucket_runs(grads: Sequence[tuple[float, object]], cap: float | None) -> list[list[int]]:
+    """Gradients grouped into all-reduce buckets, as indices into `grads`: (bytes, kind) in the
+    order backward makes them. A bucket holds one kind, and a new one starts when the next
+    gradient would take it past `cap` bytes (None: no cap; <= 0: one bucket per gradient).
+    The one rule for the runtime's buckets (methods.hap.runtime.GradBuckets) and the
+    simulator's (build_program)."""
+    runs: list[list[int]] = []
+    size, kind = 0.0, None
+    for i, (nbytes, k) in enumerate(grads):
+        if not runs or k != kind or (cap is not None and (cap <= 0 or size + nbytes > cap)):
+            runs.append([])
+            size, kind = 0.0, k
+        runs[-1].append(i)
+        size += nbytes
+    return runs
+
+
 def build_program(
     steps: Sequence[Step],
     cost: CostModel,
@@ -899,15 +916,18 @@ def build_program(
     kept_bytes: list[tuple[int, Affine]] = []
     grads_before = Affine()
     largest: tuple[int, Affine] | None = None  # (full bytes, bytes on a device) of the largest parameter
+    machines = cost.granularity == "machine" and any(v.num_gpus > 1 for v in cost.vdevs)
     for i, step in enumerate(steps):
         if grad_overlap:
             f, b = cost.stages(step, param_sync=False)
-            sync = sum(c.nbytes.const for c in cost.param_sync(step))
+            grads = _bucketed_grads(step, cost, machines)
+            if machines:  # summed inside the machine in its bucket, not in this stage
+                b = dataclasses.replace(b, grad_bytes=Affine())
         else:
             f, b = cost.stages(step)
-            sync = 0.0
+            grads = []
         fwd.append(f)
-        bwd.append((b, sync))
+        bwd.append((b, grads))
         for t, layout in step.sources:
             if graph[t].is_param:
                 nbytes = cost._bytes(t, layout)
@@ -952,30 +972,51 @@ def build_program(
     return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}))
 
 
-def _overlapped_backward(bwd: list[tuple[Stage, float]], cap: float) -> list[Stage]:
+def _bucketed_grads(step: Step, cost: CostModel, machines: bool) -> list[tuple[float, bool, Affine]]:
+    """The gradients of the parameters `step` creates that the runtime sums in buckets, in the
+    order GradBuckets fills them (the reverse of creation; backward reverses the steps): (bytes
+    that size a bucket, whether it is all-reduced among the devices, bytes summed inside a
+    machine). Over GPUs, those of replicated parameters; over machines of several GPUs, every
+    parameter's (data parallel inside the machine), sized by the largest machine's share at
+    the search's ratios."""
+    out = []
+    for t, layout in reversed(step.sources):
+        if not cost.graph[t].is_param:
+            continue
+        across = layout == IDENTITY and not step.rule.sfb  # as param_sync
+        if machines:
+            local = cost._bytes(t, layout)
+            size = max(local.at(cost.ratios, d) for d in range(len(cost.vdevs)))
+            out.append((size, across, local))
+        elif across:
+            out.append((float(cost.graph[t].nbytes), True, Affine()))
+    return out
+
+
+def _overlapped_backward(bwd: list[tuple[Stage, list]], cap: float) -> list[Stage]:
     """Backward stages with bucketed gradient all-reduces that overlap later backward compute.
 
-    A bucket's all-reduce is launched (as a zero-FLOP overlapped stage) once the backward
-    that filled it is done; compute-only stages keep running beside it; a stage with its own
-    collectives waits for the network."""
+    The gradients are bucketed as the runtime buckets them (bucket_runs, kinds: all-reduced
+    among the devices or only inside machines), and a bucket's sync is launched (as a zero-FLOP
+    overlapped stage: the all-reduce among the devices, and inside each machine its
+    `grad_bytes`) once the backward stage that made its last gradient is done; compute-only
+    stages keep running beside it; a stage with its own collectives waits for the network."""
+    grads = [(k, g) for k, (_, gs) in enumerate(bwd) for g in gs]
+    runs = bucket_runs([(size, across) for _, (size, across, _) in grads], cap)
+    done: dict[int, list[int]] = {}  # backward stage -> the buckets its gradients complete
+    for b, run in enumerate(runs):
+        done.setdefault(grads[run[-1]][0], []).append(b)
     out: list[Stage] = []
-    bucket = 0.0
-    index = 0
-
-    def launch() -> None:
-        nonlocal bucket, index
-        out.append(Stage((Collective("all_reduce", Affine(bucket), label=f"grad bucket {index}", grad=True),), overlap=True,
-                         label=f"all_reduce grad bucket {index}"))
-        bucket = 0.0
-        index += 1
-
-    for st, sync in bwd:
+    for k, (st, _) in enumerate(bwd):
         out.append(dataclasses.replace(st, overlap=not st.collectives))
-        bucket += sync
-        if bucket and bucket >= cap:
-            launch()
-    if bucket:
-        launch()
+        for b in done.get(k, ()):
+            members = [grads[j][1] for j in runs[b]]
+            colls = ()
+            if members[0][1]:
+                nbytes = sum(size for size, _, _ in members)
+                colls = (Collective("all_reduce", Affine(nbytes), label=f"grad bucket {b}", grad=True),)
+            out.append(Stage(colls, overlap=True, grad_bytes=affine_sum(g for _, _, g in members),
+                             label=f"all_reduce grad bucket {b}"))
     return out
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from bench.launch import _free_port
 from methods.hap.runtime import GradBuckets
+from methods.hap.search import bucket_runs
 
 
 @pytest.fixture
@@ -45,3 +46,47 @@ def test_gradients_accumulate_in_the_buckets_and_unused_ones_stay_none(one_rank,
             flat = buckets.flats[buckets._bucket_of[id(p)]]
             assert flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
         assert unused.grad is None
+
+
+def test_buckets_hold_one_kind_and_close_before_the_cap_is_passed():
+    grads = [(30, "a"), (20, "a"), (60, "a"), (10, "b"), (10, "b"), (5, "a")]
+    assert bucket_runs(grads, 64) == [[0, 1], [2], [3, 4], [5]]
+    assert bucket_runs(grads, None) == [[0, 1, 2], [3, 4], [5]]  # no cap: kinds alone split
+    assert bucket_runs(grads, 0) == [[i] for i in range(6)]
+    assert bucket_runs([], 64) == []
+
+
+@pytest.mark.parametrize("virtual,gpus", [("gpu", 1), ("machine", 2)])
+def test_the_simulator_prices_the_buckets_the_runtime_fills(virtual, gpus):
+    """A planned tiny BERT, its gradients in 64 KiB buckets: the all-reduces of the program the
+    planner priced are those of the trainer's GradBuckets on the rank (the bytes summed among
+    the devices, and over machines of 2 GPUs the bytes summed inside a machine)."""
+    from methods.capture import capture_config
+    from methods.hap.codegen import CodegenOptions, RankProgram
+    from methods.hap.hierarchy import Machines
+    from methods.hap.planner import HapPlanner
+    from tests.unit.test_hap_planner import bert_workload, cluster
+
+    cl = cluster(fast=1, slow=1, k=gpus, virtual=virtual)
+    wl = bert_workload(num_devices=cl.num_devices)
+    plan = HapPlanner(max_rounds=1, bucket_cap_mb=1 / 16, levels="cluster", dp_candidate=False).plan(wl, cl)
+    assert plan.details["granularity"] == virtual
+    stages = [st for st in plan.program.stages if st.label.startswith("all_reduce grad bucket")]
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    machines = Machines([[0, 1], [2, 3]], 0, 0) if gpus > 1 else None  # the fast machine's leader
+    program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, wl.build(0).to("meta"), 0,
+                          cl.num_devices, CodegenOptions(), machines)
+    if machines is None:
+        buckets = GradBuckets([program.params[n] for n in program.grad_sync], 2**16)
+    else:
+        buckets = GradBuckets([program.params[n] for n in program.param_order], 2**16, machines=machines,
+                              across={id(program.params[n]) for n in program.grad_sync})
+    sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
+    across = [sum(c.nbytes.const for c in st.collectives) for st in stages]
+    assert len(stages) == len(buckets.buckets) > 2
+    summed = buckets.across if machines is not None else [True] * len(sizes)  # over GPUs: every bucket
+    assert across == [s if a else 0 for s, a in zip(sizes, summed)]
+    if machines is not None:  # inside the fast machine: its share of every gradient
+        inside = [st.grad_bytes.at(plan.ratios, 0) for st in stages]
+        assert inside == pytest.approx(sizes)
+        assert not any(st.grad_bytes.at(plan.ratios, 0) for st in plan.program.stages if st not in stages)
