@@ -375,19 +375,18 @@ class CostModel:
             self._param_cost[key] = t
         return self._param_cost[key]
 
-
     def bucketed_sync_s(self, nbytes: float) -> float:
         """Seconds charged for all-reducing a replicated parameter's `nbytes` of gradient that
         rides in a bucket of grad_bucket_bytes with others: its bytes' share of a full bucket's
         all-reduce, the call's latency (and the host transport's floor) shared out by bytes; a
         gradient that fills a bucket alone pays its own all-reduce.
 
-        Summed over a bucket's gradients this is the bucket's all-reduce give or take less than
-        one call's latency where a price is affine in the bytes (the last bucket is not full;
-        a bucket closes past its cap). One all-reduce per parameter, each paying the latency,
-        was what the runtime runs plus that latency per parameter: tiny BERT on local_hetero2
-        got heads split in its first layer rather than data parallelism, 5.9% slower by the
-        simulator, because the search saw 6 fewer all-reduces."""
+        Summed over a bucket's gradients this is at most the bucket's all-reduce, and short of
+        it by less than one call's latency (or floor), where a price is affine in the bytes:
+        a bucket closes before its cap (bucket_runs). One all-reduce per parameter, each paying
+        the latency, was what the runtime runs plus that latency per parameter: tiny BERT on
+        local_hetero2 got heads split in its first layer rather than data parallelism, 5.9%
+        slower by the simulator, because the search saw 6 fewer all-reduces."""
         cap = self.grad_bucket_bytes
         if nbytes >= cap:
             return self.collective_time(Collective("all_reduce", Affine(nbytes), grad=True))
