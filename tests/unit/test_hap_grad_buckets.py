@@ -1,5 +1,6 @@
 """GradBuckets on one rank (the all-reduce is the identity there): gradients land in the flat
-buckets as views, equal plain autograd's, and a parameter backward did not reach keeps None."""
+buckets as views, equal plain autograd's, and a parameter backward did not reach keeps None; its
+buckets follow search.bucket_runs, as the simulated program's do."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import torch
 import torch.distributed as dist
 
 from bench.launch import _free_port
+from methods.capture import capture_config
+from methods.hap.codegen import CodegenOptions, RankProgram
+from methods.hap.hierarchy import Machines
+from methods.hap.planner import HapPlanner
 from methods.hap.runtime import GradBuckets
 from methods.hap.search import bucket_runs
+from tests.unit.test_hap_planner import bert_workload, cluster
 
 
 @pytest.fixture
@@ -61,12 +67,6 @@ def test_the_simulator_prices_the_buckets_the_runtime_fills(virtual, gpus):
     """A planned tiny BERT, its gradients in 64 KiB buckets: the all-reduces of the program the
     planner priced are those of the trainer's GradBuckets on the rank (the bytes summed among
     the devices, and over machines of 2 GPUs the bytes summed inside a machine)."""
-    from methods.capture import capture_config
-    from methods.hap.codegen import CodegenOptions, RankProgram
-    from methods.hap.hierarchy import Machines
-    from methods.hap.planner import HapPlanner
-    from tests.unit.test_hap_planner import bert_workload, cluster
-
     cl = cluster(fast=1, slow=1, k=gpus, virtual=virtual)
     wl = bert_workload(num_devices=cl.num_devices)
     plan = HapPlanner(max_rounds=1, bucket_cap_mb=1 / 16, levels="cluster", dp_candidate=False).plan(wl, cl)
