@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan, PlanningError, Workload
 from bench.plan_cache import load_plan, plan_key, save_plan
-from bench.program import Program, data_parallel_program
+from bench.program import Program
 from bench.shares import round_shares
 from bench.cost import (
     compute_proportional_ratios,
@@ -30,9 +30,10 @@ from bench.cost import (
     virtual_devices,
 )
 from methods.capture import Graph, capture_config
-from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, batch_shares
+from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.search import (
     CostModel,
+    NoProgramError,
     SearchResult,
     build_program,
     comm_to_json,
@@ -65,7 +66,7 @@ def _code_version() -> str:
 class Candidate:
     """One (program, ratios) pair the planner scored with the simulator."""
 
-    kind: str  # "synthesis" | "data_parallel"
+    kind: str  # "synthesis" | "data parallel" (the data-parallel incumbent, methods.hap.search.synthesize)
     program: Program
     ratios: list[list[float]]
     iter_time_s: float
@@ -101,8 +102,6 @@ class HapPlanner:
         grad_overlap: replicated parameters' gradient all-reduces overlap the rest of
             backward in buckets (as DDP does) when the program is scored.
         bucket_cap_mb: gradient bucket size (MiB) for that overlap; 0 = one per parameter.
-        dp_candidate: also score plain data parallelism (bench.program.data_parallel_program,
-            as the dp_ev / dp_cp baselines are scored) and keep it if it is better.
         fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
         levels: "both": on a cluster with a machine of several GPUs, synthesize over machines
             (DP inside each) and over GPUs, and keep the faster by the simulator
@@ -127,7 +126,6 @@ class HapPlanner:
     memory_limit: bool = False
     grad_overlap: bool = True
     bucket_cap_mb: float = 25.0
-    dp_candidate: bool = True
     fuse_routing: bool = True
     levels: str = "both"
     max_expansions: int = 2_000_000
@@ -244,24 +242,6 @@ class HapPlanner:
         expanded, pruned, beam_pruned = stats["expanded"], stats["pruned"], stats["beam_pruned"]
         t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
-        synthesized = best
-        dp_rows = []
-        if self.dp_candidate:
-            for cand in self._data_parallel_candidates(graph, workload, cluster, meta):
-                dp_rows.append({"granularity": cand.program.granularity, "ratios": cand.kind,
-                                "iter_time_s": cand.iter_time_s, "oom": cand.oom})
-                unsplit = _unsplittable(workload.global_batch, cand.ratios[0], cluster, cand.program.granularity)
-                if unsplit:
-                    dp_rows[-1]["error"] = unsplit
-                elif _better(cand, best):
-                    best = cand
-        steps_res = synthesized.result
-        if best.kind != "synthesis":
-            # Codegen still needs per-op decisions: the best program of the data-parallel space.
-            dp_theory = data_parallel_theory(theory)
-            dp_cost = CostModel(dp_theory, cluster, best.program.granularity, best.ratios, self.segmentation,
-                                self._grad_bucket_bytes)
-            steps_res = synthesize(dp_theory, dp_cost, self.max_expansions, self.beam_width)
         gran = best.program.granularity
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
         details = {
@@ -271,10 +251,8 @@ class HapPlanner:
             "ratios": best.ratios,
             "predicted_iter_time_s": best.iter_time_s,
             "oom": best.oom,
-            "chosen": best.kind if best.kind == "synthesis" else f"data_parallel ({best.kind})",
-            "synthesized_iter_time_s": synthesized.iter_time_s,
+            "chosen": best.kind,  # "data parallel" when the data-parallel incumbent won
             "levels": level_rows,  # the best synthesized program over machines and over GPUs
-            "data_parallel_candidates": dp_rows,
             "rounds": rounds,
             "states_expanded": expanded,
             "states_pruned": pruned,
@@ -283,7 +261,7 @@ class HapPlanner:
             "capture_time_s": t_capture,
             "search_time_s": t_search,
             "lp_time_s": t_lp,
-            **step_fields(steps_res, graph),
+            **step_fields(best.result, graph),
             "grad_sync": {"overlap": self.grad_overlap, "bucket_cap_bytes": bucket if self.grad_overlap else None},
             "options": self.options(),
         }
@@ -340,19 +318,27 @@ class HapPlanner:
         for i in range(self.max_rounds):
             cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes)
             t1 = time.perf_counter()
-            res = synthesize(theory, cost, self.max_expansions, self.beam_width)
+            dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
+            res = synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=dp)
             stats["search_s"] += time.perf_counter() - t1
-            stats["expanded"] += res.stats.expanded
-            stats["beam_pruned"] += res.stats.beam_pruned
-            stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
+            _count(stats, res)
+            found = [res] if dp is None or dp.steps == res.steps else [res, dp]
+            cand = None
+            for r in found:  # the search prices gradient syncs serially; the simulator overlaps them
+                key = (granularity, tuple(r.steps))
+                program = built.get(key)
+                if program is None:  # its stages and memory are symbolic in the ratios: built once
+                    program = built[key] = build_program(r.steps, cost, meta, self.grad_overlap, bucket)
+                kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
+                c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r)
+                rounds.append({"start": start, "round": i, "stage": kind,
+                               "iter_time_s": c.iter_time_s, "oom": c.oom, "grouped": _uses_grouped(r)})
+                if cand is None or _better(c, cand):
+                    cand = c
+            assert cand is not None and cand.result is not None
+            res = cand.result
             key = (granularity, tuple(res.steps))
-            program = built.get(key)
-            if program is None:  # its stages and memory are symbolic in the ratios: built once
-                program = built[key] = build_program(res.steps, cost, meta, self.grad_overlap, bucket)
-            cand = _score("synthesis", program, cluster, ratios, theory.graph.batch_size, res)
             seen.add(_ratios_key(cand.ratios))  # searched from, as they run
-            rounds.append({"start": start, "round": i, "stage": "synthesis", "iter_time_s": cand.iter_time_s,
-                           "oom": cand.oom, "grouped": _uses_grouped(res)})
             improved = best is None or _better(cand, best)
             if improved:
                 best = cand
@@ -364,7 +350,7 @@ class HapPlanner:
                                "iter_time_s": lp and lp.iter_time_s, "oom": lp and lp.oom})
             else:
                 t1 = time.perf_counter()
-                lp = balanced[key] = self._balance(program, cluster, res, theory.graph.batch_size, start, i, rounds)
+                lp = balanced[key] = self._balance(cand, cluster, theory.graph.batch_size, start, i, rounds)
                 stats["lp_s"] += time.perf_counter() - t1
             if lp is None or not _better(lp, best):
                 break
@@ -377,13 +363,28 @@ class HapPlanner:
         assert best is not None
         return best
 
-    def _balance(self, program: Program, cluster: ClusterSpec, res: SearchResult, batch: int, start: str, i: int,
+    def _data_parallel(self, theory, cluster: ClusterSpec, granularity: str, ratios, stats: dict) -> SearchResult | None:
+        """The cheapest data-parallel program of `theory` at these ratios, priced as the full
+        search prices (the incumbent its search must beat); None if there is none."""
+        dp_theory = theory.search_cache.get("data_parallel")
+        if dp_theory is None:
+            dp_theory = theory.search_cache["data_parallel"] = data_parallel_theory(theory)
+        cost = CostModel(dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes)
+        try:
+            res = synthesize(dp_theory, cost, self.max_expansions, self.beam_width)
+        except NoProgramError:
+            return None
+        _count(stats, res)
+        return res
+
+    def _balance(self, found: Candidate, cluster: ClusterSpec, batch: int, start: str, i: int,
                  rounds: list) -> Candidate | None:
         """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
         segment the same row: the LP's objective is exactly the simulator's time) and rows
         free (reshards priced from above), each with memory rows (slack where the fastest
         ratios fit: one solve answers both), or, when no ratios fit and method.memory_limit is
         off, without them (the fastest ratios, flagged OOM). None when no LP is feasible."""
+        program, res, program_kind = found.program, found.result, found.kind
         best = None
         for tied in ((True, False) if program.num_segments > 1 else (False,)):
             lp = RatioLP(program, cluster, tied_rows=tied)
@@ -398,14 +399,14 @@ class HapPlanner:
                     ratios, objective = lp.solve()
                 except InfeasibleError:
                     continue
-            cand = _score("synthesis", program, cluster, ratios, batch, res)
+            cand = _score(program_kind, program, cluster, ratios, batch, res)
             over = list(cand.oom_devices) if lp.memory_limit else []
             wider = ""
             if over:  # fits as the LP split it, not in whole samples: hold those a sample more
                 try:
                     lp.hold_one_sample_more(over, batch)
                     ratios, objective = lp.solve()
-                    cand = _score("synthesis", program, cluster, ratios, batch, res)
+                    cand = _score(program_kind, program, cluster, ratios, batch, res)
                     wider = f", a sample wider on devices {over}"
                 except InfeasibleError:
                     pass
@@ -415,39 +416,6 @@ class HapPlanner:
             if best is None or _better(cand, best):
                 best = cand
         return best
-
-    def _data_parallel_candidates(self, graph: Graph, workload: Workload, cluster: ClusterSpec, meta: dict):
-        """DDP's program (bucketed, overlapped all-reduce) at GPU and machine granularity, with
-        compute-proportional ratios, and with even and LP ratios when the LP is on, each
-        rounded to the whole samples its ranks run."""
-        batch = workload.global_batch
-        layers = graph.layer_profile()
-        act = graph.activation_bytes() / batch
-        backward = graph.backward_memory()
-        for gran in ("gpu", "machine"):
-            n = len(virtual_devices(cluster, gran))
-            # hap's runtime: with more than one rank, the gradients are views of its buckets
-            program = data_parallel_program(n, batch, layers, act, bucket_cap_bytes=self.bucket_cap_mb * 2**20 or 1.0,
-                                            granularity=gran, backward_memory=backward,
-                                            grads_before_backward=cluster.num_devices > 1,
-                                            largest_param_bytes=graph.largest_param_bytes(),
-                                            meta={**meta, "program": "data_parallel"})
-            options = [("compute-proportional", compute_proportional_ratios(cluster, gran))]
-            if gran == "gpu" and batch >= n:
-                # Exactly the dp_cp baseline's split (methods/dp.py): whole samples, >= 1 each.
-                shares = round_shares(batch, [d.effective_flops for d in cluster.devices], min_share=1)
-                options.append(("compute-proportional samples", [[x / batch for x in shares]]))
-            if self.lp:
-                options.append(("even", even_ratios(n)))
-                if gran == "gpu" and batch >= n:
-                    shares = round_shares(batch, [1.0] * n, min_share=1)
-                    options.append(("even samples", [[x / batch for x in shares]]))
-                try:
-                    options.append(("lp", balance_ratios(program, cluster, memory_limit=self.memory_limit)[0]))
-                except InfeasibleError as exc:
-                    log.info("data-parallel LP at %s granularity: %s", gran, exc)
-            for label, ratios in options:
-                yield _score(f"{gran}, {label}", program, cluster, ratios, batch)
 
     def setup(self, plan, model, ctx):
         try:
@@ -483,6 +451,12 @@ def _graph_fingerprint(graph: Graph) -> str | None:
     except ImportError:
         return None
     return graph_fingerprint(graph)
+
+
+def _count(stats: dict, res: SearchResult) -> None:
+    stats["expanded"] += res.stats.expanded
+    stats["beam_pruned"] += res.stats.beam_pruned
+    stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
 
 
 def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int,

@@ -406,7 +406,8 @@ def _order(graph: Graph, theory: Theory) -> tuple[list[str], dict[str, int]]:
     return order, last_use
 
 
-def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None) -> SearchResult:
+def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None,
+               incumbent: SearchResult | None = None) -> SearchResult:
     """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices).
 
     score = cost so far + a lower bound on the remaining ops' cost (_remaining_bound: their
@@ -418,6 +419,13 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     position share the heuristic, so A* pops them cheapest first and the cap keeps the
     `beam_width` cheapest prefixes: exact while no position needs more (stats.beam_pruned
     == 0), a bounded-effort approximation otherwise.
+
+    incumbent: a program of this theory already priced by this cost model (e.g. the best
+    data-parallel program, methods.hap.planner): the search starts with its cost as the bound
+    to beat and returns it when nothing strictly cheaper is found. A beam prunes prefixes by
+    their cost so far, so it may drop the prefix of a program whose costs come early (data
+    parallelism pays each gradient's sync at its parameter) for prefixes that pay theirs later;
+    with an incumbent the result is never dearer than it.
     """
     graph = theory.graph
     key = ("order", cost.num_segments)
@@ -435,7 +443,8 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     best_g: dict = {start: 0.0}
     parents: dict = {start: None}
     heap = [(min_rest[0], 0, next(counter), 0.0, start)]
-    inf = best_cost = float("inf")
+    inf = float("inf")
+    best_cost = inf if incumbent is None else incumbent.cost_s
     best_state = None
     best_final: tuple[CommRule, ...] = ()
     while heap:
@@ -483,6 +492,8 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
             best_g[child] = child_g
             parents[child] = (state, step)
             heapq.heappush(heap, (child_g + rest, -pos - 1, next(counter), child_g, child))
+    if best_state is None and incumbent is not None:
+        return dataclasses.replace(incumbent, stats=stats)
     if best_state is None:
         raise NoProgramError(
             f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "

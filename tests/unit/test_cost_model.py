@@ -21,7 +21,7 @@ def planned():
     """(plan, cluster) of hap on a 1 fast + 2 slow machine cluster, 2 GPUs each, 4 segments:
     overlapped gradient buckets, machine-level devices and reshards all appear."""
     cl = cluster(fast=1, slow=2, k=2, inter_gbps=5.0)
-    plan = HapPlanner(cache_dir=None, num_segments=4, dp_candidate=False, levels="cluster").plan(
+    plan = HapPlanner(cache_dir=None, num_segments=4, levels="cluster").plan(
         bert_workload(batch=24, num_devices=6), cl)
     assert plan.program.num_segments == 4
     return plan, cl
@@ -64,7 +64,7 @@ def test_planner_starts_from_several_ratio_vectors_and_keeps_the_best():
     starts = {r["start"] for r in plan.details["rounds"]}
     assert {"compute-proportional", "even"} <= starts
     best = min(r["iter_time_s"] for r in plan.details["rounds"])
-    assert plan.details["synthesized_iter_time_s"] == pytest.approx(best)
+    assert plan.details["predicted_iter_time_s"] == pytest.approx(best)
 
 
 def test_memory_proportional_ratios_follow_each_machines_memory():

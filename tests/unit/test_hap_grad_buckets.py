@@ -69,7 +69,7 @@ def test_the_simulator_prices_the_buckets_the_runtime_fills(virtual, gpus):
     the devices, and over machines of 2 GPUs the bytes summed inside a machine)."""
     cl = cluster(fast=1, slow=1, k=gpus, virtual=virtual)
     wl = bert_workload(num_devices=cl.num_devices)
-    plan = HapPlanner(max_rounds=1, bucket_cap_mb=1 / 16, levels="cluster", dp_candidate=False).plan(wl, cl)
+    plan = HapPlanner(max_rounds=1, bucket_cap_mb=1 / 16, levels="cluster").plan(wl, cl)
     assert plan.details["granularity"] == virtual
     stages = [st for st in plan.program.stages if st.label.startswith("all_reduce grad bucket")]
     graph = capture_config(wl.model_cfg, wl.global_batch)

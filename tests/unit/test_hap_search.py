@@ -9,7 +9,7 @@ from torch import nn
 
 from bench.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
-from methods.capture import capture
+from methods.capture import capture, capture_config
 from methods.hap.search import CostModel, brute_force, build_program, synthesize
 from methods.hap.theory import derive_theory
 
@@ -186,3 +186,34 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
                      planner.segmentation)
     bound = _remaining_bound(theory, cost, _order(graph, theory)[0])
     assert bound[0] == pytest.approx(synthesize(theory, cost).cost_s, rel=1e-9)
+
+
+def test_a_beam_returns_no_program_dearer_than_its_incumbent():
+    """Tiny BERT on two GPUs 1 Gbit/s apart at a 25 MiB gradient bucket: data parallelism is the
+    exact optimum, but a beam of 40 keeps the prefixes that defer their costs (heads split, an
+    all-to-all later) over data parallelism's, which pays each gradient's share of a bucket at
+    its parameter, and ends 24% dearer. Given the data-parallel program as its incumbent, the
+    beam returns it."""
+    from methods.hap.theory import data_parallel_theory
+    from tests.unit.test_hap_planner import bert_workload
+    from tests.unit.test_hap_planner import cluster as two_machines
+
+    cl = two_machines(fast=1, slow=1, inter_gbps=1.0, virtual="gpu")
+    wl = bert_workload(num_devices=2)
+    theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
+    dp_theory = data_parallel_theory(theory)
+    ratios = compute_proportional_ratios(cl, "gpu")
+    cost, dp_cost = (CostModel(t, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20) for t in (theory, dp_theory))
+    dp = synthesize(dp_theory, dp_cost, beam_width=40)
+    exact = synthesize(theory, cost)
+    beam = synthesize(theory, cost, beam_width=40)
+    assert exact.cost_s == pytest.approx(dp.cost_s, rel=1e-12)
+    assert beam.cost_s > 1.1 * dp.cost_s and beam.stats.beam_pruned > 0
+    seeded = synthesize(theory, cost, beam_width=40, incumbent=dp)
+    assert seeded.steps == dp.steps and seeded.cost_s == dp.cost_s
+    # A data-parallel program costs the same under the full theory's cost model as under its
+    # own (per-parameter syncs, where the search's price is the simulator's time exactly).
+    cost, dp_cost = (CostModel(t, cl, "gpu", ratios) for t in (theory, dp_theory))
+    dp = synthesize(dp_theory, dp_cost)
+    program = build_program(dp.steps, cost, grad_overlap=False)
+    assert simulate(program, cl, ratios).iter_time_s == pytest.approx(dp.cost_s, rel=1e-9)

@@ -29,10 +29,9 @@ from tests.conftest import compose_config
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 PRESETS = ("tiny", "paper")
 FP32_BYTES = 4
-# The planner with one synthesis round and a narrow beam keeps this file fast; the data-parallel
-# candidate is off so that the Program checked is the synthesized one.
+# The planner with one synthesis round and a narrow beam keeps this file fast.
 FAST_PLANNER = ("method.lp=false", "method.max_rounds=1", "method.num_segments=1", "method.beam_width=2",
-                "method.dp_candidate=false", "method.cache_dir=null")
+                "method.cache_dir=null")
 
 
 @functools.cache
