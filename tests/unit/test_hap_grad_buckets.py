@@ -54,12 +54,24 @@ def test_gradients_accumulate_in_the_buckets_and_unused_ones_stay_none(one_rank,
         assert unused.grad is None
 
 
-def test_buckets_hold_one_kind_and_close_before_the_cap_is_passed():
+def test_buckets_hold_one_kind_and_close_once_they_reach_the_cap():
     grads = [(30, "a"), (20, "a"), (60, "a"), (10, "b"), (10, "b"), (5, "a")]
-    assert bucket_runs(grads, 64) == [[0, 1], [2], [3, 4], [5]]
+    assert bucket_runs(grads, 40) == [[0, 1], [2], [3, 4], [5]]
+    assert bucket_runs(grads, 64) == [[0, 1, 2], [3, 4], [5]]  # 50 bytes: open for the 60
     assert bucket_runs(grads, None) == [[0, 1, 2], [3, 4], [5]]  # no cap: kinds alone split
     assert bucket_runs(grads, 0) == [[i] for i in range(6)]
     assert bucket_runs([], 64) == []
+
+
+def test_buckets_of_one_kind_are_those_torch_ddp_assigns():
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if assign is None:
+        pytest.skip("this torch does not expose DDP's bucket assignment")
+    gen = torch.Generator().manual_seed(0)
+    for cap in (1000, 4096, 2**16):
+        sizes = torch.randint(1, 3000, (40,), generator=gen).tolist()  # floats: 4 bytes each
+        ddp, _ = assign([torch.empty(n) for n in sizes], [cap])
+        assert bucket_runs([(4 * n, "fp32") for n in sizes], cap) == [list(b) for b in ddp]
 
 
 @pytest.mark.parametrize("virtual,gpus", [("gpu", 1), ("machine", 2)])

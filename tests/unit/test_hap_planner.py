@@ -160,8 +160,8 @@ def test_the_search_charges_a_replicated_gradient_its_share_of_a_bucket():
     assert per_param.source_time(small.name, "I", rule) > 10 * bucketed.source_time(small.name, "I", rule)
     own = Collective("all_reduce", Affine(float(big.nbytes)), grad=True)
     assert bucketed.bucketed_sync_s(float(big.nbytes)) == bucketed.collective_time(own)  # fills a bucket alone
-    # Over the program: the buckets' all-reduces as build_program makes them, or less by
-    # under a latency per bucket (a bucket closes before the cap).
+    # Over the program: the buckets' all-reduces as build_program makes them, within a latency
+    # per bucket (a full bucket passes the cap by part of its last gradient, the last is partial).
     res = synthesize(theory, bucketed)
     program = build_program(res.steps, bucketed, bucket_cap_bytes=cap)
     buckets = [c for st in program.stages for c in st.collectives if c.grad]
@@ -169,7 +169,7 @@ def test_the_search_charges_a_replicated_gradient_its_share_of_a_bucket():
                   for t, lay in s.sources if theory.graph[t].is_param and lay == "I")
     latency = bucketed.collective_time(Collective("all_reduce", Affine(0.0), grad=True))
     assert len(buckets) > 1
-    assert 0 <= sum(bucketed.collective_time(c) for c in buckets) - charged < len(buckets) * latency
+    assert abs(sum(bucketed.collective_time(c) for c in buckets) - charged) < len(buckets) * latency
 
 
 def test_data_parallel_choice_still_carries_steps_codegen_can_run():
