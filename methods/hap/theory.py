@@ -621,7 +621,7 @@ class Theory:
 def data_parallel_theory(theory: Theory) -> Theory:
     """The same graph restricted to data parallelism: parameters and buffers replicated,
     inputs split along the batch (dim 0), no SFB, no collective but the free ones; the
-    replicated gradients are all-reduced. What methods.hap.planner scores DP candidates by."""
+    replicated gradients are all-reduced. The incumbent of methods.hap.planner's every search."""
     g = theory.graph
     sources: dict[str, list[Layout]] = {}
     for t, layouts in theory.sources.items():

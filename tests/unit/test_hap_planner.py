@@ -1,4 +1,4 @@
-"""methods.hap.planner: the plan format codegen reads, the plan cache, the DP candidate, MoE
+"""methods.hap.planner: the plan format codegen reads, the plan cache, data parallelism found, MoE
 routing fusion and the readable printer."""
 
 from __future__ import annotations
