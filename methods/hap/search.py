@@ -423,7 +423,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
 
     incumbent: a program of this theory already priced by this cost model (e.g. the best
     data-parallel program, methods.hap.planner): the search starts with its cost as the bound
-    to beat and returns it when nothing strictly cheaper is found. A beam prunes prefixes by
+    to beat and returns it unless it finds a program cheaper by more than 1e-9 of that cost. A beam prunes prefixes by
     their cost so far, so it may drop the prefix of a program whose costs come early (data
     parallelism pays each gradient's sync at its parameter) for prefixes that pay theirs later;
     with an incumbent the result is never dearer than it.
@@ -445,7 +445,9 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     parents: dict = {start: None}
     heap = [(min_rest[0], 0, next(counter), 0.0, start)]
     inf = float("inf")
-    best_cost = inf if incumbent is None else incumbent.cost_s
+    # Beating the incumbent means beating it beyond float noise: a prefix of the incumbent
+    # itself scores its cost up to rounding, and would otherwise be walked to its end.
+    best_cost = inf if incumbent is None else incumbent.cost_s * (1 - 1e-9)
     best_state = None
     best_final: tuple[CommRule, ...] = ()
     while heap:
