@@ -9,9 +9,12 @@ from torch import nn
 
 from bench.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
+from bench.planner_check import paper_planning
 from methods.capture import capture, capture_config
 from methods.hap.search import CostModel, brute_force, build_program, synthesize
-from methods.hap.theory import derive_theory
+from methods.hap.theory import data_parallel_theory, derive_theory
+from tests.unit.test_hap_planner import bert_workload
+from tests.unit.test_hap_planner import cluster as two_machines
 
 
 def cluster(inter_gbps: float) -> ClusterSpec:
@@ -175,8 +178,6 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
     free, so the bound priced two projections split by their weights with no gather of their
     input: 8% under the cheapest program on tiny BERT. Over trees the three reads share the one
     collective the search allows, and the bound at the first op is that program's cost."""
-    from bench.planner_check import paper_planning
-    from methods.capture import capture_config
     from methods.hap.search import _order, _remaining_bound
 
     planner, workload, cl = paper_planning("model=bert", "preset=tiny")
@@ -194,10 +195,6 @@ def test_a_beam_returns_no_program_dearer_than_its_incumbent():
     all-to-all later) over data parallelism's, which pays each gradient's share of a bucket at
     its parameter, and ends 24% dearer. Given the data-parallel program as its incumbent, the
     beam returns it."""
-    from methods.hap.theory import data_parallel_theory
-    from tests.unit.test_hap_planner import bert_workload
-    from tests.unit.test_hap_planner import cluster as two_machines
-
     cl = two_machines(fast=1, slow=1, inter_gbps=1.0, virtual="gpu")
     wl = bert_workload(num_devices=2)
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
@@ -225,14 +222,10 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     strict comparison the search walked one of them to its end (271 states here, up to 1,305 in
     the planner's later rounds); beating the incumbent by more than 1e-9 of its cost is what
     counts."""
-    from bench.cost import compute_proportional_ratios as cp
-    from bench.planner_check import paper_planning
-    from methods.hap.theory import data_parallel_theory
-
     planner, wl, cl = paper_planning("model=vit", "+model.spec.num_layers=48", "cluster.gpus_per_machine=8")
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     dp_theory = data_parallel_theory(theory)
-    ratios = cp(cl, "machine", planner.num_segments)
+    ratios = compute_proportional_ratios(cl, "machine", planner.num_segments)
     bucket = planner.bucket_cap_mb * 2**20
     cost, dp_cost = (CostModel(t, cl, "machine", ratios, planner.segmentation, bucket) for t in (theory, dp_theory))
     dp = synthesize(dp_theory, dp_cost, beam_width=planner.beam_width)
