@@ -429,6 +429,25 @@ def _affines(st: Stage) -> list[Affine]:
     return [st.flops, st.grad_bytes] + [c.nbytes for c in st.collectives]
 
 
+def bucket_runs(grads: Sequence[tuple[float, object]], cap: float | None) -> list[list[int]]:
+    """Gradients grouped into all-reduce buckets, as indices into `grads`: (bytes, kind) in the
+    order backward makes them. A bucket holds one kind and closes once it holds `cap` bytes or
+    more (None: no cap; <= 0: one bucket per gradient): the gradient that reaches the cap is
+    its last, as torch's DDP assigns its buckets (torch.distributed's
+    _compute_bucket_assignment_by_size, without its smaller first bucket). The one rule for
+    DDP's program (data_parallel_program), hap's runtime (methods.hap.runtime.GradBuckets) and
+    the programs it runs (methods.hap.search.build_program)."""
+    runs: list[list[int]] = []
+    size, kind = 0.0, None
+    for i, (nbytes, k) in enumerate(grads):
+        if not runs or k != kind or (cap is not None and (cap <= 0 or size >= cap)):
+            runs.append([])
+            size, kind = 0.0, k
+        runs[-1].append(i)
+        size += nbytes
+    return runs
+
+
 def data_parallel_program(
     num_devices: int,
     global_batch: int,
@@ -481,20 +500,20 @@ def data_parallel_program(
               + (layer[4] if len(layer) > 4 else backward_factor * layer[0],) for layer in layers]
     param_bytes = sum(layer[1] for layer in layers)
     fwd_launches = sum(layer[3] for layer in layers)
-    # Walk backward, closing a bucket once it holds bucket_cap_bytes of gradients. A bucket
-    # keeps its FLOPs per class and its kernels (backward: two per parameter op, one otherwise).
+    # Walk backward, layers bucketed by their gradients (bucket_runs). A bucket keeps its FLOPs
+    # per class and its kernels (backward: two per parameter op, one otherwise).
+    backward = list(reversed(layers))
     buckets: list[tuple[dict, float, float]] = []  # (backward FLOPs per sample by class, bytes, launches)
-    by_class: dict[str, float] = {}
-    bytes_acc = launches_acc = 0.0
-    for _, p, cls, ops, bwd in reversed(layers):
-        by_class[cls] = by_class.get(cls, 0.0) + bwd
-        bytes_acc += p
-        launches_acc += ops + (1 if p else 0)
-        if bytes_acc >= bucket_cap_bytes:
-            buckets.append((by_class, bytes_acc, launches_acc))
-            by_class, bytes_acc, launches_acc = {}, 0.0, 0.0
-    if bytes_acc or sum(by_class.values()) or not buckets:
-        buckets.append((by_class, bytes_acc, launches_acc))
+    for run in bucket_runs([(layer[1], None) for layer in backward], bucket_cap_bytes):
+        by_class: dict[str, float] = {}
+        for _, _, cls, _, bwd in (backward[i] for i in run):
+            by_class[cls] = by_class.get(cls, 0.0) + bwd
+        buckets.append((by_class, sum(backward[i][1] for i in run),
+                        float(sum(backward[i][3] + (1 if backward[i][1] else 0) for i in run))))
+    if len(buckets) > 1 and not buckets[-1][1] and not sum(buckets[-1][0].values()):
+        buckets.pop()  # nothing after the last full bucket
+    if not buckets:
+        buckets.append(({}, 0.0, 0.0))
     fwd_class: dict[str, float] = {}
     for f, _, cls, _, _ in layers:
         fwd_class[cls] = fwd_class.get(cls, 0.0) + f

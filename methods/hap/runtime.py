@@ -27,7 +27,7 @@ from methods.hap.codegen import (
     check_plan,
 )
 from methods.hap.hierarchy import Machines, unsplittable_share
-from methods.hap.search import bucket_runs
+from bench.program import bucket_runs
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import PlanningError
-from bench.program import Affine, Collective, Memory, Program, Stage, affine_sum, backward_sweep, op_class
+from bench.program import Affine, Collective, Memory, Program, Stage, affine_sum, backward_sweep, bucket_runs, op_class
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
 from methods.capture import Graph
 from methods.hap.segments import segment_ops
@@ -384,10 +384,10 @@ class CostModel:
         Summed over a bucket's gradients this is within one call's latency (or floor) of the
         bucket's all-reduce, where a price is affine in the bytes: a full bucket, which passes
         its cap by less than its last gradient (bucket_runs), is charged a little more, the last
-        and partial one less. One all-reduce per parameter, each paying
-        the latency, was what the runtime runs plus that latency per parameter: tiny BERT on
-        local_hetero2 got heads split in its first layer rather than data parallelism, 5.9%
-        slower by the simulator, because the search saw 6 fewer all-reduces."""
+        and partial one less. One all-reduce per parameter, each paying the latency, was what
+        the runtime runs plus that latency per parameter: tiny BERT on local_hetero2 got heads
+        split in its first layer rather than data parallelism, 5.9% slower by the simulator,
+        because the search saw 6 fewer all-reduces."""
         cap = self.grad_bucket_bytes
         if nbytes >= cap:
             return self.collective_time(Collective("all_reduce", Affine(nbytes), grad=True))
@@ -423,10 +423,10 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
 
     incumbent: a program of this theory already priced by this cost model (e.g. the best
     data-parallel program, methods.hap.planner): the search starts with its cost as the bound
-    to beat and returns it unless it finds a program cheaper by more than 1e-9 of that cost. A beam prunes prefixes by
-    their cost so far, so it may drop the prefix of a program whose costs come early (data
-    parallelism pays each gradient's sync at its parameter) for prefixes that pay theirs later;
-    with an incumbent the result is never dearer than it.
+    to beat and returns it unless it finds a program cheaper by more than 1e-9 of that cost.
+    A beam prunes prefixes by their cost so far, so it may drop the prefix of a program whose
+    costs come early (data parallelism pays each gradient's sync at its parameter) for
+    prefixes that pay theirs later; with an incumbent the result is never dearer than it.
     """
     graph = theory.graph
     key = ("order", cost.num_segments)
@@ -873,25 +873,6 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
-
-
-def bucket_runs(grads: Sequence[tuple[float, object]], cap: float | None) -> list[list[int]]:
-    """Gradients grouped into all-reduce buckets, as indices into `grads`: (bytes, kind) in the
-    order backward makes them. A bucket holds one kind and closes once it holds `cap` bytes or
-    more (None: no cap; <= 0: one bucket per gradient): the gradient that reaches the cap is
-    its last, as torch's DDP assigns its buckets (torch.distributed's
-    _compute_bucket_assignment_by_size, without its smaller first bucket). The one rule for the
-    runtime's buckets (methods.hap.runtime.GradBuckets) and the simulator's (build_program);
-    DDP's program (bench.program.data_parallel_program) closes its buckets the same way."""
-    runs: list[list[int]] = []
-    size, kind = 0.0, None
-    for i, (nbytes, k) in enumerate(grads):
-        if not runs or k != kind or (cap is not None and (cap <= 0 or size >= cap)):
-            runs.append([])
-            size, kind = 0.0, k
-        runs[-1].append(i)
-        size += nbytes
-    return runs
 
 
 def build_program(
