@@ -125,7 +125,9 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     gc.freeze()
     try:
         report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
-        result = run_rank(case, rank, world_size, local_rank=rank, progress=report)
+        # A forked worker ends by os._exit (the server's children run no destructors): it can
+        # keep its process group past destroy_process_group (run_rank's keep_group).
+        result = run_rank(case, rank, world_size, local_rank=rank, progress=report, keep_group=forked)
         messages.send(("result", rank, result))
     except RankOutOfMemory as exc:
         messages.send(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))

@@ -205,11 +205,21 @@ def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: in
         emulator.discount_reference(probe, apply=due)
 
 
+# Process groups a launched worker keeps after destroying them (run_rank(keep_group=True)).
+_RETIRED_GROUPS: list = []
+
+
 def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
-             progress: Callable[[int], None] | None = None, gather: bool = False):
+             progress: Callable[[int], None] | None = None, gather: bool = False, keep_group: bool = False):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
+    keep_group: hold a reference to the destroyed process group until the process ends, for a
+    worker that ends without running destructors (bench.launch's forked ones, by os._exit). A gloo work
+    that completes after destroy_process_group can otherwise drop the group's last reference
+    on one of the group's own threads, whose destructor then joins that thread: "terminate
+    called after throwing an instance of 'std::system_error' / Resource deadlock avoided",
+    rank 0 of a dp_cp case aborted while sending its result (once in about 700 launches).
     """
     device = pick_device(local_rank, case.cluster)
     emulated = case.cluster.emulated
@@ -231,6 +241,8 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
             raise
         raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
     finally:
+        if keep_group:
+            _RETIRED_GROUPS.append(dist.group.WORLD)
         dist.destroy_process_group()
         # Free the process group now, while Python runs: objects in reference cycles (DDP's
         # module) keep it alive until a collection, and at interpreter exit gloo's threads,
