@@ -152,10 +152,6 @@ def _dual(layout: Layout) -> Layout:
     return REDUCE if layout == IDENTITY else IDENTITY if layout == REDUCE else layout
 
 
-def _padded(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    return C._pad_rows(t.movedim(dim, 0), width)
-
-
 def to_leader(x: torch.Tensor, m: Machines, layout: Layout, lengths: Sequence[int]) -> torch.Tensor | None:
     """The machine's tensor on its leader (None elsewhere): the GPUs' parts along the batch dim
     concatenated, a partial sum reduced, or a replicated tensor as the leader holds it."""
@@ -170,12 +166,12 @@ def to_leader(x: torch.Tensor, m: Machines, layout: Layout, lengths: Sequence[in
     dim, width = int(layout), max(lengths)
     if width == 0:
         return x.clone() if m.is_leader else None
-    part = _padded(x, dim, width)
+    part = C._padded(x, dim, width)
     bufs = [torch.empty_like(part) for _ in lengths] if m.is_leader else None
     dist.gather(part, bufs, group=m.intra, group_dst=0)
     if not m.is_leader:
         return None
-    return torch.cat([b[:n] for b, n in zip(bufs, lengths)], dim=0).movedim(0, dim).contiguous()
+    return C._unstacked(bufs, dim, lengths)
 
 
 def from_leader(y: torch.Tensor | None, m: Machines, layout: Layout, lengths: Sequence[int],
@@ -195,13 +191,14 @@ def from_leader(y: torch.Tensor | None, m: Machines, layout: Layout, lengths: Se
     part_shape[dim] = lengths[m.local]
     if width == 0:
         return like.new_zeros(part_shape)
-    rest = [s for i, s in enumerate(shape) if i != dim]
-    recv = like.new_empty([width] + rest)
+    recv_shape = list(shape)
+    recv_shape[dim] = width
+    recv = like.new_empty(recv_shape)
     pieces = None
     if m.is_leader:
-        pieces = [_padded(p, dim, width) for p in torch.split(y, list(lengths), dim=dim)]
+        pieces = [C._padded(p, dim, width) for p in torch.split(y, list(lengths), dim=dim)]
     dist.scatter(recv, pieces, group=m.intra, group_src=0)
-    return recv[:lengths[m.local]].movedim(0, dim).contiguous()
+    return recv.narrow(dim, 0, lengths[m.local]).contiguous()
 
 
 class _Hierarchical(torch.autograd.Function):

@@ -37,8 +37,8 @@ def _checks(rank: int, n: int) -> None:
         return torch.randn(*shape, generator=gen, **f64)
 
     # The same random full tensors on every rank; per-rank pieces are taken from them.
-    for dim in (0, 1):
-        shape = [4, 4]
+    for dim in (0, 1, 2):  # leading, middle and last: each is gathered without moving dims
+        shape = [4, 3, 2]
         shape[dim] = total
         for impl in C.IMPLS:
             # all_gather: out Identity; grads g_r on each rank (partial), dx = slice of sum g.
@@ -91,7 +91,7 @@ def _checks(rank: int, n: int) -> None:
 
     # reshard: the same dim split by two rows (a segment border), both ways, and to itself.
     moved = {2: [([3, 2], [1, 4]), ([3, 2], [5, 0])], 3: [([3, 0, 2], [0, 4, 1]), ([3, 0, 2], [1, 1, 3])]}[n]
-    for dim in (0, 1):
+    for dim in (0, 1, 2):
         shape = [4, 3, 2]
         shape[dim] = total
         full, gfull = rand(*shape), rand(*shape)
