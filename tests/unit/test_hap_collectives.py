@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from methods.hap import collectives as C
 
@@ -25,6 +26,28 @@ def _shard(t: torch.Tensor, dim: int, lengths, rank: int) -> torch.Tensor:
 def _close(a, b, what):
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), f"{what}: max err {(a - b).abs().max().item()}"
+
+
+class _TransposedCopies(TorchFunctionMode):
+    """Records every call that copies a transposed tensor: of the source's dims longer than 1,
+    the last has a stride above 1 and an earlier one has stride 1 (a strided slice, or a
+    broadcast with stride 0, is no transpose). A function mode, not a dispatch mode: it sees
+    the collectives' own torch calls and leaves c10d's ops alone."""
+
+    SOURCES = {torch.Tensor.contiguous: lambda a: a[:1], torch.Tensor.clone: lambda a: a[:1],
+               torch.Tensor.reshape: lambda a: a[:1], torch.Tensor.copy_: lambda a: a[1:2],
+               torch.cat: lambda a: a[0]}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for t in self.SOURCES.get(func, lambda a: ())(args):
+            dims = [st for size, st in zip(t.shape, t.stride()) if size > 1]
+            if dims and dims[-1] > 1 and 1 in dims[:-1]:
+                self.found.append((func.__name__, tuple(t.shape), t.stride()))
+        return func(*args, **(kwargs or {}))
 
 
 def _checks(rank: int, n: int) -> None:
@@ -88,6 +111,20 @@ def _checks(rank: int, n: int) -> None:
         _close(y, _shard(full, dd, dl, rank), f"all_to_all {sd}->{dd} forward")
         y.backward(_shard(gfull, dd, dl, rank))
         _close(x.grad, _shard(gfull, sd, sl, rank), f"all_to_all {sd}->{dd} backward")
+
+    # Along the last dim, shards are padded, stacked and cut where they lie: no copy reads a
+    # tensor across its innermost dim (an element-by-element transpose, on a CPU worker 20x the
+    # time of a plain copy of the same bytes: the logits of methods.hap.tensor_parallel).
+    for impl in C.IMPLS:
+        shape = [2, 3, total]
+        full, g = rand(*shape), rand(*shape)
+        x = _shard(full, 2, lengths, rank).clone().requires_grad_()
+        p = full.clone().requires_grad_()
+        with _TransposedCopies() as seen:
+            C.all_gather(x, 2, lengths, impl).backward(g)
+            C.reduce_scatter(p, 2, lengths, impl).backward(_shard(g, 2, lengths, rank))
+            C.reshard(x.detach(), 2, lengths, lengths[::-1])
+        assert not seen.found, f"{impl}: copies across the innermost dim: {seen.found}"
 
     # reshard: the same dim split by two rows (a segment border), both ways, and to itself.
     moved = {2: [([3, 2], [1, 4]), ([3, 2], [5, 0])], 3: [([3, 0, 2], [0, 4, 1]), ([3, 0, 2], [1, 1, 3])]}[n]
