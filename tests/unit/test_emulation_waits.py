@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from bench import emulation
@@ -106,3 +107,80 @@ def test_the_arrival_board_knows_a_collective_once_every_member_has_arrived():
     for _ in range(emulation.ArrivalBoard.SLOTS):  # rank 1 runs a whole ring of collectives ahead
         ranks[1].arrive(group, 1)
     assert ranks[0].last_arrival(token, [0, 1]) is None
+
+
+def _busy(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _paced_emulator(reference: tuple[float, ...]) -> emulation.Emulator:
+    """Rank 1 (speed 0.5) of a two-device cluster, pacing from the start against `reference`."""
+    cluster = ClusterSpec.from_config({
+        "name": "t", "emulated": True,
+        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
+                     {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
+        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
+    }).with_host_speed(1e10)
+    settings = emulation.EmulationSettings(headroom=1.0, reference=reference)
+    emu = emulation.Emulator(cluster, 1, enabled=True, settings=settings)
+    emu.begin_iteration(emulation.EmulationSettings.SKIPPED)
+    assert emu.pacing
+    return emu
+
+
+def test_compute_that_overruns_under_an_async_collectives_link_is_not_repaid_after_the_wait():
+    """hap's trainer issues its gradient all-reduce, computes the rest of backward while the
+    link is busy, waits, then steps Adam. An overrun of that rest (an oversleep of the VM)
+    made the rank come to the wait later, not leave it later; repaid from Adam's interval, the
+    slow device's step came out short of its speed."""
+    # Intervals: up to the issue, after it, the wait's (none), Adam: 2, 2, 0, 8 ms at speed 0.5
+    emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
+    saved = list(emulation._installed)
+    emulation._installed[:] = [emu]
+    try:
+        emu.mark()
+        emu.stretch()  # up to the issue: slept to its 2 ms
+        emu.issued()
+        at_issue = emu._debt
+        work = DoneWork()
+        handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.2)  # 200 ms link
+        work.future.set_result(None)
+        _busy(0.006)  # the rest of backward overruns its 2 ms target by 4 ms or more
+        emu.stretch()
+        behind = emu._debt - at_issue
+        handle.wait()  # the link delivers long after the rank came to the wait
+        assert behind >= 0.0035
+        assert emu._debt == pytest.approx(at_issue, abs=1e-4), "an overrun the wait hid was carried past it"
+        assert emu.report()["absorbed_s"] == pytest.approx(behind, abs=1e-4)
+        start = time.perf_counter()
+        emu.stretch()  # Adam's interval (nothing computed): sleeps its whole 8 ms target
+        assert time.perf_counter() - start >= 0.008 - at_issue - 0.0005
+    finally:
+        emulation._installed[:] = saved
+
+
+def test_compute_that_overruns_past_the_links_delivery_is_still_repaid():
+    """An overrun that made the rank come to the wait after the link had delivered delayed it:
+    it is repaid as before."""
+    emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
+    saved = list(emulation._installed)
+    emulation._installed[:] = [emu]
+    try:
+        emu.mark()
+        emu.stretch()
+        emu.issued()
+        at_issue = emu._debt
+        work = DoneWork()
+        handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.001)  # 1 ms link
+        work.future.set_result(None)
+        _busy(0.006)  # comes to the wait the overrun plus 1 ms after the link delivered
+        emu.stretch()
+        behind = emu._debt - at_issue
+        handle.wait()
+        assert behind >= 0.0035
+        assert emu._debt == pytest.approx(at_issue + behind, abs=1e-4)
+        assert emu.report()["absorbed_s"] == 0.0
+    finally:
+        emulation._installed[:] = saved
