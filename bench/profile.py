@@ -440,11 +440,18 @@ def cluster_yaml(name: str, n: int, compute: dict, fits: dict, profile_path: Pat
         f"# fit from the profile file (the all-reduce's numbers for kinds it did not measure).\n"
         f"name: {name}\nemulated: true\nvirtual_device: gpu\nmachines:\n"
         f"  - {{count: 1, device: cpu, num_devices: {n}, "
-        f"effective_flops: {compute['linear']['flops_per_s']:.4g}}}\n"
+        f"effective_flops: {_yaml_float(compute['linear']['flops_per_s'])}}}\n"
         f"links:\n"
-        f"  intra_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}, profile: {profile}}}\n"
-        f"  inter_machine: {{bandwidth_gbps: {gbps:.4g}, latency_s: {ar['latency_s']:.3g}, profile: {profile}}}\n"
+        f"  intra_machine: {{bandwidth_gbps: {_yaml_float(gbps)}, latency_s: {_yaml_float(ar['latency_s'])}, profile: {profile}}}\n"
+        f"  inter_machine: {{bandwidth_gbps: {_yaml_float(gbps)}, latency_s: {_yaml_float(ar['latency_s'])}, profile: {profile}}}\n"
     )
+
+
+def _yaml_float(x: float) -> str:
+    """x to 4 significant digits in a form every YAML loader reads as a number: YAML 1.1
+    (PyYAML) takes `1e+11` and `5e-05` for strings, so the mantissa always has a point (a
+    host whose linear rate came out at 1.000e11 wrote a cluster file its own loader refused)."""
+    return f"{x:.3e}"
 
 
 def _repo_relative(path: Path) -> str:

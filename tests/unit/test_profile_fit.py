@@ -132,3 +132,21 @@ def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_po
     assert prof.dispatch_s("other") == pytest.approx(5e-5) and prof.optimizer_dispatch_s == pytest.approx(2e-4)
     src.write_text("{}")
     assert main(["--refit", str(src), "--compute-out", str(dst)]) == 2  # one line, exit 2
+
+
+def test_a_profiled_cluster_file_reads_back_its_numbers_whatever_their_digits(tmp_path):
+    """`1e+11` and `5e-05` are strings to YAML 1.1: a rate or latency that rounded to one
+    digit made `bench.profile --cluster-out` write a file that failed to load."""
+    import json
+
+    import yaml
+
+    from bench.cluster import ClusterSpec
+    from bench.profile import cluster_yaml
+
+    fits = {"all_reduce/ring": {"bytes_per_s": 1.25e8, "latency_s": 5e-5}}
+    (tmp_path / "p.json").write_text(json.dumps({"fits": fits}))
+    text = cluster_yaml("probe", 2, {"linear": {"flops_per_s": 1e11}}, fits, tmp_path / "p.json")
+    spec = ClusterSpec.from_config(yaml.safe_load(text))
+    assert spec.devices[0].effective_flops == 1e11
+    assert spec.inter_machine.latency_s == 5e-5 and spec.inter_machine.bandwidth_gbps == 1.0
