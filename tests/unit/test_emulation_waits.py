@@ -24,13 +24,18 @@ class SlowWork:
         return True
 
 
-def test_time_blocked_in_a_wait_is_not_a_compute_interval():
-    cluster = ClusterSpec.from_config({
+def _cluster() -> ClusterSpec:
+    """Two emulated devices, full speed and half."""
+    return ClusterSpec.from_config({
         "name": "t", "emulated": True,
         "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
                      {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
         "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
     }).with_host_speed(1e10)
+
+
+def test_time_blocked_in_a_wait_is_not_a_compute_interval():
+    cluster = _cluster()
     emu = emulation.Emulator(cluster, 1, enabled=True)
     saved = list(emulation._installed)
     emulation._installed[:] = [emu]
@@ -117,12 +122,7 @@ def _busy(seconds: float) -> None:
 
 def _paced_emulator(reference: tuple[float, ...]) -> emulation.Emulator:
     """Rank 1 (speed 0.5) of a two-device cluster, pacing from the start against `reference`."""
-    cluster = ClusterSpec.from_config({
-        "name": "t", "emulated": True,
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
-                     {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
-        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
-    }).with_host_speed(1e10)
+    cluster = _cluster()
     settings = emulation.EmulationSettings(headroom=1.0, reference=reference)
     emu = emulation.Emulator(cluster, 1, enabled=True, settings=settings)
     emu.begin_iteration(emulation.EmulationSettings.SKIPPED)
