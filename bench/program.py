@@ -365,6 +365,11 @@ class Program:
     # worker's rate (DeepSpeed's engine on CPU workers, methods.ds_zero.engine_work): priced at
     # each device's FLOP/s like the model's work, once per iteration (bench.cost.price.per_step_s).
     host_work_flops: float = 0.0
+    # Samples per iteration, which the rows split (0: not known). A machine-level device's GPUs
+    # split its share in whole samples, evenly (methods.hap.hierarchy.intra_lengths), so one
+    # GPU may hold a sample more than an even split of the share: the price of its compute
+    # and activations follows that GPU (bench.cost.price.busiest_gpu_ratios).
+    batch: int = 0
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -405,6 +410,7 @@ class Program:
             "memory": self.memory.to_json(),
             "meta": self.meta,
             **({"host_work_flops": self.host_work_flops} if self.host_work_flops else {}),
+            **({"batch": self.batch} if self.batch else {}),
         }
 
     def dumps(self) -> str:
@@ -422,6 +428,7 @@ class Program:
             Memory.from_json(d.get("memory", {})),
             dict(d.get("meta", {})),
             float(d.get("host_work_flops", 0.0)),
+            int(d.get("batch", 0)),
         )
 
 
@@ -552,4 +559,4 @@ def data_parallel_program(
             [(a, b, Affine.sharded(x)) for a, b, x in (backward_memory[2] if len(backward_memory) > 2 else ())]),
         largest_param=None if largest_param_bytes is None else Affine(largest_param_bytes),
     )
-    return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}))
+    return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}), batch=global_batch)

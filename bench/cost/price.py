@@ -45,13 +45,20 @@ Value = Any  # a float, or a PuLP expression
 
 
 class FloatAlgebra:
-    """Prices as numbers, at given ratios (the simulator and the search)."""
+    """Prices as numbers, at given ratios (the simulator and the search). `busiest`: the ratios
+    of each machine-level device's busiest GPU, times its GPU count (busiest_gpu_ratios), for
+    what each GPU computes on its own samples; None: an even split inside every machine."""
 
-    def __init__(self, ratios: Ratios):
+    def __init__(self, ratios: Ratios, busiest: Ratios | None = None):
         self.ratios = ratios
+        self.busiest = busiest
 
     def at(self, a: Affine, device: int) -> float:
         return a.at(self.ratios, device)
+
+    def at_busiest(self, a: Affine, device: int) -> float:
+        """a at the device's busiest GPU's samples, as if every GPU of it had as many."""
+        return a.at(self.ratios if self.busiest is None else self.busiest, device)
 
     def column(self, device: int) -> tuple:
         """What a device's prices depend on besides its hardware: its ratio in every row."""
@@ -99,6 +106,11 @@ class LpAlgebra:
         if a.is_constant:
             return a.const
         return a.const + pulp.lpSum(c * self.ratios[s][device] for s, c in a.coef)
+
+    def at_busiest(self, a: Affine, device: int) -> Value:
+        """As `at`: the LP's shares are continuous, a machine's split inside it even (the
+        planner prices its rounded answer with the simulator, busiest GPUs included)."""
+        return self.at(a, device)
 
     def column(self, device: int) -> tuple:
         """Its ratio variables: devices of one class share them (methods.hap.balance)."""
@@ -311,14 +323,39 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
 
 
 # -- computation -----------------------------------------------------------------------------
+def busiest_gpu_ratios(ratios: Ratios, vdevs: list[VirtualDevice], batch: int) -> Ratios | None:
+    """`ratios` with each machine-level device's entry scaled to its busiest GPU: a machine
+    splits its share of the `batch` samples over its GPUs in whole samples, evenly
+    (bench.shares.round_shares, as methods.hap.hierarchy.intra_lengths does), so of a share
+    of n samples over g GPUs one holds ceil(n / g), not n / g: 11 samples over 2 GPUs are 6
+    and 5, priced as 2 x 6. Every row is read as a split of the batch (as the planner rounds
+    them, methods.hap.planner._as_run). A share that is not whole samples (the LP's continuous
+    answer, before the planner rounds it) keeps n / g per GPU: the LP's own relaxation, so the
+    two price such ratios alike. None where no device has several GPUs or the batch is not
+    known (0)."""
+    machines = [v for v in vdevs if v.num_gpus > 1]
+    if not batch or not machines:
+        return None
+    out = []
+    for row in ratios:
+        row = list(row)
+        for v in machines:
+            n = round(row[v.index] * batch)
+            if n > 0 and abs(row[v.index] * batch - n) < 1e-6:
+                row[v.index] *= v.num_gpus * -(-n // v.num_gpus) / n
+        out.append(row)
+    return out
+
+
 def device_compute(st: Stage, cluster: ClusterSpec, v: VirtualDevice, alg) -> Value:
     """One device's seconds of a stage's computation: FLOPs / effective FLOP/s, or with a
-    measured profile, kernels x fixed cost + FLOPs / the op class's rate."""
+    measured profile, kernels x fixed cost + FLOPs / the op class's rate. A machine's GPUs
+    compute on their own samples at once: its busiest GPU's time (FloatAlgebra.at_busiest)."""
     if v.compute is None:
-        t = alg.at(st.flops, v.index) * (1.0 / v.flops)
+        t = alg.at_busiest(st.flops, v.index) * (1.0 / v.flops)
     else:  # a measured profile: a fixed cost per kernel plus the op class's rate
         fixed, rate = v.compute.rate(st.op_class)
-        t = alg.at(st.flops, v.index) * (1.0 / (rate * v.speed)) + st.launches * fixed
+        t = alg.at_busiest(st.flops, v.index) * (1.0 / (rate * v.speed)) + st.launches * fixed
     return t
 
 

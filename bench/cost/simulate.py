@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from bench.cluster import ClusterSpec
 from bench.cost.devices import GIB, virtual_devices
-from bench.cost.price import FloatAlgebra, iteration_time, per_step_s
+from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
 from bench.program import Program, Ratios
 
 
@@ -58,25 +58,28 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         )
     program.check_ratios(ratios)
     stage_times: list[tuple[float, float]] = []
-    iter_time = iteration_time(program, cluster, vdevs, FloatAlgebra(ratios), stage_times)
+    busiest = busiest_gpu_ratios(ratios, vdevs, program.batch)
+    iter_time = iteration_time(program, cluster, vdevs, FloatAlgebra(ratios, busiest), stage_times)
+    per_gpu = ratios if busiest is None else busiest  # what each GPU of a machine holds of the activations
     memory, peaks, oom_devices = [], [], []
     points = program.memory.backward_points()
     step = program.memory.optimizer_step(foreach=cluster.device == "cuda")
     alike: dict = {}  # (its ratios, its GPUs) -> (memory, peak): a device type's devices hold alike
     for v in vdevs:
-        key = (tuple(row[v.index] for row in ratios), v.num_gpus)
+        key = (tuple(row[v.index] for row in per_gpu), tuple(row[v.index] for row in ratios), v.num_gpus)
         if key not in alike:
             parts = {
                 "params": program.memory.params.at(ratios, v.index),
                 "grads": program.memory.grads.at(ratios, v.index),
                 "optimizer": program.memory.optimizer.at(ratios, v.index),
                 "buckets": program.memory.buckets.at(ratios, v.index),
-                # Data parallel inside a machine: each GPU keeps the activations of its share.
-                "activations": program.memory.activations.at(ratios, v.index) / v.num_gpus,
+                # Data parallel inside a machine: each GPU keeps the activations of its
+                # samples (the busiest GPU's: busiest_gpu_ratios).
+                "activations": program.memory.activations.at(per_gpu, v.index) / v.num_gpus,
             }
             # The larger of backward's peak (activations included) and Adam's step.
             alike[key] = ({k: val / GIB for k, val in parts.items()},
-                          max(max(held.at(ratios, v.index) + acts.at(ratios, v.index) / v.num_gpus
+                          max(max(held.at(ratios, v.index) + acts.at(per_gpu, v.index) / v.num_gpus
                                   for held, acts in points) / GIB,
                               step.at(ratios, v.index) / GIB))
         gib, peak = alike[key]

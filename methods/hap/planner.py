@@ -461,19 +461,44 @@ def _count(stats: dict, res: SearchResult) -> None:
 
 def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int,
            result: SearchResult | None = None) -> Candidate:
-    """A candidate priced by the simulator at its ratios as the runtime splits the batch."""
-    ratios = _as_run(ratios, batch)
-    sim = simulate(program, cluster, ratios)
-    return Candidate(kind, program, ratios, sim.iter_time_s, tuple(sim.oom_devices), result)
+    """A candidate priced by the simulator at its ratios as the runtime splits the batch (the
+    faster of the roundings _as_run offers)."""
+    best = None
+    for rounded in _as_run(ratios, batch, program.granularity, cluster):
+        sim = simulate(program, cluster, rounded)
+        cand = Candidate(kind, program, rounded, sim.iter_time_s, tuple(sim.oom_devices), result)
+        if best is None or _better(cand, best):
+            best = cand
+    assert best is not None
+    return best
 
 
-def _as_run(ratios, batch: int) -> list[list[float]]:
-    """Each row rounded to whole samples of the batch, as the runtime splits it
-    (balance.batch_shares; tokens split in whole samples too, search.shard_units). Exact for a
-    row that splits only the batch; a row that also splits d_model, heads or experts cuts each in
-    whole units of its own (balance.shard_lengths), so there the price is off by up to one such
-    unit or one sample. Every row is rounded alike, so rows the LP tied stay tied."""
-    return [[k / batch for k in batch_shares(batch, row)] for row in ratios]
+def _as_run(ratios, batch: int, granularity: str = "gpu", cluster: ClusterSpec | None = None) -> list[list[list[float]]]:
+    """The ways to round `ratios` to whole samples of the batch, as the runtime splits it
+    (balance.batch_shares; tokens split in whole samples too, search.shard_units): each row per
+    virtual device; for machines of several GPUs also per GPU, each GPU weighted by its
+    machine's ratio over its GPU count, a machine's share the sum of its GPUs'. A machine
+    splits its share evenly in whole samples (hierarchy.intra_lengths) and is as fast as its
+    busiest GPU (bench.cost.price.busiest_gpu_ratios): rounded per machine, local_2x2's
+    21.3 / 10.7 samples of 32 became 21 / 11, run as 11 + 10 and 6 + 5, where per GPU they
+    become 11 + 11 and 5 + 5. Exact for a row that splits only the batch; a row that also
+    splits d_model, heads or experts cuts each in whole units of its own
+    (balance.shard_lengths), so there the price is off by up to one such unit or one sample.
+    Every row is rounded alike, so rows the LP tied stay tied."""
+    per_device = [[k / batch for k in batch_shares(batch, row)] for row in ratios]
+    if granularity != "machine" or cluster is None:
+        return [per_device]
+    gpus = [v.num_gpus for v in virtual_devices(cluster, "machine")]
+    if all(g == 1 for g in gpus):
+        return [per_device]
+    per_gpu = []
+    for row in ratios:
+        parts = iter(round_shares(batch, [max(r, 0.0) / g for r, g in zip(row, gpus) for _ in range(g)]))
+        shares = [sum(next(parts) for _ in range(g)) for g in gpus]
+        if unsplittable_share(batch, shares, gpus):
+            return [per_device]
+        per_gpu.append([k / batch for k in shares])
+    return [per_device] if per_gpu == per_device else [per_device, per_gpu]
 
 
 def _uses_grouped(res: SearchResult) -> bool:

@@ -965,7 +965,8 @@ def build_program(
                     backward=backward_sweep(grads_made, kept_bytes, grads_before, flying),
                     largest_param=None if largest is None else largest[1])
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
-    return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}))
+    return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}),
+                   batch=cost.graph.batch_size)
 
 
 def _bucketed_grads(step: Step, cost: CostModel, machines: bool) -> list[tuple[float, bool, Affine]]:

@@ -18,7 +18,7 @@ from bench.program import Affine, Collective, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
 from methods.capture import capture, capture_config
 from methods.hap.balance import batch_shares, shard_lengths
-from methods.hap.planner import HapPlanner, SfbPlanner
+from methods.hap.planner import HapPlanner, SfbPlanner, _as_run
 from methods.hap.search import CostModel, Step, brute_force, build_program, synthesize
 from methods.hap.segments import layer_groups
 from methods.hap.theory import data_parallel_theory, derive_theory, routing_region
@@ -369,3 +369,19 @@ def test_one_device_plans_the_whole_batch_on_it():
     plan = HapPlanner(max_rounds=2).plan(bert_workload(batch=8, num_devices=1), cluster(fast=1, slow=0))
     assert plan.batch_shares == [8] and all(row == [1.0] for row in plan.ratios)
     assert plan.program is not None
+
+
+def test_a_machine_level_plan_splits_each_machines_share_evenly_over_its_gpus_when_that_is_faster():
+    """2 machines x 2 GPUs, V100s and P100s, 24 samples: rounded per machine the LP's 15.1 / 8.9
+    become 15 / 9, which the machines run as 8 + 7 and 5 + 4, each as slow as its busiest GPU;
+    rounded per GPU, 16 / 8 (8 + 8 and 4 + 4). The planner prices both and keeps the faster."""
+    cl = cluster(fast=1, slow=1, k=2)
+    plan = HapPlanner(cache_dir=None, levels="cluster").plan(bert_workload(batch=24, num_devices=4), cl)
+    assert plan.details["granularity"] == "machine"
+    assert plan.batch_shares == [8, 8, 4, 4]
+    per_machine, per_gpu = _as_run([[15.1 / 24, 8.9 / 24]], 24, "machine", cl)
+    assert [x * 24 for x in per_machine[0]] == pytest.approx([15, 9])
+    assert [x * 24 for x in per_gpu[0]] == pytest.approx([16, 8])
+    assert _as_run([[15.1 / 24, 8.9 / 24]], 24, "gpu", cl) == [per_machine]
+    times = [simulate(plan.program, cl, r).iter_time_s for r in (per_machine, per_gpu)]
+    assert times[1] < times[0]

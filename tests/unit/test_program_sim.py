@@ -177,6 +177,29 @@ def test_machine_devices_add_intra_machine_gradient_all_reduce_and_split_activat
     assert res.memory_gib[0]["activations"] == pytest.approx(1.0)  # 4 GiB share over 4 GPUs
 
 
+def test_a_machine_is_priced_at_its_busiest_gpu_when_its_share_splits_unevenly():
+    """A machine splits its samples over its GPUs in whole samples: 11 of 32 over 2 GPUs run
+    as 6 and 5, so its compute and its GPUs' activations are those of 6 samples a GPU."""
+    cluster = make_cluster(fast=2, slow=0, per_machine=2, virtual="machine")
+    vd = virtual_devices(cluster, "machine")
+    per_sample = 1e10
+    prog = Program((Stage((), Affine.sharded(32 * per_sample)),), 2, granularity="machine",
+                   memory=Memory(activations=Affine.sharded(32 * GIB)), batch=32)
+
+    def run(*shares):
+        return simulate(prog, cluster, [[n / 32 for n in shares]])
+
+    assert run(22, 10).iter_time_s == pytest.approx(11 * per_sample / (vd[0].flops / 2))
+    assert run(21, 11).iter_time_s == pytest.approx(run(22, 10).iter_time_s)  # 11 + 10 and 6 + 5
+    assert run(20, 12).iter_time_s == pytest.approx(10 * per_sample / (vd[0].flops / 2))
+    assert run(21, 11).memory_gib[1]["activations"] == pytest.approx(6.0)  # 6 samples of 1 GiB
+    even = simulate(Program(prog.stages, 2, granularity="machine", memory=prog.memory), cluster, [[21 / 32, 11 / 32]])
+    assert even.iter_time_s == pytest.approx(10.5 * per_sample / (vd[0].flops / 2))  # batch unknown: n / g
+    # A share of no whole samples (the LP's continuous answer) keeps the even split, as the LP prices it.
+    assert run(21.3, 10.7).iter_time_s == pytest.approx(21.3 / 2 * per_sample / (vd[0].flops / 2))
+    assert Program.from_json(prog.to_json()).batch == 32
+
+
 def test_simulate_rejects_program_for_another_cluster_size():
     cluster = make_cluster(fast=1, slow=1)
     prog = Program((Stage((), Affine.sharded(1.0)),), 3)
