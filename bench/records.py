@@ -204,13 +204,21 @@ def summarize_times(per_rank_times: Iterable[list[float]], measured: int) -> tup
     return per_iter, mean, std
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+                             cwd=cwd or Path(__file__).resolve().parent)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_dirty(cwd: Path | None = None) -> bool | None:
+    """Whether a tracked file of the checkout (of this package, or the one `cwd` is in) differs
+    from its commit, results/ left out: that is what runs write (figures, calibration files),
+    and drawing one figure would otherwise mark the next one's rows dirty. None outside git."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results", cwd=cwd)
+    return None if status is None else bool(status)
 
 
 def fingerprint() -> dict[str, Any]:
@@ -228,10 +236,9 @@ def fingerprint() -> dict[str, Any]:
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception as exc:  # fingerprinting must never fail a run
         log.debug("no torch version details: %s", exc)
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
+        "git_dirty": code_dirty(),
         "versions": versions,
         "host": f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus)",
     }

@@ -1,9 +1,11 @@
 import json
 import multiprocessing as mp
+import shutil
+import subprocess
 
 import pytest
 
-from bench.records import (RunRecord, append_record, case_key, finished_case_keys, load_records,
+from bench.records import (RunRecord, code_dirty, append_record, case_key, finished_case_keys, load_records,
                            summarize_times)
 from bench.table import speedup
 
@@ -101,3 +103,25 @@ def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
     append_record(path, row)
     track_case([WandbLogger("offline", "hetbench-test", str(tmp_path))], row, path)  # must not raise
     assert load_records(path)[0]["run_id"] == row.run_id
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_row_is_dirty_when_the_code_changed_not_when_results_did(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "bench" / "code.py").write_text("x = 1\n")
+    (tmp_path / "results" / "main.csv").write_text("a\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    assert code_dirty(tmp_path / "bench") is False
+    (tmp_path / "results" / "main.csv").write_text("b\n")  # a figure redrawn
+    (tmp_path / "new.txt").write_text("untracked\n")
+    assert code_dirty(tmp_path / "bench") is False
+    (tmp_path / "bench" / "code.py").write_text("x = 2\n")
+    assert code_dirty(tmp_path / "bench") is True
+    assert code_dirty(tmp_path.parent / "no-such-dir") is None
