@@ -199,7 +199,10 @@ def fig_ablation(out: Path, *overrides: str) -> None:
 
 
 def fig_sim_accuracy(out: Path) -> None:
-    """The latest calibration's errors (python -m bench.calibrate) as a box plot per method."""
+    """The simulator's errors (python -m bench.calibrate) as a box plot per method: one panel
+    for the newest calibration of each set of clusters, for the two sets calibrated last (the
+    GPU-level `local_hetero2/4` and the machine-level `local_2x2/local_3m`: one calibration of
+    either would otherwise hide the other's)."""
     runs = {}  # emulated-cluster calibrations (a --device one has rows, not cases)
     for path in (PROJECT_DIR / "results" / "calibration").glob("*.json"):
         body = json.loads(path.read_text())
@@ -207,14 +210,20 @@ def fig_sim_accuracy(out: Path) -> None:
             runs[path] = body
     if not runs:
         raise SystemExit("error: no calibration yet; run `python -m bench.calibrate` first")
-    # The newest by the time it was written (files before that field: by name, and older).
-    latest = max(runs, key=lambda p: (runs[p].get("written_at", ""), p.name))
-    data = pd.DataFrame(runs[latest]["cases"])
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    methods = sorted(data.method.unique())
-    ax.boxplot([data[data.method == m].sim_error * 100 for m in methods], tick_labels=methods)
-    ax.set_ylabel("|predicted - measured| / measured (%)")
-    ax.set_title(f"simulator error, {len(data)} cases ({latest.stem})", fontsize=9)
+    newest: dict[tuple, Path] = {}  # set of clusters -> its newest file
+    # By the time each was written (files before that field: by name, and older).
+    for path in sorted(runs, key=lambda p: (runs[p].get("written_at", ""), p.name)):
+        newest[tuple(sorted({c["cluster"] for c in runs[path]["cases"]}))] = path
+    shown = sorted(newest.values(), key=lambda p: (runs[p].get("written_at", ""), p.name))[-2:][::-1]
+    data = pd.concat([pd.DataFrame(runs[p]["cases"]).assign(calibration=p.stem) for p in shown], ignore_index=True)
+    fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 3.4), squeeze=False)
+    for ax, path in zip(axes[0], shown):
+        part = data[data.calibration == path.stem]
+        methods = sorted(part.method.unique())
+        ax.boxplot([part[part.method == m].sim_error * 100 for m in methods], tick_labels=methods)
+        ax.set_ylabel("|predicted - measured| / measured (%)")
+        clusters = ", ".join(sorted(part.cluster.unique()))
+        ax.set_title(f"{clusters}: {len(part)} cases ({path.stem})", fontsize=9)
     _save(fig, data, "sim_accuracy", out)
 
 

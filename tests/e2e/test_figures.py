@@ -57,6 +57,13 @@ def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "PROJECT_DIR", tmp_path)
     figures.fig_sim_accuracy(tmp_path / "out")
     assert len(pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")) == 3
+    # Another set of clusters calibrated later: a panel each, the newest of each set.
+    machines = [{**c, "cluster": "m"} for c in cases[:2]]
+    (calibration / "20260103-old-m.json").write_text(json.dumps({"cases": machines, "written_at": "2026-01-03"}))
+    (calibration / "20260104-m.json").write_text(json.dumps({"cases": machines[:1], "written_at": "2026-01-04"}))
+    figures.fig_sim_accuracy(tmp_path / "out")
+    drawn = pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")
+    assert drawn.groupby("calibration").size().to_dict() == {"20260101-000000": 3, "20260104-m": 1}
 
 
 def test_an_unknown_figure_lists_the_known_ones():
