@@ -40,6 +40,7 @@ from bench.cluster import ClusterSpec, Link
 from bench.cost.devices import VirtualDevice
 from bench.cost.links import collective_linear_cost, collective_time_s
 from bench.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
+from bench.shares import round_shares
 
 Value = Any  # a float, or a PuLP expression
 
@@ -325,8 +326,8 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
 # -- computation -----------------------------------------------------------------------------
 def busiest_gpu_ratios(ratios: Ratios, vdevs: list[VirtualDevice], batch: int) -> Ratios | None:
     """`ratios` with each machine-level device's entry scaled to its busiest GPU: a machine
-    splits its share of the `batch` samples over its GPUs in whole samples, evenly
-    (bench.shares.round_shares, as methods.hap.hierarchy.intra_lengths does), so of a share
+    splits its share of the `batch` samples over its GPUs in whole samples, evenly (the
+    runtime's rule, round_shares, as methods.hap.hierarchy.intra_lengths calls it), so of a share
     of n samples over g GPUs one holds ceil(n / g), not n / g: 11 samples over 2 GPUs are 6
     and 5, priced as 2 x 6. Every row is read as a split of the batch (as the planner rounds
     them, methods.hap.planner._as_run). A share that is not whole samples (the LP's continuous
@@ -342,7 +343,7 @@ def busiest_gpu_ratios(ratios: Ratios, vdevs: list[VirtualDevice], batch: int) -
         for v in machines:
             n = round(row[v.index] * batch)
             if n > 0 and abs(row[v.index] * batch - n) < 1e-6:
-                row[v.index] *= v.num_gpus * -(-n // v.num_gpus) / n
+                row[v.index] *= v.num_gpus * max(round_shares(n, [1.0] * v.num_gpus)) / n
         out.append(row)
     return out
 
