@@ -215,16 +215,15 @@ def fig_sim_accuracy(out: Path) -> None:
     for path in sorted(runs, key=lambda p: (runs[p].get("written_at", ""), p.name)):
         newest[tuple(sorted({c["cluster"] for c in runs[path]["cases"]}))] = path
     shown = sorted(newest.values(), key=lambda p: (runs[p].get("written_at", ""), p.name))[-2:][::-1]
-    data = pd.concat([pd.DataFrame(runs[p]["cases"]).assign(calibration=p.stem) for p in shown], ignore_index=True)
     fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 3.4), squeeze=False)
-    for ax, path in zip(axes[0], shown):
-        part = data[data.calibration == path.stem]
+    parts = [pd.DataFrame(runs[p]["cases"]).assign(calibration=p.stem) for p in shown]
+    for ax, path, part in zip(axes[0], shown, parts):
         methods = sorted(part.method.unique())
         ax.boxplot([part[part.method == m].sim_error * 100 for m in methods], tick_labels=methods)
         ax.set_ylabel("|predicted - measured| / measured (%)")
         clusters = ", ".join(sorted(part.cluster.unique()))
         ax.set_title(f"{clusters}: {len(part)} cases ({path.stem})", fontsize=9)
-    _save(fig, data, "sim_accuracy", out)
+    _save(fig, pd.concat(parts, ignore_index=True), "sim_accuracy", out)
 
 
 # The seed's Fig. 2 setting: a tensor-parallel transformer whose hidden size sets the ratio of

@@ -66,7 +66,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
     step = program.memory.optimizer_step(foreach=cluster.device == "cuda")
     alike: dict = {}  # (its ratios, its GPUs) -> (memory, peak): a device type's devices hold alike
     for v in vdevs:
-        key = (tuple(row[v.index] for row in per_gpu), tuple(row[v.index] for row in ratios), v.num_gpus)
+        key = (tuple(row[v.index] for row in ratios), v.num_gpus)  # per_gpu follows from these
         if key not in alike:
             parts = {
                 "params": program.memory.params.at(ratios, v.index),
