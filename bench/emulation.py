@@ -73,6 +73,9 @@ class EmulationSettings:
     # compute to give up the core (bench.hostcpu.realtime_comm_threads). Off by default: a
     # spinning gloo thread then holds its core for up to a second.
     realtime_comm: bool = False
+    # gloo's process-group workers at nice -10, so that one woken on the rank's core runs at
+    # once rather than at the next scheduler tick (bench.hostcpu.gloo_workers_first).
+    gloo_workers_first: bool = True
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
     @staticmethod

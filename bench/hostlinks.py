@@ -9,10 +9,11 @@ ran 7-11 ms per iteration over its emulated links. The cost model prices an emul
 collective as the longer of its link's time and this floor (bench.cost.price.flat_price).
 
 The floor is measured per collective kind with the calls the runtime makes, one element per
-rank, the workers bound to cores as emulated ranks are and gloo's threads at real-time priority
-where the runs put them there (`emulation.realtime_comm`); the ranks take turns to come last
+rank, the workers bound to cores as emulated ranks are and gloo's threads at the priorities the
+runs give them (real-time with `emulation.realtime_comm`, the process group's workers at nice -10
+with `emulation.gloo_workers_first`); the ranks take turns to come last
 while the others wait idle in the call, as in a run, and the last one's time counts (median over
-its calls). Once per host, number of ranks and priority, kept in the host cache beside the host
+its calls). Once per host, number of ranks and priorities, kept in the host cache beside the host
 speed (bench.flops.host_cache_file).
 """
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from bench.compat import all_gather_single, reduce_scatter_single
 from bench.flops import digest, host_cache_file, host_identity, read_cache, write_cache
-from bench.hostcpu import pin_to_core, realtime_comm_threads
+from bench.hostcpu import gloo_workers_first, pin_to_core, realtime_comm_threads
 from bench.launch import _free_port
 
 FLOOR_VERSION = 1
@@ -41,7 +42,7 @@ CALLS = 12  # timed calls per kind; each rank in turn comes last
 # 0.4-0.6 ms from the last arrival in tiny VGG19's hap run)
 LATE_S = 0.002
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter")
-_floors: dict[tuple[int, bool], dict[str, float]] = {}  # by number of ranks and `realtime`
+_floors: dict[tuple[int, bool, bool], dict[str, float]] = {}  # by ranks, `realtime`, `workers_first`
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +62,7 @@ def _calls(rank: int, n: int) -> dict:
     }
 
 
-def _probe(rank: int, n: int, port: int, results, realtime: bool) -> None:
+def _probe(rank: int, n: int, port: int, results, realtime: bool, workers_first: bool) -> None:
     pin_to_core(rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
@@ -70,8 +71,11 @@ def _probe(rank: int, n: int, port: int, results, realtime: bool) -> None:
         for call in calls.values():  # warm-up: the first calls of a new process are slow
             for _ in range(WARMUP):
                 call()
-        if realtime:  # after the warm-up: by then every thread gloo started has run and has its name
+        # After the warm-up: by then every thread gloo started has run and has its name.
+        if realtime:
             realtime_comm_threads()
+        if workers_first:
+            gloo_workers_first()
         times = {}
         for kind, call in calls.items():
             timed = []
@@ -90,17 +94,19 @@ def _probe(rank: int, n: int, port: int, results, realtime: bool) -> None:
         dist.destroy_process_group()
 
 
-def measure_floor(num_ranks: int, context=None, realtime: bool = False) -> dict[str, float]:
+def measure_floor(num_ranks: int, context=None, realtime: bool = False,
+                  workers_first: bool = True) -> dict[str, float]:
     """Seconds of one small collective of each kind among `num_ranks` CPU worker processes on
     this host, from the last rank's arrival (module docstring); {} for one rank. `context`: the
     multiprocessing context to start them with (the launcher's forkserver when it runs; spawn
     otherwise); `realtime`: gloo's threads at real-time priority, as `emulation.realtime_comm`
-    puts a run's. RuntimeError when a probe process dies."""
+    puts a run's; `workers_first`: gloo's workers at nice -10, as `emulation.gloo_workers_first`
+    does. RuntimeError when a probe process dies."""
     if num_ranks <= 1:
         return {}
     ctx = context or mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_probe, args=(r, num_ranks, port, results, realtime),
+    procs = [ctx.Process(target=_probe, args=(r, num_ranks, port, results, realtime, workers_first),
                          daemon=True) for r in range(num_ranks)]
     for p in procs:
         p.start()
@@ -121,28 +127,32 @@ def measure_floor(num_ranks: int, context=None, realtime: bool = False) -> dict[
     return {kind: statistics.median(t for times in per_rank.values() for t in times[kind]) for kind in _KINDS}
 
 
-def _key(num_ranks: int, realtime: bool) -> str:
+def _key(num_ranks: int, realtime: bool, workers_first: bool) -> str:
     what = [*host_identity(), len(os.sched_getaffinity(0)), num_ranks, FLOOR_VERSION]
-    return "links:" + digest(what + ["realtime"] if realtime else what)
+    what += ["realtime"] if realtime else []
+    what += ["workers_first"] if workers_first else []
+    return "links:" + digest(what)
 
 
-def host_floor(num_ranks: int, context=None, realtime: bool = False) -> dict[str, float]:
-    """measure_floor, once per host, number of ranks and priority of gloo's threads: kept in
+def host_floor(num_ranks: int, context=None, realtime: bool = False,
+               workers_first: bool = True) -> dict[str, float]:
+    """measure_floor, once per host, number of ranks and priorities of gloo's threads: kept in
     this process and in the host cache, so that the plans priced with it stay the same from run
     to run (delete the cache file, bench.flops.host_cache_file, to measure it again). {} for
     one rank; a probe that fails is a warning and no floor (nothing cached)."""
     if num_ranks <= 1:
         return {}
-    if (num_ranks, realtime) not in _floors:
-        path, key = host_cache_file(), _key(num_ranks, realtime)
+    which = (num_ranks, realtime, workers_first)
+    if which not in _floors:
+        path, key = host_cache_file(), _key(*which)
         cached = read_cache(path).get(key)
         if not isinstance(cached, dict) or set(cached) != set(_KINDS):
             try:
-                cached = measure_floor(num_ranks, context, realtime)
+                cached = measure_floor(num_ranks, context, realtime, workers_first)
             except (RuntimeError, OSError) as exc:
                 log.warning("the host transport's floor was not measured (%s); emulated links are "
                             "priced without it", exc)
                 return {}
             write_cache(path, key, cached)
-        _floors[num_ranks, realtime] = cached
-    return _floors[num_ranks, realtime]
+        _floors[which] = cached
+    return _floors[which]

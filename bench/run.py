@@ -188,8 +188,13 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
         # Two ranks' real-time gloo threads on one core held it for a second (README).
         raise ConfigError(f"emulation.realtime_comm=true needs a core per rank: {num_ranks} ranks on "
                           f"{host_cores()} cores; use emulation.realtime_comm=false")
+    workers_first = node.get("gloo_workers_first", True)
+    if not isinstance(workers_first, bool):
+        raise ConfigError(f"emulation.gloo_workers_first={workers_first!r} must be true or false; "
+                          "e.g. emulation.gloo_workers_first=false")
     return EmulationSettings(headroom=float(headroom), reference_iters=refs, pin_cores=pin,
-                             pause_discount=discount, realtime_comm=realtime)
+                             pause_discount=discount, realtime_comm=realtime,
+                             gloo_workers_first=workers_first)
 
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
@@ -316,7 +321,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         cluster = cluster.with_host_speed(*speed)
         if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
             record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None,
-                                                  emulation.realtime_comm)
+                                                  emulation.realtime_comm, emulation.gloo_workers_first)
             cluster = cluster.with_link_floor(record.host_link_floor_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = _hardware(cluster) if cfg.mode == "real" else (
@@ -339,7 +344,8 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
     record.emulation = None if emulation is None else {
         "device": cluster.device, "headroom": emulation.headroom,
         "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores,
-        "pause_discount": emulation.pause_discount, "realtime_comm": emulation.realtime_comm}
+        "pause_discount": emulation.pause_discount, "realtime_comm": emulation.realtime_comm,
+        "gloo_workers_first": emulation.gloo_workers_first}
     return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
                 fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
                 precision=cfg.precision, oom_rank=cfg.test.oom_rank)

@@ -291,10 +291,14 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     precision = None
     peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
     realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
+    workers_first = None  # gloo's workers at nice -10: how many (None: off or refused)
     for it in range(pre + case.warmup_iters + case.measured_iters):
-        if pace_compute and emulator.settings.realtime_comm and it <= emulator.settings.SKIPPED:
+        if pace_compute and it <= emulator.settings.SKIPPED:
             with emulator.paused():  # again after the lazy set-up, which may start process groups
-                realtime = hostcpu.realtime_comm_threads()
+                if emulator.settings.realtime_comm:
+                    realtime = hostcpu.realtime_comm_threads()
+                if emulator.settings.gloo_workers_first:
+                    workers_first = hostcpu.gloo_workers_first()
         if it == pre + case.warmup_iters:
             emulator.reset_stats()
         if case.fail_rank == rank:
@@ -338,7 +342,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "tensor_peak_gib": None if tensors is None else tensors.peak / 2**30,
         "peak_mem_gib_per_iter": mems,
         "emulation": ({**emulator.report(probe_flops), "yardstick": host, "core": core,
-                       "realtime_comm_threads": realtime} if emulated else None),
+                       "realtime_comm_threads": realtime, "gloo_workers_first_threads": workers_first}
+                      if emulated else None),
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
         "precision": precision,

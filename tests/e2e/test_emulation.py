@@ -28,6 +28,11 @@ def test_each_rank_reports_its_achieved_dilation(cfg_factory):
     assert [r["core"] for r in ranks] == [cores[0], cores[1 % len(cores)]]
     assert record.emulation["realtime_comm"] is False  # gloo's threads at normal priority
     assert [r["realtime_comm_threads"] for r in ranks] == [None, None]
+    # gloo's process-group workers at nice -10 (bench.hostcpu.gloo_workers_first): both of each
+    # rank's, or None where the host refuses a negative nice
+    assert record.emulation["gloo_workers_first"] is True
+    counts = [r["gloo_workers_first_threads"] for r in ranks]
+    assert counts == [None, None] or all(n >= 2 for n in counts), counts
     for r in ranks:
         assert r["unreferenced_intervals"] == 0
         assert r["achieved_dilation"] == pytest.approx(1 / r["speed"], rel=0.5)

@@ -77,6 +77,7 @@ def test_tiny_workloads_count_their_flops(model):
     (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
     (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
     (["emulation.realtime_comm=yes"], "emulation.realtime_comm='yes' must be true or false"),
+    (["emulation.gloo_workers_first=2"], "emulation.gloo_workers_first=2 must be true or false"),
     (["method=hap", "mode=sim", "method.segmentation=random"],
      "method.segmentation='random' is unknown; valid: layers, flops, metis"),
     (["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head
@@ -129,3 +130,4 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
     monkeypatch.setattr(run, "host_cores", lambda: 4)
     assert run.emulation_settings(cfg, 4).realtime_comm is True
     assert run.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).realtime_comm is False
+    assert run.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).gloo_workers_first is True

@@ -94,15 +94,18 @@ def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank
 
 
 # A fresh interpreter with a one-rank gloo process group (its transport loop and worker threads):
-# the policy of every thread after realtime_comm_threads, optionally with the host refusing.
-_REALTIME = r"""
+# the policy and nice of every thread after realtime_comm_threads or gloo_workers_first,
+# optionally with the host refusing.
+_PRIORITY = r"""
 import json, os, sys, tempfile, time
 import torch.distributed as dist
 from bench import hostcpu
-if sys.argv[1] == "refuse":
+what, mode = sys.argv[1:3]
+if mode == "refuse":
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")
     os.sched_setscheduler = refuse
+    os.setpriority = refuse
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 # gloo's threads name themselves when they first run (on a loaded host, after init returns):
 # wait for its transport loop and its two workers (torch's default) to have theirs.
@@ -115,26 +118,28 @@ while time.monotonic() < deadline:
     if named >= 3:
         break
     time.sleep(0.01)
-counts = [hostcpu.realtime_comm_threads(), hostcpu.realtime_comm_threads()]
+call = hostcpu.realtime_comm_threads if what == "realtime" else hostcpu.gloo_workers_first
+counts = [call(), call()]
 threads = {}
 for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
-        threads[tid] = [f.read().strip(), os.sched_getscheduler(int(tid)) == os.SCHED_FIFO]
+        threads[tid] = [f.read().strip(), os.sched_getscheduler(int(tid)) == os.SCHED_FIFO,
+                        os.getpriority(os.PRIO_PROCESS, int(tid))]
 print(json.dumps({"counts": counts, "main": str(os.getpid()), "threads": threads}))
 dist.destroy_process_group()
 """
 
 
-def _realtime(mode: str) -> dict:
-    return json.loads(subprocess.run([sys.executable, "-c", _REALTIME, mode], capture_output=True,
+def _priority(what: str, mode: str) -> dict:
+    return json.loads(subprocess.run([sys.executable, "-c", _PRIORITY, what, mode], capture_output=True,
                                      text=True, check=True).stdout)
 
 
 def test_gloo_threads_and_only_they_run_at_real_time_priority_where_the_host_allows():
-    out = _realtime("allow")
-    gloo = {tid for tid, (name, _) in out["threads"].items() if name.startswith(("gloo", "pt_gloo"))}
+    out = _priority("realtime", "allow")
+    gloo = {tid for tid, (name, _, _) in out["threads"].items() if name.startswith(("gloo", "pt_gloo"))}
     assert len(gloo) >= 2  # the transport's event loop and the process group's worker(s)
-    fifo = {tid for tid, (_, rt) in out["threads"].items() if rt}
+    fifo = {tid for tid, (_, rt, _) in out["threads"].items() if rt}
     if out["counts"][0] is None:  # this host refuses real-time priority: nothing changed
         assert out["counts"] == [None, None] and fifo == set()
     else:
@@ -142,6 +147,26 @@ def test_gloo_threads_and_only_they_run_at_real_time_priority_where_the_host_all
 
 
 def test_a_host_that_refuses_real_time_priority_gets_none():
-    out = _realtime("refuse")
+    out = _priority("realtime", "refuse")
     assert out["counts"] == [None, None]
-    assert not any(rt for _, rt in out["threads"].values())
+    assert not any(rt for _, rt, _ in out["threads"].values())
+
+
+def test_gloo_workers_and_only_they_run_at_nice_minus_10_where_the_host_allows():
+    """bench.hostcpu.gloo_workers_first: the process group's workers (pt_gloo_runloop), not its
+    transport's event loop (gloo_tcp_loop) nor any other thread."""
+    out = _priority("workers_first", "allow")
+    workers = {tid for tid, (name, _, _) in out["threads"].items() if name.startswith("pt_gloo")}
+    assert workers and any(name.startswith("gloo_tcp") for name, _, _ in out["threads"].values())
+    raised = {tid for tid, (_, _, nice) in out["threads"].items() if nice != 0}
+    if out["counts"][0] is None:  # this host refuses a negative nice: nothing changed
+        assert out["counts"] == [None, None] and raised == set()
+    else:
+        assert out["counts"] == [len(workers), len(workers)] and raised == workers
+        assert {out["threads"][tid][2] for tid in workers} == {hostcpu.GLOO_WORKER_NICE}
+
+
+def test_a_host_that_refuses_a_negative_nice_gets_none():
+    out = _priority("workers_first", "refuse")
+    assert out["counts"] == [None, None]
+    assert all(nice == 0 for _, _, nice in out["threads"].values())
