@@ -28,7 +28,7 @@ import ctypes
 import os
 import platform
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -89,21 +89,27 @@ GLOO_WORKER_PREFIX = "pt_gloo"
 GLOO_WORKER_NICE = -10
 
 
-def _threads_named(prefixes: tuple[str, ...]) -> Iterator[int]:
-    """The ids of this process's threads, other than the calling one, whose name starts with one
-    of `prefixes` (a thread that ends meanwhile is skipped)."""
+def _each_thread(prefixes: tuple[str, ...], change: Callable[[int], None]) -> int | None:
+    """Call `change(tid)` for each of this process's threads, other than the calling one, whose
+    name starts with one of `prefixes`; how many it changed, or None as soon as the host refuses
+    (PermissionError). A thread that ends meanwhile is skipped."""
     me = threading.get_native_id()
+    count = 0
     for entry in os.listdir("/proc/self/task"):
         tid = int(entry)
         if tid == me:
             continue
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
+                if not f.read().startswith(prefixes):
+                    continue
+            change(tid)
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if name.startswith(prefixes):
-            yield tid
+        except PermissionError:
+            return None
+        count += 1
+    return count
 
 
 def realtime_comm_threads() -> int | None:
@@ -124,17 +130,11 @@ def realtime_comm_threads() -> int | None:
     over). But gloo's event loop spins at times, and at real-time priority nothing of normal
     priority runs on its core until the kernel's real-time throttling (95% of each second by
     default) lets it: with 4 ranks on 2 cores, calls took 1-2 s (bench.run refuses that)."""
-    count = 0
-    for tid in _threads_named(COMM_THREAD_PREFIXES):
-        try:
-            if os.sched_getscheduler(tid) != os.SCHED_FIFO:
-                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except PermissionError:
-            return None
-        count += 1
-    return count
+    def fifo(tid: int) -> None:
+        if os.sched_getscheduler(tid) != os.SCHED_FIFO:
+            os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+
+    return _each_thread(COMM_THREAD_PREFIXES, fifo)
 
 
 def gloo_workers_first() -> int | None:
@@ -171,17 +171,11 @@ def gloo_workers_first() -> int | None:
     after): sync calls as quick, but an async all-reduce over 2 ranks then completed only once
     the 3 ms of compute were over (2.7 ms; a thread that ran at nice 19 is owed less of the core
     afterwards); the workers at SCHED_FIFO: calls of 1-2 s, as with realtime_comm_threads."""
-    count = 0
-    for tid in _threads_named((GLOO_WORKER_PREFIX,)):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != GLOO_WORKER_NICE:
-                os.setpriority(os.PRIO_PROCESS, tid, GLOO_WORKER_NICE)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except PermissionError:
-            return None
-        count += 1
-    return count
+    def first(tid: int) -> None:
+        if os.getpriority(os.PRIO_PROCESS, tid) != GLOO_WORKER_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, GLOO_WORKER_NICE)
+
+    return _each_thread((GLOO_WORKER_PREFIX,), first)
 
 
 def steady_allocator() -> bool:
