@@ -178,6 +178,15 @@ def gloo_workers_first() -> int | None:
     return _each_thread((GLOO_WORKER_PREFIX,), first)
 
 
+def comm_priorities(realtime: bool, workers_first: bool) -> tuple[int | None, int | None]:
+    """Give this process's gloo threads the priorities an emulated CPU rank runs them at
+    (`emulation.realtime_comm`, `emulation.gloo_workers_first`): what realtime_comm_threads and
+    gloo_workers_first return, None for a setting that is off. The runs' workers and the host
+    floor's probe (bench.hostlinks) both call this, so that the floor is timed as runs run."""
+    return (realtime_comm_threads() if realtime else None,
+            gloo_workers_first() if workers_first else None)
+
+
 def steady_allocator() -> bool:
     """Fix glibc malloc's mmap and trim thresholds in this process (once; later calls return the
     first answer). False where the C library has no mallopt (not glibc): nothing changes."""

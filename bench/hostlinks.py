@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from bench.compat import all_gather_single, reduce_scatter_single
 from bench.flops import digest, host_cache_file, host_identity, read_cache, write_cache
-from bench.hostcpu import gloo_workers_first, pin_to_core, realtime_comm_threads
+from bench.hostcpu import comm_priorities, pin_to_core
 from bench.launch import _free_port
 
 FLOOR_VERSION = 1
@@ -71,11 +71,7 @@ def _probe(rank: int, n: int, port: int, results, realtime: bool, workers_first:
         for call in calls.values():  # warm-up: the first calls of a new process are slow
             for _ in range(WARMUP):
                 call()
-        # After the warm-up: by then every thread gloo started has run and has its name.
-        if realtime:
-            realtime_comm_threads()
-        if workers_first:
-            gloo_workers_first()
+        comm_priorities(realtime, workers_first)  # after the warm-up: every gloo thread has its name
         times = {}
         for kind, call in calls.items():
             timed = []

@@ -295,10 +295,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     for it in range(pre + case.warmup_iters + case.measured_iters):
         if pace_compute and it <= emulator.settings.SKIPPED:
             with emulator.paused():  # again after the lazy set-up, which may start process groups
-                if emulator.settings.realtime_comm:
-                    realtime = hostcpu.realtime_comm_threads()
-                if emulator.settings.gloo_workers_first:
-                    workers_first = hostcpu.gloo_workers_first()
+                realtime, workers_first = hostcpu.comm_priorities(emulator.settings.realtime_comm,
+                                                                  emulator.settings.gloo_workers_first)
         if it == pre + case.warmup_iters:
             emulator.reset_stats()
         if case.fail_rank == rank:
