@@ -2,7 +2,7 @@
 
 Compute is paced against a reference, in a closed loop. A burst of compute that follows a
 pause (a sleep, a wait on a peer, even a spin) runs slower on a shared VM core than the same
-burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (README). So
+burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (docs/emulation.md). So
 a rank never stretches the compute it just measured; it first runs `reference_iters`
 iterations at full pace and records how long each compute interval of an iteration took (the
 k-th interval between communication points, the fastest of those iterations). From then on the
@@ -50,7 +50,7 @@ from bench.cost import collective_time_s, link_bytes
 DILATION_TOLERANCE = 0.05
 # A rank whose full-pace reference iterations waited at least this share of their compute is
 # probed for the pause penalty (Emulator.discount_reference); below it the probe's noise would
-# exceed the penalty (+3% after a pause of half a step, README).
+# exceed the penalty (+3% after a pause of half a step, docs/emulation.md).
 PAUSE_PROBE_MIN_SHARE = 0.25
 MAX_PAUSE_PENALTY = 1.5
 
@@ -206,7 +206,7 @@ class Emulator:
         for this rank's pause, just now).
 
         At full pace a rank with less work than its peers waits on them at every iteration, and
-        on this VM a burst that follows a pause computes slower (README: How emulation works).
+        on this VM a burst that follows a pause computes slower (docs/emulation.md).
         Its reference is then cold, and pacing against it emulated a slower device than the
         cluster declares: the slow device of a compute-proportional split referenced 6-30% above
         a plain step at its share, where ranks that did not wait came out within 5%. The probe's
@@ -260,8 +260,9 @@ class Emulator:
             # The reference is the interval's CPU time on this thread (where a CPU rank
             # computes: one intra-op thread, autograd on the caller): what the device itself
             # spent, not its share of a host crowded with more ranks than cores (local_hetero4:
-            # a wall-time reference came out up to 45% long, README), nor a wait on a peer inside
-            # the interval that the emulator does not see (DDP's buffer broadcast in forward).
+            # a wall-time reference came out up to 45% long, docs/emulation.md), nor a wait on
+            # a peer inside the interval that the emulator does not see (DDP's buffer broadcast
+            # in forward).
             thread, cpu_start = self._last_cpu
             cpu = time.thread_time() - cpu_start if thread == threading.get_ident() else measured
             self._iteration.append(min(cpu, measured))

@@ -185,7 +185,7 @@ def emulation_settings(cfg: DictConfig, num_ranks: int) -> EmulationSettings:
         raise ConfigError(f"emulation.realtime_comm={realtime!r} must be true or false; "
                           "e.g. emulation.realtime_comm=false")
     if realtime and num_ranks > host_cores():
-        # Two ranks' real-time gloo threads on one core held it for a second (README).
+        # Two ranks' real-time gloo threads on one core held it for a second (docs/emulation.md).
         raise ConfigError(f"emulation.realtime_comm=true needs a core per rank: {num_ranks} ranks on "
                           f"{host_cores()} cores; use emulation.realtime_comm=false")
     workers_first = node.get("gloo_workers_first", True)

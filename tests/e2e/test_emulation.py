@@ -58,7 +58,7 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     """End to end: tiny BERT trained by the real worker path (one spawned process) at speeds
     0.25, 0.4 and 0.5, each between two speed-1 runs, all paced against one reference
     (bench.dilation). Iteration time x speed over speed 1's must be 1. Band: 30 values on a quiet
-    2-core VM fell within 0.997-1.000 (README, "How emulation works"); the band is the 5% a row
+    2-core VM fell within 0.997-1.000 (docs/emulation.md, "How faithfully pacing dilates"); the band is the 5% a row
     is flagged at (DILATION_TOLERANCE), not the measured spread, so that a loaded CI machine
     (where the speed-1 rank may miss its target) does not fail it; 0.94-1.11 is what per-case
     references gave before.
