@@ -11,7 +11,8 @@ Figures: simulated iteration time of every sim-capable method on every model at 
 (deterministic: tight tolerance), the planner's search effort (deterministic) and wall time over a
 pure-Python yardstick timed in the same process right after, for as long (planner_time_rel, loose:
 how fast this machine runs Python today cancels; the raw seconds failed on a day this VM ran the
-same code 3x slower),
+same code 3x slower; a figure past its tolerance is planned twice more and regresses only if all
+three are past, planner_retries),
 and each real-capable method's measured iteration time on an emulated cluster divided by the
 cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
 timed by its own worker, summed over the summed speeds; bench.emulation.pooled_compute_s). What
@@ -158,6 +159,25 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
                 out[f"states_expanded:{key}"] = float(record.plan["states_expanded"])
                 out[f"planner_time_rel:{key}"] = record.planner_time_s / python_yardstick_s(record.planner_time_s)
     return out
+
+
+def planner_retries(baseline: dict[str, float], figures: dict[str, float], retries: int = 2) -> dict[str, list[float]]:
+    """For each planner_time_rel figure past its tolerance, the case planned `retries` more
+    times: its rounds, the first value and the retries' (compare then wants every one past, as
+    for a measured figure). One plan's time and its yardstick's each fill a window as short as
+    the plan (0.1 s for VGG19's sfb), and this host can take a window that short from the
+    process: one plain plan read 1.3 yardsticks where others read 16-20 (2026-11-29, a fresh
+    clone's suite). A planner that got slower is slower every time; such a moment is not."""
+    _, tol = TOLERANCE["planner_time_rel"]
+    rounds = {}
+    for figure, value in figures.items():
+        kind, _, case = figure.partition(":")
+        if kind != "planner_time_rel" or figure not in baseline or value <= baseline[figure] * (1 + tol):
+            continue
+        model, _, method = case.split("/")
+        again = [sim_figures([model], [method]).get(figure) for _ in range(retries)]
+        rounds[figure] = [value] + [v for v in again if v is not None]
+    return rounds
 
 
 def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
@@ -354,6 +374,7 @@ def main(argv: list[str]) -> int:
     expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
     if args.no_measured:
         expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_compute:")}
+    rounds = {**(rounds or {}), **planner_retries(expected, figures)}
     changes = compare(expected, figures, rounds)
     print(render(report_table(changes, base.get("git_sha"))))
     bad = [c for c in changes if c.regressed]

@@ -30,6 +30,7 @@ def test_no_throughput_regression_against_the_committed_baseline():
     figures = regress.sim_figures()
     rounds = regress.measured_rounds()
     figures.update(regress.medians(rounds))
+    rounds.update(regress.planner_retries(base["figures"], figures))
     changes = regress.compare(base["figures"], figures, rounds)
     bad = [c for c in changes if c.regressed]
     assert not bad, "throughput regression:\n" + _report(changes, base.get("git_sha"))
@@ -43,6 +44,29 @@ def test_the_check_flags_a_worse_plan_and_a_lost_case():
     assert verdict == {"sim_iter_time_s:a": True, "sim_iter_time_s:b": True,
                        "iter_over_compute:c": False, "iter_over_compute:d": True}
     assert "REGRESSION" in _report(regress.compare(base, new), "abc")
+
+
+def test_a_planner_figure_past_its_tolerance_is_planned_again_and_regresses_only_if_it_stays(monkeypatch):
+    base = {"planner_time_rel:vgg19/paper_hetero/sfb": 16.0, "planner_time_rel:vit/paper_hetero/hap": 50.0,
+            "planner_time_rel:bert/paper_hetero/hap": 50.0}
+    new = {"planner_time_rel:vgg19/paper_hetero/sfb": 70.0,  # a moment: the retries read as usual
+           "planner_time_rel:vit/paper_hetero/hap": 160.0,  # slower every time
+           "planner_time_rel:bert/paper_hetero/hap": 60.0}  # within tolerance: not planned again
+    again = {"vgg19": 17.0, "vit": 170.0}
+    planned = []
+
+    def sim_figures(models, methods):
+        planned.append((models[0], methods[0]))
+        return {f"planner_time_rel:{models[0]}/paper_hetero/{methods[0]}": again[models[0]]}
+
+    monkeypatch.setattr(regress, "sim_figures", sim_figures)
+    rounds = regress.planner_retries(base, new)
+    assert sorted(planned) == [("vgg19", "sfb")] * 2 + [("vit", "hap")] * 2
+    assert rounds == {"planner_time_rel:vgg19/paper_hetero/sfb": [70.0, 17.0, 17.0],
+                      "planner_time_rel:vit/paper_hetero/hap": [160.0, 170.0, 170.0]}
+    verdict = {c.figure.split("/")[0]: (c.regressed, c.past) for c in regress.compare(base, new, rounds)}
+    assert verdict == {"planner_time_rel:vgg19": (False, (1, 3)), "planner_time_rel:vit": (True, (3, 3)),
+                       "planner_time_rel:bert": (False, None)}
 
 
 def test_a_measured_figure_regresses_when_every_round_is_past_its_tolerance():
