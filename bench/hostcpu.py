@@ -127,9 +127,9 @@ def realtime_comm_threads() -> int | None:
     a core and computing small matmuls, completed a median 6.7-7.9 ms after its issue, in bunches
     4 ms apart, and 1.0-1.3 ms with the ranks asleep; with these threads at SCHED_FIFO, 0.56-0.62
     ms computing and 0.56-0.67 ms asleep (3 runs of 70 calls each; docs/emulation.md, Where the
-    links run over). But gloo's event loop spins at times, and at real-time priority nothing of normal
-    priority runs on its core until the kernel's real-time throttling (95% of each second by
-    default) lets it: with 4 ranks on 2 cores, calls took 1-2 s (bench.run refuses that)."""
+    links run over). But gloo's event loop spins at times, and at real-time priority nothing of
+    normal priority runs on its core until the kernel's real-time throttling (95% of each second
+    by default) lets it: with 4 ranks on 2 cores, calls took 1-2 s (bench.run refuses that)."""
     def fifo(tid: int) -> None:
         if os.sched_getscheduler(tid) != os.SCHED_FIFO:
             os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
