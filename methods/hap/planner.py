@@ -418,15 +418,8 @@ class HapPlanner:
         return best
 
     def setup(self, plan, model, ctx):
-        try:
-            from methods.hap.runtime import setup_trainer
-        except ModuleNotFoundError as exc:
-            if exc.name != "methods.hap.runtime":
-                raise
-            raise NotImplementedError(
-                f"method {self.name!r} plans and simulates only (mode=sim) in this build: "
-                "methods/hap/runtime.py (per-rank codegen, issue 4) is not there yet"
-            ) from None
+        from methods.hap.runtime import setup_trainer  # the workers' side: codegen, collectives
+
         return setup_trainer(self, plan, model, ctx)
 
 

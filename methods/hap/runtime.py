@@ -26,8 +26,10 @@ from methods.hap.codegen import (
     RankProgram,
     check_plan,
 )
+from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.hierarchy import Machines, unsplittable_share
 from bench.program import bucket_runs
+from bench.shares import round_shares
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -339,8 +341,6 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
     batch share in whole samples, split as codegen splits it, and every tensor's batch dim
     divides into whole samples inside each machine (compiles every rank's program on the meta
     device; each worker later compiles only its own)."""
-    from bench.shares import round_shares
-    from methods.hap.balance import batch_shares as vdev_shares
 
     per_machine = vdev_shares(graph.batch_size, plan.ratios[0])
     unsplit = unsplittable_share(graph.batch_size, per_machine, [len(r) for r in machines])
