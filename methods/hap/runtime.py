@@ -20,13 +20,13 @@ from bench.cluster import ClusterSpec
 from bench.interfaces import Plan, RankContext, Workload
 from bench.cost import virtual_devices
 from methods.capture import Graph, capture, capture_config
+from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.codegen import (
     CodegenOptions,
     PlanMismatchError,
     RankProgram,
     check_plan,
 )
-from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.hierarchy import Machines, unsplittable_share
 from bench.program import bucket_runs
 from bench.shares import round_shares
@@ -341,7 +341,6 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
     batch share in whole samples, split as codegen splits it, and every tensor's batch dim
     divides into whole samples inside each machine (compiles every rank's program on the meta
     device; each worker later compiles only its own)."""
-
     per_machine = vdev_shares(graph.batch_size, plan.ratios[0])
     unsplit = unsplittable_share(graph.batch_size, per_machine, [len(r) for r in machines])
     if unsplit:
