@@ -74,6 +74,10 @@ class Plan:
     details: dict = field(default_factory=dict)  # JSON-ready, recorded in the row
     program: Any = None  # a bench.program.Program: what the simulator scores
     ratios: list[list[float]] | None = None  # per segment, per virtual device; sums to 1
+    # [start, stop) of the global batch each rank loads, where ranks load the same samples (a
+    # pipeline's first stage its inputs, its last stage their targets); None: each rank loads
+    # its batch share, the shares one after another in rank order.
+    data_slices: list[tuple[int, int]] | None = None
 
 
 @dataclass

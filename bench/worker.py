@@ -281,7 +281,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
         case.seed,
     )
-    start, stop = offsets(case.plan.batch_shares)[rank]
+    start, stop = (case.plan.data_slices or offsets(case.plan.batch_shares))[rank]
     iter_times, losses, mems = [], [], []
     host = None
     if pre and refs:  # before its references, every rank at once: the host as this run meets it

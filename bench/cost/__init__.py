@@ -5,6 +5,7 @@
     price     the one price of an iteration (numbers for the simulator and the search,
               LP expressions for the load balancer)
     simulate  time per stage, memory and OOM of a program at given ratios
+    pipeline  the price of a pipeline's schedule (stages on their own devices, micro-batches)
 
 Callers import from here: `from bench.cost import simulate, virtual_devices, ...`.
 """
@@ -30,10 +31,12 @@ from bench.cost.price import (
     iteration_time,
     stage_time,
 )
+from bench.cost.pipeline import PipelineProgram, PipeStage
 from bench.cost.simulate import SimResult, simulate
 
 __all__ = [
-    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "SimResult", "VirtualDevice", "alike",
+    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "PipeStage", "PipelineProgram", "SimResult",
+    "VirtualDevice", "alike",
     "collective_cost", "collective_link", "collective_linear_cost", "collective_time",
     "collective_time_s", "compute_proportional_ratios", "device_classes", "even_ratios", "host_time",
     "iteration_time", "link_bytes", "memory_proportional_ratios", "simulate", "stage_time",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from bench.cluster import ClusterSpec
 from bench.cost.devices import GIB, virtual_devices
+from bench.cost.pipeline import PipelineProgram, simulate_pipeline
 from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
 from bench.program import Program, Ratios
 
@@ -37,7 +38,8 @@ class SimResult:
         }
 
 
-def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_reserve_gib: float = 0.0) -> SimResult:
+def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: Ratios | None,
+             memory_reserve_gib: float = 0.0) -> SimResult:
     """Predicted iteration time and memory of `program` on `cluster` with these ratios.
 
     Args:
@@ -48,8 +50,11 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
 
     The time is bench.cost.price.iteration_time at these ratios (its docstring says how
     stages and their overlap are timed); the per-step overhead measured for emulated devices
-    (bench.flops) and the method's own host work are added once, on the slowest device.
+    (bench.flops) and the method's own host work are added once, on the slowest device. A
+    pipeline (bench.cost.pipeline) has no ratios: its stages say what each rank computes.
     """
+    if isinstance(program, PipelineProgram):
+        return simulate_pipeline(program, cluster, memory_reserve_gib)
     vdevs = virtual_devices(cluster, program.granularity)
     if len(vdevs) != program.num_devices:
         raise ValueError(

@@ -51,7 +51,8 @@ PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planne
 
 # Sources whose content decides a plan: a change invalidates cached plans.
 _CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
-         "methods/hap/planner.py", "methods/hap/segments.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
+         "methods/hap/planner.py", "methods/hap/segments.py", "methods/common.py", "bench/program.py",
+         *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
 _ROOT = Path(__file__).resolve().parents[2]
 
 

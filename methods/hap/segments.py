@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.cluster import ConfigError
+from methods.common import POOLING_OPS, balanced_cuts, layer_groups  # noqa: F401  (re-exported)
 
 SEGMENTATIONS = ("layers", "flops", "metis")
-POOLING_OPS = ("max_pool2d", "avg_pool2d")
 
 
 class SegmentationError(ConfigError):
@@ -65,71 +65,6 @@ def flop_cuts(flops: Sequence[float], num_segments: int) -> list[int]:
     for f in flops:
         out.append(min(num_segments - 1, int(num_segments * (done + f / 2) / total)))
         done += f
-    return out
-
-
-def _stack(node) -> list[str]:
-    """Paths of the modules the op runs inside, outermost first (torch.fx's nn_module_stack)."""
-    return list(node.fx_node.meta.get("nn_module_stack") or {})
-
-
-def layer_groups(graph, order: Sequence[str]) -> list[int]:
-    """The layer group of each op in `order` (0, 1, ... non-decreasing; module docstring).
-
-    A block is an indexed child module (`blocks.3`, the last part of its path a number) inside
-    which another module runs: a transformer block, not a single conv or linear layer of a
-    Sequential (`features.3`). An op's key is the outermost block it runs inside; an op outside
-    blocks between two blocks (a residual add written in the model's forward) belongs to the
-    block before it. A new group starts where the key changes and after every pooling op."""
-    paths = {p for name in order for p in _stack(graph[name])}
-    parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
-    parents |= {q for p in parents for q in _prefixes(p)}
-    blocks = {p for p in parents if p.rsplit(".", 1)[-1].isdigit()}
-    keys = [next((p for p in _stack(graph[name]) if p in blocks), None) for name in order]
-    last = max((i for i, k in enumerate(keys) if k is not None), default=-1)
-    for i in range(1, last):
-        if keys[i] is None:
-            keys[i] = keys[i - 1]
-    out, group = [], 0
-    prev_key, after_pool = None, False
-    for i, (name, key) in enumerate(zip(order, keys)):
-        node = graph[name]
-        if i and (after_pool or key != prev_key):
-            group += 1
-        out.append(group)
-        prev_key, after_pool = key, node.op in POOLING_OPS
-    return out
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def balanced_cuts(weights: Sequence[float], num_segments: int) -> list[int]:
-    """Segment of each item when `weights` (in order) are cut into `num_segments` non-empty
-    contiguous runs with the least sum of squared run weights (dynamic programming)."""
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][j]: the least cost of the first j items in k runs; cut[k][j]: where run k starts.
-    best = [[inf] * (n + 1) for _ in range(num_segments + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_segments + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_segments + 1):
-        for j in range(k, n - (num_segments - k) + 1):
-            for i in range(k - 1, j):
-                c = best[k - 1][i] + (prefix[j] - prefix[i]) ** 2
-                if c < best[k][j]:
-                    best[k][j], cut[k][j] = c, i
-    out = [0] * n
-    j = n
-    for k in range(num_segments, 0, -1):
-        i = cut[k][j]
-        out[i:j] = [k - 1] * (j - i)
-        j = i
     return out
 
 

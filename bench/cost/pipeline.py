@@ -1,0 +1,335 @@
+"""The price of a pipeline: stages on their own devices, micro-batches in a schedule's order.
+
+A PipelineProgram is not SPMD like a Program: each stage runs its own layers on its own ranks,
+in the order its schedule calls them. `actions` are those calls, one list per stage, as the
+runtime's schedule makes them (methods.pipeline traces torch.distributed.pipelining's
+schedule with a stand-in stage): a micro-batch's forward or backward, a transfer posted
+(send or receive of an activation or of its gradient), a wait on posted transfers. The
+simulator replays them rank by rank, as the ranks would run them:
+
+  - a forward or backward takes its stage's compute at one micro-batch, priced by
+    bench.cost.price.device_compute (the same price as a Program's stage: FLOPs over the
+    device's rate, or a profile's kernels and rates). On an emulated CPU worker a stage's FLOPs
+    are those its layer groups took on this host, at the micro-batch, in FLOPs at the host's
+    rate (methods.pipeline's profile), so they follow the host's speed as the run measures it;
+    without such a profile a micro-batch also pays its kernels' share of the per-step part of a
+    plain step (`model_launches`);
+  - a send occupies the sender's link from when it is posted (or the link frees) for the
+    alpha-beta time of the link the two ranks span (bench.cost.links), never less than the
+    host transport's floor for a point-to-point transfer; a receive completes when that
+    transfer has arrived; a wait ends when all it waits on have;
+  - stages replicated over several pipelines (data parallel across pipelines) all-reduce
+    their gradients among the replicas in DDP's buckets during the last backward, each bucket
+    once backward has made it and the previous one is done; the last backward ends when the
+    last bucket has;
+  - then each rank's optimizer step: Adam's per-byte cost over the stage's parameters on an
+    emulated worker, a profile's optimizer time on a GPU, and the method's own host work.
+
+The iteration lasts until the last rank is done. Memory is per rank: its stage's parameters,
+gradients and Adam state, DDP's bucket copies, the receive buffers of every micro-batch, and the
+activations of the micro-batches in flight at once (Memory.activations, priced by the planner).
+It runs no model and touches no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.cluster import ClusterSpec
+from bench.cost.devices import GIB, VirtualDevice, virtual_devices
+from bench.cost.links import collective_time_s
+from bench.cost.price import FloatAlgebra, device_compute
+from bench.program import Affine, Memory, Stage
+
+SCHEDULES = ("1f1b", "gpipe")
+# The kinds of action a stage's list holds (PipelineProgram.actions):
+#   ("F", mb) / ("B", mb): forward / backward of micro-batch mb
+#   ("send", id, what, mb) / ("recv", id, what, mb): a transfer posted; what is "act" (the
+#       forward's output, to the next stage) or "grad" (the input's gradient, to the one before)
+#   ("wait", (id, ...)): wait until those transfers are done
+ACTIONS = ("F", "B", "send", "recv", "wait")
+
+
+@dataclass(frozen=True)
+class PipeStage:
+    """One stage of a pipeline, per micro-batch, as the cost model prices it."""
+
+    groups: tuple[int, int]  # [first, end) layer groups of the model
+    ranks: tuple[int, ...]  # its rank in each pipeline (replicas of the stage)
+    forward: tuple[Stage, ...]  # one micro-batch's forward compute (a Stage per op class)
+    backward: tuple[Stage, ...]
+    launches: tuple[float, float]  # kernels of one micro-batch's forward, backward
+    send_bytes: float  # activations it sends the next stage per micro-batch (its gradient comes back)
+    param_bytes: float
+    memory: Memory  # per rank, at the peak (constants: a stage's ranks are not sharded)
+    # DDP's gradient buckets among the replicas: (bytes, share of the backward done when it is
+    # made), in the order backward makes them; empty with one pipeline
+    grad_buckets: tuple[tuple[float, float], ...] = ()
+    # Adam's step over its parameters, in FLOPs at the host's rate, where measured (emulated
+    # workers: methods.pipeline's layer-group profile); 0: Adam's per-byte cost (or a profile's)
+    optimizer_flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineProgram:
+    """One training iteration of `num_pipelines` pipelines of len(stages) stages each."""
+
+    stages: tuple[PipeStage, ...]
+    actions: tuple[tuple[tuple, ...], ...]  # per stage (ACTIONS)
+    num_micro_batches: int
+    micro_batch: int  # samples per micro-batch
+    num_pipelines: int
+    num_devices: int
+    schedule: str = "1f1b"
+    model_launches: float = 0.0  # kernels of one forward and backward of the whole model
+    batch: int = 0
+    meta: dict = field(default_factory=dict, compare=False)
+    host_work_flops: float = 0.0  # the method's own host work per iteration (bench.program.Program)
+    granularity: str = "gpu"  # every device is a rank of its own
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is unknown; known: {', '.join(SCHEDULES)}")
+        if len(self.actions) != len(self.stages):
+            raise ValueError(f"{len(self.actions)} action lists for {len(self.stages)} stages")
+        ranks = [r for st in self.stages for r in st.ranks]
+        if sorted(ranks) != list(range(self.num_devices)):
+            raise ValueError(f"the stages' ranks {ranks} are not each of the {self.num_devices} devices once")
+        if any(len(st.ranks) != self.num_pipelines for st in self.stages):
+            raise ValueError(f"every stage needs a rank in each of the {self.num_pipelines} pipelines")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_json(self) -> dict:
+        return {
+            "kind": "pipeline", "schedule": self.schedule, "num_micro_batches": self.num_micro_batches,
+            "micro_batch": self.micro_batch, "num_pipelines": self.num_pipelines,
+            "stages": [{"groups": list(st.groups), "ranks": list(st.ranks), "send_bytes": st.send_bytes,
+                        "param_bytes": st.param_bytes} for st in self.stages],
+        }
+
+
+@dataclass
+class RankTimeline:
+    """What one rank did in a simulated iteration (seconds from its start)."""
+
+    compute_s: float = 0.0  # its forwards and backwards
+    end_s: float = 0.0  # its last action, the gradient all-reduce included
+    optimizer_s: float = 0.0  # the per-step part after it (optimizer, host work)
+    sync_s: float = 0.0  # gradient all-reduce among replicas past the end of its backward
+
+
+def in_flight(actions: tuple[tuple, ...]) -> int:
+    """The most micro-batches a stage holds the activations of at once in its action list
+    (forwards done whose backward is not): 1F1B's stage s of S holds S - s, GPipe all."""
+    most = held = 0
+    for a in actions:
+        held += 1 if a[0] == "F" else -1 if a[0] == "B" else 0
+        most = max(most, held)
+    return most
+
+
+def stage_memory(*, param_bytes: float, largest_param_bytes: float, saved_bytes: float, sent_bytes: float,
+                 received_bytes: float, grads_in_flight_bytes: float, in_flight: int, num_micro_batches: int,
+                 replicated: bool) -> Memory:
+    """What one rank of a stage holds at its peak (bench.program.Memory, constants), from its
+    layers' bytes per micro-batch:
+
+    - its parameters, their gradients (accumulated over the micro-batches), Adam's two moments,
+      and with replicas DDP's bucket copy of the gradients;
+    - per micro-batch in flight: what autograd keeps of its layers (`saved_bytes`) and its
+      output (`sent_bytes`), which the stage keeps to run backward from;
+    - a receive buffer per micro-batch of the iteration for its input (`received_bytes`, not on
+      the first stage) and for its output's gradient (`sent_bytes`, not on the last), which
+      torch.distributed.pipelining allocates once for every micro-batch;
+    - during a backward: the activation gradients it holds at once and its input's gradient,
+      kept until sent."""
+    activations = (in_flight * (saved_bytes + sent_bytes) + num_micro_batches * (received_bytes + sent_bytes)
+                   + grads_in_flight_bytes + received_bytes)
+    return Memory(params=Affine(param_bytes), grads=Affine(param_bytes), optimizer=Affine(2.0 * param_bytes),
+                  activations=Affine(activations), buckets=Affine(param_bytes if replicated else 0.0),
+                  largest_param=Affine(largest_param_bytes))
+
+
+def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float:
+    """Seconds of one point-to-point transfer of `nbytes` from rank `src` to `dst`: the
+    alpha-beta time of the link they span (a broadcast between two ranks: the bytes cross it
+    once), never less than the host transport's floor for one (emulated CPU clusters; zero
+    elsewhere). The emulated link paces the runtime's sends by the same time (bench.p2p)."""
+    link = cluster.link_between([src, dst])
+    return max(collective_time_s("broadcast", nbytes, 2, link), cluster.floor_s("p2p"))
+
+
+def action_times(program: PipelineProgram, cluster: ClusterSpec,
+                 vdevs: list[VirtualDevice] | None = None) -> list[list[tuple[float, float]]]:
+    """Per stage and pipeline, (forward, backward) seconds of one micro-batch on its rank."""
+    vdevs = vdevs or virtual_devices(cluster, "gpu")
+    alg = FloatAlgebra([[1.0 / len(vdevs)] * len(vdevs)])
+    out = []
+    for st in program.stages:
+        row = []
+        for r in st.ranks:
+            v, dev = vdevs[r], cluster.devices[r]
+            # The per-step part of a plain step, spread over the model's kernels (emulated workers).
+            per_kernel = dev.step_overhead_s / program.model_launches if program.model_launches else 0.0
+            fwd = sum(device_compute(s, cluster, v, alg) for s in st.forward) + per_kernel * st.launches[0]
+            bwd = sum(device_compute(s, cluster, v, alg) for s in st.backward) + per_kernel * st.launches[1]
+            row.append((float(fwd), float(bwd)))
+        out.append(row)
+    return out
+
+
+def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
+           times: list[tuple[float, float]]) -> list[RankTimeline]:
+    """Run one pipeline's action lists (module docstring) and return each stage's timeline.
+
+    `times`: per stage, (forward, backward) seconds of one micro-batch."""
+    stages = program.stages
+    n = len(stages)
+    ranks = [st.ranks[pipeline] for st in stages]
+    clock = [0.0] * n
+    pc = [0] * n
+    link_free = [0.0] * n  # each rank's sending link
+    arrived: dict[tuple[str, int, int], float] = {}  # (what, mb, receiving stage) -> when it arrived
+    posted: list[dict[int, tuple]] = [{} for _ in range(n)]  # id -> ("done", t) or ("recv", key)
+    compute = [0.0] * n
+    last_b = [max((i for i, a in enumerate(acts) if a[0] == "B"), default=-1) for acts in program.actions]
+    sync = [0.0] * n
+    while True:
+        moved = False
+        for s in range(n):
+            acts = program.actions[s]
+            while pc[s] < len(acts):
+                a = acts[pc[s]]
+                kind = a[0]
+                if kind in ("F", "B"):
+                    d = times[s][0 if kind == "F" else 1]
+                    start = clock[s]
+                    clock[s] += d
+                    compute[s] += d
+                    if kind == "B" and pc[s] == last_b[s] and stages[s].grad_buckets:
+                        done = grad_sync_end(stages[s], cluster, start, d)
+                        sync[s] = max(0.0, done - clock[s])
+                        clock[s] = max(clock[s], done)
+                elif kind == "send":
+                    _, ident, what, mb = a
+                    to = s + 1 if what == "act" else s - 1
+                    begin = max(clock[s], link_free[s])
+                    done = begin + transfer_s(stages[s].send_bytes if what == "act" else stages[to].send_bytes,
+                                              cluster, ranks[s], ranks[to])
+                    link_free[s] = done
+                    arrived[(what, mb, to)] = done
+                    posted[s][ident] = ("done", done)
+                elif kind == "recv":
+                    _, ident, what, mb = a
+                    posted[s][ident] = ("recv", (what, mb, s))
+                elif kind == "wait":
+                    ends = []
+                    for ident in a[1]:
+                        state, value = posted[s][ident]
+                        if state == "recv":
+                            if value not in arrived:
+                                break
+                            ends.append(arrived[value])
+                        else:
+                            ends.append(value)
+                    else:
+                        clock[s] = max([clock[s], *ends])
+                        pc[s] += 1
+                        moved = True
+                        continue
+                    break  # a transfer it waits on was not sent yet
+                else:
+                    raise ValueError(f"stage {s}: unknown action {a!r}")
+                pc[s] += 1
+                moved = True
+        if all(pc[s] == len(program.actions[s]) for s in range(n)):
+            break
+        if not moved:
+            stuck = {s: program.actions[s][pc[s]] for s in range(n) if pc[s] < len(program.actions[s])}
+            raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
+    return [RankTimeline(compute_s=compute[s], end_s=clock[s], sync_s=sync[s]) for s in range(n)]
+
+
+def grad_sync_end(stage: PipeStage, cluster: ClusterSpec, start: float, duration: float) -> float:
+    """When the last of a stage's DDP buckets is all-reduced among its replicas, the last
+    backward having started at `start` and computing for `duration`: a bucket starts once
+    backward has made it and the one before is done."""
+    link = cluster.link_between(list(stage.ranks))
+    free = start
+    for nbytes, share in stage.grad_buckets:
+        begin = max(start + share * duration, free)
+        free = begin + max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link),
+                           cluster.floor_s("all_reduce"))
+    return max(free, start + duration)
+
+
+def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float) -> float:
+    """A rank's per-step part after its last action: Adam's step over its stage's parameters
+    (emulated workers: as measured, else Adam's per-byte cost), a profile's optimizer step
+    (GPUs), the method's host work."""
+    dev = cluster.devices[rank]
+    t = (stage.optimizer_flops / dev.effective_flops if stage.optimizer_flops
+         else dev.optimizer_s_per_byte * stage.param_bytes)
+    if v.compute is not None and v.compute.optimizer is not None:
+        fixed, rate = v.compute.optimizer
+        t += fixed + stage.param_bytes / rate
+    if host_work_flops:
+        t += host_work_flops / dev.effective_flops
+    return t
+
+
+def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0):
+    """Predicted iteration time and per-rank memory of a pipeline (bench.cost.SimResult)."""
+    from bench.cost.simulate import SimResult
+
+    vdevs = virtual_devices(cluster, "gpu")
+    if len(vdevs) != program.num_devices:
+        raise ValueError(f"the pipeline is for {program.num_devices} devices, but cluster {cluster.name!r} has "
+                         f"{len(vdevs)}; plan for this cluster")
+    times = action_times(program, cluster, vdevs)
+    per_rank: dict[int, RankTimeline] = {}
+    seen: dict[tuple, list[RankTimeline]] = {}
+    for p in range(program.num_pipelines):
+        key = tuple(times[s][p] for s in range(program.num_stages))  # pipelines alike price alike
+        if key not in seen:
+            seen[key] = replay(program, cluster, p, [times[s][p] for s in range(program.num_stages)])
+        for s, line in enumerate(seen[key]):
+            r = program.stages[s].ranks[p]
+            per_rank[r] = RankTimeline(line.compute_s, line.end_s,
+                                       optimizer_s(program.stages[s], cluster, r, vdevs[r], program.host_work_flops),
+                                       line.sync_s)
+    iter_time = max(t.end_s + t.optimizer_s for t in per_rank.values())
+    busiest = max(per_rank.values(), key=lambda t: t.compute_s + t.optimizer_s)
+    stage_times = []
+    for s, st in enumerate(program.stages):
+        r = st.ranks[0]
+        send = transfer_s(st.send_bytes, cluster, r, program.stages[s + 1].ranks[0]) if s + 1 < program.num_stages else 0.0
+        stage_times.append((send * program.num_micro_batches, per_rank[r].compute_s))
+    memory, peaks, oom_devices = [], [], []
+    foreach = cluster.device == "cuda"
+    stage_of = {r: st for st in program.stages for r in st.ranks}
+    for v in vdevs:
+        mem = stage_of[v.index].memory
+        parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
+        peak = max(max(held.const + acts.const for held, acts in mem.backward_points()),
+                   mem.optimizer_step(foreach=foreach).const) / GIB
+        if v.compute is not None:
+            peak += v.compute.workspace_bytes / GIB
+        memory.append(parts)
+        peaks.append(peak)
+        if peak > v.memory_bytes / GIB - memory_reserve_gib:
+            oom_devices.append(v.index)
+    return SimResult(
+        iter_time_s=iter_time,
+        stage_times=stage_times,
+        comm_time_s=sum(c for c, _ in stage_times),
+        compute_time_s=busiest.compute_s,
+        per_step_s=busiest.optimizer_s,
+        memory_gib=memory,
+        peak_mem_gib=peaks,
+        oom=bool(oom_devices),
+        oom_devices=oom_devices,
+    )

@@ -1,0 +1,360 @@
+"""Helpers shared by the methods: layer groups of a traced model and what each group costs.
+
+A layer group is the unit at which methods cut a model: hap's ratio rows (segmentation
+`layers`), the stages of the pipeline and FSDP's `fully_shard` units all cut at group borders.
+This module reads the planner's traced graph (methods.capture); it decides no parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bench.program import op_class
+
+POOLING_OPS = ("max_pool2d", "avg_pool2d")
+
+
+def _stack(node) -> list[str]:
+    """Paths of the modules the op runs inside, outermost first (torch.fx's nn_module_stack)."""
+    return list(node.fx_node.meta.get("nn_module_stack") or {})
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def layer_groups(graph, order: Sequence[str]) -> list[int]:
+    """The layer group of each op in `order` (0, 1, ... non-decreasing).
+
+    A block is an indexed child module (`blocks.3`, the last part of its path a number) inside
+    which another module runs: a transformer block, not a single conv or linear layer of a
+    Sequential (`features.3`). An op's key is the outermost block it runs inside; an op outside
+    blocks between two blocks (a residual add written in the model's forward) belongs to the
+    block before it. A new group starts where the key changes and after every pooling op
+    (`max_pool2d`, `avg_pool2d`: VGG19's five conv stages); the ops before the first block
+    (embeddings) and after the last one (final norm, head, loss) are groups of their own."""
+    paths = {p for name in order for p in _stack(graph[name])}
+    parents = {p.rsplit(".", 1)[0] for p in paths if "." in p}
+    parents |= {q for p in parents for q in _prefixes(p)}
+    blocks = {p for p in parents if p.rsplit(".", 1)[-1].isdigit()}
+    keys = [next((p for p in _stack(graph[name]) if p in blocks), None) for name in order]
+    last = max((i for i, k in enumerate(keys) if k is not None), default=-1)
+    for i in range(1, last):
+        if keys[i] is None:
+            keys[i] = keys[i - 1]
+    out, group = [], 0
+    prev_key, after_pool = None, False
+    for i, (name, key) in enumerate(zip(order, keys)):
+        node = graph[name]
+        if i and (after_pool or key != prev_key):
+            group += 1
+        out.append(group)
+        prev_key, after_pool = key, node.op in POOLING_OPS
+    return out
+
+
+def balanced_cuts(weights: Sequence[float], num_segments: int) -> list[int]:
+    """Segment of each item when `weights` (in order) are cut into `num_segments` non-empty
+    contiguous runs with the least sum of squared run weights (dynamic programming)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][j]: the least cost of the first j items in k runs; cut[k][j]: where run k starts.
+    best = [[inf] * (n + 1) for _ in range(num_segments + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_segments + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_segments + 1):
+        for j in range(k, n - (num_segments - k) + 1):
+            for i in range(k - 1, j):
+                c = best[k - 1][i] + (prefix[j] - prefix[i]) ** 2
+                if c < best[k][j]:
+                    best[k][j], cut[k][j] = c, i
+    out = [0] * n
+    j = n
+    for k in range(num_segments, 0, -1):
+        i = cut[k][j]
+        out[i:j] = [k - 1] * (j - i)
+        j = i
+    return out
+
+
+@dataclass
+class GroupCost:
+    """What one layer group costs, per sample of the batch unless the name says otherwise.
+
+    FLOPs by op class (bench.program.OP_CLASSES), as the planner counts them: backward = each
+    op's forward times its backward factor. Launches count kernels as the cost model does: one
+    per computing op in forward; in backward two for an op that reads a parameter, one otherwise.
+    """
+
+    index: int
+    forward_flops: dict[str, float] = field(default_factory=dict)
+    backward_flops: dict[str, float] = field(default_factory=dict)
+    forward_launches: dict[str, int] = field(default_factory=dict)
+    backward_launches: dict[str, int] = field(default_factory=dict)
+    param_bytes: float = 0.0  # whole, not per sample
+    param_tensors: int = 0
+    largest_param_bytes: float = 0.0
+    params: list[str] = field(default_factory=list)  # parameter names (module paths), forward order
+    saved_bytes: float = 0.0  # what autograd keeps for backward of the group's ops
+    out_bytes: float = 0.0  # what crosses the border after this group (to every later group)
+    grads_in_flight_bytes: float = 0.0  # the most activation gradients its backward holds at once
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(self.forward_flops.values())
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(self.backward_flops.values())
+
+    @property
+    def launches(self) -> int:
+        """Kernels of one forward and backward of the group."""
+        return sum(self.forward_launches.values()) + sum(self.backward_launches.values())
+
+
+@dataclass
+class GroupTable:
+    """A traced model cut into layer groups: which group each node is in, and each group's cost.
+
+    `targets` are the placeholders of the loss's targets (the model's last input); `tail` the
+    nodes that read them (the loss and what prepares the targets): a pipeline computes those
+    as its loss function on the last stage, so they count in the last group and never cross a
+    border."""
+
+    groups: list[GroupCost]
+    node_group: dict[str, int]  # every call_function/call_method node -> its group
+    tail: list[str]
+    targets: list[str]
+    batch: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def border_bytes(self, first: int, end: int) -> float:
+        """Per sample, what stage [first, end) receives from the groups before it."""
+        return 0.0 if first == 0 else self.groups[first - 1].out_bytes
+
+    def span(self, first: int, end: int) -> list[GroupCost]:
+        return self.groups[first:end]
+
+
+def group_table(graph) -> GroupTable:
+    """The layer groups of a captured graph (methods.capture.Graph) with their costs.
+
+    Parameters (get_attr) and model inputs belong to the group of their first user; a tensor
+    crossing a border is counted at every border it crosses (a pipeline passes it stage by
+    stage)."""
+    nodes = graph.nodes
+    batch = max(graph.batch_size, 1)
+    placeholders = [n.name for n in nodes if n.kind == "placeholder"]
+    targets = placeholders[-1:] if len(placeholders) > 1 else []
+    tail: set[str] = set()
+    for n in nodes:  # what reads the targets, directly or through other such nodes
+        if n.kind in ("call_function", "call_method") and any(i in targets or i in tail for i in _all_inputs(n)):
+            tail.add(n.name)
+    compute = [n.name for n in nodes if n.kind in ("call_function", "call_method")]
+    body = [name for name in compute if name not in tail]
+    groups_of = dict(zip(body, layer_groups(graph, body))) if body else {}
+    last = max(groups_of.values(), default=0)
+    node_group = {**groups_of, **{name: last for name in compute if name in tail}}
+    table = [GroupCost(g) for g in range(last + 1)]
+    users = graph.users
+    first_user_group: dict[str, int] = {}
+    for n in nodes:
+        if n.kind in ("get_attr", "placeholder"):
+            groups = [node_group[u] for u in users.get(n.name, []) if u in node_group]
+            first_user_group[n.name] = min(groups, default=0)
+    for n in nodes:
+        if n.name not in node_group:
+            continue
+        g = table[node_group[n.name]]
+        if n.flops:
+            cls = op_class(n.op)
+            g.forward_flops[cls] = g.forward_flops.get(cls, 0.0) + n.flops / batch
+            g.backward_flops[cls] = g.backward_flops.get(cls, 0.0) + n.flops * n.backward_factor / batch
+            g.forward_launches[cls] = g.forward_launches.get(cls, 0) + 1
+            g.backward_launches[cls] = (g.backward_launches.get(cls, 0)
+                                        + (2 if any(graph[i].is_param for i in n.inputs) else 1))
+    for n in nodes:
+        if n.is_param:
+            g = table[first_user_group.get(n.name, 0)]
+            g.param_bytes += n.nbytes
+            g.param_tensors += 1
+            g.largest_param_bytes = max(g.largest_param_bytes, float(n.nbytes))
+            g.params.append(str(n.fx_node.target))
+    for t, (factor, keeper) in graph.kept_until().items():
+        if keeper in node_group:
+            table[node_group[keeper]].saved_bytes += graph[t].nbytes * factor / batch
+    # Borders: a value made in group <= b (or an input) and read after it crosses border b.
+    for n in nodes:
+        if n.kind == "get_attr" or n.name in targets or n.name in tail or not n.is_tensor:
+            continue
+        made = node_group.get(n.name, 0 if n.kind == "placeholder" else None)
+        if made is None:
+            continue
+        readers = [node_group[u] for u in users.get(n.name, []) if u in node_group and u not in tail]
+        readers += [last for u in users.get(n.name, []) if u in tail]
+        for b in range(made, max(readers, default=made)):
+            table[b].out_bytes += n.nbytes / batch
+    for t, a, b in graph.grads_in_flight():
+        if a in node_group:
+            g = table[node_group[a]]
+            g.grads_in_flight_bytes = max(g.grads_in_flight_bytes, graph[t].nbytes / batch)
+    return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch)
+
+
+def _all_inputs(node) -> list[str]:
+    return list(node.inputs) + list(getattr(node, "shape_inputs", []))
+
+
+# -- what a method's own machinery adds to a step on an emulated CPU worker -----------------------
+WORK_PROBE_VERSION = 1
+WORK_PROBE_TIMEOUT_S = 300
+
+
+def method_work(method, plan, workload, cluster, key_parts: list, seed: int = 0, repeats: int | None = None):
+    """What a method adds to a training step on an emulated CPU worker beside the model's own
+    work: {"plain_s": [...], "method_s": [...]} per rank, the seconds a rank computes in a plain
+    step of the model at its batch share (forward, backward, Adam) and in the method's own step
+    (setup()'s trainer: its hooks, copies, wrappers), interleaved, each timed as a run times it:
+    the method's step under the run's emulator in its reference phase (per interval between
+    communication points, the fastest thread CPU time; communication not counted), the plain
+    step as the run's yardstick does (bench.flops.yardstick: the fastest thread CPU time). The
+    ranks are child processes, one per device and core, in a gloo world of their own.
+
+    Measured once per host, workload, plan and `key_parts` (the method's settings), then read
+    from a cache beside the host speeds (bench.flops.host_cache_file). None, with a warning,
+    where it cannot be measured: the plan then prices the model's work only."""
+    import hashlib
+    import json
+    import logging
+    import multiprocessing as mp
+    import tempfile
+
+    from bench.emulation import EmulationSettings
+    from bench.flops import host_cache_file, host_key, read_cache, write_cache
+
+    repeats = repeats or EmulationSettings.reference_iters
+    n = cluster.num_devices
+    path = host_cache_file().with_name("method_work.json")
+    body = [host_key(workload, max(plan.batch_shares), seed), n, plan.method, list(plan.batch_shares),
+            key_parts, repeats, WORK_PROBE_VERSION]
+    key = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cached = read_cache(path).get(key)
+    if cached:
+        return {"plain_s": cached["plain_s"], "method_s": cached["method_s"]}
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="hetbench-work-probe-") as folder:
+        pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+        procs = [ctx.Process(target=_work_probe, daemon=True,
+                             args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        for _, send in pipes:
+            send.close()
+        answers = _gather({receive: r for r, (receive, _) in enumerate(pipes)}, WORK_PROBE_TIMEOUT_S)
+        errors = [a["error"] for a in answers.values() if "error" in a]
+        if not errors and len(answers) < n:
+            errors.append(f"no answer from every rank within {WORK_PROBE_TIMEOUT_S} s")
+        for p in procs:
+            p.join(0 if errors else 10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        logging.getLogger(__name__).warning("%s's own work was not measured (%s); its plan prices the model's work "
+                                            "and collectives only", plan.method, errors[0])
+        return None
+    out = {k: [answers[r][k] for r in range(n)] for k in ("plain_s", "method_s")}
+    write_cache(path, key, {**out, "workload": workload.name, "method": plan.method, "devices": n})
+    return out
+
+
+def host_work_flops(work: dict, workload, shares: Sequence[int], cluster) -> float:
+    """A method's own work (method_work) as a Program's host work: per rank, the share its step
+    adds to the plain step, times the plain step the cost model prices at that rank's batch
+    (per-sample FLOPs plus the per-step part), in FLOPs at the host's rate; the median over the
+    ranks. So it follows the host's speed (a run's own yardstick) and each device's."""
+    import statistics
+
+    added = [max(m / p - 1.0, 0.0) * (workload.flops_per_sample * b + cluster.host_step_overhead_s * cluster.host_flops)
+             for m, p, b in zip(work["method_s"], work["plain_s"], shares) if p > 0]
+    return statistics.median(added) if added else 0.0
+
+
+def _gather(pending: dict, timeout_s: float) -> dict:
+    """Each probe rank's answer by rank, as they come, until all have answered, one has failed
+    (its peers may be blocked in a collective) or `timeout_s` has passed."""
+    import multiprocessing.connection as mp_connection
+    import time
+
+    deadline, answers = time.monotonic() + timeout_s, {}
+    while pending and not any("error" in a for a in answers.values()):
+        ready = mp_connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                answers[rank] = conn.recv()
+            except EOFError:
+                answers[rank] = {"error": f"probe rank {rank} exited without an answer"}
+    return answers
+
+
+def _work_probe(rank: int, world_size: int, store: str, method, plan, workload, cluster, seed: int, repeats: int,
+                conn) -> None:
+    """One rank of method_work (its docstring)."""
+    import os
+    import time
+    import warnings
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from bench import hostcpu
+        from bench.emulation import ArrivalBoard, EmulationSettings, Emulator
+        from bench.interfaces import RankContext
+
+        hostcpu.configure_process(one_thread=True)
+        hostcpu.pin_to_core(rank)  # as the workers are
+        # The emulator's arrival board goes in the probe's folder, removed with it: the probe
+        # ends in os._exit, which runs no exit handler.
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="",
+                          **{ArrivalBoard.ENV: os.path.join(os.path.dirname(store), "arrivals")})
+        dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        share = max(plan.batch_shares[rank], 1)
+        data = workload.model_cfg.synthetic_batch(share, torch.Generator().manual_seed(seed))
+        model = workload.build(seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+        emulator = Emulator(cluster, rank, enabled=True, settings=EmulationSettings(reference_iters=repeats))
+        emulator.install()
+        ctx = RankContext(rank, world_size, torch.device("cpu"), cluster, workload, emulator)
+        with emulator.paused():
+            trainer = method.setup(plan, workload.build(seed), ctx)
+        plain = []
+        for i in range(EmulationSettings.SKIPPED + repeats):
+            start = time.thread_time()
+            optimizer.zero_grad(set_to_none=True)
+            model(*data).backward()
+            optimizer.step()
+            plain.append(time.thread_time() - start)
+            emulator.begin_iteration(i)
+            trainer.step(data)
+        emulator.begin_iteration(EmulationSettings.SKIPPED + repeats)  # sets the reference
+        conn.send({"plain_s": min(plain[EmulationSettings.SKIPPED:]),
+                   "method_s": emulator.report()["reference_s_per_iter"]})
+    except Exception as exc:  # reported to the parent, which plans without it
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+        os._exit(0)

@@ -1,0 +1,292 @@
+"""Fully sharded data parallelism with PyTorch's FSDP2 (`fully_shard`), one unit per layer group.
+
+fsdp splits the global batch evenly, fsdp_cp in proportion to each device's effective FLOP/s
+(as dp_ev and dp_cp do). Each layer group (methods.common: embeddings, blocks, conv stages,
+head) is one `fully_shard` unit: the modules that hold its parameters and nothing else; what is
+left (parameters of the model itself, modules read by several groups) is the root's unit.
+A unit's parameters are sharded over all ranks (dim 0, padded to equal shards), all-gathered
+before its forward and again before its backward, and its gradients reduce-scattered after
+its backward; the root's are gathered once and kept until backward ends. Adam updates each
+rank's shards.
+
+The Program the simulator prices is that sequence: on the CPU (gloo) FSDP2's collectives are
+synchronous, each before the compute that needs it; on GPUs it prefetches the next unit's
+all-gather and reduce-scatters beside the next backward, which the Program prices as overlap.
+It does not offload to the CPU, mix precisions or shard hybrid (inside a machine only).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from bench.cluster import ClusterSpec, ConfigError
+from bench.interfaces import Plan, RankContext, Workload
+from bench.program import Affine, Collective, Memory, Program, Stage, backward_sweep
+from bench.shares import round_shares
+from methods.capture import Graph, capture_config
+from methods.common import GroupTable, group_table, host_work_flops, method_work
+
+SPLITS = ("even", "compute")
+
+
+def fsdp_units(table: GroupTable, param_names: list[str]) -> tuple[list[tuple[int, list[str]]], list[str]]:
+    """(units, root's parameters): per layer group that has parameters, the group and the
+    modules that cover exactly its parameters (the largest module all of whose parameters are
+    the group's), in forward order; the parameters no such module covers stay with the root
+    (the model's own, and those of a module read by several groups)."""
+    owner_group = {p: g.index for g in table.groups for p in g.params}
+    covered: set[str] = set()
+    units = []
+    for g in table.groups:
+        mods: list[str] = []
+        for p in g.params:
+            if "." not in p:
+                continue  # the model's own parameter: the root's
+            path = p.rsplit(".", 1)[0]
+            best = None
+            parts = path.split(".")
+            for i in range(1, len(parts) + 1):  # the outermost module whose parameters are all this group's
+                prefix = ".".join(parts[:i])
+                inside = [q for q in param_names if q.startswith(prefix + ".")]
+                if inside and all(owner_group.get(q) == g.index for q in inside):
+                    best = prefix
+                    break
+            if best is not None and best not in mods:
+                mods.append(best)
+        mods = [m for m in mods if not any(m.startswith(o + ".") for o in mods if o != m)]
+        if mods:
+            units.append((g.index, mods))
+            covered |= {q for m in mods for q in param_names if q.startswith(m + ".")}
+    root = [p for p in param_names if p not in covered]
+    return units, root
+
+
+def shard_bytes(shape: tuple[int, ...], itemsize: int, n: int) -> float:
+    """A rank's shard of a parameter under FSDP2: dim 0 padded to a multiple of the ranks."""
+    if not shape:
+        return float(itemsize)
+    rest = math.prod(shape[1:])
+    return float(math.ceil(shape[0] / n) * rest * itemsize)
+
+
+class FullyShardedDP:
+    """FSDP2 (`fully_shard`) per layer group with a configurable batch split.
+
+    Args:
+        name: the method's name in records (fsdp, fsdp_cp).
+        split: "even" (equal shares) or "compute" (shares proportional to effective FLOP/s).
+        reshard_after_forward: free each unit's gathered parameters after its forward (and
+            gather them again for backward), FSDP2's default; false keeps them to backward.
+        lr: Adam learning rate (the paper: 5e-4).
+        grad_clip: max global gradient norm; 0 disables clipping.
+        work_probe: emulated CPU clusters: time FSDP2's own work once per host, workload and
+            plan (cached) and price it (methods.common.method_work).
+    """
+
+    worker_modules = ("torch.distributed.fsdp",)
+    mirror_full_state = False  # tests: write the gathered parameters and gradients into the full model
+
+    def __init__(self, name: str, split: str = "even", reshard_after_forward: bool = True, lr: float = 5e-4,
+                 grad_clip: float = 0.0, work_probe: bool = True):
+        if split not in SPLITS:
+            raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
+        if not isinstance(reshard_after_forward, bool):
+            raise ConfigError(f"method.reshard_after_forward={reshard_after_forward!r} must be true or false")
+        if not lr > 0 or grad_clip < 0:
+            raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+        self.name = name
+        self.modes = ("real", "sim")
+        self.split = split
+        self.reshard_after_forward = reshard_after_forward
+        self.lr = lr
+        self.grad_clip = grad_clip
+        self.work_probe = work_probe
+
+    def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+        n = cluster.num_devices
+        weights = [1.0] * n if self.split == "even" else [d.effective_flops for d in cluster.devices]
+        shares = round_shares(workload.global_batch, weights, min_share=1)
+        graph = capture_config(workload.model_cfg, workload.global_batch)
+        table = group_table(graph)
+        program = fsdp_program(graph, table, n, workload.global_batch, self.reshard_after_forward,
+                               prefetch=cluster.device == "cuda",
+                               meta={"method": self.name, "model": workload.name})
+        params = [str(p.fx_node.target) for p in graph.nodes if p.is_param]
+        units, root = fsdp_units(table, params)
+        details = {"split": self.split, "batch_shares": shares, "units": [mods for _, mods in units],
+                   "root_params": root, "reshard_after_forward": self.reshard_after_forward,
+                   "optimizer": f"torch.optim.Adam(lr={self.lr:g}) over each rank's shards"}
+        ratios = [[s / workload.global_batch for s in shares]]
+        plan = Plan(self.name, shares, details, program, ratios)
+        if self.work_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu" and n > 1:
+            # FSDP2's own work on a CPU worker (hooks, copies in and out of the gathered buffers,
+            # DTensor bookkeeping): twice the model's for the tiny models, priced as host work
+            work = method_work(self, plan, workload, cluster, [self.reshard_after_forward, self.lr, details["units"]])
+            if work is not None:
+                details["work"] = work
+                plan.program = dataclasses.replace(program, host_work_flops=host_work_flops(
+                    work, workload, shares, cluster))
+        return plan
+
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "FSDPTrainer":
+        return FSDPTrainer(self, plan, model, ctx)
+
+
+def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch: int,
+                 reshard_after_forward: bool = True, prefetch: bool = False, meta: dict | None = None) -> Program:
+    """The Program of one FSDP2 iteration (module docstring), per rank, at batch ratios.
+
+    Stages, synchronous (CPU): [gather the root's], then per layer group its unit's all-gather
+    and its forward; backward in reverse: per group its unit's all-gather (when resharded after
+    forward) and its backward, the reduce-scatter of its gradients before the next one's
+    gather; the root's reduce-scatter last. With `prefetch` (GPUs), each stage's collectives
+    are those of the next unit, beside this one's compute (overlap), and the compute after
+    waits for them.
+
+    Memory per rank: the shards of every parameter, of its gradient and of Adam's moments; the
+    root's gathered parameters for the whole iteration and the largest unit gathered (and its
+    full gradients before their reduce-scatter) beside them; activations as data parallelism
+    keeps them (its share of the batch)."""
+    n = num_devices
+    shapes = {str(p.fx_node.target): (tuple(p.shape or ()), p.dtype.itemsize) for p in graph.nodes if p.is_param}
+    units, root = fsdp_units(table, list(shapes))
+    unit_of_group = dict(units)
+
+    def unit_params(mods: list[str]) -> list[str]:
+        return [p for p in shapes if any(p.startswith(m + ".") for m in mods)]
+
+    full = {g: sum(math.prod(shapes[p][0]) * shapes[p][1] for p in unit_params(mods)) for g, mods in units}
+    shard = {g: sum(shard_bytes(*shapes[p], n) for p in unit_params(mods)) for g, mods in units}
+    root_shard = sum(shard_bytes(*shapes[p], n) for p in root)
+    root_full = sum(math.prod(shapes[p][0]) * shapes[p][1] for p in root)
+    B = global_batch
+
+    def gather(g: int | None) -> Collective:
+        return Collective("all_gather", Affine(root_shard if g is None else shard[g]),
+                          label="root params" if g is None else f"unit {g} params")
+
+    def scatter(g: int | None) -> Collective:
+        return Collective("reduce_scatter", Affine(root_shard if g is None else shard[g]),
+                          label="root grads" if g is None else f"unit {g} grads")
+
+    def compute(g, which: str) -> tuple[Affine, str, float]:
+        flops = getattr(g, which + "_flops")
+        launches = getattr(g, which + "_launches")
+        cls = max(flops, key=flops.get) if flops else "other"
+        return Affine.sharded(sum(flops.values()) * B), cls, float(sum(launches.values()))
+
+    # Each step: (collectives issued before it, its compute), in the order the runtime runs them.
+    steps: list[tuple[list[Collective], object, str]] = []
+    first = [gather(None)] if root and n > 1 else []
+    for g in table.groups:
+        pre = ([gather(g.index)] if g.index in unit_of_group and n > 1 else [])
+        steps.append((first + pre, (g, "forward"), f"forward group {g.index}"))
+        first = []
+    pending: list[Collective] = []
+    for g in reversed(table.groups):
+        pre = [gather(g.index)] if g.index in unit_of_group and reshard_after_forward and n > 1 else []
+        steps.append((pending + pre, (g, "backward"), f"backward group {g.index}"))
+        pending = [scatter(g.index)] if g.index in unit_of_group and n > 1 else []
+    tail = pending + ([scatter(None)] if root and n > 1 else [])
+    stages = []
+    if prefetch:  # each stage's collectives are the next step's, beside this step's compute
+        stages.append(Stage(tuple(steps[0][0]), label="first gather"))
+        for i, (_, (g, which), label) in enumerate(steps):
+            nxt = steps[i + 1][0] if i + 1 < len(steps) else tail
+            flops, cls, launches = compute(g, which)
+            stages.append(Stage(tuple(nxt), flops, overlap=bool(nxt), label=label, op_class=cls, launches=launches))
+    else:
+        for colls, (g, which), label in steps:
+            flops, cls, launches = compute(g, which)
+            stages.append(Stage(tuple(colls), flops, label=label, op_class=cls, launches=launches))
+        if tail:
+            stages.append(Stage(tuple(tail), label="last reduce-scatter"))
+    sharded = sum(shard.values()) + root_shard
+    largest = max(full.values(), default=0.0)
+    gathered = root_full + largest  # in use at once, beside the shards
+    grads_full = largest  # a unit's unsharded gradients before their reduce-scatter
+    grads, acts, flight = graph.backward_memory()
+    del grads  # gradients are the shards' (and one unit's full ones), not made per parameter
+    largest_shard = max((shard_bytes(*shapes[p], n) for p in shapes), default=0.0)
+    memory = Memory(
+        params=Affine(sharded),
+        grads=Affine(sharded),
+        optimizer=Affine(2.0 * sharded),
+        activations=Affine.sharded(graph.activation_bytes() / graph.batch_size * B),
+        buckets=Affine(gathered + grads_full),
+        backward=backward_sweep([], [(p, Affine.sharded(b / graph.batch_size * B)) for p, b in acts],
+                                Affine(sharded), [(a, b, Affine.sharded(x / graph.batch_size * B)) for a, b, x in flight]),
+        largest_param=Affine(largest_shard),
+    )
+    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), batch=global_batch)
+
+
+class _ShardAdam:
+    """torch's Adam over this rank's local shards (plain tensors): the same update as Adam over
+    the sharded DTensor parameters, without DTensor's dispatch on every op of every step (on a
+    CPU worker it tripled the optimizer's time: 6.5 against 1.7-2.1 ms for tiny BERT)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float):
+        self.params = params
+        self.local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        self.local = [t.detach() for t in self.local]
+        for t in self.local:
+            t.requires_grad_(True)
+        self.optimizer = torch.optim.Adam(self.local, lr=lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        for t, p in zip(self.local, self.params):
+            t.grad = None if p.grad is None else (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        self.optimizer.step()
+
+
+class FSDPTrainer:
+    def __init__(self, method: FullyShardedDP, plan: Plan, model: nn.Module, ctx: RankContext):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.emulator = ctx.emulator
+        self.full_model = model if method.mirror_full_state else None
+        sharded = copy.deepcopy(model) if method.mirror_full_state else model
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        for mods in plan.details["units"]:
+            fully_shard([sharded.get_submodule(m) for m in mods], mesh=mesh,
+                        reshard_after_forward=method.reshard_after_forward)
+        fully_shard(sharded, mesh=mesh, reshard_after_forward=method.reshard_after_forward)
+        self.model = sharded
+        self.params = list(sharded.parameters())
+        self.optimizer = _ShardAdam(self.params, method.lr)
+        self.grad_clip = method.grad_clip
+        # reduce-scatter averages over ranks (as DDP): world_size / global targets per rank
+        self.loss_scale = ctx.world_size / ctx.workload.targets_per_iter
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self.model(*batch)
+        self.emulator.stretch()  # forward compute since the last all-gather
+        (loss_sum * self.loss_scale).backward()
+        self.emulator.stretch()  # backward compute since the last reduce-scatter
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.emulator.stretch()  # optimizer compute
+        if self.full_model is not None:
+            self.write_full_state()
+        return loss_sum.detach()
+
+    def write_full_state(self) -> None:
+        """Tests: the gathered parameters and gradients written into the unsharded model
+        (collective: every rank)."""
+        with torch.no_grad():
+            for (name, p), q in zip(self.model.named_parameters(), self.full_model.parameters()):
+                q.copy_(p.full_tensor())
+                q.grad = None if p.grad is None else p.grad.full_tensor().clone()

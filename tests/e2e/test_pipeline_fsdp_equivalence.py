@@ -1,0 +1,79 @@
+"""One step of the pipeline and of FSDP on emulated devices == one step on the whole batch.
+
+As tests/e2e/test_dp_equivalence.py checks DDP: the summed loss, every gradient and every
+parameter after Adam's step, against the single-device model on the global batch, for the plans
+really made (the pipeline's stage cuts, device order and micro-batches; FSDP's units and shares).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from bench.launch import launch
+from bench.run import new_record, prepare_case
+
+pytestmark = pytest.mark.e2e
+
+
+def _single_device_step(case):
+    workload = case.workload
+    model = workload.build(case.seed)
+    data = workload.model_cfg.dataset("synthetic", None, "train", case.seed)
+    batch = data.batch(0, 0, workload.global_batch, workload.global_batch)
+    optimizer = torch.optim.Adam(model.parameters(), lr=case.method.lr)
+    loss = model(*batch) / workload.targets_per_iter
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    return loss.item(), grads, dict(model.named_parameters())
+
+
+def _check_one_step(cfg_factory, *overrides, ranks=2):
+    cfg = cfg_factory(*overrides, "warmup_iters=0", "measured_iters=1")
+    case = prepare_case(cfg, new_record(cfg))
+    case.return_state = True
+    case.method.mirror_full_state = True
+    results = launch(case, ranks, timeout_s=180)
+    loss, grads, params = _single_device_step(case)
+    dist_loss = sum(r["loss_sums"][0] for r in results) / case.workload.targets_per_iter
+    assert dist_loss == pytest.approx(loss, rel=1e-5)
+    got = results[0]["grads"]
+    assert set(got) == set(grads)
+    scale = max(g.abs().max().item() for g in grads.values())
+    for name, ref in grads.items():
+        np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+    for name, ref in params.items():  # elements whose gradient is float noise have no defined update
+        kept = grads[name].abs().numpy() >= 1e-4 * scale
+        np.testing.assert_allclose(np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept],
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    return case
+
+
+@pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
+def test_one_pipeline_step_equals_single_device_training(cfg_factory, model):
+    case = _check_one_step(cfg_factory, f"model={model}", "method=pipeline", "method.profile=false",
+                           "global_batch=8")
+    assert case.plan.details["num_stages"] == 2 and case.plan.details["num_micro_batches"] >= 2
+
+
+def test_a_gpipe_pipeline_over_four_devices_in_a_priced_order_equals_single_device_training(cfg_factory):
+    case = _check_one_step(cfg_factory, "model=bert", "cluster=local_hetero4", "method=pipeline",
+                           "method.schedule=gpipe", "method.profile=false", "global_batch=8", ranks=4)
+    assert case.plan.details["num_stages"] == 4
+
+
+def test_pipelines_replicated_over_machines_equal_single_device_training(cfg_factory):
+    case = _check_one_step(cfg_factory, "model=vit", "cluster=local_2x2", "method=pipeline",
+                           "method.stage_level=machine", "method.profile=false", "global_batch=8", ranks=4)
+    assert case.plan.details["num_pipelines"] == 2
+
+
+@pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
+def test_one_fsdp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model):
+    case = _check_one_step(cfg_factory, f"model={model}", "method=fsdp_cp", "method.work_probe=false",
+                           "global_batch=7")
+    assert len(set(case.plan.batch_shares)) == 2
+
+
+def test_one_even_fsdp_step_equals_single_device_training(cfg_factory):
+    _check_one_step(cfg_factory, "model=bert", "method=fsdp", "method.work_probe=false", "global_batch=8")
