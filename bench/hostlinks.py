@@ -41,15 +41,24 @@ CALLS = 12  # timed calls per kind; each rank in turn comes last
 # on the dev VM (2 ranks, small calls: 0.17-0.33 ms after 0.5 ms, 0.24-0.57 ms after 2 ms, and
 # 0.4-0.6 ms from the last arrival in tiny VGG19's hap run)
 LATE_S = 0.002
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter",
+          "p2p")
 _floors: dict[tuple[int, bool, bool], dict[str, float]] = {}  # by ranks, `realtime`, `workers_first`
 log = logging.getLogger(__name__)
 
 
 def _calls(rank: int, n: int) -> dict:
-    """One call per collective kind, as the runtime makes it (bench.emulation._COLLECTIVES)."""
+    """One call per collective kind, as the runtime makes it (bench.emulation._COLLECTIVES), and
+    a point-to-point transfer as a pipeline makes them (bench.p2p): each rank sends to the next
+    and receives from the one before, then waits on both."""
     one, many = torch.zeros(1), torch.zeros(n)
     parts = [torch.zeros(1) for _ in range(n)] if rank == 0 else None
+    inbox = torch.zeros(1)
+
+    def p2p() -> None:
+        for work in (dist.isend(one, (rank + 1) % n), dist.irecv(inbox, (rank - 1) % n)):
+            work.wait()
+
     return {
         "all_reduce": lambda: dist.all_reduce(one),
         "all_gather": lambda: all_gather_single()(many, one),
@@ -59,6 +68,7 @@ def _calls(rank: int, n: int) -> dict:
         "reduce": lambda: dist.reduce(one, dst=0),
         "gather": lambda: dist.gather(one, parts, dst=0),
         "scatter": lambda: dist.scatter(one, parts, src=0),
+        "p2p": p2p,
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.cluster import ClusterSpec
 from bench.interfaces import Plan
-from bench.cost import simulate, virtual_devices
+from bench.cost import PipelineProgram, simulate, virtual_devices
 
 
 def _layout(v: Any) -> str:
@@ -34,7 +34,9 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
     for key in ("chosen", "granularity", "states_expanded", "states_pruned"):
         if key in d:
             lines.append(f"{key.replace('_', ' ')}: {d[key]}")
-    if plan.program is not None and plan.ratios is not None:
+    if isinstance(plan.program, PipelineProgram):
+        lines += _pipeline_lines(plan.program, cluster)
+    elif plan.program is not None and plan.ratios is not None:
         sim = simulate(plan.program, cluster, plan.ratios)
         vdevs = virtual_devices(cluster, plan.program.granularity)
         lines.append(
@@ -82,6 +84,20 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
     elif d:
         lines.append("details: " + json.dumps({k: v for k, v in d.items() if k != "program"}, default=str)[:2000])
     return "\n".join(lines)
+
+
+def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]:
+    """A pipeline's stages (its layer groups, ranks, predicted compute and memory)."""
+    sim = simulate(program, cluster, None)
+    lines = [f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
+             + ("  ** OOM **" if sim.oom else ""),
+             f"{program.num_pipelines} pipeline(s) of {program.num_stages} stages, {program.schedule}, "
+             f"{program.num_micro_batches} micro-batches of {program.micro_batch} samples"]
+    for s, (st, (send, compute)) in enumerate(zip(program.stages, sim.stage_times)):
+        peak = max(sim.peak_mem_gib[r] for r in st.ranks)
+        lines.append(f"  stage {s}: layer groups {st.groups[0]}-{st.groups[1] - 1} on ranks {list(st.ranks)}, "
+                     f"compute {compute * 1e3:.2f} ms, sends {send * 1e3:.2f} ms, peak {peak:.2f} GiB")
+    return lines
 
 
 def _interesting(step: dict) -> bool:

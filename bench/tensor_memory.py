@@ -8,6 +8,9 @@ this thread, from Python or from C++ (the autograd engine, DDP's reducer, DeepSp
 passes through it, and each CPU storage its outputs hold is counted once (views share their
 base's) until the storage is freed, whether the mode is entered then or not. What runs on other
 threads (gloo's own buffers) and what was allocated before the first entry are not counted.
+A storage resized in place without an operator (FSDP2 frees a unit's gathered parameters by
+resizing their storage to nothing, and allocates them again the same way) is counted at its
+new size from then on: `UntypedStorage.resize_` tells every mode that counts it.
 
 Not torch's own tools: the profiler's memory events give the same peak (40.285 MiB on one Adam
 step of a 4 MiB-per-layer MLP, both ways) but its first start costs 1.8 s a process here, in
@@ -21,8 +24,27 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+
+_counting: "weakref.WeakSet[TensorBytes]" = weakref.WeakSet()  # modes whose storages a resize updates
+
+
+def _track_resizes() -> None:
+    """Wrap UntypedStorage.resize_ once: a resized storage that a mode counts is counted anew."""
+    original = torch.UntypedStorage.resize_
+    if getattr(original, "__hetbench_counted__", False):
+        return
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        for mode in list(_counting):
+            mode._resized(storage)
+        return out
+
+    resize_.__hetbench_counted__ = True
+    torch.UntypedStorage.resize_ = resize_
 
 
 class TensorBytes(TorchDispatchMode):
@@ -34,6 +56,16 @@ class TensorBytes(TorchDispatchMode):
         self.peak = 0
         self._held: dict[int, list] = {}  # storage key -> [finalizer, bytes counted]
         self._lock = threading.Lock()  # a storage may be freed on another thread
+        _track_resizes()
+        _counting.add(self)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            held = self._held.get(storage._cdata)
+            if held is not None and held[1] != storage.nbytes():
+                self.live += storage.nbytes() - held[1]
+                held[1] = storage.nbytes()
+                self.peak = max(self.peak, self.live)
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -58,6 +90,9 @@ class TensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in tree_leaves(out):
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_meta:
+            # A wrapper subclass (FSDP2's DTensor parameters and gradients) holds no storage of
+            # its own: its local tensors are counted where the ops that make them run.
+            if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_meta
+                    and not is_traceable_wrapper_subclass(value)):
                 self._count(value.untyped_storage())
         return out

@@ -254,7 +254,8 @@ def method_work(method, plan, workload, cluster, key_parts: list, seed: int = 0,
     with tempfile.TemporaryDirectory(prefix="hetbench-work-probe-") as folder:
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         procs = [ctx.Process(target=_work_probe, daemon=True,
-                             args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]))
+                             args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats,
+                                   pipes[r][1]))
                  for r in range(n)]
         for p in procs:
             p.start()
@@ -358,3 +359,43 @@ def _work_probe(rank: int, world_size: int, store: str, method, plan, workload, 
     finally:
         conn.close()
         os._exit(0)
+
+
+def stage_activations(graph, table: GroupTable, first: int, end: int) -> tuple[float, float]:
+    """Per sample, (what a pipeline stage of layer groups [first, end) keeps of one micro-batch
+    between its forward and its backward, the most it holds of one micro-batch during that
+    backward): autograd's saved tensors of its ops (methods.capture.Graph.kept_until) made
+    inside the stage (a tensor made before it is its receive buffer, counted as such), its
+    output (the stage keeps it to run backward from), and during backward the activation
+    gradients it holds (Graph.grads_in_flight, clipped to the stage), walked as
+    bench.program.backward_sweep walks a whole model. The last stage's output is what its loss
+    function reads (the schedule keeps it too)."""
+    from bench.program import Affine, backward_sweep
+
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
+    inside = {name for name, g in table.node_group.items() if first <= g < end}
+    made_inside = inside | ({n.name for n in graph.nodes if n.kind == "placeholder"} if first == 0 else set())
+    lo = min(position[n] for n in inside)
+    hi = max(position[n] for n in inside)
+    batch = max(graph.batch_size, 1)
+    kept = []
+    for t, (factor, keeper) in graph.kept_until().items():
+        if keeper in inside and t in made_inside | inside and graph[t].kind != "placeholder":
+            kept.append((position[keeper], graph[t].nbytes * factor / batch))
+    last = end == table.num_groups
+    if last:  # what the loss (the ops that read the targets) reads of the stage
+        tail = set(table.tail)
+        out = sum(graph[n].nbytes for n in inside - tail if graph[n].is_tensor
+                  and any(u in tail for u in graph.users.get(n, []))) / batch
+    else:
+        out = table.groups[end - 1].out_bytes
+    flight = []
+    for t, a, b in graph.grads_in_flight():
+        pa, pb = position[a], position[b]
+        if pb < lo or pa > hi:
+            continue
+        flight.append((max(pa, lo), min(pb, hi), graph[t].nbytes / batch))
+    points = backward_sweep([], [(p, Affine(b)) for p, b in kept], Affine(),
+                            [(a, b, Affine(x)) for a, b, x in flight])
+    peak = max((acts.const for _, acts in points), default=0.0)
+    return sum(b for _, b in kept) + out, peak + out

@@ -49,8 +49,8 @@ from bench.cost.pipeline import (
 from bench.cost.price import device_compute
 from bench.interfaces import Plan, PlanningError, RankContext, Workload
 from bench.program import Affine, Stage, bucket_runs
-from methods.capture import FunctionalTracer, capture_config
-from methods.common import GroupTable, group_table
+from methods.capture import FunctionalTracer, Graph, capture_config
+from methods.common import GroupTable, group_table, stage_activations
 
 log = logging.getLogger(__name__)
 
@@ -155,22 +155,23 @@ def trace_schedule(schedule: str, num_stages: int, num_micro_batches: int, stage
 
 
 # -- the layer groups on this host ---------------------------------------------------------------
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 PROFILE_REPEATS = 9
 
 
 def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: int = PROFILE_REPEATS) -> dict:
     """What each layer group takes on one host worker at `micro_batch` samples: {"forward",
     "backward", "optimizer": seconds per group (the fastest of `repeats`, thread CPU time, as
-    the emulator's reference is timed), "flops_per_s": the per-sample rate of a plain step
-    measured beside them (bench.flops.yardstick at the micro-batch and twice it, as the
-    workers' own yardstick times it)}. Each group runs as a stage would: its fx module on its
-    inputs, its backward from its output's gradient, then Adam over its parameters.
+    the emulator's reference is timed), "step_s": a plain training step of the model at the
+    micro-batch timed beside them (bench.flops.yardstick, as the workers' own yardstick times
+    it; "flops_per_s": the per-sample rate it gives with twice the micro-batch)}. Each group
+    runs as a stage would: its fx module on its inputs, its backward from its output's
+    gradient, then Adam over its parameters.
 
     FLOPs are an uneven yardstick between layer groups on a CPU (tiny VGG19's classifier: 8% of
     the FLOPs, 26% of the time), so the pipeline prices an emulated cluster's stages from this,
-    in FLOPs at the rate measured with it; the run's own yardstick then scales it. Measured once
-    per host, workload and micro-batch (bench.flops.host_cache_file)."""
+    scaled by the plain step now over `step_s` (bench.cost.pipeline.measured_scale). Measured
+    once per host, workload and micro-batch (bench.flops.host_cache_file)."""
     from bench.flops import digest, host_cache_file, host_identity, read_cache, split_step, write_cache, yardstick
     from bench.hostcpu import emulated_device
 
@@ -222,6 +223,7 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     rate, _ = split_step(workload, stick["batch"], stick["seconds"])
     out = {kind: [min(t[k][2:]) for t in times] for k, kind in enumerate(("forward", "backward", "optimizer"))}
     out["flops_per_s"] = rate
+    out["step_s"] = stick["seconds"][0]  # a plain step at the micro-batch, timed beside the groups
     write_cache(path, key, {**out, "workload": workload.name, "micro_batch": micro_batch})
     return out
 
@@ -351,29 +353,27 @@ class _Costs:
     """Per slot hardware and micro-batch size, the priced costs of runs of layer groups.
 
     `profiles`: per micro-batch size, the layer groups' measured seconds (group_profile) on an
-    emulated CPU cluster; a stage is then priced at those, in FLOPs at the profile's rate."""
+    emulated CPU cluster; a stage is then priced at those, scaled by the host's plain step now
+    over the profile's (bench.cost.pipeline.measured_scale)."""
 
+    graph: Graph
     table: GroupTable
     cluster: ClusterSpec
     model_launches: float
     profiles: dict | None = None
+    flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
+        self._acts: dict = {}
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
 
     def passes(self, first: int, end: int, mb: int) -> tuple[tuple[Stage, ...], tuple[Stage, ...], float, float]:
         """(forward Stages, backward Stages, forward kernels, backward kernels) of groups
-        [first, end) at `mb` samples: a Stage per op class, as Programs price compute; with a
-        profile, one Stage each of the measured time in FLOPs at the profile's rate."""
+        [first, end) at `mb` samples: a Stage per op class, as Programs price compute."""
         groups = self.table.span(first, end)
         label = f"groups {first}-{end - 1}"
-        if self.profiles is not None:
-            prof = self.profiles[mb]
-            rate = prof["flops_per_s"]
-            return ((Stage(flops=Affine(rate * sum(prof["forward"][first:end])), label=label),),
-                    (Stage(flops=Affine(rate * sum(prof["backward"][first:end])), label=label),), 0.0, 0.0)
         out = []
         for flops, launches in (("forward_flops", "forward_launches"), ("backward_flops", "backward_launches")):
             by_class: dict[str, list[float]] = {}
@@ -388,33 +388,48 @@ class _Costs:
         bwd_k = sum(sum(g.backward_launches.values()) for g in groups)
         return out[0], out[1], float(fwd_k), float(bwd_k)
 
-    def optimizer_flops(self, first: int, end: int, mb: int) -> float:
-        """Adam over groups [first, end)'s parameters in FLOPs at the profile's rate (0: none)."""
+    def measured(self, first: int, end: int, mb: int) -> tuple[float, float, float] | None:
+        """(forward, backward, Adam) seconds of groups [first, end) at `mb` samples where the
+        groups were timed on this host (group_profile), else None."""
         if self.profiles is None:
-            return 0.0
+            return None
         prof = self.profiles[mb]
-        return prof["flops_per_s"] * sum(prof["optimizer"][first:end])
+        return tuple(float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
+
+    def scale(self, mb: int) -> float:
+        """The host's plain step at `mb` as the cluster's speed prices it over the profile's."""
+        if self.profiles is None:
+            return 1.0
+        now = self.flops_per_sample * mb / self.cluster.host_flops + self.cluster.host_step_overhead_s
+        return now / self.profiles[mb]["step_s"]
 
     def seconds(self, rank: int, first: int, end: int, mb: int) -> float:
         """Forward and backward of groups [first, end) on `rank` at `mb` samples."""
         key = (_hardware(self.cluster, (rank,)), first, end, mb)
         if key not in self._cache:
-            fwd, bwd, fk, bk = self.passes(first, end, mb)
             v, dev = self.vdevs[rank], self.cluster.devices[rank]
-            per_kernel = dev.step_overhead_s / self.model_launches if self.model_launches else 0.0
-            self._cache[key] = float(sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd)
-                                     + per_kernel * (fk + bk))
+            measured = self.measured(first, end, mb)
+            if measured is not None:
+                self._cache[key] = (measured[0] + measured[1]) * self.scale(mb) / dev.speed
+            else:
+                fwd, bwd, fk, bk = self.passes(first, end, mb)
+                per_kernel = dev.step_overhead_s / self.model_launches if self.model_launches else 0.0
+                self._cache[key] = float(sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd)
+                                         + per_kernel * (fk + bk))
         return self._cache[key]
 
     def memory(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool):
+        key = (first, end)
+        if key not in self._acts:
+            self._acts[key] = stage_activations(self.graph, self.table, first, end)
+        kept, backward = self._acts[key]
         groups = self.table.span(first, end)
         return stage_memory(
             param_bytes=sum(g.param_bytes for g in groups),
             largest_param_bytes=max((g.largest_param_bytes for g in groups), default=0.0),
-            saved_bytes=mb * sum(g.saved_bytes for g in groups),
-            sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
+            kept_bytes=mb * kept, backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
-            grads_in_flight_bytes=mb * max((g.grads_in_flight_bytes for g in groups), default=0.0),
+            sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
             in_flight=flight, num_micro_batches=m, replicated=replicated)
 
     def fits(self, slot: tuple[int, ...], memory) -> bool:
@@ -483,8 +498,8 @@ class PipelineParallel:
                  profile: bool = True):
         if schedule not in SCHEDULES:
             raise ConfigError(f"method.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if num_micro_batches != "auto" and (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int)
-                                            or num_micro_batches < 1):
+        whole = isinstance(num_micro_batches, int) and not isinstance(num_micro_batches, bool)
+        if num_micro_batches != "auto" and (not whole or num_micro_batches < 1):
             raise ConfigError(f"method.num_micro_batches={num_micro_batches!r} must be auto or an integer >= 1; "
                               "e.g. method.num_micro_batches=4")
         if stage_level not in STAGE_LEVELS:
@@ -516,11 +531,11 @@ class PipelineParallel:
                 sizes = self._micro_batches(layout, table, workload)
                 profiles = {mb: group_profile(workload, mb) for mb in sizes}
                 if costs is None or costs.profiles is None:
-                    costs = _Costs(table, cluster, 0.0, profiles)
+                    costs = _Costs(graph, table, cluster, 0.0, profiles, workload.flops_per_sample)
                 else:
                     costs.profiles.update(profiles)
             elif costs is None:
-                costs = _Costs(table, cluster, model_launches)
+                costs = _Costs(graph, table, cluster, model_launches)
             found = self._candidates(layout, table, costs, workload, cluster, refusals, oom)
             candidates += found
         if not candidates:
@@ -638,10 +653,12 @@ class PipelineParallel:
                 send_bytes=0.0 if s == S - 1 else mb * groups[-1].out_bytes,
                 param_bytes=sum(g.param_bytes for g in groups),
                 memory=costs.memory(first, end, mb, in_flight(actions[s]), m, D > 1, s == S - 1),
-                grad_buckets=buckets, optimizer_flops=costs.optimizer_flops(first, end, mb)))
+                grad_buckets=buckets, measured=costs.measured(first, end, mb)))
         return PipelineProgram(tuple(stages), actions, m, mb, D, cluster.num_devices, self.schedule,
                                model_launches, workload.global_batch,
-                               meta={"method": self.name, "model": workload.name})
+                               meta={"method": self.name, "model": workload.name},
+                               profile_step_s=costs.profiles[mb]["step_s"] if costs.profiles else 0.0,
+                               flops_per_sample=workload.flops_per_sample)
 
     def _plan(self, layout: Layout, order, m: int, cuts: list[int], program: PipelineProgram, table: GroupTable,
               workload: Workload) -> Plan:
@@ -865,4 +882,5 @@ def _buffer_flag() -> str:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+    names = inspect.signature(DDP).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"

@@ -9,11 +9,11 @@ simulator replays them rank by rank, as the ranks would run them:
 
   - a forward or backward takes its stage's compute at one micro-batch, priced by
     bench.cost.price.device_compute (the same price as a Program's stage: FLOPs over the
-    device's rate, or a profile's kernels and rates). On an emulated CPU worker a stage's FLOPs
-    are those its layer groups took on this host, at the micro-batch, in FLOPs at the host's
-    rate (methods.pipeline's profile), so they follow the host's speed as the run measures it;
-    without such a profile a micro-batch also pays its kernels' share of the per-step part of a
-    plain step (`model_launches`);
+    device's rate, or a profile's kernels and rates). On an emulated CPU worker a stage takes what
+    its layer groups took on this host at the micro-batch (methods.pipeline's profile), scaled by
+    the host's plain step then and now (measured_scale) and over the device's speed; without
+    such a profile a micro-batch also pays its kernels' share of the per-step part of a plain
+    step (`model_launches`);
   - a send occupies the sender's link from when it is posted (or the link frees) for the
     alpha-beta time of the link the two ranks span (bench.cost.links), never less than the
     host transport's floor for a point-to-point transfer; a receive completes when that
@@ -65,9 +65,10 @@ class PipeStage:
     # DDP's gradient buckets among the replicas: (bytes, share of the backward done when it is
     # made), in the order backward makes them; empty with one pipeline
     grad_buckets: tuple[tuple[float, float], ...] = ()
-    # Adam's step over its parameters, in FLOPs at the host's rate, where measured (emulated
-    # workers: methods.pipeline's layer-group profile); 0: Adam's per-byte cost (or a profile's)
-    optimizer_flops: float = 0.0
+    # Where its layer groups were timed on the host (emulated CPU workers: methods.pipeline's
+    # profile): (forward, backward, Adam's step) seconds of one micro-batch there, which the
+    # simulator scales by the host's plain step at the micro-batch then and now (measured_scale)
+    measured: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class PipelineProgram:
     meta: dict = field(default_factory=dict, compare=False)
     host_work_flops: float = 0.0  # the method's own host work per iteration (bench.program.Program)
     granularity: str = "gpu"  # every device is a rank of its own
+    # Where the stages were timed (PipeStage.measured): the host's plain training step at the
+    # micro-batch then (seconds), and the model's FLOPs per sample (bench.flops), from which
+    # the cluster's host speed gives the same step now
+    profile_step_s: float = 0.0
+    flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -131,25 +137,25 @@ def in_flight(actions: tuple[tuple, ...]) -> int:
     return most
 
 
-def stage_memory(*, param_bytes: float, largest_param_bytes: float, saved_bytes: float, sent_bytes: float,
-                 received_bytes: float, grads_in_flight_bytes: float, in_flight: int, num_micro_batches: int,
+def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
+                 received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
                  replicated: bool) -> Memory:
     """What one rank of a stage holds at its peak (bench.program.Memory, constants), from its
     layers' bytes per micro-batch:
 
-    - its parameters, their gradients (accumulated over the micro-batches), Adam's two moments,
-      and with replicas DDP's bucket copy of the gradients;
-    - per micro-batch in flight: what autograd keeps of its layers (`saved_bytes`) and its
-      output (`sent_bytes`), which the stage keeps to run backward from;
-    - a receive buffer per micro-batch of the iteration for its input (`received_bytes`, not on
-      the first stage) and for its output's gradient (`sent_bytes`, not on the last), which
-      torch.distributed.pipelining allocates once for every micro-batch;
-    - during a backward: the activation gradients it holds at once and its input's gradient,
-      kept until sent."""
-    activations = (in_flight * (saved_bytes + sent_bytes) + num_micro_batches * (received_bytes + sent_bytes)
-                   + grads_in_flight_bytes + received_bytes)
+    - its parameters, their gradients (accumulated over the micro-batches: all exist from the
+      first backward on), Adam's two moments, and with replicas DDP's bucket copy of the
+      gradients;
+    - a receive buffer per micro-batch of the iteration for its input (`received_bytes`, not
+      on the first stage) and for its output's gradient (`sent_bytes`, not on the last), which
+      torch.distributed.pipelining allocates once for every micro-batch (held, as buckets are);
+    - the most micro-batches it has in flight: while one runs its backward (at most
+      `backward_bytes`: what it still keeps and the activation gradients it holds), the others
+      keep `kept_bytes` each (autograd's saved tensors and the stage's output)."""
+    activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
+    buffers = num_micro_batches * (received_bytes + sent_bytes)
     return Memory(params=Affine(param_bytes), grads=Affine(param_bytes), optimizer=Affine(2.0 * param_bytes),
-                  activations=Affine(activations), buckets=Affine(param_bytes if replicated else 0.0),
+                  activations=Affine(activations), buckets=Affine((param_bytes if replicated else 0.0) + buffers),
                   largest_param=Affine(largest_param_bytes))
 
 
@@ -162,16 +168,33 @@ def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float
     return max(collective_time_s("broadcast", nbytes, 2, link), cluster.floor_s("p2p"))
 
 
+def measured_scale(program: PipelineProgram, cluster: ClusterSpec) -> float:
+    """How much longer the host computes now than when the stages were timed: its plain step at
+    the micro-batch as the cluster's host speed prices it (per-sample part and per-step part:
+    at a run's prediction, the run's own yardstick, bench.flops.yardstick, which times that step
+    at that size), over the same step timed with the stages. A ratio of two whole steps: the
+    per-sample rate alone comes from the difference of two timings and moved 50% between runs
+    where whole steps moved 10-20%."""
+    if not program.profile_step_s or not cluster.host_flops:
+        return 1.0
+    now = program.flops_per_sample * program.micro_batch / cluster.host_flops + cluster.host_step_overhead_s
+    return now / program.profile_step_s
+
+
 def action_times(program: PipelineProgram, cluster: ClusterSpec,
                  vdevs: list[VirtualDevice] | None = None) -> list[list[tuple[float, float]]]:
     """Per stage and pipeline, (forward, backward) seconds of one micro-batch on its rank."""
     vdevs = vdevs or virtual_devices(cluster, "gpu")
     alg = FloatAlgebra([[1.0 / len(vdevs)] * len(vdevs)])
+    scale = measured_scale(program, cluster)
     out = []
     for st in program.stages:
         row = []
         for r in st.ranks:
             v, dev = vdevs[r], cluster.devices[r]
+            if st.measured is not None:
+                row.append((st.measured[0] * scale / dev.speed, st.measured[1] * scale / dev.speed))
+                continue
             # The per-step part of a plain step, spread over the model's kernels (emulated workers).
             per_kernel = dev.step_overhead_s / program.model_launches if program.model_launches else 0.0
             fwd = sum(device_compute(s, cluster, v, alg) for s in st.forward) + per_kernel * st.launches[0]
@@ -266,12 +289,13 @@ def grad_sync_end(stage: PipeStage, cluster: ClusterSpec, start: float, duration
     return max(free, start + duration)
 
 
-def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float) -> float:
+def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float,
+                scale: float = 1.0) -> float:
     """A rank's per-step part after its last action: Adam's step over its stage's parameters
-    (emulated workers: as measured, else Adam's per-byte cost), a profile's optimizer step
-    (GPUs), the method's host work."""
+    (emulated workers: as measured, times `scale`, else Adam's per-byte cost), a profile's
+    optimizer step (GPUs), the method's host work."""
     dev = cluster.devices[rank]
-    t = (stage.optimizer_flops / dev.effective_flops if stage.optimizer_flops
+    t = (stage.measured[2] * scale / dev.speed if stage.measured is not None
          else dev.optimizer_s_per_byte * stage.param_bytes)
     if v.compute is not None and v.compute.optimizer is not None:
         fixed, rate = v.compute.optimizer
@@ -290,6 +314,7 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
         raise ValueError(f"the pipeline is for {program.num_devices} devices, but cluster {cluster.name!r} has "
                          f"{len(vdevs)}; plan for this cluster")
     times = action_times(program, cluster, vdevs)
+    scale = measured_scale(program, cluster)
     per_rank: dict[int, RankTimeline] = {}
     seen: dict[tuple, list[RankTimeline]] = {}
     for p in range(program.num_pipelines):
@@ -299,14 +324,16 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
         for s, line in enumerate(seen[key]):
             r = program.stages[s].ranks[p]
             per_rank[r] = RankTimeline(line.compute_s, line.end_s,
-                                       optimizer_s(program.stages[s], cluster, r, vdevs[r], program.host_work_flops),
+                                       optimizer_s(program.stages[s], cluster, r, vdevs[r], program.host_work_flops,
+                                                   scale),
                                        line.sync_s)
     iter_time = max(t.end_s + t.optimizer_s for t in per_rank.values())
     busiest = max(per_rank.values(), key=lambda t: t.compute_s + t.optimizer_s)
     stage_times = []
     for s, st in enumerate(program.stages):
         r = st.ranks[0]
-        send = transfer_s(st.send_bytes, cluster, r, program.stages[s + 1].ranks[0]) if s + 1 < program.num_stages else 0.0
+        last = s + 1 == program.num_stages
+        send = 0.0 if last else transfer_s(st.send_bytes, cluster, r, program.stages[s + 1].ranks[0])
         stage_times.append((send * program.num_micro_batches, per_rank[r].compute_s))
     memory, peaks, oom_devices = [], [], []
     foreach = cluster.device == "cuda"
