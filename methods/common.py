@@ -361,41 +361,69 @@ def _work_probe(rank: int, world_size: int, store: str, method, plan, workload, 
         os._exit(0)
 
 
-def stage_activations(graph, table: GroupTable, first: int, end: int) -> tuple[float, float]:
+class StageActivations:
     """Per sample, (what a pipeline stage of layer groups [first, end) keeps of one micro-batch
     between its forward and its backward, the most it holds of one micro-batch during that
     backward): autograd's saved tensors of its ops (methods.capture.Graph.kept_until) made
     inside the stage (a tensor made before it is its receive buffer, counted as such), its
     output (the stage keeps it to run backward from), and during backward the activation
-    gradients it holds (Graph.grads_in_flight, clipped to the stage), walked as
+    gradients it holds (Graph.grads_in_flight, clipped to the stage), walked backward as
     bench.program.backward_sweep walks a whole model. The last stage's output is what its loss
-    function reads (the schedule keeps it too)."""
-    from bench.program import Affine, backward_sweep
+    function reads (the schedule keeps it too). The graph is read once; each stage is a filter."""
 
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
-    inside = {name for name, g in table.node_group.items() if first <= g < end}
-    made_inside = inside | ({n.name for n in graph.nodes if n.kind == "placeholder"} if first == 0 else set())
-    lo = min(position[n] for n in inside)
-    hi = max(position[n] for n in inside)
-    batch = max(graph.batch_size, 1)
-    kept = []
-    for t, (factor, keeper) in graph.kept_until().items():
-        if keeper in inside and t in made_inside | inside and graph[t].kind != "placeholder":
-            kept.append((position[keeper], graph[t].nbytes * factor / batch))
-    last = end == table.num_groups
-    if last:  # what the loss (the ops that read the targets) reads of the stage
+    def __init__(self, graph, table: GroupTable):
+        self.table = table
+        position = {n.name: i for i, n in enumerate(graph.nodes)}
+        batch = max(graph.batch_size, 1)
+        group = table.node_group
+        self.group_at = {position[n]: g for n, g in group.items()}
+        placeholders = {n.name for n in graph.nodes if n.kind == "placeholder"}
+        # (keeper position, keeper group, producer group or -1 for a model input, bytes)
+        self.kept = [(position[k], group[k], group.get(t, -1 if t in placeholders else None),
+                      graph[t].nbytes * f / batch)
+                     for t, (f, k) in graph.kept_until().items() if k in group and graph[t].kind != "placeholder"]
+        self.flight = [(position[a], position[b], graph[t].nbytes / batch) for t, a, b in graph.grads_in_flight()]
         tail = set(table.tail)
-        out = sum(graph[n].nbytes for n in inside - tail if graph[n].is_tensor
-                  and any(u in tail for u in graph.users.get(n, []))) / batch
-    else:
-        out = table.groups[end - 1].out_bytes
-    flight = []
-    for t, a, b in graph.grads_in_flight():
-        pa, pb = position[a], position[b]
-        if pb < lo or pa > hi:
-            continue
-        flight.append((max(pa, lo), min(pb, hi), graph[t].nbytes / batch))
-    points = backward_sweep([], [(p, Affine(b)) for p, b in kept], Affine(),
-                            [(a, b, Affine(x)) for a, b, x in flight])
-    peak = max((acts.const for _, acts in points), default=0.0)
-    return sum(b for _, b in kept) + out, peak + out
+        self.tail_inputs = sum(graph[n].nbytes for n, g in group.items() if n not in tail and graph[n].is_tensor
+                               and any(u in tail for u in graph.users.get(n, []))) / batch
+        self.span = {}
+        for pos, g in self.group_at.items():
+            lo, hi = self.span.get(g, (pos, pos))
+            self.span[g] = (min(lo, pos), max(hi, pos))
+        self._cache: dict = {}
+
+    def __call__(self, first: int, end: int) -> tuple[float, float]:
+        key = (first, end)
+        if key not in self._cache:
+            self._cache[key] = self._compute(first, end)
+        return self._cache[key]
+
+    def _compute(self, first: int, end: int) -> tuple[float, float]:
+        lo = min(self.span[g][0] for g in range(first, end))
+        hi = max(self.span[g][1] for g in range(first, end))
+        kept = [(p, b) for p, g, made, b in self.kept
+                if first <= g < end and made is not None and (first <= made < end or (first == 0 and made == -1))]
+        flight = [(max(a, lo), min(b, hi), x) for a, b, x in self.flight if not (b < lo or a > hi)]
+        out = self.tail_inputs if end == self.table.num_groups else self.table.groups[end - 1].out_bytes
+        # Backward walks positions from the last down: a kept tensor is freed once backward has
+        # passed its first keeper; an activation gradient lives from its last use to its maker.
+        events: dict[int, float] = {}
+        for p, b in kept:
+            events[p] = events.get(p, 0.0)
+        held = sum(b for _, b in kept)
+        freed_at: dict[int, float] = {}
+        for p, b in kept:
+            freed_at[p] = freed_at.get(p, 0.0) + b
+        arrive: dict[int, float] = {}
+        leave: dict[int, float] = {}
+        for a, b, x in flight:
+            arrive[b] = arrive.get(b, 0.0) + x
+            leave[a] = leave.get(a, 0.0) + x
+        positions = sorted(set(freed_at) | set(arrive) | set(leave), reverse=True)
+        kept_now, flying, peak = held, 0.0, held
+        for pos in positions:
+            flying += arrive.get(pos, 0.0)
+            peak = max(peak, kept_now + flying)
+            kept_now -= freed_at.get(pos, 0.0)
+            flying -= leave.get(pos, 0.0)
+        return held + out, peak + out

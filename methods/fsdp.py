@@ -141,12 +141,9 @@ def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch
                  reshard_after_forward: bool = True, prefetch: bool = False, meta: dict | None = None) -> Program:
     """The Program of one FSDP2 iteration (module docstring), per rank, at batch ratios.
 
-    Stages, synchronous (CPU): [gather the root's], then per layer group its unit's all-gather
-    and its forward; backward in reverse: per group its unit's all-gather (when resharded after
-    forward) and its backward, the reduce-scatter of its gradients before the next one's
-    gather; the root's reduce-scatter last. With `prefetch` (GPUs), each stage's collectives
-    are those of the next unit, beside this one's compute (overlap), and the compute after
-    waits for them.
+    Stages, synchronous (CPU): the collectives before each group's forward and backward, in the
+    order FSDP2 issues them (below). With `prefetch` (GPUs), each stage's collectives are those
+    of the next step, beside this one's compute (overlap), and the compute after waits for them.
 
     Memory per rank: the shards of every parameter, of its gradient and of Adam's moments; the
     root's gathered parameters for the whole iteration and, beside them, the largest unit twice:
@@ -182,19 +179,39 @@ def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch
         cls = max(flops, key=flops.get) if flops else "other"
         return Affine.sharded(sum(flops.values()) * B), cls, float(sum(launches.values()))
 
-    # Each step: (collectives issued before it, its compute), in the order the runtime runs them.
+    # Each step: (collectives issued before it, its compute), in the order FSDP2 issues them on
+    # a CPU (tests/e2e/test_priced_is_run.py records them). Forward: the root's gather, then each
+    # unit's before its group. Backward, in reverse: a unit's gather (unless prefetched) and the
+    # prefetch of the next unit's, its group's backward, its reduce-scatter before the next
+    # group's backward; the first unit, whose inputs (the data) need no gradient, and the root
+    # reduce-scatter in FSDP2's final callback of backward, the root first.
     steps: list[tuple[list[Collective], object, str]] = []
-    first = [gather(None)] if root and n > 1 else []
+    gathers = n > 1
+    first = [gather(None)] if root and gathers else []
     for g in table.groups:
-        pre = ([gather(g.index)] if g.index in unit_of_group and n > 1 else [])
+        pre = [gather(g.index)] if g.index in unit_of_group and gathers else []
         steps.append((first + pre, (g, "forward"), f"forward group {g.index}"))
         first = []
+    order = [g.index for g in reversed(table.groups) if g.index in unit_of_group]
+    deferred = order[-1] if order else None  # the first unit in forward
+    prefetched: set[int] = set()
     pending: list[Collective] = []
     for g in reversed(table.groups):
-        pre = [gather(g.index)] if g.index in unit_of_group and reshard_after_forward and n > 1 else []
-        steps.append((pending + pre, (g, "backward"), f"backward group {g.index}"))
-        pending = [scatter(g.index)] if g.index in unit_of_group and n > 1 else []
-    tail = pending + ([scatter(None)] if root and n > 1 else [])
+        colls = pending
+        pending = []
+        if g.index in unit_of_group and gathers:
+            if reshard_after_forward:
+                if g.index not in prefetched:
+                    colls = colls + [gather(g.index)]
+                nxt = order.index(g.index) + 1
+                if nxt < len(order):
+                    colls = colls + [gather(order[nxt])]
+                    prefetched.add(order[nxt])
+            if g.index != deferred:
+                pending = [scatter(g.index)]
+        steps.append((colls, (g, "backward"), f"backward group {g.index}"))
+    tail = pending + ([scatter(None)] if root and gathers else []) + (
+        [scatter(deferred)] if deferred is not None and gathers else [])
     stages = []
     if prefetch:  # each stage's collectives are the next step's, beside this step's compute
         stages.append(Stage(tuple(steps[0][0]), label="first gather"))
@@ -266,7 +283,8 @@ class FSDPTrainer:
         for mods in plan.details["units"]:
             fully_shard([sharded.get_submodule(m) for m in mods], mesh=mesh,
                         reshard_after_forward=method.reshard_after_forward)
-        fully_shard(sharded, mesh=mesh, reshard_after_forward=method.reshard_after_forward)
+        # The root keeps FSDP2's own rule: its parameters stay gathered from forward to backward.
+        fully_shard(sharded, mesh=mesh)
         self.model = sharded
         self.params = list(sharded.parameters())
         self.optimizer = _ShardAdam(self.params, method.lr)

@@ -44,19 +44,20 @@ from bench.cost.pipeline import (
     replay,
     simulate_pipeline,
     stage_memory,
+    stage_peak_bytes,
     transfer_s,
 )
 from bench.cost.price import device_compute
 from bench.interfaces import Plan, PlanningError, RankContext, Workload
 from bench.program import Affine, Stage, bucket_runs
 from methods.capture import FunctionalTracer, Graph, capture_config
-from methods.common import GroupTable, group_table, stage_activations
+from methods.common import GroupTable, StageActivations, group_table
 
 log = logging.getLogger(__name__)
 
 STAGE_LEVELS = ("auto", "device", "machine")
 MAX_ORDERS = 2000  # device orders tried per layout; past it, a few heuristic ones
-SIMULATED = 24  # candidates (order, micro-batches, cuts) replayed exactly, the best priced first
+SIMULATED = 8  # candidates (order, micro-batches, cuts) replayed exactly, the best priced first
 
 
 class StageOOM(PlanningError):
@@ -245,23 +246,57 @@ class Layout:
         return len(self.slots[0])
 
 
-def layouts(cluster: ClusterSpec, level: str) -> list[Layout]:
-    """The stage slots a cluster offers at `level` (STAGE_LEVELS; auto: both)."""
-    out = []
+def layouts(cluster: ClusterSpec, level: str, num_stages, num_groups: int) -> tuple[list[Layout], list[str]]:
+    """The stage slots a cluster offers (and why others are refused): at `level` "device" the
+    devices, at "machine" the machines (all of one size), cut into `num_stages` slots of equal
+    size ("auto": every number of slots from 2 to the layer groups that divides them), alike
+    hardware together (a slot's devices are a stage's replicas, which run in step). A slot of
+    k units of g devices gives k * g pipelines."""
+    units: dict[str, list[tuple[int, ...]]] = {}
+    refusals = []
     if level in ("auto", "device"):
-        out.append(Layout("device", tuple((d.rank,) for d in cluster.devices)))
+        units["device"] = [(d.rank,) for d in cluster.devices]
     if level in ("auto", "machine"):
         machines: dict[int, list[int]] = {}
         for d in cluster.devices:
             machines.setdefault(d.machine, []).append(d.rank)
-        sizes = {len(r) for r in machines.values()}
-        if len(sizes) == 1 and (level == "machine" or next(iter(sizes)) > 1):
-            out.append(Layout("machine", tuple(tuple(r) for _, r in sorted(machines.items()))))
+        if len({len(r) for r in machines.values()}) == 1:
+            units["machine"] = [tuple(r) for _, r in sorted(machines.items())]
         elif level == "machine":
             raise ConfigError(f"method.stage_level=machine needs machines of one size, but cluster={cluster.name} "
                               f"has machines of {sorted(len(r) for r in machines.values())} devices; use "
                               "method.stage_level=device")
-    return out
+    out, seen = [], set()
+    for lvl, us in units.items():
+        count = len(us)
+        if num_stages == "auto":
+            choices = [k for k in range(2, min(count, num_groups) + 1) if count % k == 0] or (
+                [1] if count == 1 else [])
+            if not choices:
+                refusals.append(f"method.stage_level={lvl} gives {count} {lvl}s to cut into stages (a divisor of them, "
+                                f"from 2 to the {num_groups} layer groups), and no such number exists; use "
+                                "another method.stage_level or method.num_stages")
+        else:
+            if count % num_stages:
+                divisors = [k for k in range(1, count + 1) if count % k == 0]
+                refusals.append(f"method.num_stages={num_stages} does not divide the {count} {lvl}s of "
+                                f"cluster={cluster.name} (method.stage_level={lvl}); try "
+                                f"{', '.join(map(str, divisors))}")
+                continue
+            if num_stages > num_groups:
+                refusals.append(f"method.num_stages={num_stages} is more than the {num_groups} layer groups the model "
+                                f"can be cut at; use method.num_stages<={num_groups}")
+                continue
+            choices = [num_stages]
+        ordered = sorted(us, key=lambda u: (_hardware(cluster, u), u))
+        for k in choices:
+            size = count // k
+            slots = tuple(tuple(r for u in ordered[i * size:(i + 1) * size] for r in u) for i in range(k))
+            key = frozenset(slots)
+            if key not in seen:
+                seen.add(key)
+                out.append(Layout(lvl, slots))
+    return out, refusals
 
 
 def _hardware(cluster: ClusterSpec, ranks: tuple[int, ...]) -> tuple:
@@ -364,7 +399,14 @@ class _Costs:
     flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
-        self._acts: dict = {}
+        self._acts = StageActivations(self.graph, self.table)
+        self._prefix_params = [0.0]
+        for g in self.table.groups:
+            self._prefix_params.append(self._prefix_params[-1] + g.param_bytes)
+        self._slot: dict = {}
+        self._reps: dict = {}
+        self._peaks: dict = {}
+        self._send: dict = {}
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
@@ -403,6 +445,21 @@ class _Costs:
         now = self.flops_per_sample * mb / self.cluster.host_flops + self.cluster.host_step_overhead_s
         return now / self.profiles[mb]["step_s"]
 
+    def slot_seconds(self, slot: tuple[int, ...], first: int, end: int, mb: int) -> float:
+        """Forward and backward of groups [first, end) at `mb` samples on a slot's slowest rank."""
+        key = (slot, first, end, mb)
+        if key not in self._slot:
+            self._slot[key] = max(self.seconds(r, first, end, mb) for r in self._distinct(slot))
+        return self._slot[key]
+
+    def _distinct(self, slot: tuple[int, ...]) -> list[int]:
+        if slot not in self._reps:
+            reps: dict = {}
+            for r in slot:
+                reps.setdefault(_hardware(self.cluster, (r,)), r)
+            self._reps[slot] = list(reps.values())
+        return self._reps[slot]
+
     def seconds(self, rank: int, first: int, end: int, mb: int) -> float:
         """Forward and backward of groups [first, end) on `rank` at `mb` samples."""
         key = (_hardware(self.cluster, (rank,)), first, end, mb)
@@ -419,10 +476,7 @@ class _Costs:
         return self._cache[key]
 
     def memory(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool):
-        key = (first, end)
-        if key not in self._acts:
-            self._acts[key] = stage_activations(self.graph, self.table, first, end)
-        kept, backward = self._acts[key]
+        kept, backward = self._acts(first, end)
         groups = self.table.span(first, end)
         return stage_memory(
             param_bytes=sum(g.param_bytes for g in groups),
@@ -432,18 +486,48 @@ class _Costs:
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
             in_flight=flight, num_micro_batches=m, replicated=replicated)
 
-    def fits(self, slot: tuple[int, ...], memory) -> bool:
-        v = self.vdevs[slot[0]]
-        peak = max(max(h.const + a.const for h, a in memory.backward_points()),
-                   memory.optimizer_step(foreach=self.cluster.device == "cuda").const)
-        return peak + (v.compute.workspace_bytes if v.compute is not None else 0.0) <= v.memory_bytes
+    def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool) -> float:
+        """Bytes a rank of the stage holds at its peak (stage_memory's backward or Adam's step)."""
+        key = (first, end, mb, flight, m, replicated, last)
+        if key in self._peaks:
+            return self._peaks[key]
+        kept, backward = self._acts(first, end)
+        params = self._prefix_params[end] - self._prefix_params[first]
+        self._peaks[key] = stage_peak_bytes(
+            param_bytes=params, largest_param_bytes=max(g.largest_param_bytes for g in self.table.span(first, end)),
+            kept_bytes=mb * kept, backward_bytes=mb * backward,
+            received_bytes=mb * self.table.border_bytes(first, end),
+            sent_bytes=0.0 if last else mb * self.table.groups[end - 1].out_bytes,
+            in_flight=flight, num_micro_batches=m, replicated=replicated, foreach=self.cluster.device == "cuda")
+        return self._peaks[key]
+
+    def fits(self, slot: tuple[int, ...], peak: float) -> bool:
+        """Whether every device of the slot holds `peak` bytes (and its libraries' own)."""
+        return all(peak + (self.vdevs[r].compute.workspace_bytes if self.vdevs[r].compute is not None else 0.0)
+                   <= self.vdevs[r].memory_bytes for r in self._distinct(slot))
+
+    def send(self, a: tuple[int, ...], b: tuple[int, ...], end: int, mb: int) -> float:
+        """Sending the output of groups [., end) from slot a to slot b and its gradient back."""
+        key = (a[0], b[0], end, mb)
+        if key not in self._send:
+            self._send[key] = 2.0 * transfer_s(mb * self.table.groups[end - 1].out_bytes, self.cluster, a[0], b[0])
+        return self._send[key]
+
+    def seconds_matrix(self, slot: tuple[int, ...], mb: int) -> list[list[float]]:
+        """slot_seconds(slot, i, j, mb) for every run [i, j) of groups, as [i][j]."""
+        key = ("sec", tuple(_hardware(self.cluster, (r,)) for r in self._distinct(slot)), mb)
+        if key not in self._send:
+            G = self.table.num_groups
+            self._send[key] = [[self.slot_seconds(slot, i, j, mb) if j > i else 0.0 for j in range(G + 1)]
+                               for i in range(G)]
+        return self._send[key]
 
 
-def best_cuts(costs: _Costs, order, mb: int, m: int, flights: list[int], replicated: bool,
-              send_s) -> tuple[float, float, list[int]] | None:
+def best_cuts(costs: _Costs, order, mb: int, m: int, flights: list[int],
+              replicated: bool) -> tuple[float, float, list[int]] | None:
     """The cuts of the layer groups into len(order) non-empty runs, run s on slot order[s], whose
     slowest stage (forward + backward of a micro-batch, plus sending its output) is fastest,
-    ties broken by the sum, among those whose every stage fits its device's memory (dynamic
+    ties broken by the sum, among those whose every stage fits its devices' memory (dynamic
     program over the groups). (slowest, sum, cut points) or None when nothing fits."""
     num_groups, num_stages = costs.table.num_groups, len(order)
     if num_stages > num_groups:
@@ -455,18 +539,18 @@ def best_cuts(costs: _Costs, order, mb: int, m: int, flights: list[int], replica
     for s in range(1, num_stages + 1):
         slot = order[s - 1]
         last = s == num_stages
+        sec = costs.seconds_matrix(slot, mb)
+        prev_row, row, links = best[s - 1], best[s], back[s]
         for j in range(s, num_groups - (num_stages - s) + 1) if not last else (num_groups,):
+            send = 0.0 if last else costs.send(slot, order[s], j, mb)
             for i in range(s - 1, j):
-                prev = best[s - 1][i]
+                prev = prev_row[i]
                 if prev[0] == math.inf:
                     continue
-                c = costs.seconds(slot[0], i, j, mb) + (0.0 if last else send_s(s - 1, j, mb))
-                cand = (max(prev[0], c), prev[1] + c)
-                if cand >= best[s][j]:
-                    continue
-                if not costs.fits(slot, costs.memory(i, j, mb, flights[s - 1], m, replicated, last)):
-                    continue
-                best[s][j], back[s][j] = cand, i
+                c = sec[i][j] + send
+                cand = (prev[0] if prev[0] > c else c, prev[1] + c)
+                if cand < row[j] and costs.fits(slot, costs.peak(i, j, mb, flights[s - 1], m, replicated, last)):
+                    row[j], links[j] = cand, i
     if best[num_stages][num_groups][0] == math.inf:
         return None
     cuts = [num_groups]
@@ -482,7 +566,9 @@ class PipelineParallel:
         name: the method's name in records.
         schedule: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
         num_micro_batches: micro-batches per pipeline and iteration, or "auto" (priced).
-        stage_level: "device", "machine" or "auto" (the faster priced of those that fit).
+        stage_level: what a stage's slot is cut from: "device", "machine" or "auto" (both).
+        num_stages: stages per pipeline, a divisor of the devices (machines); "auto": the
+            fastest priced of those up to the model's layer groups.
         bucket_cap_mb: DDP's gradient bucket among a stage's replicas (MiB).
         lr: Adam's learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
@@ -494,14 +580,18 @@ class PipelineParallel:
     mirror_full_state = False  # tests: write every stage's parameters and gradients into the full model
 
     def __init__(self, name: str = "pipeline", schedule: str = "1f1b", num_micro_batches="auto",
-                 stage_level: str = "auto", bucket_cap_mb: float = 25.0, lr: float = 5e-4, grad_clip: float = 0.0,
-                 profile: bool = True):
+                 stage_level: str = "auto", num_stages="auto", bucket_cap_mb: float = 25.0, lr: float = 5e-4,
+                 grad_clip: float = 0.0, profile: bool = True):
         if schedule not in SCHEDULES:
             raise ConfigError(f"method.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         whole = isinstance(num_micro_batches, int) and not isinstance(num_micro_batches, bool)
         if num_micro_batches != "auto" and (not whole or num_micro_batches < 1):
             raise ConfigError(f"method.num_micro_batches={num_micro_batches!r} must be auto or an integer >= 1; "
                               "e.g. method.num_micro_batches=4")
+        whole = isinstance(num_stages, int) and not isinstance(num_stages, bool)
+        if num_stages != "auto" and (not whole or num_stages < 1):
+            raise ConfigError(f"method.num_stages={num_stages!r} must be auto or an integer >= 1; "
+                              "e.g. method.num_stages=2")
         if stage_level not in STAGE_LEVELS:
             raise ConfigError(f"method.stage_level={stage_level!r} is unknown; use one of {', '.join(STAGE_LEVELS)}")
         if not bucket_cap_mb > 0:
@@ -513,6 +603,7 @@ class PipelineParallel:
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
         self.stage_level = stage_level
+        self.num_stages = num_stages
         self.bucket_cap_mb = bucket_cap_mb
         self.lr = lr
         self.grad_clip = grad_clip
@@ -523,28 +614,25 @@ class PipelineParallel:
         graph = capture_config(workload.model_cfg, workload.global_batch)
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))
-        candidates, refusals, oom = [], [], []
+        found, layouts_, refusals = [], *layouts(cluster, self.stage_level, self.num_stages, table.num_groups)
+        oom: list[str] = []
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
-        costs = None
-        for layout in layouts(cluster, self.stage_level):
-            if profiled:  # the layer groups on this host, at every micro-batch this layout may use
-                sizes = self._micro_batches(layout, table, workload)
-                profiles = {mb: group_profile(workload, mb) for mb in sizes}
-                if costs is None or costs.profiles is None:
-                    costs = _Costs(graph, table, cluster, 0.0, profiles, workload.flops_per_sample)
-                else:
-                    costs.profiles.update(profiles)
-            elif costs is None:
-                costs = _Costs(graph, table, cluster, model_launches)
-            found = self._candidates(layout, table, costs, workload, cluster, refusals, oom)
-            candidates += found
-        if not candidates:
-            if oom and not refusals:
-                raise StageOOM(oom[0])
-            raise ConfigError(refusals[0] if refusals else oom[0])
-        candidates.sort(key=lambda c: c[0])
+        if profiled:  # the layer groups on this host, at every micro-batch a layout may use
+            sizes = sorted({mb for layout in layouts_ for mb in self._micro_batches(layout, table, workload)})
+            costs = _Costs(graph, table, cluster, 0.0, {mb: group_profile(workload, mb) for mb in sizes},
+                           workload.flops_per_sample)
+        else:
+            costs = _Costs(graph, table, cluster, model_launches)
+        for layout in layouts_:
+            found += self._candidates(layout, table, costs, workload, cluster, refusals, oom)
+        if not found:
+            if oom:  # the layout that came closest to fitting
+                raise StageOOM(min(oom)[1])
+            raise ConfigError(refusals[0] if refusals else f"{workload.name} cannot be pipelined on "
+                              f"cluster={cluster.name}")
+        found.sort(key=lambda c: c[0])
         best = None
-        for _, layout, order, m, cuts in candidates[:SIMULATED]:
+        for _, layout, order, m, cuts in found[:SIMULATED]:
             program = self._program(layout, order, m, cuts, table, costs, workload, cluster, costs.model_launches)
             t = simulate_pipeline(program, cluster).iter_time_s
             if best is None or t < best[0]:
@@ -567,13 +655,7 @@ class PipelineParallel:
     def _candidates(self, layout: Layout, table: GroupTable, costs: _Costs, workload: Workload,
                     cluster: ClusterSpec, refusals: list, oom: list) -> list:
         S, D = layout.num_stages, layout.num_pipelines
-        where = f"method.stage_level={layout.level}" + (" (auto)" if self.stage_level == "auto" else "")
-        if S > table.num_groups:
-            refusals.append(f"{where} gives {S} stages (one per {layout.level} of cluster={cluster.name}) but "
-                            f"{workload.name} has {table.num_groups} layer groups to cut at; use a cluster with "
-                            f"at most {table.num_groups} {layout.level}s" + ("" if layout.level == "machine" else
-                                                                              " or method.stage_level=machine"))
-            return []
+        where = f"{S} stages of {len(layout.slots[0])} device(s), method.stage_level={layout.level}"
         if workload.global_batch % D:
             refusals.append(f"global_batch={workload.global_batch} must be a multiple of the {D} pipelines of "
                             f"{where}; e.g. global_batch={D * max(1, workload.global_batch // D)}")
@@ -585,12 +667,12 @@ class PipelineParallel:
                             f"({where}); use a larger batch (preset.batch_per_device) or method.schedule=gpipe")
             return []
         found = []
+        orders = slot_orders(cluster, layout)
         for m in choices:
             mb = per_pipeline // m
             flights = [in_flight(trace_schedule(self.schedule, S, m, s)) for s in range(S)]
-            for order in slot_orders(cluster, layout):
-                send = self._send_time(order, table, cluster)
-                best = best_cuts(costs, order, mb, m, flights, D > 1, send)
+            for order in orders:
+                best = best_cuts(costs, order, mb, m, flights, D > 1)
                 if best is None:
                     continue
                 slowest, total, cuts = best
@@ -601,15 +683,9 @@ class PipelineParallel:
             oom.append(self._oom_message(layout, costs, table, per_pipeline, choices, cluster, workload, where))
         return found
 
-    @staticmethod
-    def _send_time(order, table: GroupTable, cluster: ClusterSpec):
-        def send(s: int, end: int, mb: int) -> float:
-            return 2.0 * transfer_s(mb * table.groups[end - 1].out_bytes, cluster, order[s][0], order[s + 1][0])
-        return send
-
     def _oom_message(self, layout, costs: _Costs, table: GroupTable, per_pipeline: int, choices, cluster, workload,
-                     where: str) -> str:
-        """One line: the stage split that comes closest to fitting, what it needs and the fix."""
+                     where: str) -> tuple[float, str]:
+        """(bytes, one line): an even split of the groups, what its fullest stage needs and the fix."""
         m = min(choices)
         mb = per_pipeline // m
         S = layout.num_stages
@@ -617,12 +693,11 @@ class PipelineParallel:
         cuts = [round(i * table.num_groups / S) for i in range(S + 1)]
         worst, need = 0, 0.0
         for s in range(S):
-            mem = costs.memory(cuts[s], cuts[s + 1], mb, flights[s], m, layout.num_pipelines > 1, s == S - 1)
-            peak = max(max(h.const + a.const for h, a in mem.backward_points()), mem.optimizer_step().const)
+            peak = costs.peak(cuts[s], cuts[s + 1], mb, flights[s], m, layout.num_pipelines > 1, s == S - 1)
             if peak > need:
                 worst, need = s, peak
         dev = cluster.devices[layout.slots[0][0]]
-        return (f"no split of {workload.name}'s {table.num_groups} layer groups into {S} stages ({where}) fits "
+        return need, (f"no split of {workload.name}'s {table.num_groups} layer groups into {where} fits "
                 f"device memory: stage {worst} (groups {cuts[worst]}-{cuts[worst + 1] - 1}) needs "
                 f"{need / 2**30:.1f} GiB at method.num_micro_batches={m}, more than a {dev.type.name}'s "
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices")

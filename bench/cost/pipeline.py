@@ -159,6 +159,23 @@ def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: 
                   largest_param=Affine(largest_param_bytes))
 
 
+def stage_peak(memory: Memory, foreach: bool) -> float:
+    """Bytes a rank of a stage holds at its peak: the larger of backward's (every gradient, the
+    activations in flight) and Adam's step (bench.program.Memory.optimizer_step)."""
+    return max(max(h.const + a.const for h, a in memory.backward_points()), memory.optimizer_step(foreach).const)
+
+
+def stage_peak_bytes(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
+                     received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
+                     replicated: bool, foreach: bool) -> float:
+    """stage_peak(stage_memory(...)) in plain arithmetic, for a planner that checks many cuts."""
+    resident = 4.0 * param_bytes + (param_bytes if replicated else 0.0) + num_micro_batches * (
+        received_bytes + sent_bytes)
+    activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
+    step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
+    return resident + max(activations, step)
+
+
 def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float:
     """Seconds of one point-to-point transfer of `nbytes` from rank `src` to `dst`: the
     alpha-beta time of the link they span (a broadcast between two ranks: the bytes cross it

@@ -1,0 +1,102 @@
+"""What the new methods' programs price is what their runtimes do: FSDP2's collectives (kind,
+bytes per rank, order) and the pipeline's transfers (which micro-batch, which way, bytes, in
+each stage's order) recorded on real ranks, against the Program / PipelineProgram of the plan."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.run import new_record, prepare_case
+
+pytestmark = pytest.mark.e2e
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from bench.emulation import Emulator
+        from bench.interfaces import RankContext
+
+        calls: list = []
+        names = ("all_gather_single", "reduce_scatter_single") if kind == "fsdp" else ("isend", "irecv")
+        for name in names:
+            original = getattr(dist, name)
+
+            def wrapped(*args, _name=name, _original=original, **kwargs):
+                tensor = args[1] if _name == "all_gather_single" else (args[0] if args else kwargs.get("tensor"))
+                if _name == "reduce_scatter_single":
+                    tensor = kwargs.get("output", args[0] if args else None)
+                calls.append((_name, tensor.numel() * tensor.element_size()))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+            setattr(dist.distributed_c10d, name, wrapped)
+        emulator = Emulator(case.cluster, rank, enabled=False)
+        ctx = RankContext(rank, world, torch.device("cpu"), case.cluster, case.workload, emulator)
+        trainer = case.method.setup(case.plan, case.workload.build(case.seed), ctx)
+        data = case.workload.model_cfg.dataset("synthetic", None, "train", case.seed)
+        for step in range(2):  # the second step: the first also sends the pipeline's metadata
+            calls.clear()
+            start, stop = (case.plan.data_slices or [(0, 0)] * world)[rank] if kind == "pipeline" else (
+                sum(case.plan.batch_shares[:rank]), sum(case.plan.batch_shares[:rank + 1]))
+            trainer.step(data.batch(step, start, stop, case.workload.global_batch))
+        out.put((rank, calls))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _record(case, kind: str, world: int) -> dict[int, list]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case, kind, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(30)
+    return got
+
+
+@pytest.mark.parametrize("model,method", [("bert", "fsdp"), ("vgg19", "fsdp_cp")])
+def test_fsdp_runs_the_collectives_its_program_prices(cfg_factory, model, method):
+    cfg = cfg_factory(f"model={model}", f"method={method}", "method.work_probe=false", "mode=sim")
+    case = prepare_case(cfg, new_record(cfg))
+    priced = [(c.kind, c.nbytes.const) for st in case.plan.program.stages for c in st.collectives]
+    got = _record(case, "fsdp", 2)
+    for rank, calls in got.items():
+        # bytes per rank: a gather's input shard, a reduce-scatter's output shard
+        ran = [("all_gather" if name == "all_gather_single" else "reduce_scatter", nbytes) for name, nbytes in calls]
+        assert ran == priced, f"rank {rank}: ran {ran} priced {priced}"
+
+
+@pytest.mark.parametrize("overrides,world", [(("cluster=local_hetero2",), 2),
+                                            (("cluster=local_hetero4", "method.schedule=gpipe"), 4)])
+def test_the_pipeline_sends_what_its_program_prices_in_the_traced_order(cfg_factory, overrides, world):
+    cfg = cfg_factory("model=bert", "method=pipeline", "method.profile=false", "mode=sim", *overrides)
+    case = prepare_case(cfg, new_record(cfg))
+    program = case.plan.program
+    got = _record(case, "pipeline", world)
+    for s, st in enumerate(program.stages):
+        expected = []
+        for a in program.actions[s]:
+            if a[0] in ("send", "recv"):
+                to = s + 1 if (a[0] == "send") == (a[2] == "act") else s - 1
+                nbytes = st.send_bytes if (a[2] == "act") == (a[0] == "send") else program.stages[to].send_bytes
+                expected.append(("isend" if a[0] == "send" else "irecv", nbytes))
+        assert got[st.ranks[0]] == expected, f"stage {s}"
