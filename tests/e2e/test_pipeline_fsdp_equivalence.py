@@ -58,7 +58,8 @@ def test_one_pipeline_step_equals_single_device_training(cfg_factory, model):
 
 def test_a_gpipe_pipeline_over_four_devices_in_a_priced_order_equals_single_device_training(cfg_factory):
     case = _check_one_step(cfg_factory, "model=bert", "cluster=local_hetero4", "method=pipeline",
-                           "method.schedule=gpipe", "method.profile=false", "global_batch=8", ranks=4)
+                           "method.schedule=gpipe", "method.num_stages=4", "method.profile=false", "global_batch=8",
+                           ranks=4)
     assert case.plan.details["num_stages"] == 4
 
 
