@@ -34,16 +34,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.cluster import ClusterSpec, ConfigError, device_types
-from bench.progress import track
-from bench.emulation import emulated_compute_s
+from bench.core.cluster import ClusterSpec, device_types
+from bench.core.errors import ConfigError
+from bench.records.progress import track
+from bench.runtime.emulation import emulated_compute_s
 from bench.cost import host_time, simulate, virtual_devices
-from bench.flops import device_step, host_probe
-from bench.records import fingerprint
-from bench.worker import rank_hardware
+from bench.runtime.hostspeed import device_step, host_probe
+from bench.records.rows import fingerprint
+from bench.runtime.worker import rank_hardware
 
-from bench.paths import PROJECT_DIR
-from bench.stats import Summary
+from bench.core.paths import PROJECT_DIR
+from bench.records.stats import Summary
 from bench.compare import run_rounds
 from bench.run import (_instantiate, build_workload, check_group_choices, check_repeats, compose_config,
                        expect_cases, methods_supporting, run_case)
@@ -181,7 +182,7 @@ def print_summary(summary: dict) -> None:
     if summary["mape"] is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
         console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
-                      "host speed each run's ranks measured (bench.flops.yardstick)")
+                      "host speed each run's ranks measured (bench.runtime.hostspeed.yardstick)")
     if summary.get("memory_mape") is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
         cases = sum(c.get("memory_error") is not None for c in summary["cases"])
@@ -250,7 +251,7 @@ def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
 def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None,
                host_probe_s: float | None = None) -> dict:
     """The step's prediction from the profile as measured, and, where both the profile and the
-    row probed the host (bench.flops.host_probe), also with the host's dispatch costs at the
+    row probed the host (bench.runtime.hostspeed.host_probe), also with the host's dispatch costs at the
     row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
     model, batch = cfg.model.name, workload.global_batch
     plan = _instantiate(cfg.method, "method").plan(workload, cluster)

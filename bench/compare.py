@@ -9,7 +9,7 @@ Measured comparisons run `repeats` rounds (default 6, a 97% interval for each me
 interleaved: round r runs every method once, each in its own worker processes (A B C, A B C,
 ...), so a drift of the machine hits every method alike. Each run is a `repeat` row; each method
 then gets an `aggregate` row: the median of its repeats' mean iteration times, the order-statistic
-interval of that median (bench.stats), the MLPerf-style trimmed mean, and its speedup over dp_ev
+interval of that median (bench.records.stats), the MLPerf-style trimmed mean, and its speedup over dp_ev
 computed round by round (same round, same machine state) with its own interval.
 """
 
@@ -24,10 +24,10 @@ from dataclasses import asdict
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from bench.cluster import ConfigError
-from bench.emulation import emulated_compute_s, links_ok
-from bench.progress import progress_bar
-from bench.records import RunRecord, case_key, finished_record
+from bench.core.errors import ConfigError
+from bench.runtime.emulation import emulated_compute_s, links_ok
+from bench.records.progress import progress_bar
+from bench.records.rows import RunRecord, case_key, finished_record
 from bench.run import (
     check_group_choices,
     check_repeats,
@@ -42,9 +42,9 @@ from bench.run import (
     run_case,
     write_record,
 )
-from bench.stats import ranks, summarize
-from bench.table import BASELINE, print_table
-from bench.tracking import track_sweep
+from bench.records.stats import ranks, summarize
+from bench.records.table import BASELINE, print_table
+from bench.records.tracking import track_sweep
 
 DEFAULT_REPEATS = 6  # measured comparisons; mode=sim is deterministic and runs once
 

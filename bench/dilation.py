@@ -4,7 +4,7 @@
     python -m bench.dilation 3 0.5      # 3 runs at speed 0.5
     python -m bench.dilation 10 emulation.reference_iters=30   # runner overrides, as elsewhere
 
-One spawned worker process trains tiny BERT through the real worker path (bench.worker.run_rank,
+One spawned worker process trains tiny BERT through the real worker path (bench.runtime.worker.run_rank,
 one emulated device) at speed 1, then s, then 1 again, for each speed s; the achieved dilation
 is s's median iteration time over the mean of its two speed-1 neighbours, times s (1.0 is
 perfect). All of them are paced against one full-pace reference, measured first in the same
@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from bench.progress import track
+from bench.records.progress import track
 
 SPEEDS = (0.25, 0.4, 0.5)
 GOAL = 0.03  # within 3% of 1/speed
@@ -42,7 +42,7 @@ def _case(speed: float, overrides: tuple[str, ...] = (), reference: tuple[float,
 
 
 def _worker(speeds, port, out, overrides=()) -> None:
-    from bench.worker import run_rank
+    from bench.runtime.worker import run_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # The first case measures the device's full-pace reference; every case after is paced
@@ -64,7 +64,7 @@ def _worker(speeds, port, out, overrides=()) -> None:
 
 def measure(speeds=SPEEDS, overrides: tuple[str, ...] = ()) -> dict[float, float]:
     """One run: {speed: achieved dilation x speed} from one worker process."""
-    from bench.launch import _free_port
+    from bench.runtime.launch import _free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

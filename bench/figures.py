@@ -28,10 +28,10 @@ import pandas as pd  # noqa: E402
 from hydra import compose  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
-from bench.cluster import ClusterSpec  # noqa: E402
+from bench.core.cluster import ClusterSpec
 from bench.cost import collective_linear_cost  # noqa: E402
-from bench.paths import PROJECT_DIR  # noqa: E402
-from bench.progress import track  # noqa: E402
+from bench.core.paths import PROJECT_DIR
+from bench.records.progress import track
 from bench.report import layout, read_rows, report  # noqa: E402
 from bench.run import (  # noqa: E402
     compose_config,
@@ -276,11 +276,11 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     ratios and program) reuses its measurement (column measured_run_of). predicted_iter_time_s
     is the simulator's figure for the same plan at the measured host speed.
     """
-    from bench.flops import measure_host_speed
-    from bench.hostlinks import host_floor
-    from bench.launch import launch
-    from bench.records import summarize_times
-    from bench.worker import Case
+    from bench.runtime.hostspeed import measure_host_speed
+    from bench.runtime.hostlinks import host_floor
+    from bench.runtime.launch import launch
+    from bench.records.rows import summarize_times
+    from bench.runtime.worker import Case
 
     # The one figure that plans by hand (a restricted program space at given ratios).
     from methods.hap import tensor_parallel as tp

@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from rich.console import Console
 from rich.table import Table
 
-from bench.cluster import ConfigError
+from bench.core.errors import ConfigError
 from bench.compare import run_rounds
 from bench.run import check_group_choices, check_repeats, compose_config, print_help_if_asked
 

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
 from bench.run import _instantiate, build_workload, compose_config
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")

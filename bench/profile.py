@@ -6,7 +6,7 @@
 
 With --compute-out it profiles one device's compute only (op microbenchmarks over batch sizes:
 per op class a fixed cost per kernel and a FLOP/s rate, and the Adam step's rate over the
-parameter bytes), the file a device type's `profile:` names (bench.cluster.ComputeProfile).
+parameter bytes), the file a device type's `profile:` names (bench.core.cluster.ComputeProfile).
 
 Collectives are real gloo (or NCCL) calls between local worker processes, from 4 KB to 64 MB,
 with even and skewed shards, padded and grouped all-gather / reduce-scatter. Each kind is fitted
@@ -33,12 +33,13 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.compat import all_gather_single, reduce_scatter_single
+from bench.runtime.compat import all_gather_single, reduce_scatter_single
 from bench.cost import link_bytes
-from bench.flops import ELEMENTWISE_FLOPS, host_probe
-from bench.hostcpu import emulated_device
-from bench.launch import _free_port
-from bench.paths import PROJECT_DIR
+from bench.cost.flops import ELEMENTWISE_FLOPS
+from bench.runtime.hostspeed import host_probe
+from bench.runtime.hostcpu import emulated_device
+from bench.runtime.launch import _free_port
+from bench.core.paths import PROJECT_DIR
 
 PROFILE_DIR = PROJECT_DIR / "results" / "profiles"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -91,7 +92,7 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
     return out
 
 
-# -- compute profile of a device type (bench.cluster.ComputeProfile) ------------------------
+# -- compute profile of a device type (bench.core.cluster.ComputeProfile) ------------------------
 CHAIN = 8  # ops per forward+backward call: one autograd run per call, as in a step
 
 
@@ -99,7 +100,7 @@ def _class_benchmarks(device: str):
     """(op class, kernels per call as the planner counts them, batches, make(batch) -> (call,
     FLOPs)) per class: forward + backward of a chain of CHAIN nn.Linear layers, 3x3
     nn.Conv2d layers, or nn.LayerNorm + nn.GELU pairs (FLOPs counted as the planner's graph
-    counts them: bench.flops). A chain, not one op: a training step runs one autograd pass
+    counts them: bench.runtime.hostspeed). A chain, not one op: a training step runs one autograd pass
     over many ops, so the pass's own start-up should not be charged to each kernel; modules
     with biases, not bare functions: the models call modules, and their hosts pay for it."""
     gpu = device != "cpu"
@@ -253,7 +254,7 @@ def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
                  "timing": (f"median of {repeats} calls" if not gpu else
                             f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
                             "between CUDA events (device) and on the host's clock (dispatch)")}
-    if gpu:  # the host's dispatch speed when its dispatch costs were measured (bench.flops.host_probe)
+    if gpu:  # the host's dispatch speed when its dispatch costs were measured (bench.runtime.hostspeed.host_probe)
         out["host_probe_s"] = host_probe(device)
 
     with emulated_device() if not gpu else contextlib.nullcontext():

@@ -15,7 +15,7 @@ same code 3x slower; a figure past its tolerance is planned twice more and regre
 three are past, planner_retries),
 and each real-capable method's measured iteration time on an emulated cluster divided by the
 cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
-timed by its own worker, summed over the summed speeds; bench.emulation.pooled_compute_s). What
+timed by its own worker, summed over the summed speeds; bench.runtime.emulation.pooled_compute_s). What
 is left is what the harness adds to compute: links, waits on peers, pacing, the worker loop. A
 slowdown of the worker loop, the emulator or the data path raises every method's figure, so it
 is caught even when it hits every method alike; how fast this VM happened to run the workers
@@ -56,10 +56,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.cluster import ConfigError
-from bench.emulation import pooled_compute_s
-from bench.records import fingerprint
-from bench.paths import PROJECT_DIR
+from bench.core.errors import ConfigError
+from bench.runtime.emulation import pooled_compute_s
+from bench.records.rows import fingerprint
+from bench.core.paths import PROJECT_DIR
 from bench.run import (
     check_group_choices,
     compose_config,

@@ -26,8 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.records import load_records
-from bench.table import BASELINE, same_case
+from bench.records.rows import load_records
+from bench.records.table import BASELINE, same_case
 
 METRICS = {  # name -> axis label
     "samples_per_s": "samples/s",
@@ -314,7 +314,7 @@ def _trackers(names: str, out: Path) -> list:
     """The loggers of `--logger` (conf/logger options), writing under `out`."""
     if names in ("", "none"):
         return []
-    from bench.cluster import ConfigError
+    from bench.core.errors import ConfigError
     from bench.run import check_group_choices, compose_config, make_trackers
 
     try:
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                args.metric or spec.get("metric", "samples_per_s"), args.title or spec.get("title"),
                figure=not args.no_figure)
         if trackers:
-            from bench.tracking import track_figure
+            from bench.records.tracking import track_figure
 
             files = [out / f"{name}{suffix}" for suffix in (".png", ".pdf", ".csv", "_speedup.csv")]
             track_figure(trackers, name, [f for f in files if f.exists()])

@@ -31,18 +31,37 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds, links_ok
-from bench.flops import measure_host_speed, split_step, train_flops_per_sample
-from bench.hostcpu import host_cores
-from bench.hostlinks import host_floor
-from bench.interfaces import PlanningError, Workload
-from bench.launch import (CaseTimeout, WorkerError, WorkerOutOfMemory, expect_modules, forks_workers, launch,
-                          method_modules, start_server, wait_for_server)
-from bench.multinode import RUN_ID_ENV, NodeTask, current_task, devices_per_node, run_torchrun, torchrun_command
-from bench.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
-from bench.progress import interactive, progress_bar
-from bench.records import (
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.runtime.emulation import DILATION_TOLERANCE, EmulationSettings, achieved_speeds, links_ok
+from bench.runtime.hostspeed import measure_host_speed, split_step
+from bench.cost.flops import train_flops_per_sample
+from bench.runtime.hostcpu import host_cores
+from bench.runtime.hostlinks import host_floor
+from bench.core.errors import PlanningError
+from bench.core.interfaces import Workload
+from bench.runtime.launch import (
+    CaseTimeout,
+    WorkerError,
+    WorkerOutOfMemory,
+    expect_modules,
+    forks_workers,
+    launch,
+    method_modules,
+    start_server,
+    wait_for_server,
+)
+from bench.runtime.multinode import (
+    RUN_ID_ENV,
+    NodeTask,
+    current_task,
+    devices_per_node,
+    run_torchrun,
+    torchrun_command,
+)
+from bench.core.paths import CONF_DIR, CONF_PACKAGE, CONF_SOURCE, IN_CHECKOUT
+from bench.records.progress import interactive, progress_bar
+from bench.records.rows import (
     RunRecord,
     append_record,
     case_key,
@@ -52,9 +71,17 @@ from bench.records import (
     summarize_times,
 )
 from bench.cost import simulate
-from bench.table import print_table
-from bench.tracking import WANDB_MODES, Tracker, track_case, track_sweep
-from bench.worker import CPU_ONLY_ENV, PRECISIONS, Case, backend_for, init_process_group, pick_device, run_rank
+from bench.records.table import print_table
+from bench.records.tracking import WANDB_MODES, Tracker, track_case, track_sweep
+from bench.runtime.worker import (
+    CPU_ONLY_ENV,
+    PRECISIONS,
+    Case,
+    backend_for,
+    init_process_group,
+    pick_device,
+    run_rank,
+)
 
 log = logging.getLogger("bench.run")
 
@@ -237,7 +264,7 @@ def _check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
                 f"{torch.__version__} sees none (CUDA build: {torch.version.cuda or 'no'}); use "
                 "an emulated cluster with device: cpu (e.g. cluster=local_hetero2) or run on a GPU host"
             )
-        from bench.mps import control_binary
+        from bench.runtime.mps import control_binary
 
         control_binary()  # one line when MPS is not installed
         return
@@ -290,7 +317,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
                  launching: bool = False) -> Case:
     """Validate, measure the host, plan: everything before workers start. Fills `record`.
 
-    `launching`: this process launches the case's workers next (bench.launch.launch); when they
+    `launching`: this process launches the case's workers next (bench.runtime.launch.launch); when they
     fork from a server on the CPU, it starts here, as soon as the case is valid, so that its
     seconds of imports overlap the FLOP count (start_server)."""
     _check_protocol(cfg)
@@ -339,7 +366,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
     if emulation is not None and cluster.device == "cuda":
-        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.emulation).
+        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.runtime.emulation).
         emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
     record.emulation = None if emulation is None else {
         "device": cluster.device, "headroom": emulation.headroom,
@@ -360,7 +387,7 @@ def _compute_s(sim) -> float:
 
 def predict_at_run_speed(record: RunRecord, case: Case) -> None:
     """An emulated CPU run's prediction priced at the host speed its own ranks measured just
-    before their reference iterations (bench.flops.yardstick: plain steps of the model, not the
+    before their reference iterations (bench.runtime.hostspeed.yardstick: plain steps of the model, not the
     method's program; the median over ranks). `planned_iter_time_s` keeps the price at the
     parent's probe, which the planner planned with."""
     ranks = (record.emulation or {}).get("ranks") or []
@@ -418,7 +445,7 @@ def write_record(cfg: DictConfig, record: RunRecord, track: bool = True) -> None
 def expect_cases(configs) -> None:
     """Before a series of cases in this process (a comparison's methods, the regression check's
     rounds, a calibration): the server their CPU workers fork from, started by the first case,
-    preloads what every case's method imports in its workers (bench.launch.expect_modules), not
+    preloads what every case's method imports in its workers (bench.runtime.launch.expect_modules), not
     the first's alone. (A model's module is small: each worker imports its own.)"""
     expect_methods(str(cfg.method.get("_target_", "")) for cfg in configs)
 
@@ -615,7 +642,7 @@ def _run_under_torchrun(cfg: DictConfig) -> None:
 
 
 def _run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
-    """One task of a multi-node job (bench.multinode): start this node's torchrun on the same
+    """One task of a multi-node job (bench.runtime.multinode): start this node's torchrun on the same
     overrides and wait. Task 0 makes sure the case gets its row: torchrun's rank 0 writes it,
     and task 0 writes a failed (or timeout) row if torchrun ended before that."""
     from hydra.core.hydra_config import HydraConfig

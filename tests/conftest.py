@@ -30,7 +30,7 @@ class InfeasibleMethod:
         self.name = name
 
     def plan(self, workload, cluster):
-        from bench.interfaces import PlanningError
+        from bench.core.errors import PlanningError
 
         class Infeasible(PlanningError):
             status = "infeasible"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from bench.shares import offsets
+from bench.core.shares import offsets
 from methods.capture import Graph, Node
 from methods.hap import collectives as C
 from methods.hap import hierarchy as H

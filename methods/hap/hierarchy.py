@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bench.shares import offsets, round_shares
+from bench.core.shares import offsets, round_shares
 from methods.hap import collectives as C
 from methods.hap.theory import IDENTITY, REDUCE, Layout
 

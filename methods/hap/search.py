@@ -25,9 +25,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import PlanningError
-from bench.program import Affine, Collective, Memory, Program, Stage, affine_sum, backward_sweep, bucket_runs, op_class
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError
+from bench.core.program import (
+    Affine,
+    Collective,
+    Memory,
+    Program,
+    Stage,
+    affine_sum,
+    backward_sweep,
+    bucket_runs,
+    op_class,
+)
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
 from methods.capture import Graph
 from methods.hap.segments import segment_ops

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.cluster import ConfigError
+from bench.core.errors import ConfigError
 
 SEGMENTATIONS = ("layers", "flops", "metis")
 POOLING_OPS = ("max_pool2d", "avg_pool2d")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, Workload
+from bench.core.program import Program
 from bench.cost import (
     SimResult,
     compute_proportional_ratios,

@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
-from bench.interfaces import PlanningError
+from bench.core.errors import PlanningError
 from methods.capture import VIEW_OPS, Graph, Node
 
 Layout = Union[str, int]

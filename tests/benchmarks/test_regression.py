@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from bench import regress
-from bench.emulation import pooled_compute_s
+from bench.runtime.emulation import pooled_compute_s
 
 pytestmark = pytest.mark.e2e
 

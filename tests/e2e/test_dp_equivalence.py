@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.launch import launch
+from bench.runtime.launch import launch
 from bench.run import new_record, prepare_case
 
 pytestmark = pytest.mark.e2e

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from bench import figures, report
-from bench.records import load_records
+from bench.records.rows import load_records
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import stat
 import pytest
 
 from bench import run as runner
-from bench.launch import WorkerError, launch
-from bench.records import load_records
+from bench.runtime.launch import WorkerError, launch
+from bench.records.rows import load_records
 
 pytestmark = pytest.mark.e2e
 QUICK = ["warmup_iters=0", "measured_iters=2", "emulation.reference_iters=0"]

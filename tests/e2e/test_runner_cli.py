@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.emulation import ArrivalBoard
-from bench.records import load_records
+from bench.runtime.emulation import ArrivalBoard
+from bench.records.rows import load_records
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
     out = run("bench.compare", "wandb.mode=disabled", "repeats=2", *QUICK, results_dir=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "speedup vs dp_ev" in out.stdout and "rank" in out.stdout
-    assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.launch)
+    assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.runtime.launch)
     recorded = rows(tmp_path)
     repeats = [r for r in recorded if r["row_kind"] == "repeat"]
     methods = [r["method"] for r in repeats]
@@ -240,7 +240,7 @@ def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(
 
 
 # Tagged processes when the launcher is killed: the runner, multiprocessing's resource tracker
-# and the server the workers fork from (bench.launch), still importing torch; then the workers,
+# and the server the workers fork from (bench.runtime.launch), still importing torch; then the workers,
 # given time to set up and train (a second at most on the 2-core dev VM).
 @pytest.mark.parametrize("processes, settle_s", [(3, 0.0), (5, 5.0)], ids=["server-starting", "training"])
 def test_workers_of_a_killed_launcher_do_not_linger_nor_their_files(tmp_path, processes, settle_s):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.cluster import ClusterSpec
-from bench.launch import launch
-from bench.records import load_records
-from bench.worker import Case
+from bench.core.cluster import ClusterSpec
+from bench.runtime.launch import launch
+from bench.records.rows import load_records
+from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_workload, plan_at_ratios
 

@@ -6,9 +6,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.flops import train_flops_per_sample
-from bench.records import load_records
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.cost.flops import train_flops_per_sample
+from bench.records.rows import load_records
 from bench.run import build_workload, group_options, run_case
 from tests.conftest import compose_config
 

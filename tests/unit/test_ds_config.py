@@ -8,9 +8,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.interfaces import Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Workload
+from bench.core.program import Program
 from bench.cost import simulate
 from methods.ds_zero import DeepSpeedZeRO, import_deepspeed, profile_workload, zero_program
 from models.bert import BertConfig

@@ -10,13 +10,13 @@ import threading
 
 import pytest
 
-from bench import emulation
-from bench.cluster import ClusterSpec
-from bench.emulation import EmulationSettings, Emulator
+from bench.runtime import emulation
+from bench.core.cluster import ClusterSpec
+from bench.runtime.emulation import EmulationSettings, Emulator
 
 
 class FakeClock:
-    """Stands in for the `time` module inside bench.emulation: compute advances the wall and
+    """Stands in for the `time` module inside bench.runtime.emulation: compute advances the wall and
     the thread's CPU clock, a sleep or a preemption only the wall."""
 
     def __init__(self):

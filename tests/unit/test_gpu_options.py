@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from bench import mps, run as runner
-from bench.cluster import ClusterSpec, ConfigError
-from bench.emulation import Emulator, achieved_speeds
-from bench.launch import rank_envs
-from bench.records import case_key, load_records
-from bench.worker import (
+from bench import run as runner
+from bench.runtime import mps
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.runtime.emulation import Emulator, achieved_speeds
+from bench.runtime.launch import rank_envs
+from bench.records.rows import case_key, load_records
+from bench.runtime.worker import (
     backend_for,
     is_out_of_memory,
     pick_device,

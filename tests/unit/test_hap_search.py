@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
 from bench.planner_check import paper_planning
 from methods.capture import capture, capture_config

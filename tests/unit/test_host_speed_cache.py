@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench import flops
+from bench.runtime import hostspeed as flops
 
 
 class _Workload:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from bench import paths
+from bench.core import paths
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -71,7 +71,7 @@ def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
 
 def test_calibration_tau_counts_only_pairs_the_repeats_separate():
     from bench.calibrate import summarize
-    from bench.stats import summarize as interval
+    from bench.records.stats import summarize as interval
 
     def row(method, times, predicted):
         return dict(model="bert", cluster="c", method=method, status="ok", predicted_iter_time_s=predicted,
@@ -105,7 +105,7 @@ def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_po
     # did on an H200.
     import json
 
-    from bench.cluster import load_compute_profile
+    from bench.core.cluster import load_compute_profile
     from bench.profile import fit_entry, main, refit
 
     points = [(x, 20e-6 + x / 50e12, h) for x, h in ((5e7, 1.1e-3), (4e8, 1.0e-3), (3.2e9, 1.2e-3),
@@ -141,7 +141,7 @@ def test_a_profiled_cluster_file_reads_back_its_numbers_whatever_their_digits(tm
 
     import yaml
 
-    from bench.cluster import ClusterSpec
+    from bench.core.cluster import ClusterSpec
     from bench.profile import cluster_yaml
 
     fits = {"all_reduce/ring": {"bytes_per_s": 1.25e8, "latency_s": 5e-5}}

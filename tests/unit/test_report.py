@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
-from bench.records import RunRecord, append_record
+from bench.records.rows import RunRecord, append_record
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "results" / "figures"
@@ -140,13 +140,13 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
 
 
 def test_a_tiny_efficiency_keeps_its_digits():
-    from bench.table import _efficiency
+    from bench.records.table import _efficiency
     assert [_efficiency(v) for v in (None, 0.0, 0.31, 0.00042)] == ["-", "0.00", "0.31", "4.2e-04"]
 
 
 def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatch):
     from omegaconf import OmegaConf
-    from bench import launch
+    from bench.runtime import launch
     from bench.run import SweepSummary
 
     monkeypatch.setattr(launch, "_expected", [])

@@ -1,4 +1,4 @@
-"""Imported by the workers' server alone, first among the modules it preloads (bench.launch).
+"""Imported by the workers' server alone, first among the modules it preloads (bench.runtime.launch).
 
 When the launcher that started the server exits, the server leaves through SystemExit, and the
 interpreter would then tear down the torch (and DeepSpeed) it imported: 1.3-1.7 s on the 2-core

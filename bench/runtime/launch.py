@@ -2,7 +2,7 @@
 
 A failing worker ends the whole case: the others are terminated (then killed), its traceback is
 raised as WorkerError (WorkerOutOfMemory when it ran out of memory). An emulated cluster on a GPU
-runs inside a private MPS daemon (bench.mps), each worker with its SM share. Across hosts use
+runs inside a private MPS daemon (bench.runtime.mps), each worker with its SM share. Across hosts use
 torchrun instead (see README); this is not a launcher for many machines.
 
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
@@ -16,7 +16,7 @@ it finds that module imported.) Each worker freezes what it inherits (gc.freeze)
 collections never walk the server's 300,000 objects. A spawned
 worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
 one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
-forked children. The server leaves the same way (bench.server_exit) and the launcher freezes its
+forked children. The server leaves the same way (bench.runtime.server_exit) and the launcher freezes its
 heap before its interpreter's last collections: a runner's output used to end about 3 s before
 its pipes closed, now 0.3-0.4 s. A forked worker takes the launcher's environment and working
 directory as they are when the case starts, as a spawned one would; only what torch reads at
@@ -45,10 +45,10 @@ import torch.multiprocessing as mp
 
 import torch
 
-from bench import mps
-from bench.cluster import ClusterSpec
-from bench.emulation import ArrivalBoard
-from bench.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
+from bench.runtime import mps
+from bench.core.cluster import ClusterSpec
+from bench.runtime.emulation import ArrivalBoard
+from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
 
 _TERMINATE_GRACE_S = 3.0
 # The process that imported this module first; in a worker forked from the server, the server.
@@ -179,7 +179,7 @@ def start_server(method, model_cfg) -> None:
     each of that case's workers."""
     modules = [*method_modules(type(method)), type(model_cfg).__module__]
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["bench.server_exit", __name__, "torch._dynamo", *modules, *_expected])
+    ctx.set_forkserver_preload(["bench.runtime.server_exit", __name__, "torch._dynamo", *modules, *_expected])
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:

@@ -150,7 +150,7 @@ def gloo_workers_first() -> int | None:
     on the same core as the polling loop (the rank is bound to one), at the same priority, and
     the scheduler lets it in only at the core's next tick (4 ms on the dev VM): the call ends up
     to a tick late, on both ranks at once. Single-round calls did not (all-gathers and
-    broadcasts of up to 128 KB, an all-reduce of one element, the calls bench.hostlinks times).
+    broadcasts of up to 128 KB, an all-reduce of one element, the calls bench.runtime.hostlinks times).
     At nice -10 the woken worker preempts the loop, or the rank's compute, straight away;
     workers sleep while they wait, so they hold the core only for the little work a call gives
     them.
@@ -182,7 +182,7 @@ def comm_priorities(realtime: bool, workers_first: bool) -> tuple[int | None, in
     """Give this process's gloo threads the priorities an emulated CPU rank runs them at
     (`emulation.realtime_comm`, `emulation.gloo_workers_first`): what realtime_comm_threads and
     gloo_workers_first return, None for a setting that is off. The runs' workers and the host
-    floor's probe (bench.hostlinks) both call this, so that the floor is timed as runs run."""
+    floor's probe (bench.runtime.hostlinks) both call this, so that the floor is timed as runs run."""
     return (realtime_comm_threads() if realtime else None,
             gloo_workers_first() if workers_first else None)
 

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
 
 RUN_ID_ENV = "HETBENCH_RUN_ID"  # the row's run_id, chosen by task 0 and written by torchrun's rank 0
 _PORTS = (15000, 30000)  # rendezvous ports derive from the job id: every task picks the same one

@@ -1,9 +1,9 @@
 """One rank of a real run: join the process group, set the method up, time the iterations.
 
-The same function runs under bench.launch (spawned workers on one host, gloo) and under
+The same function runs under bench.runtime.launch (spawned workers on one host, gloo) and under
 torchrun (one process per GPU or per host, env:// rendezvous, NCCL on GPUs). It applies the
 case's precision around every method's step and reports an out-of-memory rank distinctly; it
-does not start processes or MPS (bench.launch does).
+does not start processes or MPS (bench.runtime.launch does).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bench import hostcpu
-from bench.cluster import ClusterSpec
-from bench.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
-from bench.flops import pause_penalty, yardstick, yardstick_batches
-from bench.interfaces import Plan, RankContext, Workload
-from bench.shares import offsets
-from bench.tensor_memory import TensorBytes
+from bench.runtime import hostcpu
+from bench.core.cluster import ClusterSpec
+from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
+from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.shares import offsets
+from bench.runtime.tensor_memory import TensorBytes
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Case:
 
     workload: Workload
     cluster: ClusterSpec
-    method: Any  # a bench.interfaces.Method
+    method: Any  # a bench.core.interfaces.Method
     plan: Plan
     seed: int
     warmup_iters: int
@@ -86,7 +86,7 @@ def pick_device(local_rank: int, cluster: ClusterSpec | None = None) -> torch.de
 
 
 def init_process_group(rank: int, world_size: int, device: torch.device, backend: str | None = None) -> None:
-    """env:// rendezvous (MASTER_ADDR/PORT set by bench.launch or torchrun). Default backend:
+    """env:// rendezvous (MASTER_ADDR/PORT set by bench.runtime.launch or torchrun). Default backend:
     NCCL on a GPU, gloo on the CPU."""
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -215,7 +215,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
     keep_group: hold a reference to the destroyed process group until the process ends, for a
-    worker that ends without running destructors (bench.launch's forked ones, by os._exit). A gloo work
+    worker that ends without running destructors (bench.runtime.launch's forked ones, by os._exit). A gloo work
     that completes after destroy_process_group can otherwise drop the group's last reference
     on one of the group's own threads, whose destructor then joins that thread: "terminate
     called after throwing an instance of 'std::system_error' / Resource deadlock avoided",
@@ -223,7 +223,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
     """
     device = pick_device(local_rank, case.cluster)
     emulated = case.cluster.emulated
-    # On a GPU, compute runs at the rank's MPS share (real kernels, bench.launch): only links
+    # On a GPU, compute runs at the rank's MPS share (real kernels, bench.runtime.launch): only links
     # are emulated. On the CPU, slow ranks sleep their compute out.
     pace_compute = emulated and device.type == "cpu"
     # One core per CPU device (slow ranks sleep, not spin), denormals flushed, a steady malloc.
@@ -268,7 +268,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     shared = emulator.settings.reference is not None
     pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
     # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
-    # iterations, which no clock times; its peak is that of the last of them (bench.tensor_memory).
+    # iterations, which no clock times; its peak is that of the last of them (bench.runtime.tensor_memory).
     tensors = TensorBytes() if pre else None
     with tensors or contextlib.nullcontext():
         model = workload.build(case.seed).to(device)

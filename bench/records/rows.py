@@ -1,6 +1,6 @@
 """Result rows: one JSON line per case, appended atomically; the JSONL is the record of truth.
 
-Rows are written, never rewritten; the loggers (bench.tracking) only mirror them.
+Rows are written, never rewritten; the loggers (bench.records.tracking) only mirror them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RunRecord:
     efficiency: float | None = None
     predicted_iter_time_s: float | None = None  # the simulator's, in both modes when available
     # A real run on an emulated CPU cluster: the prediction above is priced at the host speed
-    # its ranks measured (bench.flops.yardstick), run_host_*; planned_iter_time_s is the price
+    # its ranks measured (bench.runtime.hostspeed.yardstick), run_host_*; planned_iter_time_s is the price
     # at the parent's probe (host_flops_per_s), what the planner planned with.
     planned_iter_time_s: float | None = None
     run_host_flops_per_s: float | None = None
@@ -69,7 +69,7 @@ class RunRecord:
     planner_time_s: float | None = None
     peak_mem_gib: list[float] | None = None  # per rank
     # per CPU rank: the peak of its live tensor bytes in its last lazy set-up iteration, the
-    # steady state the cost model predicts (bench.tensor_memory; CUDA's is peak_mem_gib_per_iter)
+    # steady state the cost model predicts (bench.runtime.tensor_memory; CUDA's is peak_mem_gib_per_iter)
     tensor_peak_gib: list[float | None] | None = None
     loss_first: float | None = None  # mean loss per target, first and last iteration
     loss_last: float | None = None
@@ -94,7 +94,7 @@ class RunRecord:
     repeats: int | None = None
     sweep_id: str | None = None  # the comparison or Hydra sweep (its directory) the row belongs to
     output_dir: str | None = None  # the Hydra job's output directory (it holds a copy of the row)
-    aggregate: dict | None = None  # aggregate rows: bench.stats summaries over the repeats
+    aggregate: dict | None = None  # aggregate rows: bench.records.stats summaries over the repeats
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
     schema_version: int = SCHEMA_VERSION

@@ -1,6 +1,6 @@
 """Cluster description: machines, device types and links, validated from conf/cluster/*.yaml.
 
-It says what a cluster is; it does not run anything (bench.emulation enforces it on a host).
+It says what a cluster is; it does not run anything (bench.runtime.emulation enforces it on a host).
 Device types are data: one yaml file each under conf/device/, or inline in a cluster file.
 """
 
@@ -18,13 +18,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bench.paths import CONF_DIR, project_path, show_path
+from bench.core.errors import ConfigError
+from bench.core.paths import CONF_DIR, project_path, show_path
 
 DEVICE_DIR = CONF_DIR / "device"
-
-
-class ConfigError(ValueError):
-    """Bad user input: the message names the field, the value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,7 @@ class DeviceType:
 class ComputeProfile:
     """Measured compute of one device type (`python -m bench.profile --compute-out`).
 
-    Per op class (bench.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s
+    Per op class (bench.core.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s
     on the device; the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did
     not measure is priced as "other". On a GPU the host queues kernels while the device runs
     them: `dispatch_s` is the host's seconds per kernel (per class; the optimizer step's whole),
@@ -62,7 +59,7 @@ class ComputeProfile:
     path: str
     dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
     optimizer_dispatch_s: float = 0.0
-    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.flops.host_probe)
+    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.runtime.hostspeed.host_probe)
     # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
     # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
     workspace_bytes: float = 0.0
@@ -78,7 +75,7 @@ class ComputeProfile:
         return table.get(op_class, table.get("other", 0.0))
 
     def at_host_probe(self, probe_s: float) -> "ComputeProfile":
-        """The same device behind a host that probes at `probe_s` (bench.flops.host_probe, timed
+        """The same device behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe, timed
         just before a run): every dispatch cost scaled by that over the profile's own probe, the
         device's times unchanged. Unchanged itself where the profile has no probe or no dispatch."""
         if not self.host_probe_s or not self.dispatch:
@@ -335,7 +332,7 @@ class ClusterSpec:
     host_optimizer_s_per_byte: float = 0.0
     host_param_bytes: float = 0.0
     # Emulated CPU clusters: the least seconds a collective of each kind takes on this host's
-    # own transport (bench.hostlinks), whatever the emulated link; priced as a floor.
+    # own transport (bench.runtime.hostlinks), whatever the emulated link; priced as a floor.
     link_floor: tuple[tuple[str, float], ...] = ()
     # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
     inline_types: tuple[DeviceType, ...] = ()
@@ -391,14 +388,14 @@ class ClusterSpec:
 
     def with_host_speed(self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0,
                         param_bytes: float = 0.0) -> "ClusterSpec":
-        """The same cluster with the host worker's measured speed filled in (bench.flops.HostSpeed:
+        """The same cluster with the host worker's measured speed filled in (bench.runtime.hostspeed.HostSpeed:
         its fields in order)."""
         return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s,
                        host_optimizer_s_per_byte=optimizer_s_per_byte, host_param_bytes=param_bytes)
 
     def at_run_speed(self, flops: float, step_overhead_s: float) -> "ClusterSpec":
         """The same cluster at the host speed a run's own yardstick measured (whole plain steps,
-        bench.flops.yardstick): Adam's per-byte part scales with the per-step part."""
+        bench.runtime.hostspeed.yardstick): Adam's per-byte part scales with the per-step part."""
         scale = step_overhead_s / self.host_step_overhead_s if self.host_step_overhead_s else 1.0
         return self.with_host_speed(flops, step_overhead_s, self.host_optimizer_s_per_byte * scale,
                                     self.host_param_bytes)
@@ -415,7 +412,7 @@ class ClusterSpec:
         return dict(self.link_floor).get("all_to_all" if kind == "reshard" else kind, 0.0)
 
     def with_host_probe(self, probe_s: float) -> "ClusterSpec":
-        """The same cluster behind a host that probes at `probe_s` (bench.flops.host_probe): its
+        """The same cluster behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe): its
         own device types' dispatch costs scaled by it (ComputeProfile.at_host_probe); itself
         where no profile has a probe."""
         types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t

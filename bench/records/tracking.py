@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
-from bench.records import RunRecord
+from bench.records.rows import RunRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """CUDA MPS for an emulated cluster on one GPU: a private control daemon and each rank's SM share.
 
-bench.launch starts the daemon around a case whose cluster says `device: cuda` and gives every
+bench.runtime.launch starts the daemon around a case whose cluster says `device: cuda` and gives every
 worker its share. It does not check that the shares were achieved (the worker measures that).
 """
 
@@ -14,7 +14,8 @@ import subprocess
 import tempfile
 from typing import Iterator
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
 
 CONTROL = "nvidia-cuda-mps-control"
 _CONTROL_TIMEOUT_S = 30

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.interfaces import Plan
-from bench.program import Program
+from bench.core.interfaces import Plan
+from bench.core.program import Program
 
 log = logging.getLogger(__name__)
 

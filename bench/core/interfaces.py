@@ -11,13 +11,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from bench.cluster import ClusterSpec
-
-
-class PlanningError(ValueError):
-    """A method cannot plan this case. The row records `status` and the message."""
-
-    status = "failed"
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError  # noqa: F401  (part of the plugin contract)
 
 
 @runtime_checkable
@@ -47,7 +42,7 @@ class Workload:
     preset: str
     model_cfg: Any  # a ModelConfig; picklable, so it travels to worker processes
     global_batch: int
-    flops_per_sample: float  # forward + backward model FLOPs (bench.flops)
+    flops_per_sample: float  # forward + backward model FLOPs (bench.runtime.hostspeed)
     data: dict = field(default_factory=lambda: {"source": "synthetic", "path": None, "split": "train"})
 
     @property
@@ -72,7 +67,7 @@ class Plan:
     method: str
     batch_shares: list[int]  # samples of the global batch each rank loads
     details: dict = field(default_factory=dict)  # JSON-ready, recorded in the row
-    program: Any = None  # a bench.program.Program: what the simulator scores
+    program: Any = None  # a bench.core.program.Program: what the simulator scores
     ratios: list[list[float]] | None = None  # per segment, per virtual device; sums to 1
 
 
@@ -85,7 +80,7 @@ class RankContext:
     device: torch.device
     cluster: ClusterSpec
     workload: Workload
-    emulator: Any  # bench.emulation.Emulator: stretch() at compute boundaries, mark() after waits
+    emulator: Any  # bench.runtime.emulation.Emulator: stretch() at compute boundaries, mark() after waits
 
 
 class Trainer(Protocol):
@@ -101,7 +96,7 @@ class Method(Protocol):
     """A training method. `modes` lists what it supports: "sim" needs plan() to return a
     Program and ratios, "real" needs setup(). bench.compare runs the methods that support the
     requested mode. Optionally `worker_modules`: modules setup() imports that the server CPU
-    workers fork from should import once instead (bench.launch.method_modules)."""
+    workers fork from should import once instead (bench.runtime.launch.method_modules)."""
 
     name: str
     modes: tuple[str, ...]

@@ -1,8 +1,8 @@
-"""Model FLOPs (torch's FlopCounterMode) and the measured speed of one host worker.
+"""The measured speed of one host worker: the emulated device of speed 1.0, and its caches.
 
-FLOPs count matmuls and convolutions (2 per multiply-add), forward and backward, as torch's
-counter defines them; element-wise ops are not counted. That is the convention of "model FLOPs"
-in MFU reports and of the ideal time in DESIGN.md.
+It times plain training steps of a workload on this host (and Adam's per-byte cost), splits a
+step into a per-sample and a per-step part, and caches the result per host and workload. It
+counts no FLOPs itself (bench.cost.flops does).
 """
 
 from __future__ import annotations
@@ -20,43 +20,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from bench.hostcpu import cpu_model, emulated_device
-from bench.interfaces import Workload
-
-# FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
-# (methods.capture; docs/planner.md "FLOP counter"), backward factor 1. bench.profile times
-# the "other" op class with the same counts, so its rates price the planner's FLOPs.
-ELEMENTWISE_FLOPS = {
-    "add": 1, "sub": 1, "mul": 1, "truediv": 1, "neg": 1, "relu": 1, "dropout": 2,
-    "gelu": 8, "tanh": 4, "sigmoid": 4, "exp": 1, "softmax": 5, "log_softmax": 5,
-    "layer_norm": 8, "lt": 1, "gt": 1, "le": 1, "ge": 1, "eq": 1, "cumsum": 1, "one_hot": 1,
-    "sum": 1, "mean": 1, "max_pool2d": 1, "adaptive_avg_pool2d": 1, "avg_pool2d": 1,
-    "cat": 0, "topk": 2, "embedding": 0, "cross_entropy": 6, "nll_loss": 1,
-}
+from bench.runtime.hostcpu import cpu_model, emulated_device
+from bench.core.interfaces import Workload
 
 log = logging.getLogger(__name__)
-
-
-# Counted FLOPs by (config type, its repr: every field, samples), for the life of the process.
-_counted: dict[tuple[type, str, int], float] = {}
-
-
-def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
-    """Forward + backward FLOPs per sample, counted on the meta device (nothing is allocated),
-    once per process for equal model configs: a paper-size model takes 0.5-0.9 s to count on
-    the 2-core dev VM, and a comparison, a calibration or the regression check prepares the same
-    model once for each method (and round)."""
-    key = (type(model_cfg), repr(model_cfg), samples)
-    if key not in _counted:
-        with torch.device("meta"):
-            model = model_cfg.build()
-            batch = model_cfg.synthetic_batch(samples, None)
-        with FlopCounterMode(display=False) as counter:
-            model(*batch).backward()
-        _counted[key] = counter.get_total_flops() / samples
-    return _counted[key]
 
 
 class HostSpeed(NamedTuple):
@@ -65,7 +33,7 @@ class HostSpeed(NamedTuple):
     flops_per_s: float  # the per-sample part of a plain step, as FLOP/s
     step_overhead_s: float  # the per-step part (optimizer, per-op dispatch) of the whole model
     # Of the per-step part, Adam's cost per parameter byte a rank updates, and the model's
-    # parameter bytes the per-step part was measured with (bench.cluster.ClusterSpec).
+    # parameter bytes the per-step part was measured with (bench.core.cluster.ClusterSpec).
     optimizer_s_per_byte: float = 0.0
     param_bytes: float = 0.0
 
@@ -73,7 +41,7 @@ class HostSpeed(NamedTuple):
 _host_speed_cache: dict[tuple, HostSpeed] = {}
 REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check is this close
 # How the probe computes; a speed cached by an earlier way of probing is measured again
-# (2: bench.hostcpu's steady allocator and flushed denormals, as the workers compute;
+# (2: bench.runtime.hostcpu's steady allocator and flushed denormals, as the workers compute;
 # 3: split_step's floor on the per-sample part lowered to MIN_PER_SAMPLE_SHARE;
 # 4: the two batch sizes take turns, reference_steps_s;
 # 5: Adam's cost per parameter byte, optimizer_s_per_byte).
@@ -141,7 +109,7 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
 
 def optimizer_s_per_byte(param_bytes: float, repeats: int = 21) -> float:
     """Seconds per parameter byte of one Adam step on one worker thread (as the workers compute,
-    bench.hostcpu): the step over one fp32 parameter of `param_bytes`, less the step over half
+    bench.runtime.hostcpu): the step over one fp32 parameter of `param_bytes`, less the step over half
     of it, the two taking turns (median of each), over the bytes between them. Adam reads four
     tensors per parameter (it, its gradient, two moments) and writes three: memory-bound, so linear
     in the bytes past a fixed cost per tensor, which stays with the per-step part (a shard is
@@ -241,7 +209,7 @@ def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, rep
     it, back to back (so that a drift of the host hits both alike); the fastest of each kind,
     in thread CPU time as the emulator's reference is timed. On this VM a small-share rank's
     full-pace reference waits on its peers every iteration and comes out cold
-    (bench.emulation.Emulator.discount_reference). It runs between training iterations, so the
+    (bench.runtime.emulation.Emulator.discount_reference). It runs between training iterations, so the
     random state it seeds and draws from (model initialisation, dropout) is restored after."""
     model = workload.build(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
@@ -287,7 +255,7 @@ def write_cache(path: Path, key: str, entry: dict) -> None:
 def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:
     """Median time of one plain training step (forward, backward, Adam) on one thread, measured
     now: a yardstick that no part of the harness (workers, emulator, methods) touches. It
-    computes as a worker does (bench.hostcpu: one thread, denormals flushed, a steady malloc)."""
+    computes as a worker does (bench.runtime.hostcpu: one thread, denormals flushed, a steady malloc)."""
     return reference_steps_s(workload, (max(batch_size, 1),), seed, repeats)[0]
 
 

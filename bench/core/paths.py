@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 CONF_PACKAGE = "bench.conf"
-_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _is_checkout(root: Path) -> bool:

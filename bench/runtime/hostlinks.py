@@ -1,7 +1,7 @@
 """The least time this host's own transport takes for one collective between CPU workers.
 
 An emulated cluster's links are paced on top of real gloo calls between worker processes
-(bench.emulation): a collective ends no sooner than its emulated time from the last member's
+(bench.runtime.emulation): a collective ends no sooner than its emulated time from the last member's
 arrival, and no sooner than the real call. On the 2-core dev VM a small gloo call between two
 workers takes 0.4-0.6 ms from the last arrival, where `local_hetero2` declares 50 us of
 latency; tiny VGG19's hap program makes 14 such calls per iteration, half of them small, and
@@ -14,7 +14,7 @@ runs give them (real-time with `emulation.realtime_comm`, the process group's wo
 with `emulation.gloo_workers_first`); the ranks take turns to come last
 while the others wait idle in the call, as in a run, and the last one's time counts (median over
 its calls). Once per host, number of ranks and priorities, kept in the host cache beside the host
-speed (bench.flops.host_cache_file).
+speed (bench.runtime.hostspeed.host_cache_file).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.compat import all_gather_single, reduce_scatter_single
-from bench.flops import digest, host_cache_file, host_identity, read_cache, write_cache
-from bench.hostcpu import comm_priorities, pin_to_core
-from bench.launch import _free_port
+from bench.runtime.compat import all_gather_single, reduce_scatter_single
+from bench.runtime.hostspeed import digest, host_cache_file, host_identity, read_cache, write_cache
+from bench.runtime.hostcpu import comm_priorities, pin_to_core
+from bench.runtime.launch import _free_port
 
 FLOOR_VERSION = 1
 WARMUP = 5  # calls per kind first, untimed
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def _calls(rank: int, n: int) -> dict:
-    """One call per collective kind, as the runtime makes it (bench.emulation._COLLECTIVES)."""
+    """One call per collective kind, as the runtime makes it (bench.runtime.emulation._COLLECTIVES)."""
     one, many = torch.zeros(1), torch.zeros(n)
     parts = [torch.zeros(1) for _ in range(n)] if rank == 0 else None
     return {
@@ -134,7 +134,7 @@ def host_floor(num_ranks: int, context=None, realtime: bool = False,
                workers_first: bool = True) -> dict[str, float]:
     """measure_floor, once per host, number of ranks and priorities of gloo's threads: kept in
     this process and in the host cache, so that the plans priced with it stay the same from run
-    to run (delete the cache file, bench.flops.host_cache_file, to measure it again). {} for
+    to run (delete the cache file, bench.runtime.hostspeed.host_cache_file, to measure it again). {} for
     one rank; a probe that fails is a warning and no floor (nothing cached)."""
     if num_ranks <= 1:
         return {}

@@ -24,7 +24,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 # reduce) per device in a group call, no padding, one latency per call.
 COLLECTIVE_IMPLS = ("ring", "padded", "grouped")
 GRANULARITIES = ("gpu", "machine")
-# What a stage's FLOPs are priced by, per device type with a compute profile (bench.cluster
+# What a stage's FLOPs are priced by, per device type with a compute profile (bench.core.cluster
 # ComputeProfile): dense matmuls, convolutions, and everything else (element-wise, norms,
 # softmax, ...). A stage that mixes classes takes the class of most of its FLOPs.
 OP_CLASSES = ("matmul", "conv", "other")

@@ -20,7 +20,7 @@ ranks of one host note when they issue each collective on a board in shared memo
 collectives queue on one link clock.
 Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device: cuda`) paces
 links only (`pace_compute=False`): its ranks' compute runs real kernels at their MPS share of the
-GPU (bench.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
+GPU (bench.runtime.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from bench.cluster import ClusterSpec
-from bench.hostcpu import host_cores
+from bench.core.cluster import ClusterSpec
+from bench.runtime.hostcpu import host_cores
 from bench.cost import collective_time_s, link_bytes
 
 # An emulated rank whose achieved compute time is off its target by more than this is flagged.
@@ -61,7 +61,7 @@ class EmulationSettings:
 
     headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
     reference_iters: int = 12  # full-pace iterations (after SKIPPED ones) that set the reference
-    pin_cores: bool = True  # each CPU rank bound to one core (bench.hostcpu.pin_to_core)
+    pin_cores: bool = True  # each CPU rank bound to one core (bench.runtime.hostcpu.pin_to_core)
     # A reference measured earlier for this same rank workload (Emulator.report's
     # `reference_s`): the rank is paced against it from the start, so that cases sharing it
     # emulate one device at one speed however this host drifts between them (bench.dilation).
@@ -70,11 +70,11 @@ class EmulationSettings:
     # (Emulator.discount_reference).
     pause_discount: bool = True
     # gloo's threads at real-time priority, so that a collective never waits for the rank's
-    # compute to give up the core (bench.hostcpu.realtime_comm_threads). Off by default: a
+    # compute to give up the core (bench.runtime.hostcpu.realtime_comm_threads). Off by default: a
     # spinning gloo thread then holds its core for up to a second.
     realtime_comm: bool = False
     # gloo's process-group workers at nice -10, so that one woken on the rank's core runs at
-    # once rather than at the next scheduler tick (bench.hostcpu.gloo_workers_first).
+    # once rather than at the next scheduler tick (bench.runtime.hostcpu.gloo_workers_first).
     gloo_workers_first: bool = True
     SKIPPED = 2  # iterations of lazy set-up (DDP's bucket rebuild, allocator growth) first
 
@@ -202,7 +202,7 @@ class Emulator:
         return None if self._reference is None else sum(self._reference)
 
     def discount_reference(self, probe: dict, apply: bool = True) -> None:
-        """Take the pause penalty out of the reference (bench.flops.pause_penalty measured it,
+        """Take the pause penalty out of the reference (bench.runtime.hostspeed.pause_penalty measured it,
         for this rank's pause, just now).
 
         At full pace a rank with less work than its peers waits on them at every iteration, and
@@ -398,7 +398,7 @@ class ArrivalBoard:
     k (a rank on another host, or one SLOTS collectives ahead) makes the arrival unknown."""
 
     GROUPS, SLOTS = 64, 256
-    ENV = "HETBENCH_ARRIVAL_BOARD"  # bench.launch names its workers' board here
+    ENV = "HETBENCH_ARRIVAL_BOARD"  # bench.runtime.launch names its workers' board here
 
     def __init__(self, table: np.ndarray, path: Path | None = None):
         self._table = table
@@ -421,9 +421,9 @@ class ArrivalBoard:
     def open(cls, world_size: int) -> "ArrivalBoard":
         """The run's board, created by whichever rank comes first. Unlinked once every rank
         has mapped it (Emulator.install); before that, at a rank's exit and by the launcher once
-        its workers are gone (bench.launch: a killed or forked worker runs no exit handler). A
+        its workers are gone (bench.runtime.launch: a killed or forked worker runs no exit handler). A
         process that runs several cases keeps its board and its counts (bench.dilation, tests).
-        bench.launch names the board (its forked workers' parent is a server, not the
+        bench.runtime.launch names the board (its forked workers' parent is a server, not the
         launcher); elsewhere the ranks' parent and MASTER_PORT do (torchrun)."""
         path = Path(os.environ.get(cls.ENV) or cls.path(os.getppid(), os.environ.get("MASTER_PORT", "0")))
         shape = (world_size, cls.GROUPS, cls.SLOTS, 2)
