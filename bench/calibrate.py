@@ -36,18 +36,19 @@ from rich.table import Table
 
 from bench.core.cluster import ClusterSpec, device_types
 from bench.core.errors import ConfigError
-from bench.records.progress import track
-from bench.runtime.emulation import emulated_compute_s
-from bench.cost import host_time, simulate, virtual_devices
-from bench.runtime.hostspeed import device_step, host_probe
-from bench.records.rows import fingerprint
-from bench.runtime.worker import rank_hardware
-
 from bench.core.paths import PROJECT_DIR
+from bench.cost import host_time, simulate, virtual_devices
+from bench.records.progress import track
+from bench.records.rows import fingerprint
 from bench.records.stats import Summary
-from bench.compare import run_rounds
-from bench.run import (_instantiate, build_workload, check_group_choices, check_repeats, compose_config,
-                       expect_cases, methods_supporting, run_case)
+from bench.runner.case import build_workload
+from bench.runner.configs import check_group_choices, compose_config, instantiate_plugin, methods_supporting
+from bench.runner.execute import expect_cases, run_case
+from bench.runner.rounds import run_rounds
+from bench.runner.settings import check_repeats
+from bench.runtime.emulation import emulated_compute_s
+from bench.runtime.hostspeed import device_step, host_probe
+from bench.runtime.worker import rank_hardware
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
@@ -254,7 +255,7 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     row probed the host (bench.runtime.hostspeed.host_probe), also with the host's dispatch costs at the
     row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
     model, batch = cfg.model.name, workload.global_batch
-    plan = _instantiate(cfg.method, "method").plan(workload, cluster)
+    plan = instantiate_plugin(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))
     probed = cluster if host_probe_s is None else cluster.with_host_probe(host_probe_s)

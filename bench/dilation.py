@@ -31,7 +31,8 @@ GOAL = 0.03  # within 3% of 1/speed
 
 
 def _case(speed: float, overrides: tuple[str, ...] = (), reference: tuple[float, ...] | None = None):
-    from bench.run import compose_config, new_record, prepare_case
+    from bench.runner.case import new_record, prepare_case
+    from bench.runner.configs import compose_config
 
     cfg = compose_config(
         "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",

@@ -3,7 +3,7 @@
     python -m bench.figures main            # or: homogeneous allgather_skew synthesis_time
     python -m bench.figures all             #     ablation sim_accuracy cp_vs_ev
 
-Simulated figures run the runner's own planning and simulation (bench.run.prepare_case), so a
+Simulated figures run the runner's own planning and simulation (bench.runner.case.prepare_case), so a
 point is exactly what `python -m bench.run mode=sim ...` would record for that case; cp_vs_ev
 plans its tensor-parallel programs itself (methods.hap.tensor_parallel). Measured figures
 (allgather_skew's gloo half, sim_accuracy, cp_vs_ev's measured half) come from real runs on
@@ -29,20 +29,14 @@ from hydra import compose  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from bench.core.cluster import ClusterSpec
-from bench.cost import collective_linear_cost  # noqa: E402
 from bench.core.paths import PROJECT_DIR
+from bench.cost import collective_linear_cost  # noqa: E402
 from bench.records.progress import track
 from bench.report import layout, read_rows, report  # noqa: E402
-from bench.run import (  # noqa: E402
-    compose_config,
-    fill_predicted_metrics,
-    initialize_configs,
-    methods_supporting,
-    new_record,
-    prepare_case,
-    run_case,
-    sweep_axes,
-)
+from bench.runner.case import new_record, prepare_case
+from bench.runner.configs import compose_config, initialize_configs, methods_supporting
+from bench.runner.execute import fill_predicted_metrics, run_case
+from bench.runner.sweep import sweep_axes
 
 FIGURE_DIR = PROJECT_DIR / "results" / "figures"
 KS = (1, 2, 4, 8)
@@ -240,7 +234,7 @@ CP_VS_EV_REAL = {"cluster": "local_hetero2", "preset": "tiny", "num_layers": 2, 
 
 def _tp_case(setting: dict, d_model: int, mode: str):
     """(workload, cluster) of one hidden size, composed as the runner would."""
-    from bench.run import build_workload
+    from bench.runner.case import build_workload
 
     cfg = _cfg(f"mode={mode}", "model=bert", f"preset={setting['preset']}", f"cluster={setting['cluster']}",
                f"global_batch={setting['global_batch']}", f"+model.spec.d_model={d_model}",
@@ -276,10 +270,10 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     ratios and program) reuses its measurement (column measured_run_of). predicted_iter_time_s
     is the simulator's figure for the same plan at the measured host speed.
     """
-    from bench.runtime.hostspeed import measure_host_speed
-    from bench.runtime.hostlinks import host_floor
-    from bench.runtime.launch import launch
     from bench.records.rows import summarize_times
+    from bench.runtime.hostlinks import host_floor
+    from bench.runtime.hostspeed import measure_host_speed
+    from bench.runtime.launch import launch
     from bench.runtime.worker import Case
 
     # The one figure that plans by hand (a restricted program space at given ratios).

@@ -20,8 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.core.errors import ConfigError
-from bench.compare import run_rounds
-from bench.run import check_group_choices, check_repeats, compose_config, print_help_if_asked
+from bench.runner.configs import check_group_choices, compose_config, print_help_if_asked
+from bench.runner.rounds import run_rounds
+from bench.runner.settings import check_repeats
 
 DEFAULT_REPEATS = 10
 

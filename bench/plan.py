@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from bench.core.plan_cache import plan_to_json
-    from bench.run import check_group_choices, compose_config, new_record, prepare_case
+    from bench.runner.case import new_record, prepare_case
+    from bench.runner.configs import check_group_choices, compose_config
 
     try:
         check_group_choices(args.overrides)

@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.core.cluster import ClusterSpec
-from bench.run import _instantiate, build_workload, compose_config
+from bench.runner.case import build_workload
+from bench.runner.configs import compose_config, instantiate_plugin
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 # variant -> method overrides: each switches one part of the planner off.
@@ -41,7 +42,7 @@ def paper_planning(*overrides: str):
     cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
                          "method.cache_dir=null", "wandb.mode=disabled", *overrides)
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    return _instantiate(cfg.method, "method"), build_workload(cfg, cluster), cluster
+    return instantiate_plugin(cfg.method, "method"), build_workload(cfg, cluster), cluster
 
 
 def plan_case(model: str, k: int, *overrides: str) -> dict:

@@ -33,13 +33,13 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.runtime.compat import all_gather_single, reduce_scatter_single
+from bench.core.paths import PROJECT_DIR
 from bench.cost import link_bytes
 from bench.cost.flops import ELEMENTWISE_FLOPS
-from bench.runtime.hostspeed import host_probe
+from bench.runtime.compat import all_gather_single, reduce_scatter_single
 from bench.runtime.hostcpu import emulated_device
+from bench.runtime.hostspeed import host_probe
 from bench.runtime.launch import _free_port
-from bench.core.paths import PROJECT_DIR
 
 PROFILE_DIR = PROJECT_DIR / "results" / "profiles"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]

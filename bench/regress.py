@@ -57,18 +57,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.core.errors import ConfigError
-from bench.runtime.emulation import pooled_compute_s
-from bench.records.rows import fingerprint
 from bench.core.paths import PROJECT_DIR
-from bench.run import (
-    check_group_choices,
-    compose_config,
-    expect_cases,
-    methods_supporting,
-    new_record,
-    prepare_case,
-    run_case,
-)
+from bench.records.rows import fingerprint
+from bench.runner.case import new_record, prepare_case
+from bench.runner.configs import check_group_choices, compose_config, methods_supporting
+from bench.runner.execute import expect_cases, run_case
+from bench.runtime.emulation import pooled_compute_s
 
 BASELINE_FILE = PROJECT_DIR / "results" / "baselines" / "regression.json"
 MODELS = ("vgg19", "vit", "bert", "bert_moe")

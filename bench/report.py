@@ -315,7 +315,8 @@ def _trackers(names: str, out: Path) -> list:
     if names in ("", "none"):
         return []
     from bench.core.errors import ConfigError
-    from bench.run import check_group_choices, compose_config, make_trackers
+    from bench.runner.configs import check_group_choices, compose_config
+    from bench.runner.execute import make_trackers
 
     try:
         check_group_choices([f"logger={names}"])

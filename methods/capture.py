@@ -18,8 +18,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from bench.cost.flops import ELEMENTWISE_FLOPS
 from bench.core.program import op_class
+from bench.cost.flops import ELEMENTWISE_FLOPS
 
 # Canonical op names for callables whose __name__ says nothing (F.max_pool2d is a
 # boolean_dispatch wrapper called "fn") or differs between namespaces.

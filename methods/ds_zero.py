@@ -27,12 +27,12 @@ from torch import nn
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
-from bench.runtime.hostspeed import host_cache_file, host_key, read_cache, write_cache
-from bench.runtime.emulation import EmulationSettings
-from bench.runtime.hostcpu import emulated_device
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import even_ratios
+from bench.runtime.emulation import EmulationSettings
+from bench.runtime.hostcpu import emulated_device
+from bench.runtime.hostspeed import host_cache_file, host_key, read_cache, write_cache
 
 ZERO_STAGES = (0, 1, 2, 3)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
@@ -454,7 +454,7 @@ def host_work_flops(engine: dict, workload: Workload, micro_batch: int, cluster:
     """The engine's work as the Program's host work: the share it adds to the probe's plain
     step, times the plain step the cost model prices at this micro-batch (per-sample FLOPs plus
     the per-step part), in FLOPs at the host's rate. So it follows the host's speed (a run's
-    own yardstick, bench.run.predict_at_run_speed) and each device's (1/speed as long)."""
+    own yardstick, bench.runner.case.predict_at_run_speed) and each device's (1/speed as long)."""
     added = max(engine["engine_s"] / engine["plain_s"] - 1.0, 0.0)
     return added * (workload.flops_per_sample * micro_batch + cluster.host_step_overhead_s * cluster.host_flops)
 
@@ -486,7 +486,8 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
     not sampled (as in our model).
     """
     # The one model import of this module: the layer type this method rewrites.
-    from models.bert_moe import MoE as ZooMoE, replace_moe_layers
+    from models.bert_moe import MoE as ZooMoE
+    from models.bert_moe import replace_moe_layers
 
     local = moe["num_experts"] // moe["ep_size"]
     first = rank * local

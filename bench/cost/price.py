@@ -37,10 +37,10 @@ from typing import Any, Sequence
 import pulp
 
 from bench.core.cluster import ClusterSpec, Link
-from bench.cost.devices import VirtualDevice
-from bench.cost.links import collective_linear_cost, collective_time_s
 from bench.core.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
 from bench.core.shares import round_shares
+from bench.cost.devices import VirtualDevice
+from bench.cost.links import collective_linear_cost, collective_time_s
 
 Value = Any  # a float, or a PuLP expression
 

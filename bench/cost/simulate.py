@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.core.cluster import ClusterSpec
+from bench.core.program import Program, Ratios
 from bench.cost.devices import GIB, virtual_devices
 from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
-from bench.core.program import Program, Ratios
 
 
 @dataclass

@@ -18,8 +18,14 @@ def interactive() -> bool:
 def progress_bar(transient: bool = False):
     """A rich Progress with description, bar, count, elapsed and remaining time; disabled
     (prints nothing) when not interactive."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),

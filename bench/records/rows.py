@@ -87,7 +87,7 @@ class RunRecord:
     rank_hardware: list[dict] | None = None  # per rank: GPU name, memory, driver, CUDA, NCCL; or CPU
     oom_rank: int | None = None  # status oom: the rank that ran out of memory
     plan: dict | None = None
-    plan_hash: str | None = None  # sha256 of the plan's decisions (bench.run.plan_hash)
+    plan_hash: str | None = None  # sha256 of the plan's decisions (bench.runner.case.plan_hash)
     case_key: str = ""
     row_kind: str = "case"  # case (one run) | repeat (one of `repeats` runs) | aggregate (of them)
     repeat: int | None = None  # 0-based round of a repeated comparison

@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from bench.core.cluster import ClusterSpec
-from bench.runtime.hostcpu import host_cores
 from bench.cost import collective_time_s, link_bytes
+from bench.runtime.hostcpu import host_cores
 
 # An emulated rank whose achieved compute time is off its target by more than this is flagged.
 DILATION_TOLERANCE = 0.05

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from bench.runtime.compat import all_gather_single, reduce_scatter_single
-from bench.runtime.hostspeed import digest, host_cache_file, host_identity, read_cache, write_cache
 from bench.runtime.hostcpu import comm_priorities, pin_to_core
+from bench.runtime.hostspeed import digest, host_cache_file, host_identity, read_cache, write_cache
 from bench.runtime.launch import _free_port
 
 FLOOR_VERSION = 1

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from bench.runtime.hostcpu import cpu_model, emulated_device
 from bench.core.interfaces import Workload
+from bench.runtime.hostcpu import cpu_model, emulated_device
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ torchrun instead (see README); this is not a launcher for many machines.
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
 has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
 case's method and model, once per launcher and with GPUs hidden; a series of cases names the
-methods of its later ones beforehand (bench.run.expect_cases), and the server imports theirs
+methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports theirs
 too. Its imports take 6 s on the 2-core dev VM (9 s with DeepSpeed's); bench.run starts it while
 it prepares the first case (start_server), so that they run beside the FLOP count. (Not the
 launcher's main module: each forked process runs it again as __mp_main__, and runpy warns when
@@ -41,12 +41,11 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Callable
 
+import torch
 import torch.multiprocessing as mp
 
-import torch
-
-from bench.runtime import mps
 from bench.core.cluster import ClusterSpec
+from bench.runtime import mps
 from bench.runtime.emulation import ArrivalBoard
 from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
 

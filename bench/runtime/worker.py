@@ -21,12 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bench.runtime import hostcpu
 from bench.core.cluster import ClusterSpec
-from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
-from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import offsets
+from bench.runtime import hostcpu
+from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
+from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
 from bench.runtime.tensor_memory import TensorBytes
 
 

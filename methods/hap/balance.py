@@ -15,10 +15,10 @@ from typing import Sequence
 import pulp
 
 from bench.core.cluster import ClusterSpec
-from bench.cost import LpAlgebra, alike, device_classes, iteration_time, virtual_devices
 from bench.core.errors import PlanningError
 from bench.core.program import Affine, Program
 from bench.core.shares import round_shares
+from bench.cost import LpAlgebra, alike, device_classes, iteration_time, virtual_devices
 
 
 class InfeasibleError(PlanningError):

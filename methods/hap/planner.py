@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.core.cluster import ClusterSpec
-from bench.core.interfaces import Plan, Workload
 from bench.core.errors import PlanningError
+from bench.core.interfaces import Plan, Workload
 from bench.core.plan_cache import load_plan, plan_key, save_plan
 from bench.core.program import Program
 from bench.core.shares import round_shares
@@ -32,6 +32,7 @@ from bench.cost import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
+from methods.hap.hierarchy import unsplittable_share
 from methods.hap.search import (
     CostModel,
     NoProgramError,
@@ -42,7 +43,6 @@ from methods.hap.search import (
     shard_units,
     synthesize,
 )
-from methods.hap.hierarchy import unsplittable_share
 from methods.hap.segments import check_segmentation
 from methods.hap.theory import data_parallel_theory, derive_theory
 

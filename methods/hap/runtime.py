@@ -18,6 +18,8 @@ from torch import nn
 
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import bucket_runs
+from bench.core.shares import round_shares
 from bench.cost import virtual_devices
 from methods.capture import Graph, capture, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
@@ -28,8 +30,6 @@ from methods.hap.codegen import (
     check_plan,
 )
 from methods.hap.hierarchy import Machines, unsplittable_share
-from bench.core.program import bucket_runs
-from bench.core.shares import round_shares
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 

@@ -17,9 +17,10 @@ import torch
 from omegaconf import OmegaConf
 
 from bench.core.cluster import ClusterSpec
-from bench.runtime.launch import launch
 from bench.records.rows import load_records
-from bench.run import build_workload, compose_config, new_record, prepare_case
+from bench.runner.case import build_workload, new_record, prepare_case
+from bench.runner.configs import compose_config
+from bench.runtime.launch import launch
 from methods.ds_zero import DeepSpeedZeRO
 
 pytestmark = pytest.mark.e2e

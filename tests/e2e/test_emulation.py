@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 
 from bench.core.cluster import ClusterSpec
 from bench.cost import collective_time_s
+from bench.runner.execute import run_case
 from bench.runtime.emulation import DILATION_TOLERANCE, EmulationSettings, Emulator
-from bench.run import run_case
 
 pytestmark = pytest.mark.e2e
 
@@ -147,9 +147,9 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     iterations; the row's prediction is the simulator's at the median of their host speeds,
     the planner's (at the parent's probe) stays as planned_iter_time_s."""
     from bench.cost import simulate
-    from bench.runtime.hostspeed import split_step, yardstick_batches
+    from bench.runner.case import new_record, prepare_case
     from bench.runtime.hostlinks import _KINDS
-    from bench.run import prepare_case, new_record
+    from bench.runtime.hostspeed import split_step, yardstick_batches
 
     cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
                       "measured_iters=4")

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from bench.core.cluster import ClusterSpec
-from bench.cost.flops import train_flops_per_sample
 from bench.core.interfaces import Plan, Workload
-from bench.runtime.launch import launch
 from bench.core.shares import round_shares
 from bench.cost import virtual_devices
+from bench.cost.flops import train_flops_per_sample
+from bench.runtime.launch import launch
 from bench.runtime.worker import Case
 from methods.capture import capture_config
 from methods.hap.balance import batch_shares

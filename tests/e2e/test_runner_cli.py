@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.runtime.emulation import ArrivalBoard
 from bench.records.rows import load_records
+from bench.runtime.emulation import ArrivalBoard
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,7 +203,9 @@ _SERVERS = """
 import os, sys
 from pathlib import Path
 import multiprocessing
-from bench.run import compose_config, expect_cases, new_record, prepare_case
+from bench.runner.configs import compose_config
+from bench.runner.execute import expect_cases
+from bench.runner.case import new_record, prepare_case
 
 def servers():  # this process's children that run multiprocessing's fork server
     found = 0

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bench.core.cluster import ClusterSpec
-from bench.runtime.launch import launch
 from bench.records.rows import load_records
+from bench.runtime.launch import launch
 from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_workload, plan_at_ratios

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
 from bench.planner_check import PARTS_OFF, plan_case
-from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
 from methods.capture import capture_config
 from methods.hap.balance import balance_ratios
 from methods.hap.planner import HapPlanner
@@ -234,8 +234,8 @@ def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path)
     """With dispatch costs measured, forward and backward end no sooner than the host has
     queued their kernels (small shares are launch-bound, large ones pay the device's time
     alone), and the optimizer step, whose kernels wait for backward's, comes after."""
-    from bench.cost import host_time, virtual_devices
     from bench.core.program import Memory
+    from bench.cost import host_time, virtual_devices
 
     compute = {"matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
                "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}

@@ -120,6 +120,7 @@ def test_a_missing_or_broken_deepspeed_is_one_line_naming_it_and_the_install(mon
 
 def test_deepspeed_is_imported_inside_functions_only():
     import ast
+
     import methods.ds_zero as module
 
     tree = ast.parse(open(module.__file__).read())

@@ -6,12 +6,10 @@ preempted for 3.5 ms on a 2-core machine failed them.)"""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from bench.runtime import emulation
 from bench.core.cluster import ClusterSpec
+from bench.runtime import emulation
 from bench.runtime.emulation import EmulationSettings, Emulator
 
 

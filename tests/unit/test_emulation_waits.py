@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from bench.runtime import emulation
 from bench.core.cluster import ClusterSpec
+from bench.runtime import emulation
 
 
 class SlowWork:

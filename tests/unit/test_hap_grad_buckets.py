@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.core.program import bucket_runs
 from bench.runtime.launch import _free_port
 from methods.capture import capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.hap.hierarchy import Machines
 from methods.hap.planner import HapPlanner
 from methods.hap.runtime import GradBuckets
-from bench.core.program import bucket_runs
 from tests.unit.test_hap_planner import bert_workload, cluster
 
 

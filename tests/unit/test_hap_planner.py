@@ -12,10 +12,10 @@ from torch import nn
 
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
-from bench.plan import format_plan
 from bench.core.plan_cache import plan_from_json, plan_to_json
 from bench.core.program import Affine, Collective, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from bench.plan import format_plan
 from methods.capture import capture, capture_config
 from methods.hap.balance import batch_shares, shard_lengths
 from methods.hap.planner import HapPlanner, SfbPlanner, _as_run

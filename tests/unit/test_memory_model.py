@@ -16,7 +16,7 @@ import torch
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import Affine, backward_sweep
-from bench.run import build_workload
+from bench.runner.case import build_workload
 from bench.runtime.tensor_memory import TensorBytes
 from methods.capture import capture
 from tests.conftest import compose_config

@@ -7,9 +7,9 @@ import pytest
 
 from bench.records.rows import (
     RunRecord,
-    code_dirty,
     append_record,
     case_key,
+    code_dirty,
     finished_case_keys,
     load_records,
     summarize_times,

@@ -131,7 +131,7 @@ def test_a_metric_a_row_does_not_have_is_a_gap_not_an_error(tmp_path):
 
 def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its_values():
     from bench.figures import sweep_points
-    from bench.run import sweep_axes
+    from bench.runner.sweep import sweep_axes
 
     points = sweep_points("fig_main", "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
     assert len(points) == 10  # 5 methods x 2 k, one model
@@ -146,8 +146,9 @@ def test_a_tiny_efficiency_keeps_its_digits():
 
 def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatch):
     from omegaconf import OmegaConf
+
+    from bench.runner.sweep import SweepSummary
     from bench.runtime import launch
-    from bench.run import SweepSummary
 
     monkeypatch.setattr(launch, "_expected", [])
     config = OmegaConf.create({"hydra": {"sweeper": {"params": {"method": "dp_ev,nosuch"}},

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from bench import cli
-from bench.records.rows import RunRecord, append_record, load_records
-from bench.run import CONF_DIR, SweepSummary, check_group_choices, fill_metrics, make_trackers, run_case
 from bench.core.errors import ConfigError
+from bench.core.paths import CONF_DIR
+from bench.records.rows import RunRecord, append_record, load_records
 from bench.records.tracking import (
     CsvLogger,
     TensorBoardLogger,
@@ -27,6 +27,9 @@ from bench.records.tracking import (
     track_case,
     track_sweep,
 )
+from bench.runner.configs import check_group_choices
+from bench.runner.execute import fill_metrics, make_trackers, run_case
+from bench.runner.sweep import SweepSummary
 from tests.conftest import compose_config
 from tests.unit.wandb_offline import read_run
 
