@@ -85,7 +85,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         gib, peak = alike[key]
         memory.append(dict(gib))
         if v.compute is not None:
-            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.profile.workspace_bytes)
+            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.runtime.probes.workspace_bytes)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

@@ -75,7 +75,7 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     Each run's median over 10 measured iterations, not bench.dilation's 20: on a slow day
     (2026-11-27, 6 runs each, back to back) 10 gave 18 values over 0.996-1.000 and 20 gave
     0.996-0.999, in 18 s a run against 27."""
-    from bench.dilation import SPEEDS, measure
+    from bench.studies.dilation import SPEEDS, measure
 
     achieved = measure(SPEEDS, ("emulation.headroom=0.4", "measured_iters=10"))
     assert set(achieved) == set(SPEEDS)

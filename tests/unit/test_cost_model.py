@@ -9,7 +9,7 @@ import pytest
 
 from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
-from bench.planner_check import PARTS_OFF, plan_case
+from bench.studies.planner_check import PARTS_OFF, plan_case
 from methods.capture import capture_config
 from methods.hap.balance import balance_ratios
 from methods.hap.planner import HapPlanner
@@ -296,7 +296,7 @@ def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path
 
 
 def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
 
     prof = profile_device("cpu", "cpu", repeats=3)
     assert set(prof["compute"]) == {"matmul", "conv", "other"}
@@ -312,8 +312,8 @@ def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
 def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
     """The GPU calibration's code path, on the CPU: a profile made by op microbenchmarks,
     then measured vs predicted training steps of a tiny model at two batch sizes."""
-    from bench.calibrate import single_device_cluster, single_device_rows
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
+    from bench.studies.calibration import single_device_cluster, single_device_rows
 
     path = tmp_path / "T4.json"
     path.write_text(json.dumps(profile_device("cpu", "T4", repeats=3)))  # a CPU posing as a T4
@@ -326,7 +326,8 @@ def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
         assert r["measured_peak_gib"] is None  # no allocator statistics on the CPU
         assert 0 < r["host_probe_s"] < r["measured_s"]  # the host's speed beside the step
     # --reprice: the same measured steps against today's cost model, from the file alone.
-    from bench.calibrate import main, repriced_rows
+    from bench.calibrate import main
+    from bench.studies.calibration import repriced_rows
 
     again = repriced_rows(rows, cluster, preset="tiny")
     assert [(a["measured_s"], a["predicted_s"]) for a in again] == [(r["measured_s"], r["predicted_s"]) for r in rows]
@@ -370,8 +371,8 @@ def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from bench.calibrate import single_device_cluster, single_device_rows
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
+    from bench.studies.calibration import single_device_cluster, single_device_rows
 
     path = tmp_path / "H100-80.json"
     prof = profile_device("cuda", "H100-80", repeats=5)

@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 
-from bench import figures, report  # noqa: E402
+from bench.records import report  # noqa: E402
+from bench.studies import figures
 
 
 def test_an_oom_case_is_a_marked_gap_and_an_empty_throughput_in_the_csv(tmp_path):

@@ -9,7 +9,7 @@ from torch import nn
 
 from bench.core.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
-from bench.planner_check import paper_planning
+from bench.studies.planner_check import paper_planning
 from methods.capture import capture, capture_config
 from methods.hap.search import CostModel, brute_force, build_program, synthesize
 from methods.hap.theory import data_parallel_theory, derive_theory
