@@ -31,7 +31,7 @@ from bench.core.cluster import ClusterSpec
 from bench.core.paths import PROJECT_DIR
 from bench.cost import collective_linear_cost  # noqa: E402
 from bench.records.progress import track
-from bench.report import layout, read_rows, report  # noqa: E402
+from bench.records.report import layout, read_rows, report
 from bench.runner.case import new_record, prepare_case
 from bench.runner.configs import compose_config, initialize_configs, methods_supporting
 from bench.runner.execute import fill_predicted_metrics, run_case
