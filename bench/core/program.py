@@ -443,7 +443,7 @@ def bucket_runs(grads: Sequence[tuple[float, object]], cap: float | None) -> lis
     its last, as torch's DDP assigns its buckets (torch.distributed's
     _compute_bucket_assignment_by_size, without its smaller first bucket). The one rule for
     DDP's program (data_parallel_program), hap's runtime (methods.hap.runtime.GradBuckets) and
-    the programs it runs (methods.hap.search.build_program)."""
+    the programs it runs (methods.hap.lowering.build_program)."""
     runs: list[list[int]] = []
     size, kind = 0.0, None
     for i, (nbytes, k) in enumerate(grads):

@@ -30,7 +30,7 @@ from methods.capture import Graph, Node
 from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
-from methods.hap.search import Step, comm_from_json
+from methods.hap.steps import Step, comm_from_json
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, local_size_args
 
 SUPPORTED_PLAN_FORMAT = 1

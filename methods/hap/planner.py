@@ -33,17 +33,11 @@ from bench.cost import (
 from methods.capture import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
-from methods.hap.search import (
-    CostModel,
-    NoProgramError,
-    SearchResult,
-    build_program,
-    comm_to_json,
-    describe_steps,
-    shard_units,
-    synthesize,
-)
+from methods.hap.lowering import build_program
+from methods.hap.pricing import CostModel
+from methods.hap.search import NoProgramError, SearchResult, synthesize
 from methods.hap.segments import check_segmentation
+from methods.hap.steps import comm_to_json, describe_steps, shard_units
 from methods.hap.theory import data_parallel_theory, derive_theory
 
 log = logging.getLogger(__name__)

@@ -27,13 +27,10 @@ from bench.cost import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import balance_ratios, batch_shares
+from methods.hap.lowering import build_program
 from methods.hap.planner import step_fields
-from methods.hap.search import (
-    CostModel,
-    SearchResult,
-    build_program,
-    synthesize,
-)
+from methods.hap.pricing import CostModel
+from methods.hap.search import SearchResult, synthesize
 from methods.hap.theory import Theory, derive_theory, tensor_parallel_theory
 
 CHOICES = ("EV", "CP", "LP")

@@ -22,8 +22,10 @@ from bench.runtime.worker import Case
 from methods.capture import capture_config
 from methods.hap.balance import batch_shares
 from methods.hap.planner import PLAN_FORMAT_VERSION
+from methods.hap.pricing import CostModel
 from methods.hap.runtime import FixedPlanMethod
-from methods.hap.search import CostModel, comm_to_json, shard_units, synthesize
+from methods.hap.search import synthesize
+from methods.hap.steps import comm_to_json, shard_units
 from methods.hap.theory import derive_theory
 
 pytestmark = pytest.mark.e2e

@@ -18,9 +18,12 @@ from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtu
 from bench.plan import format_plan
 from methods.capture import capture, capture_config
 from methods.hap.balance import batch_shares, shard_lengths
+from methods.hap.lowering import build_program
 from methods.hap.planner import HapPlanner, SfbPlanner, _as_run
-from methods.hap.search import CostModel, Step, brute_force, build_program, synthesize
+from methods.hap.pricing import CostModel
+from methods.hap.search import brute_force, synthesize
 from methods.hap.segments import layer_groups
+from methods.hap.steps import Step
 from methods.hap.theory import data_parallel_theory, derive_theory, routing_region
 
 

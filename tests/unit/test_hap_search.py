@@ -11,7 +11,9 @@ from bench.core.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
 from bench.studies.planner_check import paper_planning
 from methods.capture import capture, capture_config
-from methods.hap.search import CostModel, brute_force, build_program, synthesize
+from methods.hap.lowering import build_program
+from methods.hap.pricing import CostModel
+from methods.hap.search import brute_force, synthesize
 from methods.hap.theory import data_parallel_theory, derive_theory
 from tests.unit.test_hap_planner import bert_workload
 from tests.unit.test_hap_planner import cluster as two_machines
