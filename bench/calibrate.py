@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                           f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
+                           f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         about = {"device_type": args.device_type, "profile": args.profile,
                  "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
         def write(rows: list[dict], summary: dict | None = None) -> None:
             # after every step, so a run cut short leaves what it measured (--reprice reads it)
             out.write_text(json.dumps({**(summary or {"partial": True}), **about, "rows": rows,
-                                       "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                                       "written_at": datetime.now(UTC).isoformat(timespec="seconds")},
                                       indent=1) + "\n")
 
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
@@ -133,10 +133,10 @@ def main(argv: list[str]) -> int:
         for i in range(0, len(configs), len(lists["method"])):
             group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
             rows += [vars(r) for r in run_rounds(group, repeats)]
-    summary = {**summarize(rows), "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                       f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json")
+                       f"{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")

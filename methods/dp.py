@@ -73,7 +73,7 @@ class DataParallel:
         details = {"split": self.split, "batch_shares": shares, "bucket_cap_mb": self.bucket_cap_mb}
         return Plan(self.name, shares, details, program, ratios)
 
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DDPTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> DDPTrainer:
         return DDPTrainer(self, model, ctx)
 
 

@@ -229,7 +229,7 @@ class DeepSpeedZeRO:
         return plan
 
     # -- running (one worker rank) ------------------------------------------------------------
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DeepSpeedTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> DeepSpeedTrainer:
         deepspeed = import_deepspeed()
         use_accelerator(ctx.device.type)
         deepspeed.utils.logger.setLevel(self.log_level)
@@ -307,7 +307,7 @@ def import_deepspeed():
     """import deepspeed, or one line that says what is wrong and how to install it."""
     try:
         import deepspeed
-        import deepspeed.moe.layer  # noqa: F401  (the MoE swap needs it; fail here, not mid-setup)
+        import deepspeed.moe.layer
     except Exception as exc:  # a broken install fails in many ways (CUDA mismatch, missing ops)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ImportError(
@@ -333,7 +333,7 @@ def skip_shm_comm_op(deepspeed) -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster: ClusterSpec,
+def engine_work(method: DeepSpeedZeRO, plan: Plan, workload: Workload, cluster: ClusterSpec,
                 seed: int = 0, repeats: int = EmulationSettings.reference_iters) -> dict | None:
     """What the engine adds to a training step on an emulated CPU worker, beside the model's own
     work: {"plain_s", "engine_s"}, the median over ranks of the seconds a rank computes in a
@@ -402,7 +402,7 @@ def _gather(pending: dict, timeout_s: float) -> dict:
     return answers
 
 
-def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO", plan: Plan,
+def _engine_probe(rank: int, world_size: int, store: str, method: DeepSpeedZeRO, plan: Plan,
                   workload: Workload, cluster: ClusterSpec, seed: int, repeats: int, conn) -> None:
     """One rank of engine_work. The method's steps run under the run's own emulator in its
     reference phase (bench.runtime.emulation: per interval between collectives, the fastest thread CPU

@@ -179,9 +179,9 @@ class Cifar10:
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):
                 raise DataNotFoundError(f"CIFAR-10 file {file} does not exist; expected {expected} in {self.path} ({NO_DOWNLOAD})")
-            d, l = _load_cifar_file(file)
-            data.append(d)
-            labels.append(l)
+            images, targets = _load_cifar_file(file)
+            data.append(images)
+            labels.append(targets)
         self.data = np.concatenate(data)
         self.labels = np.concatenate(labels)
         if len(self.labels) == 0:

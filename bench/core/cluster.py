@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -38,7 +39,7 @@ class DeviceType:
     memory_gib: float
     sources: dict[str, str] = field(default_factory=dict, hash=False)
     profile: str | None = None
-    compute: "ComputeProfile | None" = None  # the profile file's numbers, loaded
+    compute: ComputeProfile | None = None  # the profile file's numbers, loaded
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class ComputeProfile:
         table = dict(self.dispatch)
         return table.get(op_class, table.get("other", 0.0))
 
-    def at_host_probe(self, probe_s: float) -> "ComputeProfile":
+    def at_host_probe(self, probe_s: float) -> ComputeProfile:
         """The same device behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe, timed
         just before a run): every dispatch cost scaled by that over the profile's own probe, the
         device's times unchanged. Unchanged itself where the profile has no probe or no dispatch."""
@@ -387,20 +388,20 @@ class ClusterSpec:
         return sum(d.effective_flops for d in self.devices)
 
     def with_host_speed(self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0,
-                        param_bytes: float = 0.0) -> "ClusterSpec":
+                        param_bytes: float = 0.0) -> ClusterSpec:
         """The same cluster with the host worker's measured speed filled in (bench.runtime.hostspeed.HostSpeed:
         its fields in order)."""
         return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s,
                        host_optimizer_s_per_byte=optimizer_s_per_byte, host_param_bytes=param_bytes)
 
-    def at_run_speed(self, flops: float, step_overhead_s: float) -> "ClusterSpec":
+    def at_run_speed(self, flops: float, step_overhead_s: float) -> ClusterSpec:
         """The same cluster at the host speed a run's own yardstick measured (whole plain steps,
         bench.runtime.hostspeed.yardstick): Adam's per-byte part scales with the per-step part."""
         scale = step_overhead_s / self.host_step_overhead_s if self.host_step_overhead_s else 1.0
         return self.with_host_speed(flops, step_overhead_s, self.host_optimizer_s_per_byte * scale,
                                     self.host_param_bytes)
 
-    def with_link_floor(self, floor: dict[str, float]) -> "ClusterSpec":
+    def with_link_floor(self, floor: dict[str, float]) -> ClusterSpec:
         """The same cluster with the host transport's measured floor per collective kind."""
         return replace(self, link_floor=tuple(sorted(floor.items())))
 
@@ -411,7 +412,7 @@ class ClusterSpec:
             return 0.0
         return dict(self.link_floor).get("all_to_all" if kind == "reshard" else kind, 0.0)
 
-    def with_host_probe(self, probe_s: float) -> "ClusterSpec":
+    def with_host_probe(self, probe_s: float) -> ClusterSpec:
         """The same cluster behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe): its
         own device types' dispatch costs scaled by it (ComputeProfile.at_host_probe); itself
         where no profile has a probe."""
@@ -444,7 +445,7 @@ class ClusterSpec:
         return f"{self.name} ({', '.join(parts)}{where})"
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "ClusterSpec":
+    def from_config(cls, cfg: Mapping[str, Any]) -> ClusterSpec:
         """Validate a plain dict (the resolved `cluster` config group) into a ClusterSpec."""
         name = _get(cfg, "name", str, "cluster")
         _check_fields(cfg, _CLUSTER_FIELDS, f"cluster={name}")

@@ -8,8 +8,9 @@ balancer's LP and the simulator. It describes cost only: it cannot be executed.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 # Collective kinds a stage may hold. `nbytes` of a Collective is always per device:
 #   all_reduce:     the full buffer each device holds (usually a constant),
@@ -50,7 +51,7 @@ class Affine:
     coef: tuple[tuple[int, float], ...] = ()
 
     @staticmethod
-    def sharded(value: float, segment: int = 0) -> "Affine":
+    def sharded(value: float, segment: int = 0) -> Affine:
         """`value` split over the devices by the ratios of `segment`."""
         return Affine(0.0, ((segment, float(value)),)) if value else Affine()
 
@@ -60,13 +61,13 @@ class Affine:
     def values(self, ratios: Ratios) -> list[float]:
         return [self.at(ratios, d) for d in range(len(ratios[0]))]
 
-    def __add__(self, other: "Affine") -> "Affine":
+    def __add__(self, other: Affine) -> Affine:
         merged: dict[int, float] = dict(self.coef)
         for s, c in other.coef:
             merged[s] = merged.get(s, 0.0) + c
         return Affine(self.const + other.const, tuple(sorted(merged.items())))
 
-    def scale(self, k: float) -> "Affine":
+    def scale(self, k: float) -> Affine:
         return Affine(self.const * k, tuple((s, c * k) for s, c in self.coef))
 
     @property
@@ -77,7 +78,7 @@ class Affine:
         return {"const": self.const, "coef": [[s, c] for s, c in self.coef]}
 
     @staticmethod
-    def from_json(d: dict) -> "Affine":
+    def from_json(d: dict) -> Affine:
         return Affine(float(d.get("const", 0.0)), tuple((int(s), float(c)) for s, c in d.get("coef", ())))
 
 
@@ -132,7 +133,7 @@ class Collective:
         return out
 
     @staticmethod
-    def from_json(d: dict) -> "Collective":
+    def from_json(d: dict) -> Collective:
         devices, rows = d.get("devices"), d.get("rows")
         return Collective(
             d["kind"],
@@ -198,7 +199,7 @@ class Stage:
         }
 
     @staticmethod
-    def from_json(d: dict) -> "Stage":
+    def from_json(d: dict) -> Stage:
         return Stage(
             tuple(Collective.from_json(c) for c in d.get("collectives", ())),
             Affine.from_json(d.get("flops", {})),
@@ -265,7 +266,7 @@ class Memory:
         return out
 
     @staticmethod
-    def from_json(d: dict) -> "Memory":
+    def from_json(d: dict) -> Memory:
         backward = tuple((Affine.from_json(g), Affine.from_json(a)) for g, a in d.get("backward", ()))
         return Memory(**{k: Affine.from_json(v) for k, v in d.items() if k != "backward"}, backward=backward)
 
@@ -417,7 +418,7 @@ class Program:
         return json.dumps(self.to_json(), sort_keys=True)
 
     @staticmethod
-    def from_json(d: dict | str) -> "Program":
+    def from_json(d: dict | str) -> Program:
         if isinstance(d, str):
             d = json.loads(d)
         return Program(

@@ -5,7 +5,7 @@ Largest-remainder rounding: the shares sum exactly to the total and are never ne
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def round_shares(total: int, weights: Sequence[float], min_share: int = 0) -> list[int]:

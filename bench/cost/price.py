@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pulp
 

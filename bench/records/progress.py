@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterable, Iterator, Sequence, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -16,11 +16,12 @@ import socket
 import statistics
 import subprocess
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class RunRecord:
     output_dir: str | None = None  # the Hydra job's output directory (it holds a copy of the row)
     aggregate: dict | None = None  # aggregate rows: bench.records.stats summaries over the repeats
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    timestamp: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     schema_version: int = SCHEMA_VERSION
     git_sha: str | None = None
     git_dirty: bool | None = None
@@ -187,7 +188,7 @@ def _is_final(row: dict) -> bool:
     return row.get("status") in ("ok", "oom") and row.get("row_kind", "case") != "repeat"
 
 
-def finished_record(path: str | os.PathLike, key: str) -> "RunRecord | None":
+def finished_record(path: str | os.PathLike, key: str) -> RunRecord | None:
     """The last row that gives case `key` a final answer (see finished_case_keys), or None."""
     rows = [r for r in load_records(path) if r.get("case_key") == key and _is_final(r)]
     if not rows:

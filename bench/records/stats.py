@@ -28,7 +28,7 @@ class Summary:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
-    def overlaps(self, other: "Summary") -> bool:
+    def overlaps(self, other: Summary) -> bool:
         return self.low <= other.high and other.low <= self.high
 
 

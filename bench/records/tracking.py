@@ -14,10 +14,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterable
 
 from bench.records.rows import RunRecord
 
@@ -109,7 +109,7 @@ def _slug(text: str) -> str:
 
 
 def _stamp() -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
 
 
 class Tracker:

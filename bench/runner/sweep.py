@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -27,7 +27,7 @@ class SweepSummary(Callback):
     then one table of every row the sweep recorded."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        self._started = datetime.now(timezone.utc).isoformat()
+        self._started = datetime.now(UTC).isoformat()
         self._t0, self._done, self._total = time.monotonic(), 0, sweep_size(config)
         # The basic launcher runs the jobs in this process: the workers' server that the first
         # job starts preloads the methods of the later ones too (expect_cases).

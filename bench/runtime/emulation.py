@@ -418,7 +418,7 @@ class ArrivalBoard:
         return folder / f"hetbench-arrivals-{launcher_pid}-{port}"
 
     @classmethod
-    def open(cls, world_size: int) -> "ArrivalBoard":
+    def open(cls, world_size: int) -> ArrivalBoard:
         """The run's board, created by whichever rank comes first. Unlinked once every rank
         has mapped it (Emulator.install); before that, at a rank's exit and by the launcher once
         its workers are gone (bench.runtime.launch: a killed or forked worker runs no exit handler). A

@@ -114,7 +114,7 @@ def measure_floor(num_ranks: int, context=None, realtime: bool = False,
                 per_rank[rank] = times
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"a transport probe process exited with {[p.exitcode for p in procs]}")
+                    raise RuntimeError(f"a transport probe process exited with {[p.exitcode for p in procs]}") from None
     finally:
         for p in procs:
             p.join(timeout=10)

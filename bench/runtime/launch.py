@@ -38,8 +38,8 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -114,7 +114,7 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     # A worker that dies in native code (an abort, a segfault) prints where each of its Python
     # threads was to its stderr, the launcher's: the row can only say which signal ended it.
     faulthandler.enable(all_threads=True)
-    forked = _IMPORTED_BY != os.getpid()  # a spawned worker imported this module itself
+    forked = os.getpid() != _IMPORTED_BY  # a spawned worker imported this module itself
     # A forked worker's parent is the server, which exits when the launcher does.
     _die_with_parent(_IMPORTED_BY if forked else launcher)
     if forked:
@@ -130,10 +130,10 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
         messages.send(("result", rank, result))
     except RankOutOfMemory as exc:
         messages.send(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except BaseException:
         messages.send(("error", rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         messages.close()
 
@@ -277,7 +277,7 @@ def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None
                     continue
                 procs[r].join(timeout=1.0)  # its pipe closes as it exits: its exit code
                 code = procs[r].exitcode
-                raise WorkerError(r, "closed its pipe without a result" if code is None else _silent_exit(code))
+                raise WorkerError(r, "closed its pipe without a result" if code is None else _silent_exit(code)) from None
             if kind == "progress":
                 if on_progress:
                     on_progress(payload)

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError

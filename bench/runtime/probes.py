@@ -68,7 +68,7 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
     out = {}
     with emulated_device():
         for name, op in _op_classes():
-            def step():
+            def step(op=op):
                 op().sum().backward()
             with FlopCounterMode(display=False) as counter:
                 step()

@@ -107,7 +107,7 @@ def summarize(rows: list[dict]) -> dict:
         predicted = [r["predicted_iter_time_s"] for r in group]
         spans = [_repeats_interval(r) for r in group]
 
-        def separated(i, j):  # the intervals of the repeats' medians do not overlap
+        def separated(i, j, spans=spans):  # the intervals of the repeats' medians do not overlap
             return spans[i] is not None and spans[j] is not None and not spans[i].overlaps(spans[j])
 
         key = f"{model}/{cluster}"

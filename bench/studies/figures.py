@@ -22,14 +22,14 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
-import pandas as pd  # noqa: E402
-from hydra import compose  # noqa: E402
-from matplotlib import ticker  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+from hydra import compose
+from matplotlib import ticker
 
 from bench.core.cluster import ClusterSpec
 from bench.core.paths import PROJECT_DIR
-from bench.cost import collective_linear_cost  # noqa: E402
+from bench.cost import collective_linear_cost
 from bench.records.progress import track
 from bench.records.report import layout, read_rows, report
 from bench.runner.case import new_record, prepare_case

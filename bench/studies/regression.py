@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -304,7 +304,7 @@ def write_baseline(figures: dict[str, float], path: Path | None = None, sessions
                    note: str | None = None, measured_from: dict | None = None) -> None:
     path = path or BASELINE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"created": datetime.now(timezone.utc).isoformat(), **fingerprint(),
+    body = {"created": datetime.now(UTC).isoformat(), **fingerprint(),
             "tolerance": TOLERANCE, "figures": figures}
     if sessions is not None:  # the measured figures of each session (figures holds their median)
         body["measured_sessions"] = sessions

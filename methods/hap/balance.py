@@ -10,7 +10,7 @@ change the program (methods.hap.search does).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pulp
 

@@ -56,7 +56,7 @@ class Machines:
     leaders_sync: object = None
 
     @classmethod
-    def build(cls, ranks: Sequence[Sequence[int]], rank: int) -> "Machines":
+    def build(cls, ranks: Sequence[Sequence[int]], rank: int) -> Machines:
         """Every rank calls this with the same `ranks` (it creates process groups collectively)."""
         ranks = [list(map(int, r)) for r in ranks]
         leaders = [r[0] for r in ranks]

@@ -8,7 +8,7 @@ nothing itself: every stage comes from methods.hap.pricing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from bench.core.program import (
     Affine,

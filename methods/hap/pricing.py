@@ -7,7 +7,7 @@ choose steps or ratios.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import (

@@ -8,8 +8,8 @@ does not price steps (methods.hap.pricing) or search for them (methods.hap.searc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from methods.capture import Graph
 from methods.hap.theory import CommRule, Layout, Rule
@@ -52,7 +52,7 @@ class Step:
         return out
 
     @staticmethod
-    def from_json(d: dict) -> "Step":
+    def from_json(d: dict) -> Step:
         rule = Rule(
             d["node"],
             tuple(d["pre"]),

@@ -95,9 +95,14 @@ def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its
     # each has installed its handler for fatal signals. Not any process the runner did not start:
     # a command a worker runs holds the worker's handlers until it execs (a suite run once saw
     # three "workers", when each worker still ran `ldconfig -p` as it set up)
-    servers = lambda: {p for p in _processes_with(tag) if _status(p, "PPid") == proc.pid}
-    workers = lambda: [p for p in _processes_with(tag) if _status(p, "PPid") in servers()]
-    ready = lambda: [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
+    def servers():
+        return {p for p in _processes_with(tag) if _status(p, "PPid") == proc.pid}
+
+    def workers():
+        return [p for p in _processes_with(tag) if _status(p, "PPid") in servers()]
+
+    def ready():
+        return [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
     try:
         deadline = time.monotonic() + 90
         while len(ready()) < 2 and time.monotonic() < deadline:

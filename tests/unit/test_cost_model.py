@@ -95,7 +95,7 @@ def test_switching_a_part_off_never_makes_hap_faster(model, k, overrides):
 
 
 # -- collectives from a measured profile ------------------------------------------------------
-def _profiled_cluster(tmp_path, fits: dict | str) -> "ClusterSpec":
+def _profiled_cluster(tmp_path, fits: dict | str):
     from bench.core.cluster import ClusterSpec
 
     path = tmp_path / "profile.json"

@@ -123,7 +123,8 @@ def test_deepspeed_is_imported_inside_functions_only():
 
     import methods.ds_zero as module
 
-    tree = ast.parse(open(module.__file__).read())
+    with open(module.__file__) as source:
+        tree = ast.parse(source.read())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.split(".")[0] == "deepspeed"]

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
+import matplotlib.pyplot as plt
 
-from bench.records import report  # noqa: E402
+from bench.records import report
 from bench.studies import figures
 
 

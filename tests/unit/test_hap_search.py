@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,7 +143,6 @@ class Shared(nn.Module):
 def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
     """A*'s bound at position i (search._remaining_bound) against the exact cost of the cheapest
     completion, computed for every state the search can reach at i (memoised over states)."""
-    from functools import lru_cache
 
     from methods.hap.search import _finish, _order, _remaining_bound, _successors
 
@@ -154,7 +155,7 @@ def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_st
     order, last_use = _order(graph, theory)
     bound = _remaining_bound(theory, cost, order)
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def rest(pos, props, communicated):
         if pos == len(order):
             extra = _finish(props, communicated, graph.loss, cost)
