@@ -10,16 +10,17 @@ import builtins
 import functools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from bench.flops import ELEMENTWISE_FLOPS
-from bench.program import op_class
+from bench.core.program import op_class
+from bench.cost.flops import ELEMENTWISE_FLOPS
 
 # Canonical op names for callables whose __name__ says nothing (F.max_pool2d is a
 # boolean_dispatch wrapper called "fn") or differs between namespaces.
@@ -346,7 +347,7 @@ class Graph:
         return t
 
     def backward_memory(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, int, float]]]:
-        """(gradients, activations, gradients in flight) as bench.program.backward_sweep reads
+        """(gradients, activations, gradients in flight) as bench.core.program.backward_sweep reads
         them: each parameter's bytes at the position its gradient is made (grad_ready), each
         kept tensor's bytes (activation_bytes' share) at the position after which backward
         frees it, each activation gradient's bytes over the positions it lives (grads_in_flight)."""
@@ -378,7 +379,7 @@ class Graph:
         compute, backward FLOPs per sample) per parameter-holding op in forward order;
         parameter-free ops are counted with the next op that holds parameters. Backward FLOPs
         are each op's forward FLOPs times its backward_factor, as the planner prices them. The
-        input of bench.program.data_parallel_program."""
+        input of bench.core.program.data_parallel_program."""
         out: list[tuple[float, float, str, int, float]] = []
         classes: dict[str, float] = {}
         ops = 0

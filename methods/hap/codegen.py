@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from bench.shares import offsets
+from bench.core.shares import offsets
 from methods.capture import Graph, Node
 from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
-from methods.hap.search import Step, comm_from_json
+from methods.hap.steps import Step, comm_from_json
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, local_size_args
 
 SUPPORTED_PLAN_FORMAT = 1

@@ -7,7 +7,7 @@ gloo has no list-form all-gather of unequal tensors, which is why two all-gather
 reduce-scatter) implementations exist: `padded` pads every shard to the largest and runs one
 collective; `grouped` runs one broadcast (or reduce) per rank with the exact shard.
 torch.distributed is looked up at call time (`dist.<name>`), so wrappers installed on its
-functions (bench.emulation) see every call. This module does not choose what to communicate.
+functions (bench.runtime.emulation) see every call. This module does not choose what to communicate.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench.compat import all_gather_single, reduce_scatter_single
+from bench.runtime.compat import all_gather_single, reduce_scatter_single
 
 IMPLS = ("padded", "grouped")
 

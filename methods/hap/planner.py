@@ -17,11 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, PlanningError, Workload
-from bench.plan_cache import load_plan, plan_key, save_plan
-from bench.program import Program
-from bench.shares import round_shares
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError
+from bench.core.interfaces import Plan, Workload
+from bench.core.plan_cache import load_plan, plan_key, save_plan
+from bench.core.program import Program
+from bench.core.shares import round_shares
 from bench.cost import (
     compute_proportional_ratios,
     even_ratios,
@@ -31,34 +32,29 @@ from bench.cost import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
-from methods.hap.search import (
-    CostModel,
-    NoProgramError,
-    SearchResult,
-    build_program,
-    comm_to_json,
-    describe_steps,
-    shard_units,
-    synthesize,
-)
 from methods.hap.hierarchy import unsplittable_share
+from methods.hap.lowering import build_program
+from methods.hap.pricing import CostModel
+from methods.hap.search import NoProgramError, SearchResult, synthesize
 from methods.hap.segments import check_segmentation
+from methods.hap.steps import comm_to_json, describe_steps, shard_units
 from methods.hap.theory import data_parallel_theory, derive_theory
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
 
-# Sources whose content decides a plan: a change invalidates cached plans.
-_CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
-         "methods/hap/planner.py", "methods/hap/segments.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
+# Code whose content decides a plan: a change to any of these files invalidates cached plans.
+_CODE_GLOBS = ("methods/capture.py", "methods/hap/*.py", "bench/core/program.py", "bench/cost/*.py")
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 def _code_version() -> str:
     h = hashlib.sha256()
-    for rel in _CODE:
-        h.update((_ROOT / rel).read_bytes())
+    for pattern in _CODE_GLOBS:
+        for path in sorted(_ROOT.glob(pattern)):
+            h.update(path.relative_to(_ROOT).as_posix().encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 

@@ -2,7 +2,7 @@
 
 `setup_trainer(planner, plan, model, ctx)` is what a HAP-style method's `setup` returns. The plan
 is made once before the workers start and read here as it is: ranks never re-plan. It does not
-plan (methods.hap.planner) and does not time iterations (bench.worker does).
+plan (methods.hap.planner) and does not time iterations (bench.runtime.worker does).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, RankContext, Workload
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import bucket_runs
+from bench.core.shares import round_shares
 from bench.cost import virtual_devices
 from methods.capture import Graph, capture, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
@@ -28,8 +30,6 @@ from methods.hap.codegen import (
     check_plan,
 )
 from methods.hap.hierarchy import Machines, unsplittable_share
-from bench.program import bucket_runs
-from bench.shares import round_shares
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -159,7 +159,7 @@ class GradBuckets:
 
 def _done(work, wait: bool) -> bool:
     """Whether an async collective's result is there (waiting for it with `wait`); on an
-    emulated link, once the link has delivered it (bench.emulation), as on a real one."""
+    emulated link, once the link has delivered it (bench.runtime.emulation), as on a real one."""
     if work is None:
         return True
     if wait:

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from bench import regress
-from bench.emulation import pooled_compute_s
+from bench import regress as regress_cmd
+from bench.runtime.emulation import pooled_compute_s
+from bench.studies import regression as regress
 
 pytestmark = pytest.mark.e2e
 
@@ -199,7 +200,7 @@ def test_a_rebaseline_of_the_sim_figures_keeps_the_measured_ones_and_where_they_
                                                                          "planner_time_rel:a": 12.0})
     monkeypatch.setattr(regress, "measured_figures", lambda *a, **k: pytest.fail("nothing is measured"))
     for note in ("sim only", "again"):
-        assert regress.main(["--rebaseline", "--no-measured", "--note", note]) == 0
+        assert regress_cmd.main(["--rebaseline", "--no-measured", "--note", note]) == 0
         body = regress.load_baseline()
         assert body["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 12.0, "iter_over_compute:b": 1.3}
         assert body["measured_sessions"] == first["measured_sessions"] and body["note"] == note
@@ -214,9 +215,9 @@ def test_a_rebaseline_over_sessions_keeps_the_planner_figure_median_of_as_many_p
     regress.write_baseline({"iter_over_compute:b": 1.3})
     plans = iter([{"sim_iter_time_s:a": 0.9, "planner_time_rel:a": rel} for rel in (12.0, 30.0, 14.0)])
     monkeypatch.setattr(regress, "sim_figures", lambda models, methods: next(plans))
-    assert regress.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
+    assert regress_cmd.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
     assert regress.load_baseline()["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 14.0,
                                                    "iter_over_compute:b": 1.3}
     assert next(plans, None) is None  # planned three times
     # A check plans once; more sessions than one is a rebaseline's option only.
-    assert regress.main(["--sessions", "3"]) == 2
+    assert regress_cmd.main(["--sessions", "3"]) == 2

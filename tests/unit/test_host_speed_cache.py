@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench import flops
+from bench.runtime import hostspeed as flops
 
 
 class _Workload:
@@ -60,7 +60,7 @@ def test_a_new_process_reuses_the_cached_speed_after_a_quick_check(timings, monk
 
 
 def test_a_host_that_changed_is_measured_again(timings, monkeypatch):
-    table, calls = timings
+    table, _calls = timings
     flops.measure_host_speed(_Workload(), 4, 0)
     monkeypatch.setattr(flops, "_host_speed_cache", {})
     table.update({4: 0.020, 8: 0.036})  # twice as slow now

@@ -18,9 +18,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Workload
+from bench.core.program import Program
 from methods.capture import capture_config
 from methods.ds_zero import DeepSpeedZeRO, deepspeed_capacity, matching_capacity_factor, swap_moe_layers
 from models.bert_moe import BertMoEConfig, moe_capacity
