@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.program import op_class
+from bench.core.program import op_class
 
 POOLING_OPS = ("max_pool2d", "avg_pool2d")
 
@@ -86,7 +86,7 @@ def balanced_cuts(weights: Sequence[float], num_segments: int) -> list[int]:
 class GroupCost:
     """What one layer group costs, per sample of the batch unless the name says otherwise.
 
-    FLOPs by op class (bench.program.OP_CLASSES), as the planner counts them: backward = each
+    FLOPs by op class (bench.core.program.OP_CLASSES), as the planner counts them: backward = each
     op's forward times its backward factor. Launches count kernels as the cost model does: one
     per computing op in forward; in backward two for an op that reads a parameter, one otherwise.
     """
@@ -102,7 +102,6 @@ class GroupCost:
     params: list[str] = field(default_factory=list)  # parameter names (module paths), forward order
     saved_bytes: float = 0.0  # what autograd keeps for backward of the group's ops
     out_bytes: float = 0.0  # what crosses the border after this group (to every later group)
-    grads_in_flight_bytes: float = 0.0  # the most activation gradients its backward holds at once
 
     @property
     def fwd_flops(self) -> float:
@@ -203,10 +202,6 @@ def group_table(graph) -> GroupTable:
         readers += [last for u in users.get(n.name, []) if u in tail]
         for b in range(made, max(readers, default=made)):
             table[b].out_bytes += n.nbytes / batch
-    for t, a, b in graph.grads_in_flight():
-        if a in node_group:
-            g = table[node_group[a]]
-            g.grads_in_flight_bytes = max(g.grads_in_flight_bytes, graph[t].nbytes / batch)
     return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch)
 
 
@@ -226,11 +221,11 @@ def method_work(method, plan, workload, cluster, key_parts: list, seed: int = 0,
     (setup()'s trainer: its hooks, copies, wrappers), interleaved, each timed as a run times it:
     the method's step under the run's emulator in its reference phase (per interval between
     communication points, the fastest thread CPU time; communication not counted), the plain
-    step as the run's yardstick does (bench.flops.yardstick: the fastest thread CPU time). The
+    step as the run's yardstick does (bench.runtime.hostspeed.yardstick: the fastest thread CPU time). The
     ranks are child processes, one per device and core, in a gloo world of their own.
 
     Measured once per host, workload, plan and `key_parts` (the method's settings), then read
-    from a cache beside the host speeds (bench.flops.host_cache_file). None, with a warning,
+    from a cache beside the host speeds (bench.runtime.hostspeed.host_cache_file). None, with a warning,
     where it cannot be measured: the plan then prices the model's work only."""
     import hashlib
     import json
@@ -238,8 +233,8 @@ def method_work(method, plan, workload, cluster, key_parts: list, seed: int = 0,
     import multiprocessing as mp
     import tempfile
 
-    from bench.emulation import EmulationSettings
-    from bench.flops import host_cache_file, host_key, read_cache, write_cache
+    from bench.runtime.emulation import EmulationSettings
+    from bench.runtime.hostspeed import host_cache_file, host_key, read_cache, write_cache
 
     repeats = repeats or EmulationSettings.reference_iters
     n = cluster.num_devices
@@ -321,9 +316,9 @@ def _work_probe(rank: int, world_size: int, store: str, method, plan, workload, 
         import torch
         import torch.distributed as dist
 
-        from bench import hostcpu
-        from bench.emulation import ArrivalBoard, EmulationSettings, Emulator
-        from bench.interfaces import RankContext
+        from bench.core.interfaces import RankContext
+        from bench.runtime import hostcpu
+        from bench.runtime.emulation import ArrivalBoard, EmulationSettings, Emulator
 
         hostcpu.configure_process(one_thread=True)
         hostcpu.pin_to_core(rank)  # as the workers are
@@ -368,7 +363,7 @@ class StageActivations:
     inside the stage (a tensor made before it is its receive buffer, counted as such), its
     output (the stage keeps it to run backward from), and during backward the activation
     gradients it holds (Graph.grads_in_flight, clipped to the stage), walked backward as
-    bench.program.backward_sweep walks a whole model. The last stage's output is what its loss
+    bench.core.program.backward_sweep walks a whole model. The last stage's output is what its loss
     function reads (the schedule keeps it too). The graph is read once; each stage is a filter."""
 
     def __init__(self, graph, table: GroupTable):
@@ -407,9 +402,6 @@ class StageActivations:
         out = self.tail_inputs if end == self.table.num_groups else self.table.groups[end - 1].out_bytes
         # Backward walks positions from the last down: a kept tensor is freed once backward has
         # passed its first keeper; an activation gradient lives from its last use to its maker.
-        events: dict[int, float] = {}
-        for p, b in kept:
-            events[p] = events.get(p, 0.0)
         held = sum(b for _, b in kept)
         freed_at: dict[int, float] = {}
         for p, b in kept:

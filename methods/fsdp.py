@@ -24,10 +24,11 @@ import math
 import torch
 from torch import nn
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.interfaces import Plan, RankContext, Workload
-from bench.program import Affine, Collective, Memory, Program, Stage, backward_sweep
-from bench.shares import round_shares
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import Affine, Collective, Memory, Program, Stage, backward_sweep
+from bench.core.shares import round_shares
 from methods.capture import Graph, capture_config
 from methods.common import GroupTable, group_table, host_work_flops, method_work
 
@@ -133,7 +134,7 @@ class FullyShardedDP:
                     work, workload, shares, cluster))
         return plan
 
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "FSDPTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> FSDPTrainer:
         return FSDPTrainer(self, plan, model, ctx)
 
 
@@ -310,6 +311,6 @@ class FSDPTrainer:
         """Tests: the gathered parameters and gradients written into the unsharded model
         (collective: every rank)."""
         with torch.no_grad():
-            for (name, p), q in zip(self.model.named_parameters(), self.full_model.parameters()):
+            for (_name, p), q in zip(self.model.named_parameters(), self.full_model.parameters()):
                 q.copy_(p.full_tensor())
                 q.grad = None if p.grad is None else p.grad.full_tensor().clone()

@@ -33,23 +33,22 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError, PlanningError
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import Affine, Stage, bucket_runs
 from bench.cost import FloatAlgebra, virtual_devices
 from bench.cost.pipeline import (
     SCHEDULES,
     PipelineProgram,
     PipeStage,
-    action_times,
     in_flight,
-    replay,
     simulate_pipeline,
     stage_memory,
     stage_peak_bytes,
     transfer_s,
 )
 from bench.cost.price import device_compute
-from bench.interfaces import Plan, PlanningError, RankContext, Workload
-from bench.program import Affine, Stage, bucket_runs
 from methods.capture import FunctionalTracer, Graph, capture_config
 from methods.common import GroupTable, StageActivations, group_table
 
@@ -164,7 +163,7 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     """What each layer group takes on one host worker at `micro_batch` samples: {"forward",
     "backward", "optimizer": seconds per group (the fastest of `repeats`, thread CPU time, as
     the emulator's reference is timed), "step_s": a plain training step of the model at the
-    micro-batch timed beside them (bench.flops.yardstick, as the workers' own yardstick times
+    micro-batch timed beside them (bench.runtime.hostspeed.yardstick, as the workers' own yardstick times
     it; "flops_per_s": the per-sample rate it gives with twice the micro-batch)}. Each group
     runs as a stage would: its fx module on its inputs, its backward from its output's
     gradient, then Adam over its parameters.
@@ -172,9 +171,17 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     FLOPs are an uneven yardstick between layer groups on a CPU (tiny VGG19's classifier: 8% of
     the FLOPs, 26% of the time), so the pipeline prices an emulated cluster's stages from this,
     scaled by the plain step now over `step_s` (bench.cost.pipeline.measured_scale). Measured
-    once per host, workload and micro-batch (bench.flops.host_cache_file)."""
-    from bench.flops import digest, host_cache_file, host_identity, read_cache, split_step, write_cache, yardstick
-    from bench.hostcpu import emulated_device
+    once per host, workload and micro-batch (bench.runtime.hostspeed.host_cache_file)."""
+    from bench.runtime.hostcpu import emulated_device
+    from bench.runtime.hostspeed import (
+        digest,
+        host_cache_file,
+        host_identity,
+        read_cache,
+        split_step,
+        write_cache,
+        yardstick,
+    )
 
     path = host_cache_file().with_name("layer_groups.json")
     key = digest([*host_identity(), workload.name, repr(workload.model_cfg), micro_batch, seed, repeats,
@@ -193,7 +200,7 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
         opts = [torch.optim.Adam(m.parameters(), lr=1e-6) if list(m.parameters()) else None for m, _ in mods]
         batch = workload.model_cfg.synthetic_batch(micro_batch, torch.Generator().manual_seed(seed))
         times = [[[], [], []] for _ in range(G)]
-        for rep in range(repeats + 2):
+        for _rep in range(repeats + 2):
             x, kept = batch[:-1], []
             for s, (mod, loss) in enumerate(mods):
                 ins = x if s == 0 else tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
@@ -643,7 +650,7 @@ class PipelineParallel:
     def _micro_batches(self, layout: Layout, table: GroupTable, workload: Workload) -> list[int]:
         """The micro-batch sizes a layout may run at (none where it cannot run)."""
         S, D = layout.num_stages, layout.num_pipelines
-        if S > table.num_groups or workload.global_batch % D:
+        if table.num_groups < S or workload.global_batch % D:
             return []
         per_pipeline = workload.global_batch // D
         try:
@@ -756,7 +763,7 @@ class PipelineParallel:
                     data_slices=[slices[r] for r in range(n)])
 
     # -- run ---------------------------------------------------------------------------------------
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "PipelineTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> PipelineTrainer:
         return PipelineTrainer(self, plan, model, ctx)
 
 
@@ -852,7 +859,7 @@ class PipelineTrainer:
     def __init__(self, method: PipelineParallel, plan: Plan, model: nn.Module, ctx: RankContext):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from bench.p2p import install_p2p
+        from bench.runtime.p2p import install_p2p
 
         d = plan.details
         self.rank, self.emulator = ctx.rank, ctx.emulator

@@ -20,6 +20,7 @@ from bench.cost.devices import (
     virtual_devices,
 )
 from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collective_time_s, link_bytes
+from bench.cost.pipeline import PipelineProgram, PipeStage
 from bench.cost.price import (
     FloatAlgebra,
     LpAlgebra,
@@ -31,14 +32,31 @@ from bench.cost.price import (
     iteration_time,
     stage_time,
 )
-from bench.cost.pipeline import PipelineProgram, PipeStage
 from bench.cost.simulate import SimResult, simulate
 
 __all__ = [
-    "COLLECTIVE_KINDS", "GIB", "FloatAlgebra", "LpAlgebra", "PipeStage", "PipelineProgram", "SimResult",
-    "VirtualDevice", "alike",
-    "collective_cost", "collective_link", "collective_linear_cost", "collective_time",
-    "collective_time_s", "compute_proportional_ratios", "device_classes", "even_ratios", "host_time",
-    "iteration_time", "link_bytes", "memory_proportional_ratios", "simulate", "stage_time",
+    "COLLECTIVE_KINDS",
+    "GIB",
+    "FloatAlgebra",
+    "LpAlgebra",
+    "PipeStage",
+    "PipelineProgram",
+    "SimResult",
+    "VirtualDevice",
+    "alike",
+    "collective_cost",
+    "collective_linear_cost",
+    "collective_link",
+    "collective_time",
+    "collective_time_s",
+    "compute_proportional_ratios",
+    "device_classes",
+    "even_ratios",
+    "host_time",
+    "iteration_time",
+    "link_bytes",
+    "memory_proportional_ratios",
+    "simulate",
+    "stage_time",
     "virtual_devices",
 ]

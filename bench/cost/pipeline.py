@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.core.program import Affine, Memory, Stage
 from bench.cost.devices import GIB, VirtualDevice, virtual_devices
 from bench.cost.links import collective_time_s
 from bench.cost.price import FloatAlgebra, device_compute
-from bench.program import Affine, Memory, Stage
+from bench.cost.result import SimResult
 
 SCHEDULES = ("1f1b", "gpipe")
 # The kinds of action a stage's list holds (PipelineProgram.actions):
@@ -85,10 +86,10 @@ class PipelineProgram:
     model_launches: float = 0.0  # kernels of one forward and backward of the whole model
     batch: int = 0
     meta: dict = field(default_factory=dict, compare=False)
-    host_work_flops: float = 0.0  # the method's own host work per iteration (bench.program.Program)
+    host_work_flops: float = 0.0  # the method's own host work per iteration (bench.core.program.Program)
     granularity: str = "gpu"  # every device is a rank of its own
     # Where the stages were timed (PipeStage.measured): the host's plain training step at the
-    # micro-batch then (seconds), and the model's FLOPs per sample (bench.flops), from which
+    # micro-batch then (seconds), and the model's FLOPs per sample (bench.cost.flops), from which
     # the cluster's host speed gives the same step now
     profile_step_s: float = 0.0
     flops_per_sample: float = 0.0
@@ -140,7 +141,7 @@ def in_flight(actions: tuple[tuple, ...]) -> int:
 def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
                  received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
                  replicated: bool) -> Memory:
-    """What one rank of a stage holds at its peak (bench.program.Memory, constants), from its
+    """What one rank of a stage holds at its peak (bench.core.program.Memory, constants), from its
     layers' bytes per micro-batch:
 
     - its parameters, their gradients (accumulated over the micro-batches: all exist from the
@@ -161,7 +162,7 @@ def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: 
 
 def stage_peak(memory: Memory, foreach: bool) -> float:
     """Bytes a rank of a stage holds at its peak: the larger of backward's (every gradient, the
-    activations in flight) and Adam's step (bench.program.Memory.optimizer_step)."""
+    activations in flight) and Adam's step (bench.core.program.Memory.optimizer_step)."""
     return max(max(h.const + a.const for h, a in memory.backward_points()), memory.optimizer_step(foreach).const)
 
 
@@ -180,7 +181,7 @@ def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float
     """Seconds of one point-to-point transfer of `nbytes` from rank `src` to `dst`: the
     alpha-beta time of the link they span (a broadcast between two ranks: the bytes cross it
     once), never less than the host transport's floor for one (emulated CPU clusters; zero
-    elsewhere). The emulated link paces the runtime's sends by the same time (bench.p2p)."""
+    elsewhere). The emulated link paces the runtime's sends by the same time (bench.runtime.p2p)."""
     link = cluster.link_between([src, dst])
     return max(collective_time_s("broadcast", nbytes, 2, link), cluster.floor_s("p2p"))
 
@@ -188,7 +189,7 @@ def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float
 def measured_scale(program: PipelineProgram, cluster: ClusterSpec) -> float:
     """How much longer the host computes now than when the stages were timed: its plain step at
     the micro-batch as the cluster's host speed prices it (per-sample part and per-step part:
-    at a run's prediction, the run's own yardstick, bench.flops.yardstick, which times that step
+    at a run's prediction, the run's own yardstick, bench.runtime.hostspeed.yardstick, which times that step
     at that size), over the same step timed with the stages. A ratio of two whole steps: the
     per-sample rate alone comes from the difference of two timings and moved 50% between runs
     where whole steps moved 10-20%."""
@@ -324,8 +325,6 @@ def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDev
 
 def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0):
     """Predicted iteration time and per-rank memory of a pipeline (bench.cost.SimResult)."""
-    from bench.cost.simulate import SimResult
-
     vdevs = virtual_devices(cluster, "gpu")
     if len(vdevs) != program.num_devices:
         raise ValueError(f"the pipeline is for {program.num_devices} devices, but cluster {cluster.name!r} has "

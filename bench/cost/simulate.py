@@ -6,36 +6,12 @@ nothing here runs a model or touches torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.core.program import Program, Ratios
 from bench.cost.devices import GIB, virtual_devices
 from bench.cost.pipeline import PipelineProgram, simulate_pipeline
 from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
-from bench.program import Program, Ratios
-
-
-@dataclass
-class SimResult:
-    iter_time_s: float
-    stage_times: list[tuple[float, float]]  # (comm_s, compute_s) per stage
-    comm_time_s: float  # sum over stages, before overlap
-    compute_time_s: float  # sum over stages of the slowest device's compute
-    per_step_s: float  # charged once after the stages (bench.cost.price.per_step_s)
-    memory_gib: list[dict[str, float]]  # per virtual device, per GPU of it: params, grads, ...
-    peak_mem_gib: list[float]  # per virtual device, per GPU
-    oom: bool
-    oom_devices: list[int] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {
-            "predicted_iter_time_s": self.iter_time_s,
-            "comm_time_s": self.comm_time_s,
-            "compute_time_s": self.compute_time_s,
-            "peak_mem_gib": self.peak_mem_gib,
-            "oom": self.oom,
-            "oom_devices": self.oom_devices,
-        }
+from bench.cost.result import SimResult
 
 
 def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: Ratios | None,
@@ -50,8 +26,8 @@ def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: R
 
     The time is bench.cost.price.iteration_time at these ratios (its docstring says how
     stages and their overlap are timed); the per-step overhead measured for emulated devices
-    (bench.flops) and the method's own host work are added once, on the slowest device. A
-    pipeline (bench.cost.pipeline) has no ratios: its stages say what each rank computes.
+    (bench.runtime.hostspeed) and the method's own host work are added once, on the slowest
+    device. A pipeline (bench.cost.pipeline) has no ratios: its stages say what each rank computes.
     """
     if isinstance(program, PipelineProgram):
         return simulate_pipeline(program, cluster, memory_reserve_gib)
@@ -90,7 +66,7 @@ def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: R
         gib, peak = alike[key]
         memory.append(dict(gib))
         if v.compute is not None:
-            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.profile.workspace_bytes)
+            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.runtime.probes.workspace_bytes)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
 
-from bench.interfaces import PlanningError
+from bench.core.errors import PlanningError
 from methods.capture import VIEW_OPS, Graph, Node
 
-Layout = Union[str, int]
+Layout = str | int
 IDENTITY: Layout = "I"
 REDUCE: Layout = "R"
 
@@ -530,7 +530,7 @@ def _rule_cross_entropy(node: Node, g: Graph) -> list[Rule]:
             f"cross_entropy with reduction={reduction!r} at {node.where}: the planner needs "
             "reduction='sum' (shard losses add up); see methods/hap/theory.py _rule_cross_entropy"
         )
-    logits, target = (_shape(g, i) for i in node.inputs[:2])
+    logits, _target = (_shape(g, i) for i in node.inputs[:2])
     rules = [_replicated(node)]
     if logits[0] > 1:
         rules.append(Rule(node.name, (0, 0) + tuple(IDENTITY for _ in node.inputs[2:]), REDUCE, "split-batch", True))
@@ -624,7 +624,7 @@ def data_parallel_theory(theory: Theory) -> Theory:
     replicated gradients are all-reduced. The incumbent of methods.hap.planner's every search."""
     g = theory.graph
     sources: dict[str, list[Layout]] = {}
-    for t, layouts in theory.sources.items():
+    for t in theory.sources:
         node = g[t]
         batch_like = node.kind == "placeholder" and node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1
         sources[t] = [0] if batch_like else [IDENTITY]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.run import new_record, prepare_case
+from bench.runner.case import new_record, prepare_case
 
 pytestmark = pytest.mark.e2e
 
@@ -28,8 +28,8 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from bench.emulation import Emulator
-        from bench.interfaces import RankContext
+        from bench.core.interfaces import RankContext
+        from bench.runtime.emulation import Emulator
 
         calls: list = []
         names = ("all_gather_single", "reduce_scatter_single") if kind == "fsdp" else ("isend", "irecv")

@@ -9,9 +9,9 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Workload
 from bench.cost import simulate
-from bench.interfaces import Workload
 from methods.capture import capture_config
 from methods.common import group_table
 from methods.fsdp import FullyShardedDP, fsdp_program, fsdp_units, shard_bytes
@@ -53,15 +53,21 @@ def test_shards_pad_dim_0_to_the_ranks():
 @pytest.mark.parametrize("reshard", [True, False])
 def test_an_iteration_gathers_each_unit_before_use_and_scatters_its_gradients_once(reshard):
     _, graph, table = _graph("bert")
-    units, root = fsdp_units(table, _params(graph))
+    units, _root = fsdp_units(table, _params(graph))
     program = fsdp_program(graph, table, 2, 16, reshard_after_forward=reshard)
     kinds = [c.kind for st in program.stages for c in st.collectives]
     assert kinds.count("all_gather") == 1 + len(units) * (2 if reshard else 1)  # the root's once
     assert kinds.count("reduce_scatter") == 1 + len(units)
-    # a unit's gather comes before its forward and (resharded) before its backward
-    labels = [(c.label, st.label) for st in program.stages for c in st.collectives]
-    assert ("unit 1 params", "forward group 1") in labels
-    assert (("unit 1 params", "backward group 1") in labels) == reshard
+    # A unit is gathered before its forward and (resharded) again before its backward, and its
+    # gradients are scattered after its backward.
+    events = [e for st in program.stages for e in [c.label for c in st.collectives] + [st.label]]
+    for g, _ in units:
+        gathers = [i for i, e in enumerate(events) if e == f"unit {g} params"]
+        assert gathers[0] < events.index(f"forward group {g}")
+        if reshard:
+            assert events.index(f"forward group {len(table.groups) - 1}") < gathers[1] < events.index(
+                f"backward group {g}")
+        assert events.index(f"unit {g} grads") > events.index(f"backward group {g}")
 
 
 def test_on_gpus_the_next_units_gather_hides_behind_this_units_compute():

@@ -10,13 +10,14 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Workload
+from bench.core.program import Affine, Memory, Stage
 from bench.cost import simulate
 from bench.cost.pipeline import PipelineProgram, PipeStage, in_flight, replay
-from bench.interfaces import Workload
-from bench.program import Affine, Memory, Stage
-from bench.records import load_records
-from bench.run import run_case
+from bench.records.rows import load_records
+from bench.runner.execute import run_case
 from methods.pipeline import PipelineParallel, StageOOM, micro_batch_choices, trace_schedule
 from tests.conftest import compose_config
 
