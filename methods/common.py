@@ -100,6 +100,7 @@ class GroupCost:
     param_tensors: int = 0
     largest_param_bytes: float = 0.0
     params: list[str] = field(default_factory=list)  # parameter names (module paths), forward order
+    param_sizes: list[float] = field(default_factory=list)  # their bytes
     saved_bytes: float = 0.0  # what autograd keeps for backward of the group's ops
     out_bytes: float = 0.0  # what crosses the border after this group (to every later group)
 
@@ -142,6 +143,17 @@ class GroupTable:
 
     def span(self, first: int, end: int) -> list[GroupCost]:
         return self.groups[first:end]
+
+
+def gradient_buckets(sizes: Sequence[float], cap_mb: float) -> list[list[int]]:
+    """Buckets of gradients to all-reduce, as indices into `sizes` (parameters' bytes in forward
+    order): filled in the order backward makes the gradients (the last parameters first),
+    each closed once it holds `cap_mb` MiB (bench.core.program.bucket_runs, DDP's rule)."""
+    from bench.core.program import bucket_runs
+
+    n = len(sizes)
+    return [[n - 1 - i for i in run] for run in bucket_runs([(sizes[n - 1 - i], None) for i in range(n)],
+                                                             cap_mb * 2**20)]
 
 
 def group_table(graph) -> GroupTable:
@@ -188,6 +200,7 @@ def group_table(graph) -> GroupTable:
             g.param_tensors += 1
             g.largest_param_bytes = max(g.largest_param_bytes, float(n.nbytes))
             g.params.append(str(n.fx_node.target))
+            g.param_sizes.append(float(n.nbytes))
     for t, (factor, keeper) in graph.kept_until().items():
         if keeper in node_group:
             table[node_group[keeper]].saved_bytes += graph[t].nbytes * factor / batch

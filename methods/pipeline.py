@@ -1,16 +1,17 @@
 """Pipeline parallelism on mixed devices, run by torch.distributed.pipelining.
 
 The model is cut into stages at layer-group borders (methods.common: embeddings, blocks, conv
-stages, head), one stage per device (`stage_level: device`) or per machine (`machine`: a
-pipeline per GPU of a machine, data parallel across the pipelines, DDP among a stage's
-replicas). Which device holds which stage, where the cuts fall and how many micro-batches an
-iteration has are chosen by pricing: for each order of the devices a dynamic program over the
-layer groups' costs (bench.cost.price.device_compute at the micro-batch, the same price the
-planner's Programs get) finds the cuts whose slowest stage is fastest among those that fit
-their device's memory, and the simulator (bench.cost.pipeline) replays the best candidates'
-schedules to pick one. The schedule is torch's own (Schedule1F1B, or ScheduleGPipe): the
-planner traces it with a stand-in stage, so the actions it prices are the ones the runtime
-calls, in the same order.
+stages, head). A stage runs on a slot of the cluster: a device, a machine, or a group of alike
+devices or machines (`stage_level`, `num_stages`); a slot of several devices runs one pipeline
+per device, data parallel across the pipelines (a stage's replicas sum their gradients once the
+schedule is through). Which slot holds which stage, where the cuts fall and how many
+micro-batches an iteration has are chosen by pricing: for each order of the slots a dynamic
+program over the layer groups' costs (the same price the planner's Programs get, or on an
+emulated CPU cluster the groups' measured time) finds the cuts whose slowest stage is fastest
+among those that fit their devices' memory, and the simulator (bench.cost.pipeline) replays the
+best candidates' schedules to pick one. The schedule is torch's own (Schedule1F1B, or
+ScheduleGPipe): the planner traces it with a stand-in stage, so the actions it prices are the
+ones the runtime calls, in the same order.
 
 At run time each rank traces the model with torch.fx (methods.capture's tracer, the graph the
 planner priced), keeps the nodes of its stage as a GraphModule (the parameters it reads, the
@@ -36,7 +37,7 @@ from torch import nn
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
-from bench.core.program import Affine, Stage, bucket_runs
+from bench.core.program import Affine, Stage
 from bench.cost import FloatAlgebra, virtual_devices
 from bench.cost.pipeline import (
     SCHEDULES,
@@ -50,7 +51,7 @@ from bench.cost.pipeline import (
 )
 from bench.cost.price import device_compute
 from methods.capture import FunctionalTracer, Graph, capture_config
-from methods.common import GroupTable, StageActivations, group_table
+from methods.common import GroupTable, StageActivations, gradient_buckets, group_table
 
 log = logging.getLogger(__name__)
 
@@ -404,6 +405,7 @@ class _Costs:
     model_launches: float
     profiles: dict | None = None
     flops_per_sample: float = 0.0
+    bucket_bytes: float = 25 * 2**20  # the gradient bucket replicas all-reduce at a time
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
@@ -491,7 +493,8 @@ class _Costs:
             kept_bytes=mb * kept, backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
-            in_flight=flight, num_micro_batches=m, replicated=replicated)
+            in_flight=flight, num_micro_batches=m,
+            bucket_bytes=min(sum(g.param_bytes for g in groups), self.bucket_bytes) if replicated else 0.0)
 
     def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool) -> float:
         """Bytes a rank of the stage holds at its peak (stage_memory's backward or Adam's step)."""
@@ -505,7 +508,8 @@ class _Costs:
             kept_bytes=mb * kept, backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * self.table.groups[end - 1].out_bytes,
-            in_flight=flight, num_micro_batches=m, replicated=replicated, foreach=self.cluster.device == "cuda")
+            in_flight=flight, num_micro_batches=m, bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
+            foreach=self.cluster.device == "cuda")
         return self._peaks[key]
 
     def fits(self, slot: tuple[int, ...], peak: float) -> bool:
@@ -576,7 +580,7 @@ class PipelineParallel:
         stage_level: what a stage's slot is cut from: "device", "machine" or "auto" (both).
         num_stages: stages per pipeline, a divisor of the devices (machines); "auto": the
             fastest priced of those up to the model's layer groups.
-        bucket_cap_mb: DDP's gradient bucket among a stage's replicas (MiB).
+        bucket_cap_mb: the gradient bucket a stage's replicas all-reduce at a time (MiB).
         lr: Adam's learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
         profile: emulated CPU clusters: price the stages from the layer groups' time on this
@@ -627,9 +631,9 @@ class PipelineParallel:
         if profiled:  # the layer groups on this host, at every micro-batch a layout may use
             sizes = sorted({mb for layout in layouts_ for mb in self._micro_batches(layout, table, workload)})
             costs = _Costs(graph, table, cluster, 0.0, {mb: group_profile(workload, mb) for mb in sizes},
-                           workload.flops_per_sample)
+                           workload.flops_per_sample, self.bucket_cap_mb * 2**20)
         else:
-            costs = _Costs(graph, table, cluster, model_launches)
+            costs = _Costs(graph, table, cluster, model_launches, bucket_bytes=self.bucket_cap_mb * 2**20)
         for layout in layouts_:
             found += self._candidates(layout, table, costs, workload, cluster, refusals, oom)
         if not found:
@@ -720,16 +724,9 @@ class PipelineParallel:
             fwd, bwd, fk, bk = costs.passes(first, end, mb)
             groups = table.span(first, end)
             buckets: tuple = ()
-            if D > 1:  # DDP's buckets, in the order backward makes the gradients (by group)
-                rev = list(reversed(groups))
-                total = sum(g.bwd_flops for g in rev) or 1.0
-                done, shares = 0.0, []
-                for g in rev:
-                    done += g.bwd_flops
-                    shares.append(done / total)
-                runs = bucket_runs([(g.param_bytes, None) for g in rev], self.bucket_cap_mb * 2**20)
-                buckets = tuple((sum(rev[i].param_bytes for i in run), shares[run[-1]]) for run in runs
-                                if sum(rev[i].param_bytes for i in run))
+            if D > 1:  # the buckets the replicas all-reduce, as the runtime makes them
+                sizes = [b for g in groups for b in g.param_sizes]
+                buckets = tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, self.bucket_cap_mb))
             stages.append(PipeStage(
                 groups=(first, end), ranks=tuple(order[s]), forward=fwd, backward=bwd, launches=(fk, bk),
                 send_bytes=0.0 if s == S - 1 else mb * groups[-1].out_bytes,
@@ -853,8 +850,8 @@ def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: li
 
 
 class PipelineTrainer:
-    """One rank's stage: its GraphModule as a PipelineStage (DDP among its replicas), the
-    schedule, Adam over its parameters."""
+    """One rank's stage: its GraphModule as a PipelineStage, the schedule, the gradients summed
+    over its replicas, Adam over its parameters."""
 
     def __init__(self, method: PipelineParallel, plan: Plan, model: nn.Module, ctx: RankContext):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -885,24 +882,19 @@ class PipelineTrainer:
         self.module = module
         self.params = list(module.parameters())
         self.model = model if method.mirror_full_state else None
-        self.ddp = None
-        if D > 1:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            replica_group = replicas[self.stage_index]
-            self.ddp = DDP(module, process_group=replica_group, bucket_cap_mb=method.bucket_cap_mb,
-                           **{_buffer_flag(): False})
-            if ctx.emulator.enabled:  # a Python all-reduce: the emulator sees each bucket
-                self.ddp.register_comm_hook(replica_group, default_hooks.allreduce_hook)
-        # Each pipeline's summed loss over the global targets; DDP then averages the D replicas.
-        self.loss_scale = D / ctx.workload.targets_per_iter
+        # Replicas of this stage (data parallel across pipelines) sum their gradients once the
+        # schedule is through, in buckets (gradient_buckets, as the plan prices them).
+        self.replica_group = replicas[self.stage_index] if D > 1 else None
+        self.buckets = ([[self.params[i] for i in run] for run in gradient_buckets(
+            [p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)] if D > 1 else [])
+        # Each pipeline's summed loss over the global targets; the replicas' gradients add up.
+        self.loss_scale = 1.0 / ctx.workload.targets_per_iter
 
         def loss_fn(output, target):
             outs = output if isinstance(output, tuple) else (output,)
             return loss_module(*outs, target) * self.loss_scale
 
-        stage = PipelineStage(self.ddp or module, self.stage_index, S, ctx.device, group=group)
+        stage = PipelineStage(module, self.stage_index, S, ctx.device, group=group)
         stage.stage_index_to_group_rank = {s: members.index(pipelines[self.pipeline][s]) for s in range(S)}
         schedule = Schedule1F1B if d["schedule"] == "1f1b" else ScheduleGPipe
         # Every stage gets the loss function (the schedule runs backward where there is one);
@@ -919,6 +911,7 @@ class PipelineTrainer:
         args = inputs if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.sync_replicas()
         if self.grad_clip:
             self.clip_global_norm(self.grad_clip)
         self.optimizer.step()
@@ -929,9 +922,20 @@ class PipelineTrainer:
             return (torch.stack([x.detach() for x in losses]).sum() / self.loss_scale).detach()
         return torch.zeros(())
 
+    def sync_replicas(self) -> None:
+        """Sum the stage's gradients over its replicas, bucket by bucket (a flat copy each)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.replica_group)
+            for p, value in zip(bucket, _unflatten_dense_tensors(flat, grads)):
+                p.grad = value if p.grad is None else p.grad.copy_(value)
+
     def clip_global_norm(self, max_norm: float) -> None:
         """Every stage's gradients scaled by one factor: the norm over the whole model (a
-        stage's replicas hold the same gradients after DDP, so one pipeline's stages count)."""
+        stage's replicas hold the same gradients once summed, so one pipeline's stages count)."""
         sq = torch.zeros((), dtype=torch.float64)
         if self.pipeline == 0:
             for p in self.params:
@@ -957,12 +961,3 @@ class PipelineTrainer:
                     p = self.model.get_parameter(name)
                     p.copy_(value)
                     p.grad = grad
-
-
-def _buffer_flag() -> str:
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    names = inspect.signature(DDP).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"

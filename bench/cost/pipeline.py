@@ -19,14 +19,13 @@ simulator replays them rank by rank, as the ranks would run them:
     host transport's floor for a point-to-point transfer; a receive completes when that
     transfer has arrived; a wait ends when all it waits on have;
   - stages replicated over several pipelines (data parallel across pipelines) all-reduce
-    their gradients among the replicas in DDP's buckets during the last backward, each bucket
-    once backward has made it and the previous one is done; the last backward ends when the
-    last bucket has;
+    their gradients among the replicas once every replica is through its schedule, bucket by
+    bucket (grad_sync_s);
   - then each rank's optimizer step: Adam's per-byte cost over the stage's parameters on an
     emulated worker, a profile's optimizer time on a GPU, and the method's own host work.
 
 The iteration lasts until the last rank is done. Memory is per rank: its stage's parameters,
-gradients and Adam state, DDP's bucket copies, the receive buffers of every micro-batch, and the
+gradients and Adam state, a gradient bucket's flat copy, the receive buffers of every micro-batch, and the
 activations of the micro-batches in flight at once (Memory.activations, priced by the planner).
 It runs no model and touches no process group.
 """
@@ -63,9 +62,9 @@ class PipeStage:
     send_bytes: float  # activations it sends the next stage per micro-batch (its gradient comes back)
     param_bytes: float
     memory: Memory  # per rank, at the peak (constants: a stage's ranks are not sharded)
-    # DDP's gradient buckets among the replicas: (bytes, share of the backward done when it is
-    # made), in the order backward makes them; empty with one pipeline
-    grad_buckets: tuple[tuple[float, float], ...] = ()
+    # The gradient buckets all-reduced among the replicas after the schedule (bytes each, in
+    # order); empty with one pipeline
+    grad_buckets: tuple[float, ...] = ()
     # Where its layer groups were timed on the host (emulated CPU workers: methods.pipeline's
     # profile): (forward, backward, Adam's step) seconds of one micro-batch there, which the
     # simulator scales by the host's plain step at the micro-batch then and now (measured_scale)
@@ -125,7 +124,7 @@ class RankTimeline:
     compute_s: float = 0.0  # its forwards and backwards
     end_s: float = 0.0  # its last action, the gradient all-reduce included
     optimizer_s: float = 0.0  # the per-step part after it (optimizer, host work)
-    sync_s: float = 0.0  # gradient all-reduce among replicas past the end of its backward
+    sync_s: float = 0.0  # the gradient all-reduce among replicas (and the wait for them)
 
 
 def in_flight(actions: tuple[tuple, ...]) -> int:
@@ -140,13 +139,13 @@ def in_flight(actions: tuple[tuple, ...]) -> int:
 
 def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
                  received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
-                 replicated: bool) -> Memory:
+                 bucket_bytes: float) -> Memory:
     """What one rank of a stage holds at its peak (bench.core.program.Memory, constants), from its
     layers' bytes per micro-batch:
 
     - its parameters, their gradients (accumulated over the micro-batches: all exist from the
-      first backward on), Adam's two moments, and with replicas DDP's bucket copy of the
-      gradients;
+      first backward on), Adam's two moments, and with replicas the flat copy of the gradient
+      bucket they all-reduce (`bucket_bytes`: the stage's gradients up to the bucket's cap);
     - a receive buffer per micro-batch of the iteration for its input (`received_bytes`, not
       on the first stage) and for its output's gradient (`sent_bytes`, not on the last), which
       torch.distributed.pipelining allocates once for every micro-batch (held, as buckets are);
@@ -156,7 +155,7 @@ def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: 
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     buffers = num_micro_batches * (received_bytes + sent_bytes)
     return Memory(params=Affine(param_bytes), grads=Affine(param_bytes), optimizer=Affine(2.0 * param_bytes),
-                  activations=Affine(activations), buckets=Affine((param_bytes if replicated else 0.0) + buffers),
+                  activations=Affine(activations), buckets=Affine(bucket_bytes + buffers),
                   largest_param=Affine(largest_param_bytes))
 
 
@@ -168,9 +167,9 @@ def stage_peak(memory: Memory, foreach: bool) -> float:
 
 def stage_peak_bytes(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
                      received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
-                     replicated: bool, foreach: bool) -> float:
+                     bucket_bytes: float, foreach: bool) -> float:
     """stage_peak(stage_memory(...)) in plain arithmetic, for a planner that checks many cuts."""
-    resident = 4.0 * param_bytes + (param_bytes if replicated else 0.0) + num_micro_batches * (
+    resident = 4.0 * param_bytes + bucket_bytes + num_micro_batches * (
         received_bytes + sent_bytes)
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
@@ -236,8 +235,6 @@ def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
     arrived: dict[tuple[str, int, int], float] = {}  # (what, mb, receiving stage) -> when it arrived
     posted: list[dict[int, tuple]] = [{} for _ in range(n)]  # id -> ("done", t) or ("recv", key)
     compute = [0.0] * n
-    last_b = [max((i for i, a in enumerate(acts) if a[0] == "B"), default=-1) for acts in program.actions]
-    sync = [0.0] * n
     while True:
         moved = False
         for s in range(n):
@@ -247,13 +244,8 @@ def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
                 kind = a[0]
                 if kind in ("F", "B"):
                     d = times[s][0 if kind == "F" else 1]
-                    start = clock[s]
                     clock[s] += d
                     compute[s] += d
-                    if kind == "B" and pc[s] == last_b[s] and stages[s].grad_buckets:
-                        done = grad_sync_end(stages[s], cluster, start, d)
-                        sync[s] = max(0.0, done - clock[s])
-                        clock[s] = max(clock[s], done)
                 elif kind == "send":
                     _, ident, what, mb = a
                     to = s + 1 if what == "act" else s - 1
@@ -291,20 +283,17 @@ def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
         if not moved:
             stuck = {s: program.actions[s][pc[s]] for s in range(n) if pc[s] < len(program.actions[s])}
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
-    return [RankTimeline(compute_s=compute[s], end_s=clock[s], sync_s=sync[s]) for s in range(n)]
+    return [RankTimeline(compute_s=compute[s], end_s=clock[s]) for s in range(n)]
 
 
-def grad_sync_end(stage: PipeStage, cluster: ClusterSpec, start: float, duration: float) -> float:
-    """When the last of a stage's DDP buckets is all-reduced among its replicas, the last
-    backward having started at `start` and computing for `duration`: a bucket starts once
-    backward has made it and the one before is done."""
+def grad_sync_s(stage: PipeStage, cluster: ClusterSpec) -> float:
+    """Seconds of the all-reduces of a stage's gradient buckets among its replicas, one after
+    another (what the runtime does once its schedule is through)."""
+    if len(stage.ranks) < 2:
+        return 0.0
     link = cluster.link_between(list(stage.ranks))
-    free = start
-    for nbytes, share in stage.grad_buckets:
-        begin = max(start + share * duration, free)
-        free = begin + max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link),
-                           cluster.floor_s("all_reduce"))
-    return max(free, start + duration)
+    return sum(max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link), cluster.floor_s("all_reduce"))
+               for nbytes in stage.grad_buckets)
 
 
 def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float,
@@ -338,11 +327,15 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
         if key not in seen:
             seen[key] = replay(program, cluster, p, [times[s][p] for s in range(program.num_stages)])
         for s, line in enumerate(seen[key]):
-            r = program.stages[s].ranks[p]
-            per_rank[r] = RankTimeline(line.compute_s, line.end_s,
-                                       optimizer_s(program.stages[s], cluster, r, vdevs[r], program.host_work_flops,
-                                                   scale),
-                                       line.sync_s)
+            per_rank[program.stages[s].ranks[p]] = line
+    for st in program.stages:  # replicas all-reduce once the last of them is through
+        sync = grad_sync_s(st, cluster)
+        start = max(per_rank[r].end_s for r in st.ranks)
+        for r in st.ranks:
+            line = per_rank[r]
+            per_rank[r] = RankTimeline(line.compute_s, start + sync,
+                                       optimizer_s(st, cluster, r, vdevs[r], program.host_work_flops, scale),
+                                       start + sync - line.end_s)
     iter_time = max(t.end_s + t.optimizer_s for t in per_rank.values())
     busiest = max(per_rank.values(), key=lambda t: t.compute_s + t.optimizer_s)
     stage_times = []

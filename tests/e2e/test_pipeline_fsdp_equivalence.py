@@ -69,6 +69,13 @@ def test_pipelines_replicated_over_machines_equal_single_device_training(cfg_fac
     assert case.plan.details["num_pipelines"] == 2
 
 
+def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_training(cfg_factory):
+    case = _check_one_step(cfg_factory, "model=bert_moe", "cluster=local_hetero4", "method=pipeline",
+                           "method.stage_level=device", "method.num_stages=2", "method.profile=false",
+                           "global_batch=16", ranks=4)
+    assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
+
+
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_fsdp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model):
     case = _check_one_step(cfg_factory, f"model={model}", "method=fsdp_cp", "method.work_probe=false",
