@@ -6,6 +6,8 @@
     python -m bench.regress --rebaseline --no-measured --note "why"  # only the sim figures; the
                                                                      # measured ones are kept
     python -m bench.regress method=hap      # only hap's figures (model=a,b likewise)
+    python -m bench.regress --rebaseline method=pipeline --note "why"   # add (or replace) one
+                                                                     # method's figures, keep the rest
 
 The figures and the rules they are judged by: bench.studies.regression and docs/regression.md.
 """
@@ -13,6 +15,7 @@ The figures and the rules they are judged by: bench.studies.regression and docs/
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -21,9 +24,11 @@ from bench.runner.configs import check_group_choices, methods_supporting
 from bench.studies.regression import (
     MODELS,
     _selected,
+    add_to_baseline,
     compare,
     kept_measured,
     load_baseline,
+    measured_figures,
     measured_rounds,
     measured_sessions,
     medians,
@@ -63,8 +68,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.rebaseline and chosen:
-        print("error: --rebaseline writes every figure; drop model=/method=", file=sys.stderr)
+    if args.rebaseline and "model" in chosen:
+        print("error: --rebaseline writes every model's figures; drop model= (method=a,b adds or replaces "
+              "those methods' figures and keeps the rest)", file=sys.stderr)
         return 2
     if args.sessions < 1 or (args.sessions > 1 and not args.rebaseline):
         print(f"error: --sessions={args.sessions}: it must be >= 1, and more than 1 only with --rebaseline "
@@ -75,6 +81,14 @@ def main(argv: list[str]) -> int:
     figures = sim_sessions(args.sessions if args.rebaseline else 1, chosen.get("model", MODELS),
                            None if methods is None else [m for m in methods if m in methods_supporting("sim")])
     sessions = None
+    if args.rebaseline and methods is not None:  # add or replace these methods' figures
+        if not args.no_measured:
+            real = [m for m in methods if m in methods_supporting("real")]
+            sessions = [measured_figures(args.slowdown, real) for _ in range(args.sessions)]
+            keys = set.intersection(*(set(r) for r in sessions))
+            figures.update({k: statistics.median(r[k] for r in sessions) for k in sorted(keys)})
+        add_to_baseline(load_baseline(), figures, methods, sessions, args.note)
+        return 0
     if args.rebaseline and not args.no_measured:
         measured, sessions = measured_sessions(args.sessions, args.slowdown)
         figures.update(measured)

@@ -285,6 +285,24 @@ def kept_measured(base: dict) -> tuple[dict[str, float], list | None, dict]:
     return figures, base.get("measured_sessions"), origin
 
 
+def add_to_baseline(base: dict, figures: dict[str, float], methods: list[str], sessions: list | None,
+                    note: str | None, path: Path | None = None) -> None:
+    """Write `base` with the figures of `methods` added or replaced by `figures` (a new method
+    joins the check without measuring the others again): the rest of the baseline, its
+    fingerprint included, is kept, and an `added` entry says which methods came when, from which
+    commit and why (with their measured sessions)."""
+    path = path or BASELINE_FILE
+    kept = {k: v for k, v in base["figures"].items() if not _selected(k, {"method": methods})}
+    entry = {"methods": methods, "created": datetime.now(UTC).isoformat(), **fingerprint()}
+    if sessions is not None:
+        entry["measured_sessions"] = sessions
+    if note:
+        entry["note"] = note
+    body = {**base, "figures": {**kept, **figures}, "added": [*base.get("added", []), entry]}
+    path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(figures)} figures of {', '.join(methods)} to {path} ({len(kept)} kept)")
+
+
 def write_baseline(figures: dict[str, float], path: Path | None = None, sessions: list | None = None,
                    note: str | None = None, measured_from: dict | None = None) -> None:
     path = path or BASELINE_FILE
