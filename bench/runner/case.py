@@ -225,6 +225,8 @@ def plan_hash(plan) -> str:
     bookkeeping: timings and predictions from a measured host speed vary between runs."""
     ratios = [[round(r, 6) for r in row] for row in plan.ratios or []]
     body = [plan.method, plan.batch_shares, ratios, plan.details.get("steps")]
+    if "stages" in plan.details:  # a pipeline's decisions: its cuts and which ranks run each stage
+        body.append([plan.details["stages"], plan.details.get("num_micro_batches"), plan.details.get("schedule")])
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
