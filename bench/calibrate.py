@@ -5,6 +5,8 @@
     python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
     python -m bench.calibrate --reprice results/calibration/20261126-H200-steps.json   # no GPU needed
+    python -m bench.calibrate --rows results/runs method=pipeline,fsdp   # summarise rows recorded
+                                                                          # by earlier runs
 
 With --device, one device instead: each paper model's training step (forward, backward, Adam)
 at batch 1 to 128, measured on that device and predicted by the simulator from the device
@@ -44,6 +46,7 @@ from bench.studies.calibration import (
     MODELS,
     print_single_device,
     print_summary,
+    recorded_rows,
     repriced_rows,
     single_device_cluster,
     single_device_rows,
@@ -63,6 +66,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("--reprice", type=Path, default=None,
                         help="an earlier --device calibration file: its measured steps against today's cost model")
+    parser.add_argument("--rows", type=Path, nargs="+", default=None,
+                        help="records files (or results dirs) of earlier real runs: summarise their rows (the last "
+                             "aggregate per model, cluster and method, e.g. bench.compare's) instead of running; "
+                             "model=, cluster= and method= pick among them")
     parser.add_argument("overrides", nargs="*",
                         help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
                              f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
@@ -118,21 +125,29 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
-               for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
-    expect_cases(configs)
-    try:
-        repeats = check_repeats(configs[0].repeats)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if repeats == 1:
-        rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
-    else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
-        rows = []
-        for i in range(0, len(configs), len(lists["method"])):
-            group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
-            rows += [vars(r) for r in run_rounds(group, repeats)]
+    if args.rows is not None:  # a calibration split over earlier runs: summarise what they recorded
+        chosen = {k.partition("=")[0]: k.partition("=")[2].split(",") for k in args.overrides if "=" in k}
+        rows = recorded_rows(args.rows, chosen.get("model"), chosen.get("cluster"), chosen.get("method"))
+        if not rows:
+            print(f"error: --rows {' '.join(map(str, args.rows))}: no real rows there (of the chosen models, "
+                  "clusters and methods); give records of bench.run, bench.compare or bench.calibrate", file=sys.stderr)
+            return 2
+    else:
+        configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+                   for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
+        expect_cases(configs)
+        try:
+            repeats = check_repeats(configs[0].repeats)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if repeats == 1:
+            rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
+        else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
+            rows = []
+            for i in range(0, len(configs), len(lists["method"])):
+                group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
+                rows += [vars(r) for r in run_rounds(group, repeats)]
     summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" /

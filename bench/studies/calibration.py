@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -73,6 +74,28 @@ def memory_error(row: dict) -> float | None:
     if not measured or not predicted or len(measured) != len(predicted) or not all(measured):
         return None
     return statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured))
+
+
+def recorded_rows(paths: list[Path], models=None, clusters=None, methods=None) -> list[dict]:
+    """The rows earlier real runs recorded (records.jsonl files, or folders holding one): per
+    (model, cluster, method) the last `aggregate` row (repeated cases: bench.compare's or
+    calibrate's rounds), else the last `case` row; optionally only the given models, clusters
+    and methods. A calibration split over several runs is summarised from them."""
+    from bench.records.rows import load_records
+
+    last: dict[tuple, dict] = {}
+    for path in paths:
+        path = path / "records.jsonl" if path.is_dir() else path
+        for r in load_records(path):
+            if r.get("mode") != "real" or r.get("row_kind", "case") == "repeat":
+                continue
+            if (models and r["model"] not in models) or (clusters and r["cluster"] not in clusters) or (
+                    methods and r["method"] not in methods):
+                continue
+            key = (r["model"], r["cluster"], r["method"])
+            if key not in last or r.get("row_kind") == "aggregate" or last[key].get("row_kind") != "aggregate":
+                last[key] = r
+    return list(last.values())
 
 
 def summarize(rows: list[dict]) -> dict:
