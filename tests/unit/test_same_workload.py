@@ -48,6 +48,8 @@ def methods() -> dict:
         "dp_cp": instantiate(compose_config("method=dp_cp").method),
         "deepspeed": instantiate(compose_config("method=deepspeed").method),
         "hap": instantiate(compose_config("method=hap", *FAST_PLANNER).method),
+        "fsdp": instantiate(compose_config("method=fsdp").method),
+        "fsdp_cp": instantiate(compose_config("method=fsdp_cp").method),
     }
 
 
@@ -96,6 +98,23 @@ def test_every_method_prices_the_same_flops_per_iteration(model, preset):
     for name, flops in work.items():
         assert flops == pytest.approx(work["dp_ev"], rel=1e-9), (
             f"{model}-{preset}: {name} prices {flops:.6e} FLOPs of work per iteration, dp_ev {work['dp_ev']:.6e}")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_the_pipeline_prices_the_same_flops_per_iteration(model, preset):
+    """Its stages' forward and backward FLOPs at a micro-batch, times the micro-batches and the
+    pipelines, are the iteration's: every layer group in exactly one stage. (At a paper preset
+    the stages are priced by FLOPs; an emulated CPU cluster would time them.)"""
+    from methods.pipeline import PipelineParallel
+
+    planned = PipelineParallel().plan(workload(model, preset), paper_cluster())
+    program = planned.program
+    groups = sorted(st.groups for st in program.stages)
+    assert groups[0][0] == 0 and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    flops = sum(s.flops.const for st in program.stages for s in (*st.forward, *st.backward))
+    assert flops * program.num_micro_batches * program.num_pipelines == pytest.approx(
+        work_flops(plan(model, preset, "dp_ev").program), rel=1e-9)
 
 
 def test_bert_moe_all_to_alls_move_the_models_expert_slots_in_hap_and_deepspeed():
