@@ -66,7 +66,7 @@ def workload_from(cfg: DictConfig, model_cfg, batch: int, data: dict) -> Workloa
     """The workload of checked parts (check_workload); counts its FLOPs (seconds for a big model)."""
     return Workload(
         name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
-        flops_per_sample=train_flops_per_sample(model_cfg), data=data,
+        flops_per_sample=train_flops_per_sample(model_cfg), data=data, precision=cfg.precision,
     )
 
 

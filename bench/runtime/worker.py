@@ -28,6 +28,7 @@ from bench.core.shares import offsets
 from bench.runtime import hostcpu
 from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
 from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
+from bench.runtime.precision import ForwardDtypes
 from bench.runtime.tensor_memory import TensorBytes
 
 
@@ -290,6 +291,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
         dist.barrier()
     precision = None
+    # The first iteration, where it is not measured, shows the dtypes the forward really made.
+    watch = ForwardDtypes() if pre + case.warmup_iters > 0 else None
     peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
     realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
     workers_first = None  # gloo's workers at nice -10: how many (None: off or refused)
@@ -317,7 +320,8 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         if counted and it == emulator.settings.SKIPPED - 1:
             tensors.reset_peak()
         t0 = time.perf_counter()
-        with step_context(case.precision, device), (tensors if counted else contextlib.nullcontext()):
+        with step_context(case.precision, device), (tensors if counted else contextlib.nullcontext()), \
+                (watch if watch is not None and it == 0 else contextlib.nullcontext()):
             precision = precision or precision_in_force(case.precision, device)
             loss = trainer.step(batch)
         if case.slowdown:
@@ -345,7 +349,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
                       if emulated else None),
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
-        "precision": precision,
+        "precision": {**(precision or {}), "forward_matmul_dtypes": None if watch is None else watch.observed()},
     }
     if case.return_state and rank == 0:
         result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()
