@@ -34,10 +34,12 @@ from bench.core.errors import ConfigError
 from bench.core.paths import PROJECT_DIR
 from bench.records.progress import track
 from bench.records.rows import fingerprint
+from bench.runner.case import check_profile_precision
 from bench.runner.configs import check_group_choices, compose_config, methods_supporting
 from bench.runner.execute import expect_cases, run_case
 from bench.runner.rounds import run_rounds
 from bench.runner.settings import check_repeats
+from bench.runtime.precision import PRECISIONS
 from bench.runtime.worker import rank_hardware
 from bench.studies.calibration import (
     CLUSTERS,
@@ -60,6 +62,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile "
                         "--compute-out); with --reprice: price with this profile instead of the file's")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="with --device: what the steps run at (fp32: TF32 off; tf32; bf16: autocast); the "
+                             "profile must have been measured at the same")
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("--reprice", type=Path, default=None,
                         help="an earlier --device calibration file: its measured steps against today's cost model")
@@ -72,11 +77,13 @@ def main(argv: list[str]) -> int:
         try:
             earlier = json.loads(args.reprice.read_text())
             cluster = single_device_cluster(earlier["device_type"], args.profile or earlier["profile"])
+            precision = earlier.get("precision", "fp32")  # files before it was recorded ran at fp32's switches
+            check_profile_precision(cluster, precision)
         except (OSError, ValueError, KeyError, ConfigError) as exc:
             print(f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
                   file=sys.stderr)
             return 2
-        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset),
+        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset, precision),
                             f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
                             + (f" with {args.profile}" if args.profile else ""))
         return 0
@@ -85,13 +92,14 @@ def main(argv: list[str]) -> int:
             parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")
         try:
             cluster = single_device_cluster(args.device_type, args.profile)
+            check_profile_precision(cluster, args.precision)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        about = {"device_type": args.device_type, "profile": args.profile,
+        about = {"device_type": args.device_type, "profile": args.profile, "precision": args.precision,
                  "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
 
         def write(rows: list[dict], summary: dict | None = None) -> None:
@@ -101,7 +109,7 @@ def main(argv: list[str]) -> int:
                                       indent=1) + "\n")
 
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
-                                  args.device, cluster, args.preset, on_row=write)
+                                  args.device, cluster, args.preset, on_row=write, precision=args.precision)
         write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
         print(f"wrote {out}")
         return 0

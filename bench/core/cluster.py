@@ -64,6 +64,10 @@ class ComputeProfile:
     # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
     # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
     workspace_bytes: float = 0.0
+    # The precision its kernels ran at (bench.runtime.precision.PRECISIONS), as the profile
+    # records it; None for a profile made before profiles recorded it (measured with torch's
+    # default switches: TF32 off for matmuls, on for cuDNN's convolutions)
+    precision: str | None = None
 
     def rate(self, op_class: str) -> tuple[float, float]:
         """(fixed_s per kernel, FLOP/s) of an op class."""
@@ -135,10 +139,15 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     workspace = data.get("workspace_bytes", 0.0)
     if not isinstance(workspace, (int, float)) or workspace < 0:
         raise ConfigError(f"{where}={path!r}: workspace_bytes must be a number >= 0 (got {workspace!r}); {fix}")
+    recorded = data.get("precision")
+    precision = recorded.get("precision") if isinstance(recorded, dict) else None
+    if recorded is not None and not isinstance(precision, str):
+        raise ConfigError(f"{where}={path!r}: precision must be the mapping bench.profile records, with a "
+                          f"'precision' name (got {recorded!r}); {fix}")
     return ComputeProfile(type_name, classes, optimizer, str(path),
                           tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
                           0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
-                          float(workspace))
+                          float(workspace), precision)
 
 
 _TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}

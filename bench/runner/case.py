@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import platform
 import statistics
@@ -39,6 +40,9 @@ from bench.runtime.worker import (
     Case,
 )
 
+log = logging.getLogger(__name__)
+_unrecorded_warned: set[str] = set()
+
 
 def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
     return workload_from(cfg, *check_workload(cfg, cluster))
@@ -68,6 +72,28 @@ def workload_from(cfg: DictConfig, model_cfg, batch: int, data: dict) -> Workloa
         name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
         flops_per_sample=train_flops_per_sample(model_cfg), data=data, precision=cfg.precision,
     )
+
+
+def check_profile_precision(cluster: ClusterSpec, precision: str) -> None:
+    """A compute profile prices kernels as they ran when it was measured: one measured at
+    another precision than the case's is refused (a ConfigError of one line). A profile made
+    before profiles recorded their precision is used, with one warning per profile."""
+    for dtype in {d.type.name: d.type for d in cluster.devices}.values():
+        prof = dtype.compute
+        if prof is None:
+            continue
+        if prof.precision is None:
+            if prof.path not in _unrecorded_warned:
+                _unrecorded_warned.add(prof.path)
+                log.warning("the compute profile %s (device type %s) does not record its precision (measured "
+                            "with torch's default TF32 switches: cuDNN's on); re-profile it with bench.profile "
+                            "--precision %s", prof.path, dtype.name, precision)
+        elif prof.precision != precision:
+            raise ConfigError(
+                f"precision={precision} but the compute profile {prof.path} (device type {dtype.name}) was "
+                f"measured at precision={prof.precision}; run at precision={prof.precision}, or profile the "
+                f"device at {precision}: python -m bench.profile --device cuda --device-type {dtype.name} "
+                f"--precision {precision} --compute-out {prof.path}")
 
 
 def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
@@ -145,6 +171,7 @@ def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = No
         raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
                           f"supports {', '.join(method.modes)}")
     model_cfg, record.global_batch, data = check_workload(cfg, cluster)
+    check_profile_precision(cluster, cfg.precision)
     if cfg.mode == "real":
         check_hardware(cluster, world_size)
     # Validated for this cluster before any worker starts (realtime_comm needs a core per rank).

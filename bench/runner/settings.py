@@ -11,9 +11,7 @@ from bench.core.errors import ConfigError
 from bench.records.tracking import WANDB_MODES
 from bench.runtime.emulation import EmulationSettings
 from bench.runtime.hostcpu import host_cores
-from bench.runtime.worker import (
-    PRECISIONS,
-)
+from bench.runtime.precision import PRECISIONS
 
 MODES = ("real", "sim")
 

@@ -28,7 +28,7 @@ from bench.core.shares import offsets
 from bench.runtime import hostcpu
 from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
 from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
-from bench.runtime.precision import ForwardDtypes
+from bench.runtime.precision import ForwardDtypes, precision_in_force, set_precision, step_context
 from bench.runtime.tensor_memory import TensorBytes
 
 
@@ -47,13 +47,10 @@ class Case:
     fail_rank: int | None = None  # tests: this rank raises at its first iteration
     emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
     slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
-    precision: str = "fp32"  # one of PRECISIONS
+    precision: str = "fp32"  # one of bench.runtime.precision.PRECISIONS
     oom_rank: int | None = None  # tests: this rank asks for more memory than exists, first iteration
 
 
-# fp32: true fp32 everywhere (the paper's setting; TF32 off for matmuls and cuDNN);
-# tf32: fp32 tensors, TF32 tensor-core matmuls and convolutions; bf16: torch.autocast to bfloat16.
-PRECISIONS = ("fp32", "tf32", "bf16")
 # Bytes the oom_rank test hook asks for: 1 PiB, more than any device holds and more than a
 # 48-bit address space maps, so the allocator itself refuses (no overcommit lets it through).
 _IMPOSSIBLE_BYTES = 2**50
@@ -106,35 +103,6 @@ def backend_for(cluster: ClusterSpec, device: torch.device) -> str:
     """gloo for emulated clusters: NCCL refuses two ranks of one communicator on one GPU, and
     gloo takes CUDA tensors (it copies them through host memory itself)."""
     return "gloo" if cluster.emulated or device.type == "cpu" else "nccl"
-
-
-def set_precision(precision: str) -> None:
-    """The TF32 switches for `precision` (they only act on CUDA; set everywhere, so the row's
-    flags say what a GPU would have done). bf16's autocast is entered per step (step_context)."""
-    tf32 = precision == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-
-
-def step_context(precision: str, device: torch.device):
-    """What each training step runs inside: autocast to bfloat16 on the rank's device type for
-    bf16. Around the whole step (forward, backward, optimizer), because the methods' steps are
-    opaque to the worker; backward ops then run in the dtypes autocast chose in forward and the
-    optimizer's fp32 parameter math is on no autocast list, so it stays fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def precision_in_force(precision: str, device: torch.device) -> dict:
-    """The precision settings as torch reports them (call inside step_context)."""
-    autocast = torch.is_autocast_enabled(device.type)
-    return {
-        "precision": precision,
-        "autocast_dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.") if autocast else None,
-        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-    }
 
 
 def rank_hardware(device: torch.device) -> dict:

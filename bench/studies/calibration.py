@@ -206,14 +206,14 @@ def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
 
 
 def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
-                       repeats: int = 10, on_row=None) -> list[dict]:
-    """Per (model, batch): the measured step on `device` and the simulator's prediction of
-    plain training on `cluster` (one device: dp_ev's program), time and peak memory;
-    on_row(rows so far) after each."""
+                       repeats: int = 10, on_row=None, precision: str = "fp32") -> list[dict]:
+    """Per (model, batch): the measured step on `device` at `precision` and the simulator's
+    prediction of plain training on `cluster` (one device: dp_ev's program), time and peak
+    memory; on_row(rows so far) after each."""
     rows = []
     for model in models:
         for batch in batches:
-            cfg, workload = _step(model, batch, preset, cluster)
+            cfg, workload = _step(model, batch, preset, cluster, precision)
             probe = host_probe(device)
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
             rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30, probe))
@@ -226,16 +226,16 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
     return rows
 
 
-def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
+def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper", precision: str = "fp32") -> list[dict]:
     """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"],
-                       r.get("host_probe_s")) for r in rows]
+    return [_predicted(*_step(r["model"], r["batch"], preset, cluster, precision), cluster, r["measured_s"],
+                       r["measured_peak_gib"], r.get("host_probe_s")) for r in rows]
 
 
-def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
+def _step(model: str, batch: int, preset: str, cluster: ClusterSpec, precision: str = "fp32"):
     """The config and workload of one plain training step of `model` at `batch` samples."""
     cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                         "wandb.mode=disabled")
+                         f"precision={precision}", "wandb.mode=disabled")
     return cfg, build_workload(cfg, cluster)
 
 
