@@ -6,11 +6,12 @@ import stat
 
 import pytest
 
+from bench.core.errors import ConfigError
 from bench.records.rows import load_records
 from bench.runner import case as runner_case
 from bench.runner import execute as runner
 from bench.runner.configs import results_file
-from bench.runtime.launch import WorkerError, launch
+from bench.runtime.launch import launch
 
 pytestmark = pytest.mark.e2e
 QUICK = ["warmup_iters=0", "measured_iters=2", "emulation.reference_iters=0"]
@@ -90,8 +91,8 @@ def test_the_mps_daemon_gets_private_directories_and_is_stopped_when_the_case_fa
     cfg = cfg_factory(*QUICK)
     case = runner_case.prepare_case(cfg, runner_case.new_record(cfg))
     case.cluster = dataclasses.replace(case.cluster, device="cuda")
-    # The daemon must still be stopped.
-    with pytest.raises(WorkerError):
+    # The daemon's client check fails in one line, before any worker; the daemon must still be stopped.
+    with pytest.raises(ConfigError, match="the MPS daemon started .* but a client could not use the GPU"):
         launch(case, 2, timeout_s=120)
     start, stop = [line.split() for line in log.read_text().splitlines()]
     assert start[0] == "start" and stop[0] == "quit" and start[1:] == stop[1:]
