@@ -95,8 +95,7 @@ def summarize(rows: list[dict]) -> dict:
     # prediction: it reads the measured compute.
     outside = [abs(r["predicted_iter_time_s"] - r["predicted_compute_s"] + r["compute_s"] - r["iter_time_s_mean"])
                / r["iter_time_s_mean"] for r in cases if r.get("compute_s") and r.get("predicted_compute_s")]
-    methods = sorted({r["method"] for r in cases})
-    by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
+    by_method, by_model, by_cluster = (_mean_error_by(cases, key) for key in ("method", "model", "cluster"))
     with_memory = [r for r in cases if r["memory_error"] is not None]
     memory_by_method = {m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
                         for m in sorted({r["method"] for r in with_memory})}
@@ -124,6 +123,8 @@ def summarize(rows: list[dict]) -> dict:
         "mape_planned": statistics.fmean(planned) if planned else None,
         "mape_outside_compute": statistics.fmean(outside) if outside else None,
         "mape_by_method": by_method,
+        "mape_by_model": by_model,
+        "mape_by_cluster": by_cluster,
         # Each rank's peak of live tensor bytes against its device's predicted peak (CPU ranks)
         "memory_mape": statistics.fmean(r["memory_error"] for r in with_memory) if with_memory else None,
         "memory_mape_by_method": memory_by_method,
@@ -134,6 +135,11 @@ def summarize(rows: list[dict]) -> dict:
         "failed": [f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}"
                    for r in rows if r.get("status") != "ok"],
     }
+
+
+def _mean_error_by(cases: list[dict], key: str) -> dict[str, float]:
+    """The mean of the cases' sim_error per value of `key` (method, model or cluster)."""
+    return {v: statistics.fmean(r["sim_error"] for r in cases if r[key] == v) for v in sorted({r[key] for r in cases})}
 
 
 def print_summary(summary: dict) -> None:
@@ -171,9 +177,12 @@ def print_summary(summary: dict) -> None:
                      "-" if every is None else f"{every:+.2f}")
     console.print(taus)
     if summary["mape"] is not None:
-        per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
-                      "host speed each run's ranks measured (bench.runtime.hostspeed.yardstick)")
+        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases; priced at the host speed "
+                      "each run's ranks measured (bench.runtime.hostspeed.yardstick)")
+        for key in ("method", "model", "cluster"):
+            per = summary.get(f"mape_by_{key}") or {}
+            counts = {v: sum(c[key] == v for c in summary["cases"]) for v in per}
+            console.print(f"  MAPE by {key}: " + ", ".join(f"{v} {e:.1%} ({counts[v]})" for v, e in per.items()))
     if summary.get("memory_mape") is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
         cases = sum(c.get("memory_error") is not None for c in summary["cases"])

@@ -47,6 +47,24 @@ def test_calibration_summary_has_errors_mape_and_tau():
     assert s["failed"] == ["bert/c/x: boom"]
 
 
+def test_calibration_summary_gives_the_mape_per_method_model_and_cluster(capsys):
+    from bench.studies.calibration import print_summary, summarize
+
+    errors = {("bert", "c2", "a"): 0.10, ("bert", "c2", "b"): 0.20, ("vit", "c2", "a"): 0.30, ("vit", "c4", "a"): 0.40}
+    rows = [dict(model=m, cluster=c, method=x, status="ok", iter_time_s_mean=1.0, predicted_iter_time_s=1.0 + e)
+            for (m, c, x), e in errors.items()]
+    s = summarize(rows)
+    assert s["mape_by_method"] == pytest.approx({"a": 0.8 / 3, "b": 0.2})
+    assert s["mape_by_model"] == pytest.approx({"bert": 0.15, "vit": 0.35})
+    assert s["mape_by_cluster"] == pytest.approx({"c2": 0.2, "c4": 0.4})
+    assert set(s["kendall_tau_all"]) == {"bert/c2", "vit/c2", "vit/c4"}
+    print_summary(s)
+    out = capsys.readouterr().out
+    assert "MAPE by method: a 26.7% (3), b 20.0% (1)" in out
+    assert "MAPE by model: bert 15.0% (2), vit 35.0% (2)" in out
+    assert "MAPE by cluster: c2 20.0% (3), c4 40.0% (1)" in out
+
+
 def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
     from bench.studies.calibration import summarize
 
