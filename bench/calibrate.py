@@ -44,6 +44,7 @@ from bench.runtime.worker import rank_hardware
 from bench.studies.calibration import (
     CLUSTERS,
     MODELS,
+    merged_rows,
     print_single_device,
     print_summary,
     repriced_rows,
@@ -68,11 +69,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("--reprice", type=Path, default=None,
                         help="an earlier --device calibration file: its measured steps against today's cost model")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="calibration files of emulated cases (runs split to keep each short): one summary "
+                             "over all their cases")
     parser.add_argument("overrides", nargs="*",
                         help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
                              f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
                              "method=every method that runs for real), as in compare and -m sweeps")
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        try:
+            rows = merged_rows([json.loads(path.read_text()) for path in args.merge])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --merge: {exc!r}; give files written by bench.calibrate (emulated cases)", file=sys.stderr)
+            return 2
+        summary = {**summarize(rows), "merged": [str(p) for p in args.merge],
+                   "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        print_summary(summary)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return 0
     if args.reprice is not None:
         try:
             earlier = json.loads(args.reprice.read_text())

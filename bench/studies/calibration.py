@@ -137,6 +137,22 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def merged_rows(summaries: list[dict]) -> list[dict]:
+    """The cases of several calibration summaries (runs of one calibration split to keep each
+    short) as rows summarize reads again: a case's measured compute and link overrun as its
+    row's emulation reported them. A case in two files is an error (it would count twice)."""
+    rows, seen = [], set()
+    for summary in summaries:
+        for c in summary["cases"]:
+            key = (c["model"], c["cluster"], c["method"])
+            if key in seen:
+                raise ValueError(f"case {'/'.join(key)} is in more than one file")
+            seen.add(key)
+            rows.append({**c, "status": "ok",
+                         "emulation": {"compute_s": c.get("compute_s"), "link_overrun_s": c.get("link_overrun_s")}})
+    return rows
+
+
 def _mean_error_by(cases: list[dict], key: str) -> dict[str, float]:
     """The mean of the cases' sim_error per value of `key` (method, model or cluster)."""
     return {v: statistics.fmean(r["sim_error"] for r in cases if r[key] == v) for v in sorted({r[key] for r in cases})}

@@ -169,3 +169,29 @@ def test_a_profiled_cluster_file_reads_back_its_numbers_whatever_their_digits(tm
     spec = ClusterSpec.from_config(yaml.safe_load(text))
     assert spec.devices[0].effective_flops == 1e11
     assert spec.inter_machine.latency_s == 5e-5 and spec.inter_machine.bandwidth_gbps == 1.0
+
+
+def test_calibration_runs_split_in_parts_merge_into_one_summary(tmp_path, capsys):
+    import json
+
+    from bench.calibrate import main
+    from bench.studies.calibration import summarize
+
+    def row(model, cluster, method, measured, predicted):
+        return dict(model=model, cluster=cluster, method=method, status="ok", iter_time_s_mean=measured,
+                    predicted_iter_time_s=predicted, predicted_compute_s=predicted / 2,
+                    emulation={"compute_s": measured / 2, "link_overrun_s": 0.001})
+
+    parts = [[row("bert", "c2", "a", 1.0, 1.1), row("bert", "c2", "b", 2.0, 1.9)], [row("vit", "c4", "a", 1.0, 1.3)]]
+    whole = summarize([r for part in parts for r in part])
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(summarize(part)))
+    assert main(["--merge", *map(str, paths), "--out", str(tmp_path / "all.json")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    for key in ("mape", "mape_by_method", "mape_by_model", "mape_by_cluster", "mape_outside_compute", "kendall_tau_all"):
+        assert merged[key] == pytest.approx(whole[key]), key
+    assert "MAPE by cluster: c2 7.5% (2), c4 30.0% (1)" in capsys.readouterr().out
+    assert main(["--merge", str(paths[0]), str(paths[0])]) == 2  # a case twice: one line, no summary
+    assert capsys.readouterr().err.count("\n") == 1
