@@ -180,7 +180,7 @@ class DeepSpeedZeRO:
         client optimizer is Adam. bf16 is torch's autocast in the engine's own `torch_autocast`
         section, as every method trains it: DeepSpeed's engine runs forward inside its autocast
         helper, which switches an outer autocast of its device type off unless that section is
-        enabled (the worker's outer autocast alone left a GPU's forward in fp32). No module is
+        enabled (the worker's outer autocast alone leaves a GPU's forward in fp32). No module is
         listed as safe to communicate in bf16: gradients are all-reduced in fp32, as DDP and
         hap do (DeepSpeed's `bf16` section would keep bf16 parameters: another workload). TF32
         (tf32, fp32) is the worker's process-wide switch; DeepSpeed does not touch it."""
