@@ -22,7 +22,7 @@ Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device:
 links only (`pace_compute=False`): its ranks' compute runs real kernels at their MPS share of the
 GPU (bench.runtime.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
 
-The package by concern: settings.py (the `emulation` options), pacing.py (the Emulator: compute
+The package by concern: settings.py (the `emulation` options), emulator.py (the Emulator: compute
 paced against its reference), links.py (the emulated links and the wrapped collectives), board.py
 (the arrival board in shared memory), gpu.py (ranks sharing one GPU under MPS: their matmul probe
 and achieved speeds) and readings.py (what a row's emulation record says). Its public names are
@@ -30,8 +30,8 @@ importable from here.
 """
 
 from bench.runtime.emulation.board import ArrivalBoard
+from bench.runtime.emulation.emulator import Emulator
 from bench.runtime.emulation.gpu import achieved_speeds, measure_matmul_flops
-from bench.runtime.emulation.pacing import Emulator
 from bench.runtime.emulation.readings import emulated_compute_s, links_ok, pooled_compute_s
 from bench.runtime.emulation.settings import (
     DILATION_TOLERANCE,

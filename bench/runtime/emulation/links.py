@@ -3,7 +3,7 @@
 completion less the loopback's own cost; back-to-back collectives queue on one clock per link level.
 
 LinkClock keeps one rank's clocks; the wrappers hold each collective (and each async handle's
-wait) to its deadline and end the caller's compute interval there. Pacing is pacing.py's.
+wait) to its deadline and end the caller's compute interval there. Pacing is emulator.py's.
 """
 
 from __future__ import annotations

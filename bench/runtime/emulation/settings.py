@@ -1,5 +1,5 @@
 """How an emulated cluster is run on this host: the `emulation` options and the tolerances the
-runner judges a run by. Settings only; the Emulator (pacing.py) applies them.
+runner judges a run by. Settings only; the Emulator (emulator.py) applies them.
 """
 
 from __future__ import annotations
