@@ -1,13 +1,11 @@
-"""The paper's evaluation figures, one command each: PNG + PDF with the data as CSV beside them.
+"""The paper's evaluation figures: one function each (FIGURES) that draws a PNG and a PDF and
+writes the data it plots as CSV beside them; `python -m bench.figures` is their command.
 
-    python -m bench.figures main            # or: homogeneous allgather_skew synthesis_time
-    python -m bench.figures all             #     ablation sim_accuracy cp_vs_ev
-
-Simulated figures run the runner's own planning and simulation (bench.runner.case.prepare_case), so a
-point is exactly what `python -m bench.run mode=sim ...` would record for that case (cp_vs_ev's:
-the cases of conf/experiment/cp_vs_ev.yaml). Measured figures (allgather_skew's gloo half,
-sim_accuracy, cp_vs_ev's measured half) come from real runs on this host.
-
+Simulated points are cases the runner prepares itself (bench.runner.case.prepare_case): a point is
+what `python -m bench.run mode=sim ...` records for that case, and an experiment figure's rows are
+its experiment's sweep (cp_vs_ev's: conf/experiment/cp_vs_ev.yaml, whose method the runner
+instantiates like any other). Measured points are real runs on this host. It draws; the tables of
+rows are bench.records'.
 """
 
 from __future__ import annotations
