@@ -103,9 +103,7 @@ class Emulator:
             self._phase = "paced"
         # The iterations that set the reference measure compute: there, collectives take what
         # the loopback takes. Emulated links would leave the cores idle between bursts, and a
-        # burst after idling computes slower on this VM (tiny BERT on local_hetero2/4, two
-        # calibrations of 40 cases back to back: measured compute over predicted, median 1.12
-        # with the links' sleeps left out of the reference iterations, 1.23 with them).
+        # burst after idling computes slower (results/emulation/20261125-reference-without-links.md).
         self._links_emulated = not (self.pace_compute and self._phase == "reference")
         self.mark()
 
@@ -131,10 +129,9 @@ class Emulator:
         for this rank's pause, just now).
 
         At full pace a rank with less work than its peers waits on them at every iteration, and
-        on this VM a burst that follows a pause computes slower (docs/emulation.md).
-        Its reference is then cold, and pacing against it emulated a slower device than the
-        cluster declares: the slow device of a compute-proportional split referenced 6-30% above
-        a plain step at its share, where ranks that did not wait came out within 5%. The probe's
+        a burst that follows a pause computes slower (docs/emulation.md, "The pause discount").
+        Its reference is then cold, and pacing against it would emulate a slower device than the
+        cluster declares (results/emulation/20261126-pause-discount.md). The probe's
         ratio of a plain step after the same pause to one run back to back divides the reference,
         clamped to [1, MAX_PAUSE_PENALTY] (a noisy probe never makes a reference slower).
         apply=False records the probe only (a rank that hardly waited: its probe is noise)."""
@@ -160,12 +157,9 @@ class Emulator:
         at the same moment, `done_at` (when the link delivered); no later collective's start
         depended on it (it came after the last issue). It only delays the rank where the rank
         came to the wait (`waited_from`) after `done_at`. Carried forward instead, the debt
-        was repaid by the next interval, Adam's step, which then ran short of its target. hap's
-        slow rank of tiny BERT on local_hetero2 paces the end of backward after issuing its
-        gradient all-reduce with sleeps of about 0.4 ms, which this VM overslept by up to 1.3 ms:
-        2.5 ms of wall time a step absorbed here now, and hap's step measured 16.5-16.9 ms before
-        (3 runs) against 17.2-17.5 now (4 runs), predicted 17.4-17.9; dp_cp, whose DDP paces
-        nothing after the issue, 17.8-17.9."""
+        would be repaid by the next interval, Adam's step, which would then run short of its
+        target: hap's slow rank paces the end of backward after issuing its gradient all-reduce
+        with short sleeps, which a VM oversleeps (results/emulation/20261128-absorbed-overrun.md)."""
         behind = self._debt - self._debt_at_issue
         if behind <= 0 or not self.pacing:
             return
@@ -184,8 +178,8 @@ class Emulator:
         if self._phase == "reference":
             # The reference is the interval's CPU time on this thread (where a CPU rank
             # computes: one intra-op thread, autograd on the caller): what the device itself
-            # spent, not its share of a host crowded with more ranks than cores (local_hetero4:
-            # a wall-time reference came out up to 45% long, docs/emulation.md), nor a wait on
+            # spent, not its share of a host crowded with more ranks than cores (a wall-time
+            # reference came out long: results/emulation/20261123-pacing-and-dilation.md), nor a wait on
             # a peer inside the interval that the emulator does not see (DDP's buffer broadcast
             # in forward).
             thread, cpu_start = self._last_cpu

@@ -26,7 +26,7 @@ def emulated_compute_s(emulation: dict | None) -> float | None:
     """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
     time, measured by its own worker in this run) over its speed. Calibration tables split an
     iteration by it into compute and the rest (links, waits, pacing, the worker loop). As a
-    yardstick of how fast this VM ran the workers, pooled_compute_s is steadier."""
+    yardstick of how fast the host ran the workers, pooled_compute_s is steadier."""
     refs = _references(emulation)
     return None if refs is None else max(ref / speed for ref, speed in refs)
 
@@ -37,9 +37,8 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
 
     Each rank's reference is the fastest of a dozen iterations of one process, and an iteration
     need not follow the slowest rank's: hap's and sfb's on local_hetero2 follow the fast rank's
-    more (iteration = 1.46 x rank 0's compute + 0.36 x rank 1's - 1.5 ms over 56 rounds). Over
-    the slow rank's compute alone (emulated_compute_s) their figure moved 3.8-4.6% (coefficient
-    of variation), some rounds 13-14% above the median; over this 2.4%, and dp_ev's 2.3%
-    (results/baselines/20261126-normaliser-rounds.json)."""
+    more, so over the slow rank's compute alone (emulated_compute_s) their figure moves several
+    times as much as over this (results/baselines/20261128-regression-check-rules.md, from
+    results/baselines/20261126-normaliser-rounds.json)."""
     refs = _references(emulation)
     return None if refs is None else sum(ref for ref, _ in refs) / sum(speed for _, speed in refs)
