@@ -7,7 +7,7 @@
 
 With --compute-out it profiles one device's compute only (op microbenchmarks over batch sizes:
 per op class a fixed cost per kernel and a FLOP/s rate, and the Adam step's rate over the
-parameter bytes), the file a device type's `profile:` names (bench.core.cluster.ComputeProfile),
+parameter bytes), the file a device type's `profile:` names (bench.core.device_types.ComputeProfile),
 at one precision (--precision, default fp32 with TF32 off, as a run's default), which the file
 records with the TF32 switches; a case at another precision refuses it.
 
