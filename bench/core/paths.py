@@ -7,6 +7,10 @@ Two layouts hold the same files:
 - an installed distribution (`pip install .`): pyproject.toml ships conf/ as the package
   `bench.conf`, Hydra reads it through its `pkg://bench.conf` search path, and the tools
   write under the working directory (results/...), as `results_dir` does in both layouts.
+
+In either layout a user may add folders of their own configs (`--config-dir`, `hydra.searchpath`):
+config_roots() lists them before the project's, so that a file of theirs wins over a packaged
+one of the same name (bench.runner.configs sets them from the command line).
 """
 
 from __future__ import annotations
@@ -43,6 +47,24 @@ CONF_DIR: Path = _SOURCE_ROOT / "conf" if IN_CHECKOUT else _installed_conf_dir()
 CONF_SOURCE: str = str(CONF_DIR) if IN_CHECKOUT else f"pkg://{CONF_PACKAGE}"
 # Relative output and input paths (figures, calibration, baselines, profiles named in configs).
 PROJECT_DIR: Path = _SOURCE_ROOT if IN_CHECKOUT else Path.cwd()
+
+
+_user_dirs: tuple[Path, ...] = ()
+
+
+def set_user_config_dirs(dirs) -> None:
+    """The folders of the user's own configs for this process, first wins (absolute paths)."""
+    global _user_dirs
+    _user_dirs = tuple(Path(d).resolve() for d in dirs)
+
+
+def user_config_dirs() -> tuple[Path, ...]:
+    return _user_dirs
+
+
+def config_roots() -> tuple[Path, ...]:
+    """Every folder configs come from, in the order a name is looked up: the user's, then CONF_DIR."""
+    return (*_user_dirs, CONF_DIR)
 
 
 def project_path(path: str | Path) -> Path:
