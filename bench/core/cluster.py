@@ -415,7 +415,7 @@ class ClusterSpec:
                              "host_param_bytes", "link_floor", "file_types", "type_files")}
         if not self.inline_types:
             del body["inline_types"]
-        own = {name for name, path in self.type_files if not Path(path).is_relative_to(CONF_DIR)}
+        own = {name for name, path in self.type_files if not Path(path).resolve().is_relative_to(CONF_DIR.resolve())}
         if own:
             body["own_types"] = [asdict(t) for t in self.file_types if t.name in own]
         if self.device == _default_device(self.emulated, self.machines):
@@ -433,15 +433,16 @@ class ClusterSpec:
         return f"{self.name} ({', '.join(parts)}{where})"
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> ClusterSpec:
+    def from_config(cls, cfg: Mapping[str, Any], roots: tuple[Path, ...] | None = None) -> ClusterSpec:
         """Validate a cluster config (a plain dict, or a `cluster` node, resolved here) into a
-        ClusterSpec; its device types come from the config folders (device_type_files)."""
+        ClusterSpec; its device types come from the config folders `roots` (default: this
+        process's, bench.core.paths.config_roots; see device_type_files)."""
         data = plain(cfg)
         label = data.get("name") if isinstance(data, Mapping) else None
         c = parse(ClusterConfig, data, "cluster.", f"cluster={label}")
         inline = tuple(_device_type(t, key, f"cluster.device_types.{key}.")
                        for key, t in (c.device_types or {}).items())
-        files = device_type_files()
+        files = device_type_files(roots)
         known = {**{name: t for name, (t, _) in files.items()}, **{t.name: t for t in inline}}
         for i, m in enumerate(c.machines):
             if m.device not in known:

@@ -120,11 +120,12 @@ class ClusterConfig:
         missing="list at least one machine group like {count: 1, device: V100-16, num_devices: 8}")
     links: LinksConfig = option(MISSING, missing="give intra_machine and inter_machine, each with " + _LINK_MISSING)
     emulated: bool = option(False, rule="true or false")  # worker processes on this host, paced to the spec
-    virtual_device: str = option("machine", choices=("gpu", "machine"))  # what the planner shards over
+    virtual_device: str = option("machine", choices=("gpu", "machine"),  # what the planner shards over
+                                 rule="use 'gpu' or 'machine'")
     # cpu: worker processes on this host's cores; cuda: GPUs (emulated: every rank on this host's
     # GPU under MPS). null: cpu for emulated clusters and clusters of cpu devices, else cuda.
     device: str | None = option(None, choices=COMPUTE_DEVICES,
-                                note=" (cpu: worker processes on this host's cores; cuda: emulated, "
+                                rule="use cpu (worker processes on this host's cores) or cuda (emulated: "
                                      "every rank on this host's GPU under MPS)")
     num_devices: int | None = option(None, rule="an integer >= 1")  # a check: the groups must add up to it
     gpus_per_machine: int | None = option(None, rule="an integer >= 1")  # for interpolations (paper_*)

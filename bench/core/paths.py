@@ -83,3 +83,9 @@ def show_path(path: Path) -> str:
         except ValueError:
             continue
     return str(path)
+
+
+def shown_config_path(path: Path) -> str:
+    """A config file as a row records it: conf/<group>/<name>.yaml for the project's, the full
+    path for a file of the user's own."""
+    return show_path(path) if Path(path).resolve().is_relative_to(CONF_DIR.resolve()) else str(path)

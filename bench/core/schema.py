@@ -36,9 +36,10 @@ _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str:
 def option(default: Any = MISSING, *, rule: str | None = None, example: str | None = None,
            choices: tuple[str, ...] | None = None, note: str = "", missing: str | None = None,
            factory: Callable[[], Any] | None = None) -> Any:
-    """A schema field with what its messages say: `rule` ("an integer >= 1"), `example` (the
-    value after `e.g. key=`), `choices` (the valid strings), `note` (after the choices), and
-    `missing` (the fix when a required field is absent). MISSING: the field is required."""
+    """A schema field with what its messages say: `rule` ("an integer >= 1"; with `choices`, what
+    to use instead), `example` (the value after `e.g. key=`), `choices` (the valid strings),
+    `note` (after the choices), and `missing` (the fix when a required field is absent).
+    MISSING: the field is required."""
     meta = {"rule": rule, "example": example, "choices": choices, "note": note, "missing": missing}
     meta = {k: v for k, v in meta.items() if v}
     if factory is not None:
@@ -219,8 +220,9 @@ def _scalar(value: Any, kind: Any) -> tuple[bool, Any]:
 
 def _refuse(key: str, value: Any, meta: Mapping, kind: Any) -> ConfigError:
     choices = meta.get("choices")
-    if choices:
-        return ConfigError(f"{key}={value!r} is invalid; valid: {', '.join(choices)}{meta.get('note', '')}")
+    if choices:  # the rule, where given, says what to use instead
+        fix = meta.get("rule") or f"valid: {', '.join(choices)}{meta.get('note', '')}"
+        return ConfigError(f"{key}={value!r} is invalid; {fix}")
     text = f"{key}={value!r} must be {_describe(meta, kind)}"
     if meta.get("example"):
         text += f"; e.g. {key}={meta['example']}"

@@ -48,7 +48,7 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
             assert layouts and IDENTITY not in layouts, t
 
     # The program the search finds: Megatron-style, every linear sharded, activations moved.
-    cluster = ClusterSpec.from_config(figures._container(figures._cfg("cluster=motivation").cluster))
+    cluster = ClusterSpec.from_config(figures._cfg("cluster=motivation").cluster)
     point = tp.synthesize_at(theory, cluster, [[0.25] * 4], "EV")
     linears = [s for s in point.result.steps if graph[s.node].op == "linear"]
     assert linears and all(isinstance(s.rule.pre[1], int) for s in linears)
