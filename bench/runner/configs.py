@@ -215,7 +215,8 @@ def hydra_error_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     first = lines[0]
-    options = f"options: {', '.join(fields_of(Settings))}"
+    # (config_dirs and config_files are hetbench's to fill: not offered)
+    options = f"options: {', '.join(f for f in fields_of(Settings) if not f.startswith('config_'))}"
     if first.startswith("Could not override '"):  # a command-line key that no config has
         key = first.split("'")[1]
         add = next((ln.split("use ", 1)[1] for ln in lines if ln.startswith("To append")), f"+{key}=...")
@@ -299,7 +300,7 @@ def check_group_choices(overrides: list[str]) -> None:
         names = [v.strip() for v in value.strip().removeprefix("[").removesuffix("]").split(",")]
         unknown = [v for v in names if v and v not in known]
         if unknown:
-            own = f" (searched {', '.join(map(str, user_dirs()))} and the project's)" if user_dirs() else ""
+            own = f" (searched {', '.join(map(str, user_dirs()))} and hetbench's own)" if user_dirs() else ""
             raise ConfigError(f"{key}={','.join(unknown)} is unknown; known: {', '.join(known)}{own}")
 
 

@@ -62,14 +62,13 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
              " cfg.method.name, ','.join(group_options('method')))")
     run = ["-m", "bench.cli", "run", "mode=sim", "model=bert", "cluster=local_hetero2", "method=dp_ev",
            "wandb.mode=disabled"]
-    # A folder of one's own configs beside the installed package (docs/own-configs.md): the
-    # experiment runs its cluster and device type too; run with the three below, none writes
-    # what another reads.
+    # A folder of one's own configs beside the installed package (docs/own-configs.md): a device
+    # type, a cluster, an experiment; run with the three below, none writes what another reads.
     here = elsewhere / "lab"
     here.mkdir()
     write_own_configs(here)
     own = start_all([*python, "-m", "bench.cli", "run"], here, env,
-                    {name: GOOD[name] for name in ("experiment", "searchpath")})
+                    {name: GOOD[name] for name in ("device", "cluster", "experiment")})
     procs = [subprocess.Popen([*python, *args], cwd=elsewhere, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for args in (["-c", probe], run, ["-m", "bench.cli", "run", "--config-dir", "lab/mine", "cluster=nowhere"])]

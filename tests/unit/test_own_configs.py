@@ -65,7 +65,7 @@ def test_every_listing_sees_the_users_folder_first(mine):
     with pytest.raises(ConfigError) as err:
         check_group_choices(["cluster=labb"])
     assert str(err.value).startswith("cluster=labb is unknown; known: h100x1, lab, local_2x2")
-    assert f"searched {mine.resolve()} and the project's" in str(err.value)
+    assert f"searched {mine.resolve()} and hetbench's own" in str(err.value)
     config = {"hydra": {"sweeper": {"params": {}}, "overrides": {"task": ["method=my_dp,dp_ev"]}}}
     from omegaconf import OmegaConf
 
