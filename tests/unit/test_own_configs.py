@@ -52,6 +52,10 @@ def mine(tmp_path):
     packaged = (CONF_DIR / "cluster" / "local_hetero2.yaml").read_text()
     (root / "cluster" / "local_hetero2.yaml").write_text(packaged.replace("speed: 0.4", "speed: 0.25"))
     (root / "method" / "my_dp.yaml").write_text("_target_: methods.dp.DataParallel\nname: my_dp\nsplit: even\n")
+    (root / "model").mkdir()
+    (root / "model" / "bert_wide.yaml").write_text(
+        "name: bert_wide\nspec:\n  _target_: models.bert.BertConfig.from_preset\n  preset: ${preset.name}\n"
+        "  d_model: 256\n")
     yield root
     use_config_dirs([])
 
@@ -80,6 +84,8 @@ def test_a_users_file_wins_over_the_packaged_one_and_the_row_names_it(mine):
     assert settings.config_files["method"] == str(mine / "method" / "my_dp.yaml")
     assert settings.config_files["model"] == "conf/model/bert.yaml"
     assert settings.config_dirs == [str(mine.resolve())]
+    wide = compose_settings("model=bert_wide")  # a model config of one's own
+    assert wide.model["spec"]["d_model"] == 256 and wide.config_files["model"] == str(mine / "model" / "bert_wide.yaml")
     use_config_dirs([])
     assert compose_settings("cluster=local_hetero2").cluster["machines"][1]["speed"] == 0.4
 
