@@ -7,36 +7,7 @@
                                                                      # measured ones are kept
     python -m bench.regress method=hap      # only hap's figures (model=a,b likewise)
 
-Figures: simulated iteration time of every sim-capable method on every model at paper scale
-(deterministic: tight tolerance), the planner's search effort (deterministic) and wall time over a
-pure-Python yardstick timed in the same process right after, for as long (planner_time_rel, loose:
-how fast this machine runs Python today cancels; the raw seconds failed on a day this VM ran the
-same code 3x slower; a figure past its tolerance is planned twice more and regresses only if all
-three are past, planner_retries),
-and each real-capable method's measured iteration time on an emulated cluster divided by the
-cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
-timed by its own worker, summed over the summed speeds; bench.runtime.emulation.pooled_compute_s). What
-is left is what the harness adds to compute: links, waits on peers, pacing, the worker loop. A
-slowdown of the worker loop, the emulator or the data path raises every method's figure, so it
-is caught even when it hits every method alike; how fast this VM happened to run the workers
-cancels. (Three normalisers failed before: a reference step alone left the emulated link time
-in the figure, which moved 10-17% from round to round; the simulator's prediction from the
-parent's host-speed probe moved every figure together by up to 30% between quiet runs, because
-a worker process here may run 40% slower than usual for its whole life and the probe does not
-see it; the slowest rank's compute alone put 6 of 56 rounds of hap and sfb 8-14% above their
-median, and CI once saw sfb's median of five 10.5% above its baseline, hap's 1.7%.)
-A measured figure regresses only when every one of its rounds is past the tolerance (a sign test:
-p = 1/32 were its true median at the threshold), not when its median is. On a day this VM ran
-the workers 2-2.7x slower and unevenly (the same pure-Python work took 9.7 ms in one minute and
-21.5 ms in the next; one core at times ran it in 9 ms, the other in 16), single rounds of hap
-and sfb read 0.84x to 1.19x their baselines, and CI failed on sfb's median of five at +11.8%
-while hap's read -5.9%. Resampling that day's 16 rounds a method, the whole check fails 12% of
-the time by the median and 0.1% by every round. Resampling steady sessions' rounds (CV 2.4%),
-every method slowed by 12% fails it always either way; one method alone slowed fails it always
-from 20% (from 15% but for dp_cp, half the time there), at 12% 10-100% of the time by method
-where the median did 72-100% (results/baselines/20261126-unsteady-rounds.json; the test
-test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_steady_one).
-It does not decide what is fast; it says what changed since the baseline and by how much.
+The figures and the rules they are judged by: bench.studies.regression and docs/regression.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trace a single-device model into the planner's reference graph: ops, shapes, FLOPs per node.
 
 Runs on the meta device, so paper-size models are never allocated. It does not decide any
-sharding (methods.hap.theory does); FLOP conventions are documented in docs/planner.md.
+sharding (methods.hap.theory does); FLOP conventions are documented in docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -191,13 +191,14 @@ class Graph:
         A dropout that drops nothing (p = 0, or not training) returns its input itself: what
         keeps its output keeps that input, and there is no mask. A product or quotient with a
         number keeps nothing (only the number; each tensor operand is kept for the other's
-        gradient). Counted per tensor, tiny ViT's dp_ev rank held 7.0 MiB, 5.7 measured.
+        gradient); counted per tensor it priced tiny ViT's ranks over what they hold
+        (results/cost-model/20261128-cpu-tensor-memory.md).
 
         A layer norm keeps its mean and reciprocal deviation beside (two floats a row), a
         max-pool where each maximum was (an int64 per output element); a slice
         kept (x[:, 0]) keeps its base's storage. The gradients backward holds besides, among
-        them cross-entropy's (where the vocabulary is large, backward's peak: BERT at 128
-        samples on an H200 peaked at 17.9 GiB), are grads_in_flight's.
+        them cross-entropy's (where the vocabulary is large, backward's peak), are
+        grads_in_flight's.
         """
         return {t: f for t, (f, _) in self.kept_until().items()}
 
@@ -435,7 +436,7 @@ def _drops(node: Node) -> bool:
 
 
 # Forward FLOPs per output element of element-wise and normalising ops (a convention, see
-# docs/planner.md); backward factor 1 for them.
+# docs/cost-model.md); backward factor 1 for them.
 _ELEMENTWISE_FLOPS = ELEMENTWISE_FLOPS
 
 
@@ -658,7 +659,7 @@ def _is_tensorish(v: Any) -> bool:
 def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
     """Build `model_cfg` on the meta device and capture it at `batch_size` samples."""
     # One sample says each input's dtype and shape past the batch dim; the values are never
-    # read (ViT's images at the paper's global batch took 0.1 s to draw)
+    # read, and drawing a whole paper-size batch would cost a noticeable part of a plan
     sample = model_cfg.synthetic_batch(1, torch.Generator().manual_seed(seed))
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     with torch.device("meta"):

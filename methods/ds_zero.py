@@ -76,10 +76,11 @@ class DeepSpeedZeRO:
 
     modes = ("real", "sim")
     # What setup imports in each worker, for the server CPU workers fork from to import once
-    # (bench.runtime.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer module that
-    # deepspeed.initialize imports to check the optimizer, which compiles a function with torch's
-    # compiler at import (0.8 + 2.8 s of each worker's set-up on the 2-core dev VM). The server
-    # skips a name that another DeepSpeed version lacks.
+    # (bench.runtime.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer
+    # module that deepspeed.initialize imports to check the optimizer, which compiles a function
+    # with torch's compiler at import (seconds of each worker's set-up:
+    # results/harness/20261127-preparation-costs.md). The server skips a name that another
+    # DeepSpeed version lacks.
     worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
 
     def __init__(self, name: str = "deepspeed", zero_stage: int = 1, lr: float = 5e-4,
@@ -340,8 +341,9 @@ def engine_work(method: DeepSpeedZeRO, plan: Plan, workload: Workload, cluster: 
     plain step (forward, backward, Adam on the whole model) and in the method's own step
     (setup()'s trainer: engine, hooks, buckets, ZeRO partitions, MoE layers), interleaved, at
     the plan's micro-batch, each timed as a run times it (_engine_probe). The ranks are child
-    processes, one per device and core, in a gloo world of their own. On this 2-core VM the
-    engine adds 18-34% to the tiny models' steps (README "The DeepSpeed baseline").
+    processes, one per device and core, in a gloo world of their own. On CPU ranks the engine
+    adds a sizeable share to the tiny models' steps (results/methods/20261126-deepspeed-engine-probe.md;
+    docs/methods.md, "DeepSpeed").
 
     Measured once per host, workload, devices and config, then read from the cache next to the
     host speeds (bench.runtime.hostspeed.host_cache_file). None, with a warning, where it cannot be measured

@@ -409,7 +409,9 @@ class ClusterSpec:
         """Short hash of everything that defines the cluster (not the host measurement).
 
         Inline device types count, and so do types from a folder of the user's own; packaged
-        ones are keyed by name only. A cluster without either hashes as it did before they existed."""
+        ones are keyed by name only. A key left at its default (no inline or own types, the
+        default device) is left out of the hash, so adding such a key keeps the hashes already
+        recorded in rows."""
         body = {k: v for k, v in asdict(self).items()
                 if k not in ("devices", "host_flops", "host_step_overhead_s", "host_optimizer_s_per_byte",
                              "host_param_bytes", "link_floor", "file_types", "type_files")}
@@ -419,7 +421,7 @@ class ClusterSpec:
         if own:
             body["own_types"] = [asdict(t) for t in self.file_types if t.name in own]
         if self.device == _default_device(self.emulated, self.machines):
-            del body["device"]  # hashes as it did before clusters said where they compute
+            del body["device"]  # a default key is left out: recorded hashes stay valid
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def describe(self) -> str:

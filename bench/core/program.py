@@ -221,8 +221,7 @@ class Memory:
     optimizer: Affine = Affine()  # Adam: two fp32 moments per parameter
     activations: Affine = Affine()  # everything forward keeps for backward
     # What the framework holds besides: DDP's gradient buckets, a flat copy of every gradient
-    # (gradient_as_bucket_view off, its default; tiny VGG19's dp_ev held 32.8 MiB of tensors a
-    # rank, 26.7 priced without them, 32.0 with)
+    # (gradient_as_bucket_view off, its default; measured: results/cost-model/20261128-cpu-tensor-memory.md)
     buckets: Affine = Affine()
     # (gradients made, activations still kept) at the points of backward where a device's
     # peak may fall (backward_sweep); empty: every gradient beside every activation.
@@ -238,8 +237,8 @@ class Memory:
     def backward_points(self) -> tuple[tuple[Affine, Affine], ...]:
         """(everything but activations, activations) at each point of backward where the peak
         may fall. Gradients are made as backward goes while the activations it has passed are
-        freed: a transformer peaks as backward starts, before any gradient exists (BERT at 8 to
-        128 samples on an H200: 0.41 GiB, its gradients' bytes, below all of both together)."""
+        freed: a transformer peaks as backward starts, before any gradient exists, well below
+        all of both together (results/cost-model/20261128-cpu-tensor-memory.md)."""
         held = self.params + self.optimizer + self.buckets
         return tuple((held + g, a) for g, a in (self.backward or ((self.grads, self.activations),)))
 
@@ -247,12 +246,11 @@ class Memory:
         """What a device holds while Adam steps: the resident state plus its temporaries.
         torch's multi-tensor Adam (its default on a GPU, `foreach`) takes the square root of
         every second moment at once (torch/optim/adam.py, _multi_tensor_adam): one more fp32
-        buffer per parameter it updates. Where activations are small this is the peak: on an
-        H200 the paper models at 1-4 samples peaked 0.35-0.59 GiB, about their parameter
-        bytes, above the resident state plus activations. Its per-tensor Adam (the default on
-        CPU) steps one parameter at a time, with two temporaries of that parameter's size (the
-        square root, then its quotient): tiny VGG19's DDP ranks peaked at 32.8 MiB, 26.7 resident
-        and twice its 3.1 MiB classifier weight; without largest_param, the foreach price."""
+        buffer per parameter it updates. Where activations are small this is the peak, about
+        the parameter bytes above the resident state plus activations. Its per-tensor Adam (the
+        default on CPU) steps one parameter at a time, with two temporaries of that parameter's
+        size (the square root, then its quotient); without largest_param, the foreach price.
+        Both were measured: results/cost-model/20261128-cpu-tensor-memory.md."""
         if foreach or self.largest_param is None:
             return self.resident() + self.optimizer.scale(0.5)
         return self.resident() + self.largest_param.scale(2.0)

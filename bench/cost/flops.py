@@ -12,8 +12,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 # FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
-# (methods.capture; docs/planner.md "FLOP counter"), backward factor 1. bench.profile times
-# the "other" op class with the same counts, so its rates price the planner's FLOPs.
+# (methods.capture; docs/cost-model.md "FLOPs and activations"), backward factor 1.
+# bench.profile times the "other" op class with the same counts, so its rates price the
+# planner's FLOPs.
 ELEMENTWISE_FLOPS = {
     "add": 1, "sub": 1, "mul": 1, "truediv": 1, "neg": 1, "relu": 1, "dropout": 2,
     "gelu": 8, "tanh": 4, "sigmoid": 4, "exp": 1, "softmax": 5, "log_softmax": 5,
@@ -29,9 +30,9 @@ _counted: dict[tuple[type, str, int], float] = {}
 
 def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
     """Forward + backward FLOPs per sample, counted on the meta device (nothing is allocated),
-    once per process for equal model configs: a paper-size model takes 0.5-0.9 s to count on
-    the 2-core dev VM, and a comparison, a calibration or the regression check prepares the same
-    model once for each method (and round)."""
+    once per process for equal model configs: a paper-size model takes most of a second to
+    count, and a comparison, a calibration or the regression check prepares the same model once
+    for each method (and round) (results/harness/20261127-preparation-costs.md)."""
     key = (type(model_cfg), repr(model_cfg), samples)
     if key not in _counted:
         with torch.device("meta"):

@@ -134,8 +134,8 @@ class LpAlgebra:
     def settle(self, x: Value) -> Value:
         """A long sum about to be copied into another expression or a max (the compute lane
         through a model's backward, at every collective stage): one variable bounded below by
-        it instead, exact at the optimum as a max is. Without it the LP grew quadratically in
-        the stages (ViT-48's LP took 7.7x ViT-12's for 4x the layers)."""
+        it instead, exact at the optimum as a max is. Without it the LP grows quadratically in
+        the stages (results/planner/20261125-planner-time.md)."""
         if not isinstance(x, pulp.LpAffineExpression) or len(x) <= 8:
             return x
         return self.max([x])

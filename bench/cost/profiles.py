@@ -37,8 +37,8 @@ def fit_entry(points: list, units: str, per: int, host: bool) -> dict:
     fixed seconds per kernel and rate (_fit_affine), and with `host` the host's seconds per
     kernel. Queueing a call costs the host the same at any size, but a large call can also
     make it wait for the device (a launch queue full behind the GPU sleep, or an allocation
-    that synchronises: on an H200 the conv chain's host time grew from 1.1 to 16.8 ms with
-    the size, tracking the sleep), so the dispatch cost is the smallest of them."""
+    that synchronises: the host time can grow with the size, tracking the sleep;
+    results/gpu/20261126-0231-h200-second-run.md), so the dispatch cost is the smallest of them."""
     intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
     e = {"fixed_s": intercept / per, units: rate}
     if host:
@@ -54,7 +54,7 @@ def refit(prof: dict) -> dict:
     for cls, e in prof["compute"].items():
         out["compute"][cls] = {**e, **fit_entry(e["points"], "flops_per_s", e["kernels_per_call"], gpu)}
     out["optimizer"] = {**prof["optimizer"], **fit_entry(prof["optimizer"]["points"], "bytes_per_s", 1, gpu)}
-    if "views" in prof:  # profiles before 2026-11-26 did not measure them
+    if "views" in prof:  # older profiles did not measure view calls
         out["views"] = view_entry(prof["views"]["points"])
     return out
 

@@ -118,7 +118,7 @@ def case_key(config: dict) -> str:
     """Identity of a case: a hash of the resolved config minus keys that don't affect it."""
     body = {k: v for k, v in config.items() if k not in _NON_CASE_KEYS}
     if body.get("precision") == "fp32":
-        del body["precision"]  # the default: keys stay those of rows from before it was a key
+        del body["precision"]  # the default is left out, so rows recorded without the key match
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

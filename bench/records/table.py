@@ -35,7 +35,7 @@ def _fmt(value, spec: str) -> str:
 
 def _efficiency(value: float | None) -> str:
     """Two decimals, or two significant digits below 0.005: a tiny model on a GPU rated at
-    tens of TFLOP/s (bert-tiny on two MPS ranks of an H200) would otherwise read 0.00."""
+    tens of TFLOP/s (bert-tiny on two MPS ranks of one GPU) would otherwise read 0.00."""
     return _fmt(value, ".1e" if value is not None and 0 < value < 0.005 else ".2f")
 
 

@@ -71,7 +71,7 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         summary = summaries[m] = summarize(times[m])
         agg.iter_time_s_mean, agg.iter_time_s_std = summary.median, None
         planned = [r.planner_time_s for r in ok if r.planner_time_s is not None]
-        if planned:  # the median round's, not the last round's (a cache load once took 219 ms)
+        if planned:  # the median round's, not the last round's: one round's plan-cache load can be slow
             agg.planner_time_s = statistics.median(planned)
         # The prediction each run priced at its own ranks' host speed (bench.runner.case.predict_at_run_speed):
         # the median over the repeats, like the measurement it is compared with.

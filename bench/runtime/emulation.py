@@ -2,7 +2,7 @@
 
 Compute is paced against a reference, in a closed loop. A burst of compute that follows a
 pause (a sleep, a wait on a peer, even a spin) runs slower on a shared VM core than the same
-burst run back to back: up to 30% for a 10 ms step after a 30 ms pause (docs/emulation.md). So
+burst run back to back (docs/emulation.md; results/emulation/20261123-pacing-and-dilation.md). So
 a rank never stretches the compute it just measured; it first runs `reference_iters`
 iterations at full pace and records how long each compute interval of an iteration took (the
 k-th interval between communication points, the fastest of those iterations). From then on the
@@ -50,7 +50,8 @@ from bench.runtime.hostcpu import host_cores
 DILATION_TOLERANCE = 0.05
 # A rank whose full-pace reference iterations waited at least this share of their compute is
 # probed for the pause penalty (Emulator.discount_reference); below it the probe's noise would
-# exceed the penalty (+3% after a pause of half a step, docs/emulation.md).
+# exceed the penalty, a few percent after a pause of half a step
+# (results/emulation/20261123-pacing-and-dilation.md).
 PAUSE_PROBE_MIN_SHARE = 0.25
 MAX_PAUSE_PENALTY = 1.5
 
@@ -82,8 +83,8 @@ class EmulationSettings:
     def auto_headroom(num_ranks: int, cores: int | None = None) -> float:
         """0.6 while every rank has a core; less when ranks share cores, so that the busiest
         moment (every rank computing) still fits the cores at the emulated speeds. A rank that
-        waited on a slower peer computes up to ~40% slower right after on this VM, and 0.6
-        leaves it 67% of slack to absorb that."""
+        waited on a slower peer computes slower right after, and 0.6 leaves it 67% of slack to
+        absorb that (results/emulation/20261123-pacing-and-dilation.md)."""
         cores = cores or host_cores()
         return round(0.6 * min(1.0, cores / max(num_ranks, 1)), 3)
 
@@ -178,9 +179,7 @@ class Emulator:
             self._phase = "paced"
         # The iterations that set the reference measure compute: there, collectives take what
         # the loopback takes. Emulated links would leave the cores idle between bursts, and a
-        # burst after idling computes slower on this VM (tiny BERT on local_hetero2/4, two
-        # calibrations of 40 cases back to back: measured compute over predicted, median 1.12
-        # with the links' sleeps left out of the reference iterations, 1.23 with them).
+        # burst after idling computes slower (results/emulation/20261125-reference-without-links.md).
         self._links_emulated = not (self.pace_compute and self._phase == "reference")
         self.mark()
 
@@ -206,10 +205,9 @@ class Emulator:
         for this rank's pause, just now).
 
         At full pace a rank with less work than its peers waits on them at every iteration, and
-        on this VM a burst that follows a pause computes slower (docs/emulation.md).
-        Its reference is then cold, and pacing against it emulated a slower device than the
-        cluster declares: the slow device of a compute-proportional split referenced 6-30% above
-        a plain step at its share, where ranks that did not wait came out within 5%. The probe's
+        a burst that follows a pause computes slower (docs/emulation.md, "The pause discount").
+        Its reference is then cold, and pacing against it would emulate a slower device than the
+        cluster declares (results/emulation/20261126-pause-discount.md). The probe's
         ratio of a plain step after the same pause to one run back to back divides the reference,
         clamped to [1, MAX_PAUSE_PENALTY] (a noisy probe never makes a reference slower).
         apply=False records the probe only (a rank that hardly waited: its probe is noise)."""
@@ -235,12 +233,9 @@ class Emulator:
         at the same moment, `done_at` (when the link delivered); no later collective's start
         depended on it (it came after the last issue). It only delays the rank where the rank
         came to the wait (`waited_from`) after `done_at`. Carried forward instead, the debt
-        was repaid by the next interval, Adam's step, which then ran short of its target. hap's
-        slow rank of tiny BERT on local_hetero2 paces the end of backward after issuing its
-        gradient all-reduce with sleeps of about 0.4 ms, which this VM overslept by up to 1.3 ms:
-        2.5 ms of wall time a step absorbed here now, and hap's step measured 16.5-16.9 ms before
-        (3 runs) against 17.2-17.5 now (4 runs), predicted 17.4-17.9; dp_cp, whose DDP paces
-        nothing after the issue, 17.8-17.9."""
+        would be repaid by the next interval, Adam's step, which would then run short of its
+        target: hap's slow rank paces the end of backward after issuing its gradient all-reduce
+        with short sleeps, which a VM oversleeps (results/emulation/20261128-absorbed-overrun.md)."""
         behind = self._debt - self._debt_at_issue
         if behind <= 0 or not self.pacing:
             return
@@ -259,8 +254,8 @@ class Emulator:
         if self._phase == "reference":
             # The reference is the interval's CPU time on this thread (where a CPU rank
             # computes: one intra-op thread, autograd on the caller): what the device itself
-            # spent, not its share of a host crowded with more ranks than cores (local_hetero4:
-            # a wall-time reference came out up to 45% long, docs/emulation.md), nor a wait on
+            # spent, not its share of a host crowded with more ranks than cores (a wall-time
+            # reference came out long: results/emulation/20261123-pacing-and-dilation.md), nor a wait on
             # a peer inside the interval that the emulator does not see (DDP's buffer broadcast
             # in forward).
             thread, cpu_start = self._last_cpu
@@ -491,7 +486,7 @@ def emulated_compute_s(emulation: dict | None) -> float | None:
     """The slowest rank's compute per iteration in emulated time: its full-pace reference (CPU
     time, measured by its own worker in this run) over its speed. Calibration tables split an
     iteration by it into compute and the rest (links, waits, pacing, the worker loop). As a
-    yardstick of how fast this VM ran the workers, pooled_compute_s is steadier."""
+    yardstick of how fast the host ran the workers, pooled_compute_s is steadier."""
     refs = _references(emulation)
     return None if refs is None else max(ref / speed for ref, speed in refs)
 
@@ -502,10 +497,9 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
 
     Each rank's reference is the fastest of a dozen iterations of one process, and an iteration
     need not follow the slowest rank's: hap's and sfb's on local_hetero2 follow the fast rank's
-    more (iteration = 1.46 x rank 0's compute + 0.36 x rank 1's - 1.5 ms over 56 rounds). Over
-    the slow rank's compute alone (emulated_compute_s) their figure moved 3.8-4.6% (coefficient
-    of variation), some rounds 13-14% above the median; over this 2.4%, and dp_ev's 2.3%
-    (results/baselines/20261126-normaliser-rounds.json)."""
+    more, so over the slow rank's compute alone (emulated_compute_s) their figure moves several
+    times as much as over this (results/baselines/20261128-regression-check-rules.md, from
+    results/baselines/20261126-normaliser-rounds.json)."""
     refs = _references(emulation)
     return None if refs is None else sum(ref for ref, _ in refs) / sum(speed for _, speed in refs)
 

@@ -1,24 +1,17 @@
 """A CPU process that computes the way an emulated device does, so that its step times repeat.
 
 Every process that runs or times emulated compute on this host (the workers, the parent's
-host-speed probe, bench.contention's probes, bench.profile's CPU profile) computes through
+host-speed probe, bench.profile's CPU profile) computes through
 `emulated_device()`:
 
 - one intra-op thread: an emulated device is one core, and slow ranks sleep rather than spin;
-- denormals flushed to zero: denormal softmax gradients made a BERT step 4x slower;
+- denormals flushed to zero: denormal softmax gradients make a step several times slower;
 - glibc's malloc told to keep what a step frees (`steady_allocator`). By default glibc moves
   its mmap threshold as a process runs, so each process settles on its own split of a step's
   buffers between the heap and fresh mappings, and a step that unmaps and re-maps a buffer
-  faults its pages in again on every step. On the 2-core dev VM (tiny models, batch 8, one
-  step = forward + backward + Adam, 8 fresh processes per line, the median of 40 steps each):
-
-  | model | page faults per step | median step, 8 processes | the same, thresholds fixed |
-  |---|---|---|---|
-  | VGG19 | 1,536-3,184 | 15.8-18.2 ms | 14.8-15.7 ms (0 faults) |
-  | BERT | 1-1,056 | 6.8-7.7 ms | 6.5-6.9 ms (0 faults) |
-
-  So two workers running the same program differed by up to 15% for the whole of their lives,
-  and the parent's probe was a third draw from the same spread.
+  faults its pages in again on every step: two workers running the same program would differ
+  for the whole of their lives, and the parent's probe would be a third draw from the same
+  spread (results/emulation/20261125-steady-allocator.md).
 """
 
 from __future__ import annotations
@@ -68,13 +61,10 @@ def pin_to_core(local_rank: int) -> int:
 
     An unbound rank that waited on a peer inside a collective computes its next burst slower
     (woken, most likely, on whichever core is free, with caches its peer just filled); a sleep
-    of the same length in a lone process costs nothing. Tiny ViT at 5 samples, two gloo ranks
-    on the 2-core dev VM, each step followed by a small all-reduce, fastest of 35 steps: 4.1 ms
-    when the peer also ran 5 samples (no wait), 4.5 ms when it ran 11 and 4.8 ms when it ran
-    16; bound to a core each, 4.25-4.30 ms in all three. With four ranks on the two cores the
-    median step fell from 5.0-5.5 to 4.5-4.6 ms. Unbound, an emulated rank's pacing reference,
-    measured at full pace, charged a rank more the longer it waited: the slow device of a
-    compute-proportional split ran 13-29% slower than declared (docs/emulation.md).
+    of the same length in a lone process costs nothing. Unbound, an emulated rank's pacing
+    reference, measured at full pace, charged a rank more the longer it waited, and the slow
+    device of a compute-proportional split ran slower than declared
+    (results/emulation/20261125-pin-cores.md).
     """
     cores = sorted(os.sched_getaffinity(0))
     core = cores[local_rank % len(cores)]
@@ -118,18 +108,16 @@ def realtime_comm_threads() -> int | None:
     so now, or None where the host refuses it (no CAP_SYS_NICE nor `ulimit -r`). Threads gloo
     starts later (a new process group's) need another call, and so does a thread it has started
     that has not run yet: each names itself when it first runs, and until then carries the
-    interpreter's name (with the 2 cores busy four times over, 7 of 40 fresh one-rank groups
-    had a thread unnamed right after init_process_group). So call it once the group has done some work; the worker
-    calls it at each of its set-up iterations.
+    interpreter's name, and on a busy host a scan right after init_process_group can miss one.
+    So call it once the group has done some work; the worker calls it at each of its set-up
+    iterations.
 
-    A woken thread of normal priority waits, often, for the core's next timer interrupt: on the
-    dev VM (kernel 6.18, 250 Hz) an async all-reduce of 32 KB between two ranks, each bound to
-    a core and computing small matmuls, completed a median 6.7-7.9 ms after its issue, in bunches
-    4 ms apart, and 1.0-1.3 ms with the ranks asleep; with these threads at SCHED_FIFO, 0.56-0.62
-    ms computing and 0.56-0.67 ms asleep (3 runs of 70 calls each; docs/emulation.md, Where the
-    links run over). But gloo's event loop spins at times, and at real-time priority nothing of
-    normal priority runs on its core until the kernel's real-time throttling (95% of each second
-    by default) lets it: with 4 ranks on 2 cores, calls took 1-2 s (bench.run refuses that)."""
+    A woken thread of normal priority waits, often, for the core's next timer interrupt, so a
+    small collective beside compute completes up to a scheduler tick late; at SCHED_FIFO it runs
+    at once. But gloo's event loop spins at times, and at real-time priority nothing of normal
+    priority runs on its core until the kernel's real-time throttling (95% of each second by
+    default) lets it: with more ranks than cores calls take seconds, so the runner refuses that
+    (results/emulation/20261127-link-stalls-and-realtime-comm.md)."""
     def fifo(tid: int) -> None:
         if os.sched_getscheduler(tid) != os.SCHED_FIFO:
             os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
@@ -148,29 +136,14 @@ def gloo_workers_first() -> int | None:
     before this rank's worker has posted the receive for it. gloo's event loop then polls that
     socket without sleeping until the receive is posted. The worker that would post it is woken
     on the same core as the polling loop (the rank is bound to one), at the same priority, and
-    the scheduler lets it in only at the core's next tick (4 ms on the dev VM): the call ends up
-    to a tick late, on both ranks at once. Single-round calls did not (all-gathers and
-    broadcasts of up to 128 KB, an all-reduce of one element, the calls bench.runtime.hostlinks times).
+    the scheduler lets it in only at the core's next tick (4 ms at 250 Hz): the call ends up
+    to a tick late, on both ranks at once. Single-round calls do not stall (all-gathers and
+    broadcasts of up to 128 KB, an all-reduce of one element, the calls bench.runtime.hostlinks
+    times).
     At nice -10 the woken worker preempts the loop, or the rank's compute, straight away;
     workers sleep while they wait, so they hold the core only for the little work a call gives
-    them.
-
-    Measured on the dev VM (2026-11-29; ranks bound to a core each; an all-reduce of 2048 floats
-    120 times, the ranks taking turns to come last; mean of the last one's calls, two runs):
-
-    | how the last rank came | as gloo leaves them | workers at nice -10 |
-    |---|---|---|
-    | after 0.5 ms asleep, 2 ranks | 2.6-2.7 ms | 0.4-0.6 ms |
-    | after 0.5-1 ms of compute, 2 ranks | 1.2-1.3 ms | 0.4 ms |
-    | issued async before 3 ms of compute (to completion), 2 ranks | 1.9-2.2 ms | 2.1 ms |
-    | after 0.5 ms asleep, 4 ranks on 2 cores | 2.7-3.0 ms | 1.3 ms |
-    | after compute, 4 ranks on 2 cores | 2.9 ms | 2.1 ms |
-    | async before compute, 4 ranks on 2 cores | 5.9-6.2 ms | 7.0 ms |
-
-    Tried as well: the event loop at nice 19 while the rank waits in a collective (back to 0
-    after): sync calls as quick, but an async all-reduce over 2 ranks then completed only once
-    the 3 ms of compute were over (2.7 ms; a thread that ran at nice 19 is owed less of the core
-    afterwards); the workers at SCHED_FIFO: calls of 1-2 s, as with realtime_comm_threads."""
+    them. What it changes, and the alternatives that were worse (the event loop at nice 19 while
+    the rank waits; the workers at SCHED_FIFO): results/emulation/20261129-gloo-workers-first.md."""
     def first(tid: int) -> None:
         if os.getpriority(os.PRIO_PROCESS, tid) != GLOO_WORKER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, GLOO_WORKER_NICE)

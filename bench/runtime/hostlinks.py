@@ -2,11 +2,11 @@
 
 An emulated cluster's links are paced on top of real gloo calls between worker processes
 (bench.runtime.emulation): a collective ends no sooner than its emulated time from the last member's
-arrival, and no sooner than the real call. On the 2-core dev VM a small gloo call between two
-workers takes 0.4-0.6 ms from the last arrival, where `local_hetero2` declares 50 us of
-latency; tiny VGG19's hap program makes 14 such calls per iteration, half of them small, and
-ran 7-11 ms per iteration over its emulated links. The cost model prices an emulated
-collective as the longer of its link's time and this floor (bench.cost.price.flat_price).
+arrival, and no sooner than the real call. A small gloo call between two workers can take
+several times the latency a local cluster declares, so a program of many small collectives runs
+past its emulated links (results/emulation/20261127-host-link-floor.md). The cost model prices
+an emulated collective as the longer of its link's time and this floor
+(bench.cost.price.flat_price).
 
 The floor is measured per collective kind with the calls the runtime makes, one element per
 rank, the workers bound to cores as emulated ranks are and gloo's threads at the priorities the
@@ -37,9 +37,8 @@ from bench.runtime.launch import _free_port
 FLOOR_VERSION = 1
 WARMUP = 5  # calls per kind first, untimed
 CALLS = 12  # timed calls per kind; each rank in turn comes last
-# How long the last rank keeps the others waiting: the longer they sleep, the slower they wake
-# on the dev VM (2 ranks, small calls: 0.17-0.33 ms after 0.5 ms, 0.24-0.57 ms after 2 ms, and
-# 0.4-0.6 ms from the last arrival in tiny VGG19's hap run)
+# How long the last rank keeps the others waiting: the longer they sleep, the slower they wake,
+# and 2 ms comes closest to the waits of a run (results/emulation/20261127-host-link-floor.md).
 LATE_S = 0.002
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter")
 _floors: dict[tuple[int, bool, bool], dict[str, float]] = {}  # by ranks, `realtime`, `workers_first`

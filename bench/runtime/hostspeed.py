@@ -113,9 +113,9 @@ def optimizer_s_per_byte(param_bytes: float, repeats: int = 21) -> float:
     of it, the two taking turns (median of each), over the bytes between them. Adam reads four
     tensors per parameter (it, its gradient, two moments) and writes three: memory-bound, so linear
     in the bytes past a fixed cost per tensor, which stays with the per-step part (a shard is
-    still one tensor). Tiny VGG19 (5.6 MB of parameters) here: 0.86 ns per byte, 4.3 ms of its
-    6.2 ms Adam step and of its 12-14 ms per-step part. Past ADAM_PROBE_MAX_BYTES (far beyond
-    any cache) it is timed at that size."""
+    still one tensor). For tiny VGG19 it is most of the Adam step and a third of the per-step
+    part (results/cost-model/20261127-host-per-step-part.md). Past ADAM_PROBE_MAX_BYTES (far
+    beyond any cache) it is timed at that size."""
     elements = max(int(min(param_bytes, ADAM_PROBE_MAX_BYTES)) // 4, 2)
     sizes = (elements, elements // 2)
     steps, times = [], [[], []]
@@ -138,9 +138,9 @@ def split_step(workload: Workload, batches: Sequence[int], seconds: Sequence[flo
     """(FLOP/s of the per-sample part, seconds of the per-step part) of plain steps that took
     seconds[0] at batches[0] samples and seconds[1] at batches[1] (more)."""
     (b1, b2), (t1, t2) = batches, seconds
-    # Noise must not make the per-sample part vanish or go negative. The floor is low: tiny
-    # VGG19's step here is 70% per-step part (8.3 of 12.3 ms at 8 samples), and the floor it
-    # replaced (half of the step) priced its samples 30% dear and its per-step part 30% cheap.
+    # Noise must not make the per-sample part vanish or go negative. The floor is low: most of
+    # a tiny model's step can be per-step part, and a floor of half the step priced tiny
+    # VGG19's samples 30% dear (results/cost-model/20261127-host-per-step-part.md).
     per_sample = max((t2 - t1) / (b2 - b1), MIN_PER_SAMPLE_SHARE * t1 / b1)
     return workload.flops_per_sample / per_sample, max(t1 - per_sample * b1, 0.0)
 
@@ -149,8 +149,8 @@ def yardstick_batches(shares: Sequence[int]) -> tuple[int, int]:
     """The two batch sizes a run's yardstick times: its smallest share, and its largest or twice
     the smallest, whichever is more. The affine step model is then exact at the smallest share
     and interpolates between: a step is not affine in the batch at a few samples, and the slow
-    device of an uneven split sits there. Tiny ViT on this VM, plain step at 5 samples: 4.15 ms,
-    where the line through 8 and 16 samples gives 3.86 (+8%; +19% at 3 samples, +1% at 11)."""
+    device of an uneven split sits there: a few-sample step lies well above the line through
+    larger ones (results/emulation/20261125-yardstick-sizes.md)."""
     low = max(min(shares), 1)
     return low, max(max(shares), 2 * low)
 
@@ -161,17 +161,15 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     pacing reference is timed) at each of `batches` samples (yardstick_batches), in this process.
 
     Every rank of an emulated run takes it at once, just before its reference iterations, so
-    it meets the host as the run does: this VM's speed drifts between runs (tiny BERT's step
-    took 6.6 ms in one run of local_hetero4 and 8.4-8.9 ms in the next, all four ranks alike)
-    and four ranks on two cores slow each other; a probe in the parent, minutes earlier, sees
-    neither. bench.run prices the run's prediction with it (`predict_at_run_speed`); it is
-    a plain model's step, never the method's own program.
+    it meets the host as the run does: a VM's speed drifts between runs, and four ranks on two
+    cores slow each other; a probe in the parent, minutes earlier, sees neither. The runner
+    prices the run's prediction with it (bench.runner.case.predict_at_run_speed); it is a plain
+    model's step, never the method's own program.
 
-    The batch sizes take turns, one step each, so that a slow stretch of the host (on this VM
-    a core ran 1.6-1.9x slow for ~150 ms at a time) hits them alike: timed one size after the
-    other, one CI run read tiny BERT at 5 samples as slow as at 11 (18.6 ms both, where 10.5 and
-    17 are usual), and 180 yardsticks taken two at once read t(11)/t(5) over 1.03-2.12; taking
-    turns, 1.46-1.78 (median 1.61 both ways)."""
+    The batch sizes take turns, one step each, so that a slow stretch of the host (a core can
+    run well below speed for a tenth of a second) hits them alike: timed one size after the
+    other, the ratio of the two sizes' steps spread far wider
+    (results/emulation/20261125-yardstick-sizes.md)."""
     times = _turns(workload, batches, seed, repeats, time.thread_time)
     return {"batch": list(batches), "seconds": [min(timed) for timed in times]}
 
@@ -204,11 +202,11 @@ def _timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 
 @torch.random.fork_rng(devices=[])
 def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, repeats: int = 9) -> dict:
-    """How much slower this host computes right after a pause of `pause_s`, measured now: plain
+    """How much slower this host computes right after a pause of `pause_s`, measured when called: plain
     training steps at `batch` samples in pairs, one after sleeping `pause_s` and one right after
     it, back to back (so that a drift of the host hits both alike); the fastest of each kind,
-    in thread CPU time as the emulator's reference is timed. On this VM a small-share rank's
-    full-pace reference waits on its peers every iteration and comes out cold
+    in thread CPU time as the emulator's reference is timed. A small-share rank's full-pace
+    reference waits on its peers every iteration and comes out cold
     (bench.runtime.emulation.Emulator.discount_reference). It runs between training iterations, so the
     random state it seeds and draws from (model initialisation, dropout) is restored after."""
     model = workload.build(seed)
@@ -254,26 +252,26 @@ def write_cache(path: Path, key: str, entry: dict) -> None:
 
 def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:
     """Median time of one plain training step (forward, backward, Adam) on one thread, measured
-    now: a yardstick that no part of the harness (workers, emulator, methods) touches. It
+    when called: a yardstick that no part of the harness (workers, emulator, methods) touches. It
     computes as a worker does (bench.runtime.hostcpu: one thread, denormals flushed, a steady malloc)."""
     return reference_steps_s(workload, (max(batch_size, 1),), seed, repeats)[0]
 
 
 def reference_steps_s(workload: Workload, batches: Sequence[int], seed: int, repeats: int = 21) -> list[float]:
     """reference_step_s at each of `batches` samples, the sizes taking turns (_turns). Timed
-    one size after the other, a slow stretch of this VM could fall on one size alone: tiny BERT
-    at 8 and 16 samples, 100 probes taken two at once, read t(16)/t(8) over 1.06-2.46 that way
-    (so 0.15-2.88 ms per sample), 1.47-1.85 taking turns (1.03-1.83 ms; medians 1.62, 1.21
-    both ways); and a probe's split is cached for every later run on the host."""
+    one size after the other, a slow stretch of the host could fall on one size alone and skew
+    the per-sample split, which is cached for every later run on the host
+    (results/emulation/20261125-yardstick-sizes.md)."""
     return [statistics.median(timed) for timed in _turns(workload, batches, seed, repeats, time.perf_counter)]
 
 
 def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
-    """How fast this host dispatches right now: seconds per tiny op (an in-place add on a
+    """How fast this host dispatches when called: seconds per tiny op (an in-place add on a
     one-element tensor), the median of `repeats` runs of `ops`. On a GPU the ops are only
     queued, their kernels far shorter than their launches, so it times the host alone. The
-    GPU calibration records it beside each step and the profile beside its dispatch costs:
-    the same host-bound step ran 30 ms on one H200 machine and 19 on another (docs/gpu.md)."""
+    GPU calibration records it beside each step and the profile beside its dispatch costs,
+    since the same host-bound step can take half as long again on one machine as on another of
+    the same type (results/gpu/20261126-0408-h200-third-run.md)."""
     x = torch.zeros(1, device=device)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []

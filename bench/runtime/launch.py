@@ -2,27 +2,27 @@
 
 A failing worker ends the whole case: the others are terminated (then killed), its traceback is
 raised as WorkerError (WorkerOutOfMemory when it ran out of memory). An emulated cluster on a GPU
-runs inside a private MPS daemon (bench.runtime.mps), each worker with its SM share. Across hosts use
-torchrun instead (see README); this is not a launcher for many machines.
+runs inside a private MPS daemon (bench.runtime.mps), each worker with its SM share. Across hosts
+use torchrun instead (docs/multinode.md); this is not a launcher for many machines.
 
 Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
 has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
 case's method and model, once per launcher and with GPUs hidden; a series of cases names the
-methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports theirs
-too. Its imports take 6 s on the 2-core dev VM (9 s with DeepSpeed's); bench.run starts it while
-it prepares the first case (start_server), so that they run beside the FLOP count. (Not the
-launcher's main module: each forked process runs it again as __mp_main__, and runpy warns when
-it finds that module imported.) Each worker freezes what it inherits (gc.freeze), so its
-collections never walk the server's 300,000 objects. A spawned
-worker spent about 5 s importing and 1.5 s tearing its interpreter down in every case; a forked
-one starts within a fraction of a second and leaves with os._exit, as multiprocessing ends its
-forked children. The server leaves the same way (bench.runtime.server_exit) and the launcher freezes its
-heap before its interpreter's last collections: a runner's output used to end about 3 s before
-its pipes closed, now 0.3-0.4 s. A forked worker takes the launcher's environment and working
-directory as they are when the case starts, as a spawned one would; only what torch reads at
-import comes from the server's start. Workers that compute on a GPU are spawned, as before
-(CUDA must not be initialised in a process that forks; a server for them has not been tried on
-a GPU host).
+methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports
+theirs too. Those imports take seconds, so the runner starts the server while it prepares the
+first case (start_server), and they run beside the FLOP count. (Not the launcher's main module:
+each forked process runs it again as __mp_main__, and runpy warns when it finds that module
+imported.) Each worker freezes what it inherits (gc.freeze), so its collections never walk the
+server's objects. A forked worker starts within a fraction of a second, where a spawned one
+spends seconds importing and tearing its interpreter down in every case, and it leaves with
+os._exit, as multiprocessing ends its forked children. The server leaves the same way
+(bench.runtime.server_exit) and the launcher freezes its heap before its interpreter's last
+collections, so a runner's pipes close as soon as it ends (results/harness/
+20261127-forked-workers.md, 20261127-preparation-costs.md). A forked worker takes the launcher's
+environment and working directory as they are when the case starts, as a spawned one would; only
+what torch reads at import comes from the server's start. Workers that compute on a GPU are
+spawned (CUDA must not be initialised in a process that forks; a server for them has not been
+tried on a GPU host).
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
     _die_with_parent(_IMPORTED_BY if forked else launcher)
     if forked:
         _release_server()
-    # What exists now (the server's imports, the case) is never garbage: no collection scans it
-    # again. The collection at a rank's end (run_rank) took 0.2-0.35 s without this, once per case.
+    # What exists at this point (the server's imports, the case) is never garbage: no collection
+    # scans it again, the one at a rank's end (run_rank) included
+    # (results/harness/20261127-preparation-costs.md).
     gc.freeze()
     try:
         report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
@@ -187,16 +188,15 @@ def start_server(method, model_cfg) -> None:
         os.environ.clear()
         os.environ.update(saved)
     # This process too holds torch and what the cases made: at its exit, the interpreter's last
-    # collections walked all of it, 1.2-1.5 s after a case on the dev VM, 0.3 s frozen.
+    # collections would walk all of it; frozen, they skip it (results/harness/20261127-preparation-costs.md).
     atexit.unregister(gc.freeze)  # once, however many cases start it
     atexit.register(gc.freeze)
 
 
 def method_modules(method) -> list[str]:
     """The modules a method's workers import: its own and those it names in `worker_modules`
-    (what its set-up imports late: DeepSpeed's engine imports torch's compiler, 3.6 s in every
-    worker on the 2-core dev VM). `method`: its class, or the function a config names that
-    makes it."""
+    (what its set-up imports late: DeepSpeed's engine imports torch's compiler, seconds in every
+    worker). `method`: its class, or the function a config names that makes it."""
     return [method.__module__, *getattr(method, "worker_modules", ())]
 
 

@@ -39,8 +39,8 @@ def thread_percentages(speeds: list[float]) -> list[int]:
 
     Shares of the sum, not speed x 100: the ranks compute at the same time, and if their shares
     added up to more than the GPU the ranks would contend for the same SMs and run at shares
-    the scheduler picks (shared/docs/gpu.md: two unlimited BERT ranks ran at equal speed), not
-    in the configured ratio. Rounding down keeps the sum at most 100. The speed-1 rank is then
+    the scheduler picks (two unlimited ranks of unequal work can run at equal speed), not in the
+    configured ratio. Rounding down keeps the sum at most 100. The speed-1 rank is then
     slower than a whole GPU; only the ratio is the configured one.
     """
     total = sum(speeds)

@@ -87,13 +87,14 @@ def _class_benchmarks(device: str):
     """(op class, kernels per call as the planner counts them, batches, make(batch) -> (call,
     FLOPs)) per class: forward + backward of a chain of CHAIN nn.Linear layers, 3x3
     nn.Conv2d layers, or nn.LayerNorm + nn.GELU pairs (FLOPs counted as the planner's graph
-    counts them: bench.runtime.hostspeed). A chain, not one op: a training step runs one autograd pass
+    counts them: bench.cost.flops). A chain, not one op: a training step runs one autograd pass
     over many ops, so the pass's own start-up should not be charged to each kernel; modules
     with biases, not bare functions: the models call modules, and their hosts pay for it."""
     gpu = device != "cpu"
     d, side = (1024, 32) if gpu else (256, 16)
     # On a GPU the largest call takes ~10 ms (the rate); the smallest a few us per kernel
-    # (the fixed cost). A 2048-row linear on an H200 took no longer than its fixed cost.
+    # (the fixed cost). Rows go to 16,384: a few thousand rows still cost no more than the fixed
+    # cost on a large GPU (results/gpu/20261126-0408-h200-third-run.md).
     batches = (8, 64, 512, 4096, 16384) if gpu else (4, 16, 64, 256)
     g = torch.Generator(device=device).manual_seed(0)
     torch.manual_seed(0)  # the modules' initial weights
@@ -164,13 +165,12 @@ def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
     """fn -> (device seconds per call, host seconds per call), medians after warm-up. On the
     CPU both are the wall clock (the host computes). On a GPU: `burst` calls queued back to
     back behind a GPU sleep longer than their queueing, so the events between them time the
-    kernels alone, as in a step whose host runs ahead (timed one by one, each call also paid
-    the queue's start and a sync: 0.2-0.5 ms on an H200, whatever its size); and the host's
-    wall clock to queue one call (what a step costs when its kernels are too small to keep
-    the GPU busy): the fastest call of the burst, since behind the sleep the driver's launch
-    queue can fill, and a call that waits for room times the GPU, not the host (timed as a
-    whole burst, the conv chain's host cost on an H200 came out at 46 us per kernel in one
-    profile and at 153 in the next)."""
+    kernels alone, as in a step whose host runs ahead (timed one by one, each call would also
+    pay the queue's start and a sync, whatever its size); and the host's wall clock to queue
+    one call (what a step costs when its kernels are too small to keep the GPU busy): the
+    fastest call of the burst, since behind the sleep the driver's launch queue can fill, and a
+    call that waits for room times the GPU, not the host (timed as a whole burst, one profile's
+    host cost came out three times another's; results/gpu/20261126-0408-h200-third-run.md)."""
     if device == "cpu":
         def timed_cpu(fn):
             t = _timed(fn, repeats)

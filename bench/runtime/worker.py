@@ -248,7 +248,7 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
         # Free the process group now, while Python runs: objects in reference cycles (DDP's
         # module) keep it alive until a collection, and at interpreter exit gloo's threads,
         # still freeing a finished gather's tensors, cannot take the GIL and abort the process
-        # ("terminate called without an active exception": 1 torchrun run in 8 here).
+        # ("terminate called without an active exception", seen in some torchrun runs).
         gc.collect()
 
 

@@ -265,10 +265,11 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     the same, so the cost is linear along that segment. LP = the better of EV and CP; the "sweet
     spot" is the switch, not a third ratio.
 
-    Measured points: `warmup_iters` + `measured_iters` iterations each, so expect the 10-20% noise
-    of short runs on a shared 2-core VM. A plan identical to one already run (LP with EV's or CP's
-    ratios and program) reuses its measurement (column measured_run_of). predicted_iter_time_s
-    is the simulator's figure for the same plan at the measured host speed.
+    Measured points: `warmup_iters` + `measured_iters` iterations each, so expect the noise of
+    short runs on a shared machine (10-20% on a 2-core VM). A plan identical to one already run
+    (LP with EV's or CP's ratios and program) reuses its measurement (column measured_run_of).
+    predicted_iter_time_s is the simulator's figure for the same plan at the measured host
+    speed.
     """
     from bench.records.rows import summarize_times
     from bench.runtime.hostlinks import host_floor

@@ -36,10 +36,8 @@ def _check(lengths: Sequence[int], impl: str | None = None, group=None) -> list[
 def _padded(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     """t padded with zeros along `dim` to `width`, contiguous, in t's own dim order (zeros, not
     garbage: the pad is sent). Never moved to a leading dim first: for an inner dim that is an
-    element-by-element transpose, where a copy in place of dims keeps whole rows together (a
-    shard of [8, 64, 2048] along its last dim, one worker thread here: 1.8 ms through movedim
-    to dim 0, and back out of the gathered [4096, 8, 64] 5.5 ms, where a plain copy of the
-    gathered 2M floats takes 0.2 ms)."""
+    element-by-element transpose, where a copy in place of dims keeps whole rows together
+    (several times faster on a CPU worker: results/runtime/20261128-collectives-in-place.md)."""
     if t.shape[dim] == width:
         return t.contiguous()
     shape = list(t.shape)

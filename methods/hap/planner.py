@@ -224,9 +224,10 @@ class HapPlanner:
         if self.collective_choice and any(r.get("grouped") for r in rounds):
             # The search picks padded or grouped per collective by its serial price; with
             # gradient syncs overlapping backward the simulator can rank whole programs
-            # otherwise (VGG19, 8 GPUs per machine: 1.3%). The padded-only search is the
-            # planner with collective choice off; keeping the better makes the option never
-            # cost time. When no round used a grouped collective both searches agree.
+            # otherwise (VGG19, 8 GPUs per machine: results/planner/20261125-planner-time.md).
+            # The padded-only search is the planner with collective choice off; keeping the
+            # better makes the option never cost time. When no round used a grouped collective
+            # both searches agree.
             padded = derive_theory(graph, sfb=self.sfb, grouped=False, fuse_routing=self.fuse_routing)
             alt, alt_rows = self._search_levels(padded, workload, cluster, levels, meta, rounds, stats, "padded only, ")
             level_rows += alt_rows
@@ -539,8 +540,8 @@ def _no_cyclic_gc():
     """Planning allocates millions of small objects that live until it ends (search states,
     sets, LP terms), and the cyclic collector kept walking them: with it off until the plan is
     made (reference counting still frees what dies; cycles made meanwhile are collected once it
-    is back on), BERT-MoE planned in 1.6 s instead of 3.2-3.5 s, ViT-48 in 1.9-2.1 s instead of
-    2.9-3.3 s, with the same plans (tests/benchmarks/test_planner_bench.py)."""
+    is back on), the largest plans take about half the time, with the same plans
+    (tests/benchmarks/test_planner_bench.py; results/planner/20261125-planner-time.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

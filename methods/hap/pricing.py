@@ -259,10 +259,9 @@ class CostModel:
         Summed over a bucket's gradients this is within one call's latency (or floor) of the
         bucket's all-reduce, where a price is affine in the bytes: a full bucket, which passes
         its cap by less than its last gradient (bucket_runs), is charged a little more, the last
-        and partial one less. One all-reduce per parameter, each paying the latency, was what
-        the runtime runs plus that latency per parameter: tiny BERT on local_hetero2 got heads
-        split in its first layer rather than data parallelism, 5.9% slower by the simulator,
-        because the search saw 6 fewer all-reduces."""
+        and partial one less. One all-reduce per parameter, each paying the latency, would price
+        what the runtime runs plus that latency per parameter, and the search would trade data
+        parallelism for fewer all-reduces (results/planner/20261128-data-parallel-incumbent.md)."""
         cap = self.grad_bucket_bytes
         if nbytes >= cap:
             return self.collective_time(Collective("all_reduce", Affine(nbytes), grad=True))

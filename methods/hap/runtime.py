@@ -202,8 +202,8 @@ class HapTrainer:
         if ctx.world_size == 1:
             # Nothing to sum over: gradients as autograd makes them, as the plain model's step
             # (bucket views cost a zeroing and an accumulating add per gradient, and the
-            # all-reduce of one rank a copy; with them and the loss read below, hap ran 9%
-            # behind the plain model on VGG19 at 64 samples on one H200).
+            # all-reduce of one rank a copy; with them and the loss read below, hap ran behind
+            # the plain model on one GPU: results/gpu/20261126-h200-first-run.md).
             self.grad_sync = None
         elif program.machines is None:
             self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
@@ -213,8 +213,8 @@ class HapTrainer:
         self.grad_clip = grad_clip
         self.mirror_full_state = mirror_full_state
         # Kept only to mirror into: the full model's copy of each sharded parameter is not the
-        # rank's, and held it would double what the cost model counts for it (tiny VGG19's
-        # classifier: 24.9 MiB of tensors on the fast rank, 19.4 predicted).
+        # rank's, and held it would double what the cost model counts for it (measured on tiny
+        # VGG19's classifier: results/cost-model/20261128-cpu-tensor-memory.md).
         self.model = model if mirror_full_state else None
         self.steps_done = 0
 

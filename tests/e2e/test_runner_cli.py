@@ -248,7 +248,7 @@ def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(
 
 # Tagged processes when the launcher is killed: the runner, multiprocessing's resource tracker
 # and the server the workers fork from (bench.runtime.launch), still importing torch; then the workers,
-# given time to set up and train (a second at most on the 2-core dev VM).
+# given time to set up and train (a second is plenty on a 2-core machine).
 @pytest.mark.parametrize("processes, settle_s", [(3, 0.0), (5, 5.0)], ids=["server-starting", "training"])
 def test_workers_of_a_killed_launcher_do_not_linger_nor_their_files(tmp_path, processes, settle_s):
     tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"

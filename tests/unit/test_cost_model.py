@@ -75,13 +75,11 @@ def test_memory_proportional_ratios_follow_each_machines_memory():
 
 
 # The paper-scale cases: every model at k = 1 and 8 runs in `python -m bench.planner_check`
-# (the table in docs/planner.md); the suite keeps the fast ones, and the case the issue found
-# (VGG19 at 64 samples per GPU, the paper preset's batch since issue 13, where hap without
-# collective choice used to win), and VGG19 at the old 32 per GPU.
-# Since collectives among machines are priced hierarchically (issue 13) the 64-per-GPU case
-# was non-monotone (hap 0.2846 s, without collective choice 0.2810 s: the search minimises the
-# serial cost, the simulator overlaps gradient syncs with backward); the planner now also
-# searches padded-only when a grouped collective appears and keeps the better.
+# (results/planner/20261129-planner-check.md); the suite keeps the fast ones, the case issue 13
+# found (VGG19 at 64 samples per GPU, where the search's serial price and the simulator's
+# overlap of gradient syncs disagreed, so hap without collective choice won:
+# results/planner/20261125-planner-time.md), and VGG19 at 32 per GPU. The planner searches
+# padded-only too when a grouped collective appears and keeps the better.
 _VGG_K8 = ("vgg19", 8, ())
 MONOTONE_CASES = [("vgg19", 1, ()), _VGG_K8, ("vgg19", 8, ("global_batch=2048",)), ("vit", 1, ())]
 
@@ -303,8 +301,9 @@ def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
     for c in prof["compute"].values():
         assert c["fixed_s"] >= 0 and c["flops_per_s"] > 1e7
     assert prof["optimizer"]["bytes_per_s"] > 1e6
-    # A view call and its backward node: 2.7-2.8 us on the 2-core dev VM, no kernel; an upper
-    # bound 30x that still tells a chain of views from one that copies (a kernel per link).
+    # A view call and its backward node: a few us on a CPU, no kernel
+    # (results/gpu/20261126-host-dispatch-without-gpu.md); an upper bound 30x that still tells a
+    # chain of views from one that copies (a kernel per link).
     assert 0 < prof["views"]["dispatch_s"] < 1e-4
     assert [n for n, _, _ in prof["views"]["points"]] == [64, 256]
 

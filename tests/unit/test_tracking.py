@@ -1,5 +1,5 @@
 """conf/logger: each logger writes what it should, several run at once, an unknown name stops
-the run with one line, and a logger's failure never costs the row (bench/tracking.py)."""
+the run with one line, and a logger's failure never costs the row (bench/records/tracking.py)."""
 
 from __future__ import annotations
 
