@@ -47,7 +47,11 @@ def main(cfg: DictConfig) -> None:
         settings = as_settings(cfg)
     except ConfigError:  # the case fails with its row and one line (rank 0's alone under torchrun)
         if not torchrun or os.environ.get("RANK", "0") == "0":
-            run_case(cfg)
+            try:
+                run_case(cfg)
+            except ConfigError as exc:  # a config that does not even resolve: one line, no row
+                print(f"error: {exc}", file=sys.stderr)
+                failed_cases.append("config")
         return
     if torchrun:
         run_under_torchrun(settings)

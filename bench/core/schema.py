@@ -11,7 +11,8 @@ from the field's metadata (`option(...)`): the rule, an example, the valid choic
 then refuses a key that no schema has (a typo in an experiment file), and values are judged once,
 by `parse` at the edge, where a refused value still fails its case with a row. (OmegaConf's own
 typed nodes would also take `1` or `yes` for true and `3` for the string '3', and name a list
-element's field without its index.)
+element's field without its index.) A schema with `OPEN = True` takes keys of the user's own
+beside its fields (a preset file may carry values its model config interpolates).
 
 It knows no particular schema; it does not compose configs (bench.runner.configs does).
 """
@@ -114,7 +115,7 @@ def loose(cls: type) -> type:
         if f.metadata.get("internal"):
             continue
         kind = _strip_none(hints[f.name])
-        if dataclasses.is_dataclass(kind):
+        if dataclasses.is_dataclass(kind) and not getattr(kind, "OPEN", False):
             sub = loose(kind)
             default = dataclasses.field(default_factory=sub) if f.default_factory is not dataclasses.MISSING \
                 else dataclasses.field(default=MISSING)
@@ -154,7 +155,7 @@ def _build(cls: type, data: Any, at: str, name: str | None) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{whole}={data!r} must be a mapping of fields ({', '.join(sorted(fields_of(cls)))})")
     known = fields_of(cls)
-    unknown = sorted(str(k) for k in data if k not in known)
+    unknown = [] if getattr(cls, "OPEN", False) else sorted(str(k) for k in data if k not in known)
     if unknown:
         raise ConfigError(f"{whole} has unknown field(s) {unknown}; valid: {', '.join(sorted(known))}")
     hints = _hints(cls)

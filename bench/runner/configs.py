@@ -226,6 +226,10 @@ def hydra_error_line(exc: BaseException) -> str:
         key = next(ln for ln in lines if "not in 'SettingsSchema'" in ln).split("'")[1]
         where = _shown_config(first.split("'")[1])
         return f"{where}: {key} is not an option ({options}); fix or remove it"
+    if first.startswith("Error merging override ") and exc.__cause__ is not None:  # a value of the wrong shape
+        override = first.removeprefix("Error merging override ")
+        reason = str(exc.__cause__).strip().splitlines()[0].replace("Schema", "")
+        return f"{override}: {reason}; give {override.partition('=')[0]} the shape it has in the config"
     if first.startswith("In '"):  # a file Hydra could not read
         where = _shown_config(first.split("'")[1])
         rest = first.split(":", 1)[1].strip() if ":" in first else ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.core.errors import ConfigError
 from bench.core.paths import CONF_DIR
@@ -83,8 +83,10 @@ class TestHooks:
 
 @dataclass
 class PresetSettings:
-    """A size preset (conf/preset/): the model's sizes follow its name."""
+    """A size preset (conf/preset/): the model's sizes follow its name. A preset may hold keys of
+    its own beside these (for its model configs to interpolate)."""
 
+    OPEN: ClassVar[bool] = True
     name: str = MISSING
     batch_per_device: int = option(MISSING, rule="an integer >= 1")  # samples per device (weak scaling)
     warmup_iters: int = option(MISSING, rule="an integer >= 0")
