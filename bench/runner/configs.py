@@ -19,6 +19,7 @@ This is the one module below bench/run.py that handles DictConfig; nothing here 
 from __future__ import annotations
 
 import importlib.resources
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -226,6 +227,13 @@ def hydra_error_line(exc: BaseException) -> str:
         key = next(ln for ln in lines if "not in 'SettingsSchema'" in ln).split("'")[1]
         where = _shown_config(first.split("'")[1])
         return f"{where}: {key} is not an option ({options}); fix or remove it"
+    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", first)
+    if missing:  # an option named where check_group_choices does not look (an experiment's sweep)
+        group, name = missing.groups()
+        try:
+            check_group_choices([f"{group}={name}"])
+        except ConfigError as unknown:
+            return str(unknown)
     if first.startswith("Error merging override ") and exc.__cause__ is not None:  # a value of the wrong shape
         override = first.removeprefix("Error merging override ")
         reason = str(exc.__cause__).strip().splitlines()[0].replace("Schema", "")
