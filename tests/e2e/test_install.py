@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_own_configs import GOOD, check_good, start_all, wait_all, write_own_configs
+from tests.e2e.test_own_configs_outside import GOOD, check_good, start_all, wait_all, write_own_configs
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """Folders of the user's own configs (--config-dir, hydra.searchpath): every group is searched in
 them first, a file of theirs wins over a packaged one, the row names the file used, and bad input
-is one line. (tests/e2e/test_own_configs.py runs the same from outside the repository.)"""
+is one line. (tests/e2e/test_own_configs_outside.py runs the same from outside the repository.)"""
 
 from __future__ import annotations
 
