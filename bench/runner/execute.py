@@ -127,9 +127,7 @@ def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = No
         if cfg.mode == "sim":
             fill_predicted_metrics(record, case.workload)
         else:
-            results = launch_with_progress(case, cfg)
-            fill_metrics(record, results, case.workload, cfg.measured_iters)
-            predict_at_run_speed(record, case)
+            measure_case(cfg, record, case)
     except ConfigError as exc:
         record.error, refused = str(exc), True
         print(f"error: {exc}", file=sys.stderr)
@@ -154,6 +152,14 @@ def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = No
         print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
     write_record(cfg, record, track=not refused)
     return record
+
+
+def measure_case(cfg: Settings, record: RunRecord, case: Case) -> None:
+    """Train a prepared case (bench.runner.case.prepare_case) on its workers and fill its row's
+    measured metrics; a worker's failure raises (run_case records it)."""
+    results = launch_with_progress(case, cfg)
+    fill_metrics(record, results, case.workload, cfg.measured_iters)
+    predict_at_run_speed(record, case)
 
 
 def launch_with_progress(case: Case, cfg: Settings) -> list[dict]:
