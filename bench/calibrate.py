@@ -35,10 +35,9 @@ from bench.core.paths import PROJECT_DIR
 from bench.records.progress import track
 from bench.records.rows import fingerprint
 from bench.runner.case import check_profile_precision
-from bench.runner.configs import check_group_choices, compose_config, methods_supporting
+from bench.runner.configs import check_group_choices, command_argv, compose_settings, methods_supporting
 from bench.runner.execute import expect_cases, run_case
 from bench.runner.rounds import run_rounds
-from bench.runner.settings import check_repeats
 from bench.runtime.precision import PRECISIONS
 from bench.runtime.worker import rank_hardware
 from bench.studies.calibration import (
@@ -76,6 +75,9 @@ def main(argv: list[str]) -> int:
                         help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
                              f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
                              "method=every method that runs for real), as in compare and -m sweeps")
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     if args.merge is not None:
         try:
@@ -144,20 +146,20 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
-               for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
-    expect_cases(configs)
     try:
-        repeats = check_repeats(configs[0].repeats)
+        configs = [compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+                   for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    expect_cases(configs)
+    repeats = configs[0].repeats
     if repeats == 1:
         rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
     else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
         rows = []
         for i in range(0, len(configs), len(lists["method"])):
-            group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
+            group = {c.method_name: c for c in configs[i:i + len(lists["method"])]}
             rows += [vars(r) for r in run_rounds(group, repeats)]
     summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)

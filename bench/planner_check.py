@@ -18,6 +18,7 @@ import sys
 
 from rich.console import Console
 
+from bench.runner.configs import command_argv
 from bench.studies.planner_check import MODELS, agreement_table, beam_vs_exact, monotonicity, print_monotonicity
 
 
@@ -29,6 +30,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--agreement", action="store_true",
                         help="only the table of the search's price against the simulator's (which candidate first)")
     parser.add_argument("overrides", nargs="*", help="bench.run overrides, e.g. global_batch=4096")
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     models, ks = args.models.split(","), [int(k) for k in args.ks.split(",")]
     console = Console(width=200)

@@ -35,7 +35,7 @@ from bench.core.errors import ConfigError
 from bench.cost import host_time, simulate, virtual_devices
 from bench.records.stats import Summary
 from bench.runner.case import build_workload
-from bench.runner.configs import compose_config, instantiate_plugin
+from bench.runner.configs import compose_settings, instantiate_plugin
 from bench.runtime.emulation import emulated_compute_s
 from bench.runtime.hostspeed import device_step, host_probe
 
@@ -260,8 +260,8 @@ def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper",
 
 def _step(model: str, batch: int, preset: str, cluster: ClusterSpec, precision: str = "fp32"):
     """The config and workload of one plain training step of `model` at `batch` samples."""
-    cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                         f"precision={precision}", "wandb.mode=disabled")
+    cfg = compose_settings("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
+                           f"precision={precision}", "wandb.mode=disabled")
     return cfg, build_workload(cfg, cluster)
 
 
@@ -270,7 +270,7 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     """The step's prediction from the profile as measured, and, where both the profile and the
     row probed the host (bench.runtime.hostspeed.host_probe), also with the host's dispatch costs at the
     row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
-    model, batch = cfg.model.name, workload.global_batch
+    model, batch = cfg.model["name"], workload.global_batch
     plan = instantiate_plugin(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from bench.core.cluster import ClusterSpec
 from bench.runner.case import build_workload
-from bench.runner.configs import compose_config, instantiate_plugin
+from bench.runner.configs import compose_settings, instantiate_plugin
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 
@@ -42,9 +41,9 @@ TOLERANCE = 1e-9  # relative: a variant is "faster" only beyond float noise
 def paper_planning(*overrides: str):
     """(planner, workload, cluster) of hap on paper_hetero at the paper preset, as bench.run
     builds them from conf/method/hap.yaml (plan cache off), before any planning."""
-    cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
-                         "method.cache_dir=null", "wandb.mode=disabled", *overrides)
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    cfg = compose_settings("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
+                           "method.cache_dir=null", "wandb.mode=disabled", *overrides)
+    cluster = ClusterSpec.from_config(cfg.cluster)
     return instantiate_plugin(cfg.method, "method"), build_workload(cfg, cluster), cluster
 
 
