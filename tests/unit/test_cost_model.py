@@ -106,8 +106,8 @@ def test_the_stage_maps_time_a_program_as_the_simulator_does(planned, tmp_path):
 
 @pytest.mark.parametrize("granularity", ["gpu", "machine"])
 def test_the_search_prices_a_program_as_the_simulator_times_it_with_a_bucket_per_gradient(granularity):
-    """With one bucket per gradient (method.bucket_cap_mb=0) the search's price of a complete
-    program is its simulated time: overlap of the syncs with backward, the lane inside
+    """With one bucket per gradient (method.bucket_cap_mb=0), or without overlap, the search's
+    price of a complete program is its simulated time: overlap of the syncs with backward, the lane inside
     machines, the busiest GPU of a machine, the optimizer step and the per-step terms alike.
     With larger buckets a gradient is charged its share of its bucket's all-reduce, launched
     with its own gradient: close, not exact (bench.planner_check --agreement)."""
@@ -129,11 +129,12 @@ def test_the_search_prices_a_program_as_the_simulator_times_it_with_a_bucket_per
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     uneven = [5, 10, 9] if granularity == "machine" else [2, 3, 4, 5, 6, 4]  # of 24 samples
     for ratios in (even_ratios(len(uneven), 2), [[k / 24 for k in uneven]] * 2):
-        for cap, exact in ((0.0, True), (2**16, False)):
-            cost = CostModel(theory, cl, granularity, ratios, "flops", grad_bucket_bytes=cap, grad_overlap=True)
+        # one bucket per gradient, 64 KiB buckets, and every sync in its op's backward (no overlap)
+        for cap, overlap, exact in ((0.0, True, True), (2**16, True, False), (0.0, False, True)):
+            cost = CostModel(theory, cl, granularity, ratios, "flops", grad_bucket_bytes=cap, grad_overlap=overlap)
             best = synthesize(theory, cost, beam_width=40)
             assert best.cost_s == pytest.approx(cost.program_cost(best.steps, best.final_comms), rel=1e-12)
-            program = build_program(best.steps, cost, grad_overlap=True, bucket_cap_bytes=cap)
+            program = build_program(best.steps, cost, grad_overlap=overlap, bucket_cap_bytes=cap)
             result = simulate(program, cl, ratios)
             sim = result.iter_time_s
             assert result.per_step_s > 0
