@@ -30,10 +30,12 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import Affine, Collective, Memory, Program, Stage, backward_sweep
 from bench.core.shares import round_shares
+from bench.runtime.method_step import added_host_work_flops, time_method_step
 from methods.capture import Graph, capture_config
-from methods.common import GroupTable, group_table, host_work_flops, method_work
+from methods.common import GroupTable, group_table
 
 SPLITS = ("even", "compute")
+WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
 
 
 def fsdp_units(table: GroupTable, param_names: list[str]) -> tuple[list[tuple[int, list[str]]], list[str]]:
@@ -87,7 +89,7 @@ class FullyShardedDP:
         lr: Adam learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
         work_probe: emulated CPU clusters: time FSDP2's own work once per host, workload and
-            plan (cached) and price it (methods.common.method_work).
+            plan (cached) and price it (bench.runtime.method_step).
     """
 
     worker_modules = ("torch.distributed.fsdp",)
@@ -128,11 +130,13 @@ class FullyShardedDP:
         if self.work_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu" and n > 1:
             # FSDP2's own work on a CPU worker (hooks, copies in and out of the gathered buffers,
             # DTensor bookkeeping): twice the model's for the tiny models, priced as host work
-            work = method_work(self, plan, workload, cluster, [self.reshard_after_forward, self.lr, details["units"]])
+            work = time_method_step(self, plan, workload, cluster, cache="fsdp_work",
+                                    config=[self.name, shares, self.reshard_after_forward, self.lr, details["units"]],
+                                    version=WORK_PROBE_VERSION, what="FSDP2's own work")
             if work is not None:
                 details["work"] = work
-                plan.program = dataclasses.replace(program, host_work_flops=host_work_flops(
-                    work, workload, shares, cluster))
+                plan.program = dataclasses.replace(program, host_work_flops=added_host_work_flops(
+                    work["plain_s"], work["method_s"], workload, sorted(shares)[len(shares) // 2], cluster))
         return plan
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> FSDPTrainer:

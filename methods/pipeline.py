@@ -175,17 +175,17 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     FLOPs are an uneven yardstick between layer groups on a CPU (tiny VGG19's classifier: 8% of
     the FLOPs, 26% of the time), so the pipeline prices an emulated cluster's stages from this,
     scaled by the plain step now over `step_s` (bench.cost.pipeline.measured_scale). Measured
-    once per host, workload and micro-batch (bench.runtime.hostspeed.host_cache_file)."""
-    from bench.runtime.hostcpu import emulated_device
-    from bench.runtime.hostspeed import digest, host_cache_file, host_identity, read_cache, write_cache
+    once per host, workload and micro-batch (bench.runtime.method_step.host_measurement)."""
+    from bench.runtime.method_step import host_measurement
 
-    path = host_cache_file().with_name("layer_groups.json")
-    key = digest([*host_identity(), workload.name, repr(workload.model_cfg), micro_batch, seed, repeats,
-                  PROFILE_VERSION])
-    cached = read_cache(path).get(key)
-    if cached:
-        return cached
-    with emulated_device(), torch.random.fork_rng(devices=[]):
+    return host_measurement("layer_groups", [workload.name, repr(workload.model_cfg), micro_batch, seed, repeats,
+                                             PROFILE_VERSION],
+                            lambda: _measure_groups(workload, micro_batch, seed, repeats))
+
+
+def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: int) -> dict:
+    """group_profile's measurement (its docstring), uncached."""
+    with torch.random.fork_rng(devices=[]):
         model = workload.build(seed)
         graph = capture_config(workload.model_cfg, micro_batch)
         table = group_table(graph)
@@ -212,8 +212,7 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
                     steps.append(time.thread_time() - start)
     out = {kind: [min(t[k][2:]) for t in times] for k, kind in enumerate(("forward", "backward", "optimizer"))}
     out["step_s"] = min(steps)
-    write_cache(path, key, {**out, "workload": workload.name, "micro_batch": micro_batch})
-    return out
+    return {**out, "workload": workload.name, "micro_batch": micro_batch}
 
 
 def _time_groups(mods, opts, batch, times) -> None:
