@@ -14,8 +14,8 @@ another host) a receive's time counts from its completion.
 
 Nothing here runs while the emulator is paused or disabled, and links are paced only where
 the emulator paces its collectives (not while it measures its reference iterations).
-It reads the emulator's link clock and counters (bench.runtime.emulation.Emulator), as its own
-collective wrappers do.
+It queues on the emulator's link clock and adds to its counters (Emulator.reserve_link,
+Emulator.p2p_delivered), as the emulator's own collective wrappers do.
 """
 
 from __future__ import annotations
@@ -135,12 +135,8 @@ def _wrap_send(original):
             board = _current[1]
             emulated = _emulated_s(emu, tensor.numel() * tensor.element_size(), emu.rank, peer)
             link = emu.cluster.link_between([emu.rank, peer])
-            with emu._lock:
-                now = time.perf_counter()
-                start = max(now, emu._link_free_at.get(id(link), 0.0)) if emulated else now
-                deadline = start + emulated
-                if emulated:
-                    emu._link_free_at[id(link)] = deadline
+            start = emu.reserve_link(link, emulated) if emulated else time.perf_counter()
+            deadline = start + emulated
             board.post(emu.rank, peer, start)
             work = original(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
             emu.mark()
@@ -175,12 +171,8 @@ def _wrap_recv(original):
                 if start is None:  # no entry: count from the completion
                     return done + emulated
                 arrival = start + emulated
-                with emu._lock:
-                    emu.links[0] += 1
-                    emu.links[1] += 1
-                    emu.link_wall[0] += emulated
-                    # past the link's delivery, and past the rank's own arrival at the wait
-                    emu.link_wall[1] += max(0.0, done - max(arrival, waited_from))
+                # past the link's delivery, and past the rank's own arrival at the wait
+                emu.p2p_delivered(emulated, max(0.0, done - max(arrival, waited_from)))
                 return arrival
 
             return _P2PWork(work, deadline, emu)

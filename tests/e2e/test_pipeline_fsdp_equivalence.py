@@ -76,7 +76,7 @@ def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_
     assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
 
 
-@pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
+@pytest.mark.parametrize("model", ["vgg19", "bert_moe"])  # convolutions, experts; bert below
 def test_one_fsdp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model):
     case = _check_one_step(cfg_factory, f"model={model}", "method=fsdp_cp", "method.work_probe=false",
                            "global_batch=7")

@@ -37,7 +37,7 @@ def test_bf16_trains_for_real_and_the_row_says_so(cfg_factory):
 
 # One warm-up step: the worker watches the dtypes of the first, unmeasured, step's forward.
 WATCHED = ["warmup_iters=1", "measured_iters=1", "emulation.reference_iters=0"]
-METHODS = ("dp_ev", "dp_cp", "deepspeed", "sfb", "hap")
+METHODS = ("dp_ev", "dp_cp", "deepspeed", "sfb", "hap", "pipeline", "fsdp_cp")  # fsdp: fsdp_cp's engine, even shares
 
 
 @pytest.mark.parametrize("method", METHODS)

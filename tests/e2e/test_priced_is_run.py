@@ -73,7 +73,8 @@ def _record(case, kind: str, world: int) -> dict[int, list]:
     return got
 
 
-@pytest.mark.parametrize("model,method", [("bert", "fsdp"), ("vgg19", "fsdp_cp")])
+# One case each (their ranks start in ~10 s): the unit tests check the programs of every model.
+@pytest.mark.parametrize("model,method", [("vgg19", "fsdp_cp")])
 def test_fsdp_runs_the_collectives_its_program_prices(cfg_factory, model, method):
     cfg = cfg_factory(f"model={model}", f"method={method}", "method.work_probe=false", "mode=sim")
     case = prepare_case(cfg, new_record(cfg))
@@ -85,10 +86,7 @@ def test_fsdp_runs_the_collectives_its_program_prices(cfg_factory, model, method
         assert ran == priced, f"rank {rank}: ran {ran} priced {priced}"
 
 
-@pytest.mark.parametrize("overrides,world", [
-    (("cluster=local_hetero2",), 2),
-    (("cluster=local_hetero4", "method.schedule=gpipe", "method.num_stages=4"), 4),
-])
+@pytest.mark.parametrize("overrides,world", [(("cluster=local_hetero2",), 2)])
 def test_the_pipeline_sends_what_its_program_prices_in_the_traced_order(cfg_factory, overrides, world):
     cfg = cfg_factory("model=bert", "method=pipeline", "method.profile=false", "mode=sim", *overrides)
     case = prepare_case(cfg, new_record(cfg))

@@ -274,6 +274,14 @@ class Emulator:
             return time.perf_counter()
         return self._links.deadline(kind, nbytes, group, issued, token, self.wall_per_emulated_s)
 
+    def reserve_link(self, link, emulated: float) -> float:
+        """A point-to-point send posted now on `link` (LinkClock.reserve): when it starts."""
+        return self._links.reserve(link, emulated)
+
+    def p2p_delivered(self, emulated: float, overrun: float) -> None:
+        """Count a received point-to-point transfer (LinkClock.delivered)."""
+        self._links.delivered(emulated, overrun)
+
     def install(self) -> None:
         """Measure the real loopback collective, then wrap torch.distributed's collectives.
 

@@ -94,6 +94,24 @@ class LinkClock:
             return self._free_at[id(link)]
 
 
+    def reserve(self, link, emulated: float) -> float:
+        """A point-to-point transfer of `emulated` wall seconds posted now on `link`
+        (bench.runtime.p2p): queued on the link's clock behind its earlier transfers and
+        collectives. Returns when it starts."""
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at.get(id(link), 0.0))
+            self._free_at[id(link)] = start + emulated
+            return start
+
+    def delivered(self, emulated: float, overrun: float) -> None:
+        """Count a received point-to-point transfer timed from its sender's start: its emulated
+        wall seconds and the real run's past it."""
+        with self._lock:
+            self.count[0] += 1
+            self.count[1] += 1
+            self.wall[0] += emulated
+            self.wall[1] += overrun
+
 def measure_loopback() -> tuple[float, float]:
     """(latency s, bytes/s per link) of this host's real all-reduce, fitted from two sizes.
 
