@@ -1,4 +1,4 @@
-"""The pipeline's plan and price (methods/pipeline.py, bench/cost/pipeline.py): torch's schedule
+"""The pipeline's plan and price (methods/pipeline/, bench/cost/pipeline.py): torch's schedule
 as traced, the replay of a schedule, the stage cuts and device order the planner picks, the
 memory it checks against the memory the simulator prices, and bad input."""
 

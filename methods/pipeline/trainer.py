@@ -1,0 +1,136 @@
+"""One rank of a pipeline at run time: its stage of the traced model as a torch PipelineStage,
+torch's schedule, its replicas' gradients summed in buckets, Adam over its parameters."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from bench.core.interfaces import Plan, RankContext
+from methods.capture import FunctionalTracer, capture_config
+from methods.common import gradient_buckets, group_table
+from methods.pipeline.cut import cut_graph
+
+
+class PipelineTrainer:
+    """One rank's stage: its GraphModule as a PipelineStage, the schedule, the gradients summed
+    over its replicas, Adam over its parameters."""
+
+    def __init__(self, method, plan: Plan, model: nn.Module, ctx: RankContext):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from bench.runtime.p2p import install_p2p
+
+        d = plan.details
+        self.rank, self.emulator = ctx.rank, ctx.emulator
+        pipelines = d["pipelines"]
+        S, D, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
+        self.pipeline = next(p for p, ranks in enumerate(pipelines) if ctx.rank in ranks)
+        self.stage_index = pipelines[self.pipeline].index(ctx.rank)
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == S - 1
+        if ctx.emulator.enabled:
+            install_p2p(ctx.emulator)  # activations' sends go over the emulated links
+        # Every rank makes every group, in the same order (torch.distributed.new_group).
+        groups = [dist.new_group(sorted(ranks)) for ranks in pipelines] if D > 1 else [None]
+        replicas = [dist.new_group([pipelines[p][s] for p in range(D)]) for s in range(S)] if D > 1 else None
+        group = groups[self.pipeline]
+        members = sorted(pipelines[self.pipeline]) if D > 1 else list(range(ctx.world_size))
+        # The planner's graph of the model, for its layer groups (node names match a fresh trace).
+        graph = capture_config(ctx.workload.model_cfg, max(d["micro_batch"], 1))
+        table = group_table(graph)
+        gm = fx.GraphModule(model, FunctionalTracer().trace(model))
+        cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
+        tensors = {n.name for n in graph.nodes if n.is_tensor}
+        module, loss_module = cut_graph(gm, table, tensors, cuts, self.stage_index)
+        self.module = module
+        self.params = list(module.parameters())
+        self.model = model if method.mirror_full_state else None
+        # Replicas of this stage (data parallel across pipelines) sum their gradients once the
+        # schedule is through, in buckets (gradient_buckets, as the plan prices them).
+        self.replica_group = replicas[self.stage_index] if D > 1 else None
+        self.buckets = ([[self.params[i] for i in run] for run in gradient_buckets(
+            [p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)] if D > 1 else [])
+        # Each pipeline's summed loss over the global targets; the replicas' gradients add up.
+        self.loss_scale = 1.0 / ctx.workload.targets_per_iter
+
+        def loss_fn(output, target):
+            outs = output if isinstance(output, tuple) else (output,)
+            return loss_module(*outs, target) * self.loss_scale
+
+        stage = PipelineStage(module, self.stage_index, S, ctx.device, group=group)
+        stage.stage_index_to_group_rank = {s: members.index(pipelines[self.pipeline][s]) for s in range(S)}
+        schedule = Schedule1F1B if d["schedule"] == "1f1b" else ScheduleGPipe
+        # Every stage gets the loss function (the schedule runs backward where there is one);
+        # only the last calls it.
+        self.schedule = schedule(stage, m, loss_fn=loss_fn, scale_grads=False)
+        self.optimizer = torch.optim.Adam(self.params, lr=method.lr)
+        self.grad_clip = method.grad_clip
+        self.world = ctx.world_size
+        # torch.fx's tracer leaves reference cycles that hold the whole model (its patched
+        # methods' closures keep the tracer, the tracer its root) until a collection: collected
+        # now, a rank holds its stage alone (tiny VGG19's last stage held the other stage's
+        # 2.2 MiB of convolutions through its set-up iterations).
+        del gm
+        gc.collect()
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs, targets = batch[:-1], batch[-1]
+        losses: list[torch.Tensor] = []
+        args = inputs if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.sync_replicas()
+        if self.grad_clip:
+            self.clip_global_norm(self.grad_clip)
+        self.optimizer.step()
+        self.emulator.stretch()  # the optimizer's compute (and what followed the last wait)
+        if self.model is not None:
+            self.write_full_state()
+        if losses:  # the micro-batches' scaled losses, back to the summed loss
+            return (torch.stack([x.detach() for x in losses]).sum() / self.loss_scale).detach()
+        return torch.zeros(())
+
+    def sync_replicas(self) -> None:
+        """Sum the stage's gradients over its replicas, bucket by bucket (a flat copy each)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.replica_group)
+            for p, value in zip(bucket, _unflatten_dense_tensors(flat, grads)):
+                p.grad = value if p.grad is None else p.grad.copy_(value)
+
+    def clip_global_norm(self, max_norm: float) -> None:
+        """Every stage's gradients scaled by one factor: the norm over the whole model (a
+        stage's replicas hold the same gradients once summed, so one pipeline's stages count)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        if self.pipeline == 0:
+            for p in self.params:
+                if p.grad is not None:
+                    sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq)
+        coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def write_full_state(self) -> None:
+        """Tests: every stage's parameters and gradients written into this rank's full model."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        mine = {names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+                for p in self.params} if self.pipeline == 0 else {}
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        with torch.no_grad():
+            for part in everyone:
+                for name, (value, grad) in part.items():
+                    p = self.model.get_parameter(name)
+                    p.copy_(value)
+                    p.grad = grad
