@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from bench.core.errors import PlanningError
-from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
+from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
 from methods.capture import Graph
 from methods.hap.pricing import CostModel
 from methods.hap.steps import Step
@@ -164,7 +164,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
         for step, (q, p, m, comp), add_props, add_comm in moves:
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
             # its backward stage (and its gradients' syncs) runs before the prefix's backward
-            if comp is not None:  # on the compute lane alone (bench.cost.price.prepend, written out)
+            if comp is not None:  # on the compute lane alone (bench.cost.lanes.prepend, written out)
                 row2 = (r0 + comp, r1, r2)
             else:
                 row2 = (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),

@@ -197,7 +197,7 @@ def test_every_prefixs_score_is_at_most_the_price_of_every_program_that_extends_
     cheapest: walking every program (the price of a program depends on its whole timeline, not
     on a state), each prefix's score against the cheapest price of the programs extending it,
     with gradients synced in their ops' backward and beside backward."""
-    from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
+    from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
     from methods.hap.search import _finish, _remaining_bound, _score
 
     theory, cost, order, last_use = _small(batch, inter_gbps, model, grad_bucket_bytes=2**16, grad_overlap=overlap)
