@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
+from bench.core.data_parallel import data_parallel_program
+from bench.core.program import Affine, Collective, Program, Stage
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
 from bench.studies.planner_check import PARTS_OFF, plan_case
 from methods.capture import capture_config
