@@ -10,6 +10,7 @@
 Callers import from here: `from bench.cost import simulate, virtual_devices, ...`.
 """
 
+from bench.cost.algebra import FloatAlgebra, LpAlgebra, alike
 from bench.cost.devices import (
     GIB,
     VirtualDevice,
@@ -22,9 +23,6 @@ from bench.cost.devices import (
 from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collective_time_s, link_bytes
 from bench.cost.pipeline import PipelineProgram, PipeStage
 from bench.cost.price import (
-    FloatAlgebra,
-    LpAlgebra,
-    alike,
     collective_cost,
     collective_link,
     collective_time,

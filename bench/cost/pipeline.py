@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import Affine, Memory, Stage
+from bench.cost.algebra import FloatAlgebra
 from bench.cost.devices import GIB, VirtualDevice, virtual_devices
 from bench.cost.links import collective_time_s
-from bench.cost.price import FloatAlgebra, device_compute
+from bench.cost.price import device_compute
 from bench.cost.result import SimResult
 
 SCHEDULES = ("1f1b", "gpipe")
