@@ -31,7 +31,7 @@ from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
 from methods.hap.search import Step, comm_from_json
-from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, local_size_args
+from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, explicit_size_args
 
 SUPPORTED_PLAN_FORMAT = 1
 _MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first", "reshard"}
@@ -184,6 +184,9 @@ class RankProgram:
         # Machine-level plans: each tensor's layout inside a machine (its batch dim, or IDENTITY
         # for what does not depend on the samples; REDUCE for a sum over them, the loss).
         self.intra: dict[str, Layout] = {}
+        # Where this rank computes: ops that make tensors from nothing (arange, ones) were
+        # captured with the capture's device (often meta) and run on this one.
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._instrs = self._compile(model)
         self._dead_after = self._last_reads()
         self._module: fx.GraphModule | None = None
@@ -341,7 +344,15 @@ class RankProgram:
             full = model.get_parameter(target)
             is_param = True
         except AttributeError:
-            full = model.get_buffer(target)
+            try:
+                full = model.get_buffer(target)
+            except AttributeError:  # a constant export lifted out of forward: the graph's own
+                full = getattr(self.graph.gm, target)
+                if full.is_meta and self.device.type != "meta":
+                    raise PlanMismatchError(
+                        f"constant {target!r} (a tensor forward makes from data, torch.tensor(...)) was captured on "
+                        "the meta device, where its values are unknown; make it a buffer of the model") from None
+                full = full.to(self.device)
             is_param = False
         if tuple(full.shape) != tuple(node.shape):
             raise PlanMismatchError(f"{target}: model has shape {tuple(full.shape)}, the plan {tuple(node.shape)}")
@@ -616,8 +627,8 @@ class RankProgram:
                 v = self._note(v * 0, operator.mul, (v, 0))  # the output is Reduce: only rank 0 adds this operand
             return v
 
-        args = fx.node.map_arg(n.args, value)
-        kwargs = fx.node.map_arg(n.kwargs, value)
+        args = _on_device(fx.node.map_arg(n.args, value), self.device)
+        kwargs = _on_device(fx.node.map_arg(n.kwargs, value), self.device)
         if ins.sfb:
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -634,10 +645,9 @@ class RankProgram:
                     for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
             sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers), "sfb_linear")
             return self._note(sfb(x, w, b), sfb, (x, w, b))
-        if self.machines is not None and ins.out_shape is not None:
+        if ins.out_shape is not None and ins.node.tuple_shapes is None:
+            # Sizes baked into the graph are the global ones: this rank's are its local shape.
             args = explicit_size_args(ins.node, ins.out_shape, tuple(args))
-        else:
-            args = local_size_args(ins.node, rule, tuple(args))
         tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
         empty = any(t.numel() == 0 for t in tensors)
         target = n.target if n.op != "call_method" else str(n.target)
@@ -708,19 +718,15 @@ class RankProgram:
         return out
 
 
-def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
-    """The positional args of a view, reshape, expand or unflatten with every size given as
-    this rank's local output shape (a machine-level plan splits two dims: the machine's and,
-    inside the machine, the batch dim, which one -1 cannot both express)."""
-    if node.op in ("view", "reshape", "expand"):
-        if len(args) > 1 and isinstance(args[1], torch.dtype):
-            return args  # x.view(dtype)
-        return (args[0], *out_shape)
-    if node.op == "unflatten":
-        sizes = list(args[2])
-        dim = int(args[1]) % (len(out_shape) - len(sizes) + 1)
-        return (args[0], args[1], tuple(out_shape[dim:dim + len(sizes)]), *args[3:])
-    return args
+def _on_device(x: Any, device: torch.device) -> Any:
+    """`x` with every device argument (a factory's or a copy's) replaced by `device`."""
+    if isinstance(x, torch.device):
+        return device
+    if isinstance(x, (tuple, list)):
+        return type(x)(_on_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _on_device(v, device) for k, v in x.items()}
+    return x
 
 
 def _call(n: fx.Node, args, kwargs):

@@ -55,9 +55,10 @@ def satisfies(locals_, ref, layout) -> bool:
     return all(g.shape == ref.shape and torch.allclose(g.to(torch.float64), ref, rtol=1e-7, atol=1e-9) for g in got)
 
 
-def run_local(fx_node: fx.Node, env: dict, node=None, rule=None, full_shape=None):
+def run_local(fx_node: fx.Node, env: dict, node=None, rule=None, full_shape=None, local_shape=None):
     """Execute one fx node with local values; non-tensor inputs (sizes, dtypes) are
-    re-evaluated from local values, like the generated per-device program would."""
+    re-evaluated from local values, like the generated per-device program would; a size a
+    device makes from nothing (expand's broadcast-split) is its local shape's."""
 
     def value(a):
         if a.name in env:
@@ -68,7 +69,7 @@ def run_local(fx_node: fx.Node, env: dict, node=None, rule=None, full_shape=None
     args = fx.node.map_arg(fx_node.args, value)
     kwargs = fx.node.map_arg(fx_node.kwargs, value)
     if rule is not None:
-        args = local_size_args(node, rule, tuple(args))
+        args = local_size_args(node, rule, tuple(args), local_shape)
 
     def call(args, kwargs):
         if fx_node.op == "call_method":
@@ -145,8 +146,12 @@ def check_all_triples(model: nn.Module, inputs, sfb=True, device_counts=(2, 3)) 
                         if k in rule.first_device_only and dev > 0:
                             v = torch.zeros_like(v)
                         env[i] = v
+                    local_shape = None
+                    if rule.name == "broadcast-split":
+                        local_shape = list(node.shape)
+                        local_shape[rule.post] = lengths(node.shape[rule.post], n)[dev]
                     with torch.no_grad():
-                        outs.append(run_local(node.fx_node, env, node, rule, node.shape))
+                        outs.append(run_local(node.fx_node, env, node, rule, node.shape, local_shape))
                 assert satisfies(outs, ref[name], rule.post), f"{rule.describe()} on {n} devices"
                 checked += 1
     return checked
