@@ -7,7 +7,9 @@ exported graph so every node computes a new tensor from its inputs: parameter an
 become get_attr nodes named by their module path, export's bookkeeping nodes go, in-place ops
 whose input nobody reads afterwards become their functional twins, and training-mode batch norm
 becomes its statistics (two sums over the batch) and an element-wise normalisation, so a batch
-split all-reduces the statistics instead of normalising each shard alone. What it does not do:
+split all-reduces the statistics instead of normalising each shard alone. Buffer updates that
+forward does not read (batch norm's running statistics and counter) are left out: the planner's
+programs train as the model does, but do not keep those statistics for evaluation. What it does not do:
 sharding (methods.hap.theory) or memory accounting (methods.capture.Graph).
 """
 
@@ -100,6 +102,7 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     attrs: dict[str, Any] = {}
+    dropped: list[str] = []
     named = dict(model.named_parameters(remove_duplicate=False))
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
     # Reads after a node, to tell whether an in-place op's input is still wanted.
@@ -130,6 +133,11 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
         if target in (aten.lift_fresh_copy.default, aten.detach_.default) and _is_constant(n.args[0], env):
             env[n] = env[n.args[0]]
             continue
+        if _updates_buffer(n, buffers):
+            # A buffer's update nobody reads in forward (batch norm's counter of batches): the
+            # planner's program trains without it, as it does without running statistics.
+            dropped.append(f"{n.target} on {buffers[n.args[0].name]}")
+            continue
         args = fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
         if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
@@ -146,7 +154,15 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
         if stack:  # module paths as keys, outermost first (what torch.fx's tracer records)
             n.meta["nn_module_stack"] = {path: (path, cls) for path, cls in stack.values() if path}
     gm = fx.GraphModule(attrs, graph)
+    gm.meta["dropped_buffer_updates"] = dropped
     return gm
+
+
+def _updates_buffer(n: fx.Node, buffers: dict) -> bool:
+    """An in-place op on a buffer input whose result nothing reads."""
+    op = n.target
+    return (isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable and not n.users and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and n.args[0].name in buffers)
 
 
 def _lookup(model: nn.Module, fqn: str) -> Any:

@@ -216,11 +216,13 @@ def _spec(a: fx.Node, placement):
 
 def _candidates(a: fx.Node) -> list:
     """Placements an argument may come in: whole, split along a dim longer than 1, or (a
-    numeric tensor an op made) partial sums."""
+    numeric tensor) partial sums. A source (input, parameter) is never made partial, but a
+    triple that wants it partial is one the first device can run with it whole
+    (methods.hap.theory, first-device-only)."""
     d = _dtensor()
     v = a.meta["val"]
     out = [d["Replicate"]()] + [d["Shard"](i) for i in range(v.dim()) if v.shape[i] > 1]
-    if v.dtype != torch.bool and not _is_source(a):
+    if v.dtype != torch.bool:
         out.append(d["Partial"]())
     return out
 
@@ -232,7 +234,8 @@ def _seeds(args: list[fx.Node]) -> list[tuple]:
     input that could be both, one seed of each."""
     d = _dtensor()
     shardable = [a for a in args if any(s > 1 for s in a.meta["val"].shape)]
-    partial = next((a for a in args if a.meta["val"].dtype != torch.bool and not _is_source(a)), None)
+    numeric = [a for a in args if a.meta["val"].dtype != torch.bool]
+    partial = next((a for a in numeric if not _is_source(a)), numeric[-1] if numeric else None)
 
     def seed(p_arg, s_arg):
         out = []
