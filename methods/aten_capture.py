@@ -15,6 +15,9 @@ sharding (methods.hap.theory) or memory accounting (methods.capture.Graph).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
 import operator
 import os
@@ -23,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
+
+from bench.interfaces import PlanningError
 
 aten = torch.ops.aten
 
@@ -46,8 +51,9 @@ FACTORY_OPS = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "ran
                "empty_like", "rand_like", "randn_like", "eye", "linspace"}
 
 
-class CaptureError(ValueError):
-    """torch.export refused the model, or its graph holds what the planner cannot run."""
+class CaptureError(PlanningError):
+    """torch.export refused the model, or its graph holds what the planner cannot run (the
+    case is recorded failed with this one line)."""
 
 
 def op_name(node: fx.Node) -> str:
@@ -70,12 +76,18 @@ def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "t
         CaptureError: one line naming the model, the first construct export refused and the fix.
     """
     inputs = tuple(example_inputs)
+    quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # a refusal's guard is logged, and its graph printed: it is raised instead
     try:
-        ep = torch.export.export(model, inputs, strict=False)
+        with contextlib.redirect_stderr(io.StringIO()):
+            ep = torch.export.export(model, inputs, strict=False)
     except Exception as exc:  # export raises many types; each becomes one line
         raise CaptureError(f"{what}: torch.export (non-strict) refused {_first_refused(exc)}; use another task "
                            "adapter (model.task=...) or wrap the model in model=custom with a forward export can "
                            "trace") from exc
+    finally:
+        quiet.setLevel(level)
     return planner_module(ep, model, what)
 
 

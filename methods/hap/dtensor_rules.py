@@ -74,15 +74,34 @@ def derive(node: fx.Node) -> tuple[list[tuple[tuple[Layout, ...], Layout]], str]
     return _derive_cached(key, node, args)
 
 
+# Ops whose triples depend on the lengths of the dims (which dims a view merges or splits,
+# where a slice starts): derived per exact shape. Every other op's triples depend only on its
+# arguments' ranks and which of their dims have length 1 (DTensor's strategies and
+# decompositions do not look further on a one-device mesh), so one derivation serves every
+# node of that pattern: a deep model repeats its layers' ops at a few shapes.
+_SHAPE_DEPENDENT = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "expand_as", "split",
+                    "split_with_sizes", "slice", "select", "narrow", "pad", "constant_pad_nd", "index", "repeat",
+                    "roll", "unfold", "as_strided", "new_zeros", "new_ones", "new_full", "new_empty", "view_as",
+                    "reshape_as", "tile", "unbind", "chunk", "movedim", "squeeze", "index_select", "gather",
+                    "scatter", "take_along_dim", "diagonal", "tensor_split"}
+
+
 def _signature(node: fx.Node, args: list[fx.Node]) -> tuple:
-    """What a derivation reads: the op, each tensor argument's shape, dtype and whether it is a
-    source (never Reduce), and the other arguments."""
+    """What a derivation reads: the op, each tensor argument's shape (or its pattern: rank and
+    which dims have length 1), dtype and whether it is a source, and the other arguments."""
     def plain(a):
         return "T" if _is_tensor(a) else repr(a)
 
+    exact = node.target._overloadpacket.__name__ in _SHAPE_DEPENDENT
     rest = repr(fx.node.map_arg((node.args, node.kwargs), plain))
-    tensors = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype, _is_source(a)) for a in args)
-    return (node.target, tensors, rest)
+
+    def shape(v):
+        return tuple(v.shape) if exact else tuple(int(n) == 1 for n in v.shape)
+
+    tensors = tuple((shape(a.meta["val"]), a.meta["val"].dtype, _is_source(a)) for a in args)
+    out = node.meta.get("val")
+    outs = tuple(shape(o) for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor))
+    return (node.target, tensors, outs, rest)
 
 
 _cache: dict[tuple, Any] = {}
