@@ -71,10 +71,30 @@ def _transformers():
         raise ValueError("model=hf needs the transformers package: pip install '.[zoo]' "
                          "(scripts/setup.sh installs it)") from None
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    AttentionInterface.register(ATTENTION, sdpa_attention_forward)
+    AttentionInterface.register(ATTENTION, _attention)
     return transformers
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+               is_causal: bool | None = None, **kwargs):
+    """SDPA as transformers' own integration runs it, with grouped key/value heads repeated to
+    the query's (as transformers does where SDPA cannot group them): the planner splits the
+    heads of query, key and value alike, in whole groups (a view's shard unit)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError(f"{type(module).__name__}: attention with a softcap or position bias is not SDPA's; "
+                         "set model.config._attn_implementation=eager")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def model_types() -> list[str]:

@@ -184,6 +184,9 @@ class RankProgram:
         # Machine-level plans: each tensor's layout inside a machine (its batch dim, or IDENTITY
         # for what does not depend on the samples; REDUCE for a sum over them, the loss).
         self.intra: dict[str, Layout] = {}
+        # Machine-level plans: per op, its inputs whole inside the machine that it reads cut
+        # along their batch dim (_set_intra).
+        self._cuts: dict[str, dict[str, int]] = {}
         # Where this rank computes: ops that make tensors from nothing (arange, ones) were
         # captured with the capture's device (often meta) and run on this one.
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -312,6 +315,26 @@ class RankProgram:
             missing = [t for t, h in zip(node.inputs, have) if h is None]
             raise PlanMismatchError(f"step {node.name!r} reads {missing}, which no earlier step made")
         fits = [r for r in rules if tuple(r.pre) == have and not r.first_device_only]
+        cuts: dict[str, int] = {}
+        if not fits:
+            # An input whole inside the machine (a constant grown to the batch, made whole at the
+            # machine level and sliced there) is cut locally to a rule's split along its batch
+            # dim: each GPU keeps the part of the samples it holds of the other inputs.
+            def cut(r: Rule) -> dict | None:
+                out = {}
+                for t, p, h in zip(node.inputs, r.pre, have):
+                    if p == h:
+                        continue
+                    if h != IDENTITY or not isinstance(p, int) or not self._batch_dim(t, p):
+                        return None
+                    out[t] = p
+                return out
+
+            fits = [r for r in rules if not r.first_device_only and cut(r) is not None]
+            if fits:
+                chosen = min(fits, key=lambda r: len(cut(r)))
+                fits, cuts = [chosen], cut(chosen)
+        self._cuts[node.name] = cuts
         if not fits:
             raise PlanMismatchError(
                 f"machine-level plan: op {node.name!r} ({node.op}) has no data-parallel rule for inputs laid out "
@@ -321,14 +344,25 @@ class RankProgram:
         def score(r: Rule) -> tuple:
             shape_mismatch = any(self.intra.get(t, lay) != lay for t, lay in r.shape_pre)
             batch_read = any(isinstance(lay, int) for _, lay in r.shape_pre)
-            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read))
+            # an expand that makes the dim the machine's shard splits (a buffer grown to the
+            # batch) splits it inside the machine too, in whole samples
+            made = r.name == "broadcast-split" and r.post == step.rule.post
+            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read or made),
+                    not made)
 
         post = min(fits, key=score).post
         if self.intra.setdefault(node.name, post) != post:
             raise PlanMismatchError(f"op {node.name!r} runs in two layouts inside a machine")
 
+    def _batch_dim(self, tensor: str, dim: int) -> bool:
+        """Whether `tensor`'s dim runs over whole samples of the global batch."""
+        length = self._dim_len(tensor, dim)
+        return length > 1 and length % self.graph.batch_size == 0
+
     def _sfb_candidate(self, step: Step, node: Node) -> bool:
         r = step.rule
+        if node.op != "linear":
+            return False
         nd = len(self.graph[node.inputs[0]].shape)
         return (node.op == "linear" and isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post
                 and all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only)
@@ -480,6 +514,12 @@ class RankProgram:
                 return env[(name, want)]
         elif name in ins.layouts:
             v = env[(name, ins.layouts[name])]
+            cut = self._cuts.get(ins.node.name, {}).get(name)
+            if cut is not None:  # this GPU's samples of a tensor whole inside its machine
+                parts = H.intra_lengths(v.shape[cut], self._dim_len(name, cut) // self.graph.batch_size,
+                                        self.machines.size, f"tensor {name!r}")
+                fn = _named(lambda x, cut=cut, parts=parts: C.shard(x, cut, parts, self.machines.local), f"cut_{name}")
+                v = self._note(fn(v), fn, (v,))
             if name in ins.replicate:
                 keep = self.machines is None or self.machines.is_leader
                 v = self._note(C.replicate(v, keep=keep), C.replicate, (v,), {"keep": keep})

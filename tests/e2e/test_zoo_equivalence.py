@@ -1,0 +1,88 @@
+"""Programs the planner makes for zoo models (Hugging Face architectures from their configs, and
+a user's own module) run on 2-3 gloo workers and train exactly like one device: the loss of every
+step, the reassembled gradients and the parameters after 3 Adam steps (the checks of
+test_hap_equivalence). The planner's own plans on shipped clusters (uneven shares, machine-level
+data parallelism inside a machine), and programs synthesized at forced ratios with an empty
+shard, where every op runs split."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.flops import train_flops_per_sample
+from bench.interfaces import Workload
+from bench.launch import launch
+from bench.worker import Case
+from methods.hap.runtime import FixedPlanMethod
+from tests.e2e import test_hap_equivalence as H
+from tests.e2e.test_hap_equivalence import STEPS, _conf_cluster, check_equivalence, make_cluster, plan_at_ratios
+
+pytestmark = pytest.mark.e2e
+transformers = pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+
+
+def zoo_workload(arch: str, global_batch: int) -> Workload:
+    if arch == "custom":
+        from models.custom import CustomModelConfig
+
+        cfg = CustomModelConfig.from_preset("tiny", factory="tests.zoo_custom:build_decoder", task="causal_lm",
+                                            seq_len=16)
+    else:
+        from models.hf import HFModelConfig
+
+        cfg = HFModelConfig.from_preset("tiny", arch=arch, seq_len=16)
+    return Workload(cfg.name, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
+
+
+def run(workload: Workload, cluster, plan, **options) -> list[dict]:
+    method = FixedPlanMethod(plan, mirror_full_state=True, **options)
+    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
+                measured_iters=STEPS, return_state=True)
+    return launch(case, cluster.num_devices, timeout_s=180)
+
+
+# The planner's plans (LP ratios, its choice of program, its gradient buckets): a decoder LLM,
+# an encoder with a masked-LM head, a CNN with batch norm (statistics all-reduced over the
+# batch's shards) and a vision transformer, on two devices of speeds 1 and 0.4 and on three
+# machines of 1, 2 and 1 devices; 11 samples, so every share is uneven.
+PLANNED = [
+    pytest.param("gpt2", "local_hetero2", id="gpt2-local_hetero2"),
+    pytest.param("llama", "local_3m", id="llama-local_3m"),
+    pytest.param("resnet", "local_hetero2", id="resnet-local_hetero2"),
+    pytest.param("bert", "local_3m", id="bert-local_3m"),
+    pytest.param("vit", "local_hetero2", id="vit-local_hetero2"),
+]
+
+
+@pytest.mark.parametrize("arch,cluster_name", PLANNED)
+def test_the_planners_program_for_a_zoo_model_trains_exactly_like_one_device(arch, cluster_name):
+    from methods.hap.planner import HapPlanner
+
+    cluster = _conf_cluster(cluster_name)
+    workload = zoo_workload(arch, 11)
+    plan = HapPlanner(cache_dir=None).plan(workload, cluster)
+    assert sum(plan.batch_shares) == 11 and len(set(plan.batch_shares)) > 1
+    check_equivalence(workload, run(workload, cluster, plan))
+
+
+# Synthesized at forced ratios with an empty shard on 3 devices: the ops run split (SFB linears,
+# grouped or padded gathers), as the planner would run them at other speeds.
+FORCED = [
+    pytest.param("gpt2", [0.5, 0.0, 0.5], dict(force_impl="grouped", force_sfb=True), id="gpt2-3dev-empty1-sfb"),
+    pytest.param("resnet", [0.0, 0.6, 0.4], dict(force_impl="padded"), id="resnet-3dev-empty0-padded"),
+    pytest.param("llama", [0.45, 0.55, 0.0], dict(force_impl="padded", force_sfb=True), id="llama-3dev-empty2-sfb"),
+    pytest.param("swin", [0.7, 0.3], dict(force_impl="grouped"), id="swin-2dev-grouped"),
+    pytest.param("custom", [0.3, 0.0, 0.7], dict(force_sfb=True), id="custom-3dev-empty1-sfb"),
+]
+
+
+@pytest.mark.parametrize("arch,ratios,options", FORCED)
+def test_a_program_at_forced_ratios_for_a_zoo_model_trains_exactly_like_one_device(arch, ratios, options):
+    workload = zoo_workload(arch, 7)
+    cluster = make_cluster(len(ratios))
+    with pytest.MonkeyPatch.context() as mp:  # the planner's beam: an exact search of a deep graph explodes
+        exact = H.synthesize
+        mp.setattr(H, "synthesize", lambda theory, cost: exact(theory, cost, beam_width=40))
+        plan = plan_at_ratios(workload, cluster, ratios)
+    assert (0 in plan.batch_shares) == (0.0 in ratios)
+    check_equivalence(workload, run(workload, cluster, plan, **options))
