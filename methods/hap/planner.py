@@ -50,9 +50,23 @@ log = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
 
 # Sources whose content decides a plan: a change invalidates cached plans.
-_CODE = ("methods/capture.py", "methods/hap/theory.py", "methods/hap/search.py", "methods/hap/balance.py",
+_CODE = ("methods/capture.py", "methods/aten_capture.py", "methods/hap/dtensor_rules.py", "methods/hap/theory.py",
+         "methods/hap/search.py", "methods/hap/balance.py",
          "methods/hap/planner.py", "methods/hap/segments.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+def _library_versions() -> dict[str, str]:
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
 
 
 def _code_version() -> str:
@@ -210,6 +224,8 @@ class HapPlanner:
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,
             "code": _code_version(),
+            # the graph export captures and DTensor's strategies are the libraries'
+            "libraries": _library_versions(),
         }
 
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
@@ -259,6 +275,9 @@ class HapPlanner:
             "search_exact": beam_pruned == 0,
             "states_beam_pruned": beam_pruned,
             "capture_time_s": t_capture,
+            # Ops with no triple but the replicated one (named once), and where triples came from.
+            "rule_coverage": {**theory.coverage(), "origins": _origin_counts(theory)},
+            "dropped_buffer_updates": list(graph.gm.meta.get("dropped_buffer_updates", [])),
             "search_time_s": t_search,
             "lp_time_s": t_lp,
             **step_fields(best.result, graph),
@@ -444,6 +463,14 @@ def _graph_fingerprint(graph: Graph) -> str | None:
     except ImportError:
         return None
     return graph_fingerprint(graph)
+
+
+def _origin_counts(theory) -> dict[str, int]:
+    """Ops by where their triples came from (methods.hap.theory.node_rules)."""
+    out: dict[str, int] = {}
+    for origin in theory.origins.values():
+        out[origin] = out.get(origin, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _count(stats: dict, res: SearchResult) -> None:
