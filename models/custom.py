@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from models.common import ModelConfig
-from models.tasks import TASKS, Task, TaskLoss, check_export
+from models.tasks import TASKS, Task, TaskLoss, check_export, plain
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64,
            "int32": torch.int32, "bool": torch.bool}
@@ -80,9 +80,7 @@ class CustomModelConfig(ModelConfig):
 
     real_sources: ClassVar[tuple[str, ...]] = ()
 
-    @property
-    def name(self) -> str:
-        return "custom-" + str(self.factory).rpartition(":")[2]
+    name: ClassVar[str] = "custom"
 
     @classmethod
     def from_preset(cls, preset: str, num_devices: int = 1, **overrides: Any) -> "CustomModelConfig":
@@ -101,8 +99,8 @@ class CustomModelConfig(ModelConfig):
             raise ValueError("model.factory is required for model=custom: 'module.path:callable' returning an "
                              "nn.Module, e.g. model.factory=mypkg.models:build")
         load_factory(self.factory)
-        self.kwargs = dict(self.kwargs or {})
-        self.inputs = [dict(x) for x in (self.inputs or [])]
+        self.kwargs = plain(self.kwargs or {})
+        self.inputs = plain(self.inputs or [])
         if self.task not in ("loss",) + TASKS:
             raise ValueError(f"model.task={self.task!r} is unknown for model=custom; known: loss, {', '.join(TASKS)}")
         if self.task == "loss":

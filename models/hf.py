@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from models.common import ModelConfig
-from models.tasks import TASKS, Task, TaskLoss, check_export
+from models.tasks import TASKS, Task, TaskLoss, check_export, plain
 
 # The Auto class of each task and the keyword its models take their inputs by.
 _AUTO = {
@@ -155,7 +155,8 @@ class HFModelConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         _transformers()
-        self.config = dict(self.config or {})
+        # null: the preset's or the architecture's value (conf/model/hf.yaml lists common fields)
+        self.config = {k: v for k, v in plain(self.config or {}).items() if v is not None}
         self._base = self._base_config()  # validates arch
         self.model_type = self._base.model_type
         served = tasks_of(self.model_type)

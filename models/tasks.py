@@ -29,6 +29,18 @@ MASK_SHARE = 0.15
 IGNORE_INDEX = -100  # cross_entropy's default: the masked LM's unmasked positions
 
 
+def plain(x):
+    """`x` with mappings and sequences made dicts and lists (config nodes arrive as Hydra's
+    containers)."""
+    from collections.abc import Mapping, Sequence
+
+    if isinstance(x, Mapping):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return [plain(v) for v in x]
+    return x
+
+
 def logits_of(out) -> torch.Tensor:
     """A backbone's logits: a tensor, an output object's `.logits`, or a tuple's first item."""
     if isinstance(out, torch.Tensor):
