@@ -23,274 +23,32 @@ over all pairs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import statistics
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from bench.cluster import ClusterSpec, ConfigError, device_types
-from bench.progress import track
-from bench.emulation import emulated_compute_s
-from bench.cost import host_time, simulate, virtual_devices
-from bench.flops import device_step, host_probe
-from bench.records import fingerprint
-from bench.worker import rank_hardware
-
-from bench.paths import PROJECT_DIR
-from bench.stats import Summary
-from bench.compare import run_rounds
-from bench.run import (_instantiate, build_workload, check_group_choices, check_repeats, compose_config,
-                       expect_cases, methods_supporting, run_case)
-
-MODELS = ("vgg19", "vit", "bert", "bert_moe")
-CLUSTERS = ("local_hetero2", "local_hetero4", "local_homo2")
-
-
-def kendall_tau(a: list[float], b: list[float], separated=None) -> float | None:
-    """Kendall's tau-a of two orderings of the same items (1: same order, -1: reversed), over
-    all pairs or those `separated(i, j)` says the measurement tells apart. A tie in `b` on such
-    a pair counts as no agreement: tau 1 needs every separated pair ordered the same way."""
-    pairs = [(i, j) for i, j in itertools.combinations(range(len(a)), 2) if separated is None or separated(i, j)]
-    if not pairs:
-        return None
-    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
-        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
-    return score / len(pairs)
-
-
-def _repeats_interval(row: dict) -> Summary | None:
-    """The interval of a case's median over its repeats (an aggregate row of bench.compare's
-    rounds); None for one run: iterations of one run do not show how runs differ (their
-    intervals separated hap from sfb running the same program)."""
-    agg = (row.get("aggregate") or {}).get("iter_time_s")
-    return Summary(**agg) if agg else None
-
-
-def memory_error(row: dict) -> float | None:
-    """The mean over a row's ranks of |predicted - measured| / measured peak tensor memory: each
-    CPU rank's peak of live tensor bytes (`tensor_peak_gib`) against the simulator's peak for its
-    device (`predicted_peak_mem_gib`). None where the row has no such measurement, or where its
-    devices are not one rank each (a machine planned as one device)."""
-    measured, predicted = row.get("tensor_peak_gib"), row.get("predicted_peak_mem_gib")
-    if not measured or not predicted or len(measured) != len(predicted) or not all(measured):
-        return None
-    return statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured))
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Per-case errors, MAPE overall and per method, tau per (model, cluster)."""
-    cases = [r for r in rows if r.get("status") == "ok" and r.get("predicted_iter_time_s")]
-    for r in cases:
-        r["sim_error"] = abs(r["predicted_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
-        # Where the error is: compute (the slowest rank's, measured by its own worker) and the
-        # rest of the iteration (communication not hidden behind compute, waits).
-        # (an aggregate row of repeats carries the median of its runs' figure)
-        r["compute_s"] = emulated_compute_s(r.get("emulation")) or (r.get("emulation") or {}).get("compute_s")
-        # Part of the rest: how far the real collectives ran past the emulated links (bench.run)
-        r["link_overrun_s"] = (r.get("emulation") or {}).get("link_overrun_s")
-        r["memory_error"] = memory_error(r)
-    planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
-               for r in cases if r.get("planned_iter_time_s")]
-    # The same predictions with their compute part swapped for the compute measured in the run:
-    # what is left is the error of the rest (links, overlap, waits, the worker loop), whatever
-    # the host's speed did between the ranks' yardstick and their reference. A diagnostic, not a
-    # prediction: it reads the measured compute.
-    outside = [abs(r["predicted_iter_time_s"] - r["predicted_compute_s"] + r["compute_s"] - r["iter_time_s_mean"])
-               / r["iter_time_s_mean"] for r in cases if r.get("compute_s") and r.get("predicted_compute_s")]
-    methods = sorted({r["method"] for r in cases})
-    by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
-    with_memory = [r for r in cases if r["memory_error"] is not None]
-    memory_by_method = {m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
-                        for m in sorted({r["method"] for r in with_memory})}
-    taus, taus_all, separated_pairs = {}, {}, {}
-    for model, cluster in sorted({(r["model"], r["cluster"]) for r in cases}):
-        group = [r for r in cases if (r["model"], r["cluster"]) == (model, cluster)]
-        measured = [r["iter_time_s_mean"] for r in group]
-        predicted = [r["predicted_iter_time_s"] for r in group]
-        spans = [_repeats_interval(r) for r in group]
-
-        def separated(i, j):  # the intervals of the repeats' medians do not overlap
-            return spans[i] is not None and spans[j] is not None and not spans[i].overlaps(spans[j])
-
-        key = f"{model}/{cluster}"
-        taus[key] = kendall_tau(measured, predicted, separated)
-        taus_all[key] = kendall_tau(measured, predicted)
-        separated_pairs[key] = sum(separated(i, j) for i, j in itertools.combinations(range(len(group)), 2))
-    return {
-        "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
-                                         "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
-                                         "link_overrun_s", "run_host_flops_per_s", "tensor_peak_gib",
-                                         "predicted_peak_mem_gib", "memory_error", "aggregate")} for r in cases],
-        "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
-        # The same cases priced at the parent's probe of the host (what the planner saw).
-        "mape_planned": statistics.fmean(planned) if planned else None,
-        "mape_outside_compute": statistics.fmean(outside) if outside else None,
-        "mape_by_method": by_method,
-        # Each rank's peak of live tensor bytes against its device's predicted peak (CPU ranks)
-        "memory_mape": statistics.fmean(r["memory_error"] for r in with_memory) if with_memory else None,
-        "memory_mape_by_method": memory_by_method,
-        # Over the pairs of methods whose measured intervals separate them, and over all pairs.
-        "kendall_tau": taus,
-        "kendall_tau_all": taus_all,
-        "separated_pairs": separated_pairs,
-        "failed": [f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}"
-                   for r in rows if r.get("status") != "ok"],
-    }
-
-
-def print_summary(summary: dict) -> None:
-    console = Console(width=170)
-    table = Table(title="simulator vs measurement (emulated clusters)")
-    for col in ("model", "cluster", "method", "measured ms", "predicted ms", "error", "compute ms meas/pred",
-                "rest ms meas/pred", "peak MiB meas/pred", "mem error"):
-        table.add_column(col, justify="left" if col in ("model", "cluster", "method") else "right")
-
-    def pair(meas, pred) -> str:
-        return "-" if meas is None or pred is None else f"{meas * 1e3:.1f} / {pred * 1e3:.1f}"
-
-    for c in summary["cases"]:
-        comp, pcomp = c.get("compute_s"), c.get("predicted_compute_s")
-        rest = None if comp is None else c["iter_time_s_mean"] - comp
-        prest = None if pcomp is None else c["predicted_iter_time_s"] - pcomp
-        measured = f"{c['iter_time_s_mean'] * 1e3:.1f}"
-        span = (c.get("aggregate") or {}).get("iter_time_s")
-        if span:  # the median of the repeats and its interval
-            measured += f" [{span['low'] * 1e3:.1f}-{span['high'] * 1e3:.1f}]"
-        mem, pmem = c.get("tensor_peak_gib"), c.get("predicted_peak_mem_gib")
-        peaks = "-" if c.get("memory_error") is None else f"{max(mem) * 1024:.1f} / {max(pmem) * 1024:.1f}"
-        table.add_row(c["model"], c["cluster"], c["method"], measured,
-                      f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}", pair(comp, pcomp),
-                      pair(rest, prest), peaks, "-" if c.get("memory_error") is None else f"{c['memory_error']:.0%}")
-    console.print(table)
-    taus = Table(title="ordering of methods: Kendall tau (measured vs predicted)")
-    taus.add_column("model/cluster")
-    taus.add_column("tau, separated pairs", justify="right")
-    taus.add_column("separated pairs", justify="right")
-    taus.add_column("tau, all pairs", justify="right")
-    for key, tau in summary["kendall_tau"].items():
-        every = summary.get("kendall_tau_all", {}).get(key)
-        taus.add_row(key, "-" if tau is None else f"{tau:+.2f}", str(summary.get("separated_pairs", {}).get(key, "-")),
-                     "-" if every is None else f"{every:+.2f}")
-    console.print(taus)
-    if summary["mape"] is not None:
-        per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
-                      "host speed each run's ranks measured (bench.flops.yardstick)")
-    if summary.get("memory_mape") is not None:
-        per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
-        cases = sum(c.get("memory_error") is not None for c in summary["cases"])
-        console.print(f"peak tensor memory: MAPE {summary['memory_mape']:.1%} over {cases} cases ({per}); each "
-                      "CPU rank's live tensor bytes against its device's predicted peak")
-    if summary.get("mape_planned") is not None:
-        console.print(f"MAPE {summary['mape_planned']:.1%} priced at the parent's probe of the host (what the "
-                      "planner planned with)")
-    if summary.get("mape_outside_compute") is not None:
-        console.print(f"MAPE {summary['mape_outside_compute']:.1%} with each prediction's compute part taken as "
-                      "measured in its run (the error of the rest alone; a diagnostic, not a prediction)")
-    for line in summary["failed"]:
-        console.print(f"failed: {line}")
-
-
-def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
-    """One GPU of `device_type` (its packaged numbers) with the compute profile `profile`."""
-    if device_type not in device_types():
-        raise ConfigError(f"--device-type={device_type!r} is unknown; known: {', '.join(sorted(device_types()))} "
-                          "(conf/device/<name>.yaml)")
-    base = device_types()[device_type]
-    link = {"bandwidth_gbps": 1.0, "latency_s": 0.0}
-    numbers = {k: v for k, v in (("memory_gib", base.memory_gib), ("peak_flops", base.peak_flops),
-                                 ("effective_flops", base.effective_flops)) if v is not None}
-    inline = {**numbers, "profile": profile, "sources": {k: base.sources.get(k, "packaged type") for k in numbers}}
-    return ClusterSpec.from_config({"name": f"one {device_type}", "virtual_device": "gpu",
-                                    "device_types": {device_type: inline},
-                                    "machines": [{"count": 1, "device": device_type, "num_devices": 1}],
-                                    "links": {"intra_machine": link, "inter_machine": link}})
-
-
-def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
-                       repeats: int = 10, on_row=None) -> list[dict]:
-    """Per (model, batch): the measured step on `device` and the simulator's prediction of
-    plain training on `cluster` (one device: dp_ev's program), time and peak memory;
-    on_row(rows so far) after each."""
-    rows = []
-    for model in models:
-        for batch in batches:
-            cfg, workload = _step(model, batch, preset, cluster)
-            probe = host_probe(device)
-            seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
-            rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30, probe))
-            r = rows[-1]  # as it goes: a run cut short keeps what it measured in its log
-            print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
-                  f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
-                  f"(predicted {r['predicted_peak_gib']:.3f}); host probe {probe * 1e6:.2f} us/op", flush=True)
-            if on_row is not None:
-                on_row(rows)
-    return rows
-
-
-def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
-    """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"],
-                       r.get("host_probe_s")) for r in rows]
-
-
-def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
-    """The config and workload of one plain training step of `model` at `batch` samples."""
-    cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                         "wandb.mode=disabled")
-    return cfg, build_workload(cfg, cluster)
-
-
-def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None,
-               host_probe_s: float | None = None) -> dict:
-    """The step's prediction from the profile as measured, and, where both the profile and the
-    row probed the host (bench.flops.host_probe), also with the host's dispatch costs at the
-    row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
-    model, batch = cfg.model.name, workload.global_batch
-    plan = _instantiate(cfg.method, "method").plan(workload, cluster)
-    sim = simulate(plan.program, cluster, plan.ratios)
-    host = host_time(plan.program, virtual_devices(cluster, "gpu"))
-    probed = cluster if host_probe_s is None else cluster.with_host_probe(host_probe_s)
-    at_probe = None if probed is cluster else simulate(plan.program, probed, plan.ratios).iter_time_s
-    return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
-            "predicted_host_s": host,
-            "time_error": abs(sim.iter_time_s - seconds) / seconds, "measured_peak_gib": peak_gib,
-            "predicted_peak_gib": sim.peak_mem_gib[0],
-            "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib,
-            "host_probe_s": host_probe_s, "predicted_at_probe_s": at_probe,
-            "time_error_at_probe": None if at_probe is None else abs(at_probe - seconds) / seconds}
-
-
-def print_single_device(rows: list[dict], title: str) -> dict:
-    console = Console(width=160)
-    table = Table(title=title)
-    probed = all(r.get("time_error_at_probe") is not None for r in rows)
-    for col in ("model", "batch", "measured ms", "predicted ms", "host ms", "error",
-                *(("at probe ms", "error ") if probed else ()), "peak GiB", "predicted GiB", "error  "):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for r in rows:
-        mem, host = r["measured_peak_gib"], r.get("predicted_host_s")
-        at_probe = (f"{r['predicted_at_probe_s'] * 1e3:.1f}", f"{r['time_error_at_probe']:.0%}") if probed else ()
-        table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
-                      "-" if not host else f"{host * 1e3:.1f}", f"{r['time_error']:.0%}", *at_probe,
-                      "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
-                      "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}")
-    console.print(table)
-    summary = {"time_mape": statistics.fmean(r["time_error"] for r in rows)}
-    mem = [r["memory_error"] for r in rows if r["memory_error"] is not None]
-    summary["memory_mape"] = statistics.fmean(mem) if mem else None
-    summary["time_mape_at_probe"] = statistics.fmean(r["time_error_at_probe"] for r in rows) if probed else None
-    console.print(f"step time MAPE {summary['time_mape']:.1%} over {len(rows)} cases"
-                  + ("" if not probed else f" ({summary['time_mape_at_probe']:.1%} with the host's dispatch "
-                                           "costs at each step's probe)")
-                  + ("" if not mem else f"; peak memory MAPE {summary['memory_mape']:.1%}"))
-    return summary
+from bench.core.errors import ConfigError
+from bench.core.paths import PROJECT_DIR
+from bench.records.progress import track
+from bench.records.rows import fingerprint
+from bench.runner.configs import check_group_choices, compose_config, methods_supporting
+from bench.runner.execute import expect_cases, run_case
+from bench.runner.rounds import run_rounds
+from bench.runner.settings import check_repeats
+from bench.runtime.worker import rank_hardware
+from bench.studies.calibration import (
+    CLUSTERS,
+    MODELS,
+    print_single_device,
+    print_summary,
+    repriced_rows,
+    single_device_cluster,
+    single_device_rows,
+    summarize,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -331,7 +89,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                           f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{args.device_type}.json")
+                           f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         about = {"device_type": args.device_type, "profile": args.profile,
                  "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
@@ -339,7 +97,7 @@ def main(argv: list[str]) -> int:
         def write(rows: list[dict], summary: dict | None = None) -> None:
             # after every step, so a run cut short leaves what it measured (--reprice reads it)
             out.write_text(json.dumps({**(summary or {"partial": True}), **about, "rows": rows,
-                                       "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                                       "written_at": datetime.now(UTC).isoformat(timespec="seconds")},
                                       indent=1) + "\n")
 
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
@@ -375,10 +133,10 @@ def main(argv: list[str]) -> int:
         for i in range(0, len(configs), len(lists["method"])):
             group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
             rows += [vars(r) for r in run_rounds(group, repeats)]
-    summary = {**summarize(rows), "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                       f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json")
+                       f"{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")

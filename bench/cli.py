@@ -5,8 +5,8 @@
     hetbench plan model=vgg19 preset=paper cluster=paper_hetero method=hap
     hetbench <command> --help
 
-Each command is the module of the same name (`python -m bench.<module>` works as before); this
-only dispatches, importing nothing but the chosen command's module.
+Each command is the module of the same name (`python -m bench.<module>` works too); this only
+dispatches, importing nothing but the chosen command's module.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan
 from bench.cost import simulate, virtual_devices
 
 
@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the plan (details, program, ratios) as JSON")
     args = parser.parse_args(argv)
 
-    from bench.plan_cache import plan_to_json
-    from bench.run import check_group_choices, compose_config, new_record, prepare_case
+    from bench.core.plan_cache import plan_to_json
+    from bench.runner.case import new_record, prepare_case
+    from bench.runner.configs import check_group_choices, compose_config
 
     try:
         check_group_choices(args.overrides)

@@ -7,312 +7,32 @@
                                                                      # measured ones are kept
     python -m bench.regress method=hap      # only hap's figures (model=a,b likewise)
 
-Figures: simulated iteration time of every sim-capable method on every model at paper scale
-(deterministic: tight tolerance), the planner's search effort (deterministic) and wall time over a
-pure-Python yardstick timed in the same process right after, for as long (planner_time_rel, loose:
-how fast this machine runs Python today cancels; the raw seconds failed on a day this VM ran the
-same code 3x slower; a figure past its tolerance is planned twice more and regresses only if all
-three are past, planner_retries),
-and each real-capable method's measured iteration time on an emulated cluster divided by the
-cluster's compute in the same run, pooled (iter_over_compute: every rank's full-pace reference,
-timed by its own worker, summed over the summed speeds; bench.emulation.pooled_compute_s). What
-is left is what the harness adds to compute: links, waits on peers, pacing, the worker loop. A
-slowdown of the worker loop, the emulator or the data path raises every method's figure, so it
-is caught even when it hits every method alike; how fast this VM happened to run the workers
-cancels. (Three normalisers failed before: a reference step alone left the emulated link time
-in the figure, which moved 10-17% from round to round; the simulator's prediction from the
-parent's host-speed probe moved every figure together by up to 30% between quiet runs, because
-a worker process here may run 40% slower than usual for its whole life and the probe does not
-see it; the slowest rank's compute alone put 6 of 56 rounds of hap and sfb 8-14% above their
-median, and CI once saw sfb's median of five 10.5% above its baseline, hap's 1.7%.)
-A measured figure regresses only when every one of its rounds is past the tolerance (a sign test:
-p = 1/32 were its true median at the threshold), not when its median is. On a day this VM ran
-the workers 2-2.7x slower and unevenly (the same pure-Python work took 9.7 ms in one minute and
-21.5 ms in the next; one core at times ran it in 9 ms, the other in 16), single rounds of hap
-and sfb read 0.84x to 1.19x their baselines, and CI failed on sfb's median of five at +11.8%
-while hap's read -5.9%. Resampling that day's 16 rounds a method, the whole check fails 12% of
-the time by the median and 0.1% by every round. Resampling steady sessions' rounds (CV 2.4%),
-every method slowed by 12% fails it always either way; one method alone slowed fails it always
-from 20% (from 15% but for dp_cp, half the time there), at 12% 10-100% of the time by method
-where the median did 72-100% (results/baselines/20261126-unsteady-rounds.json; the test
-test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_steady_one).
-It does not decide what is fast; it says what changed since the baseline and by how much.
+The figures and the rules they are judged by: bench.studies.regression and docs/regression.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import io
-import json
-import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from bench.cluster import ConfigError
-from bench.emulation import pooled_compute_s
-from bench.records import fingerprint
-from bench.paths import PROJECT_DIR
-from bench.run import (
-    check_group_choices,
-    compose_config,
-    expect_cases,
-    methods_supporting,
-    new_record,
-    prepare_case,
-    run_case,
+from bench.core.errors import ConfigError
+from bench.runner.configs import check_group_choices, methods_supporting
+from bench.studies.regression import (
+    MODELS,
+    _selected,
+    compare,
+    kept_measured,
+    load_baseline,
+    measured_rounds,
+    measured_sessions,
+    medians,
+    planner_retries,
+    render,
+    report_table,
+    sim_sessions,
+    write_baseline,
 )
-
-BASELINE_FILE = PROJECT_DIR / "results" / "baselines" / "regression.json"
-MODELS = ("vgg19", "vit", "bert", "bert_moe")
-SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
-REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",
-             "measured_iters=20")
-REAL_ROUNDS = 5  # interleaved rounds; each figure is the median over them (3 let one slow
-# worker process, 40% off its usual speed for a whole run on this VM, move a figure past 10%)
-
-# Per kind of figure: (better direction, relative tolerance before a change counts as a regression)
-TOLERANCE = {
-    "sim_iter_time_s": ("lower", 0.01),  # deterministic: any real change shows
-    "states_expanded": ("lower", 0.10),  # deterministic, but search tweaks move it a little
-    "planner_time_rel": ("lower", 2.00),  # wall clock over a yardstick, on a shared machine: gross slowdowns
-    "iter_over_compute": ("lower", 0.10),  # measured, normalised: every round of REAL_ROUNDS past it
-}
-
-
-@dataclass
-class Change:
-    figure: str
-    baseline: float | None
-    new: float | None
-    regressed: bool
-    past: tuple[int, int] | None = None  # a measured figure's rounds past the tolerance, of all its rounds
-
-    @property
-    def change(self) -> float | None:
-        if self.baseline in (None, 0) or self.new is None:
-            return None
-        return self.new / self.baseline - 1
-
-
-def _compose(*overrides: str):
-    cfg = compose_config("wandb.mode=disabled", *overrides)
-    if "cache_dir" in cfg.method:  # plan every time: a cache hit would hide the planner's time
-        cfg.method.cache_dir = None
-    return cfg
-
-
-def python_yardstick_s(at_least_s: float = 0.0, repeats: int = 5) -> float:
-    """Seconds this process takes for a fixed piece of pure-Python work of the search's kind
-    (small tuples hashed into a dict, floats compared, a heap pushed), the mean over `repeats`
-    runs or as many as fill `at_least_s`, whichever is more: the unit of planner_time_rel.
-
-    A mean over a window as long as the planning, not the fastest of a few: this VM's speed at
-    Python moves 2x within a second (runs of 7.5 to 15 ms back to back), and a planner that
-    takes 0.6-4 s averages over those moves where 50 ms of yardstick does not. Six plans of each
-    of four cases, both units from the same plans: coefficient of variation 11-22% (the largest
-    over the smallest 1.34-1.88x) against 26-34% (1.96-2.73x) for the fastest of 5 just before.
-    With that older unit and a one-sample baseline, the check once failed ViT's sfb at 3.3x while
-    the planner's seconds were as usual."""
-    runs = []
-    start = time.perf_counter()
-    while len(runs) < repeats or time.perf_counter() - start < at_least_s:
-        begin = time.perf_counter()
-        seen: dict = {}
-        heap: list = []
-        top = 0.0
-        for i in range(30_000):
-            key = (i % 997, i & 15)
-            cost = seen.get(key, 0.0) + (i % 7) * 0.5
-            if cost > top:
-                top = cost
-                heapq.heappush(heap, (cost, i))
-            seen[key] = cost
-        runs.append(time.perf_counter() - begin)
-    return statistics.fmean(runs)
-
-
-def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
-    """Deterministic figures: predicted iteration time and planner effort per case, and the
-    planner's time in units of this process's Python speed, timed right after it planned for as
-    long as it planned."""
-    out = {}
-    for model in models:
-        for method in methods_supporting("sim") if methods is None else methods:
-            cfg = _compose(*SIM_CASE, f"model={model}", f"method={method}")
-            record = new_record(cfg)
-            try:
-                prepare_case(cfg, record)
-            except Exception as exc:  # an unplannable case is a figure too: it has no value
-                print(f"note: {model}/{method}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                continue
-            key = f"{model}/paper_hetero/{method}"
-            out[f"sim_iter_time_s:{key}"] = record.predicted_iter_time_s
-            if record.plan and "states_expanded" in record.plan:
-                out[f"states_expanded:{key}"] = float(record.plan["states_expanded"])
-                out[f"planner_time_rel:{key}"] = record.planner_time_s / python_yardstick_s(record.planner_time_s)
-    return out
-
-
-def planner_retries(baseline: dict[str, float], figures: dict[str, float], retries: int = 2) -> dict[str, list[float]]:
-    """For each planner_time_rel figure past its tolerance, the case planned `retries` more
-    times: its rounds, the first value and the retries' (compare then wants every one past, as
-    for a measured figure). One plan's time and its yardstick's each fill a window as short as
-    the plan (0.1 s for VGG19's sfb), and this host can take a window that short from the
-    process: one plain plan read 1.3 yardsticks where others read 16-20 (2026-11-29, a fresh
-    clone's suite). A planner that got slower is slower every time; such a moment is not."""
-    _, tol = TOLERANCE["planner_time_rel"]
-    rounds = {}
-    for figure, value in figures.items():
-        kind, _, case = figure.partition(":")
-        if kind != "planner_time_rel" or figure not in baseline or value <= baseline[figure] * (1 + tol):
-            continue
-        model, _, method = case.split("/")
-        again = [sim_figures([model], [method]).get(figure) for _ in range(retries)]
-        rounds[figure] = [value] + [v for v in again if v is not None]
-    return rounds
-
-
-def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
-    """sim_figures `sessions` times over, each figure's median: the deterministic figures come
-    out the same every time, planner_time_rel does not (11-22% spread here), and a baseline is
-    what every later check is judged against."""
-    runs = [sim_figures(models, methods) for _ in range(sessions)]
-    keys = set.intersection(*(set(r) for r in runs))
-    return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}
-
-
-def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, list[float]]:
-    """Each real-capable method's measured iteration time over the cluster's pooled compute in
-    the same run, one value per round of REAL_ROUNDS interleaved rounds (iter_over_compute); a
-    method missing from any round (it failed) has no figure.
-
-    `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
-    what a deliberately slower worker loop looks like to this check.
-    """
-    methods = methods_supporting("real") if methods is None else methods
-    ratios: dict[str, list[float]] = {m: [] for m in methods}
-    with tempfile.TemporaryDirectory() as tmp:
-        configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
-                               f"test.slowdown={slowdown}") for m in methods}
-        expect_cases(configs.values())
-        for _ in range(REAL_ROUNDS):
-            for m in methods:
-                record = run_case(configs[m])
-                compute = pooled_compute_s(record.emulation)
-                if record.status == "ok" and compute:
-                    ratios[m].append(record.iter_time_s_mean / compute)
-    return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": r
-            for m, r in ratios.items() if len(r) == REAL_ROUNDS}
-
-
-def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
-    """Each measured figure's value: the median of its rounds."""
-    return {k: statistics.median(r) for k, r in rounds.items()}
-
-
-def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, float]:
-    """The measured figures, each the median of its rounds (measured_rounds)."""
-    return medians(measured_rounds(slowdown, methods))
-
-
-def _selected(figure: str, chosen: dict[str, list[str]]) -> bool:
-    """Whether a figure (kind:model[-preset]/cluster/method) is among the chosen models and methods."""
-    model, _, method = figure.split(":", 1)[1].split("/")
-    return (method in chosen.get("method", [method])
-            and model.split("-")[0] in chosen.get("model", [model.split("-")[0]]))
-
-
-def compare(baseline: dict[str, float], new: dict[str, float],
-            rounds: dict[str, list[float]] | None = None) -> list[Change]:
-    """Each figure's change against the baseline. A figure with `rounds` (measured) regressed when
-    every round is past its tolerance; any other when its value is."""
-    rounds = rounds or {}
-    changes = []
-    for figure in sorted(set(baseline) | set(new)):
-        kind = figure.split(":", 1)[0]
-        better, tol = TOLERANCE[kind]
-        old, cur = baseline.get(figure), new.get(figure)
-        if old is None or cur is None:
-            # A figure that disappeared (a case stopped planning) is a regression; a new one is not.
-            changes.append(Change(figure, old, cur, regressed=cur is None))
-            continue
-        limit = old * (1 + tol) if better == "lower" else old * (1 - tol)
-        values = rounds.get(figure, [cur])
-        past = sum(v > limit if better == "lower" else v < limit for v in values)
-        changes.append(Change(figure, old, cur, regressed=past == len(values),
-                              past=(past, len(values)) if figure in rounds else None))
-    return changes
-
-
-def report_table(changes: list[Change], baseline_commit: str | None) -> Table:
-    table = Table(title=f"regression check against baseline {str(baseline_commit)[:10]}")
-    for col in ("figure", "baseline", "new", "change", "rounds past", "baseline commit", "verdict"):
-        table.add_column(col, justify="left" if col in ("figure", "verdict") else "right")
-    for c in changes:
-        table.add_row(
-            c.figure, "-" if c.baseline is None else f"{c.baseline:.6g}",
-            "-" if c.new is None else f"{c.new:.6g}",
-            "-" if c.change is None else f"{c.change:+.1%}",
-            "-" if c.past is None else f"{c.past[0]}/{c.past[1]}", str(baseline_commit)[:10],
-            "REGRESSION" if c.regressed else "ok",
-        )
-    return table
-
-
-def render(table: Table) -> str:
-    buffer = io.StringIO()
-    Console(file=buffer, width=160).print(table)
-    return buffer.getvalue()
-
-
-def load_baseline(path: Path | None = None) -> dict:
-    path = path or BASELINE_FILE
-    if not path.exists():
-        raise SystemExit(f"error: no baseline at {path}; create one with "
-                         "`python -m bench.regress --rebaseline` and commit it")
-    return json.loads(path.read_text())
-
-
-def measured_sessions(sessions: int, slowdown: float = 0.0) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """The measured figures `sessions` times over (each a full measured_figures, its own
-    interleaved rounds), and per figure the median over the sessions: a baseline from one
-    session carries that session's state of this VM (within an hour the same code moved dp_ev's
-    figure from 1.20 to 1.29), and every later check is judged against it."""
-    runs = [measured_figures(slowdown) for _ in range(sessions)]
-    keys = set.intersection(*(set(r) for r in runs)) if runs else set()
-    return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}, runs
-
-
-def kept_measured(base: dict) -> tuple[dict[str, float], list | None, dict]:
-    """A baseline's measured figures, their sessions and where they were measured (its commit
-    and date, or those it kept them from): what `--rebaseline --no-measured` carries over."""
-    figures = {k: v for k, v in base["figures"].items() if k.startswith("iter_over_compute:")}
-    origin = base.get("measured_from") or {"git_sha": base.get("git_sha"), "created": base.get("created")}
-    return figures, base.get("measured_sessions"), origin
-
-
-def write_baseline(figures: dict[str, float], path: Path | None = None, sessions: list | None = None,
-                   note: str | None = None, measured_from: dict | None = None) -> None:
-    path = path or BASELINE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"created": datetime.now(timezone.utc).isoformat(), **fingerprint(),
-            "tolerance": TOLERANCE, "figures": figures}
-    if sessions is not None:  # the measured figures of each session (figures holds their median)
-        body["measured_sessions"] = sessions
-    if measured_from is not None:  # measured figures kept from an earlier baseline: its commit and date
-        body["measured_from"] = measured_from
-    if note:
-        body["note"] = note
-    path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(figures)} figures to {path}")
 
 
 def main(argv: list[str]) -> int:

@@ -22,12 +22,13 @@ import math
 import operator
 import os
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
 
-from bench.interfaces import PlanningError
+from bench.core.errors import PlanningError
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@
 The model is exported with torch.export (non-strict, methods.aten_capture) on the device its
 parameters live on, the meta device for paper-size models, so nothing is allocated; every node
 gets its shape and dtype from export's fake values, and its FLOPs from a table over ATen ops. It
-does not decide any sharding (methods.hap.theory does); FLOP conventions are in docs/planner.md.
+does not decide any sharding (methods.hap.theory does); FLOP conventions are in docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from bench.flops import ELEMENTWISE_FLOPS
-from bench.program import op_class
+from bench.core.program import op_class
+from bench.cost.flops import ELEMENTWISE_FLOPS
 from methods.aten_capture import CaptureError, count_flops, export_model, op_name
 
-__all__ = ["CaptureError", "Graph", "Node", "VIEW_OPS", "capture", "capture_config", "op_name"]
+__all__ = ["VIEW_OPS", "CaptureError", "Graph", "Node", "capture", "capture_config", "op_name"]
 
 @dataclass
 class Node:
@@ -123,13 +124,14 @@ class Graph:
         A dropout that drops nothing (p = 0, or not training) returns its input itself: what
         keeps its output keeps that input, and there is no mask. A product or quotient with a
         number keeps nothing (only the number; each tensor operand is kept for the other's
-        gradient). Counted per tensor, tiny ViT's dp_ev rank held 7.0 MiB, 5.7 measured.
+        gradient); counted per tensor it priced tiny ViT's ranks over what they hold
+        (results/cost-model/20261128-cpu-tensor-memory.md).
 
         A layer norm keeps its mean and reciprocal deviation beside (two floats a row), a
         max-pool where each maximum was (an int64 per output element); a slice
         kept (x[:, 0]) keeps its base's storage. The gradients backward holds besides, among
-        them cross-entropy's (where the vocabulary is large, backward's peak: BERT at 128
-        samples on an H200 peaked at 17.9 GiB), are grads_in_flight's.
+        them cross-entropy's (where the vocabulary is large, backward's peak), are
+        grads_in_flight's.
         """
         return {t: f for t, (f, _) in self.kept_until().items()}
 
@@ -278,7 +280,7 @@ class Graph:
         return t
 
     def backward_memory(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, int, float]]]:
-        """(gradients, activations, gradients in flight) as bench.program.backward_sweep reads
+        """(gradients, activations, gradients in flight) as bench.core.program.backward_sweep reads
         them: each parameter's bytes at the position its gradient is made (grad_ready), each
         kept tensor's bytes (activation_bytes' share) at the position after which backward
         frees it, each activation gradient's bytes over the positions it lives (grads_in_flight)."""
@@ -310,7 +312,7 @@ class Graph:
         compute, backward FLOPs per sample) per parameter-holding op in forward order;
         parameter-free ops are counted with the next op that holds parameters. Backward FLOPs
         are each op's forward FLOPs times its backward_factor, as the planner prices them. The
-        input of bench.program.data_parallel_program."""
+        input of bench.core.program.data_parallel_program."""
         out: list[tuple[float, float, str, int, float]] = []
         classes: dict[str, float] = {}
         ops = 0
@@ -439,7 +441,7 @@ def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
         _captured.move_to_end(key)
         return graph
     # One sample says each input's dtype and shape past the batch dim; the values are never
-    # read (ViT's images at the paper's global batch took 0.1 s to draw)
+    # read, and drawing a whole paper-size batch would cost a noticeable part of a plan
     sample = model_cfg.synthetic_batch(1, torch.Generator().manual_seed(seed))
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     with torch.device("meta"):

@@ -13,10 +13,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.interfaces import Plan, RankContext, Workload
-from bench.program import data_parallel_program
-from bench.shares import round_shares
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import data_parallel_program
+from bench.core.shares import round_shares
 from methods.capture import capture_config
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
@@ -72,7 +73,7 @@ class DataParallel:
         details = {"split": self.split, "batch_shares": shares, "bucket_cap_mb": self.bucket_cap_mb}
         return Plan(self.name, shares, details, program, ratios)
 
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DDPTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> DDPTrainer:
         return DDPTrainer(self, model, ctx)
 
 

@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.flops import host_cache_file, host_key, read_cache, write_cache
-from bench.emulation import EmulationSettings
-from bench.hostcpu import emulated_device
-from bench.interfaces import Plan, RankContext, Workload
-from bench.program import Affine, Collective, Memory, Program, Stage
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import even_ratios
+from bench.runtime.emulation import EmulationSettings
+from bench.runtime.hostcpu import emulated_device
+from bench.runtime.hostspeed import host_cache_file, host_key, read_cache, write_cache
 
 ZERO_STAGES = (0, 1, 2, 3)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
@@ -75,10 +76,11 @@ class DeepSpeedZeRO:
 
     modes = ("real", "sim")
     # What setup imports in each worker, for the server CPU workers fork from to import once
-    # (bench.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer module that
-    # deepspeed.initialize imports to check the optimizer, which compiles a function with torch's
-    # compiler at import (0.8 + 2.8 s of each worker's set-up on the 2-core dev VM). The server
-    # skips a name that another DeepSpeed version lacks.
+    # (bench.runtime.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer
+    # module that deepspeed.initialize imports to check the optimizer, which compiles a function
+    # with torch's compiler at import (seconds of each worker's set-up:
+    # results/harness/20261127-preparation-costs.md). The server skips a name that another
+    # DeepSpeed version lacks.
     worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
 
     def __init__(self, name: str = "deepspeed", zero_stage: int = 1, lr: float = 5e-4,
@@ -228,7 +230,7 @@ class DeepSpeedZeRO:
         return plan
 
     # -- running (one worker rank) ------------------------------------------------------------
-    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> "DeepSpeedTrainer":
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> DeepSpeedTrainer:
         deepspeed = import_deepspeed()
         use_accelerator(ctx.device.type)
         deepspeed.utils.logger.setLevel(self.log_level)
@@ -236,7 +238,7 @@ class DeepSpeedZeRO:
         # rank and case that says nothing about the run.
         warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated",
                                 category=FutureWarning)
-        # DeepSpeed insists on LOCAL_RANK (torchrun sets it; bench.launch runs one host, where the
+        # DeepSpeed insists on LOCAL_RANK (torchrun sets it; bench.runtime.launch runs one host, where the
         # local rank is the rank) and picks its GPU by it.
         local_rank = ctx.device.index if ctx.device.type == "cuda" else ctx.rank
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
@@ -289,7 +291,7 @@ class DeepSpeedTrainer:
 def use_accelerator(device_type: str) -> None:
     """DeepSpeed's accelerator for this rank's device. Left to itself it picks CUDA whenever it
     sees a GPU and sets the device to the local rank, also for ranks that compute on the CPU.
-    The harness hides the GPUs from those before CUDA starts (bench.worker.CPU_ONLY_ENV); this
+    The harness hides the GPUs from those before CUDA starts (bench.runtime.worker.CPU_ONLY_ENV); this
     makes the choice explicit where a process saw them already (run_rank called in-process)."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
@@ -306,7 +308,7 @@ def import_deepspeed():
     """import deepspeed, or one line that says what is wrong and how to install it."""
     try:
         import deepspeed
-        import deepspeed.moe.layer  # noqa: F401  (the MoE swap needs it; fail here, not mid-setup)
+        import deepspeed.moe.layer
     except Exception as exc:  # a broken install fails in many ways (CUDA mismatch, missing ops)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ImportError(
@@ -332,18 +334,19 @@ def skip_shm_comm_op(deepspeed) -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def engine_work(method: "DeepSpeedZeRO", plan: Plan, workload: Workload, cluster: ClusterSpec,
+def engine_work(method: DeepSpeedZeRO, plan: Plan, workload: Workload, cluster: ClusterSpec,
                 seed: int = 0, repeats: int = EmulationSettings.reference_iters) -> dict | None:
     """What the engine adds to a training step on an emulated CPU worker, beside the model's own
     work: {"plain_s", "engine_s"}, the median over ranks of the seconds a rank computes in a
     plain step (forward, backward, Adam on the whole model) and in the method's own step
     (setup()'s trainer: engine, hooks, buckets, ZeRO partitions, MoE layers), interleaved, at
     the plan's micro-batch, each timed as a run times it (_engine_probe). The ranks are child
-    processes, one per device and core, in a gloo world of their own. On this 2-core VM the
-    engine adds 18-34% to the tiny models' steps (README "The DeepSpeed baseline").
+    processes, one per device and core, in a gloo world of their own. On CPU ranks the engine
+    adds a sizeable share to the tiny models' steps (results/methods/20261126-deepspeed-engine-probe.md;
+    docs/methods.md, "DeepSpeed").
 
     Measured once per host, workload, devices and config, then read from the cache next to the
-    host speeds (bench.flops.host_cache_file). None, with a warning, where it cannot be measured
+    host speeds (bench.runtime.hostspeed.host_cache_file). None, with a warning, where it cannot be measured
     (deepspeed missing or failing): the plan then prices the model's work only."""
     n, micro = cluster.num_devices, plan.batch_shares[0]
     path = host_cache_file().with_name("deepspeed_engine.json")
@@ -401,17 +404,17 @@ def _gather(pending: dict, timeout_s: float) -> dict:
     return answers
 
 
-def _engine_probe(rank: int, world_size: int, store: str, method: "DeepSpeedZeRO", plan: Plan,
+def _engine_probe(rank: int, world_size: int, store: str, method: DeepSpeedZeRO, plan: Plan,
                   workload: Workload, cluster: ClusterSpec, seed: int, repeats: int, conn) -> None:
     """One rank of engine_work. The method's steps run under the run's own emulator in its
-    reference phase (bench.emulation: per interval between collectives, the fastest thread CPU
+    reference phase (bench.runtime.emulation: per interval between collectives, the fastest thread CPU
     time; collectives at loopback speed, not counted), the plain steps as the run's yardstick
-    times them (bench.flops.yardstick: the fastest thread CPU time of a whole step)."""
+    times them (bench.runtime.hostspeed.yardstick: the fastest thread CPU time of a whole step)."""
     try:
         import torch.distributed as dist
 
-        from bench import hostcpu
-        from bench.emulation import ArrivalBoard, Emulator
+        from bench.runtime import hostcpu
+        from bench.runtime.emulation import ArrivalBoard, Emulator
 
         hostcpu.pin_to_core(rank)  # as the workers are
         # The emulator's arrival board goes in the probe's folder, removed with it: the probe
@@ -453,7 +456,7 @@ def host_work_flops(engine: dict, workload: Workload, micro_batch: int, cluster:
     """The engine's work as the Program's host work: the share it adds to the probe's plain
     step, times the plain step the cost model prices at this micro-batch (per-sample FLOPs plus
     the per-step part), in FLOPs at the host's rate. So it follows the host's speed (a run's
-    own yardstick, bench.run.predict_at_run_speed) and each device's (1/speed as long)."""
+    own yardstick, bench.runner.case.predict_at_run_speed) and each device's (1/speed as long)."""
     added = max(engine["engine_s"] / engine["plain_s"] - 1.0, 0.0)
     return added * (workload.flops_per_sample * micro_batch + cluster.host_step_overhead_s * cluster.host_flops)
 
@@ -485,7 +488,8 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
     not sampled (as in our model).
     """
     # The one model import of this module: the layer type this method rewrites.
-    from models.bert_moe import MoE as ZooMoE, replace_moe_layers
+    from models.bert_moe import MoE as ZooMoE
+    from models.bert_moe import replace_moe_layers
 
     local = moe["num_experts"] // moe["ep_size"]
     first = rank * local

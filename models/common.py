@@ -24,13 +24,14 @@ batch, so the losses of batch shards add up to the loss of the whole batch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.data import Cifar10, SyntheticDataset, WikiText2
 
 # Standard deviation of the normal initialisation of transformer weights (BERT / GPT-2 value).
 INIT_STD = 0.02
@@ -137,37 +138,6 @@ class ModelConfig:
             raise ValueError(f"{self.name}: dropout={self.dropout!r} must be in [0, 1)")
 
 
-def check_slice(start: int, stop: int, global_batch: int) -> None:
-    """Raises ValueError unless 0 <= start <= stop <= global_batch."""
-    if not 0 <= start <= stop <= global_batch:
-        raise ValueError(
-            f"sample slice [{start}, {stop}) is not inside the global batch of {global_batch}"
-        )
-
-
-class SyntheticDataset:
-    """Random data: global batch ``step`` is drawn from a generator seeded by (seed, split, step).
-
-    Each call generates the whole global batch and returns the requested slice, so the
-    slices of different ranks are always slices of one and the same global batch.
-    """
-
-    def __init__(self, config: ModelConfig, seed: int, split: str):
-        self.config = config
-        self.seed = int(seed)
-        self.split = str(split)
-
-    def _generator(self, step: int) -> torch.Generator:
-        # A stable hash (not Python's salted hash()) so every process derives the same seed.
-        digest = hashlib.blake2b(f"{self.seed}/{self.split}/{int(step)}".encode(), digest_size=8).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-
-    def batch(self, step: int, start: int, stop: int, global_batch: int) -> tuple[torch.Tensor, ...]:
-        check_slice(start, stop, global_batch)
-        full = self.config.synthetic_batch(global_batch, self._generator(step))
-        return tuple(t[start:stop].contiguous() for t in full)
-
-
 class ImageClassifierConfig(ModelConfig):
     """Conventions of the CIFAR-10 classifiers: inputs (B,3,32,32) float and (B,) int64 labels."""
 
@@ -191,8 +161,6 @@ class ImageClassifierConfig(ModelConfig):
         return images, labels
 
     def _real_dataset(self, source: str, path: str, split: str):
-        from models.data import Cifar10
-
         return Cifar10(path, split)
 
 
@@ -216,8 +184,6 @@ class LanguageModelConfig(ModelConfig):
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
     def _real_dataset(self, source: str, path: str, split: str):
-        from models.data import WikiText2
-
         return WikiText2(path, split, vocab_size=self.vocab_size, seq_len=self.seq_len)
 
     def _check_lm(self) -> None:

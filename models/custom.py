@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ class CustomModelConfig(ModelConfig):
     name: ClassVar[str] = "custom"
 
     @classmethod
-    def from_preset(cls, preset: str, num_devices: int = 1, **overrides: Any) -> "CustomModelConfig":
+    def from_preset(cls, preset: str, num_devices: int = 1, **overrides: Any) -> CustomModelConfig:
         """The preset does not size a custom model (the factory does); fields come from model.*."""
         renamed = {"targets_per_sample": "targets_per_sample_", "tokens_per_sample": "tokens_per_sample_"}
         values = {renamed.get(k, k): v for k, v in overrides.items()}

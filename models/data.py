@@ -1,6 +1,8 @@
-"""Readers for the real data sets: CIFAR-10 (python pickles) and WikiText-2 (word level).
+"""The data of a case: synthetic batches, and readers for CIFAR-10 (python pickles) and WikiText-2.
 
 What it does:
+  * ``SyntheticDataset(config, seed, split)``: random global batches drawn from a generator
+    seeded by (seed, split, step), so every rank slices the same global batch.
   * ``Cifar10(path, split)``: reads the "CIFAR-10 python version" batch files in ``path``
     (data_batch_1..5 for "train", test_batch for "test"). Images come out as float32
     (N,3,32,32) in [0,1], normalised per channel with the CIFAR-10 mean/std.
@@ -20,6 +22,7 @@ array classes they need, so a foreign pickle cannot run code.
 from __future__ import annotations
 
 import collections
+import hashlib
 import importlib
 import os
 import pickle
@@ -28,7 +31,37 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.common import check_slice
+
+def check_slice(start: int, stop: int, global_batch: int) -> None:
+    """Raises ValueError unless 0 <= start <= stop <= global_batch."""
+    if not 0 <= start <= stop <= global_batch:
+        raise ValueError(
+            f"sample slice [{start}, {stop}) is not inside the global batch of {global_batch}"
+        )
+
+
+class SyntheticDataset:
+    """Random data: global batch ``step`` is drawn from a generator seeded by (seed, split, step).
+
+    Each call generates the whole global batch and returns the requested slice, so the
+    slices of different ranks are always slices of one and the same global batch.
+    """
+
+    def __init__(self, config, seed: int, split: str):
+        self.config = config
+        self.seed = int(seed)
+        self.split = str(split)
+
+    def _generator(self, step: int) -> torch.Generator:
+        # A stable hash (not Python's salted hash()) so every process derives the same seed.
+        digest = hashlib.blake2b(f"{self.seed}/{self.split}/{int(step)}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+    def batch(self, step: int, start: int, stop: int, global_batch: int) -> tuple[torch.Tensor, ...]:
+        check_slice(start, stop, global_batch)
+        full = self.config.synthetic_batch(global_batch, self._generator(step))
+        return tuple(t[start:stop].contiguous() for t in full)
+
 
 # Per-channel statistics of the CIFAR-10 training images (pixel values scaled to [0,1]).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -146,9 +179,9 @@ class Cifar10:
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):
                 raise DataNotFoundError(f"CIFAR-10 file {file} does not exist; expected {expected} in {self.path} ({NO_DOWNLOAD})")
-            d, l = _load_cifar_file(file)
-            data.append(d)
-            labels.append(l)
+            images, targets = _load_cifar_file(file)
+            data.append(images)
+            labels.append(targets)
         self.data = np.concatenate(data)
         self.labels = np.concatenate(labels)
         if len(self.labels) == 0:

@@ -143,7 +143,7 @@ class HFModelConfig(ModelConfig):
         return f"hf-{self.model_type}"
 
     @classmethod
-    def from_preset(cls, preset: str, num_devices: int = 1, **overrides: Any) -> "HFModelConfig":
+    def from_preset(cls, preset: str, num_devices: int = 1, **overrides: Any) -> HFModelConfig:
         if preset not in ("tiny", "paper"):
             raise ValueError(f"preset={preset!r} is unknown for model=hf; known: paper, tiny")
         valid = [f.name for f in dataclasses.fields(cls)]

@@ -3,9 +3,9 @@
 # when the venv has none: any unpinned request for torch would pull several GB of CUDA wheels.
 #   HETBENCH_SYSTEM_SITE_PACKAGES=1  reuse the torch the system (container, module) provides:
 #                                    the venv sees its site-packages and installs no torch.
-#   PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR  no network: install from a folder of wheels (README).
+#   PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR  no network: install from a folder of wheels (docs/gpu.md).
 # Which torch build `torch==2.13.0` is depends on the index: PyPI serves the CUDA build on Linux
-# x86-64; a CPU-only index (as on the project's dev VM) serves the CPU build.
+# x86-64; a CPU-only index serves the CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose
 
-from bench.run import initialize_configs
+from bench.runner.configs import initialize_configs
 
 
 def compose_config(*overrides: str, results_dir=None):
@@ -30,7 +30,7 @@ class InfeasibleMethod:
         self.name = name
 
     def plan(self, workload, cluster):
-        from bench.interfaces import PlanningError
+        from bench.core.errors import PlanningError
 
         class Infeasible(PlanningError):
             status = "infeasible"

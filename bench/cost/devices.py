@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.cluster import ClusterSpec, ComputeProfile
+from bench.core.cluster import ClusterSpec, ComputeProfile
 
 GIB = float(2**30)
 

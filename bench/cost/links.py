@@ -5,7 +5,7 @@ Time only; what a collective does is torch.distributed's business.
 
 from __future__ import annotations
 
-from bench.cluster import Link
+from bench.core.cluster import Link
 
 # Bytes that cross each rank's link, as a multiple of `nbytes`, for ring-style algorithms over
 # n ranks. `nbytes` is the size of the full tensor: the all-reduced buffer, the gathered output,
@@ -46,7 +46,7 @@ def collective_linear_cost(kind: str, impl: str, num_ranks: int, link: Link) -> 
 
     `agg` is "max" (the largest device's bytes: ring, padded and all-to-all algorithms wait for
     the largest shard) or "sum" (grouped calls: one broadcast / reduce per device, no padding).
-    Per-device bytes are what bench.program.Collective.nbytes means for `kind`.
+    Per-device bytes are what bench.core.program.Collective.nbytes means for `kind`.
 
     Returns:
         (alpha_s, beta_s_per_byte, agg); all zero for a single rank.

@@ -23,7 +23,7 @@ The timeline has two lanes per iteration, computation and the network:
     the slowest device's per-step overhead and the method's own host work (per_step_s).
 
 Where the LP must approximate, it prices more, never less: with free rows a reshard charges
-the moved intervals' ends (an upper bound of what moves, bench.program.reshard_fractions) and
+the moved intervals' ends (an upper bound of what moves, bench.core.program.reshard_fractions) and
 its latency even where the rows come out equal; with tied rows (every segment's row the same)
 the price is exact.
 """
@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pulp
 
-from bench.cluster import ClusterSpec, Link
+from bench.core.cluster import ClusterSpec, Link
+from bench.core.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
+from bench.core.shares import round_shares
 from bench.cost.devices import VirtualDevice
 from bench.cost.links import collective_linear_cost, collective_time_s
-from bench.program import Affine, Collective, Program, Ratios, Stage, reshard_fractions
-from bench.shares import round_shares
 
 Value = Any  # a float, or a PuLP expression
 
@@ -133,8 +134,8 @@ class LpAlgebra:
     def settle(self, x: Value) -> Value:
         """A long sum about to be copied into another expression or a max (the compute lane
         through a model's backward, at every collective stage): one variable bounded below by
-        it instead, exact at the optimum as a max is. Without it the LP grew quadratically in
-        the stages (ViT-48's LP took 7.7x ViT-12's for 4x the layers)."""
+        it instead, exact at the optimum as a max is. Without it the LP grows quadratically in
+        the stages (results/planner/20261125-planner-time.md)."""
         if not isinstance(x, pulp.LpAffineExpression) or len(x) <= 8:
             return x
         return self.max([x])
@@ -270,7 +271,7 @@ def _floor_term(cluster: ClusterSpec, kind: str) -> list[float]:
 
 def floored(alg, price: Value, floor: float) -> Value:
     """A collective's price, no less than the host transport's floor for its calls (emulated CPU
-    clusters, bench.hostlinks): the emulated link paces a real call, which ends when it ends.
+    clusters, bench.runtime.hostlinks): the emulated link paces a real call, which ends when it ends.
     The grouped calls' floor is charged on their sum (exact when every call is at or above its
     floor, or every one below; the least it can be otherwise)."""
     if floor <= 0.0:
@@ -446,7 +447,7 @@ def _stage_key(st: Stage) -> tuple:
 
 def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
     """Seconds of an iteration charged once, after its stages, on the slowest device: an
-    emulated worker's measured per-step overhead (bench.flops), Adam's per-byte cost over the
+    emulated worker's measured per-step overhead (bench.runtime.hostspeed), Adam's per-byte cost over the
     parameter bytes the device holds (all of them under data parallelism, its shard of a
     sharded parameter), plus the method's own host work (Program.host_work_flops, at the
     device's FLOP/s: DeepSpeed's engine on CPU workers)."""
@@ -510,7 +511,7 @@ def host_times(program: Program, vdevs: list[VirtualDevice]) -> tuple[float, flo
     """(seconds the host spends queueing one iteration's forward and backward kernels: each
     stage's kernels x its class's dispatch cost; and the optimizer step's) on the slowest
     host, for devices whose profile measured them (GPUs: they run kernels while their host
-    queues the next ones, bench.cluster.ComputeProfile). The same at any ratios: a rank
+    queues the next ones, bench.core.cluster.ComputeProfile). The same at any ratios: a rank
     launches the same kernels whatever its share."""
     profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
     if not profiles:

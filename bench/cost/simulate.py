@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.core.program import Program, Ratios
 from bench.cost.devices import GIB, virtual_devices
 from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
-from bench.program import Program, Ratios
 
 
 @dataclass
@@ -48,7 +48,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
 
     The time is bench.cost.price.iteration_time at these ratios (its docstring says how
     stages and their overlap are timed); the per-step overhead measured for emulated devices
-    (bench.flops) and the method's own host work are added once, on the slowest device.
+    (bench.runtime.hostspeed) and the method's own host work are added once, on the slowest device.
     """
     vdevs = virtual_devices(cluster, program.granularity)
     if len(vdevs) != program.num_devices:
@@ -85,7 +85,7 @@ def simulate(program: Program, cluster: ClusterSpec, ratios: Ratios, memory_rese
         gib, peak = alike[key]
         memory.append(dict(gib))
         if v.compute is not None:
-            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.profile.workspace_bytes)
+            peak += v.compute.workspace_bytes / GIB  # the libraries' own (bench.runtime.probes.workspace_bytes)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)

@@ -10,15 +10,15 @@ change the program (methods.hap.search does).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pulp
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError
+from bench.core.program import Affine, Program
+from bench.core.shares import round_shares
 from bench.cost import LpAlgebra, alike, device_classes, iteration_time, virtual_devices
-from bench.interfaces import PlanningError
-from bench.program import Affine, Program
-from bench.shares import round_shares
 
 
 class InfeasibleError(PlanningError):
@@ -38,7 +38,7 @@ def balance_ratios(
     """Optimal ratios[segment][device] for `program` on `cluster`, and the LP's objective (s).
 
     Args:
-        memory_limit: also require each device's memory (bench.program.Memory) to fit its GPU.
+        memory_limit: also require each device's memory (bench.core.program.Memory) to fit its GPU.
         memory_reserve_gib: GPU memory kept free for the framework when memory_limit is on.
         time_limit_s: CBC time limit; hitting it is an error, not a silent answer.
         tied_rows: every segment gets the same row (reshards then move nothing, and the
@@ -88,7 +88,7 @@ class RatioLP:
         self.reserve_bytes = 0.0
 
     def add_memory_rows(self, memory_reserve_gib: float = 0.0, ask_first: bool = True) -> None:
-        """Require each device's memory (bench.program.Memory) to fit its GPU, less the reserve;
+        """Require each device's memory (bench.core.program.Memory) to fit its GPU, less the reserve;
         a second call adds nothing. Raises InfeasibleError when no ratios fit (ask_first=False:
         solve() does, once the objective is built; the planner builds it either way)."""
         if self.memory_limit:

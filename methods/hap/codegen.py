@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from bench.shares import offsets
+from bench.core.shares import offsets
 from methods.capture import Graph, Node
 from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
-from methods.hap.search import Step, comm_from_json
+from methods.hap.steps import Step, comm_from_json
 from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, explicit_size_args
 
 SUPPORTED_PLAN_FORMAT = 1
@@ -443,8 +443,8 @@ class RankProgram:
         dst = (c.tensor, (c.dst, c.to_segment)) if c.kind == "reshard" else (c.tensor, c.dst)
         if c.kind == "reshard" and lengths(c.src) == lengths(c.src, c.to_segment):
             # Rows that cut this dim alike: nothing changes owner, and the cost model charges
-            # nothing, so the program holds no call (not even an autograd node: 4 of them cost
-            # tiny ViT ~40 us a step here).
+            # nothing, so the program holds no call (not even an autograd node, which costs time
+            # every step: results/runtime/20261128-collectives-in-place.md).
             return src, dst, _named(lambda x: x, c.kind)
         if self.machines is not None:
             return src, dst, _named(self._machine_comm(c, lengths), c.kind)

@@ -7,7 +7,7 @@ gloo has no list-form all-gather of unequal tensors, which is why two all-gather
 reduce-scatter) implementations exist: `padded` pads every shard to the largest and runs one
 collective; `grouped` runs one broadcast (or reduce) per rank with the exact shard.
 torch.distributed is looked up at call time (`dist.<name>`), so wrappers installed on its
-functions (bench.emulation) see every call. This module does not choose what to communicate.
+functions (bench.runtime.emulation) see every call. This module does not choose what to communicate.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench.compat import all_gather_single, reduce_scatter_single
+from bench.runtime.compat import all_gather_single, reduce_scatter_single
 
 IMPLS = ("padded", "grouped")
 
@@ -36,10 +36,8 @@ def _check(lengths: Sequence[int], impl: str | None = None, group=None) -> list[
 def _padded(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     """t padded with zeros along `dim` to `width`, contiguous, in t's own dim order (zeros, not
     garbage: the pad is sent). Never moved to a leading dim first: for an inner dim that is an
-    element-by-element transpose, where a copy in place of dims keeps whole rows together (a
-    shard of [8, 64, 2048] along its last dim, one worker thread here: 1.8 ms through movedim
-    to dim 0, and back out of the gathered [4096, 8, 64] 5.5 ms, where a plain copy of the
-    gathered 2M floats takes 0.2 ms)."""
+    element-by-element transpose, where a copy in place of dims keeps whole rows together
+    (several times faster on a CPU worker: results/runtime/20261128-collectives-in-place.md)."""
     if t.shape[dim] == width:
         return t.contiguous()
     shape = list(t.shape)

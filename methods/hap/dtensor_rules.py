@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import fx
 
-Layout = Union[str, int]
+Layout = str | int
 aten = torch.ops.aten
 
 # At most this many input placement combinations are tried for one op (an op with many
@@ -29,7 +29,7 @@ aten = torch.ops.aten
 _MAX_COMBOS = 2048
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtensor():
     """DTensor's propagator, spec types and a one-device mesh without a process group (as
     DTensor's own decomposition tracing uses: a size-1 mesh makes every length divisible)."""
@@ -150,7 +150,7 @@ def _derive(node: fx.Node, args: list[fx.Node]):
         triples = []
         for seed in seeds:
             specs = iter(seed)
-            a, k = _substitute(node, lambda a, i: _spec(a, next(specs)))
+            a, k = _substitute(node, lambda a, i, specs=specs: _spec(a, next(specs)))
             schema = d["OpSchema"](op, a, k, schema_info=info)
             strategy = prop.decomp_strategy.propagate_strategy(schema)
             if strategy is None:
@@ -186,7 +186,7 @@ def _trace(fn, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout |
     for combo in combos:
         places = iter(combo)
 
-        def meta(a, i):
+        def meta(a, i, places=places):
             p = next(places)
             t = torch.empty(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype, device="meta")
             t._spec = _spec(a, p)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bench.shares import offsets, round_shares
+from bench.core.shares import offsets, round_shares
 from methods.hap import collectives as C
 from methods.hap.theory import IDENTITY, REDUCE, Layout
 
@@ -56,7 +56,7 @@ class Machines:
     leaders_sync: object = None
 
     @classmethod
-    def build(cls, ranks: Sequence[Sequence[int]], rank: int) -> "Machines":
+    def build(cls, ranks: Sequence[Sequence[int]], rank: int) -> Machines:
         """Every rank calls this with the same `ranks` (it creates process groups collectively)."""
         ranks = [list(map(int, r)) for r in ranks]
         leaders = [r[0] for r in ranks]

@@ -17,11 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, PlanningError, Workload
-from bench.plan_cache import load_plan, plan_key, save_plan
-from bench.program import Program
-from bench.shares import round_shares
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError
+from bench.core.interfaces import Plan, Workload
+from bench.core.plan_cache import load_plan, plan_key, save_plan
+from bench.core.program import Program
+from bench.core.shares import round_shares
 from bench.cost import (
     compute_proportional_ratios,
     even_ratios,
@@ -31,32 +32,27 @@ from bench.cost import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
-from methods.hap.search import (
-    CostModel,
-    NoProgramError,
-    SearchResult,
-    build_program,
-    comm_to_json,
-    describe_steps,
-    shard_units,
-    synthesize,
-)
 from methods.hap.hierarchy import unsplittable_share
+from methods.hap.lowering import build_program
+from methods.hap.pricing import CostModel
+from methods.hap.search import NoProgramError, SearchResult, synthesize
 from methods.hap.segments import check_segmentation
+from methods.hap.steps import comm_to_json, describe_steps, shard_units
 from methods.hap.theory import data_parallel_theory, derive_theory
 
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
 
-# Sources whose content decides a plan: a change invalidates cached plans.
-_CODE = ("methods/capture.py", "methods/aten_capture.py", "methods/hap/dtensor_rules.py", "methods/hap/theory.py",
-         "methods/hap/search.py", "methods/hap/balance.py",
-         "methods/hap/planner.py", "methods/hap/segments.py", "bench/program.py", *(f"bench/cost/{m}.py" for m in ("links", "devices", "price", "simulate")))
+# Code whose content decides a plan: a change to any of these files invalidates cached plans.
+_CODE_GLOBS = ("methods/capture.py", "methods/aten_capture.py", "methods/hap/*.py", "bench/core/program.py",
+               "bench/cost/*.py")
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 def _library_versions() -> dict[str, str]:
+    """The libraries a plan also depends on: torch.export's graph and DTensor's strategies are
+    torch's; a Hugging Face model's forward is transformers'."""
     import torch
 
     out = {"torch": torch.__version__}
@@ -71,8 +67,10 @@ def _library_versions() -> dict[str, str]:
 
 def _code_version() -> str:
     h = hashlib.sha256()
-    for rel in _CODE:
-        h.update((_ROOT / rel).read_bytes())
+    for pattern in _CODE_GLOBS:
+        for path in sorted(_ROOT.glob(pattern)):
+            h.update(path.relative_to(_ROOT).as_posix().encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -224,7 +222,6 @@ class HapPlanner:
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,
             "code": _code_version(),
-            # the graph export captures and DTensor's strategies are the libraries'
             "libraries": _library_versions(),
         }
 
@@ -244,9 +241,10 @@ class HapPlanner:
         if self.collective_choice and any(r.get("grouped") for r in rounds):
             # The search picks padded or grouped per collective by its serial price; with
             # gradient syncs overlapping backward the simulator can rank whole programs
-            # otherwise (VGG19, 8 GPUs per machine: 1.3%). The padded-only search is the
-            # planner with collective choice off; keeping the better makes the option never
-            # cost time. When no round used a grouped collective both searches agree.
+            # otherwise (VGG19, 8 GPUs per machine: results/planner/20261125-planner-time.md).
+            # The padded-only search is the planner with collective choice off; keeping the
+            # better makes the option never cost time. When no round used a grouped collective
+            # both searches agree.
             padded = derive_theory(graph, sfb=self.sfb, grouped=False, fuse_routing=self.fuse_routing)
             alt, alt_rows = self._search_levels(padded, workload, cluster, levels, meta, rounds, stats, "padded only, ")
             level_rows += alt_rows
@@ -570,8 +568,8 @@ def _no_cyclic_gc():
     """Planning allocates millions of small objects that live until it ends (search states,
     sets, LP terms), and the cyclic collector kept walking them: with it off until the plan is
     made (reference counting still frees what dies; cycles made meanwhile are collected once it
-    is back on), BERT-MoE planned in 1.6 s instead of 3.2-3.5 s, ViT-48 in 1.9-2.1 s instead of
-    2.9-3.3 s, with the same plans (tests/benchmarks/test_planner_bench.py)."""
+    is back on), the largest plans take about half the time, with the same plans
+    (tests/benchmarks/test_planner_bench.py; results/planner/20261125-planner-time.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -2,7 +2,7 @@
 
 `setup_trainer(planner, plan, model, ctx)` is what a HAP-style method's `setup` returns. The plan
 is made once before the workers start and read here as it is: ranks never re-plan. It does not
-plan (methods.hap.planner) and does not time iterations (bench.worker does).
+plan (methods.hap.planner) and does not time iterations (bench.runtime.worker does).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, RankContext, Workload
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import bucket_runs
+from bench.core.shares import round_shares
 from bench.cost import virtual_devices
 from methods.capture import Graph, capture, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
@@ -28,8 +30,6 @@ from methods.hap.codegen import (
     check_plan,
 )
 from methods.hap.hierarchy import Machines, unsplittable_share
-from bench.program import bucket_runs
-from bench.shares import round_shares
 
 DEFAULT_LR = 5e-4  # Adam, as in the HAP paper
 
@@ -159,7 +159,7 @@ class GradBuckets:
 
 def _done(work, wait: bool) -> bool:
     """Whether an async collective's result is there (waiting for it with `wait`); on an
-    emulated link, once the link has delivered it (bench.emulation), as on a real one."""
+    emulated link, once the link has delivered it (bench.runtime.emulation), as on a real one."""
     if work is None:
         return True
     if wait:
@@ -202,8 +202,8 @@ class HapTrainer:
         if ctx.world_size == 1:
             # Nothing to sum over: gradients as autograd makes them, as the plain model's step
             # (bucket views cost a zeroing and an accumulating add per gradient, and the
-            # all-reduce of one rank a copy; with them and the loss read below, hap ran 9%
-            # behind the plain model on VGG19 at 64 samples on one H200).
+            # all-reduce of one rank a copy; with them and the loss read below, hap ran behind
+            # the plain model on one GPU: results/gpu/20261126-h200-first-run.md).
             self.grad_sync = None
         elif program.machines is None:
             self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
@@ -213,8 +213,8 @@ class HapTrainer:
         self.grad_clip = grad_clip
         self.mirror_full_state = mirror_full_state
         # Kept only to mirror into: the full model's copy of each sharded parameter is not the
-        # rank's, and held it would double what the cost model counts for it (tiny VGG19's
-        # classifier: 24.9 MiB of tensors on the fast rank, 19.4 predicted).
+        # rank's, and held it would double what the cost model counts for it (measured on tiny
+        # VGG19's classifier: results/cost-model/20261128-cpu-tensor-memory.md).
         self.model = model if mirror_full_state else None
         self.steps_done = 0
 

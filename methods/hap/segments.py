@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.cluster import ConfigError
+from bench.core.errors import ConfigError
+from methods.hap.theory import Theory
 
 SEGMENTATIONS = ("layers", "flops", "metis")
 POOLING_OPS = ("max_pool2d", "avg_pool2d")
@@ -167,3 +168,26 @@ def metis_parts(graph, order: Sequence[str], flops: Sequence[float], num_segment
     for p in parts:
         relabel.setdefault(int(p), len(relabel))
     return [relabel[int(p)] for p in parts]
+
+
+def assign_segments(theory: Theory, num_segments: int,
+                    segmentation: str = "layers") -> tuple[dict[str, int], dict[str, int]]:
+    """(segment of each op, home segment of each tensor) for `num_segments` ratio rows.
+
+    Ops in topological order are cut into groups by `segmentation` (methods.hap.segments:
+    `layers` at layer-group borders, `flops` at equal FLOPs, `metis` by graph partitioning). A
+    Gather'd tensor is sharded by the row of its home segment: an op output's is its op's, a
+    parameter's that of the op that creates it (its first reader), an input's is 0 (each rank
+    loads the first row's share of the batch). An op in another segment that reads it in a
+    Gather layout reads a resharded copy (a `reshard` collective)."""
+    graph = theory.graph
+    order = [n.name for n in graph.nodes if n.name in theory.rules]
+    op_seg = dict(zip(order, segment_ops(graph, order, num_segments, segmentation)))
+    home = dict(op_seg)
+    for name in order:
+        for t in graph[name].inputs:
+            if t in theory.sources and t not in home:
+                home[t] = 0 if graph[t].kind == "placeholder" else op_seg[name]
+    for t in theory.sources:
+        home.setdefault(t, 0)
+    return op_seg, home

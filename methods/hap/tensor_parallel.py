@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Plan, Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, Workload
+from bench.core.program import Program
 from bench.cost import (
     SimResult,
     compute_proportional_ratios,
@@ -27,13 +27,10 @@ from bench.cost import (
 )
 from methods.capture import Graph, capture_config
 from methods.hap.balance import balance_ratios, batch_shares
+from methods.hap.lowering import build_program
 from methods.hap.planner import step_fields
-from methods.hap.search import (
-    CostModel,
-    SearchResult,
-    build_program,
-    synthesize,
-)
+from methods.hap.pricing import CostModel
+from methods.hap.search import SearchResult, synthesize
 from methods.hap.theory import Theory, derive_theory, tensor_parallel_theory
 
 CHOICES = ("EV", "CP", "LP")

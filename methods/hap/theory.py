@@ -21,16 +21,16 @@ A dim of length 1 is never sharded.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
 
 import torch
 
-from bench.interfaces import PlanningError
+from bench.core.errors import PlanningError
 from methods.capture import VIEW_OPS, Graph, Node
 from methods.hap import dtensor_rules
 
-Layout = Union[str, int]
+Layout = str | int
 IDENTITY: Layout = "I"
 REDUCE: Layout = "R"
 
@@ -408,7 +408,7 @@ def data_parallel_theory(theory: Theory) -> Theory:
     replicated gradients are all-reduced. The incumbent of methods.hap.planner's every search."""
     g = theory.graph
     sources: dict[str, list[Layout]] = {}
-    for t, layouts in theory.sources.items():
+    for t in theory.sources:
         node = g[t]
         batch_like = node.kind == "placeholder" and node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1
         sources[t] = [0] if batch_like else [IDENTITY]

@@ -39,7 +39,7 @@ CASES: dict[str, list[str]] = {
 def prepare(case: str):
     """(planner, workload, cluster) of one case, everything but the planning itself: the
     planner is conf/method/hap.yaml's as bench.run builds it (segments, beam and all)."""
-    from bench.planner_check import paper_planning
+    from bench.studies.planner_check import paper_planning
 
     return paper_planning(*CASES[case])
 
@@ -69,8 +69,8 @@ def main(cases: list[str]) -> None:
         d = plan.details
         devices = len(virtual_devices(cluster, cluster.virtual_device))
         print(f"{case:<13} {devices:>7} {elapsed:>7.2f} {d['capture_time_s']:>9.2f} {d['search_time_s']:>8.2f} "
-              f"{d['lp_time_s']:>6.2f} {d['states_expanded']:>9} {str(d['search_exact']):>5} "
-              f"{d['predicted_iter_time_s']:>11.4f} {str(d['oom']):>4}  {d['chosen']}", flush=True)
+              f"{d['lp_time_s']:>6.2f} {d['states_expanded']:>9} {d['search_exact']!s:>5} "
+              f"{d['predicted_iter_time_s']:>11.4f} {d['oom']!s:>4}  {d['chosen']}", flush=True)
 
 
 if __name__ == "__main__":

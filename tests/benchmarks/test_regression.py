@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from bench import regress
-from bench.emulation import pooled_compute_s
+from bench import regress as regress_cmd
+from bench.runtime.emulation import pooled_compute_s
+from bench.studies import regression as regress
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +23,8 @@ def _report(changes, commit) -> str:
     return regress.render(regress.report_table(changes, commit))
 
 
-# Its real half trains every method in interleaved rounds: 140-160 s on the 2-core dev VM, past
-# the suite's 300 s hang guard on a 16-core GPU host with every core busy (two GPU runs).
+# Its real half trains every method in interleaved rounds, minutes of it; on a GPU host with
+# every core busy it ran past the suite's 300 s hang guard (results/gpu/20261126-h200-timings.md).
 @pytest.mark.timeout(600)
 def test_no_throughput_regression_against_the_committed_baseline():
     base = regress.load_baseline()
@@ -70,9 +71,9 @@ def test_a_planner_figure_past_its_tolerance_is_planned_again_and_regresses_only
 
 
 def test_a_measured_figure_regresses_when_every_round_is_past_its_tolerance():
-    """A sign test, not the median: CI failed on sfb's median of five at +11.8% on a day this VM
-    put single rounds of the same code anywhere from 0.84x to 1.19x the baseline, while a slower
-    worker loop lifts every round."""
+    """A sign test, not the median: on an unsteady host single rounds of the same code spread
+    far enough to fail a median of five, while a slower worker loop lifts every round
+    (results/baselines/20261128-regression-check-rules.md)."""
     base = {"iter_over_compute:noisy": 1.5, "iter_over_compute:slower": 1.5, "iter_over_compute:faster": 1.5}
     rounds = {"iter_over_compute:noisy": [1.29, 1.78, 1.36, 1.75, 1.72],  # median +14.7%, 3 of 5 past
               "iter_over_compute:slower": [1.70, 1.68, 1.72, 1.66, 1.69],  # every round +10.7% or more
@@ -153,14 +154,12 @@ def _slow_python(frame, event, arg):  # a line tracer: every line of Python cost
 
 def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     """On a host slower at Python the planner's seconds grow past their tolerance; its time over
-    the yardstick timed beside it, for as long, does not (the raw seconds failed on a day this VM
-    ran the same code 3x slower).
+    the yardstick timed beside it, for as long, does not.
 
     Three plain and three slowed plans, interleaved, judged by their medians, as a baseline is
-    made: one pair alone once read the plain figure at 1.3 where every other run read 16-20 (a
-    fresh clone's suite, 2026-11-29), the slowed one as usual (10.6). The plain plan takes 0.1 s,
-    so its yardstick's window is as short, and a host that takes the core from this process for
-    a moment reads it many times slower (the planner cannot have run 12x faster)."""
+    made: the plain plan takes 0.1 s, so its yardstick's window is as short, and a host that
+    takes the core from this process for a moment reads one pair many times off
+    (results/baselines/20261129-planner-figure-retries.md)."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
     sticks, windows = [], []
     yardstick = regress.python_yardstick_s
@@ -199,7 +198,7 @@ def test_a_rebaseline_of_the_sim_figures_keeps_the_measured_ones_and_where_they_
                                                                          "planner_time_rel:a": 12.0})
     monkeypatch.setattr(regress, "measured_figures", lambda *a, **k: pytest.fail("nothing is measured"))
     for note in ("sim only", "again"):
-        assert regress.main(["--rebaseline", "--no-measured", "--note", note]) == 0
+        assert regress_cmd.main(["--rebaseline", "--no-measured", "--note", note]) == 0
         body = regress.load_baseline()
         assert body["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 12.0, "iter_over_compute:b": 1.3}
         assert body["measured_sessions"] == first["measured_sessions"] and body["note"] == note
@@ -214,9 +213,9 @@ def test_a_rebaseline_over_sessions_keeps_the_planner_figure_median_of_as_many_p
     regress.write_baseline({"iter_over_compute:b": 1.3})
     plans = iter([{"sim_iter_time_s:a": 0.9, "planner_time_rel:a": rel} for rel in (12.0, 30.0, 14.0)])
     monkeypatch.setattr(regress, "sim_figures", lambda models, methods: next(plans))
-    assert regress.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
+    assert regress_cmd.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
     assert regress.load_baseline()["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 14.0,
                                                    "iter_over_compute:b": 1.3}
     assert next(plans, None) is None  # planned three times
     # A check plans once; more sessions than one is a rebaseline's option only.
-    assert regress.main(["--sessions", "3"]) == 2
+    assert regress_cmd.main(["--sessions", "3"]) == 2

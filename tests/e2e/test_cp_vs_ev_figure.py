@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from bench import figures
+from bench.studies import figures
 
 pytestmark = pytest.mark.e2e
 

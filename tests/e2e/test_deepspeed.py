@@ -16,10 +16,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec
-from bench.launch import launch
-from bench.records import load_records
-from bench.run import build_workload, compose_config, new_record, prepare_case
+from bench.core.cluster import ClusterSpec
+from bench.records.rows import load_records
+from bench.runner.case import build_workload, new_record, prepare_case
+from bench.runner.configs import compose_config
+from bench.runtime.launch import launch
 from methods.ds_zero import DeepSpeedZeRO
 
 pytestmark = pytest.mark.e2e
@@ -189,7 +190,7 @@ def test_an_engine_probe_that_fails_is_a_warning_and_no_price(caplog):
 
 
 def test_every_module_the_workers_server_preloads_for_deepspeed_exists():
-    """The server the workers fork from skips a module it cannot import (bench.launch): a
+    """The server the workers fork from skips a module it cannot import (bench.runtime.launch): a
     DeepSpeed release that moved one would slow every case's workers again, silently."""
     for name in DeepSpeedZeRO.worker_modules:
         assert importlib.util.find_spec(name) is not None, f"{name} is not in this DeepSpeed"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.launch import launch
-from bench.run import new_record, prepare_case
+from bench.runner.case import new_record, prepare_case
+from bench.runtime.launch import launch
 
 pytestmark = pytest.mark.e2e
 

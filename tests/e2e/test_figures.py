@@ -6,8 +6,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench import figures, report
-from bench.records import load_records
+from bench import report as report_cmd
+from bench.records.rows import load_records
+from bench.studies import figures
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ def test_the_main_figure_runs_its_experiment_sweep_and_draws_it_from_the_records
     assert len(rows) == len(data) and {r["config"]["report"]["name"] for r in rows} == {"main"}
     # The same records give the same bytes.
     again = tmp_path / "again"
-    report.main([str(tmp_path / "main"), "--out", str(again), "--no-figure"])
+    report_cmd.main([str(tmp_path / "main"), "--out", str(again), "--no-figure"])
     assert (again / "main.csv").read_bytes() == (tmp_path / "main.csv").read_bytes()
 
 

@@ -12,18 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from bench.cluster import ClusterSpec
-from bench.flops import train_flops_per_sample
-from bench.interfaces import Plan, Workload
-from bench.launch import launch
-from bench.shares import round_shares
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, Workload
+from bench.core.shares import round_shares
 from bench.cost import virtual_devices
-from bench.worker import Case
+from bench.cost.flops import train_flops_per_sample
+from bench.runtime.launch import launch
+from bench.runtime.worker import Case
 from methods.capture import capture_config
 from methods.hap.balance import batch_shares
 from methods.hap.planner import PLAN_FORMAT_VERSION
+from methods.hap.pricing import CostModel
 from methods.hap.runtime import FixedPlanMethod
-from methods.hap.search import CostModel, comm_to_json, shard_units, synthesize
+from methods.hap.search import synthesize
+from methods.hap.steps import comm_to_json, shard_units
 from methods.hap.theory import derive_theory
 
 pytestmark = pytest.mark.e2e
@@ -280,7 +282,7 @@ def _one_rank(model):
     gloo group (a RankProgram's collectives need one even alone)."""
     import torch.distributed as dist
 
-    from bench.launch import _free_port
+    from bench.runtime.launch import _free_port
 
     workload = make_workload(model, 1, 3)
     plan = plan_at_ratios(workload, make_cluster(1), [1.0])
@@ -380,7 +382,7 @@ def test_plan_for_another_model_or_batch_fails_before_workers_start():
 def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
     from types import SimpleNamespace
 
-    from bench.emulation import Emulator
+    from bench.runtime.emulation import Emulator
     from methods.hap.runtime import HapTrainer
 
     weight = torch.nn.Parameter(torch.ones(2))

@@ -53,7 +53,7 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
     python = [sys.executable, "-S"]
 
-    probe = ("import bench, bench.paths as p; from bench.run import compose_config, group_options;"
+    probe = ("import bench, bench.core.paths as p; from bench.runner.configs import compose_config, group_options;"
              "cfg = compose_config('cluster=local_hetero4', 'method=hap');"
              "print(bench.__file__, p.CONF_SOURCE, p.CONF_DIR, p.PROJECT_DIR, cfg.cluster.name,"
              " cfg.method.name, ','.join(group_options('method')))")

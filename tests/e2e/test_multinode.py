@@ -1,4 +1,4 @@
-"""One case across several "nodes" of a submitit job (bench.multinode), run here through
+"""One case across several "nodes" of a submitit job (bench.runtime.multinode), run here through
 submitit's local executor: two tasks on this host, each a node with its own torchrun of one
 worker, joined over gloo, as slurm_multinode runs them on Slurm."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.records import load_records
+from bench.records.rows import load_records
 
 pytestmark = pytest.mark.e2e
 # The slurm extra (pip install ".[slurm]"; scripts/setup.sh installs it) brings the launcher.

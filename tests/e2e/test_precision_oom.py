@@ -6,9 +6,11 @@ import stat
 
 import pytest
 
-from bench import run as runner
-from bench.launch import WorkerError, launch
-from bench.records import load_records
+from bench.records.rows import load_records
+from bench.runner import case as runner_case
+from bench.runner import execute as runner
+from bench.runner.configs import results_file
+from bench.runtime.launch import WorkerError, launch
 
 pytestmark = pytest.mark.e2e
 QUICK = ["warmup_iters=0", "measured_iters=2", "emulation.reference_iters=0"]
@@ -36,7 +38,7 @@ def test_a_rank_out_of_memory_is_an_oom_row_with_its_peak_and_resume_keeps_it(cf
     assert row.peak_mem_gib[0] is None and row.peak_mem_gib[1] > 0  # GiB of host RSS on CPU
     assert "can't allocate memory" in row.error and row.samples_per_s is None
     assert "case recorded as oom" in capsys.readouterr().err
-    [written] = load_records(runner.results_file(cfg))
+    [written] = load_records(results_file(cfg))
     assert written["status"] == "oom" and written["peak_mem_gib"][1] == row.peak_mem_gib[1]
 
     def refuse(*args, **kwargs):
@@ -66,7 +68,7 @@ def test_the_mps_daemon_gets_private_directories_and_is_stopped_when_the_case_fa
     # there is one (they inherit this; the fake daemon serves no MPS clients).
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     cfg = cfg_factory(*QUICK)
-    case = runner.prepare_case(cfg, runner.new_record(cfg))
+    case = runner_case.prepare_case(cfg, runner_case.new_record(cfg))
     case.cluster = dataclasses.replace(case.cluster, device="cuda")
     # The daemon must still be stopped.
     with pytest.raises(WorkerError):

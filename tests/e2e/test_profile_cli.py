@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.emulation import ArrivalBoard
-from bench.records import load_records
+from bench.records.rows import load_records
+from bench.runtime.emulation import ArrivalBoard
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,9 +95,14 @@ def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its
     # each has installed its handler for fatal signals. Not any process the runner did not start:
     # a command a worker runs holds the worker's handlers until it execs (a suite run once saw
     # three "workers", when each worker still ran `ldconfig -p` as it set up)
-    servers = lambda: {p for p in _processes_with(tag) if _status(p, "PPid") == proc.pid}
-    workers = lambda: [p for p in _processes_with(tag) if _status(p, "PPid") in servers()]
-    ready = lambda: [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
+    def servers():
+        return {p for p in _processes_with(tag) if _status(p, "PPid") == proc.pid}
+
+    def workers():
+        return [p for p in _processes_with(tag) if _status(p, "PPid") in servers()]
+
+    def ready():
+        return [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
     try:
         deadline = time.monotonic() + 90
         while len(ready()) < 2 and time.monotonic() < deadline:
@@ -172,7 +177,7 @@ def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
     out = run("bench.compare", "wandb.mode=disabled", "repeats=2", *QUICK, results_dir=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "speedup vs dp_ev" in out.stdout and "rank" in out.stdout
-    assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.launch)
+    assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.runtime.launch)
     recorded = rows(tmp_path)
     repeats = [r for r in recorded if r["row_kind"] == "repeat"]
     methods = [r["method"] for r in repeats]
@@ -203,7 +208,9 @@ _SERVERS = """
 import os, sys
 from pathlib import Path
 import multiprocessing
-from bench.run import compose_config, expect_cases, new_record, prepare_case
+from bench.runner.configs import compose_config
+from bench.runner.execute import expect_cases
+from bench.runner.case import new_record, prepare_case
 
 def servers():  # this process's children that run multiprocessing's fork server
     found = 0
@@ -240,8 +247,8 @@ def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(
 
 
 # Tagged processes when the launcher is killed: the runner, multiprocessing's resource tracker
-# and the server the workers fork from (bench.launch), still importing torch; then the workers,
-# given time to set up and train (a second at most on the 2-core dev VM).
+# and the server the workers fork from (bench.runtime.launch), still importing torch; then the workers,
+# given time to set up and train (a second is plenty on a 2-core machine).
 @pytest.mark.parametrize("processes, settle_s", [(3, 0.0), (5, 5.0)], ids=["server-starting", "training"])
 def test_workers_of_a_killed_launcher_do_not_linger_nor_their_files(tmp_path, processes, settle_s):
     tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.flops import train_flops_per_sample
-from bench.interfaces import Workload
-from bench.launch import launch
-from bench.worker import Case
+from bench.core.interfaces import Workload
+from bench.cost.flops import train_flops_per_sample
+from bench.runtime.launch import launch
+from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e import test_hap_equivalence as H
 from tests.e2e.test_hap_equivalence import STEPS, _conf_cluster, check_equivalence, make_cluster, plan_at_ratios

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.cluster import ClusterSpec
-from bench.launch import launch
-from bench.records import load_records
-from bench.worker import Case
+from bench.core.cluster import ClusterSpec
+from bench.records.rows import load_records
+from bench.runtime.launch import launch
+from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_workload, plan_at_ratios
 
@@ -121,11 +121,11 @@ def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
 
 
 def test_the_libraries_workspace_is_measured_and_a_steps_peak_holds_it():
-    """bench.profile.workspace_bytes in a fresh process: what cuBLAS keeps after a first matrix
+    """bench.runtime.probes.workspace_bytes in a fresh process: what cuBLAS keeps after a first matrix
     product; a step after it keeps no more than its tensors (the workspace is made once)."""
     code = (
         "import torch\n"
-        "from bench.profile import workspace_bytes\n"
+        "from bench.runtime.probes import workspace_bytes\n"
         "w = workspace_bytes('cuda', torch.cuda.memory_allocated())\n"
         "torch.cuda.reset_peak_memory_stats()\n"
         "base = torch.cuda.memory_allocated()\n"

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.program import op_class
+from bench.core.program import op_class
 from methods import capture as C
 from tests.conftest import compose_config
 

@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from bench.cluster import DEVICE_DIR, ClusterSpec, ConfigError, device_types
-from bench.run import group_options
+from bench.core.cluster import DEVICE_DIR, ClusterSpec, device_types
+from bench.core.errors import ConfigError
+from bench.runner.configs import group_options
 from tests.conftest import compose_config
 
 GOOD = {
@@ -85,7 +86,7 @@ def test_invalid_cluster_fields_name_the_field_and_value(path, value, needle):
 
 
 def test_slow_emulated_devices_take_longer_for_their_per_step_work_too():
-    from bench.program import Program
+    from bench.core.program import Program
     from bench.cost import simulate
 
     cfg = compose_config("cluster=local_hetero2")
@@ -105,9 +106,9 @@ def test_adams_per_byte_part_follows_the_parameter_bytes_a_device_holds():
     split); one that holds a 0.75 / 0.25 shard of 3 MB of them pays for the bytes it holds."""
     import pulp
 
+    from bench.core.program import Affine, Memory, Program
     from bench.cost import simulate, virtual_devices
     from bench.cost.price import LpAlgebra, per_step_s
-    from bench.program import Affine, Memory, Program
 
     cfg = compose_config("cluster=local_hetero2")
     spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, 0.006, 1e-9, 4e6)

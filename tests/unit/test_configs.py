@@ -6,10 +6,13 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.flops import train_flops_per_sample
-from bench.records import load_records
-from bench.run import build_workload, group_options, run_case
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.cost.flops import train_flops_per_sample
+from bench.records.rows import load_records
+from bench.runner.case import build_workload
+from bench.runner.configs import group_options
+from bench.runner.execute import run_case
 from tests.conftest import compose_config
 
 # What a model option needs on the command line besides its defaults (model=custom names its
@@ -135,14 +138,14 @@ def test_compare_refuses_bad_repeats_before_any_run(tmp_path, capsys, value):
 
 
 def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
-    from bench import run
+    from bench.runner import settings
 
     cfg = cfg_factory("cluster=local_hetero4", "emulation.realtime_comm=true")
-    monkeypatch.setattr(run, "host_cores", lambda: 2)
+    monkeypatch.setattr(settings, "host_cores", lambda: 2)
     with pytest.raises(ConfigError, match=r"emulation.realtime_comm=true needs a core per rank: 4 ranks "
                                           r"on 2 cores; use emulation.realtime_comm=false"):
-        run.emulation_settings(cfg, 4)
-    monkeypatch.setattr(run, "host_cores", lambda: 4)
-    assert run.emulation_settings(cfg, 4).realtime_comm is True
-    assert run.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).realtime_comm is False
-    assert run.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).gloo_workers_first is True
+        settings.emulation_settings(cfg, 4)
+    monkeypatch.setattr(settings, "host_cores", lambda: 4)
+    assert settings.emulation_settings(cfg, 4).realtime_comm is True
+    assert settings.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).realtime_comm is False
+    assert settings.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).gloo_workers_first is True

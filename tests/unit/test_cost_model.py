@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
-from bench.planner_check import PARTS_OFF, plan_case
-from bench.program import Affine, Collective, Program, Stage, data_parallel_program
+from bench.studies.planner_check import PARTS_OFF, plan_case
 from methods.capture import capture_config
 from methods.hap.balance import balance_ratios
 from methods.hap.planner import HapPlanner
@@ -75,13 +75,11 @@ def test_memory_proportional_ratios_follow_each_machines_memory():
 
 
 # The paper-scale cases: every model at k = 1 and 8 runs in `python -m bench.planner_check`
-# (the table in docs/planner.md); the suite keeps the fast ones, and the case the issue found
-# (VGG19 at 64 samples per GPU, the paper preset's batch since issue 13, where hap without
-# collective choice used to win), and VGG19 at the old 32 per GPU.
-# Since collectives among machines are priced hierarchically (issue 13) the 64-per-GPU case
-# was non-monotone (hap 0.2846 s, without collective choice 0.2810 s: the search minimises the
-# serial cost, the simulator overlaps gradient syncs with backward); the planner now also
-# searches padded-only when a grouped collective appears and keeps the better.
+# (results/planner/20261129-planner-check.md); the suite keeps the fast ones, the case issue 13
+# found (VGG19 at 64 samples per GPU, where the search's serial price and the simulator's
+# overlap of gradient syncs disagreed, so hap without collective choice won:
+# results/planner/20261125-planner-time.md), and VGG19 at 32 per GPU. The planner searches
+# padded-only too when a grouped collective appears and keeps the better.
 _VGG_K8 = ("vgg19", 8, ())
 MONOTONE_CASES = [("vgg19", 1, ()), _VGG_K8, ("vgg19", 8, ("global_batch=2048",)), ("vit", 1, ())]
 
@@ -95,8 +93,8 @@ def test_switching_a_part_off_never_makes_hap_faster(model, k, overrides):
 
 
 # -- collectives from a measured profile ------------------------------------------------------
-def _profiled_cluster(tmp_path, fits: dict | str) -> "ClusterSpec":
-    from bench.cluster import ClusterSpec
+def _profiled_cluster(tmp_path, fits: dict | str):
+    from bench.core.cluster import ClusterSpec
 
     path = tmp_path / "profile.json"
     path.write_text(fits if isinstance(fits, str) else json.dumps({"ranks": 2, "fits": fits}))
@@ -122,7 +120,7 @@ def test_a_profiled_kind_is_priced_by_its_fit_and_the_others_by_the_link(tmp_pat
 
 
 def test_an_emulated_collective_takes_at_least_the_hosts_own_transport():
-    """The host's transport floor (bench.hostlinks) bounds each call from below: a small call is
+    """The host's transport floor (bench.runtime.hostlinks) bounds each call from below: a small call is
     priced at the floor, a large one at its link; grouped calls pay it once per call, and a
     reshard that moves nothing makes no call. The LP prices it as the simulator does."""
     cl = cluster(fast=1, slow=1, inter_gbps=8.0, virtual="gpu")  # 1e9 bytes/s, 30 us
@@ -157,7 +155,8 @@ def test_an_emulated_collective_takes_at_least_the_hosts_own_transport():
     (json.dumps({"fits": {"other/ring": {}}}), "holds none of the fits"),
 ])
 def test_a_bad_link_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, content, message):
-    from bench.cluster import ClusterSpec, ConfigError
+    from bench.core.cluster import ClusterSpec
+    from bench.core.errors import ConfigError
 
     path = tmp_path / "p.json"
     if content is not None:
@@ -183,7 +182,7 @@ def _profile_file(tmp_path, device_type="MyGPU", **over) -> str:
 
 
 def _cluster_with_profile(profile: str, gpus: int = 2):
-    from bench.cluster import ClusterSpec
+    from bench.core.cluster import ClusterSpec
 
     link = {"bandwidth_gbps": 100.0, "latency_s": 1e-5}
     return ClusterSpec.from_config({
@@ -195,7 +194,7 @@ def _cluster_with_profile(profile: str, gpus: int = 2):
 
 
 def test_a_profiled_device_pays_a_fixed_cost_per_kernel_its_class_rate_and_the_optimizer(tmp_path):
-    from bench.program import Memory
+    from bench.core.program import Memory
 
     cl = _cluster_with_profile(_profile_file(tmp_path))
     prog = Program((Stage((), Affine.sharded(2e12), op_class="matmul", launches=3),
@@ -213,7 +212,7 @@ def test_a_profiled_device_pays_a_fixed_cost_per_kernel_its_class_rate_and_the_o
 
 
 def test_the_libraries_workspace_a_profile_measured_is_in_every_peak_and_the_lps_rows(tmp_path):
-    from bench.program import Memory
+    from bench.core.program import Memory
 
     GIB = 2**30
     workspace = 2 * GIB
@@ -233,8 +232,8 @@ def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path)
     """With dispatch costs measured, forward and backward end no sooner than the host has
     queued their kernels (small shares are launch-bound, large ones pay the device's time
     alone), and the optimizer step, whose kernels wait for backward's, comes after."""
+    from bench.core.program import Memory
     from bench.cost import host_time, virtual_devices
-    from bench.program import Memory
 
     compute = {"matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
                "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
@@ -284,7 +283,7 @@ def test_a_host_that_probes_slower_than_the_profiles_queues_kernels_that_much_sl
     ({"workspace_bytes": -1}, "workspace_bytes must be a number >= 0"),
 ])
 def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, change, message):
-    from bench.cluster import ConfigError
+    from bench.core.errors import ConfigError
 
     change = dict(change)
     path = _profile_file(tmp_path, change.pop("device_type", "MyGPU"), **change)
@@ -295,15 +294,16 @@ def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path
 
 
 def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
 
     prof = profile_device("cpu", "cpu", repeats=3)
     assert set(prof["compute"]) == {"matmul", "conv", "other"}
     for c in prof["compute"].values():
         assert c["fixed_s"] >= 0 and c["flops_per_s"] > 1e7
     assert prof["optimizer"]["bytes_per_s"] > 1e6
-    # A view call and its backward node: 2.7-2.8 us on the 2-core dev VM, no kernel; an upper
-    # bound 30x that still tells a chain of views from one that copies (a kernel per link).
+    # A view call and its backward node: a few us on a CPU, no kernel
+    # (results/gpu/20261126-host-dispatch-without-gpu.md); an upper bound 30x that still tells a
+    # chain of views from one that copies (a kernel per link).
     assert 0 < prof["views"]["dispatch_s"] < 1e-4
     assert [n for n, _, _ in prof["views"]["points"]] == [64, 256]
 
@@ -311,8 +311,8 @@ def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
 def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
     """The GPU calibration's code path, on the CPU: a profile made by op microbenchmarks,
     then measured vs predicted training steps of a tiny model at two batch sizes."""
-    from bench.calibrate import single_device_cluster, single_device_rows
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
+    from bench.studies.calibration import single_device_cluster, single_device_rows
 
     path = tmp_path / "T4.json"
     path.write_text(json.dumps(profile_device("cpu", "T4", repeats=3)))  # a CPU posing as a T4
@@ -325,7 +325,8 @@ def test_single_device_calibration_predicts_steps_from_a_profile(tmp_path):
         assert r["measured_peak_gib"] is None  # no allocator statistics on the CPU
         assert 0 < r["host_probe_s"] < r["measured_s"]  # the host's speed beside the step
     # --reprice: the same measured steps against today's cost model, from the file alone.
-    from bench.calibrate import main, repriced_rows
+    from bench.calibrate import main
+    from bench.studies.calibration import repriced_rows
 
     again = repriced_rows(rows, cluster, preset="tiny")
     assert [(a["measured_s"], a["predicted_s"]) for a in again] == [(r["measured_s"], r["predicted_s"]) for r in rows]
@@ -369,8 +370,8 @@ def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from bench.calibrate import single_device_cluster, single_device_rows
-    from bench.profile import profile_device
+    from bench.runtime.probes import profile_device
+    from bench.studies.calibration import single_device_cluster, single_device_rows
 
     path = tmp_path / "H100-80.json"
     prof = profile_device("cuda", "H100-80", repeats=5)

@@ -46,7 +46,7 @@ def _expected_image(row):
 def test_cifar_train_batch_shapes_normalisation_and_wraparound(tmp_path):
     rows = _write_cifar(tmp_path)
     data = np.concatenate([rows[f"data_batch_{i}"][0] for i in range(1, 6)])
-    labels = sum((rows[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    labels = [label for i in range(1, 6) for label in rows[f"data_batch_{i}"][1]]
     dataset = Cifar10(str(tmp_path), "train")
     assert len(dataset) == 5 * PER_FILE
     # Global batch 8, step 2: samples 16..23 -> rows 1..8 (mod 15); slice [1, 4) -> rows 2, 3, 4.
@@ -168,7 +168,7 @@ def test_wikitext_windows_shift_and_unk(tmp_path):
     dataset = WikiText2(str(tmp_path), "train", vocab_size=5, seq_len=4)
     assert dataset.vocab == ["<unk>", "<eos>", "the", "=", "sat"]
     ids = {w: i for i, w in enumerate(dataset.vocab)}
-    words = "= Title = <eos> the cat sat on the mat <eos> the dog <unk> sat <eos>".split()
+    words = ["=", "Title", "=", "<eos>", "the", "cat", "sat", "on", "the", "mat", "<eos>", "the", "dog", "<unk>", "sat", "<eos>"]
     expected = [ids.get(w, 0) for w in words]
     assert dataset.tokens.tolist() == expected
     assert len(dataset) == (16 - 1) // 4

@@ -8,9 +8,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.interfaces import Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Workload
+from bench.core.program import Program
 from bench.cost import simulate
 from methods.ds_zero import DeepSpeedZeRO, import_deepspeed, profile_workload, zero_program
 from models.bert import BertConfig
@@ -119,9 +120,11 @@ def test_a_missing_or_broken_deepspeed_is_one_line_naming_it_and_the_install(mon
 
 def test_deepspeed_is_imported_inside_functions_only():
     import ast
+
     import methods.ds_zero as module
 
-    tree = ast.parse(open(module.__file__).read())
+    with open(module.__file__) as source:
+        tree = ast.parse(source.read())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.split(".")[0] == "deepspeed"]

@@ -6,17 +6,15 @@ preempted for 3.5 ms on a 2-core machine failed them.)"""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from bench import emulation
-from bench.cluster import ClusterSpec
-from bench.emulation import EmulationSettings, Emulator
+from bench.core.cluster import ClusterSpec
+from bench.runtime import emulation
+from bench.runtime.emulation import EmulationSettings, Emulator
 
 
 class FakeClock:
-    """Stands in for the `time` module inside bench.emulation: compute advances the wall and
+    """Stands in for the `time` module inside bench.runtime.emulation: compute advances the wall and
     the thread's CPU clock, a sleep or a preemption only the wall."""
 
     def __init__(self):

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from bench import emulation
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.runtime import emulation
 
 
 class SlowWork:

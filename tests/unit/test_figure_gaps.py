@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
+import matplotlib.pyplot as plt
 
-from bench import figures, report  # noqa: E402
+from bench.records import report
+from bench.studies import figures
 
 
 def test_an_oom_case_is_a_marked_gap_and_an_empty_throughput_in_the_csv(tmp_path):

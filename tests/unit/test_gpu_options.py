@@ -3,12 +3,15 @@
 import pytest
 import torch
 
-from bench import mps, run as runner
-from bench.cluster import ClusterSpec, ConfigError
-from bench.emulation import Emulator, achieved_speeds
-from bench.launch import rank_envs
-from bench.records import case_key, load_records
-from bench.worker import (
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.records.rows import case_key, load_records
+from bench.runner import execute as runner
+from bench.runner.configs import results_file
+from bench.runtime import mps
+from bench.runtime.emulation import Emulator, achieved_speeds
+from bench.runtime.launch import rank_envs
+from bench.runtime.worker import (
     backend_for,
     is_out_of_memory,
     pick_device,
@@ -160,7 +163,7 @@ def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, caps
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and needle in record.error
     assert err.startswith("error: ") and needle in err and "\n" not in err
-    assert [r["status"] for r in load_records(runner.results_file(cfg_factory()))] == ["failed"]
+    assert [r["status"] for r in load_records(results_file(cfg_factory()))] == ["failed"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Workload
-from bench.program import Affine, Collective, Memory, Program, Stage
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Workload
+from bench.core.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import compute_proportional_ratios, simulate, virtual_devices
 from methods.hap.balance import InfeasibleError, RatioLP, balance_ratios, batch_shares, shard_lengths
 

@@ -199,7 +199,7 @@ def test_collective_names_of_older_torch_are_used_where_the_new_ones_are_missing
     # torch 2.11 (the GPU host's) has no all_gather_single: bench.profile died on it there.
     import torch.distributed as dist
 
-    from bench import compat
+    from bench.runtime import compat
 
     for name in ("all_gather_single", "reduce_scatter_single"):
         monkeypatch.delattr(dist, name, raising=False)

@@ -1,6 +1,6 @@
 """GradBuckets on one rank (the all-reduce is the identity there): gradients land in the flat
 buckets as views, equal plain autograd's, and a parameter backward did not reach keeps None; its
-buckets follow bench.program.bucket_runs, as the simulated program's do."""
+buckets follow bench.core.program.bucket_runs, as the simulated program's do."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.launch import _free_port
+from bench.core.program import bucket_runs
+from bench.runtime.launch import _free_port
 from methods.capture import capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.hap.hierarchy import Machines
 from methods.hap.planner import HapPlanner
 from methods.hap.runtime import GradBuckets
-from bench.program import bucket_runs
 from tests.unit.test_hap_planner import bert_workload, cluster
 
 

@@ -10,17 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Workload
-from bench.plan import format_plan
-from bench.plan_cache import plan_from_json, plan_to_json
-from bench.program import Affine, Collective, data_parallel_program
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Workload
+from bench.core.plan_cache import plan_from_json, plan_to_json
+from bench.core.program import Affine, Collective, data_parallel_program
 from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
+from bench.plan import format_plan
 from methods.capture import capture, capture_config
 from methods.hap.balance import batch_shares, shard_lengths
+from methods.hap.lowering import build_program
 from methods.hap.planner import HapPlanner, SfbPlanner, _as_run
-from methods.hap.search import CostModel, Step, brute_force, build_program, synthesize
+from methods.hap.pricing import CostModel
+from methods.hap.search import brute_force, synthesize
 from methods.hap.segments import layer_groups
+from methods.hap.steps import Step
 from methods.hap.theory import data_parallel_theory, derive_theory, routing_region
 
 
@@ -317,7 +320,7 @@ def test_segments_cut_ops_in_order_and_never_lose_to_one_segment():
 def test_both_levels_are_planned_and_the_faster_kept():
     """Machines of 2 GPUs: synthesis over machines (DP inside) and over GPUs, compared by the
     simulator; the plan is the faster one and records both. levels=cluster plans only one."""
-    from bench.interfaces import Plan
+    from bench.core.interfaces import Plan
     from methods.hap.codegen import PlanMismatchError
     from methods.hap.runtime import plan_machines
 
@@ -351,7 +354,7 @@ def test_a_batch_a_machine_cannot_split_over_its_gpus_is_refused_in_one_line():
     """Machine-level plans run data parallel inside each machine: a machine with fewer samples
     than GPUs (but some) cannot. levels=cluster refuses with the field and the fix; levels=both
     keeps the GPU-level plan and records why the machine level was left out."""
-    from bench.interfaces import PlanningError
+    from bench.core.errors import PlanningError
 
     cl = cluster(fast=1, slow=1, k=2, inter_gbps=5.0)
     wl = bert_workload(batch=3, num_devices=4)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
-from bench.planner_check import paper_planning
+from bench.studies.planner_check import paper_planning
 from methods.capture import capture, capture_config
-from methods.hap.search import CostModel, brute_force, build_program, synthesize
+from methods.hap.lowering import build_program
+from methods.hap.pricing import CostModel
+from methods.hap.search import brute_force, synthesize
 from methods.hap.theory import data_parallel_theory, derive_theory
 from tests.unit.test_hap_planner import bert_workload
 from tests.unit.test_hap_planner import cluster as two_machines
@@ -139,7 +143,6 @@ class Shared(nn.Module):
 def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
     """A*'s bound at position i (search._remaining_bound) against the exact cost of the cheapest
     completion, computed for every state the search can reach at i (memoised over states)."""
-    from functools import lru_cache
 
     from methods.hap.search import _finish, _order, _remaining_bound, _successors
 
@@ -152,7 +155,7 @@ def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_st
     order, last_use = _order(graph, theory)
     bound = _remaining_bound(theory, cost, order)
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def rest(pos, props, communicated):
         if pos == len(order):
             extra = _finish(props, communicated, graph.loss, cost)

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from bench.shares import offsets, round_shares
+from bench.core.shares import offsets, round_shares
 from methods.capture import capture
 from methods.hap.theory import IDENTITY, REDUCE, NoRuleError, comm_rules, derive_theory, local_size_args
 

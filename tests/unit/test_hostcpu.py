@@ -1,4 +1,4 @@
-"""bench.hostcpu: a process that times CPU compute keeps what a step frees (no page faults per
+"""bench.runtime.hostcpu: a process that times CPU compute keeps what a step frees (no page faults per
 step), computes on one thread and flushes denormals."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from bench import hostcpu
+from bench.runtime import hostcpu
 
 # A fresh interpreter: steps of a tiny MLP's training, each allocating and freeing buffers of a
 # few MB, counting the page faults of the steps after the first few.
 _STEPS = r"""
 import json, resource, sys
 import torch
-from bench import hostcpu
+from bench.runtime import hostcpu
 steady = hostcpu.steady_allocator() if sys.argv[1] == "steady" else None
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
@@ -75,7 +75,7 @@ def test_host_cores_are_the_ones_this_process_may_use():
 # A fresh interpreter binds itself as local rank N, then starts a thread (as gloo does).
 _PIN = r"""
 import json, os, sys, threading
-from bench import hostcpu
+from bench.runtime import hostcpu
 allowed = sorted(os.sched_getaffinity(0))
 core = hostcpu.pin_to_core(int(sys.argv[1]))
 later = []
@@ -99,7 +99,7 @@ def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank
 _PRIORITY = r"""
 import json, os, sys, tempfile, time
 import torch.distributed as dist
-from bench import hostcpu
+from bench.runtime import hostcpu
 what, mode = sys.argv[1:3]
 if mode == "refuse":
     def refuse(*args):
@@ -154,7 +154,7 @@ def test_a_host_that_refuses_real_time_priority_gets_none():
 
 
 def test_gloo_workers_and_only_they_run_at_nice_minus_10_where_the_host_allows():
-    """bench.hostcpu.gloo_workers_first: the process group's workers (pt_gloo_runloop), not its
+    """bench.runtime.hostcpu.gloo_workers_first: the process group's workers (pt_gloo_runloop), not its
     transport's event loop (gloo_tcp_loop) nor any other thread."""
     out = _priority("workers_first", "allow")
     workers = {tid for tid, (name, _, _) in out["threads"].items() if name.startswith("pt_gloo")}

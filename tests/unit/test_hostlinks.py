@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench import hostlinks
-from bench.emulation import _COLLECTIVES
+from bench.runtime import hostlinks
+from bench.runtime.emulation import _COLLECTIVES
 
 
 def test_the_probe_times_every_kind_the_emulator_paces():

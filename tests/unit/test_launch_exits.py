@@ -1,11 +1,11 @@
-"""bench.launch: what the exit code of a worker that sent no traceback says in its row; how the
+"""bench.runtime.launch: what the exit code of a worker that sent no traceback says in its row; how the
 workers' server and its launcher leave."""
 
 import signal
 import subprocess
 import sys
 
-from bench.launch import _silent_exit
+from bench.runtime.launch import _silent_exit
 
 
 def test_a_silent_worker_is_named_by_its_exit_code_or_its_signal():
@@ -17,7 +17,7 @@ def test_a_silent_worker_is_named_by_its_exit_code_or_its_signal():
 
 
 _SERVER_EXIT = """
-import bench.server_exit
+import bench.runtime.server_exit
 class Held:  # what a server holds: torch, the modules it preloaded
     def __del__(self):
         print("torn down")
@@ -30,7 +30,7 @@ def test_the_workers_server_leaves_without_tearing_down_what_it_imported():
     out = subprocess.run([sys.executable, "-c", _SERVER_EXIT], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (0, "written", "")
     # without it, the interpreter's teardown runs
-    plain = subprocess.run([sys.executable, "-c", _SERVER_EXIT.replace("import bench.server_exit", "")],
+    plain = subprocess.run([sys.executable, "-c", _SERVER_EXIT.replace("import bench.runtime.server_exit", "")],
                            capture_output=True, text=True, timeout=60)
     assert plain.stdout == "writtentorn down\n"
 
@@ -40,7 +40,7 @@ def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at
     import gc
     import multiprocessing.forkserver
 
-    from bench import launch
+    from bench.runtime import launch
 
     preloads, registered = [], []
     monkeypatch.setattr(launch.mp, "get_context", lambda kind: type("Ctx", (), {
@@ -54,7 +54,7 @@ def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at
 
     for _ in range(3):  # a case each
         launch.start_server(Method(), object())
-    assert preloads[0][0] == "bench.server_exit" and registered == [gc.freeze]
+    assert preloads[0][0] == "bench.runtime.server_exit" and registered == [gc.freeze]
 
 
 def _sends_its_result(conn):
@@ -80,7 +80,7 @@ def test_a_worker_that_dies_halfway_through_a_message_fails_the_case_at_once():
 
     import pytest
 
-    from bench.launch import WorkerError, _collect
+    from bench.runtime.launch import WorkerError, _collect
 
     ctx = multiprocessing.get_context("fork")  # the workers touch no torch
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]

@@ -2,10 +2,10 @@
 
 methods.capture.Graph counts what autograd keeps from forward (kept_until), the gradients of
 activations backward holds (grads_in_flight) and where each parameter's gradient is made
-(grad_ready); bench.program.backward_sweep turns them into backward's points. Here each zoo
+(grad_ready); bench.core.program.backward_sweep turns them into backward's points. Here each zoo
 model (tiny preset) runs forward and backward for real: autograd's saved tensors (each storage
 once) must be what the graph counts, and the most tensor bytes alive beside the parameters
-(bench.tensor_memory, as a CPU rank counts them) the sweep's largest point. Byte counts, not
+(bench.runtime.tensor_memory, as a CPU rank counts them) the sweep's largest point. Byte counts, not
 timings: the same on every machine.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.cluster import ClusterSpec
-from bench.program import Affine, backward_sweep
-from bench.run import build_workload
-from bench.tensor_memory import TensorBytes
+from bench.core.cluster import ClusterSpec
+from bench.core.program import Affine, backward_sweep
+from bench.runner.case import build_workload
+from bench.runtime.tensor_memory import TensorBytes
 from methods.capture import capture
 from tests.conftest import compose_config
 

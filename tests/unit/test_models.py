@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from models.bert import BertConfig
-from models.bert_moe import MoE, BertMoEConfig, moe_capacity, replace_moe_layers
+from models.bert_moe import BertMoEConfig, MoE, moe_capacity, replace_moe_layers
 from models.common import FeedForward, TransformerBlock
 from models.vgg19 import VGG19_E_WIDTHS, VGG19Config
 from models.vit import ViTConfig

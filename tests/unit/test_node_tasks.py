@@ -1,4 +1,4 @@
-"""bench.multinode: which devices each task's torchrun starts, and its command line."""
+"""bench.runtime.multinode: which devices each task's torchrun starts, and its command line."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec, ConfigError
-from bench.multinode import NodeTask, current_task, devices_per_node, torchrun_command
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.runtime.multinode import NodeTask, current_task, devices_per_node, torchrun_command
 
 
 def _cluster(cfg_factory, name: str, *overrides: str) -> ClusterSpec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from bench import paths
+from bench.core import paths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +34,6 @@ def test_conf_ships_as_the_package_bench_conf():
 
 def test_a_checkout_reads_its_own_conf_folder():
     assert paths.IN_CHECKOUT
-    assert paths.CONF_DIR == ROOT / "conf" and paths.CONF_SOURCE == str(ROOT / "conf")
+    assert paths.CONF_DIR == ROOT / "conf" and str(ROOT / "conf") == paths.CONF_SOURCE
     assert paths.PROJECT_DIR == ROOT
     assert paths.show_path(ROOT / "conf" / "device" / "T4.yaml") == "conf/device/T4.yaml"

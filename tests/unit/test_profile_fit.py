@@ -1,7 +1,7 @@
 import pytest
 
 from bench.cost import link_bytes
-from bench.profile import fit_alpha_beta
+from bench.cost.profiles import fit_alpha_beta
 
 
 def test_the_fit_recovers_latency_and_bandwidth():
@@ -23,7 +23,7 @@ def test_a_flat_fit_falls_back_to_the_largest_size():
 
 
 def test_kendall_tau_counts_agreeing_pairs():
-    from bench.calibrate import kendall_tau
+    from bench.studies.calibration import kendall_tau
 
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1
@@ -36,7 +36,7 @@ def test_kendall_tau_counts_agreeing_pairs():
 
 
 def test_calibration_summary_has_errors_mape_and_tau():
-    from bench.calibrate import summarize
+    from bench.studies.calibration import summarize
 
     rows = [dict(model="bert", cluster="c", method=m, status="ok", iter_time_s_mean=t,
                  predicted_iter_time_s=p) for m, t, p in (("a", 1.0, 1.1), ("b", 2.0, 1.8))]
@@ -48,7 +48,7 @@ def test_calibration_summary_has_errors_mape_and_tau():
 
 
 def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
-    from bench.calibrate import summarize
+    from bench.studies.calibration import summarize
 
     def row(method, measured, predicted, predicted_compute, slow_rank_reference):
         ranks = [{"reference_s_per_iter": 0.010, "speed": 1.0},
@@ -70,8 +70,8 @@ def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
 
 
 def test_calibration_tau_counts_only_pairs_the_repeats_separate():
-    from bench.calibrate import summarize
-    from bench.stats import summarize as interval
+    from bench.records.stats import summarize as interval
+    from bench.studies.calibration import summarize
 
     def row(method, times, predicted):
         return dict(model="bert", cluster="c", method=method, status="ok", predicted_iter_time_s=predicted,
@@ -90,7 +90,7 @@ def test_calibration_tau_counts_only_pairs_the_repeats_separate():
 def test_the_compute_fit_keeps_the_fixed_cost_when_the_largest_point_is_off():
     # t = 20 us + FLOPs / 50 TFLOP/s over sizes four orders apart, the largest point 5% slow:
     # least squares of the absolute error gave 13 us; of the relative error it keeps ~20 us.
-    from bench.profile import _fit_affine
+    from bench.cost.profiles import _fit_affine
 
     points = [(x, 20e-6 + x / 50e12) for x in (5e7, 4e8, 3.2e9, 2.6e10, 2e11)]
     assert _fit_affine(points) == pytest.approx((20e-6, 50e12), rel=1e-6)
@@ -105,8 +105,9 @@ def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_po
     # did on an H200.
     import json
 
-    from bench.cluster import load_compute_profile
-    from bench.profile import fit_entry, main, refit
+    from bench.core.cluster import load_compute_profile
+    from bench.cost.profiles import fit_entry, refit
+    from bench.profile import main
 
     points = [(x, 20e-6 + x / 50e12, h) for x, h in ((5e7, 1.1e-3), (4e8, 1.0e-3), (3.2e9, 1.2e-3),
                                                      (2.6e10, 4.0e-3), (2e11, 16.8e-3))]
@@ -141,7 +142,7 @@ def test_a_profiled_cluster_file_reads_back_its_numbers_whatever_their_digits(tm
 
     import yaml
 
-    from bench.cluster import ClusterSpec
+    from bench.core.cluster import ClusterSpec
     from bench.profile import cluster_yaml
 
     fits = {"all_reduce/ring": {"bytes_per_s": 1.25e8, "latency_s": 5e-5}}

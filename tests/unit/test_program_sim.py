@@ -1,4 +1,4 @@
-"""bench.program + bench.cost: the Program format and the cost/memory model."""
+"""bench.core.program + bench.cost: the Program format and the cost/memory model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.cluster import ClusterSpec
-from bench.program import Affine, Collective, Memory, Program, Stage, data_parallel_program
+from bench.core.cluster import ClusterSpec
+from bench.core.program import Affine, Collective, Memory, Program, Stage, data_parallel_program
 from bench.cost import (
     compute_proportional_ratios,
     even_ratios,
@@ -234,7 +234,7 @@ def test_all_to_all_across_machines_shares_each_machines_link():
 @pytest.mark.parametrize("src,dst", [([500, 250, 250], [250, 250, 500]), ([1000, 0, 0], [0, 0, 1000]),
                                      ([300, 0, 700], [0, 650, 350]), ([400, 600], [400, 600])])
 def test_reshard_fractions_are_what_changes_owner(src, dst):
-    from bench.program import reshard_fractions
+    from bench.core.program import reshard_fractions
 
     def owned(lengths, i):
         start = sum(lengths[:i])
@@ -345,7 +345,7 @@ def test_backward_sweep_keeps_every_point_where_the_peak_can_fall():
     # tensors live in one of two segments, sharded by that segment's ratios.
     import random
 
-    from bench.program import backward_sweep
+    from bench.core.program import backward_sweep
 
     grads, acts = [], []
     for layer in range(6):

@@ -5,9 +5,16 @@ import subprocess
 
 import pytest
 
-from bench.records import (RunRecord, code_dirty, append_record, case_key, finished_case_keys, load_records,
-                           summarize_times)
-from bench.table import speedup
+from bench.records.rows import (
+    RunRecord,
+    append_record,
+    case_key,
+    code_dirty,
+    finished_case_keys,
+    load_records,
+    summarize_times,
+)
+from bench.records.table import speedup
 
 
 def _row(**kw):
@@ -48,7 +55,7 @@ def test_a_row_appended_after_a_torn_line_is_kept(tmp_path):
 def test_a_file_that_is_not_jsonl_loads_as_no_rows(tmp_path, caplog):
     path = tmp_path / "records.jsonl"
     path.write_bytes(b"not json\n\xff\xfe binary\n42\n[1, 2]\n{\"unclosed\": \n\n")
-    with caplog.at_level("WARNING", logger="bench.records"):
+    with caplog.at_level("WARNING", logger="bench.records.rows"):
         assert load_records(path) == []
     assert len(caplog.records) == 5  # one per line, the blank one aside
 
@@ -92,7 +99,7 @@ def test_speedup_is_throughput_over_dp_ev_on_the_same_case():
 def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
     import wandb
 
-    from bench.tracking import WandbLogger, track_case
+    from bench.records.tracking import WandbLogger, track_case
 
     def broken_init(**kwargs):
         raise RuntimeError("network down")

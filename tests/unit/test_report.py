@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import report
-from bench.records import RunRecord, append_record
+from bench import report as report_cmd
+from bench.records import report
+from bench.records.rows import RunRecord, append_record
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "results" / "figures"
@@ -49,7 +50,7 @@ def _csv(path):
 
 
 def test_report_writes_one_line_per_case_with_gaps_intervals_and_speedups(records, tmp_path):
-    assert report.main([str(records), "--out", str(tmp_path / "out")]) == 0
+    assert report_cmd.main([str(records), "--out", str(tmp_path / "out")]) == 0
     lines = {(r["method"], r["x"]): r for r in _csv(tmp_path / "out" / "fig.csv")}
     assert set(lines) == {("dp_ev", "1"), ("hap", "1"), ("dp_ev", "2"), ("hap", "2"), ("sfb", "1")}
     assert float(lines["hap", "1"]["speedup_vs_dp_ev"]) == 1.5  # the repeat row is no answer
@@ -66,8 +67,8 @@ def test_report_writes_one_line_per_case_with_gaps_intervals_and_speedups(record
 
 
 def test_the_same_records_give_the_same_bytes(records, tmp_path):
-    report.main([str(records), "--out", str(tmp_path / "a"), "--no-figure"])
-    report.main([str(records), "--out", str(tmp_path / "b"), "--no-figure"])
+    report_cmd.main([str(records), "--out", str(tmp_path / "a"), "--no-figure"])
+    report_cmd.main([str(records), "--out", str(tmp_path / "b"), "--no-figure"])
     for name in ("fig.csv", "fig_speedup.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
@@ -75,7 +76,7 @@ def test_the_same_records_give_the_same_bytes(records, tmp_path):
 def test_a_sweep_directory_is_read_through_its_job_directories(tmp_path):
     for job, method in enumerate(("dp_ev", "hap")):
         append_record(tmp_path / "sweep" / str(job) / "records.jsonl", _row(method, 1))
-    assert report.main([str(tmp_path / "sweep"), "--no-figure"]) == 0
+    assert report_cmd.main([str(tmp_path / "sweep"), "--no-figure"]) == 0
     assert [r["method"] for r in _csv(tmp_path / "sweep" / "fig.csv")] == ["dp_ev", "hap"]
 
 
@@ -107,7 +108,7 @@ def test_bad_input_is_one_line_naming_the_path_or_option(tmp_path, records):
 
 def test_report_keeps_the_figure_as_an_artifact_of_the_chosen_loggers(records, tmp_path):
     out = tmp_path / "out"
-    assert report.main([str(records), "--out", str(out), "--logger", "csv,wandb"]) == 0
+    assert report_cmd.main([str(records), "--out", str(out), "--logger", "csv,wandb"]) == 0
     kept = sorted(p.name for p in (out / "csv" / "figures" / "fig").iterdir())
     assert kept == ["fig.csv", "fig.pdf", "fig.png", "fig_speedup.csv"]
     assert (out / "csv" / "figures" / "fig" / "fig.csv").read_bytes() == (out / "fig.csv").read_bytes()
@@ -124,14 +125,14 @@ def test_an_unknown_logger_for_report_is_one_line(records, tmp_path):
 def test_a_metric_a_row_does_not_have_is_a_gap_not_an_error(tmp_path):
     path = tmp_path / "records.jsonl"
     append_record(path, _aggregate("sfb", 1, 0.1, 0.09, 0.12))  # no tokens_per_s (a vision model)
-    assert report.main([str(path), "--out", str(tmp_path), "--metric", "tokens_per_s", "--no-figure"]) == 0
+    assert report_cmd.main([str(path), "--out", str(tmp_path), "--metric", "tokens_per_s", "--no-figure"]) == 0
     (line,) = _csv(tmp_path / "fig.csv")
     assert line["value"] == "" and line["low"] == "" and line["status"] == "ok"
 
 
 def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its_values():
-    from bench.figures import sweep_points
-    from bench.run import sweep_axes
+    from bench.runner.sweep import sweep_axes
+    from bench.studies.figures import sweep_points
 
     points = sweep_points("fig_main", "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
     assert len(points) == 10  # 5 methods x 2 k, one model
@@ -140,14 +141,15 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
 
 
 def test_a_tiny_efficiency_keeps_its_digits():
-    from bench.table import _efficiency
+    from bench.records.table import _efficiency
     assert [_efficiency(v) for v in (None, 0.0, 0.31, 0.00042)] == ["-", "0.00", "0.31", "4.2e-04"]
 
 
 def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatch):
     from omegaconf import OmegaConf
-    from bench import launch
-    from bench.run import SweepSummary
+
+    from bench.runner.sweep import SweepSummary
+    from bench.runtime import launch
 
     monkeypatch.setattr(launch, "_expected", [])
     config = OmegaConf.create({"hydra": {"sweeper": {"params": {"method": "dp_ev,nosuch"}},

@@ -3,10 +3,11 @@
 dp_ev, dp_cp, deepspeed and the planner (hap and sfb build their Program with the same synthesis
 code; sfb is hap without the LP) are planned for each zoo model at the tiny and the paper preset
 on the paper's heterogeneous cluster with k = 8 (64 GPUs on 8 machines, so BERT-MoE has 128
-experts and 3 slots per expert per sequence at seq_len 128: the case of the issue, where
-DeepSpeed used to get 2.5). Their Programs must count the same FLOPs per iteration, and
-DeepSpeed's MoE all-to-alls must move the same expert buffers as the planner's. DeepSpeed's
-real MoE layer must give every expert the model's slots per sequence x the micro-batch.
+experts and 3 slots per expert per sequence at seq_len 128: the case of the issue, where a
+capacity factor not derived from the model's slots gave DeepSpeed 2.5). Their Programs must
+count the same FLOPs per iteration, and DeepSpeed's MoE all-to-alls must move the same expert
+buffers as the planner's. DeepSpeed's real MoE layer must give every expert the model's slots
+per sequence x the micro-batch.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from bench.cluster import ClusterSpec
-from bench.interfaces import Workload
-from bench.program import Program
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Workload
+from bench.core.program import Program
 from methods.capture import capture_config
 from methods.ds_zero import DeepSpeedZeRO, deepspeed_capacity, matching_capacity_factor, swap_moe_layers
 from models.bert_moe import BertMoEConfig, moe_capacity

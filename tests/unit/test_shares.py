@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from bench.shares import offsets, round_shares
+from bench.core.shares import offsets, round_shares
 
 
 def test_shares_sum_exactly_and_are_never_negative():

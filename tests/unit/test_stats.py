@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from bench.compare import aggregate_rounds
-from bench.records import RunRecord
-from bench.stats import median_interval, ranks, summarize
+from bench.records.rows import RunRecord
+from bench.records.stats import median_interval, ranks, summarize
+from bench.runner.rounds import aggregate_rounds
 
 
 @pytest.mark.parametrize("n,k,coverage", [(5, 1, 0.9375), (6, 1, 0.96875), (9, 2, 0.9609375),
@@ -84,8 +84,8 @@ def test_links_that_ran_past_their_emulated_time_are_flagged_in_the_row_and_its_
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from bench.run import fill_metrics
-    from bench.table import _status
+    from bench.records.table import _status
+    from bench.runner.execute import fill_metrics
 
     workload = SimpleNamespace(global_batch=16, targets_per_iter=16,
                                model_cfg=SimpleNamespace(tokens_per_sample=None))

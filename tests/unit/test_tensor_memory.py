@@ -1,4 +1,4 @@
-"""bench.tensor_memory: a CPU rank's live tensor bytes, counted op by op."""
+"""bench.runtime.tensor_memory: a CPU rank's live tensor bytes, counted op by op."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from bench.tensor_memory import TensorBytes
+from bench.runtime.tensor_memory import TensorBytes
 
 MIB = 2**20
 
@@ -29,7 +29,7 @@ def _two_steps(tensors: TensorBytes, model: torch.nn.Module, opt: torch.optim.Op
 
 def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
     """Parameters, gradients, two moments and the square roots torch's multi-tensor Adam takes of
-    every second moment at once: the cost model's optimizer_step (bench.program.Memory)."""
+    every second moment at once: the cost model's optimizer_step (bench.core.program.Memory)."""
     tensors = TensorBytes()
     with tensors:
         model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of parameters
@@ -43,7 +43,7 @@ def test_an_adam_step_peaks_at_five_times_the_parameters_and_keeps_three():
 def test_adam_on_cpu_steps_one_parameter_at_a_time_with_two_temporaries_of_its_size():
     """torch's default Adam on CPU tensors is the per-tensor one: the square root of a second
     moment, then its quotient, for one parameter at a time (Memory.optimizer_step(foreach=False))."""
-    from bench.program import Affine, Memory
+    from bench.core.program import Affine, Memory
 
     tensors = TensorBytes()
     with tensors:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from bench import figures
-from bench.cluster import ClusterSpec
+from bench.core.cluster import ClusterSpec
+from bench.studies import figures
 from methods.capture import capture_config
 from methods.hap import tensor_parallel as tp
 from methods.hap.runtime import FixedPlanMethod

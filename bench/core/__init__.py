@@ -1,0 +1,1 @@
+"""The domain core: interfaces with the plugins, clusters and device types, programs, shares, errors, paths."""

@@ -1,0 +1,593 @@
+"""Cluster description: machines, device types and links, validated from conf/cluster/*.yaml.
+
+It says what a cluster is; it does not run anything (bench.runtime.emulation enforces it on a host).
+Device types are data: one yaml file each under conf/device/, or inline in a cluster file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from bench.core.errors import ConfigError
+from bench.core.paths import CONF_DIR, project_path, show_path
+
+DEVICE_DIR = CONF_DIR / "device"
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One kind of accelerator. FLOP/s are fp32; memory in GiB.
+
+    `sources` says, per number field, where the number comes from (datasheet, profile, or a
+    labelled assumption). `profile` is the path of a measured compute profile, if there is one.
+    """
+
+    name: str
+    peak_flops: float | None  # datasheet peak; None where there is no datasheet (emulated CPU)
+    effective_flops: float | None  # sustained on real models; None = measured at run time
+    memory_gib: float
+    sources: dict[str, str] = field(default_factory=dict, hash=False)
+    profile: str | None = None
+    compute: ComputeProfile | None = None  # the profile file's numbers, loaded
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Measured compute of one device type (`python -m bench.profile --compute-out`).
+
+    Per op class (bench.core.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s
+    on the device; the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did
+    not measure is priced as "other". On a GPU the host queues kernels while the device runs
+    them: `dispatch_s` is the host's seconds per kernel (per class; the optimizer step's whole),
+    and a step takes at least the host's time to queue it (bench.cost.price.host_times). None
+    where the host is the device (a CPU worker) or where the profile did not measure it.
+    """
+
+    device_type: str
+    classes: tuple[tuple[str, float, float], ...]  # (op class, fixed_s, flops_per_s)
+    optimizer: tuple[float, float] | None  # (fixed_s, parameter bytes per second)
+    path: str
+    dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
+    optimizer_dispatch_s: float = 0.0
+    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.runtime.hostspeed.host_probe)
+    # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
+    # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
+    workspace_bytes: float = 0.0
+
+    def rate(self, op_class: str) -> tuple[float, float]:
+        """(fixed_s per kernel, FLOP/s) of an op class."""
+        table = {c: (f, r) for c, f, r in self.classes}
+        return table.get(op_class) or table["other"]
+
+    def dispatch_s(self, op_class: str) -> float:
+        """Host seconds to queue one kernel of an op class (0 if not measured)."""
+        table = dict(self.dispatch)
+        return table.get(op_class, table.get("other", 0.0))
+
+    def at_host_probe(self, probe_s: float) -> ComputeProfile:
+        """The same device behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe, timed
+        just before a run): every dispatch cost scaled by that over the profile's own probe, the
+        device's times unchanged. Unchanged itself where the profile has no probe or no dispatch."""
+        if not self.host_probe_s or not self.dispatch:
+            return self
+        k = probe_s / self.host_probe_s
+        return replace(self, dispatch=tuple((c, s * k) for c, s in self.dispatch),
+                       optimizer_dispatch_s=self.optimizer_dispatch_s * k, host_probe_s=probe_s)
+
+
+def _read_profile(path: str, where: str, fix: str):
+    """A profile file's JSON (path relative to the project); ConfigError naming `where`, the
+    path and `fix` when it cannot be read or does not parse."""
+    try:
+        return json.loads(project_path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+
+
+def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfile:
+    """A device type's compute profile; ConfigError naming `where`, the path and the fix when
+    it cannot be read, does not parse, lacks the "other" class, or was measured on another
+    device type."""
+    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
+           "device, or set profile: null")
+    data = _read_profile(path, where, fix)
+    if not isinstance(data, dict) or not isinstance(data.get("compute"), dict):
+        raise ConfigError(f"{where}={path!r} has no 'compute' mapping (not a compute profile); {fix}")
+    measured_on = data.get("device_type")
+    if measured_on != type_name:
+        raise ConfigError(f"{where}={path!r} was measured on device type {measured_on!r}, not "
+                          f"{type_name!r}; {fix}")
+
+    def numbers(entry: Any, key: str, rate: str) -> tuple[float, float]:
+        fixed, speed = (entry.get("fixed_s"), entry.get(rate)) if isinstance(entry, dict) else (None, None)
+        if not isinstance(fixed, (int, float)) or fixed < 0 or not isinstance(speed, (int, float)) or speed <= 0:
+            raise ConfigError(f"{where}={path!r}: {key} needs fixed_s >= 0 and {rate} > 0 (got {entry!r}); {fix}")
+        return float(fixed), float(speed)
+
+    def host(entry: Any, key: str) -> float:
+        value = entry.get("dispatch_s", 0.0) if isinstance(entry, dict) else 0.0
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{where}={path!r}: {key}.dispatch_s must be a number >= 0 (got {value!r}); {fix}")
+        return float(value)
+
+    items = sorted(data["compute"].items())
+    classes = tuple((c, *numbers(e, f"compute.{c}", "flops_per_s")) for c, e in items)
+    if "other" not in {c for c, _, _ in classes}:
+        raise ConfigError(f"{where}={path!r} has no compute.other (the class unmeasured ones fall back to); {fix}")
+    opt = data.get("optimizer")
+    optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
+    probe = data.get("host_probe_s")
+    if probe is not None and (not isinstance(probe, (int, float)) or probe <= 0):
+        raise ConfigError(f"{where}={path!r}: host_probe_s must be a number > 0 (got {probe!r}); {fix}")
+    workspace = data.get("workspace_bytes", 0.0)
+    if not isinstance(workspace, (int, float)) or workspace < 0:
+        raise ConfigError(f"{where}={path!r}: workspace_bytes must be a number >= 0 (got {workspace!r}); {fix}")
+    return ComputeProfile(type_name, classes, optimizer, str(path),
+                          tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
+                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
+                          float(workspace))
+
+
+_TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}
+_NUMBER_FIELDS = ("memory_gib", "peak_flops", "effective_flops")
+# The one type whose FLOP/s are measured at run time (ClusterSpec.with_host_speed).
+_MEASURED_TYPE = "cpu"
+# Where a cluster's ranks compute on this host (`cluster.device`): cpu worker processes, or
+# processes sharing this host's GPU (emulated clusters, under MPS) / one GPU each (real ones).
+COMPUTE_DEVICES = ("cpu", "cuda")
+
+
+@functools.cache
+def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
+    """The packaged device types, one `<name>.yaml` each in `directory`, keyed by name.
+
+    Loaded once per directory; the result is read-only. A bad file raises ConfigError naming it.
+    """
+    types = {}
+    for path in sorted(Path(directory).glob("*.yaml")):
+        where = show_path(path)
+        try:
+            cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"{where} is not valid yaml ({problem}{at}); fix or remove the file"
+            ) from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(
+                f"{where} must hold a mapping of fields ({', '.join(sorted(_TYPE_FIELDS))})"
+            )
+        if cfg.get("name") != path.stem:
+            raise ConfigError(
+                f"{where}: name={cfg.get('name')!r} differs from the file name; set "
+                f"name: {path.stem} or rename the file to <name>.yaml"
+            )
+        types[path.stem] = _device_type(cfg, path.stem, where, f"{where}: ")
+    return MappingProxyType(types)
+
+
+def _device_type(cfg: Mapping[str, Any], name: str, where: str, prefix: str) -> DeviceType:
+    """Validate one device type's fields. `where` names the type in messages and `prefix` goes
+    before each field ("conf/device/T4.yaml: " or "cluster.device_types.MyGPU.")."""
+    _check_fields(cfg, _TYPE_FIELDS, where)
+    if cfg.get("name", name) != name:
+        raise ConfigError(
+            f"{prefix}name={cfg.get('name')!r} differs from its key {name!r}; drop it or match them"
+        )
+    if cfg.get("memory_gib") is None:
+        raise ConfigError(
+            f"{prefix}memory_gib is missing; add one device's memory in GiB, e.g. memory_gib: 24"
+        )
+    numbers = {key: None if cfg.get(key) is None else _positive(cfg.get(key), prefix + key)
+               for key in _NUMBER_FIELDS}
+    if numbers["effective_flops"] is None and name != _MEASURED_TYPE:
+        also = "" if numbers["peak_flops"] is not None else ", and peak_flops from the datasheet"
+        raise ConfigError(
+            f"{prefix}effective_flops is missing; a GPU type needs the sustained FLOP/s the "
+            f"simulator uses: add effective_flops (measured, or an assumption labelled as one in "
+            f"sources){also}; only the {_MEASURED_TYPE!r} type is measured at run time"
+        )
+    sources = cfg.get("sources") or {}
+    if not isinstance(sources, Mapping):
+        raise ConfigError(
+            f"{prefix}sources={sources!r} must map each number field to where it comes from"
+        )
+    for key, text in sources.items():
+        if key not in _NUMBER_FIELDS:
+            raise ConfigError(
+                f"{prefix}sources.{key} is not a number field; valid: {', '.join(_NUMBER_FIELDS)}"
+            )
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{prefix}sources.{key}={text!r} must say where the number is from")
+    for key, value in numbers.items():
+        if value is not None and key not in sources:
+            raise ConfigError(
+                f"{prefix}sources.{key} is missing; say where {key}={value:g} comes from "
+                "(a datasheet, a profile, or 'assumption: ...')"
+            )
+    profile = cfg.get("profile")
+    if profile is not None and (not isinstance(profile, str) or not profile):
+        raise ConfigError(f"{prefix}profile={profile!r} must be a profile file's path, or null")
+    compute = None if profile is None else load_compute_profile(profile, f"{prefix}profile", name)
+    return DeviceType(name, numbers["peak_flops"], numbers["effective_flops"],
+                      numbers["memory_gib"], {str(k): v for k, v in sources.items()}, profile, compute)
+
+
+# bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
+# single calls; grouped ones are n broadcasts / reduces, priced from those kinds' fits.
+_PROFILE_FIT_KINDS = {"all_reduce/ring": "all_reduce", "all_gather/padded": "all_gather",
+                      "reduce_scatter/padded": "reduce_scatter", "all_to_all/ring": "all_to_all",
+                      "broadcast/ring": "broadcast", "reduce/ring": "reduce"}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link level. bandwidth in Gbit/s (per direction), latency in seconds.
+
+    `fits` are measured (kind, latency_s, bytes_per_s) per collective kind (from a
+    `bench.profile` file named by `profile`); a kind without one uses bandwidth and latency.
+    """
+
+    bandwidth_gbps: float
+    latency_s: float
+    fits: tuple[tuple[str, float, float], ...] = ()
+    profile: str | None = None
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    def alpha_bandwidth(self, kind: str) -> tuple[float, float]:
+        """(latency_s, bytes_per_s) of one `kind` call: its measured fit, else the link's.
+        A reduce without a fit of its own takes the broadcast's (the same pipeline reversed)."""
+        fits = {k: (a, b) for k, a, b in self.fits}
+        fit = fits.get(kind) or (fits.get("broadcast") if kind == "reduce" else None)
+        return fit or (self.latency_s, self.bytes_per_s)
+
+
+def load_link_profile(path: str, where: str) -> tuple[tuple[str, float, float], ...]:
+    """The per-kind fits of a `bench.profile` JSON file, for a link; ConfigError naming
+    `where` and the path when the file is missing, does not parse or holds no usable fit."""
+    fix = "run `python -m bench.profile --out <file>` and give that file"
+    data = _read_profile(path, where, fix)
+    fits = data.get("fits") if isinstance(data, dict) else None
+    if not isinstance(fits, dict):
+        raise ConfigError(f"{where}={path!r} has no 'fits' mapping (not a bench.profile file); {fix}")
+    out = []
+    for key, kind in _PROFILE_FIT_KINDS.items():
+        fit = fits.get(key)
+        if fit is None:
+            continue
+        lat, bps = (fit.get("latency_s"), fit.get("bytes_per_s")) if isinstance(fit, dict) else (None, None)
+        if not isinstance(lat, (int, float)) or lat < 0 or not isinstance(bps, (int, float)) or bps <= 0:
+            raise ConfigError(f"{where}={path!r}: fits.{key} needs latency_s >= 0 and bytes_per_s > 0 "
+                              f"(got {fit!r}); {fix}")
+        out.append((kind, float(lat), float(bps)))
+    if not out:
+        raise ConfigError(f"{where}={path!r} holds none of the fits {', '.join(_PROFILE_FIT_KINDS)}; {fix}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One physical device (a worker rank in real mode)."""
+
+    rank: int
+    machine: int
+    type: DeviceType
+    speed: float  # multiplier on the type's effective FLOP/s
+    step_overhead_s: float = 0.0  # seconds per training step that do not scale with the batch
+    # Seconds per parameter byte this device's optimizer step updates (emulated CPU workers: the
+    # part of the host's per-step time that a sharded parameter shrinks; step_overhead_s is the rest)
+    optimizer_s_per_byte: float = 0.0
+
+    @property
+    def effective_flops(self) -> float:
+        if self.type.effective_flops is None:
+            raise ValueError(
+                f"device type {self.type.name!r} has no FLOP/s yet: call ClusterSpec.with_host_speed"
+            )
+        return self.type.effective_flops * self.speed
+
+
+@dataclass(frozen=True)
+class MachineGroup:
+    count: int  # number of identical machines
+    device: str
+    num_devices: int  # devices per machine
+    speed: float = 1.0
+    memory_gib: float | None = None  # overrides the device type's memory
+    effective_flops: float | None = None  # overrides the type's FLOP/s (e.g. a measured profile)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    machines: tuple[MachineGroup, ...]
+    intra_machine: Link
+    inter_machine: Link
+    emulated: bool = False  # True: worker processes on this host with emulated speeds and links
+    # Where the ranks compute: "cpu" (gloo) or "cuda". Emulated clusters: cpu by default, cuda =
+    # every rank on this host's one GPU under MPS. Real clusters: cuda unless their devices are cpu.
+    # None: that default.
+    device: str | None = None
+    virtual_device: str = "machine"  # what the planner shards over: "gpu" or "machine"
+    host_flops: float | None = None  # measured FLOP/s of one host worker (emulated clusters)
+    host_step_overhead_s: float = 0.0  # measured per-step seconds of one host worker
+    # ... of which Adam's per-byte part: seconds per parameter byte, and the bytes it covered
+    host_optimizer_s_per_byte: float = 0.0
+    host_param_bytes: float = 0.0
+    # Emulated CPU clusters: the least seconds a collective of each kind takes on this host's
+    # own transport (bench.runtime.hostlinks), whatever the emulated link; priced as a floor.
+    link_floor: tuple[tuple[str, float], ...] = ()
+    # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
+    inline_types: tuple[DeviceType, ...] = ()
+    devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            object.__setattr__(self, "device", _default_device(self.emulated, self.machines))
+        devices = []
+        machine = 0
+        # The host's per-step part splits into Adam's per-byte cost over the model's parameters
+        # and the rest; a device pays the rest, and the per-byte cost over what it holds.
+        adam_s = min(self.host_optimizer_s_per_byte * self.host_param_bytes, self.host_step_overhead_s)
+        per_byte = adam_s / self.host_param_bytes if self.host_param_bytes else 0.0
+        for g in self.machines:
+            base = self.device_type(g.device)
+            dtype = replace(
+                base,
+                memory_gib=g.memory_gib if g.memory_gib is not None else base.memory_gib,
+                effective_flops=g.effective_flops or base.effective_flops or self.host_flops,
+            )
+            for _ in range(g.count):
+                for _ in range(g.num_devices):
+                    # A slower emulated device takes 1/speed as long for everything it computes.
+                    speed = g.speed
+                    host = g.device == "cpu"
+                    devices.append(Device(len(devices), machine, dtype, speed,
+                                          (self.host_step_overhead_s - adam_s) / speed if host else 0.0,
+                                          per_byte / speed if host else 0.0))
+                machine += 1
+        object.__setattr__(self, "devices", tuple(devices))
+
+    def device_type(self, name: str) -> DeviceType:
+        """The type called `name`: the cluster's own (inline) one, else the packaged one."""
+        inline = {t.name: t for t in self.inline_types}
+        return inline[name] if name in inline else device_types()[name]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_machines(self) -> int:
+        return sum(g.count for g in self.machines)
+
+    def link_between(self, ranks: list[int] | tuple[int, ...]) -> Link:
+        """The slowest link level a collective over `ranks` crosses."""
+        machines = {self.devices[r].machine for r in ranks}
+        return self.inter_machine if len(machines) > 1 else self.intra_machine
+
+    def total_effective_flops(self) -> float:
+        return sum(d.effective_flops for d in self.devices)
+
+    def with_host_speed(self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0,
+                        param_bytes: float = 0.0) -> ClusterSpec:
+        """The same cluster with the host worker's measured speed filled in (bench.runtime.hostspeed.HostSpeed:
+        its fields in order)."""
+        return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s,
+                       host_optimizer_s_per_byte=optimizer_s_per_byte, host_param_bytes=param_bytes)
+
+    def at_run_speed(self, flops: float, step_overhead_s: float) -> ClusterSpec:
+        """The same cluster at the host speed a run's own yardstick measured (whole plain steps,
+        bench.runtime.hostspeed.yardstick): Adam's per-byte part scales with the per-step part."""
+        scale = step_overhead_s / self.host_step_overhead_s if self.host_step_overhead_s else 1.0
+        return self.with_host_speed(flops, step_overhead_s, self.host_optimizer_s_per_byte * scale,
+                                    self.host_param_bytes)
+
+    def with_link_floor(self, floor: dict[str, float]) -> ClusterSpec:
+        """The same cluster with the host transport's measured floor per collective kind."""
+        return replace(self, link_floor=tuple(sorted(floor.items())))
+
+    def floor_s(self, kind: str) -> float:
+        """The host transport's least seconds for one `kind` call (0 where none was measured);
+        a reshard is one all-to-all."""
+        if not self.link_floor:  # every cluster but an emulated CPU one: the search's hot path
+            return 0.0
+        return dict(self.link_floor).get("all_to_all" if kind == "reshard" else kind, 0.0)
+
+    def with_host_probe(self, probe_s: float) -> ClusterSpec:
+        """The same cluster behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe): its
+        own device types' dispatch costs scaled by it (ComputeProfile.at_host_probe); itself
+        where no profile has a probe."""
+        types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t
+                      for t in self.inline_types)
+        return self if types == self.inline_types else replace(self, inline_types=types)
+
+    def fingerprint(self) -> str:
+        """Short hash of everything that defines the cluster (not the host measurement).
+
+        Inline device types count; packaged ones are keyed by name only. A key left at its
+        default (no inline types, the default device) is left out of the hash, so adding such a
+        key keeps the hashes already recorded in rows."""
+        body = {k: v for k, v in asdict(self).items()
+                if k not in ("devices", "host_flops", "host_step_overhead_s", "host_optimizer_s_per_byte",
+                             "host_param_bytes", "link_floor")}
+        if not self.inline_types:
+            del body["inline_types"]
+        if self.device == _default_device(self.emulated, self.machines):
+            del body["device"]  # a default key is left out: recorded hashes stay valid
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+    def describe(self) -> str:
+        parts = [
+            f"{g.count}x{g.num_devices} {g.device}" + (f"@{g.speed:g}" if g.speed != 1 else "")
+            for g in self.machines
+        ]
+        where = ""
+        if self.emulated:
+            where = ", emulated on one GPU" if self.device == "cuda" else ", emulated"
+        return f"{self.name} ({', '.join(parts)}{where})"
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> ClusterSpec:
+        """Validate a plain dict (the resolved `cluster` config group) into a ClusterSpec."""
+        name = _get(cfg, "name", str, "cluster")
+        _check_fields(cfg, _CLUSTER_FIELDS, f"cluster={name}")
+        machines_cfg = cfg.get("machines")
+        if not machines_cfg:
+            raise ConfigError(
+                f"cluster.machines={machines_cfg!r} is empty; list at least one machine group "
+                "like {count: 1, device: V100-16, num_devices: 8}"
+            )
+        inline = _inline_types(cfg.get("device_types"))
+        known = {**device_types(), **{t.name: t for t in inline}}
+        groups = []
+        for i, m in enumerate(machines_cfg):
+            where = f"cluster.machines[{i}]"
+            _check_fields(m, _MACHINE_FIELDS, where)
+            device = m.get("device")
+            if device not in known:
+                raise ConfigError(
+                    f"{where}.device={device!r} is unknown; known: {', '.join(sorted(known))}; "
+                    f"define it under cluster.device_types or in conf/device/{device}.yaml"
+                )
+            count = _positive_int(m.get("count", 1), f"{where}.count")
+            num = _positive_int(m.get("num_devices"), f"{where}.num_devices")
+            speed = _positive(m.get("speed", 1.0), f"{where}.speed")
+            mem, flops = m.get("memory_gib"), m.get("effective_flops")
+            if mem is not None:
+                mem = _positive(mem, f"{where}.memory_gib")
+            if flops is not None:
+                flops = _positive(flops, f"{where}.effective_flops")
+            groups.append(MachineGroup(count, device, num, speed, mem, flops))
+        links = {}
+        for level in ("intra_machine", "inter_machine"):
+            lc = cfg.get("links", {}).get(level)
+            if lc is None:
+                raise ConfigError(
+                    f"cluster.links.{level} is missing; give bandwidth_gbps and latency_s"
+                )
+            bw = _positive(lc.get("bandwidth_gbps"), f"cluster.links.{level}.bandwidth_gbps")
+            lat = lc.get("latency_s")
+            if not isinstance(lat, (int, float)) or isinstance(lat, bool) or lat < 0:
+                raise ConfigError(
+                    f"cluster.links.{level}.latency_s={lat!r} must be a number >= 0 (seconds)"
+                )
+            _check_fields(lc, {"bandwidth_gbps", "latency_s", "profile"}, f"cluster.links.{level}")
+            profile = lc.get("profile")
+            fits = () if profile is None else load_link_profile(profile, f"cluster.links.{level}.profile")
+            links[level] = Link(float(bw), float(lat), fits, profile)
+        virtual = cfg.get("virtual_device", "machine")
+        if virtual not in ("gpu", "machine"):
+            raise ConfigError(
+                f"cluster.virtual_device={virtual!r} is invalid; use 'gpu' or 'machine'"
+            )
+        emulated = bool(cfg.get("emulated", False))
+        device = cfg.get("device", _default_device(emulated, groups))
+        if device not in COMPUTE_DEVICES:
+            raise ConfigError(
+                f"cluster.device={device!r} is invalid; use cpu (worker processes on this host's "
+                "cores) or cuda (emulated: every rank on this host's GPU under MPS)"
+            )
+        spec = cls(
+            name=name,
+            machines=tuple(groups),
+            intra_machine=links["intra_machine"],
+            inter_machine=links["inter_machine"],
+            emulated=emulated,
+            device=device,
+            virtual_device=virtual,
+            inline_types=inline,
+        )
+        expected = cfg.get("num_devices")
+        if expected is not None and expected != spec.num_devices:
+            raise ConfigError(
+                f"cluster.num_devices={expected!r} does not add up: the machine groups hold "
+                f"{spec.num_devices} devices; fix the counts or drop num_devices"
+            )
+        types = sorted({g.device for g in groups})
+        if spec.emulated and device == "cpu" and types != ["cpu"]:
+            raise ConfigError(
+                f"cluster.emulated=true with cluster.device=cpu needs device 'cpu' on every machine "
+                f"(got {types}); emulated devices differ by `speed`, or set cluster.device=cuda to "
+                "share this host's GPU"
+            )
+        if spec.emulated and device == "cuda" and "cpu" in types:
+            raise ConfigError(
+                f"cluster.device=cuda runs the emulated ranks on a GPU, but the machines say device "
+                f"'cpu' (got {types}); give them this GPU's type (e.g. H100-80) or set cluster.device=cpu"
+            )
+        return spec
+
+
+_MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
+_CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
+                   "gpus_per_machine", "device_types", "device"}
+
+
+def _default_device(emulated: bool, machines) -> str:
+    """cpu for emulated clusters and for clusters of cpu devices; cuda for real GPU clusters."""
+    if emulated or all(g.device == _MEASURED_TYPE for g in machines):
+        return "cpu"
+    return "cuda"
+
+
+def _inline_types(cfg: Any) -> tuple[DeviceType, ...]:
+    """Validate `cluster.device_types`: {name: {memory_gib, peak_flops, effective_flops, ...}}."""
+    if cfg is None:
+        return ()
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(
+            f"cluster.device_types={cfg!r} must map type names to fields, e.g. "
+            "{MyGPU: {memory_gib: 24, effective_flops: 5.0e12, sources: {...}}}"
+        )
+    types = []
+    for name, fields in cfg.items():
+        where = f"cluster.device_types.{name}"
+        if not isinstance(fields, Mapping):
+            raise ConfigError(f"{where}={fields!r} must be a mapping of the type's fields")
+        types.append(_device_type(fields, str(name), where, f"{where}."))
+    return tuple(types)
+
+
+def _check_fields(cfg: Mapping[str, Any], valid: set[str], where: str) -> None:
+    unknown = set(cfg) - valid
+    if unknown:
+        raise ConfigError(f"{where} has unknown field(s) {sorted(unknown)}; valid: "
+                          f"{', '.join(sorted(valid))}")
+
+
+def _get(cfg: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
+    value = cfg.get(key)
+    if not isinstance(value, typ) or not value:
+        raise ConfigError(f"{where}.{key}={value!r} must be a non-empty {typ.__name__}")
+    return value
+
+
+def _positive(value: Any, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{where}={value!r} must be a number > 0")
+    return float(value)
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}={value!r} must be an integer >= 1")
+    return value

@@ -1,0 +1,1 @@
+"""From a config to rows: settings, config composition, case preparation, execution, rounds, sweeps."""

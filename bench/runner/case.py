@@ -1,0 +1,241 @@
+"""Preparing one case before any worker starts: validate, build the workload, measure the host, plan.
+
+It fills the case's row with everything known before training (plan, prediction, hardware);
+running the workers and reading their results is bench.runner.execute's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import time
+
+from omegaconf import DictConfig, OmegaConf
+
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Workload
+from bench.cost import simulate
+from bench.cost.flops import train_flops_per_sample
+from bench.records.rows import (
+    RunRecord,
+    case_key,
+    fingerprint,
+)
+from bench.runner.configs import instantiate_plugin
+from bench.runner.settings import check_protocol, emulation_settings
+from bench.runtime.emulation import EmulationSettings
+from bench.runtime.hostlinks import host_floor
+from bench.runtime.hostspeed import measure_host_speed, split_step
+from bench.runtime.launch import (
+    forks_workers,
+    start_server,
+    wait_for_server,
+)
+from bench.runtime.worker import (
+    Case,
+)
+
+
+def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
+    return workload_from(cfg, *check_workload(cfg, cluster))
+
+
+def check_workload(cfg: DictConfig, cluster: ClusterSpec) -> tuple[object, int, dict]:
+    """The case's model spec, global batch and data, each checked (a ConfigError of one line)."""
+    model_cfg = instantiate_plugin(cfg.model.spec, "model.spec", num_devices=cluster.num_devices)
+    n = cluster.num_devices
+    batch = cfg.global_batch if cfg.global_batch is not None else cfg.preset.batch_per_device * n
+    if not isinstance(batch, int) or batch < n:
+        raise ConfigError(
+            f"global_batch={batch!r} is smaller than the {n} devices of cluster={cluster.name}; "
+            f"every device needs a sample: set global_batch>={n} (or preset.batch_per_device>=1)"
+        )
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    try:  # open the data once here: a wrong source, path or file fails before workers start
+        model_cfg.dataset(data["source"], data["path"], data["split"], cfg.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("\n", " ")) from None
+    return model_cfg, batch, data
+
+
+def workload_from(cfg: DictConfig, model_cfg, batch: int, data: dict) -> Workload:
+    """The workload of checked parts (check_workload); counts its FLOPs (seconds for a big model)."""
+    return Workload(
+        name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
+        flops_per_sample=train_flops_per_sample(model_cfg), data=data,
+    )
+
+
+def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
+    import torch
+
+    if cluster.emulated and cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"cluster.device=cuda (cluster={cluster.name}) needs a CUDA GPU, but torch "
+                f"{torch.__version__} sees none (CUDA build: {torch.version.cuda or 'no'}); use "
+                "an emulated cluster with device: cpu (e.g. cluster=local_hetero2) or run on a GPU host"
+            )
+        from bench.runtime.mps import control_binary
+
+        control_binary()  # one line when MPS is not installed
+        return
+    if world_size is not None:  # torchrun: one process per device, possibly across hosts
+        if world_size != cluster.num_devices:
+            raise ConfigError(
+                f"cluster={cluster.name} has {cluster.num_devices} devices but torchrun started "
+                f"{world_size} processes; set --nnodes x --nproc-per-node to {cluster.num_devices}"
+            )
+        return
+    if cluster.emulated or torch.cuda.device_count() >= cluster.num_devices:
+        return
+    raise ConfigError(
+        f"cluster={cluster.name} has {cluster.num_devices} GPUs but this host has "
+        f"{torch.cuda.device_count()}; use an emulated cluster (local_*), run under torchrun "
+        "on the real cluster, or mode=sim"
+    )
+
+
+def new_record(cfg: DictConfig) -> RunRecord:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    sweep_id, output_dir = hydra_job()
+    return RunRecord(
+        model=cfg.model.name, preset=cfg.preset.name, cluster=cfg.cluster.name,
+        method=cfg.method.name, mode=cfg.mode, status="failed",
+        origin="measured" if cfg.mode == "real" else "simulated",
+        warmup_iters=cfg.warmup_iters, measured_iters=cfg.measured_iters,
+        case_key=case_key(config), config=config, sweep_id=sweep_id, output_dir=output_dir,
+        **fingerprint(),
+    )
+
+
+def hydra_job() -> tuple[str | None, str | None]:
+    """(sweep id, output directory) of the Hydra job this process runs, if any: a --multirun
+    sweep is identified by its sweep directory; a single run has no sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None
+    hc = HydraConfig.get()
+    # A config composed for a tool (compose_config) has a Hydra node but no job: no output dir.
+    output_dir = OmegaConf.select(hc, "runtime.output_dir", default=None, throw_on_missing=False)
+    if output_dir is None:
+        return None, None
+    return (hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None), output_dir
+
+
+def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None,
+                 launching: bool = False) -> Case:
+    """Validate, measure the host, plan: everything before workers start. Fills `record`.
+
+    `launching`: this process launches the case's workers next (bench.runtime.launch.launch); when they
+    fork from a server on the CPU, it starts here, as soon as the case is valid, so that its
+    seconds of imports overlap the FLOP count (start_server)."""
+    check_protocol(cfg)
+    cluster = ClusterSpec.from_config(record.config["cluster"])
+    record.cluster_hash = cluster.fingerprint()
+    record.num_devices = cluster.num_devices
+    method = instantiate_plugin(cfg.method, "method")
+    if cfg.mode not in getattr(method, "modes", ("real",)):
+        raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
+                          f"supports {', '.join(method.modes)}")
+    model_cfg, record.global_batch, data = check_workload(cfg, cluster)
+    if cfg.mode == "real":
+        check_hardware(cluster, world_size)
+    # Validated for this cluster before any worker starts (realtime_comm needs a core per rank).
+    emulation = emulation_settings(cfg, cluster.num_devices) if cluster.emulated else None
+    forked = launching and forks_workers(cluster)
+    if forked:
+        start_server(method, model_cfg)
+    workload = workload_from(cfg, model_cfg, record.global_batch, data)
+    record.flops_per_iter = workload.flops_per_iter
+    if forked:
+        wait_for_server()  # the host's speed and the planner's time are measured on a quiet host
+    if cluster.emulated and cluster.device == "cpu":
+        per_device = -(-workload.global_batch // cluster.num_devices)
+        speed = measure_host_speed(workload, per_device, cfg.seed)
+        record.host_flops_per_s, record.host_step_overhead_s = speed.flops_per_s, speed.step_overhead_s
+        record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
+        cluster = cluster.with_host_speed(*speed)
+        if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
+            record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None,
+                                                  emulation.realtime_comm, emulation.gloo_workers_first)
+            cluster = cluster.with_link_floor(record.host_link_floor_s)
+    record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
+    record.hardware = hardware_description(cluster) if cfg.mode == "real" else (
+        f"simulated {cluster.describe()}, planned on {platform.node()}")
+    start = time.perf_counter()
+    plan = method.plan(workload, cluster)
+    record.planner_time_s = time.perf_counter() - start
+    record.plan = plan.details
+    record.plan_hash = plan_hash(plan)
+    record.batch_shares = plan.batch_shares
+    if plan.program is not None:
+        sim = simulate(plan.program, cluster, plan.ratios)
+        record.predicted_iter_time_s = sim.iter_time_s
+        record.predicted_compute_s = compute_s(sim)
+        record.predicted_peak_mem_gib = sim.peak_mem_gib
+        record.predicted_oom = sim.oom
+    if emulation is not None and cluster.device == "cuda":
+        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.runtime.emulation).
+        emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
+    record.emulation = None if emulation is None else {
+        "device": cluster.device, "headroom": emulation.headroom,
+        "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores,
+        "pause_discount": emulation.pause_discount, "realtime_comm": emulation.realtime_comm,
+        "gloo_workers_first": emulation.gloo_workers_first}
+    return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
+                fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
+                precision=cfg.precision, oom_rank=cfg.test.oom_rank)
+
+
+def compute_s(sim) -> float:
+    """The compute part of a prediction: per stage the slowest device's, summed, plus the
+    per-step part of a device's compute (optimizer, dispatch, the method's host work), which
+    is charged once at the end."""
+    return sim.compute_time_s + sim.per_step_s
+
+
+def predict_at_run_speed(record: RunRecord, case: Case) -> None:
+    """An emulated CPU run's prediction priced at the host speed its own ranks measured just
+    before their reference iterations (bench.runtime.hostspeed.yardstick: plain steps of the model, not the
+    method's program; the median over ranks). `planned_iter_time_s` keeps the price at the
+    parent's probe, which the planner planned with."""
+    ranks = (record.emulation or {}).get("ranks") or []
+    sticks = [r.get("yardstick") for r in ranks]
+    if case.plan.program is None or not sticks or not all(sticks):
+        return
+    models = [split_step(case.workload, s["batch"], s["seconds"]) for s in sticks]
+    record.run_host_flops_per_s = statistics.median(m[0] for m in models)
+    record.run_host_step_overhead_s = statistics.median(m[1] for m in models)
+    cluster = case.cluster.at_run_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
+    sim = simulate(case.plan.program, cluster, case.plan.ratios)
+    record.planned_iter_time_s = record.predicted_iter_time_s
+    record.predicted_iter_time_s = sim.iter_time_s
+    record.predicted_compute_s = compute_s(sim)
+
+
+def plan_hash(plan) -> str:
+    """Identity of a plan's decisions (shares, ratios, synthesized steps), not of its
+    bookkeeping: timings and predictions from a measured host speed vary between runs."""
+    ratios = [[round(r, 6) for r in row] for row in plan.ratios or []]
+    body = [plan.method, plan.batch_shares, ratios, plan.details.get("steps")]
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def hardware_description(cluster: ClusterSpec) -> str:
+    import torch
+
+    if cluster.emulated and cluster.device == "cuda":
+        return (f"{torch.cuda.get_device_name(0)} shared by {cluster.num_devices} MPS workers "
+                f"(emulated {cluster.describe()})")
+    if cluster.emulated:
+        return f"cpu x{cluster.num_devices} workers (emulated {cluster.describe()})"
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()} per host"
+    return "cpu"

@@ -1,0 +1,333 @@
+"""Start one worker process per device on this host and watch them.
+
+A failing worker ends the whole case: the others are terminated (then killed), its traceback is
+raised as WorkerError (WorkerOutOfMemory when it ran out of memory). An emulated cluster on a GPU
+runs inside a private MPS daemon (bench.runtime.mps), each worker with its SM share. Across hosts
+use torchrun instead (docs/multinode.md); this is not a launcher for many machines.
+
+Workers that compute on the CPU fork from a server process (multiprocessing's forkserver) that
+has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
+case's method and model, once per launcher and with GPUs hidden; a series of cases names the
+methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports
+theirs too. Those imports take seconds, so the runner starts the server while it prepares the
+first case (start_server), and they run beside the FLOP count. (Not the launcher's main module:
+each forked process runs it again as __mp_main__, and runpy warns when it finds that module
+imported.) Each worker freezes what it inherits (gc.freeze), so its collections never walk the
+server's objects. A forked worker starts within a fraction of a second, where a spawned one
+spends seconds importing and tearing its interpreter down in every case, and it leaves with
+os._exit, as multiprocessing ends its forked children. The server leaves the same way
+(bench.runtime.server_exit) and the launcher freezes its heap before its interpreter's last
+collections, so a runner's pipes close as soon as it ends (results/harness/
+20261127-forked-workers.md, 20261127-preparation-costs.md). A forked worker takes the launcher's
+environment and working directory as they are when the case starts, as a spawned one would; only
+what torch reads at import comes from the server's start. Workers that compute on a GPU are
+spawned (CUDA must not be initialised in a process that forks; a server for them has not been
+tried on a GPU host).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import faulthandler
+import gc
+import multiprocessing.forkserver
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.core.cluster import ClusterSpec
+from bench.runtime import mps
+from bench.runtime.emulation import ArrivalBoard
+from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
+
+_TERMINATE_GRACE_S = 3.0
+# The process that imported this module first; in a worker forked from the server, the server.
+_IMPORTED_BY = os.getpid()
+
+
+class WorkerError(RuntimeError):
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+class WorkerOutOfMemory(WorkerError):
+    def __init__(self, rank: int, detail: str, peak_mem_gib: float):
+        super().__init__(rank, detail)
+        self.peak_mem_gib = peak_mem_gib
+
+
+class CaseTimeout(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker if the launching process dies (no orphans).
+
+    The request only covers a death after it is made; a launcher that died while this worker
+    was still starting (importing torch takes seconds) is caught by the check that follows.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _release_server() -> None:
+    """The server exits when the last copy of its launcher's end of a pipe closes, and
+    multiprocessing hands each forked worker a copy (for workers that fork their own); a worker
+    that keeps it, its launcher killed, keeps the server and so itself alive. Closed, the
+    server goes with the launcher, and the worker with the server (PR_SET_PDEATHSIG)."""
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
+           env: dict[str, str], cwd: str) -> None:
+    # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
+    assert not torch.cuda.is_initialized(), "CUDA initialised before the rank's environment"
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # A worker that dies in native code (an abort, a segfault) prints where each of its Python
+    # threads was to its stderr, the launcher's: the row can only say which signal ended it.
+    faulthandler.enable(all_threads=True)
+    forked = os.getpid() != _IMPORTED_BY  # a spawned worker imported this module itself
+    # A forked worker's parent is the server, which exits when the launcher does.
+    _die_with_parent(_IMPORTED_BY if forked else launcher)
+    if forked:
+        _release_server()
+    # What exists at this point (the server's imports, the case) is never garbage: no collection
+    # scans it again, the one at a rank's end (run_rank) included
+    # (results/harness/20261127-preparation-costs.md).
+    gc.freeze()
+    try:
+        report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
+        # A forked worker ends by os._exit (the server's children run no destructors): it can
+        # keep its process group past destroy_process_group (run_rank's keep_group).
+        result = run_rank(case, rank, world_size, local_rank=rank, progress=report, keep_group=forked)
+        messages.send(("result", rank, result))
+    except RankOutOfMemory as exc:
+        messages.send(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
+        raise SystemExit(1) from None
+    except BaseException:
+        messages.send(("error", rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        messages.close()
+
+
+def launch(case: Case, world_size: int, timeout_s: float,
+           on_progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Run `case` on `world_size` local workers; returns their results ordered by rank.
+
+    An emulated cluster with `device: cuda` runs under its own MPS daemon, stopped when the
+    case ends, failed or not; ConfigError (one line) when MPS is not installed. The workers of
+    a cluster that computes on the CPU see no GPU (CPU_ONLY_ENV)."""
+    on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
+    with (mps.mps_daemon() if on_gpu else contextlib.nullcontext()) as dirs:
+        return _run_workers(case, world_size, timeout_s, on_progress, rank_envs(case.cluster, world_size, dirs))
+
+
+def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] | None) -> list[dict[str, str]]:
+    """What each worker adds to its environment first: its MPS share on a shared GPU, no GPU
+    at all on a cluster that computes on the CPU, nothing on real GPUs."""
+    if mps_dirs is not None:
+        return mps.worker_envs(cluster, *mps_dirs)
+    return [dict(CPU_ONLY_ENV) if cluster.device == "cpu" else {} for _ in range(world_size)]
+
+
+# Modules of cases this process will launch later (expect_modules), preloaded with the first's.
+_expected: list[str] = []
+
+
+def expect_modules(*modules: str) -> None:
+    """Name modules that the workers of a later case import (its method's), so that
+    the server imports them once when it starts instead of every such worker importing them
+    itself. Too late once the server runs."""
+    _expected.extend(m for m in modules if m not in _expected)
+
+
+def start_server(method, model_cfg) -> None:
+    """Start the server CPU workers fork from (see the module's docstring), preloading the
+    modules of the case's method (method_modules) and model and those expected (expect_modules)
+    besides torch and this module, unless it runs already. Returns at once: the server imports
+    for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile). It lives
+    as long as this process; a later case's modules that it did not preload are imported by
+    each of that case's workers."""
+    modules = [*method_modules(type(method)), type(model_cfg).__module__]
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["bench.runtime.server_exit", __name__, "torch._dynamo", *modules, *_expected])
+    saved = dict(os.environ)
+    os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # This process too holds torch and what the cases made: at its exit, the interpreter's last
+    # collections would walk all of it; frozen, they skip it (results/harness/20261127-preparation-costs.md).
+    atexit.unregister(gc.freeze)  # once, however many cases start it
+    atexit.register(gc.freeze)
+
+
+def method_modules(method) -> list[str]:
+    """The modules a method's workers import: its own and those it names in `worker_modules`
+    (what its set-up imports late: DeepSpeed's engine imports torch's compiler, seconds in every
+    worker). `method`: its class, or the function a config names that makes it."""
+    return [method.__module__, *getattr(method, "worker_modules", ())]
+
+
+def _exit_at_once() -> None:
+    os._exit(0)
+
+
+def wait_for_server() -> None:
+    """Return once the server has imported what it preloads, so that a timing taken next (the
+    host's speed, the planner's time) has both cores to itself: its first fork comes only then."""
+    probe = mp.get_context("forkserver").Process(target=_exit_at_once, daemon=True)
+    probe.start()
+    probe.join()
+
+
+def forks_workers(cluster: ClusterSpec) -> bool:
+    """Whether this launcher forks the cluster's workers from the server: those that compute on
+    the CPU; workers on a GPU are spawned."""
+    return cluster.device == "cpu"
+
+
+def _context(case: Case):
+    """Fork CPU workers from the server (start_server); spawn the rest."""
+    if not forks_workers(case.cluster):
+        return mp.get_context("spawn")
+    start_server(case.method, case.workload.model_cfg)
+    return mp.get_context("forkserver")
+
+
+def _run_workers(case: Case, world_size: int, timeout_s: float,
+                 on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
+    ctx = _context(case)
+    # A pipe per worker, its writing end held by that worker alone once it has started: a worker
+    # that dies, even halfway through a message, ends its pipe (a queue's pipe, which the
+    # launcher also holds open for writing, left a launcher blocked mid-read for good).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    port = _free_port()
+    board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
+    procs = [
+        ctx.Process(target=_entry, daemon=True,
+                    args=(r, world_size, case, pipes[r][1], os.getpid(), {**common, **envs[r]}, os.getcwd()))
+        for r in range(world_size)
+    ]
+    for p, (_, writer) in zip(procs, pipes):
+        p.start()
+        writer.close()
+    try:
+        results = _collect(procs, [reader for reader, _ in pipes], timeout_s, on_progress)
+        for p in procs:
+            p.join(timeout=10)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        board.unlink(missing_ok=True)
+        for reader, _ in pipes:
+            reader.close()
+
+
+def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None] | None) -> dict[int, dict]:
+    """Each worker's result, read from its pipe (rank r writes readers[r]'s other end) until
+    every rank has sent one. A rank whose pipe ends first failed: WorkerError, with its
+    traceback when it sent one, else what its exit says; after `timeout_s`, CaseTimeout."""
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, dict] = {}
+    open_ = {conn: r for r, conn in enumerate(readers)}
+    while len(results) < len(procs):
+        ready = wait(list(open_), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready and time.monotonic() > deadline:
+            raise CaseTimeout(f"case did not finish within timeout_s={timeout_s:g}")
+        for conn in ready:
+            r = open_[conn]
+            try:
+                kind, rank, payload = conn.recv()
+            except (EOFError, OSError):  # ended, between messages or inside one
+                del open_[conn]
+                if r in results:
+                    continue
+                procs[r].join(timeout=1.0)  # its pipe closes as it exits: its exit code
+                code = procs[r].exitcode
+                raise WorkerError(r, "closed its pipe without a result" if code is None else _silent_exit(code)) from None
+            if kind == "progress":
+                if on_progress:
+                    on_progress(payload)
+            elif kind == "result":
+                results[rank] = payload
+            elif kind == "oom":
+                raise WorkerOutOfMemory(rank, payload["detail"], payload["peak_mem_gib"])
+            else:
+                raise _first_cause(procs, WorkerError(rank, payload))
+    return results
+
+
+def _first_cause(procs, error: WorkerError) -> WorkerError:
+    """The failure to report for `error`: a worker killed by a signal sends nothing, and its
+    peers' collectives then break, so the first traceback to arrive may be a consequence.
+    Waits a second for such a death before taking `error` as the cause."""
+    end = time.monotonic() + 1.0
+    while True:
+        killed = [(r, p.exitcode) for r, p in enumerate(procs) if (p.exitcode or 0) < 0]
+        if killed:
+            rank, code = killed[0]
+            then = (error.detail.strip().splitlines() or [""])[-1]
+            return WorkerError(rank, f"{_silent_exit(code)}\n(after it, rank {error.rank} failed: {then})")
+        if time.monotonic() > end:
+            return error
+        time.sleep(0.05)
+
+
+def _silent_exit(code: int) -> str:
+    """What the exit code of a worker that sent no traceback says about its end."""
+    if code >= 0:
+        return f"exited with code {code} and no traceback"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-code}"
+    if -code == signal.SIGKILL:
+        return f"killed by {name} (by the kernel when out of memory, or by someone)"
+    return (f"killed by {name}, in native code or from outside; where its Python threads were is "
+            "in the log, after 'Fatal Python error'")
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

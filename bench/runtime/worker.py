@@ -1,0 +1,358 @@
+"""One rank of a real run: join the process group, set the method up, time the iterations.
+
+The same function runs under bench.runtime.launch (spawned workers on one host, gloo) and under
+torchrun (one process per GPU or per host, env:// rendezvous, NCCL on GPUs). It applies the
+case's precision around every method's step and reports an out-of-memory rank distinctly; it
+does not start processes or MPS (bench.runtime.launch does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import resource
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.core.cluster import ClusterSpec
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.shares import offsets
+from bench.runtime import hostcpu
+from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
+from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
+from bench.runtime.tensor_memory import TensorBytes
+
+
+@dataclass
+class Case:
+    """Everything a rank needs; picklable, so it travels to spawned workers."""
+
+    workload: Workload
+    cluster: ClusterSpec
+    method: Any  # a bench.core.interfaces.Method
+    plan: Plan
+    seed: int
+    warmup_iters: int
+    measured_iters: int
+    return_state: bool = False  # tests: send back rank 0's gradients and parameters
+    fail_rank: int | None = None  # tests: this rank raises at its first iteration
+    emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
+    slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
+    precision: str = "fp32"  # one of PRECISIONS
+    oom_rank: int | None = None  # tests: this rank asks for more memory than exists, first iteration
+
+
+# fp32: true fp32 everywhere (the paper's setting; TF32 off for matmuls and cuDNN);
+# tf32: fp32 tensors, TF32 tensor-core matmuls and convolutions; bf16: torch.autocast to bfloat16.
+PRECISIONS = ("fp32", "tf32", "bf16")
+# Bytes the oom_rank test hook asks for: 1 PiB, more than any device holds and more than a
+# 48-bit address space maps, so the allocator itself refuses (no overcommit lets it through).
+_IMPOSSIBLE_BYTES = 2**50
+
+
+class RankOutOfMemory(RuntimeError):
+    """A rank ran out of device (or host) memory; carries its peak memory so far."""
+
+    def __init__(self, rank: int, peak_mem_gib: float, detail: str):
+        super().__init__(f"rank {rank} ran out of memory (peak {peak_mem_gib:.2f} GiB):\n{detail}")
+        self.rank, self.peak_mem_gib, self.detail = rank, peak_mem_gib, detail
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or torch's CPU allocator refusing (a
+    RuntimeError that names it: the CPU allocator has no exception type of its own)."""
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def pick_device(local_rank: int, cluster: ClusterSpec | None = None) -> torch.device:
+    """cpu for a cluster that computes on cpu (emulated by default); an emulated cuda cluster
+    puts every rank on GPU 0 (MPS shares it); otherwise one GPU per local rank when there are GPUs."""
+    if cluster is not None and cluster.device == "cpu":
+        return torch.device("cpu")
+    if cluster is not None and cluster.emulated:
+        return torch.device("cuda", 0)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(rank: int, world_size: int, device: torch.device, backend: str | None = None) -> None:
+    """env:// rendezvous (MASTER_ADDR/PORT set by bench.runtime.launch or torchrun). Default backend:
+    NCCL on a GPU, gloo on the CPU."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+# What a rank of a cluster that computes on the CPU sets before anything touches CUDA: it sees no
+# GPU, so no library picks one behind the harness's back (on a GPU host DeepSpeed's engine took
+# CUDA and set the device to the local rank: "invalid device ordinal" for rank 1 of 2).
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def backend_for(cluster: ClusterSpec, device: torch.device) -> str:
+    """gloo for emulated clusters: NCCL refuses two ranks of one communicator on one GPU, and
+    gloo takes CUDA tensors (it copies them through host memory itself)."""
+    return "gloo" if cluster.emulated or device.type == "cpu" else "nccl"
+
+
+def set_precision(precision: str) -> None:
+    """The TF32 switches for `precision` (they only act on CUDA; set everywhere, so the row's
+    flags say what a GPU would have done). bf16's autocast is entered per step (step_context)."""
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def step_context(precision: str, device: torch.device):
+    """What each training step runs inside: autocast to bfloat16 on the rank's device type for
+    bf16. Around the whole step (forward, backward, optimizer), because the methods' steps are
+    opaque to the worker; backward ops then run in the dtypes autocast chose in forward and the
+    optimizer's fp32 parameter math is on no autocast list, so it stays fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def precision_in_force(precision: str, device: torch.device) -> dict:
+    """The precision settings as torch reports them (call inside step_context)."""
+    autocast = torch.is_autocast_enabled(device.type)
+    return {
+        "precision": precision,
+        "autocast_dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.") if autocast else None,
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+def rank_hardware(device: torch.device) -> dict:
+    """What this rank ran on: the GPU (name, memory, driver, CUDA, NCCL) or the CPU (model,
+    cores). Driver only through nvidia-ml-py (pynvml) when it is installed; else null."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+        return {
+            "device": "cuda", "name": props.name, "memory_gib": props.total_memory / 2**30,
+            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+            "driver": _nvidia_driver(), "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+            "mps_active_thread_percentage": _env_number("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        }
+    return {"device": "cpu", "name": hostcpu.cpu_model(), "cores": os.cpu_count(),
+            "cores_usable": hostcpu.host_cores(), "threads": torch.get_num_threads()}
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return version.decode() if isinstance(version, bytes) else version
+
+
+def _env_number(name: str) -> float | None:
+    value = os.environ.get(name)
+    return None if value is None else float(value)
+
+
+def peak_mem_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def _busy(seconds: float) -> None:
+    """Spin for `seconds` (a deliberate, uniform slowdown of the loop: regression demos)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: int) -> None:
+    """A rank whose reference iterations waited (on peers with more work, on the loopback
+    collectives) for a quarter of its compute or more measures how much slower a plain step at
+    its share runs after that pause, and discounts its reference by it
+    (Emulator.discount_reference). When any rank does, every rank probes at once, so that the
+    host is as loaded as in training (as for the yardstick); when none does, none probes."""
+    pause, step = emulator.reference_pause_s, emulator.reference_step_s
+    due = pause is not None and step > 0 and pause >= PAUSE_PROBE_MIN_SHARE * step  # a pause means a reference
+    with emulator.paused():  # neither the collectives nor the probe are an iteration's
+        flags = [False] * dist.get_world_size()
+        dist.all_gather_object(flags, due)
+        if not any(flags):
+            return
+        probe = pause_penalty(workload, share, seed, pause or 0.0)
+        dist.barrier()
+    if step is not None:  # a rank with no reference (no compute interval) has nothing to discount
+        emulator.discount_reference(probe, apply=due)
+
+
+# Process groups a launched worker keeps after destroying them (run_rank(keep_group=True)).
+_RETIRED_GROUPS: list = []
+
+
+def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
+             progress: Callable[[int], None] | None = None, gather: bool = False, keep_group: bool = False):
+    """Train `case` on this rank; returns plain numbers (safe to send between processes).
+
+    With gather=True (torchrun), rank 0 returns every rank's result and the others None.
+    keep_group: hold a reference to the destroyed process group until the process ends, for a
+    worker that ends without running destructors (bench.runtime.launch's forked ones, by os._exit). A gloo work
+    that completes after destroy_process_group can otherwise drop the group's last reference
+    on one of the group's own threads, whose destructor then joins that thread: "terminate
+    called after throwing an instance of 'std::system_error' / Resource deadlock avoided",
+    rank 0 of a dp_cp case aborted while sending its result (once in about 700 launches).
+    """
+    device = pick_device(local_rank, case.cluster)
+    emulated = case.cluster.emulated
+    # On a GPU, compute runs at the rank's MPS share (real kernels, bench.runtime.launch): only links
+    # are emulated. On the CPU, slow ranks sleep their compute out.
+    pace_compute = emulated and device.type == "cpu"
+    # One core per CPU device (slow ranks sleep, not spin), denormals flushed, a steady malloc.
+    hostcpu.configure_process(one_thread=device.type == "cpu")
+    # Bound before the process group starts, so that gloo's threads share the rank's core.
+    pin = pace_compute and (case.emulation or EmulationSettings()).pin_cores
+    core = hostcpu.pin_to_core(local_rank) if pin else None
+    set_precision(case.precision)
+    if not dist.is_initialized():
+        init_process_group(rank, world_size, device, backend_for(case.cluster, device))
+    try:
+        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather, core)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
+    finally:
+        if keep_group:
+            _RETIRED_GROUPS.append(dist.group.WORLD)
+        dist.destroy_process_group()
+        # Free the process group now, while Python runs: objects in reference cycles (DDP's
+        # module) keep it alive until a collection, and at interpreter exit gloo's threads,
+        # still freeing a finished gather's tensors, cannot take the GIL and abort the process
+        # ("terminate called without an active exception", seen in some torchrun runs).
+        gc.collect()
+
+
+def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
+           pace_compute: bool, progress, gather: bool, core: int | None = None):
+    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
+                        pace_compute=pace_compute)
+    emulator.install()
+    probe_flops = None
+    if emulated and device.type == "cuda":
+        dist.barrier()  # every rank probes at once, sharing the GPU as in training
+        probe_flops = measure_matmul_flops(device)
+    workload = case.workload
+    # Emulated ranks first run full-pace iterations that set their pacing reference (not
+    # when a test checks exactness step by step: it needs exactly its own steps).
+    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
+    refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
+    shared = emulator.settings.reference is not None
+    pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
+    # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
+    # iterations, which no clock times; its peak is that of the last of them (bench.runtime.tensor_memory).
+    tensors = TensorBytes() if pre else None
+    with tensors or contextlib.nullcontext():
+        model = workload.build(case.seed).to(device)
+        ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
+        with emulator.paused():  # set-up is not part of an iteration: not emulated
+            trainer = case.method.setup(case.plan, model, ctx)
+    if not case.return_state:  # what the trainer does not hold (hap's unsharded copies) is freed
+        del model
+    data = workload.model_cfg.dataset(
+        workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
+        case.seed,
+    )
+    start, stop = offsets(case.plan.batch_shares)[rank]
+    iter_times, losses, mems = [], [], []
+    host = None
+    if pre and refs:  # before its references, every rank at once: the host as this run meets it
+        dist.barrier()
+        host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
+        dist.barrier()
+    precision = None
+    peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
+    realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
+    workers_first = None  # gloo's workers at nice -10: how many (None: off or refused)
+    for it in range(pre + case.warmup_iters + case.measured_iters):
+        if pace_compute and it <= emulator.settings.SKIPPED:
+            with emulator.paused():  # again after the lazy set-up, which may start process groups
+                realtime, workers_first = hostcpu.comm_priorities(emulator.settings.realtime_comm,
+                                                                  emulator.settings.gloo_workers_first)
+        if it == pre + case.warmup_iters:
+            emulator.reset_stats()
+        if case.fail_rank == rank:
+            raise RuntimeError(f"deliberate failure of rank {rank} (fail_rank, a test option)")
+        if case.oom_rank == rank:
+            torch.empty(_IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
+        batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            if it >= pre:  # this iteration's own peak (a first step may hold more: kept in peak)
+                peak = max(peak, peak_mem_gib(device))
+                torch.cuda.reset_peak_memory_stats(device)
+        emulator.begin_iteration(it)
+        if pre and refs and it == pre and emulator.settings.pause_discount:  # reference set: discount waiting
+            _discount_pause(emulator, workload, case.plan.batch_shares[rank], case.seed)
+        counted = tensors is not None and it < emulator.settings.SKIPPED
+        if counted and it == emulator.settings.SKIPPED - 1:
+            tensors.reset_peak()
+        t0 = time.perf_counter()
+        with step_context(case.precision, device), (tensors if counted else contextlib.nullcontext()):
+            precision = precision or precision_in_force(case.precision, device)
+            loss = trainer.step(batch)
+        if case.slowdown:
+            _busy(case.slowdown * (time.perf_counter() - t0))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
+            iter_times.append((time.perf_counter() - t0) * emulator.headroom)
+            mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
+        value = float(loss)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
+        losses.append(value)
+        if progress is not None and it >= pre:
+            progress(it + 1 - pre)
+    result = {
+        "rank": rank,
+        "iter_times_s": iter_times,
+        "loss_sums": losses,
+        "peak_mem_gib": max(peak, peak_mem_gib(device)),
+        "tensor_peak_gib": None if tensors is None else tensors.peak / 2**30,
+        "peak_mem_gib_per_iter": mems,
+        "emulation": ({**emulator.report(probe_flops), "yardstick": host, "core": core,
+                       "realtime_comm_threads": realtime, "gloo_workers_first_threads": workers_first}
+                      if emulated else None),
+        "host": os.uname().nodename,
+        "hardware": rank_hardware(device),
+        "precision": precision,
+    }
+    if case.return_state and rank == 0:
+        result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()
+                           if p.grad is not None}
+        result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+    if gather:
+        everyone = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, everyone, dst=0)
+        return everyone
+    return result
