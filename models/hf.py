@@ -237,7 +237,8 @@ class HFModelConfig(ModelConfig):
                 values[key] = 0.0
         if self.task in ("seq_cls", "image_cls"):
             values["num_labels"] = self.labels
-        values["use_cache"] = False
+        if _has_field(self._base, "use_cache"):
+            values["use_cache"] = False
         values.update(self.config)
         if self.task == "seq_cls" and getattr(self._base, "pad_token_id", None) is None:
             values.setdefault("pad_token_id", 0)  # decoders pool the last token before the first pad

@@ -39,7 +39,7 @@ def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, tas
     cfg = hf.HFModelConfig.from_preset("tiny", arch=arch)
     assert cfg.task == task and cfg.targets_per_sample == targets and cfg.name == f"hf-{arch}"
     hc = cfg.hf_config()
-    assert hc.use_cache is False and all(v == 0.0 for k, v in hc.to_dict().items() if "dropout" in k
+    assert getattr(hc, "use_cache", False) is False and all(v == 0.0 for k, v in hc.to_dict().items() if "dropout" in k
                                          and isinstance(v, float))
     torch.manual_seed(0)
     model = cfg.build()
@@ -47,9 +47,11 @@ def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, tas
     batch = cfg.synthetic_batch(4, torch.Generator().manual_seed(0))
     loss = model(*batch)
     assert loss.shape == () and loss.item() > 0
-    # summed, not averaged: two halves add up to the whole
+    # summed, not averaged: two halves add up to the whole (batch norm's statistics differ
+    # between halves in training: compared in evaluation, on the running statistics)
+    model.eval()
     halves = sum(model(*(t[i:i + 2] for t in batch)) for i in (0, 2))
-    assert torch.allclose(halves, loss, rtol=1e-5)
+    assert torch.allclose(halves, model(*batch), rtol=1e-5)
 
 
 def test_config_fields_override_the_preset_and_the_paper_preset_is_the_architectures_size():
@@ -70,7 +72,7 @@ def test_a_local_config_json_names_its_task_by_its_architectures(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,line", [
-    (dict(arch="gtp2"), r"model.arch='gtp2' is not a transformers model type or a config.json; did you mean gpt2\? "
+    (dict(arch="gtp2"), r"model.arch='gtp2' is not a transformers model type or a config.json; did you mean gpt2.*\? "
                         r"list the known ones with: python -m models.hf"),
     (dict(arch="gpt2", task="image_cls"), r"model.task=image_cls cannot be served by model.arch=gpt2: transformers has "
                                           r"no such head for 'gpt2'; it serves causal_lm, seq_cls"),
