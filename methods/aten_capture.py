@@ -70,8 +70,17 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "the model") -> fx.GraphModule:
+BATCH_NORM = ("sync", "local")
+
+
+def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "the model",
+                 batch_norm: str = "sync") -> fx.GraphModule:
     """The planner's graph of `model` (see the module docstring).
+
+    Args:
+        batch_norm: "sync": training-mode batch norm as its statistics over the whole batch
+            (a batch split all-reduces them: every program is exact); "local": kept whole, a
+            batch split normalising each shard by its own statistics, as DDP does.
 
     Raises:
         CaptureError: one line naming the model, the first construct export refused and the fix.
@@ -89,7 +98,7 @@ def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "t
                            "trace") from exc
     finally:
         quiet.setLevel(level)
-    return planner_module(ep, model, what)
+    return planner_module(ep, model, what, batch_norm)
 
 
 def _first_refused(exc: BaseException) -> str:
@@ -102,7 +111,8 @@ def _first_refused(exc: BaseException) -> str:
     return f"{type(exc).__name__}{place}: {first[:300]}"
 
 
-def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str) -> fx.GraphModule:
+def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str,
+                   batch_norm: str = "sync") -> fx.GraphModule:
     """Rewrite an ExportedProgram's graph for the planner (module docstring)."""
     sig = ep.graph_signature
     params = dict(sig.inputs_to_parameters)
@@ -155,7 +165,7 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
         if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             target = _functional(target, n, last_read, order, what)
-        if target is aten.batch_norm.default:
+        if target is aten.batch_norm.default and batch_norm == "sync":
             env[n] = _batch_norm(graph, n, args)
             continue
         new = graph.create_node("call_function", target, args, kwargs, name=n.name)
@@ -280,7 +290,7 @@ EXTRA_ELEMENTWISE_FLOPS = {
     "div": 1, "pow": 1, "rsqrt": 1, "sqrt": 1, "silu": 4, "cos": 1, "sin": 1, "where": 1, "masked_fill": 1,
     "clamp": 1, "abs": 1, "floor": 1, "log": 1, "ne": 1, "logical_not": 1, "bitwise_not": 1, "maximum": 1,
     "minimum": 1, "max": 1, "min": 1, "amax": 1, "var_mean": 4, "_native_batch_norm_legit_functional": 8,
-    "adaptive_avg_pool1d": 1, "gather": 0, "index": 0, "index_select": 0, "pad": 0, "constant_pad_nd": 0,
+    "adaptive_avg_pool1d": 1, "batch_norm": 8, "gather": 0, "index": 0, "index_select": 0, "pad": 0, "constant_pad_nd": 0,
     "roll": 0, "repeat": 0, "tril": 0, "triu": 0, "scatter": 0, "embedding": 0,
 }
 # Ops whose work follows their (first) input, not their output: reductions and losses.

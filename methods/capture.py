@@ -349,7 +349,7 @@ VIEW_OPS = {
 # their own output (Graph.saved_bytes_factor; PyTorch's autograd formulas).
 _SAVES_INPUTS = {
     "linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "conv2d", "mul", "truediv", "div", "gelu",
-    "silu", "layer_norm", "max_pool2d", "log", "cross_entropy", "nll_loss", "pow", "cos", "sin",
+    "silu", "layer_norm", "batch_norm", "max_pool2d", "log", "cross_entropy", "nll_loss", "pow", "cos", "sin",
     "scaled_dot_product_attention",
 }
 _SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt",
@@ -379,7 +379,7 @@ def _is_tensorish(v: Any) -> bool:
 
 
 def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None,
-            what: str = "the model") -> Graph:
+            what: str = "the model", batch_norm: str = "sync") -> Graph:
     """Export `model` and give every node its shape and FLOPs.
 
     Args:
@@ -388,11 +388,13 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size
         example_inputs: positional inputs of forward at the global batch (meta or real).
         batch_size: samples in the inputs (default: dim 0 of the first input).
         what: how error messages name the model.
+        batch_norm: "sync" (statistics over the whole batch) or "local" (each shard's own),
+            methods.aten_capture.export_model.
 
     Raises:
         CaptureError: export refused the model, or its forward is not one summed loss.
     """
-    gm = export_model(model, example_inputs, what)
+    gm = export_model(model, example_inputs, what, batch_norm)
     params = {name for name, _ in gm.named_parameters()}
     nodes = []
     loss = None
@@ -432,10 +434,10 @@ _captured: OrderedDict[tuple, Graph] = OrderedDict()
 _CAPTURED_KEEP = 4
 
 
-def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
+def capture_config(model_cfg: Any, batch_size: int, seed: int = 0, batch_norm: str = "sync") -> Graph:
     """Build `model_cfg` on the meta device and capture it at `batch_size` samples (the graph
-    of an equal config and batch is captured once per process)."""
-    key = (type(model_cfg), repr(model_cfg), int(batch_size))
+    of an equal config, batch and batch_norm is captured once per process)."""
+    key = (type(model_cfg), repr(model_cfg), int(batch_size), batch_norm)
     graph = _captured.get(key)
     if graph is not None:
         _captured.move_to_end(key)
@@ -446,7 +448,8 @@ def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     with torch.device("meta"):
         model = model_cfg.build()
-    graph = capture(model, batch, batch_size, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}")
+    graph = capture(model, batch, batch_size, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}",
+                    batch_norm=batch_norm)
     _captured[key] = graph
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)

@@ -240,6 +240,11 @@ class HFModelConfig(ModelConfig):
         if _has_field(self._base, "use_cache"):
             values["use_cache"] = False
         values.update(self.config)
+        vocab = values.get("vocab_size", getattr(self._base, "vocab_size", None))
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+            token = values.get(key, getattr(self._base, key, None))
+            if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
+                values[key] = None  # a special token of the full vocabulary, past a smaller one
         if self.task == "seq_cls" and getattr(self._base, "pad_token_id", None) is None:
             values.setdefault("pad_token_id", 0)  # decoders pool the last token before the first pad
         try:

@@ -115,6 +115,10 @@ class HapPlanner:
             backward in buckets (as DDP does) when the program is scored.
         bucket_cap_mb: gradient bucket size (MiB) for that overlap; 0 = one per parameter.
         fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
+        batch_norm: "sync": training-mode batch norm is planned as its statistics over the
+            whole batch (a batch split all-reduces them; the program trains exactly as one
+            device); "local": each device normalises its shard by its own statistics, as the
+            ranks of DDP and DeepSpeed do (methods.aten_capture.export_model).
         levels: "both": on a cluster with a machine of several GPUs, synthesize over machines
             (DP inside each) and over GPUs, and keep the faster by the simulator
             (details["levels"]); "cluster": only the cluster's virtual_device.
@@ -139,6 +143,7 @@ class HapPlanner:
     grad_overlap: bool = True
     bucket_cap_mb: float = 25.0
     fuse_routing: bool = True
+    batch_norm: str = "sync"
     levels: str = "both"
     max_expansions: int = 2_000_000
     beam_width: int | None = 40
@@ -162,6 +167,9 @@ class HapPlanner:
             raise ValueError(f"method.beam_width={self.beam_width} must be >= 1, or null for an exact search")
         if self.max_expansions < 1:
             raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
+        if self.batch_norm not in ("sync", "local"):
+            raise ValueError(f"method.batch_norm={self.batch_norm!r} is invalid; use 'sync' (statistics over the whole "
+                             "batch: the program trains exactly as one device) or 'local' (each device's own, as DDP)")
         if self.levels not in ("both", "cluster"):
             raise ValueError(f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
                              "the faster kept) or 'cluster' (the cluster's virtual_device)")
@@ -227,7 +235,7 @@ class HapPlanner:
 
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=self.batch_norm)
         theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_capture = time.perf_counter() - t0
         meta = {"method": self.name, "model": workload.name}
@@ -260,6 +268,7 @@ class HapPlanner:
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
         details = {
             "granularity": gran,
+            "batch_norm": self.batch_norm,  # how the graph the steps name captured batch norm
             # GPUs of each machine the plan was made for (a machine-level plan runs only there)
             "machine_gpus": [v.num_gpus for v in virtual_devices(cluster, "machine")],
             "ratios": best.ratios,

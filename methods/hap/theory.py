@@ -197,6 +197,9 @@ HAND_RULES = {
                        "to its own shard's length (DTensor keeps such outputs whole)",
     "sfb": "sufficient factor broadcasting of a linear layer with a replicated weight (HAP Sec. 4)",
     "tuple-item": "an item of a tuple output (split, topk) is laid out as the tuple",
+    "local-statistics": "batch norm kept whole (method.batch_norm=local) splits the batch, each device "
+                        "normalising its shard by its own statistics, as DDP's ranks do (not the one-device "
+                        "result; method.batch_norm=sync captures it as statistics DTensor's rules split exactly)",
     "conv-channels": "a convolution also splits its output channels (the weight along dim 0) or its input "
                      "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
                      "only the batch",
@@ -345,6 +348,9 @@ def node_rules(node: Node, g: Graph, sfb: bool) -> tuple[list[Rule], str]:
             origin = "hand"
     if node.op == "conv2d":
         rules += _conv_channels(node, g)
+    if node.op == "batch_norm" and node.shape is not None and node.shape[0] > 1:
+        pre = (0,) + tuple(IDENTITY for _ in node.inputs[1:])
+        rules.append(Rule(node.name, pre, 0, "local-statistics", True))
     if node.op == "linear" and sfb:
         rules += _sfb_rules(node, rules)
     if origin == "none" and len(rules) > 1:

@@ -136,3 +136,17 @@ def test_every_zoo_architecture_is_covered_by_sharding_rules(arch):
     graph = capture_config(hf.HFModelConfig.from_preset("tiny", arch=arch), 4)
     coverage = derive_theory(graph).coverage()
     assert coverage["flops_share"] >= 0.99 and coverage["ops_share"] >= 0.99, coverage
+
+
+def test_batch_norm_is_planned_as_whole_batch_statistics_or_as_each_shards_own():
+    hf = _hf()
+    from methods.capture import capture_config
+    from methods.hap.theory import derive_theory
+
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="resnet")
+    sync = capture_config(cfg, 4)
+    assert "batch_norm" not in {n.op for n in sync.ops}  # two sums over the batch, then element-wise
+    local = derive_theory(capture_config(cfg, 4, batch_norm="local"))
+    norms = [n for n in local.graph.ops if n.op == "batch_norm"]
+    assert norms and all(any(r.name == "local-statistics" and r.pre[0] == 0 for r in local.rules[n.name])
+                         for n in norms)
