@@ -4,10 +4,9 @@
     python -m bench.figures all             #     ablation sim_accuracy cp_vs_ev
 
 Simulated figures run the runner's own planning and simulation (bench.runner.case.prepare_case), so a
-point is exactly what `python -m bench.run mode=sim ...` would record for that case; cp_vs_ev
-plans its tensor-parallel programs itself (methods.hap.tensor_parallel). Measured figures
-(allgather_skew's gloo half, sim_accuracy, cp_vs_ev's measured half) come from real runs on
-this host.
+point is exactly what `python -m bench.run mode=sim ...` would record for that case (cp_vs_ev's:
+the cases of conf/experiment/cp_vs_ev.yaml). Measured figures (allgather_skew's gloo half,
+sim_accuracy, cp_vs_ev's measured half) come from real runs on this host.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 With --compute-out it profiles one device's compute only (op microbenchmarks over batch sizes:
 per op class a fixed cost per kernel and a FLOP/s rate, and the Adam step's rate over the
-parameter bytes), the file a device type's `profile:` names (bench.core.cluster.ComputeProfile).
+parameter bytes), the file a device type's `profile:` names (bench.core.device_types.ComputeProfile).
 
 Collectives are real gloo (or NCCL) calls between local worker processes, from 4 KB to 64 MB,
 with even and skewed shards, padded and grouped all-gather / reduce-scatter. Each kind is fitted

@@ -1,231 +1,32 @@
 """Cluster description: machines, device types and links, validated from conf/cluster/*.yaml.
 
 It says what a cluster is; it does not run anything (bench.runtime.emulation enforces it on a host).
-Device types are data: one yaml file each under conf/device/, or inline in a cluster file.
+Device types are data: one yaml file each under conf/device/, or inline in a cluster file
+(bench.core.device_types reads and checks them).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from bench.core.device_types import (
+    _MEASURED_TYPE,
+    DeviceType,
+    _check_fields,
+    _device_type,
+    _positive,
+    _read_profile,
+    device_types,
+)
 from bench.core.errors import ConfigError
-from bench.core.paths import CONF_DIR, project_path, show_path
 
-DEVICE_DIR = CONF_DIR / "device"
-
-
-@dataclass(frozen=True)
-class DeviceType:
-    """One kind of accelerator. FLOP/s are fp32; memory in GiB.
-
-    `sources` says, per number field, where the number comes from (datasheet, profile, or a
-    labelled assumption). `profile` is the path of a measured compute profile, if there is one.
-    """
-
-    name: str
-    peak_flops: float | None  # datasheet peak; None where there is no datasheet (emulated CPU)
-    effective_flops: float | None  # sustained on real models; None = measured at run time
-    memory_gib: float
-    sources: dict[str, str] = field(default_factory=dict, hash=False)
-    profile: str | None = None
-    compute: ComputeProfile | None = None  # the profile file's numbers, loaded
-
-
-@dataclass(frozen=True)
-class ComputeProfile:
-    """Measured compute of one device type (`python -m bench.profile --compute-out`).
-
-    Per op class (bench.core.program.OP_CLASSES): seconds = launches x fixed_s + FLOPs / flops_per_s
-    on the device; the optimizer step: fixed_s + parameter bytes / bytes_per_s. A class it did
-    not measure is priced as "other". On a GPU the host queues kernels while the device runs
-    them: `dispatch_s` is the host's seconds per kernel (per class; the optimizer step's whole),
-    and a step takes at least the host's time to queue it (bench.cost.price.host_times). None
-    where the host is the device (a CPU worker) or where the profile did not measure it.
-    """
-
-    device_type: str
-    classes: tuple[tuple[str, float, float], ...]  # (op class, fixed_s, flops_per_s)
-    optimizer: tuple[float, float] | None  # (fixed_s, parameter bytes per second)
-    path: str
-    dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
-    optimizer_dispatch_s: float = 0.0
-    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.runtime.hostspeed.host_probe)
-    # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
-    # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
-    workspace_bytes: float = 0.0
-
-    def rate(self, op_class: str) -> tuple[float, float]:
-        """(fixed_s per kernel, FLOP/s) of an op class."""
-        table = {c: (f, r) for c, f, r in self.classes}
-        return table.get(op_class) or table["other"]
-
-    def dispatch_s(self, op_class: str) -> float:
-        """Host seconds to queue one kernel of an op class (0 if not measured)."""
-        table = dict(self.dispatch)
-        return table.get(op_class, table.get("other", 0.0))
-
-    def at_host_probe(self, probe_s: float) -> ComputeProfile:
-        """The same device behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe, timed
-        just before a run): every dispatch cost scaled by that over the profile's own probe, the
-        device's times unchanged. Unchanged itself where the profile has no probe or no dispatch."""
-        if not self.host_probe_s or not self.dispatch:
-            return self
-        k = probe_s / self.host_probe_s
-        return replace(self, dispatch=tuple((c, s * k) for c, s in self.dispatch),
-                       optimizer_dispatch_s=self.optimizer_dispatch_s * k, host_probe_s=probe_s)
-
-
-def _read_profile(path: str, where: str, fix: str):
-    """A profile file's JSON (path relative to the project); ConfigError naming `where`, the
-    path and `fix` when it cannot be read or does not parse."""
-    try:
-        return json.loads(project_path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{where}={path!r} cannot be read ({exc.strerror}); {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}={path!r} is not JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
-
-
-def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfile:
-    """A device type's compute profile; ConfigError naming `where`, the path and the fix when
-    it cannot be read, does not parse, lacks the "other" class, or was measured on another
-    device type."""
-    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
-           "device, or set profile: null")
-    data = _read_profile(path, where, fix)
-    if not isinstance(data, dict) or not isinstance(data.get("compute"), dict):
-        raise ConfigError(f"{where}={path!r} has no 'compute' mapping (not a compute profile); {fix}")
-    measured_on = data.get("device_type")
-    if measured_on != type_name:
-        raise ConfigError(f"{where}={path!r} was measured on device type {measured_on!r}, not "
-                          f"{type_name!r}; {fix}")
-
-    def numbers(entry: Any, key: str, rate: str) -> tuple[float, float]:
-        fixed, speed = (entry.get("fixed_s"), entry.get(rate)) if isinstance(entry, dict) else (None, None)
-        if not isinstance(fixed, (int, float)) or fixed < 0 or not isinstance(speed, (int, float)) or speed <= 0:
-            raise ConfigError(f"{where}={path!r}: {key} needs fixed_s >= 0 and {rate} > 0 (got {entry!r}); {fix}")
-        return float(fixed), float(speed)
-
-    def host(entry: Any, key: str) -> float:
-        value = entry.get("dispatch_s", 0.0) if isinstance(entry, dict) else 0.0
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{where}={path!r}: {key}.dispatch_s must be a number >= 0 (got {value!r}); {fix}")
-        return float(value)
-
-    items = sorted(data["compute"].items())
-    classes = tuple((c, *numbers(e, f"compute.{c}", "flops_per_s")) for c, e in items)
-    if "other" not in {c for c, _, _ in classes}:
-        raise ConfigError(f"{where}={path!r} has no compute.other (the class unmeasured ones fall back to); {fix}")
-    opt = data.get("optimizer")
-    optimizer = None if opt is None else numbers(opt, "optimizer", "bytes_per_s")
-    probe = data.get("host_probe_s")
-    if probe is not None and (not isinstance(probe, (int, float)) or probe <= 0):
-        raise ConfigError(f"{where}={path!r}: host_probe_s must be a number > 0 (got {probe!r}); {fix}")
-    workspace = data.get("workspace_bytes", 0.0)
-    if not isinstance(workspace, (int, float)) or workspace < 0:
-        raise ConfigError(f"{where}={path!r}: workspace_bytes must be a number >= 0 (got {workspace!r}); {fix}")
-    return ComputeProfile(type_name, classes, optimizer, str(path),
-                          tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
-                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
-                          float(workspace))
-
-
-_TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}
-_NUMBER_FIELDS = ("memory_gib", "peak_flops", "effective_flops")
-# The one type whose FLOP/s are measured at run time (ClusterSpec.with_host_speed).
-_MEASURED_TYPE = "cpu"
 # Where a cluster's ranks compute on this host (`cluster.device`): cpu worker processes, or
 # processes sharing this host's GPU (emulated clusters, under MPS) / one GPU each (real ones).
 COMPUTE_DEVICES = ("cpu", "cuda")
-
-
-@functools.cache
-def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
-    """The packaged device types, one `<name>.yaml` each in `directory`, keyed by name.
-
-    Loaded once per directory; the result is read-only. A bad file raises ConfigError naming it.
-    """
-    types = {}
-    for path in sorted(Path(directory).glob("*.yaml")):
-        where = show_path(path)
-        try:
-            cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        except (yaml.YAMLError, OmegaConfBaseException) as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(
-                f"{where} is not valid yaml ({problem}{at}); fix or remove the file"
-            ) from e
-        if not isinstance(cfg, dict):
-            raise ConfigError(
-                f"{where} must hold a mapping of fields ({', '.join(sorted(_TYPE_FIELDS))})"
-            )
-        if cfg.get("name") != path.stem:
-            raise ConfigError(
-                f"{where}: name={cfg.get('name')!r} differs from the file name; set "
-                f"name: {path.stem} or rename the file to <name>.yaml"
-            )
-        types[path.stem] = _device_type(cfg, path.stem, where, f"{where}: ")
-    return MappingProxyType(types)
-
-
-def _device_type(cfg: Mapping[str, Any], name: str, where: str, prefix: str) -> DeviceType:
-    """Validate one device type's fields. `where` names the type in messages and `prefix` goes
-    before each field ("conf/device/T4.yaml: " or "cluster.device_types.MyGPU.")."""
-    _check_fields(cfg, _TYPE_FIELDS, where)
-    if cfg.get("name", name) != name:
-        raise ConfigError(
-            f"{prefix}name={cfg.get('name')!r} differs from its key {name!r}; drop it or match them"
-        )
-    if cfg.get("memory_gib") is None:
-        raise ConfigError(
-            f"{prefix}memory_gib is missing; add one device's memory in GiB, e.g. memory_gib: 24"
-        )
-    numbers = {key: None if cfg.get(key) is None else _positive(cfg.get(key), prefix + key)
-               for key in _NUMBER_FIELDS}
-    if numbers["effective_flops"] is None and name != _MEASURED_TYPE:
-        also = "" if numbers["peak_flops"] is not None else ", and peak_flops from the datasheet"
-        raise ConfigError(
-            f"{prefix}effective_flops is missing; a GPU type needs the sustained FLOP/s the "
-            f"simulator uses: add effective_flops (measured, or an assumption labelled as one in "
-            f"sources){also}; only the {_MEASURED_TYPE!r} type is measured at run time"
-        )
-    sources = cfg.get("sources") or {}
-    if not isinstance(sources, Mapping):
-        raise ConfigError(
-            f"{prefix}sources={sources!r} must map each number field to where it comes from"
-        )
-    for key, text in sources.items():
-        if key not in _NUMBER_FIELDS:
-            raise ConfigError(
-                f"{prefix}sources.{key} is not a number field; valid: {', '.join(_NUMBER_FIELDS)}"
-            )
-        if not isinstance(text, str) or not text.strip():
-            raise ConfigError(f"{prefix}sources.{key}={text!r} must say where the number is from")
-    for key, value in numbers.items():
-        if value is not None and key not in sources:
-            raise ConfigError(
-                f"{prefix}sources.{key} is missing; say where {key}={value:g} comes from "
-                "(a datasheet, a profile, or 'assumption: ...')"
-            )
-    profile = cfg.get("profile")
-    if profile is not None and (not isinstance(profile, str) or not profile):
-        raise ConfigError(f"{prefix}profile={profile!r} must be a profile file's path, or null")
-    compute = None if profile is None else load_compute_profile(profile, f"{prefix}profile", name)
-    return DeviceType(name, numbers["peak_flops"], numbers["effective_flops"],
-                      numbers["memory_gib"], {str(k): v for k, v in sources.items()}, profile, compute)
 
 
 # bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
@@ -567,24 +368,11 @@ def _inline_types(cfg: Any) -> tuple[DeviceType, ...]:
     return tuple(types)
 
 
-def _check_fields(cfg: Mapping[str, Any], valid: set[str], where: str) -> None:
-    unknown = set(cfg) - valid
-    if unknown:
-        raise ConfigError(f"{where} has unknown field(s) {sorted(unknown)}; valid: "
-                          f"{', '.join(sorted(valid))}")
-
-
 def _get(cfg: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
     value = cfg.get(key)
     if not isinstance(value, typ) or not value:
         raise ConfigError(f"{where}.{key}={value!r} must be a non-empty {typ.__name__}")
     return value
-
-
-def _positive(value: Any, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{where}={value!r} must be a number > 0")
-    return float(value)
 
 
 def _positive_int(value: Any, where: str) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.core.cluster import ClusterSpec, ComputeProfile
+from bench.core.cluster import ClusterSpec
+from bench.core.device_types import ComputeProfile
 
 GIB = float(2**30)
 

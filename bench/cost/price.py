@@ -511,7 +511,7 @@ def host_times(program: Program, vdevs: list[VirtualDevice]) -> tuple[float, flo
     """(seconds the host spends queueing one iteration's forward and backward kernels: each
     stage's kernels x its class's dispatch cost; and the optimizer step's) on the slowest
     host, for devices whose profile measured them (GPUs: they run kernels while their host
-    queues the next ones, bench.core.cluster.ComputeProfile). The same at any ratios: a rank
+    queues the next ones, bench.core.device_types.ComputeProfile). The same at any ratios: a rank
     launches the same kernels whatever its share."""
     profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
     if not profiles:

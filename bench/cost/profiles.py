@@ -1,7 +1,7 @@
 """Fitting measured points into the cost model's profiles: affine compute entries, alpha-beta links.
 
 The points come from bench.runtime.probes (or from a stored profile, refitted without a device);
-the fitted entries are what a device type's `profile:` file holds (bench.core.cluster.ComputeProfile).
+the fitted entries are what a device type's `profile:` file holds (bench.core.device_types.ComputeProfile).
 """
 
 from __future__ import annotations

@@ -117,9 +117,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
         if cfg.mode == "sim":
             fill_predicted_metrics(record, case.workload)
         else:
-            results = launch_with_progress(case, cfg)
-            fill_metrics(record, results, case.workload, cfg.measured_iters)
-            predict_at_run_speed(record, case)
+            measure_case(cfg, record, case)
     except ConfigError as exc:
         record.error, refused = str(exc), True
         print(f"error: {exc}", file=sys.stderr)
@@ -144,6 +142,14 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
         print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
     write_record(cfg, record, track=not refused)
     return record
+
+
+def measure_case(cfg: DictConfig, record: RunRecord, case: Case) -> None:
+    """Train a prepared case (bench.runner.case.prepare_case) on its workers and fill its row's
+    measured metrics; a worker's failure raises (run_case records it)."""
+    results = launch_with_progress(case, cfg)
+    fill_metrics(record, results, case.workload, cfg.measured_iters)
+    predict_at_run_speed(record, case)
 
 
 def launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:

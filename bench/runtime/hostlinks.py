@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def _calls(rank: int, n: int) -> dict:
-    """One call per collective kind, as the runtime makes it (bench.runtime.emulation._COLLECTIVES)."""
+    """One call per collective kind, as the runtime makes it (bench.runtime.emulation.links._COLLECTIVES)."""
     one, many = torch.zeros(1), torch.zeros(n)
     parts = [torch.zeros(1) for _ in range(n)] if rank == 0 else None
     return {

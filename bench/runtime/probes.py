@@ -79,7 +79,7 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
     return out
 
 
-# -- compute profile of a device type (bench.core.cluster.ComputeProfile) ------------------------
+# -- compute profile of a device type (bench.core.device_types.ComputeProfile) ------------------------
 CHAIN = 8  # ops per forward+backward call: one autograd run per call, as in a step
 
 

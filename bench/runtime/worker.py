@@ -2,8 +2,9 @@
 
 The same function runs under bench.runtime.launch (spawned workers on one host, gloo) and under
 torchrun (one process per GPU or per host, env:// rendezvous, NCCL on GPUs). It applies the
-case's precision around every method's step and reports an out-of-memory rank distinctly; it
-does not start processes or MPS (bench.runtime.launch does).
+case's precision around every method's step and reports an out-of-memory rank distinctly; what
+an emulated rank does around its steps (pacing, untimed iterations, test hooks) is
+bench.runtime.pacing's. It does not start processes or MPS (bench.runtime.launch does).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import contextlib
 import gc
 import math
 import os
-import resource
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +25,8 @@ from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import offsets
 from bench.runtime import hostcpu
-from bench.runtime.emulation import PAUSE_PROBE_MIN_SHARE, EmulationSettings, Emulator, measure_matmul_flops
-from bench.runtime.hostspeed import pause_penalty, yardstick, yardstick_batches
-from bench.runtime.tensor_memory import TensorBytes
+from bench.runtime.emulation import EmulationSettings
+from bench.runtime.pacing import Pacing, peak_mem_gib
 
 
 @dataclass
@@ -53,9 +51,6 @@ class Case:
 # fp32: true fp32 everywhere (the paper's setting; TF32 off for matmuls and cuDNN);
 # tf32: fp32 tensors, TF32 tensor-core matmuls and convolutions; bf16: torch.autocast to bfloat16.
 PRECISIONS = ("fp32", "tf32", "bf16")
-# Bytes the oom_rank test hook asks for: 1 PiB, more than any device holds and more than a
-# 48-bit address space maps, so the allocator itself refuses (no overcommit lets it through).
-_IMPOSSIBLE_BYTES = 2**50
 
 
 class RankOutOfMemory(RuntimeError):
@@ -174,38 +169,6 @@ def _env_number(name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def peak_mem_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def _busy(seconds: float) -> None:
-    """Spin for `seconds` (a deliberate, uniform slowdown of the loop: regression demos)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def _discount_pause(emulator: Emulator, workload: Workload, share: int, seed: int) -> None:
-    """A rank whose reference iterations waited (on peers with more work, on the loopback
-    collectives) for a quarter of its compute or more measures how much slower a plain step at
-    its share runs after that pause, and discounts its reference by it
-    (Emulator.discount_reference). When any rank does, every rank probes at once, so that the
-    host is as loaded as in training (as for the yardstick); when none does, none probes."""
-    pause, step = emulator.reference_pause_s, emulator.reference_step_s
-    due = pause is not None and step > 0 and pause >= PAUSE_PROBE_MIN_SHARE * step  # a pause means a reference
-    with emulator.paused():  # neither the collectives nor the probe are an iteration's
-        flags = [False] * dist.get_world_size()
-        dist.all_gather_object(flags, due)
-        if not any(flags):
-            return
-        probe = pause_penalty(workload, share, seed, pause or 0.0)
-        dist.barrier()
-    if step is not None:  # a rank with no reference (no compute interval) has nothing to discount
-        emulator.discount_reference(probe, apply=due)
-
-
 # Process groups a launched worker keeps after destroying them (run_rank(keep_group=True)).
 _RETIRED_GROUPS: list = []
 
@@ -254,27 +217,12 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
 
 def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
            pace_compute: bool, progress, gather: bool, core: int | None = None):
-    emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
-                        pace_compute=pace_compute)
-    emulator.install()
-    probe_flops = None
-    if emulated and device.type == "cuda":
-        dist.barrier()  # every rank probes at once, sharing the GPU as in training
-        probe_flops = measure_matmul_flops(device)
+    pacing = Pacing(case, rank, device, emulated, pace_compute, core)
     workload = case.workload
-    # Emulated ranks first run full-pace iterations that set their pacing reference (not
-    # when a test checks exactness step by step: it needs exactly its own steps).
-    # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
-    refs = 0 if emulator.settings.reference is not None else emulator.settings.reference_iters
-    shared = emulator.settings.reference is not None
-    pre = emulator.settings.SKIPPED + refs if pace_compute and (refs or shared) and not case.return_state else 0
-    # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
-    # iterations, which no clock times; its peak is that of the last of them (bench.runtime.tensor_memory).
-    tensors = TensorBytes() if pre else None
-    with tensors or contextlib.nullcontext():
+    with pacing.counting_tensors():
         model = workload.build(case.seed).to(device)
-        ctx = RankContext(rank, world_size, device, case.cluster, workload, emulator)
-        with emulator.paused():  # set-up is not part of an iteration: not emulated
+        ctx = RankContext(rank, world_size, device, case.cluster, workload, pacing.emulator)
+        with pacing.emulator.paused():  # set-up is not part of an iteration: not emulated
             trainer = case.method.setup(case.plan, model, ctx)
     if not case.return_state:  # what the trainer does not hold (hap's unsharded copies) is freed
         del model
@@ -284,65 +232,30 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     )
     start, stop = offsets(case.plan.batch_shares)[rank]
     iter_times, losses, mems = [], [], []
-    host = None
-    if pre and refs:  # before its references, every rank at once: the host as this run meets it
-        dist.barrier()
-        host = yardstick(workload, yardstick_batches(case.plan.batch_shares), case.seed)
-        dist.barrier()
     precision = None
-    peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
-    realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
-    workers_first = None  # gloo's workers at nice -10: how many (None: off or refused)
-    for it in range(pre + case.warmup_iters + case.measured_iters):
-        if pace_compute and it <= emulator.settings.SKIPPED:
-            with emulator.paused():  # again after the lazy set-up, which may start process groups
-                realtime, workers_first = hostcpu.comm_priorities(emulator.settings.realtime_comm,
-                                                                  emulator.settings.gloo_workers_first)
-        if it == pre + case.warmup_iters:
-            emulator.reset_stats()
-        if case.fail_rank == rank:
-            raise RuntimeError(f"deliberate failure of rank {rank} (fail_rank, a test option)")
-        if case.oom_rank == rank:
-            torch.empty(_IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
+    pacing.measure_host()
+    for it in range(pacing.total_iters):
         batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            if it >= pre:  # this iteration's own peak (a first step may hold more: kept in peak)
-                peak = max(peak, peak_mem_gib(device))
-                torch.cuda.reset_peak_memory_stats(device)
-        emulator.begin_iteration(it)
-        if pre and refs and it == pre and emulator.settings.pause_discount:  # reference set: discount waiting
-            _discount_pause(emulator, workload, case.plan.batch_shares[rank], case.seed)
-        counted = tensors is not None and it < emulator.settings.SKIPPED
-        if counted and it == emulator.settings.SKIPPED - 1:
-            tensors.reset_peak()
-        t0 = time.perf_counter()
-        with step_context(case.precision, device), (tensors if counted else contextlib.nullcontext()):
+        with pacing.step(it) as step, step_context(case.precision, device):
             precision = precision or precision_in_force(case.precision, device)
             loss = trainer.step(batch)
-        if case.slowdown:
-            _busy(case.slowdown * (time.perf_counter() - t0))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if it >= pre:  # emulated time: wall time x headroom (1 when not emulated)
-            iter_times.append((time.perf_counter() - t0) * emulator.headroom)
+        if step.seconds is not None:  # a timed iteration (warm-up or measured)
+            iter_times.append(step.seconds)
             mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
         value = float(loss)
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
         losses.append(value)
-        if progress is not None and it >= pre:
-            progress(it + 1 - pre)
+        if progress is not None and step.seconds is not None:
+            progress(it + 1 - pacing.untimed)
     result = {
         "rank": rank,
         "iter_times_s": iter_times,
         "loss_sums": losses,
-        "peak_mem_gib": max(peak, peak_mem_gib(device)),
-        "tensor_peak_gib": None if tensors is None else tensors.peak / 2**30,
+        "peak_mem_gib": pacing.peak_mem_gib(),
+        "tensor_peak_gib": pacing.tensor_peak_gib,
         "peak_mem_gib_per_iter": mems,
-        "emulation": ({**emulator.report(probe_flops), "yardstick": host, "core": core,
-                       "realtime_comm_threads": realtime, "gloo_workers_first_threads": workers_first}
-                      if emulated else None),
+        "emulation": pacing.report(),
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
         "precision": precision,

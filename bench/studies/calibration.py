@@ -29,7 +29,8 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from bench.core.cluster import ClusterSpec, device_types
+from bench.core.cluster import ClusterSpec
+from bench.core.device_types import device_types
 from bench.core.errors import ConfigError
 from bench.cost import host_time, simulate, virtual_devices
 from bench.records.stats import Summary

@@ -1,14 +1,11 @@
-"""The paper's evaluation figures, one command each: PNG + PDF with the data as CSV beside them.
+"""The paper's evaluation figures: one function each (FIGURES) that draws a PNG and a PDF and
+writes the data it plots as CSV beside them; `python -m bench.figures` is their command.
 
-    python -m bench.figures main            # or: homogeneous allgather_skew synthesis_time
-    python -m bench.figures all             #     ablation sim_accuracy cp_vs_ev
-
-Simulated figures run the runner's own planning and simulation (bench.runner.case.prepare_case), so a
-point is exactly what `python -m bench.run mode=sim ...` would record for that case; cp_vs_ev
-plans its tensor-parallel programs itself (methods.hap.tensor_parallel). Measured figures
-(allgather_skew's gloo half, sim_accuracy, cp_vs_ev's measured half) come from real runs on
-this host.
-
+Simulated points are cases the runner prepares itself (bench.runner.case.prepare_case): a point is
+what `python -m bench.run mode=sim ...` records for that case, and an experiment figure's rows are
+its experiment's sweep (cp_vs_ev's: conf/experiment/cp_vs_ev.yaml, whose method the runner
+instantiates like any other). Measured points are real runs on this host. It draws; the tables of
+rows are bench.records'.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from matplotlib import ticker
 
 from bench.core.cluster import ClusterSpec
 from bench.core.paths import PROJECT_DIR
-from bench.cost import collective_linear_cost
+from bench.cost import collective_linear_cost, simulate
 from bench.records.progress import track
 from bench.records.report import layout, read_rows, report
 from bench.runner.case import new_record, prepare_case
@@ -235,16 +232,14 @@ CP_VS_EV_REAL = {"cluster": "local_hetero2", "preset": "tiny", "num_layers": 2, 
                  "global_batch": 8, "head_dim": 4}
 
 
-def _tp_case(setting: dict, d_model: int, mode: str):
-    """(workload, cluster) of one hidden size, composed as the runner would."""
-    from bench.runner.case import build_workload
-
-    cfg = _cfg(f"mode={mode}", "model=bert", f"preset={setting['preset']}", f"cluster={setting['cluster']}",
-               f"global_batch={setting['global_batch']}", f"+model.spec.d_model={d_model}",
-               f"+model.spec.num_heads={max(1, d_model // setting['head_dim'])}", f"+model.spec.d_ff={4 * d_model}",
-               f"+model.spec.num_layers={setting['num_layers']}", f"+model.spec.vocab_size={setting['vocab_size']}")
-    cluster = ClusterSpec.from_config(_container(cfg.cluster))
-    return build_workload(cfg, cluster), cluster, cfg.seed
+def tp_points(setting: dict, d_model: int, mode: str) -> list[list[str]]:
+    """The overrides of one hidden size's cases of conf/experiment/cp_vs_ev.yaml, one per ratio
+    choice (EV, CP, LP: the experiment's sweep)."""
+    return sweep_points(
+        "cp_vs_ev", f"mode={mode}", f"preset={setting['preset']}", f"cluster={setting['cluster']}",
+        f"global_batch={setting['global_batch']}", f"+model.spec.d_model={d_model}",
+        f"+model.spec.num_heads={max(1, d_model // setting['head_dim'])}", f"+model.spec.d_ff={4 * d_model}",
+        f"+model.spec.num_layers={setting['num_layers']}", f"+model.spec.vocab_size={setting['vocab_size']}")
 
 
 def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096, 8192),
@@ -253,10 +248,12 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     compute-proportional (CP) and the LP's (LP) sharding ratios; simulated on `motivation` and
     measured on local_hetero2 (emulated, gloo).
 
-    Every device sees the whole batch and every weight matrix is sharded
+    Every point is a case of conf/experiment/cp_vs_ev.yaml, whose method
+    (methods.hap.tensor_parallel.TensorParallel) the runner instantiates, plans and runs like any
+    other. Every device sees the whole batch and every weight matrix is sharded
     (methods.hap.theory.tensor_parallel_theory); collectives are padded. EV and CP each run the
-    program the search finds best at their ratios; LP alternates synthesis and LP from both
-    (methods.hap.tensor_parallel). The search picks Megatron's layout: column- then row-parallel
+    program the search finds best at their ratios; LP alternates synthesis and LP from both.
+    The search picks Megatron's layout: column- then row-parallel
     linears, heads split, an all-reduce after each row-parallel linear, and padded all-gathers of
     the embedding output and of the logits. An all-reduce moves the full tensor whatever the
     ratios, so the traffic the ratios change is those all-gathers (their reduce-scatters in
@@ -270,57 +267,37 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
 
     Measured points: `warmup_iters` + `measured_iters` iterations each, so expect the noise of
     short runs on a shared machine (10-20% on a 2-core VM). A plan identical to one already run
-    (LP with EV's or CP's ratios and program) reuses its measurement (column measured_run_of).
-    predicted_iter_time_s is the simulator's figure for the same plan at the measured host
-    speed.
+    (LP with EV's or CP's ratios and program: the same plan hash) reuses its measurement (column
+    measured_run_of). predicted_iter_time_s is the simulator's figure for the plan at the host
+    speed it was planned with.
     """
-    from bench.records.rows import summarize_times
-    from bench.runtime.hostlinks import host_floor
-    from bench.runtime.hostspeed import measure_host_speed
-    from bench.runtime.launch import launch
-    from bench.runtime.worker import Case
-
-    # The one figure that plans by hand (a restricted program space at given ratios).
-    from methods.hap import tensor_parallel as tp
-    from methods.hap.runtime import FixedPlanMethod
+    from bench.runner.execute import measure_case
 
     rows = []
-
-    def row(origin, setting, workload, cluster, d_model, point, iter_time_s, std_s=None, run_of=None):
-        return {"origin": origin, "cluster": cluster.name, "d_model": d_model,
-                "num_heads": workload.model_cfg.num_heads, "num_layers": setting["num_layers"],
-                "global_batch": workload.global_batch, "ratios": point.choice,
-                "ratio_values": " ".join(f"{r:.4f}" for r in point.ratios[0]),
-                "iter_time_s": iter_time_s, "iter_time_std_s": std_s,
-                "samples_per_s": workload.global_batch / iter_time_s,
-                "predicted_iter_time_s": point.sim.iter_time_s,
-                "predicted_comm_s": point.sim.comm_time_s, "predicted_compute_s": point.sim.compute_time_s,
-                "oom": point.sim.oom, "measured_run_of": run_of}
-
-    for d in sim_dims:
-        workload, cluster, _ = _tp_case(CP_VS_EV_SIM, d, "sim")
-        _, points = tp.workload_points(workload, cluster)
-        rows += [row("simulated", CP_VS_EV_SIM, workload, cluster, d, p, p.sim.iter_time_s) for p in points.values()]
-    for d in real_dims:
-        workload, cluster, seed = _tp_case(CP_VS_EV_REAL, d, "real")
-        per_device = -(-workload.global_batch // cluster.num_devices)
-        cluster = cluster.with_host_speed(*measure_host_speed(workload, per_device, seed, repeats=5))
-        cluster = cluster.with_link_floor(host_floor(cluster.num_devices))  # priced as bench.run does
-        graph, points = tp.workload_points(workload, cluster)
-        runs: list[tuple] = []  # (point, mean, std) of each plan run so far
-        for point in points.values():
-            same = [r for r in runs if tp.same_plan(r[0], point)]
-            if not same:
-                plan = tp.to_plan(point, graph, workload, cluster)
-                method = FixedPlanMethod(plan)
-                case = Case(workload, cluster, method, method.plan(workload, cluster), seed, warmup_iters,
-                            measured_iters)
-                results = launch(case, cluster.num_devices, timeout_s=300)
-                _, mean, std = summarize_times([r["iter_times_s"] for r in results], measured_iters)
-                same = [(point, mean, std)]
-                runs += same
-            run, mean, std = same[0]
-            rows.append(row("measured", CP_VS_EV_REAL, workload, cluster, d, point, mean, std, run.choice))
+    for origin, setting, dims in (("simulated", CP_VS_EV_SIM, sim_dims), ("measured", CP_VS_EV_REAL, real_dims)):
+        mode = "sim" if origin == "simulated" else "real"
+        for d in dims:
+            runs: dict[str, tuple] = {}  # plan hash -> (ratio choice, mean, std) of each plan run so far
+            for point in tp_points(setting, d, mode):
+                cfg = _cfg(*point, f"warmup_iters={warmup_iters}", f"measured_iters={measured_iters}")
+                record = new_record(cfg)
+                case = prepare_case(cfg, record, launching=mode == "real")
+                choice, plan, workload = cfg.method.ratios, case.plan, case.workload
+                sim = simulate(plan.program, case.cluster, plan.ratios)
+                mean, std, run_of = sim.iter_time_s, None, None
+                if mode == "real":
+                    if record.plan_hash not in runs:
+                        measure_case(cfg, record, case)
+                        runs[record.plan_hash] = (choice, record.iter_time_s_mean, record.iter_time_s_std)
+                    run_of, mean, std = runs[record.plan_hash]
+                rows.append({
+                    "origin": origin, "cluster": case.cluster.name, "d_model": d,
+                    "num_heads": workload.model_cfg.num_heads, "num_layers": setting["num_layers"],
+                    "global_batch": workload.global_batch, "ratios": choice,
+                    "ratio_values": " ".join(f"{r:.4f}" for r in plan.ratios[0]),
+                    "iter_time_s": mean, "iter_time_std_s": std, "samples_per_s": workload.global_batch / mean,
+                    "predicted_iter_time_s": sim.iter_time_s, "predicted_comm_s": sim.comm_time_s,
+                    "predicted_compute_s": sim.compute_time_s, "oom": sim.oom, "measured_run_of": run_of})
     data = pd.DataFrame(rows)
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex="col")
     for col, origin in enumerate(("simulated", "measured")):
@@ -328,7 +305,7 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
         if sub.empty:
             continue
         ev = sub[sub.ratios == "EV"].set_index("d_model").samples_per_s
-        for choice, style in zip(tp.CHOICES, ("o-", "s--", "^:")):
+        for choice, style in zip(("EV", "CP", "LP"), ("o-", "s--", "^:")):
             part = sub[sub.ratios == choice].set_index("d_model")
             axes[0, col].plot(part.index, part.samples_per_s, style, label=choice)
             axes[1, col].plot(part.index, part.samples_per_s / ev.reindex(part.index), style, label=choice)

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from bench.core.cluster import DEVICE_DIR, ClusterSpec, device_types
+from bench.core.cluster import ClusterSpec
+from bench.core.device_types import DEVICE_DIR, device_types
 from bench.core.errors import ConfigError
 from bench.runner.configs import group_options
 from tests.conftest import compose_config

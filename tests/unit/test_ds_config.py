@@ -120,14 +120,17 @@ def test_a_missing_or_broken_deepspeed_is_one_line_naming_it_and_the_install(mon
 
 def test_deepspeed_is_imported_inside_functions_only():
     import ast
+    from pathlib import Path
 
-    import methods.ds_zero as module
+    import methods.ds_zero as package
 
-    with open(module.__file__) as source:
-        tree = ast.parse(source.read())
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-    assert not [n for n in names if n.split(".")[0] == "deepspeed"]
+    files = sorted(Path(package.__file__).parent.glob("*.py"))
+    assert len(files) >= 4  # the method and its parts: program, trainer, moe
+    for path in files:
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] == "deepspeed"], path
 
 
 def _paper(model_cls, stage):
@@ -209,12 +212,13 @@ def test_an_emulated_cpu_cluster_prices_the_engines_own_work_as_measured(monkeyp
 def test_without_deepspeed_the_engine_probe_starts_nothing_and_says_so(monkeypatch, tmp_path, caplog):
     import importlib.util
 
+    from bench.runtime import method_step
     from methods import ds_zero
 
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))  # nothing cached
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    monkeypatch.setattr(ds_zero.mp, "get_context", lambda *a: pytest.fail("a probe process was started"))
+    monkeypatch.setattr(method_step.mp, "get_context", lambda *a: pytest.fail("a probe process was started"))
     host = _cluster().with_host_speed(1e9, step_overhead_s=0.002)
     method = DeepSpeedZeRO(engine_probe=False)
     plan = method.plan(_workload(TINY_BERT), host)
@@ -227,12 +231,12 @@ def test_a_failed_probe_rank_ends_the_wait_for_its_peers():
     parent stops waiting at the first error, and a rank gone without an answer is an error."""
     import multiprocessing as mp
 
-    from methods.ds_zero import _gather
+    from bench.runtime.method_step import gather_answers
 
     (quiet, _keep), (failing, send) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
     send.send({"error": "RuntimeError: boom"})
-    assert _gather({quiet: 0, failing: 1}, timeout_s=60) == {1: {"error": "RuntimeError: boom"}}
+    assert gather_answers({quiet: 0, failing: 1}, timeout_s=60) == {1: {"error": "RuntimeError: boom"}}
     gone, closed = mp.Pipe(duplex=False)
     closed.close()
-    assert _gather({gone: 3}, timeout_s=60) == {3: {"error": "probe rank 3 exited without an answer"}}
-    assert _gather({quiet: 0}, timeout_s=0.05) == {}  # nothing within the time: no answer
+    assert gather_answers({gone: 3}, timeout_s=60) == {3: {"error": "probe rank 3 exited without an answer"}}
+    assert gather_answers({quiet: 0}, timeout_s=0.05) == {}  # nothing within the time: no answer

@@ -10,12 +10,12 @@ import pytest
 
 from bench.core.cluster import ClusterSpec
 from bench.runtime import emulation
-from bench.runtime.emulation import EmulationSettings, Emulator
+from bench.runtime.emulation import EmulationSettings, Emulator, emulator, links
 
 
 class FakeClock:
-    """Stands in for the `time` module inside bench.runtime.emulation: compute advances the wall and
-    the thread's CPU clock, a sleep or a preemption only the wall."""
+    """Stands in for the `time` module inside bench.runtime.emulation's emulator and links:
+    compute advances the wall and the thread's CPU clock, a sleep or a preemption only the wall."""
 
     def __init__(self):
         self.wall = 100.0
@@ -43,7 +43,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeClock()
-    monkeypatch.setattr(emulation, "time", fake)
+    monkeypatch.setattr(emulator, "time", fake)
+    monkeypatch.setattr(links, "time", fake)
     return fake
 
 

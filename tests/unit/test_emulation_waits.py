@@ -11,6 +11,7 @@ import torch
 
 from bench.core.cluster import ClusterSpec
 from bench.runtime import emulation
+from bench.runtime.emulation import links
 
 
 class SlowWork:
@@ -37,23 +38,23 @@ def _cluster() -> ClusterSpec:
 def test_time_blocked_in_a_wait_is_not_a_compute_interval():
     cluster = _cluster()
     emu = emulation.Emulator(cluster, 1, enabled=True)
-    saved = list(emulation._installed)
-    emulation._installed[:] = [emu]
+    saved = list(links._installed)
+    links._installed[:] = [emu]
     try:
         emu.mark()
         end = time.thread_time() + 0.005
         while time.thread_time() < end:  # 5 ms of compute
             pass
         emu.stretch()  # the trainer ends backward's interval
-        emulation._DelayedWork(SlowWork(), time.perf_counter).wait()  # 50 ms blocked
+        links._DelayedWork(SlowWork(), time.perf_counter).wait()  # 50 ms blocked
         emu.stretch()  # the next collective's issue ends whatever interval is open
         intervals = len(emu._iteration_wall)
-        waiter = threading.Thread(target=emulation._DelayedWork(SlowWork(), time.perf_counter).wait)
+        waiter = threading.Thread(target=links._DelayedWork(SlowWork(), time.perf_counter).wait)
         waiter.start()  # a wait on another thread (a callback) is not the rank's compute
         waiter.join()
         assert len(emu._iteration_wall) == intervals
     finally:
-        emulation._installed[:] = saved
+        links._installed[:] = saved
     walls = emu._iteration_wall
     assert walls[0] >= 0.005
     assert max(walls[1:]) < 0.01, f"a wait was counted as compute: intervals {walls}"
@@ -80,7 +81,7 @@ def test_an_emulated_link_counts_from_the_real_completion_not_from_the_wait():
     """A gradient bucket completes during backward and is waited for at its end: its link time
     ran beside backward, so the wait owes nothing once that time has passed."""
     work = DoneWork()
-    handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.02)  # 20 ms on the link
+    handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.02)  # 20 ms on the link
     work.future.set_result(None)  # the real transfer completes now
     assert not handle.is_completed()  # ... the emulated link has not delivered yet
     time.sleep(0.05)  # backward goes on
@@ -137,15 +138,15 @@ def test_compute_that_overruns_under_an_async_collectives_link_is_not_repaid_aft
     slow device's step came out short of its speed."""
     # Intervals: up to the issue, after it, the wait's (none), Adam: 2, 2, 0, 8 ms at speed 0.5
     emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
-    saved = list(emulation._installed)
-    emulation._installed[:] = [emu]
+    saved = list(links._installed)
+    links._installed[:] = [emu]
     try:
         emu.mark()
         emu.stretch()  # up to the issue: slept to its 2 ms
         emu.issued()
         at_issue = emu._debt
         work = DoneWork()
-        handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.2)  # 200 ms link
+        handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.2)  # 200 ms link
         work.future.set_result(None)
         _busy(0.006)  # the rest of backward overruns its 2 ms target by 4 ms or more
         emu.stretch()
@@ -158,22 +159,22 @@ def test_compute_that_overruns_under_an_async_collectives_link_is_not_repaid_aft
         emu.stretch()  # Adam's interval (nothing computed): sleeps its whole 8 ms target
         assert time.perf_counter() - start >= 0.008 - at_issue - 0.0005
     finally:
-        emulation._installed[:] = saved
+        links._installed[:] = saved
 
 
 def test_compute_that_overruns_past_the_links_delivery_is_still_repaid():
     """An overrun that made the rank come to the wait after the link had delivered delayed it:
     it is repaid as before."""
     emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
-    saved = list(emulation._installed)
-    emulation._installed[:] = [emu]
+    saved = list(links._installed)
+    links._installed[:] = [emu]
     try:
         emu.mark()
         emu.stretch()
         emu.issued()
         at_issue = emu._debt
         work = DoneWork()
-        handle = emulation._DelayedWork(work, lambda: time.perf_counter() + 0.001)  # 1 ms link
+        handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.001)  # 1 ms link
         work.future.set_result(None)
         _busy(0.006)  # comes to the wait the overrun plus 1 ms after the link delivered
         emu.stretch()
@@ -183,4 +184,4 @@ def test_compute_that_overruns_past_the_links_delivery_is_still_repaid():
         assert emu._debt == pytest.approx(at_issue + behind, abs=1e-4)
         assert emu.report()["absorbed_s"] == 0.0
     finally:
-        emulation._installed[:] = saved
+        links._installed[:] = saved

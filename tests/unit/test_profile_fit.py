@@ -105,7 +105,7 @@ def test_a_gpu_profile_entry_takes_the_smallest_host_time_and_refits_from_its_po
     # did on an H200.
     import json
 
-    from bench.core.cluster import load_compute_profile
+    from bench.core.device_types import load_compute_profile
     from bench.cost.profiles import fit_entry, refit
     from bench.profile import main
 

@@ -1,13 +1,20 @@
 """The cp_vs_ev figure's parts: the tensor-parallel program space really keeps the whole batch
-on every device and shards the weights, the LP's ratios are never slower than EV or CP, and the
-figure writes the data it plots (simulated half only: no workers here)."""
+on every device and shards the weights, the method reaches the runner through the experiment
+file (not conf/method/), the LP's ratios are never slower than EV or CP, and the figure writes
+the data it plots (simulated half only: no workers here)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.cost import simulate
+from bench.runner.case import build_workload, new_record, prepare_case
+from bench.runner.configs import group_options, instantiate_plugin, methods_supporting
 from bench.studies import figures
 from methods.capture import capture_config
 from methods.hap import tensor_parallel as tp
@@ -62,25 +69,53 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
     assert all(c.impl in ("padded", "ring") for s in point.result.steps for c in s.comms)
 
 
+def tp_cases(setting: dict, d_model: int, mode: str) -> dict:
+    """Each ratio choice's case of conf/experiment/cp_vs_ev.yaml, prepared by the runner."""
+    cases = {}
+    for point in figures.tp_points(setting, d_model, mode):
+        cfg = figures._cfg(*point)
+        cases[cfg.method.ratios] = prepare_case(cfg, new_record(cfg))
+    return cases
+
+
+def test_the_tensor_parallel_method_is_an_experiments_not_a_compared_one():
+    cfg = figures._cfg("experiment=cp_vs_ev")
+    method = instantiate(cfg.method)
+    assert type(method) is tp.TensorParallel and method.ratios == "EV" and set(method.modes) == {"sim", "real"}
+    assert method.name not in group_options("method")  # bench.compare runs conf/method options only
+    assert method.name not in methods_supporting("sim") and method.name not in methods_supporting("real")
+    assert [p[1] for p in figures.sweep_points("cp_vs_ev")] == [f"method.ratios={c}" for c in tp.CHOICES]
+    with pytest.raises(ConfigError, match=r"^method.ratios='XY' is invalid; valid: EV, CP, LP$"):
+        instantiate_plugin(figures._cfg("experiment=cp_vs_ev", "method.ratios=XY").method, "method")
+
+
 @pytest.mark.parametrize("d_model,faster", [(128, "EV"), (4096, "CP")])
 def test_lp_ratios_are_never_slower_than_even_or_compute_proportional(d_model, faster):
-    setting = {**figures.CP_VS_EV_SIM, "num_layers": 1}
-    workload, cluster, _ = figures._tp_case(setting, d_model, "sim")
-    _, points = tp.workload_points(workload, cluster)
-    times = {c: p.sim.iter_time_s for c, p in points.items()}
+    cases = tp_cases({**figures.CP_VS_EV_SIM, "num_layers": 1}, d_model, "sim")
+    times = {c: simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s for c, case in cases.items()}
     assert times["LP"] <= min(times["EV"], times["CP"]) * (1 + 1e-6), times
     # Communication-bound: even shards win; compute-bound: compute-proportional ones.
     assert times[faster] < times["CP" if faster == "EV" else "EV"], times
+    # The LP lands on EV's or CP's ratios here (two speeds): then it plans their very program.
+    assert cases["LP"].plan.details["steps"] == cases[faster].plan.details["steps"]
+    assert cases["LP"].plan.ratios == cases[faster].plan.ratios
 
 
-def test_a_tensor_parallel_point_becomes_a_plan_the_runtime_accepts():
-    workload, cluster, _ = figures._tp_case(figures.CP_VS_EV_REAL, 16, "real")
-    cluster = cluster.with_host_speed(1e10)
-    graph, points = tp.workload_points(workload, cluster)
-    for point in points.values():
-        plan = tp.to_plan(point, graph, workload, cluster)
-        assert sum(plan.batch_shares) == workload.global_batch
+def test_every_ratio_choice_plans_a_plan_the_runtime_accepts():
+    cfg = figures._cfg(*figures.tp_points(figures.CP_VS_EV_REAL, 16, "real")[0])
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True)).with_host_speed(1e10)
+    workload = build_workload(cfg, cluster)
+    for choice in tp.CHOICES:
+        plan = tp.TensorParallel(ratios=choice).plan(workload, cluster)
+        assert plan.method == "tensor_parallel" and sum(plan.batch_shares) == workload.global_batch
         assert FixedPlanMethod(plan).plan(workload, cluster) is plan  # checks it fits, no workers
+
+
+def test_a_machine_level_cluster_is_refused_in_one_line():
+    cfg = figures._cfg("experiment=cp_vs_ev", "mode=sim", "cluster=paper_hetero")
+    with pytest.raises(ConfigError, match=r"^cluster.virtual_device=machine \(cluster=paper_hetero\).*"
+                                          r"use cluster.virtual_device=gpu$"):
+        prepare_case(cfg, new_record(cfg))
 
 
 def test_the_figure_writes_png_pdf_and_the_csv_it_plots(tmp_path, monkeypatch):

@@ -1,0 +1,86 @@
+"""The DeepSpeed method's worker side: its trainer (the engine's forward, backward and step) and
+deepspeed itself, imported late and set to the rank's device.
+
+Only a worker (setup()) and the server workers fork from import deepspeed; planning never does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.core.interfaces import RankContext
+
+INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
+
+
+class DeepSpeedTrainer:
+    """One iteration: engine forward, backward (gradient reduction inside), step."""
+
+    def __init__(self, engine, ctx: RankContext):
+        self.engine = engine
+        self.emulator = ctx.emulator
+        # DeepSpeed averages gradients over ranks like DDP: scaling each rank's summed loss by
+        # world_size / (global loss terms) gives the gradient of the global mean loss.
+        self.loss_scale = ctx.world_size / ctx.workload.targets_per_iter
+
+    def forward_backward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        loss_sum = self.engine(*batch)
+        self.emulator.stretch()  # forward compute
+        self.engine.backward(loss_sum * self.loss_scale)
+        self.emulator.stretch()  # backward compute after its last collective (DeepSpeed copies the reduced buckets back)
+        return loss_sum.detach()
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # ZeRO 1-3: Adam on this rank's partition, then parameter all-gather
+        self.emulator.stretch()  # optimizer compute after the last collective
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+
+def use_accelerator(device_type: str) -> None:
+    """DeepSpeed's accelerator for this rank's device. Left to itself it picks CUDA whenever it
+    sees a GPU and sets the device to the local rank, also for ranks that compute on the CPU.
+    The harness hides the GPUs from those before CUDA starts (bench.runtime.worker.CPU_ONLY_ENV); this
+    makes the choice explicit where a process saw them already (run_rank called in-process)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() == device_type:
+        return
+    if device_type == "cuda":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+    else:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+    set_accelerator(Accelerator())
+
+
+def import_deepspeed():
+    """import deepspeed, or one line that says what is wrong and how to install it."""
+    try:
+        import deepspeed
+        import deepspeed.moe.layer
+    except Exception as exc:  # a broken install fails in many ways (CUDA mismatch, missing ops)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ImportError(
+            f"method=deepspeed needs deepspeed, which is missing or broken ({type(exc).__name__}: "
+            f"{reason}); install it with: {INSTALL_HINT}"
+        ) from None
+    return deepspeed
+
+
+def skip_shm_comm_op(deepspeed) -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory comm op for CPU ranks.
+
+    deepspeed.comm builds it (~40 s on first use, then cached in ~/.cache/torch_extensions)
+    when it creates its torch backend, if the op is marked compatible; only
+    inference_all_reduce uses it, and training falls back to torch.distributed without it.
+    deepspeed.ops.__compatible_ops__ is one dict probed once per process, so marking the op
+    incompatible before deepspeed.initialize is enough. GPU accelerators have no such op.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
