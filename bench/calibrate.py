@@ -34,14 +34,16 @@ from bench.core.errors import ConfigError
 from bench.core.paths import PROJECT_DIR
 from bench.records.progress import track
 from bench.records.rows import fingerprint
-from bench.runner.configs import check_group_choices, compose_config, methods_supporting
+from bench.runner.case import check_profile_precision
+from bench.runner.configs import check_group_choices, command_argv, compose_settings, methods_supporting
 from bench.runner.execute import expect_cases, run_case
 from bench.runner.rounds import run_rounds
-from bench.runner.settings import check_repeats
+from bench.runtime.precision import PRECISIONS
 from bench.runtime.worker import rank_hardware
 from bench.studies.calibration import (
     CLUSTERS,
     MODELS,
+    merged_rows,
     print_single_device,
     print_summary,
     repriced_rows,
@@ -60,23 +62,48 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile "
                         "--compute-out); with --reprice: price with this profile instead of the file's")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="with --device: what the steps run at (fp32: TF32 off; tf32; bf16: autocast); the "
+                             "profile must have been measured at the same")
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
     parser.add_argument("--reprice", type=Path, default=None,
                         help="an earlier --device calibration file: its measured steps against today's cost model")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="calibration files of emulated cases (runs split to keep each short): one summary "
+                             "over all their cases")
     parser.add_argument("overrides", nargs="*",
                         help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
                              f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
                              "method=every method that runs for real), as in compare and -m sweeps")
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        try:
+            rows = merged_rows([json.loads(path.read_text()) for path in args.merge])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --merge: {exc!r}; give files written by bench.calibrate (emulated cases)", file=sys.stderr)
+            return 2
+        summary = {**summarize(rows), "merged": [str(p) for p in args.merge],
+                   "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        print_summary(summary)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return 0
     if args.reprice is not None:
         try:
             earlier = json.loads(args.reprice.read_text())
             cluster = single_device_cluster(earlier["device_type"], args.profile or earlier["profile"])
+            precision = earlier.get("precision", "fp32")  # files before it was recorded ran at fp32's switches
+            check_profile_precision(cluster, precision)
         except (OSError, ValueError, KeyError, ConfigError) as exc:
             print(f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
                   file=sys.stderr)
             return 2
-        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset),
+        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset, precision),
                             f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
                             + (f" with {args.profile}" if args.profile else ""))
         return 0
@@ -85,13 +112,14 @@ def main(argv: list[str]) -> int:
             parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")
         try:
             cluster = single_device_cluster(args.device_type, args.profile)
+            check_profile_precision(cluster, args.precision)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         out = args.out or (PROJECT_DIR / "results" / "calibration" /
                            f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        about = {"device_type": args.device_type, "profile": args.profile,
+        about = {"device_type": args.device_type, "profile": args.profile, "precision": args.precision,
                  "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
 
         def write(rows: list[dict], summary: dict | None = None) -> None:
@@ -101,7 +129,7 @@ def main(argv: list[str]) -> int:
                                       indent=1) + "\n")
 
         rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
-                                  args.device, cluster, args.preset, on_row=write)
+                                  args.device, cluster, args.preset, on_row=write, precision=args.precision)
         write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
         print(f"wrote {out}")
         return 0
@@ -118,20 +146,20 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configs = [compose_config("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
-               for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
-    expect_cases(configs)
     try:
-        repeats = check_repeats(configs[0].repeats)
+        configs = [compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+                   for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    expect_cases(configs)
+    repeats = configs[0].repeats
     if repeats == 1:
         rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
     else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
         rows = []
         for i in range(0, len(configs), len(lists["method"])):
-            group = {c.method.name: c for c in configs[i:i + len(lists["method"])]}
+            group = {c.method_name: c for c in configs[i:i + len(lists["method"])]}
             rows += [vars(r) for r in run_rounds(group, repeats)]
     summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)

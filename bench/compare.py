@@ -26,15 +26,15 @@ from bench.records.table import BASELINE, print_table
 from bench.records.tracking import track_sweep
 from bench.runner.configs import (
     check_group_choices,
-    compose_config,
+    compose_settings,
     group_options,
     method_modes,
     print_help_if_asked,
     results_file,
+    take_config_dirs,
 )
 from bench.runner.execute import expect_cases, make_trackers, run_case
 from bench.runner.rounds import run_rounds
-from bench.runner.settings import check_repeats
 
 DEFAULT_REPEATS = 6  # measured comparisons; mode=sim is deterministic and runs once
 
@@ -57,14 +57,14 @@ def compare(overrides: list[str]) -> list[RunRecord]:
     """Run the comparison; returns one row per method (the aggregate where repeated)."""
     check_group_choices(overrides)
     rest = [o for o in overrides if not o.startswith("method=")]
-    base = compose_config(*rest)
-    repeats = check_repeats(base.repeats)
+    base = compose_settings(*rest)
+    repeats = base.repeats
     if not any(o.lstrip("+").startswith("repeats=") for o in rest) and base.mode == "real":
         repeats = DEFAULT_REPEATS
     if base.mode == "sim":
         repeats = 1
     methods = _methods(overrides, base.mode)
-    configs = {m: compose_config(*rest, f"method={m}", f"repeats={repeats}") for m in methods}
+    configs = {m: compose_settings(*rest, f"method={m}", f"repeats={repeats}") for m in methods}
     expect_cases(configs.values())
     if repeats == 1:
         return [run_case(configs[m]) for m in methods]
@@ -75,6 +75,7 @@ def main(argv: list[str]) -> int:
     if print_help_if_asked(argv, __doc__):
         return 0
     try:
+        argv = take_config_dirs(argv)
         records = compare(argv)
     except (ConfigError, HydraException) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
     rows = [r.__dict__ for r in records]
     print_table(rows, title=f"hetbench compare: {rows[0]['model']}-{rows[0]['preset']} on "
                             f"{rows[0]['cluster']} ({rows[0]['mode']})")
-    cfg = compose_config(*(o for o in argv if not o.startswith("method=")))
+    cfg = compose_settings(*(o for o in argv if not o.startswith("method=")))
     track_sweep(make_trackers(cfg), [asdict(r) for r in records], results_file(cfg))
     return 0 if all(r.status == "ok" for r in records) else 1
 

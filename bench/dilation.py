@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.records.progress import track
+from bench.runner.configs import command_argv
 from bench.studies.dilation import GOAL, SPEEDS, measure
 
 
@@ -28,6 +29,9 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__.strip())
         return 0
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     overrides = tuple(a for a in argv if "=" in a)
     argv = [a for a in argv if "=" not in a]
     try:

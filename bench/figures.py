@@ -19,7 +19,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from bench.core.errors import ConfigError
 from bench.records.progress import track
+from bench.runner.configs import command_argv
 from bench.studies.figures import EXPERIMENT_FIGURES, FIGURE_DIR, FIGURES
 
 matplotlib.use("Agg")
@@ -31,6 +33,9 @@ def main(argv: list[str]) -> int:
                         f"runner overrides for the experiment figures ({', '.join(EXPERIMENT_FIGURES)}), "
                         "e.g. model=bert method=dp_ev,hap")
     parser.add_argument("--out", type=Path, default=FIGURE_DIR)
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     overrides = [n for n in args.names if "=" in n]
     names = [n for n in args.names if "=" not in n]
@@ -45,8 +50,12 @@ def main(argv: list[str]) -> int:
         print(f"error: figure {', '.join(fixed)} takes no overrides ({' '.join(overrides)}); only "
               f"{', '.join(EXPERIMENT_FIGURES)} do: run those alone with overrides", file=sys.stderr)
         return 2
-    for name in track(names, "figures"):
-        FIGURES[name](args.out, *overrides)
+    try:
+        for name in track(names, "figures"):
+            FIGURES[name](args.out, *overrides)
+    except ConfigError as exc:  # an override no case can take
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,13 +18,16 @@ from hydra.errors import HydraException
 from rich.console import Console
 
 from bench.core.errors import ConfigError
-from bench.runner.configs import print_help_if_asked
+from bench.runner.configs import command_argv, print_help_if_asked
 from bench.studies.noise import noise_floor
 
 
 def main(argv: list[str]) -> int:
     if print_help_if_asked(argv, __doc__):
         return 0
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     try:
         table, ok = noise_floor(argv)
     except (ConfigError, HydraException) as exc:

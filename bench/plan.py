@@ -99,17 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for bench.run (model=... cluster=... method=...)")
     parser.add_argument("--all", action="store_true", help="print every op, not only the interesting ones")
     parser.add_argument("--json", metavar="PATH", help="also write the plan (details, program, ratios) as JSON")
-    args = parser.parse_args(argv)
-
+    from bench.core.errors import ConfigError
     from bench.core.plan_cache import plan_to_json
     from bench.runner.case import new_record, prepare_case
-    from bench.runner.configs import check_group_choices, compose_config
+    from bench.runner.configs import check_group_choices, compose_settings, take_config_dirs
 
+    try:
+        argv = take_config_dirs(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         check_group_choices(args.overrides)
         # The runner's own preparation (validation, host speed on emulated clusters, the plan);
         # mode=sim: nothing here needs the cluster's devices.
-        cfg = compose_config(*args.overrides, "mode=sim", "wandb.mode=disabled")
+        cfg = compose_settings(*args.overrides, "mode=sim", "wandb.mode=disabled")
         record = new_record(cfg)
         case = prepare_case(cfg, record)
     except ValueError as exc:  # ConfigError and the planners' clear errors

@@ -18,7 +18,8 @@ import sys
 
 from rich.console import Console
 
-from bench.studies.planner_check import MODELS, beam_vs_exact, monotonicity, print_monotonicity
+from bench.runner.configs import command_argv
+from bench.studies.planner_check import MODELS, agreement_table, beam_vs_exact, monotonicity, print_monotonicity
 
 
 def main(argv: list[str]) -> int:
@@ -26,10 +27,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--ks", default="1,8", help="GPUs per machine of paper_hetero")
     parser.add_argument("--exact", action="store_true", help="also compare the beam with the exact search")
+    parser.add_argument("--agreement", action="store_true",
+                        help="only the table of the search's price against the simulator's (which candidate first)")
     parser.add_argument("overrides", nargs="*", help="bench.run overrides, e.g. global_batch=4096")
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     models, ks = args.models.split(","), [int(k) for k in args.ks.split(",")]
     console = Console(width=200)
+    if args.agreement:
+        rows = agreement_table(models, ks, args.overrides, console)
+        return 0
     rows = monotonicity(models, ks, args.overrides)
     print_monotonicity(rows, console)
     if args.exact:

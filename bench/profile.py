@@ -3,10 +3,13 @@
     python -m bench.profile                       # 2 ranks; results/profiles/<host>.json
     python -m bench.profile --ranks 4 --cluster-out conf/cluster/profiled_local.yaml
     python -m bench.profile --device cuda --device-type H100-80 --compute-out results/profiles/H100-80.json
+    python -m bench.profile --device cuda --device-type H200 --precision bf16 --compute-out PATH
 
 With --compute-out it profiles one device's compute only (op microbenchmarks over batch sizes:
 per op class a fixed cost per kernel and a FLOP/s rate, and the Adam step's rate over the
-parameter bytes), the file a device type's `profile:` names (bench.core.device_types.ComputeProfile).
+parameter bytes), the file a device type's `profile:` names (bench.core.device_types.ComputeProfile),
+at one precision (--precision, default fp32 with TF32 off, as a run's default), which the file
+records with the TF32 switches; a case at another precision refuses it.
 
 Collectives are real gloo (or NCCL) calls between local worker processes, from 4 KB to 64 MB,
 with even and skewed shards, padded and grouped all-gather / reduce-scatter. Each kind is fitted
@@ -27,6 +30,7 @@ import torch
 
 from bench.core.paths import PROJECT_DIR
 from bench.cost.profiles import fit_alpha_beta, refit
+from bench.runtime.precision import PRECISIONS
 from bench.runtime.probes import SIZES, SKEW_SHARES, profile_collectives, profile_compute, profile_device
 
 PROFILE_DIR = PROJECT_DIR / "results" / "profiles"
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only profile compute of one device type and write it here (a device type's `profile`)")
     parser.add_argument("--device-type", default=None, help="the conf/device type the profile describes (with --compute-out)")
     parser.add_argument("--device", default="cpu", help="cpu (one worker thread) or cuda[:i] (with --compute-out)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="with --compute-out: what the kernels run at (fp32: TF32 off; tf32; bf16: autocast)")
     parser.add_argument("--refit", type=Path, default=None,
                         help="a compute profile: fit its stored points again and write it to --compute-out (no device)")
     args = parser.parse_args(argv)
@@ -99,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--compute-out needs --device-type NAME (the conf/device type it describes, e.g. H100-80)")
         if args.device != "cpu" and not torch.cuda.is_available():
             parser.error(f"--device={args.device} but torch sees no CUDA device; use --device cpu")
-        prof = profile_device(args.device, args.device_type, args.repeats)
+        prof = profile_device(args.device, args.device_type, args.repeats, args.precision)
         host = "dispatch_s" in prof["optimizer"]
+        p = prof["precision"]
         print(f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}" + (f" {'host us/kernel':>15}" if host else "")
-              + f"   ({prof['device']})")
+              + f"   ({prof['device']}; precision {p['precision']}, autocast {p['autocast_dtype']}, TF32 matmul "
+              f"{p['matmul_allow_tf32']}, cuDNN {p['cudnn_allow_tf32']})")
         for cls, c in prof["compute"].items():
             print(f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
                   + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else ""))

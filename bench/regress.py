@@ -17,7 +17,7 @@ import sys
 import time
 
 from bench.core.errors import ConfigError
-from bench.runner.configs import check_group_choices, methods_supporting
+from bench.runner.configs import check_group_choices, command_argv, methods_supporting
 from bench.studies.regression import (
     MODELS,
     _selected,
@@ -49,6 +49,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*",
                         help="model=a,b and method=a,b check a subset of the figures (the cases "
                              "themselves are fixed: they are what the baseline measured)")
+    argv = command_argv(argv)
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     chosen: dict[str, list[str]] = {}
     for item in args.overrides:

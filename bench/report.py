@@ -29,14 +29,14 @@ def _trackers(names: str, out: Path) -> list:
     if names in ("", "none"):
         return []
     from bench.core.errors import ConfigError
-    from bench.runner.configs import check_group_choices, compose_config
+    from bench.runner.configs import check_group_choices, compose_settings
     from bench.runner.execute import make_trackers
 
     try:
         check_group_choices([f"logger={names}"])
+        return make_trackers(compose_settings(f"logger=[{names}]", f"results_dir={out}"))
     except ConfigError as exc:
         raise ReportError(f"--logger: {exc}") from None
-    return make_trackers(compose_config(f"logger=[{names}]", f"results_dir={out}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logger", default="none",
                         help="also keep the figure and CSVs as an artifact of these loggers "
                              "(conf/logger, comma list, e.g. wandb,csv; they write under --out)")
+    from bench.runner.configs import command_argv
+
+    argv = command_argv(argv)  # --config-dir: the loggers of a folder of your own
+    if argv is None:
+        return 2
     args = parser.parse_args(argv)
     try:
         rows = read_rows(args.path)

@@ -1,8 +1,9 @@
 """Cluster description: machines, device types and links, validated from conf/cluster/*.yaml.
 
 It says what a cluster is; it does not run anything (bench.runtime.emulation enforces it on a host).
-Device types are data: one yaml file each under conf/device/, or inline in a cluster file
-(bench.core.device_types reads and checks them).
+Device types are data: one yaml file each under conf/device/ (or device/ in a folder of the user's
+own configs, which wins), or inline in a cluster file (bench.core.device_types reads and checks
+them). The cluster file's shape is bench.core.cluster_config's.
 """
 
 from __future__ import annotations
@@ -11,23 +12,20 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from bench.core.cluster_config import MEASURED_TYPE, ClusterConfig, unknown_device
 from bench.core.device_types import (
-    _MEASURED_TYPE,
     DeviceType,
-    _check_fields,
     _device_type,
-    _positive,
     _read_profile,
+    device_type_files,
     device_types,
 )
 from bench.core.errors import ConfigError
-
-# Where a cluster's ranks compute on this host (`cluster.device`): cpu worker processes, or
-# processes sharing this host's GPU (emulated clusters, under MPS) / one GPU each (real ones).
-COMPUTE_DEVICES = ("cpu", "cuda")
-
+from bench.core.paths import CONF_DIR
+from bench.core.schema import parse, plain
 
 # bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
 # single calls; grouped ones are n broadcasts / reduces, priced from those kinds' fits.
@@ -138,6 +136,10 @@ class ClusterSpec:
     link_floor: tuple[tuple[str, float], ...] = ()
     # Types defined in the cluster file (cluster.device_types); they shadow packaged ones.
     inline_types: tuple[DeviceType, ...] = ()
+    # The types its machines take from device files, carried so that a copy in another process
+    # reads no files, and the file each came from (name, path): the user's folder or conf/device/.
+    file_types: tuple[DeviceType, ...] = field(default=(), repr=False, compare=False)
+    type_files: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
     devices: tuple[Device, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,9 +170,11 @@ class ClusterSpec:
         object.__setattr__(self, "devices", tuple(devices))
 
     def device_type(self, name: str) -> DeviceType:
-        """The type called `name`: the cluster's own (inline) one, else the packaged one."""
-        inline = {t.name: t for t in self.inline_types}
-        return inline[name] if name in inline else device_types()[name]
+        """The type called `name`: the cluster's own (inline) one, else the one from its file."""
+        for t in (*self.inline_types, *self.file_types):
+            if t.name == name:
+                return t
+        return device_types()[name]
 
     @property
     def num_devices(self) -> int:
@@ -224,14 +228,18 @@ class ClusterSpec:
     def fingerprint(self) -> str:
         """Short hash of everything that defines the cluster (not the host measurement).
 
-        Inline device types count; packaged ones are keyed by name only. A key left at its
-        default (no inline types, the default device) is left out of the hash, so adding such a
-        key keeps the hashes already recorded in rows."""
+        Inline device types count, and so do types from a folder of the user's own; packaged
+        ones are keyed by name only. A key left at its default (no inline or own types, the
+        default device) is left out of the hash, so adding such a key keeps the hashes already
+        recorded in rows."""
         body = {k: v for k, v in asdict(self).items()
                 if k not in ("devices", "host_flops", "host_step_overhead_s", "host_optimizer_s_per_byte",
-                             "host_param_bytes", "link_floor")}
+                             "host_param_bytes", "link_floor", "file_types", "type_files")}
         if not self.inline_types:
             del body["inline_types"]
+        own = {name for name, path in self.type_files if not Path(path).resolve().is_relative_to(CONF_DIR.resolve())}
+        if own:
+            body["own_types"] = [asdict(t) for t in self.file_types if t.name in own]
         if self.device == _default_device(self.emulated, self.machines):
             del body["device"]  # a default key is left out: recorded hashes stay valid
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
@@ -247,135 +255,49 @@ class ClusterSpec:
         return f"{self.name} ({', '.join(parts)}{where})"
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> ClusterSpec:
-        """Validate a plain dict (the resolved `cluster` config group) into a ClusterSpec."""
-        name = _get(cfg, "name", str, "cluster")
-        _check_fields(cfg, _CLUSTER_FIELDS, f"cluster={name}")
-        machines_cfg = cfg.get("machines")
-        if not machines_cfg:
-            raise ConfigError(
-                f"cluster.machines={machines_cfg!r} is empty; list at least one machine group "
-                "like {count: 1, device: V100-16, num_devices: 8}"
-            )
-        inline = _inline_types(cfg.get("device_types"))
-        known = {**device_types(), **{t.name: t for t in inline}}
-        groups = []
-        for i, m in enumerate(machines_cfg):
-            where = f"cluster.machines[{i}]"
-            _check_fields(m, _MACHINE_FIELDS, where)
-            device = m.get("device")
-            if device not in known:
-                raise ConfigError(
-                    f"{where}.device={device!r} is unknown; known: {', '.join(sorted(known))}; "
-                    f"define it under cluster.device_types or in conf/device/{device}.yaml"
-                )
-            count = _positive_int(m.get("count", 1), f"{where}.count")
-            num = _positive_int(m.get("num_devices"), f"{where}.num_devices")
-            speed = _positive(m.get("speed", 1.0), f"{where}.speed")
-            mem, flops = m.get("memory_gib"), m.get("effective_flops")
-            if mem is not None:
-                mem = _positive(mem, f"{where}.memory_gib")
-            if flops is not None:
-                flops = _positive(flops, f"{where}.effective_flops")
-            groups.append(MachineGroup(count, device, num, speed, mem, flops))
+    def from_config(cls, cfg: Mapping[str, Any], roots: tuple[Path, ...] | None = None) -> ClusterSpec:
+        """Validate a cluster config (a plain dict, or a `cluster` node, resolved here) into a
+        ClusterSpec; its device types come from the config folders `roots` (default: this
+        process's, bench.core.paths.config_roots; see device_type_files)."""
+        data = plain(cfg)
+        label = data.get("name") if isinstance(data, Mapping) else None
+        c = parse(ClusterConfig, data, "cluster.", f"cluster={label}")
+        inline = tuple(_device_type(t, key, f"cluster.device_types.{key}.")
+                       for key, t in (c.device_types or {}).items())
+        files = device_type_files(roots)
+        known = {**{name: t for name, (t, _) in files.items()}, **{t.name: t for t in inline}}
+        for i, m in enumerate(c.machines):
+            if m.device not in known:
+                raise unknown_device(m, f"cluster.machines[{i}].", sorted(known))
         links = {}
         for level in ("intra_machine", "inter_machine"):
-            lc = cfg.get("links", {}).get(level)
-            if lc is None:
-                raise ConfigError(
-                    f"cluster.links.{level} is missing; give bandwidth_gbps and latency_s"
-                )
-            bw = _positive(lc.get("bandwidth_gbps"), f"cluster.links.{level}.bandwidth_gbps")
-            lat = lc.get("latency_s")
-            if not isinstance(lat, (int, float)) or isinstance(lat, bool) or lat < 0:
-                raise ConfigError(
-                    f"cluster.links.{level}.latency_s={lat!r} must be a number >= 0 (seconds)"
-                )
-            _check_fields(lc, {"bandwidth_gbps", "latency_s", "profile"}, f"cluster.links.{level}")
-            profile = lc.get("profile")
-            fits = () if profile is None else load_link_profile(profile, f"cluster.links.{level}.profile")
-            links[level] = Link(float(bw), float(lat), fits, profile)
-        virtual = cfg.get("virtual_device", "machine")
-        if virtual not in ("gpu", "machine"):
-            raise ConfigError(
-                f"cluster.virtual_device={virtual!r} is invalid; use 'gpu' or 'machine'"
-            )
-        emulated = bool(cfg.get("emulated", False))
-        device = cfg.get("device", _default_device(emulated, groups))
-        if device not in COMPUTE_DEVICES:
-            raise ConfigError(
-                f"cluster.device={device!r} is invalid; use cpu (worker processes on this host's "
-                "cores) or cuda (emulated: every rank on this host's GPU under MPS)"
-            )
+            lc = getattr(c.links, level)
+            fits = () if lc.profile is None else load_link_profile(lc.profile, f"cluster.links.{level}.profile")
+            links[level] = Link(float(lc.bandwidth_gbps), float(lc.latency_s), fits, lc.profile)
+        from_files = sorted({m.device for m in c.machines} - {t.name for t in inline})
         spec = cls(
-            name=name,
-            machines=tuple(groups),
+            name=c.name,
+            machines=tuple(MachineGroup(m.count, m.device, m.num_devices, float(m.speed), _float(m.memory_gib),
+                                        _float(m.effective_flops)) for m in c.machines),
             intra_machine=links["intra_machine"],
             inter_machine=links["inter_machine"],
-            emulated=emulated,
-            device=device,
-            virtual_device=virtual,
+            emulated=c.emulated,
+            device=c.compute_device(),
+            virtual_device=c.virtual_device,
             inline_types=inline,
+            file_types=tuple(files[n][0] for n in from_files),
+            type_files=tuple((n, str(files[n][1])) for n in from_files),
         )
-        expected = cfg.get("num_devices")
-        if expected is not None and expected != spec.num_devices:
-            raise ConfigError(
-                f"cluster.num_devices={expected!r} does not add up: the machine groups hold "
-                f"{spec.num_devices} devices; fix the counts or drop num_devices"
-            )
-        types = sorted({g.device for g in groups})
-        if spec.emulated and device == "cpu" and types != ["cpu"]:
-            raise ConfigError(
-                f"cluster.emulated=true with cluster.device=cpu needs device 'cpu' on every machine "
-                f"(got {types}); emulated devices differ by `speed`, or set cluster.device=cuda to "
-                "share this host's GPU"
-            )
-        if spec.emulated and device == "cuda" and "cpu" in types:
-            raise ConfigError(
-                f"cluster.device=cuda runs the emulated ranks on a GPU, but the machines say device "
-                f"'cpu' (got {types}); give them this GPU's type (e.g. H100-80) or set cluster.device=cpu"
-            )
+        c.check_devices("cluster.", spec.num_devices)
         return spec
 
 
-_MACHINE_FIELDS = {"count", "device", "num_devices", "speed", "memory_gib", "effective_flops"}
-_CLUSTER_FIELDS = {"name", "machines", "links", "emulated", "virtual_device", "num_devices",
-                   "gpus_per_machine", "device_types", "device"}
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _default_device(emulated: bool, machines) -> str:
     """cpu for emulated clusters and for clusters of cpu devices; cuda for real GPU clusters."""
-    if emulated or all(g.device == _MEASURED_TYPE for g in machines):
+    if emulated or all(g.device == MEASURED_TYPE for g in machines):
         return "cpu"
     return "cuda"
-
-
-def _inline_types(cfg: Any) -> tuple[DeviceType, ...]:
-    """Validate `cluster.device_types`: {name: {memory_gib, peak_flops, effective_flops, ...}}."""
-    if cfg is None:
-        return ()
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(
-            f"cluster.device_types={cfg!r} must map type names to fields, e.g. "
-            "{MyGPU: {memory_gib: 24, effective_flops: 5.0e12, sources: {...}}}"
-        )
-    types = []
-    for name, fields in cfg.items():
-        where = f"cluster.device_types.{name}"
-        if not isinstance(fields, Mapping):
-            raise ConfigError(f"{where}={fields!r} must be a mapping of the type's fields")
-        types.append(_device_type(fields, str(name), where, f"{where}."))
-    return tuple(types)
-
-
-def _get(cfg: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
-    value = cfg.get(key)
-    if not isinstance(value, typ) or not value:
-        raise ConfigError(f"{where}.{key}={value!r} must be a non-empty {typ.__name__}")
-    return value
-
-
-def _positive_int(value: Any, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{where}={value!r} must be an integer >= 1")
-    return value

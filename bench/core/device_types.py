@@ -1,5 +1,7 @@
 """Device types: one kind of accelerator each (FLOP/s, memory, where each number comes from) and
-its measured compute profile, read from conf/device/*.yaml or a cluster file's device_types.
+its measured compute profile, read from conf/device/*.yaml (or device/ in a folder of the user's
+own configs, which wins) or a cluster file's device_types; bench.core.cluster_config is the files'
+shape.
 
 Types only: which machines hold them and how they are linked is bench.core.cluster's.
 """
@@ -18,8 +20,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bench.core.cluster_config import DeviceTypeConfig
 from bench.core.errors import ConfigError
-from bench.core.paths import CONF_DIR, project_path, show_path
+from bench.core.paths import CONF_DIR, config_roots, project_path, show_path
+from bench.core.schema import fields_of, parse
 
 DEVICE_DIR = CONF_DIR / "device"
 
@@ -63,6 +67,10 @@ class ComputeProfile:
     # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
     # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
     workspace_bytes: float = 0.0
+    # The precision its kernels ran at (bench.runtime.precision.PRECISIONS), as the profile
+    # records it; None for a profile made before profiles recorded it (measured with torch's
+    # default switches: TF32 off for matmuls, on for cuDNN's convolutions)
+    precision: str | None = None
 
     def rate(self, op_class: str) -> tuple[float, float]:
         """(fixed_s per kernel, FLOP/s) of an op class."""
@@ -134,24 +142,20 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     workspace = data.get("workspace_bytes", 0.0)
     if not isinstance(workspace, (int, float)) or workspace < 0:
         raise ConfigError(f"{where}={path!r}: workspace_bytes must be a number >= 0 (got {workspace!r}); {fix}")
+    recorded = data.get("precision")
+    precision = recorded.get("precision") if isinstance(recorded, dict) else None
+    if recorded is not None and not isinstance(precision, str):
+        raise ConfigError(f"{where}={path!r}: precision must be the mapping bench.profile records, with a "
+                          f"'precision' name (got {recorded!r}); {fix}")
     return ComputeProfile(type_name, classes, optimizer, str(path),
                           tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
                           0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
-                          float(workspace))
-
-
-_TYPE_FIELDS = {"name", "memory_gib", "peak_flops", "effective_flops", "sources", "profile"}
-_NUMBER_FIELDS = ("memory_gib", "peak_flops", "effective_flops")
-# The one type whose FLOP/s are measured at run time (ClusterSpec.with_host_speed).
-_MEASURED_TYPE = "cpu"
+                          float(workspace), precision)
 
 
 @functools.cache
-def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
-    """The packaged device types, one `<name>.yaml` each in `directory`, keyed by name.
-
-    Loaded once per directory; the result is read-only. A bad file raises ConfigError naming it.
-    """
+def _device_files(directory: Path) -> Mapping[str, tuple[DeviceType, Path]]:
+    """The device types of one folder, one `<name>.yaml` each: name -> (type, file)."""
     types = {}
     for path in sorted(Path(directory).glob("*.yaml")):
         where = show_path(path)
@@ -166,72 +170,46 @@ def device_types(directory: Path = DEVICE_DIR) -> Mapping[str, DeviceType]:
             ) from e
         if not isinstance(cfg, dict):
             raise ConfigError(
-                f"{where} must hold a mapping of fields ({', '.join(sorted(_TYPE_FIELDS))})"
+                f"{where} must hold a mapping of fields ({', '.join(sorted(fields_of(DeviceTypeConfig)))})"
             )
         if cfg.get("name") != path.stem:
             raise ConfigError(
                 f"{where}: name={cfg.get('name')!r} differs from the file name; set "
                 f"name: {path.stem} or rename the file to <name>.yaml"
             )
-        types[path.stem] = _device_type(cfg, path.stem, where, f"{where}: ")
+        types[path.stem] = (_device_type(parse(DeviceTypeConfig, cfg, f"{where}: ", where), path.stem,
+                                         f"{where}: "), path)
     return MappingProxyType(types)
 
 
-def _device_type(cfg: Mapping[str, Any], name: str, where: str, prefix: str) -> DeviceType:
-    """Validate one device type's fields. `where` names the type in messages and `prefix` goes
-    before each field ("conf/device/T4.yaml: " or "cluster.device_types.MyGPU.")."""
-    _check_fields(cfg, _TYPE_FIELDS, where)
-    if cfg.get("name", name) != name:
-        raise ConfigError(
-            f"{prefix}name={cfg.get('name')!r} differs from its key {name!r}; drop it or match them"
-        )
-    if cfg.get("memory_gib") is None:
-        raise ConfigError(
-            f"{prefix}memory_gib is missing; add one device's memory in GiB, e.g. memory_gib: 24"
-        )
-    numbers = {key: None if cfg.get(key) is None else _positive(cfg.get(key), prefix + key)
-               for key in _NUMBER_FIELDS}
-    if numbers["effective_flops"] is None and name != _MEASURED_TYPE:
-        also = "" if numbers["peak_flops"] is not None else ", and peak_flops from the datasheet"
-        raise ConfigError(
-            f"{prefix}effective_flops is missing; a GPU type needs the sustained FLOP/s the "
-            f"simulator uses: add effective_flops (measured, or an assumption labelled as one in "
-            f"sources){also}; only the {_MEASURED_TYPE!r} type is measured at run time"
-        )
-    sources = cfg.get("sources") or {}
-    if not isinstance(sources, Mapping):
-        raise ConfigError(
-            f"{prefix}sources={sources!r} must map each number field to where it comes from"
-        )
-    for key, text in sources.items():
-        if key not in _NUMBER_FIELDS:
-            raise ConfigError(
-                f"{prefix}sources.{key} is not a number field; valid: {', '.join(_NUMBER_FIELDS)}"
-            )
-        if not isinstance(text, str) or not text.strip():
-            raise ConfigError(f"{prefix}sources.{key}={text!r} must say where the number is from")
-    for key, value in numbers.items():
-        if value is not None and key not in sources:
-            raise ConfigError(
-                f"{prefix}sources.{key} is missing; say where {key}={value:g} comes from "
-                "(a datasheet, a profile, or 'assumption: ...')"
-            )
-    profile = cfg.get("profile")
-    if profile is not None and (not isinstance(profile, str) or not profile):
-        raise ConfigError(f"{prefix}profile={profile!r} must be a profile file's path, or null")
+def device_type_files(roots: tuple[Path, ...] | None = None) -> Mapping[str, tuple[DeviceType, Path]]:
+    """Every device type of the config folders' device/ (default: bench.core.paths.config_roots(),
+    the user's folders first): name -> (type, the file it came from); the first folder wins."""
+    merged: dict[str, tuple[DeviceType, Path]] = {}
+    for root in reversed(config_roots() if roots is None else roots):
+        merged.update(_device_files(root / "device"))
+    return MappingProxyType(dict(sorted(merged.items())))
+
+
+def device_types(directory: Path | None = None) -> Mapping[str, DeviceType]:
+    """The device types of `directory` (one `<name>.yaml` each), or, by default, of every config
+    folder's device/ (device_type_files), keyed by name.
+
+    Each folder is loaded once; the result is read-only. A bad file raises ConfigError naming it.
+    """
+    files = device_type_files() if directory is None else _device_files(Path(directory))
+    return MappingProxyType({name: t for name, (t, _) in files.items()})
+
+
+def _device_type(cfg: DeviceTypeConfig, name: str, prefix: str) -> DeviceType:
+    """The device type `name` of a checked config; its compute profile loaded. `prefix` goes
+    before each field in messages ("conf/device/T4.yaml: " or "cluster.device_types.MyGPU.")."""
+    cfg.check_as(name, prefix)
+    profile = cfg.profile
     compute = None if profile is None else load_compute_profile(profile, f"{prefix}profile", name)
-    return DeviceType(name, numbers["peak_flops"], numbers["effective_flops"],
-                      numbers["memory_gib"], {str(k): v for k, v in sources.items()}, profile, compute)
+    return DeviceType(name, _float(cfg.peak_flops), _float(cfg.effective_flops), float(cfg.memory_gib),
+                      {str(k): v for k, v in cfg.sources.items()}, profile, compute)
 
 
-def _check_fields(cfg: Mapping[str, Any], valid: set[str], where: str) -> None:
-    unknown = set(cfg) - valid
-    if unknown:
-        raise ConfigError(f"{where} has unknown field(s) {sorted(unknown)}; valid: "
-                          f"{', '.join(sorted(valid))}")
-
-
-def _positive(value: Any, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{where}={value!r} must be a number > 0")
-    return float(value)
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)

@@ -44,6 +44,9 @@ class Workload:
     global_batch: int
     flops_per_sample: float  # forward + backward model FLOPs (bench.runtime.hostspeed)
     data: dict = field(default_factory=lambda: {"source": "synthetic", "path": None, "split": "train"})
+    # fp32 (TF32 off), tf32 or bf16 (autocast): the worker applies it around every step, and a
+    # method whose engine has precision settings of its own sets them to the same (DeepSpeed)
+    precision: str = "fp32"
 
     @property
     def targets_per_iter(self) -> int:

@@ -7,6 +7,10 @@ Two layouts hold the same files:
 - an installed distribution (`pip install .`): pyproject.toml ships conf/ as the package
   `bench.conf`, Hydra reads it through its `pkg://bench.conf` search path, and the tools
   write under the working directory (results/...), as `results_dir` does in both layouts.
+
+In either layout a user may add folders of their own configs (`--config-dir`, `hydra.searchpath`):
+config_roots() lists them before the project's, so that a file of theirs wins over a packaged
+one of the same name (bench.runner.configs sets them from the command line).
 """
 
 from __future__ import annotations
@@ -45,6 +49,24 @@ CONF_SOURCE: str = str(CONF_DIR) if IN_CHECKOUT else f"pkg://{CONF_PACKAGE}"
 PROJECT_DIR: Path = _SOURCE_ROOT if IN_CHECKOUT else Path.cwd()
 
 
+_user_dirs: tuple[Path, ...] = ()
+
+
+def set_user_config_dirs(dirs) -> None:
+    """The folders of the user's own configs for this process, first wins (absolute paths)."""
+    global _user_dirs
+    _user_dirs = tuple(Path(d).resolve() for d in dirs)
+
+
+def user_config_dirs() -> tuple[Path, ...]:
+    return _user_dirs
+
+
+def config_roots() -> tuple[Path, ...]:
+    """Every folder configs come from, in the order a name is looked up: the user's, then CONF_DIR."""
+    return (*_user_dirs, CONF_DIR)
+
+
 def project_path(path: str | Path) -> Path:
     """`path` as given when absolute, else relative to PROJECT_DIR."""
     path = Path(path)
@@ -61,3 +83,9 @@ def show_path(path: Path) -> str:
         except ValueError:
             continue
     return str(path)
+
+
+def shown_config_path(path: Path) -> str:
+    """A config file as a row records it: conf/<group>/<name>.yaml for the project's, the full
+    path for a file of the user's own."""
+    return show_path(path) if Path(path).resolve().is_relative_to(CONF_DIR.resolve()) else str(path)

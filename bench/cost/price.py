@@ -361,14 +361,18 @@ def device_compute(st: Stage, cluster: ClusterSpec, v: VirtualDevice, alg) -> Va
     return t
 
 
-def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
+def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg, latency_share: float = 1.0) -> Value:
     """Seconds of the all-reduce of a stage's gradients among each machine's GPUs (data
-    parallel inside a machine-level device), on the intra-machine link; the slowest machine."""
+    parallel inside a machine-level device), on the intra-machine link; the slowest machine.
+    `latency_share`: the part of the call's latency (and the host transport's floor) charged,
+    for gradients that ride in a bucket with others (the search's per-parameter share)."""
     if st.grad_bytes.is_constant and st.grad_bytes.const == 0:
         return 0.0
-    terms = [alpha + beta * alg.at(st.grad_bytes, d) for d, _ in alike(vdevs, alg) if vdevs[d].num_gpus > 1
+    terms = [alpha * latency_share + beta * alg.at(st.grad_bytes, d) for d, _ in alike(vdevs, alg)
+             if vdevs[d].num_gpus > 1
              for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", vdevs[d].num_gpus, cluster.intra_machine)]]
-    return alg.max(terms + _floor_term(cluster, "all_reduce")) if terms else 0.0
+    floor = [f * latency_share for f in _floor_term(cluster, "all_reduce")]
+    return alg.max(terms + floor) if terms else 0.0
 
 
 def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> tuple[Value, Value]:
@@ -513,12 +517,17 @@ def host_times(program: Program, vdevs: list[VirtualDevice]) -> tuple[float, flo
     host, for devices whose profile measured them (GPUs: they run kernels while their host
     queues the next ones, bench.core.device_types.ComputeProfile). The same at any ratios: a rank
     launches the same kernels whatever its share."""
-    profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
-    if not profiles:
-        return 0.0, 0.0
     launches: Counter = Counter()
     for st in program.stages:
         launches[st.op_class] += st.launches
+    return launch_times(launches, vdevs)
+
+
+def launch_times(launches: Counter, vdevs: list[VirtualDevice]) -> tuple[float, float]:
+    """host_times of an iteration that launches `launches` kernels per op class."""
+    profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
+    if not profiles:
+        return 0.0, 0.0
     return (max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) for c in profiles.values()),
             max(c.optimizer_dispatch_s for c in profiles.values()))
 
@@ -526,6 +535,90 @@ def host_times(program: Program, vdevs: list[VirtualDevice]) -> tuple[float, flo
 def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
     """Seconds the host spends queueing one iteration's kernels (host_times, added up)."""
     return sum(host_times(program, vdevs))
+
+
+# -- the same timeline as maps: what the search prices a partial program with ---------------
+# iteration_time's lanes (compute end, network end, intra-machine end) after a stage are
+# max-plus linear in the lanes before it: lane i after = max over lanes j before of (lane j +
+# S[i][j]). So a run of stages is one such map (their product), and a program's forward part,
+# run first, and its backward part, run last, compose around whatever comes between. The search
+# (methods.hap.search) walks ops in forward order: it keeps the lanes after the forward of its
+# prefix (apply) and, for the backward of its prefix, which runs at the end of the iteration in
+# reverse, only how the iteration's end depends on the lanes where that backward starts
+# (prepend: the end row of the map). Stage maps are never below the identity (no lane ends
+# earlier), so ops inserted between can only make the iteration longer: the price of a prefix
+# is a lower bound of every program that extends it. With every stage in, end(row, lanes) is
+# the end iteration_time computes before the host's queueing, the optimizer and the per-step
+# terms (tests/unit/test_cost_model.py).
+NEG = float("-inf")
+IDENTITY_MAP = (0.0, NEG, NEG, NEG, 0.0, NEG, NEG, NEG, 0.0)  # 3x3, row-major: S[i * 3 + j]
+ZERO_LANES = (0.0, 0.0, 0.0)
+
+
+def stage_map(comm: float, comp: float, collectives: bool, overlap: bool, sync: float = 0.0) -> tuple:
+    """The map of one stage, as iteration_time times it: `comm` seconds of its collectives one
+    after another, `comp` of its slowest device's compute, whether it has collectives, whether
+    they overlap its compute (gradient buckets), and `sync` seconds of its gradients'
+    all-reduce inside the machines (the third lane, launched once it has computed)."""
+    if not collectives or (comm == 0.0 and not overlap):  # the compute lane alone
+        c = (comp, NEG, NEG)
+        w = (NEG, 0.0, NEG)
+    elif overlap:  # its collectives start when both lanes are free, its compute goes on beside
+        c = (comp, NEG, NEG)
+        w = (comm, comm, NEG)
+    else:  # its compute waits for its collectives
+        c = (comm + comp, comm + comp, NEG)
+        w = (comm, comm, NEG)
+    a = (NEG, NEG, 0.0) if sync == 0.0 else (c[0] + sync, c[1] + sync, sync)
+    return (*c, *w, *a)
+
+
+def compose(later: tuple, earlier: tuple) -> tuple:
+    """The map of `earlier` then `later` (max-plus product later x earlier)."""
+    return tuple(max(later[i * 3] + earlier[j], later[i * 3 + 1] + earlier[3 + j], later[i * 3 + 2] + earlier[6 + j])
+                 for i in range(3) for j in range(3))
+
+
+def apply(m: tuple, lanes: tuple) -> tuple:
+    """The lanes after map `m`, from `lanes`."""
+    c, w, a = lanes
+    return (max(m[0] + c, m[1] + w, m[2] + a), max(m[3] + c, m[4] + w, m[5] + a),
+            max(m[6] + c, m[7] + w, m[8] + a))
+
+
+def prepend(row: tuple, m: tuple) -> tuple:
+    """The end row of (the map whose end row is `row`) after `m`: how the end depends on the
+    lanes before `m` runs, once `m` runs first."""
+    r0, r1, r2 = row
+    return (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),
+            max(r0 + m[2], r1 + m[5], r2 + m[8]))
+
+
+def end(row: tuple, lanes: tuple) -> float:
+    """The iteration's end (the last lane done) from an end row and the lanes it starts from."""
+    return max(row[0] + lanes[0], row[1] + lanes[1], row[2] + lanes[2])
+
+
+def program_maps(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg: FloatAlgebra) -> list:
+    """The map of every stage of `program` at the algebra's ratios (stage_parts, intra_grad_sync)."""
+    maps = []
+    for st in program.stages:
+        comm, comp = stage_parts(st, cluster, vdevs, alg)
+        maps.append(stage_map(comm, comp, bool(st.collectives), st.overlap, intra_grad_sync(st, cluster, vdevs, alg)))
+    return maps
+
+
+def step_terms(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg: FloatAlgebra,
+               lanes_end: float, launches: Counter | None = None) -> float:
+    """An iteration's seconds from where its lanes end (iteration_time's last lines): no sooner
+    than the host has queued its kernels, then the optimizer step and the per-step terms.
+    `launches`: the kernels per op class where `program` holds no stages (default: its own)."""
+    host_steps, host_optimizer = host_times(program, vdevs) if launches is None else launch_times(launches, vdevs)
+    t = max(lanes_end, host_steps) if host_steps > 0 else lanes_end
+    optimizer = optimizer_time(program, vdevs, alg)
+    if host_optimizer > 0:
+        optimizer = max(optimizer, host_optimizer)
+    return t + optimizer + per_step_s(program, cluster, vdevs, alg)
 
 
 # -- numbers ---------------------------------------------------------------------------------

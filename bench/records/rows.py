@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "infeasible", "timeout", "failed")
 # Keys of the resolved config that do not change what a case measures (left out of case_key).
 _NON_CASE_KEYS = ("wandb", "logger", "resume", "results_dir", "results_file", "timeout_s", "test",
-                  "report")
+                  "report", "config_dirs", "config_files")
 
 
 @dataclass

@@ -6,18 +6,21 @@ running the workers and reading their results is bench.runner.execute's job.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import platform
 import statistics
 import time
-
-from omegaconf import DictConfig, OmegaConf
+from dataclasses import asdict
+from pathlib import Path
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Workload
+from bench.core.paths import shown_config_path
 from bench.cost import simulate
 from bench.cost.flops import train_flops_per_sample
 from bench.records.rows import (
@@ -25,8 +28,8 @@ from bench.records.rows import (
     case_key,
     fingerprint,
 )
-from bench.runner.configs import instantiate_plugin
-from bench.runner.settings import check_protocol, emulation_settings
+from bench.runner.configs import hydra_job, instantiate_plugin
+from bench.runner.settings import Settings, as_settings, emulation_settings, recorded_config
 from bench.runtime.emulation import EmulationSettings
 from bench.runtime.hostlinks import host_floor
 from bench.runtime.hostspeed import measure_host_speed, split_step
@@ -39,35 +42,61 @@ from bench.runtime.worker import (
     Case,
 )
 
+log = logging.getLogger(__name__)
+_unrecorded_warned: set[str] = set()
 
-def build_workload(cfg: DictConfig, cluster: ClusterSpec) -> Workload:
-    return workload_from(cfg, *check_workload(cfg, cluster))
+
+def build_workload(cfg: Settings, cluster: ClusterSpec) -> Workload:
+    settings = as_settings(cfg)
+    return workload_from(settings, *check_workload(settings, cluster))
 
 
-def check_workload(cfg: DictConfig, cluster: ClusterSpec) -> tuple[object, int, dict]:
+def check_workload(settings: Settings, cluster: ClusterSpec) -> tuple[object, int, dict]:
     """The case's model spec, global batch and data, each checked (a ConfigError of one line)."""
-    model_cfg = instantiate_plugin(cfg.model.spec, "model.spec", num_devices=cluster.num_devices)
+    model_cfg = instantiate_plugin(settings.model["spec"], "model.spec", num_devices=cluster.num_devices)
     n = cluster.num_devices
-    batch = cfg.global_batch if cfg.global_batch is not None else cfg.preset.batch_per_device * n
-    if not isinstance(batch, int) or batch < n:
+    batch = settings.global_batch if settings.global_batch is not None else settings.preset.batch_per_device * n
+    if batch < n:
         raise ConfigError(
             f"global_batch={batch!r} is smaller than the {n} devices of cluster={cluster.name}; "
             f"every device needs a sample: set global_batch>={n} (or preset.batch_per_device>=1)"
         )
-    data = OmegaConf.to_container(cfg.data, resolve=True)
+    data = asdict(settings.data)
     try:  # open the data once here: a wrong source, path or file fails before workers start
-        model_cfg.dataset(data["source"], data["path"], data["split"], cfg.seed)
+        model_cfg.dataset(data["source"], data["path"], data["split"], settings.seed)
     except ValueError as exc:
         raise ConfigError(str(exc).replace("\n", " ")) from None
     return model_cfg, batch, data
 
 
-def workload_from(cfg: DictConfig, model_cfg, batch: int, data: dict) -> Workload:
+def workload_from(settings: Settings, model_cfg, batch: int, data: dict) -> Workload:
     """The workload of checked parts (check_workload); counts its FLOPs (seconds for a big model)."""
     return Workload(
-        name=cfg.model.name, preset=cfg.preset.name, model_cfg=model_cfg, global_batch=batch,
-        flops_per_sample=train_flops_per_sample(model_cfg), data=data,
+        name=settings.model["name"], preset=settings.preset.name, model_cfg=model_cfg, global_batch=batch,
+        flops_per_sample=train_flops_per_sample(model_cfg), data=data, precision=settings.precision,
     )
+
+
+def check_profile_precision(cluster: ClusterSpec, precision: str) -> None:
+    """A compute profile prices kernels as they ran when it was measured: one measured at
+    another precision than the case's is refused (a ConfigError of one line). A profile made
+    before profiles recorded their precision is used, with one warning per profile."""
+    for dtype in {d.type.name: d.type for d in cluster.devices}.values():
+        prof = dtype.compute
+        if prof is None:
+            continue
+        if prof.precision is None:
+            if prof.path not in _unrecorded_warned:
+                _unrecorded_warned.add(prof.path)
+                log.warning("the compute profile %s (device type %s) does not record its precision (measured "
+                            "with torch's default TF32 switches: cuDNN's on); re-profile it with bench.profile "
+                            "--precision %s", prof.path, dtype.name, precision)
+        elif prof.precision != precision:
+            raise ConfigError(
+                f"precision={precision} but the compute profile {prof.path} (device type {dtype.name}) was "
+                f"measured at precision={prof.precision}; run at precision={prof.precision}, or profile the "
+                f"device at {precision}: python -m bench.profile --device cuda --device-type {dtype.name} "
+                f"--precision {precision} --compute-out {prof.path}")
 
 
 def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
@@ -100,51 +129,41 @@ def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
     )
 
 
-def new_record(cfg: DictConfig) -> RunRecord:
-    config = OmegaConf.to_container(cfg, resolve=True)
+def new_record(cfg: Settings) -> RunRecord:
+    """The case's row, failed until it ends well, from its config as composed (which may still
+    be refused: the row then says why)."""
+    config = copy.deepcopy(recorded_config(cfg))
     sweep_id, output_dir = hydra_job()
     return RunRecord(
-        model=cfg.model.name, preset=cfg.preset.name, cluster=cfg.cluster.name,
-        method=cfg.method.name, mode=cfg.mode, status="failed",
-        origin="measured" if cfg.mode == "real" else "simulated",
-        warmup_iters=cfg.warmup_iters, measured_iters=cfg.measured_iters,
+        model=config["model"]["name"], preset=config["preset"]["name"], cluster=config["cluster"]["name"],
+        method=config["method"]["name"], mode=config["mode"], status="failed",
+        origin="measured" if config["mode"] == "real" else "simulated",
+        warmup_iters=config["warmup_iters"], measured_iters=config["measured_iters"],
         case_key=case_key(config), config=config, sweep_id=sweep_id, output_dir=output_dir,
         **fingerprint(),
     )
 
 
-def hydra_job() -> tuple[str | None, str | None]:
-    """(sweep id, output directory) of the Hydra job this process runs, if any: a --multirun
-    sweep is identified by its sweep directory; a single run has no sweep."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():
-        return None, None
-    hc = HydraConfig.get()
-    # A config composed for a tool (compose_config) has a Hydra node but no job: no output dir.
-    output_dir = OmegaConf.select(hc, "runtime.output_dir", default=None, throw_on_missing=False)
-    if output_dir is None:
-        return None, None
-    return (hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None), output_dir
-
-
-def prepare_case(cfg: DictConfig, record: RunRecord, world_size: int | None = None,
+def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None,
                  launching: bool = False) -> Case:
     """Validate, measure the host, plan: everything before workers start. Fills `record`.
 
     `launching`: this process launches the case's workers next (bench.runtime.launch.launch); when they
     fork from a server on the CPU, it starts here, as soon as the case is valid, so that its
     seconds of imports overlap the FLOP count (start_server)."""
-    check_protocol(cfg)
-    cluster = ClusterSpec.from_config(record.config["cluster"])
+    cfg = as_settings(cfg)
+    cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
     record.cluster_hash = cluster.fingerprint()
     record.num_devices = cluster.num_devices
+    files = record.config.get("config_files")
+    if files is not None:  # which device files the cluster's types came from
+        files.update({f"device/{name}": shown_config_path(Path(path)) for name, path in cluster.type_files})
     method = instantiate_plugin(cfg.method, "method")
     if cfg.mode not in getattr(method, "modes", ("real",)):
-        raise ConfigError(f"method={cfg.method.name} does not support mode={cfg.mode} yet; it "
+        raise ConfigError(f"method={cfg.method_name} does not support mode={cfg.mode} yet; it "
                           f"supports {', '.join(method.modes)}")
     model_cfg, record.global_batch, data = check_workload(cfg, cluster)
+    check_profile_precision(cluster, cfg.precision)
     if cfg.mode == "real":
         check_hardware(cluster, world_size)
     # Validated for this cluster before any worker starts (realtime_comm needs a core per rank).

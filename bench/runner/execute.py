@@ -12,7 +12,6 @@ import traceback
 from pathlib import Path
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Workload
@@ -26,6 +25,7 @@ from bench.records.rows import (
 from bench.records.tracking import Tracker, track_case
 from bench.runner.case import new_record, predict_at_run_speed, prepare_case
 from bench.runner.configs import results_file
+from bench.runner.settings import Settings, as_settings, recorded_config
 from bench.runtime.emulation import DILATION_TOLERANCE, achieved_speeds, links_ok
 from bench.runtime.launch import (
     CaseTimeout,
@@ -47,11 +47,12 @@ failed_cases: list[str] = []  # cases of this process that did not end "ok" (set
 recorded_here: set[str] = set()  # run_ids of the rows this process wrote (errors already shown)
 
 
-def make_trackers(cfg: DictConfig) -> list[Tracker]:
+def make_trackers(cfg: Settings) -> list[Tracker]:
     """The loggers chosen by `logger=...` (conf/logger/), instantiated. `logger=none` (an option
-    with no _target_) adds none; one that cannot start is a warning, never a failed case."""
+    with no _target_) adds none; one that cannot start is a warning, never a failed case. (A
+    sweep's config, which Hydra hands over as composed, needs no other option to be valid.)"""
     trackers = []
-    for name, node in (cfg.get("logger") or {}).items():
+    for name, node in (recorded_config(cfg).get("logger") or {}).items():
         if not node or "_target_" not in node:
             continue
         try:
@@ -63,7 +64,7 @@ def make_trackers(cfg: DictConfig) -> list[Tracker]:
     return trackers
 
 
-def write_record(cfg: DictConfig, record: RunRecord, track: bool = True) -> None:
+def write_record(cfg: Settings, record: RunRecord, track: bool = True) -> None:
     """Append the row, then mirror it to the loggers: a logger's failure never costs the row.
     A config refused before anything ran (track=False) is its one error line and its row."""
     record.__post_init__()  # a failed case keeps no metrics
@@ -82,7 +83,7 @@ def expect_cases(configs) -> None:
     rounds, a calibration): the server their CPU workers fork from, started by the first case,
     preloads what every case's method imports in its workers (bench.runtime.launch.expect_modules), not
     the first's alone. (A model's module is small: each worker imports its own.)"""
-    expect_methods(str(cfg.method.get("_target_", "")) for cfg in configs)
+    expect_methods(as_settings(cfg).method_target for cfg in configs)
 
 
 def expect_methods(targets) -> None:
@@ -96,13 +97,22 @@ def expect_methods(targets) -> None:
         expect_modules(*method_modules(target))
 
 
-def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = None) -> RunRecord:
+def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = None) -> RunRecord:
     """Run one case and append its row (ok or not). Never raises for a failed case.
 
-    `repeat` marks the row as one round of a repeated comparison (bench.compare aggregates).
+    `cfg` is checked Settings, or a config as composed: read into Settings here, where a refused
+    value fails the case with its row. `repeat` marks the row as one round of a repeated
+    comparison (bench.compare aggregates).
     """
     record = new_record(cfg)
     record.sweep_id = sweep_id or record.sweep_id
+    try:
+        cfg = as_settings(cfg)
+    except ConfigError as exc:
+        record.error = str(exc)
+        print(f"error: {exc}", file=sys.stderr)
+        write_record(cfg, record, track=False)
+        return record
     if repeat is not None:
         record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
     path = results_file(cfg)
@@ -144,7 +154,7 @@ def run_case(cfg: DictConfig, repeat: int | None = None, sweep_id: str | None = 
     return record
 
 
-def measure_case(cfg: DictConfig, record: RunRecord, case: Case) -> None:
+def measure_case(cfg: Settings, record: RunRecord, case: Case) -> None:
     """Train a prepared case (bench.runner.case.prepare_case) on its workers and fill its row's
     measured metrics; a worker's failure raises (run_case records it)."""
     results = launch_with_progress(case, cfg)
@@ -152,10 +162,10 @@ def measure_case(cfg: DictConfig, record: RunRecord, case: Case) -> None:
     predict_at_run_speed(record, case)
 
 
-def launch_with_progress(case: Case, cfg: DictConfig) -> list[dict]:
+def launch_with_progress(case: Case, cfg: Settings) -> list[dict]:
     total = case.warmup_iters + case.measured_iters
     with progress_bar(transient=True) as progress:
-        task = progress.add_task(f"{cfg.method.name} on {case.cluster.name}", total=total)
+        task = progress.add_task(f"{cfg.method_name} on {case.cluster.name}", total=total)
         return launch(case, case.cluster.num_devices, cfg.timeout_s,
                       on_progress=lambda it: progress.update(task, completed=it))
 

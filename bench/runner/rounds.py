@@ -12,25 +12,23 @@ import copy
 import statistics
 import uuid
 
-from omegaconf import OmegaConf
-
 from bench.records.progress import progress_bar
 from bench.records.rows import RunRecord, case_key, finished_record
 from bench.records.stats import ranks, summarize
 from bench.records.table import BASELINE
-from bench.runner.configs import (
-    results_file,
-)
+from bench.runner.configs import results_file
 from bench.runner.execute import fill_rates, run_case, write_record
+from bench.runner.settings import Settings, as_settings
 from bench.runtime.emulation import emulated_compute_s, links_ok
 
 
-def run_rounds(configs: dict, repeats: int) -> list[RunRecord]:
+def run_rounds(configs: dict[str, Settings], repeats: int) -> list[RunRecord]:
     """`repeats` interleaved rounds over the methods, then one aggregate row per method."""
     sweep_id = uuid.uuid4().hex[:12]
+    configs = {m: as_settings(cfg) for m, cfg in configs.items()}
     done = {}
     for m, cfg in configs.items():  # resume=true: a method whose aggregate is recorded is done
-        key = case_key(OmegaConf.to_container(cfg, resolve=True))
+        key = case_key(cfg.config)
         row = finished_record(results_file(cfg), key) if cfg.resume else None
         if row is not None:
             print(f"skip: {m} already recorded ({row.status}, run {row.run_id})")

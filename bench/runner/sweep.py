@@ -1,4 +1,8 @@
 """Hydra --multirun sweeps: their size and axes, the methods they name, and the table at their end.
+
+SweepSummary is a Hydra callback: Hydra hands it the sweep's config as composed (a DictConfig),
+of which it reads Hydra's own node (the sweep's parameters and overrides), the results folder and
+the loggers.
 """
 
 from __future__ import annotations
@@ -7,18 +11,17 @@ import math
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from bench.core.paths import CONF_DIR
 from bench.records.progress import interactive
 from bench.records.rows import (
     load_records,
 )
 from bench.records.table import print_table
 from bench.records.tracking import track_sweep
+from bench.runner.configs import method_target, results_file
 from bench.runner.execute import expect_methods, failed_cases, make_trackers, recorded_here
 
 
@@ -43,7 +46,11 @@ class SweepSummary(Callback):
               + (f", eta {eta:.0f} s" if eta is not None else ""), file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        path = Path(config.results_dir) / "records.jsonl"
+        # Only what the table needs: the sweep's config also holds Hydra's node, which does not
+        # resolve outside a job.
+        outputs = {"results_dir": config.results_dir,
+                   "logger": OmegaConf.to_container(config.logger, resolve=True) if config.get("logger") else None}
+        path = results_file(outputs)
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
         # Launchers that run jobs in other processes (submitit) report their failures here only:
         # the exit status, and one line each for errors this process has not shown yet.
@@ -56,7 +63,7 @@ class SweepSummary(Callback):
                 print(f"error: {case}: {r['error'].strip().splitlines()[-1]}", file=sys.stderr)
         if rows:
             print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
-            track_sweep(make_trackers(config), rows, path)
+            track_sweep(make_trackers(outputs), rows, path)
 
 
 def sweep_axes(params: dict[str, str]) -> list[list[str]]:
@@ -93,16 +100,12 @@ def sweep_size(config: DictConfig) -> int | None:
 
 
 def swept_method_targets(config: DictConfig) -> list[str]:
-    """The `_target_` of each method a --multirun sweep names (conf/method/<name>.yaml); none
-    where the sweep's syntax or a method's file cannot be read (its job then says why)."""
+    """The `_target_` of each method a --multirun sweep names (method/<name>.yaml in the config
+    folders, the user's first); none where the sweep's syntax or a method's file cannot be read
+    (its job then says why)."""
     try:
         axis = next((a for a in sweep_axes(sweep_params(config)) if a[0].startswith("method=")), [])
     except Exception:
         return []
-    targets = []
-    for choice in axis:
-        try:
-            targets.append(str(OmegaConf.load(CONF_DIR / "method" / f"{choice.partition('=')[2]}.yaml")["_target_"]))
-        except Exception:
-            continue
-    return targets
+    targets = [method_target(choice.partition("=")[2]) for choice in axis]
+    return [t for t in targets if t is not None]

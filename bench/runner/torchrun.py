@@ -8,8 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.records.rows import (
@@ -19,6 +17,7 @@ from bench.records.table import print_table
 from bench.runner.case import new_record, prepare_case
 from bench.runner.configs import results_file
 from bench.runner.execute import failed_cases, fill_metrics, run_case, write_record
+from bench.runner.settings import Settings
 from bench.runtime.multinode import (
     RUN_ID_ENV,
     NodeTask,
@@ -35,7 +34,7 @@ from bench.runtime.worker import (
 )
 
 
-def run_under_torchrun(cfg: DictConfig) -> None:
+def run_under_torchrun(cfg: Settings) -> None:
     """torchrun started this process: rank 0 prepares the case once and broadcasts it; every
     rank trains; rank 0 writes the row. torchrun itself stops all ranks if one fails."""
     import torch.distributed as dist
@@ -43,7 +42,7 @@ def run_under_torchrun(cfg: DictConfig) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:  # where the ranks compute: a cluster on cpu runs on gloo and hides the GPUs
-        cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+        cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
     except ConfigError:
         cluster = None  # rank 0's prepare_case reports it below, on a process group of GPUs
     if cluster is not None and cluster.device == "cpu":
@@ -77,7 +76,7 @@ def run_under_torchrun(cfg: DictConfig) -> None:
         print_table([record.__dict__])
 
 
-def run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
+def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
     """One task of a multi-node job (bench.runtime.multinode): start this node's torchrun on the same
     overrides and wait. Task 0 makes sure the case gets its row: torchrun's rank 0 writes it,
     and task 0 writes a failed (or timeout) row if torchrun ended before that."""
@@ -92,7 +91,7 @@ def run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
         if cfg.repeats != 1:
             raise ConfigError(f"repeats={cfg.repeats!r}: a multi-node job runs one case once; set "
                               "repeats=1 (and sweep, e.g. -m +round=1,2,3, to repeat it)")
-        cluster = ClusterSpec.from_config(record.config["cluster"])
+        cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
         nproc = devices_per_node(task, cluster)[task.rank]
     except ConfigError as exc:  # every task sees it; task 0 reports and records it
         if task.rank == 0:
@@ -103,6 +102,8 @@ def run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir) / f"node{task.rank}"
     overrides = [*hydra_cfg.overrides.task, f"hydra.run.dir={run_dir}"]
+    if cfg.config_dirs:  # the user's config folders, for the nodes' runners too
+        overrides.append(f"hydra.searchpath=[{','.join(f'file://{d}' for d in cfg.config_dirs)}]")
     code = run_torchrun(torchrun_command(task, nproc, overrides, run_dir / "torchrun"), record.run_id,
                         cfg.timeout_s)
     if task.rank != 0:
@@ -118,3 +119,4 @@ def run_across_nodes(cfg: DictConfig, task: NodeTask) -> None:
                         f"case; its output is in the job's log ({run_dir} and the submitit folder)")
     print(f"error: {record.error}", file=sys.stderr)
     write_record(cfg, record)
+

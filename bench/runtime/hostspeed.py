@@ -23,6 +23,7 @@ import torch
 
 from bench.core.interfaces import Workload
 from bench.runtime.hostcpu import cpu_model, emulated_device
+from bench.runtime.precision import applied
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +289,14 @@ def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
 def device_step(workload: Workload, batch_size: int, seed: int, device: str = "cpu",
                 repeats: int = 21) -> tuple[float, float | None]:
     """(median seconds, peak bytes allocated or None on the CPU) of one plain training step
-    (forward, backward, Adam) of the workload's model on `device`; CUDA steps are timed with
-    events after synchronising, the first two steps (allocation, lazy set-up) are dropped."""
+    (forward, backward, Adam) of the workload's model on `device` at the workload's precision
+    (bench.runtime.precision.applied); CUDA steps are timed with events after synchronising,
+    the first two steps (allocation, lazy set-up) are dropped."""
+    with applied(workload.precision, device):
+        return _device_step(workload, batch_size, seed, device, repeats)
+
+
+def _device_step(workload: Workload, batch_size: int, seed: int, device: str, repeats: int):
     model = workload.build(seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     batch = [t.to(device) for t in workload.model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))]

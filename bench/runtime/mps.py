@@ -1,7 +1,9 @@
 """CUDA MPS for an emulated cluster on one GPU: a private control daemon and each rank's SM share.
 
 bench.runtime.launch starts the daemon around a case whose cluster says `device: cuda` and gives every
-worker its share. It does not check that the shares were achieved (the worker measures that).
+worker its share. Before any worker starts, one client process checks that the daemon serves
+the GPU (a daemon can start and still refuse every client). It does not check that the shares
+were achieved (the worker measures that).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -19,6 +22,9 @@ from bench.core.errors import ConfigError
 
 CONTROL = "nvidia-cuda-mps-control"
 _CONTROL_TIMEOUT_S = 30
+# A client that allocates on the GPU through the daemon, as a rank's first CUDA call does.
+_CLIENT = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize()"
+_CLIENT_TIMEOUT_S = 120  # importing torch and starting CUDA under MPS: seconds, not minutes
 
 
 def control_binary() -> str:
@@ -73,6 +79,7 @@ def mps_daemon() -> Iterator[tuple[str, str]]:
                 "Exclusive-process compute mode and, on many hosts, root; or use device: cpu"
             )
         try:
+            check_client(env)
             yield pipe_dir, log_dir
         finally:
             # `quit` ends the control daemon and the server it started once its clients are
@@ -82,3 +89,23 @@ def mps_daemon() -> Iterator[tuple[str, str]]:
     finally:
         shutil.rmtree(pipe_dir, ignore_errors=True)
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def check_client(env: dict[str, str]) -> None:
+    """One client of the daemon that `env` points at allocates on the GPU and finishes, or one
+    line (ConfigError) with the client's last error line: a daemon that started but cannot
+    serve (the GPU in another compute mode, a server that cannot start, no GPU visible) fails
+    here rather than in every rank's traceback."""
+    fix = ("check that nvidia-smi shows the GPU in compute mode Default or Exclusive-process with no other "
+           "MPS server running and that torch sees it, or use device: cpu")
+    try:
+        client = subprocess.run([sys.executable, "-c", _CLIENT], env=env, capture_output=True, text=True,
+                                timeout=_CLIENT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client did not "
+                          f"get the GPU within {_CLIENT_TIMEOUT_S} s; {fix}") from None
+    if client.returncode != 0:
+        lines = [line.strip() for line in (client.stderr or client.stdout).splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {client.returncode}"
+        raise ConfigError(f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client could not "
+                          f"use the GPU through it ({reason}); {fix}")

@@ -26,6 +26,7 @@ from bench.runtime.compat import all_gather_single, reduce_scatter_single
 from bench.runtime.hostcpu import emulated_device
 from bench.runtime.hostspeed import host_probe
 from bench.runtime.launch import _free_port
+from bench.runtime.precision import applied
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -206,13 +207,21 @@ def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
     return timed
 
 
-def profile_device(device: str, device_type: str, repeats: int = 20) -> dict:
+def profile_device(device: str, device_type: str, repeats: int = 20, precision: str = "fp32") -> dict:
     """A compute profile of `device` ("cpu": one thread, as an emulated worker; "cuda[:i]"):
     per op class the device's fixed seconds per kernel and FLOP/s, fitted over batch sizes,
     and on a GPU the host's seconds to queue a kernel; the Adam step's fixed seconds and
     parameter bytes per second (and its host seconds); the host's seconds per view call
     (`views`, view_entry). `points` keep every measurement: (FLOPs, bytes or views, device
-    seconds, host seconds)."""
+    seconds, host seconds). Measured at `precision` (bench.runtime.precision.applied: fp32
+    with TF32 off, as a run's default; torch's own default lets cuDNN use TF32), which the
+    profile records with the TF32 switches as torch reported them."""
+    with applied(precision, device) as in_force:
+        out = _profile_device(device, device_type, repeats)
+    return {**out, "precision": in_force}
+
+
+def _profile_device(device: str, device_type: str, repeats: int) -> dict:
     timed = _device_timer(device, repeats)
     gpu = device != "cpu"
     allocated = torch.cuda.memory_allocated(device) if gpu else 0

@@ -27,6 +27,7 @@ from bench.core.shares import offsets
 from bench.runtime import hostcpu
 from bench.runtime.emulation import EmulationSettings
 from bench.runtime.pacing import Pacing, peak_mem_gib
+from bench.runtime.precision import ForwardDtypes, precision_in_force, set_precision, step_context
 
 
 @dataclass
@@ -44,13 +45,8 @@ class Case:
     fail_rank: int | None = None  # tests: this rank raises at its first iteration
     emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
     slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
-    precision: str = "fp32"  # one of PRECISIONS
+    precision: str = "fp32"  # one of bench.runtime.precision.PRECISIONS
     oom_rank: int | None = None  # tests: this rank asks for more memory than exists, first iteration
-
-
-# fp32: true fp32 everywhere (the paper's setting; TF32 off for matmuls and cuDNN);
-# tf32: fp32 tensors, TF32 tensor-core matmuls and convolutions; bf16: torch.autocast to bfloat16.
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 class RankOutOfMemory(RuntimeError):
@@ -100,35 +96,6 @@ def backend_for(cluster: ClusterSpec, device: torch.device) -> str:
     """gloo for emulated clusters: NCCL refuses two ranks of one communicator on one GPU, and
     gloo takes CUDA tensors (it copies them through host memory itself)."""
     return "gloo" if cluster.emulated or device.type == "cpu" else "nccl"
-
-
-def set_precision(precision: str) -> None:
-    """The TF32 switches for `precision` (they only act on CUDA; set everywhere, so the row's
-    flags say what a GPU would have done). bf16's autocast is entered per step (step_context)."""
-    tf32 = precision == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-
-
-def step_context(precision: str, device: torch.device):
-    """What each training step runs inside: autocast to bfloat16 on the rank's device type for
-    bf16. Around the whole step (forward, backward, optimizer), because the methods' steps are
-    opaque to the worker; backward ops then run in the dtypes autocast chose in forward and the
-    optimizer's fp32 parameter math is on no autocast list, so it stays fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def precision_in_force(precision: str, device: torch.device) -> dict:
-    """The precision settings as torch reports them (call inside step_context)."""
-    autocast = torch.is_autocast_enabled(device.type)
-    return {
-        "precision": precision,
-        "autocast_dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.") if autocast else None,
-        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-    }
 
 
 def rank_hardware(device: torch.device) -> dict:
@@ -233,10 +200,13 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     start, stop = offsets(case.plan.batch_shares)[rank]
     iter_times, losses, mems = [], [], []
     precision = None
+    # The first iteration, where it is not measured, shows the dtypes the forward really made.
+    watch = ForwardDtypes() if pacing.untimed + case.warmup_iters > 0 else None
     pacing.measure_host()
     for it in range(pacing.total_iters):
         batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
-        with pacing.step(it) as step, step_context(case.precision, device):
+        with pacing.step(it) as step, step_context(case.precision, device), \
+                (watch if watch is not None and it == 0 else contextlib.nullcontext()):
             precision = precision or precision_in_force(case.precision, device)
             loss = trainer.step(batch)
         if step.seconds is not None:  # a timed iteration (warm-up or measured)
@@ -258,7 +228,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "emulation": pacing.report(),
         "host": os.uname().nodename,
         "hardware": rank_hardware(device),
-        "precision": precision,
+        "precision": {**(precision or {}), "forward_matmul_dtypes": None if watch is None else watch.observed()},
     }
     if case.return_state and rank == 0:
         result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()

@@ -35,7 +35,7 @@ from bench.core.errors import ConfigError
 from bench.cost import host_time, simulate, virtual_devices
 from bench.records.stats import Summary
 from bench.runner.case import build_workload
-from bench.runner.configs import compose_config, instantiate_plugin
+from bench.runner.configs import compose_settings, instantiate_plugin
 from bench.runtime.emulation import emulated_compute_s
 from bench.runtime.hostspeed import device_step, host_probe
 
@@ -96,8 +96,7 @@ def summarize(rows: list[dict]) -> dict:
     # prediction: it reads the measured compute.
     outside = [abs(r["predicted_iter_time_s"] - r["predicted_compute_s"] + r["compute_s"] - r["iter_time_s_mean"])
                / r["iter_time_s_mean"] for r in cases if r.get("compute_s") and r.get("predicted_compute_s")]
-    methods = sorted({r["method"] for r in cases})
-    by_method = {m: statistics.fmean(r["sim_error"] for r in cases if r["method"] == m) for m in methods}
+    by_method, by_model, by_cluster = (_mean_error_by(cases, key) for key in ("method", "model", "cluster"))
     with_memory = [r for r in cases if r["memory_error"] is not None]
     memory_by_method = {m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
                         for m in sorted({r["method"] for r in with_memory})}
@@ -125,6 +124,8 @@ def summarize(rows: list[dict]) -> dict:
         "mape_planned": statistics.fmean(planned) if planned else None,
         "mape_outside_compute": statistics.fmean(outside) if outside else None,
         "mape_by_method": by_method,
+        "mape_by_model": by_model,
+        "mape_by_cluster": by_cluster,
         # Each rank's peak of live tensor bytes against its device's predicted peak (CPU ranks)
         "memory_mape": statistics.fmean(r["memory_error"] for r in with_memory) if with_memory else None,
         "memory_mape_by_method": memory_by_method,
@@ -135,6 +136,27 @@ def summarize(rows: list[dict]) -> dict:
         "failed": [f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}"
                    for r in rows if r.get("status") != "ok"],
     }
+
+
+def merged_rows(summaries: list[dict]) -> list[dict]:
+    """The cases of several calibration summaries (runs of one calibration split to keep each
+    short) as rows summarize reads again: a case's measured compute and link overrun as its
+    row's emulation reported them. A case in two files is an error (it would count twice)."""
+    rows, seen = [], set()
+    for summary in summaries:
+        for c in summary["cases"]:
+            key = (c["model"], c["cluster"], c["method"])
+            if key in seen:
+                raise ValueError(f"case {'/'.join(key)} is in more than one file")
+            seen.add(key)
+            rows.append({**c, "status": "ok",
+                         "emulation": {"compute_s": c.get("compute_s"), "link_overrun_s": c.get("link_overrun_s")}})
+    return rows
+
+
+def _mean_error_by(cases: list[dict], key: str) -> dict[str, float]:
+    """The mean of the cases' sim_error per value of `key` (method, model or cluster)."""
+    return {v: statistics.fmean(r["sim_error"] for r in cases if r[key] == v) for v in sorted({r[key] for r in cases})}
 
 
 def print_summary(summary: dict) -> None:
@@ -172,9 +194,12 @@ def print_summary(summary: dict) -> None:
                      "-" if every is None else f"{every:+.2f}")
     console.print(taus)
     if summary["mape"] is not None:
-        per = ", ".join(f"{m} {e:.0%}" for m, e in summary["mape_by_method"].items())
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases ({per}); priced at the "
-                      "host speed each run's ranks measured (bench.runtime.hostspeed.yardstick)")
+        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases; priced at the host speed "
+                      "each run's ranks measured (bench.runtime.hostspeed.yardstick)")
+        for key in ("method", "model", "cluster"):
+            per = summary.get(f"mape_by_{key}") or {}
+            counts = {v: sum(c[key] == v for c in summary["cases"]) for v in per}
+            console.print(f"  MAPE by {key}: " + ", ".join(f"{v} {e:.1%} ({counts[v]})" for v, e in per.items()))
     if summary.get("memory_mape") is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
         cases = sum(c.get("memory_error") is not None for c in summary["cases"])
@@ -207,14 +232,14 @@ def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
 
 
 def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
-                       repeats: int = 10, on_row=None) -> list[dict]:
-    """Per (model, batch): the measured step on `device` and the simulator's prediction of
-    plain training on `cluster` (one device: dp_ev's program), time and peak memory;
-    on_row(rows so far) after each."""
+                       repeats: int = 10, on_row=None, precision: str = "fp32") -> list[dict]:
+    """Per (model, batch): the measured step on `device` at `precision` and the simulator's
+    prediction of plain training on `cluster` (one device: dp_ev's program), time and peak
+    memory; on_row(rows so far) after each."""
     rows = []
     for model in models:
         for batch in batches:
-            cfg, workload = _step(model, batch, preset, cluster)
+            cfg, workload = _step(model, batch, preset, cluster, precision)
             probe = host_probe(device)
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
             rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30, probe))
@@ -227,16 +252,16 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
     return rows
 
 
-def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper") -> list[dict]:
+def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper", precision: str = "fp32") -> list[dict]:
     """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(*_step(r["model"], r["batch"], preset, cluster), cluster, r["measured_s"], r["measured_peak_gib"],
-                       r.get("host_probe_s")) for r in rows]
+    return [_predicted(*_step(r["model"], r["batch"], preset, cluster, precision), cluster, r["measured_s"],
+                       r["measured_peak_gib"], r.get("host_probe_s")) for r in rows]
 
 
-def _step(model: str, batch: int, preset: str, cluster: ClusterSpec):
+def _step(model: str, batch: int, preset: str, cluster: ClusterSpec, precision: str = "fp32"):
     """The config and workload of one plain training step of `model` at `batch` samples."""
-    cfg = compose_config("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                         "wandb.mode=disabled")
+    cfg = compose_settings("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
+                           f"precision={precision}", "wandb.mode=disabled")
     return cfg, build_workload(cfg, cluster)
 
 
@@ -245,7 +270,7 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     """The step's prediction from the profile as measured, and, where both the profile and the
     row probed the host (bench.runtime.hostspeed.host_probe), also with the host's dispatch costs at the
     row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
-    model, batch = cfg.model.name, workload.global_batch
+    model, batch = cfg.model["name"], workload.global_batch
     plan = instantiate_plugin(cfg.method, "method").plan(workload, cluster)
     sim = simulate(plan.program, cluster, plan.ratios)
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))

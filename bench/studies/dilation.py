@@ -30,9 +30,9 @@ GOAL = 0.03  # within 3% of 1/speed
 
 def _case(speed: float, overrides: tuple[str, ...] = (), reference: tuple[float, ...] | None = None):
     from bench.runner.case import new_record, prepare_case
-    from bench.runner.configs import compose_config
+    from bench.runner.configs import compose_settings
 
-    cfg = compose_config(
+    cfg = compose_settings(
         "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",
         f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
         "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled", *overrides)

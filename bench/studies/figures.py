@@ -21,7 +21,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
-from hydra import compose
 from matplotlib import ticker
 
 from bench.core.cluster import ClusterSpec
@@ -30,7 +29,7 @@ from bench.cost import collective_linear_cost, simulate
 from bench.records.progress import track
 from bench.records.report import layout, read_rows, report
 from bench.runner.case import new_record, prepare_case
-from bench.runner.configs import compose_config, initialize_configs, methods_supporting
+from bench.runner.configs import compose_settings, experiment_sweep, methods_supporting
 from bench.runner.execute import fill_predicted_metrics, run_case
 from bench.runner.sweep import sweep_axes
 
@@ -41,7 +40,7 @@ KS = (1, 2, 4, 8)
 
 
 def _cfg(*overrides: str):
-    return compose_config("wandb.mode=disabled", *overrides)
+    return compose_settings("wandb.mode=disabled", *overrides)
 
 
 def sim_methods() -> list[str]:
@@ -82,9 +81,7 @@ def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
 def sweep_points(experiment: str, *overrides: str) -> list[list[str]]:
     """The cases of an experiment's sweep (its hydra.sweeper.params, expanded as Hydra's basic
     sweeper does); an override of a swept key replaces its values, others go to every case."""
-    with initialize_configs():
-        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
-    params = {str(k): str(v) for k, v in (cfg.hydra.sweeper.params or {}).items()}
+    params = experiment_sweep(experiment)
     fixed = []
     for item in overrides:
         key, _, value = item.partition("=")
@@ -100,11 +97,11 @@ def experiment_figure(experiment: str, out: Path, *overrides: str) -> None:
     OUT/NAME/records.jsonl.gz, replacing the rows of an earlier figure run, then draw it with
     `bench.report` from those rows alone."""
     points = sweep_points(experiment, *overrides)
-    name = compose_config(*points[0]).report.name
+    name = compose_settings(*points[0]).report["name"]
     records = out / name
     with tempfile.TemporaryDirectory() as tmp:
         for point in track(points, f"figure {name}"):
-            run_case(compose_config(*point, f"results_dir={tmp}"))
+            run_case(compose_settings(*point, f"results_dir={tmp}"))
         records.mkdir(parents=True, exist_ok=True)
         # Committed with the figure, so gzipped (the rows carry whole plans); mtime 0: the same
         # rows give the same bytes.
@@ -138,7 +135,7 @@ def fig_allgather_skew(out: Path, ranks: int = 2, megabytes: float = 16.0) -> No
     rows = [{"origin": f"measured (gloo, {ranks} ranks)", "impl": r["impl"],
              "first_share": r["first_share"] or 1 / ranks,
              "gb_per_s": nbytes / r["seconds"] / 1e9} for r in measured]
-    spec = ClusterSpec.from_config(_container(_cfg("cluster=paper_hetero").cluster))
+    spec = ClusterSpec.from_config(_cfg("cluster=paper_hetero").cluster)
     n = spec.num_machines
     for first in [1 / n] + [s for s in SKEW_SHARES if s]:
         shares = [first] + [(1 - first) / (n - 1)] * (n - 1)
@@ -282,7 +279,7 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
                 cfg = _cfg(*point, f"warmup_iters={warmup_iters}", f"measured_iters={measured_iters}")
                 record = new_record(cfg)
                 case = prepare_case(cfg, record, launching=mode == "real")
-                choice, plan, workload = cfg.method.ratios, case.plan, case.workload
+                choice, plan, workload = cfg.method["ratios"], case.plan, case.workload
                 sim = simulate(plan.program, case.cluster, plan.ratios)
                 mean, std, run_of = sim.iter_time_s, None, None
                 if mode == "real":
@@ -328,12 +325,6 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
     axes[1, 0].set_ylabel("throughput / EV's")
     fig.suptitle("tensor-parallel transformer: even (EV), compute-proportional (CP) and LP ratios", fontsize=10)
     _save(fig, data, "cp_vs_ev", out)
-
-
-def _container(node):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True)
 
 
 FIGURES = {

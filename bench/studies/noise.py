@@ -18,9 +18,8 @@ import statistics
 from rich.table import Table
 
 from bench.core.errors import ConfigError
-from bench.runner.configs import check_group_choices, compose_config
+from bench.runner.configs import check_group_choices, compose_settings
 from bench.runner.rounds import run_rounds
-from bench.runner.settings import check_repeats
 
 DEFAULT_REPEATS = 10
 
@@ -29,16 +28,16 @@ def noise_floor(overrides: list[str]) -> tuple[Table, bool]:
     check_group_choices(overrides)
     if not any(o.lstrip("+").startswith("repeats=") for o in overrides):
         overrides = [*overrides, f"repeats={DEFAULT_REPEATS}"]
-    cfg = compose_config(*overrides)
-    repeats = check_repeats(cfg.repeats)
+    cfg = compose_settings(*overrides)
+    repeats = cfg.repeats
     if repeats < 2:
         raise ConfigError(f"repeats={repeats} gives no spread; the noise floor needs repeats>=2, "
                           f"e.g. repeats={DEFAULT_REPEATS}")
     if cfg.mode != "real":
         raise ConfigError(f"mode={cfg.mode}: the simulator has no noise; use mode=real")
-    agg = run_rounds({cfg.method.name: cfg}, repeats)[0]
-    table = Table(title=f"noise floor: {cfg.model.name}-{cfg.preset.name} on {cfg.cluster.name}, "
-                        f"{cfg.method.name}, {repeats} runs")
+    agg = run_rounds({cfg.method_name: cfg}, repeats)[0]
+    table = Table(title=f"noise floor: {cfg.model['name']}-{cfg.preset.name} on {cfg.cluster['name']}, "
+                        f"{cfg.method_name}, {repeats} runs")
     for col in ("runs ok", "median iter ms", "interval", "CV run to run", "CV within runs",
                 "interval width / median"):
         table.add_column(col, justify="right")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from bench.core.cluster import ClusterSpec
 from bench.runner.case import build_workload
-from bench.runner.configs import compose_config, instantiate_plugin
+from bench.runner.configs import compose_settings, instantiate_plugin
 
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
 
@@ -42,9 +41,9 @@ TOLERANCE = 1e-9  # relative: a variant is "faster" only beyond float noise
 def paper_planning(*overrides: str):
     """(planner, workload, cluster) of hap on paper_hetero at the paper preset, as bench.run
     builds them from conf/method/hap.yaml (plan cache off), before any planning."""
-    cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
-                         "method.cache_dir=null", "wandb.mode=disabled", *overrides)
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    cfg = compose_settings("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
+                           "method.cache_dir=null", "wandb.mode=disabled", *overrides)
+    cluster = ClusterSpec.from_config(cfg.cluster)
     return instantiate_plugin(cfg.method, "method"), build_workload(cfg, cluster), cluster
 
 
@@ -56,7 +55,55 @@ def plan_case(model: str, k: int, *overrides: str) -> dict:
     d = plan.details
     return {"iter_time_s": d["predicted_iter_time_s"], "oom": d["oom"], "chosen": d["chosen"],
             "planned_s": time.perf_counter() - start, "expanded": d["states_expanded"],
-            "exact": d["search_exact"], "beam_width": planner.beam_width}
+            "exact": d["search_exact"], "beam_width": planner.beam_width, "rounds": d["rounds"]}
+
+
+def search_agreement(rounds: list[dict]) -> dict:
+    """Whether the search's price and the simulator rank the candidates a plan considered
+    alike: every (program, ratios) the planner scored (a round's synthesized program and its
+    data-parallel incumbent, each LP answer; over machines and GPUs, padded only too), each
+    with the search's price of it (methods.hap.pricing.CostModel.program_cost) and its
+    simulated time. Among those that fit in memory (all, if none fits): the simulated time of
+    the candidate the search prices lowest over the best simulated time (`excess`, 0 when the
+    two pick programs as fast), and how many rounds the search returned a synthesized program
+    that the simulator ranked behind the round's data-parallel incumbent."""
+    cands = [r for r in rounds if r.get("search_cost_s") is not None and r.get("iter_time_s") is not None]
+    pool = [r for r in cands if not r["oom"]] or cands
+    by_search = min(pool, key=lambda r: r["search_cost_s"])
+    by_sim = min(pool, key=lambda r: r["iter_time_s"])
+    rounds_synth = {}
+    for r in cands:
+        if r["stage"] in ("synthesis", "data parallel"):
+            rounds_synth.setdefault((r["start"], r["round"]), {})[r["stage"]] = r
+    pairs = [p for p in rounds_synth.values() if len(p) == 2]
+    behind = sum(p["synthesis"]["iter_time_s"] > p["data parallel"]["iter_time_s"] * (1 + TOLERANCE) for p in pairs)
+    return {"candidates": len(pool), "search_pick": by_search, "sim_pick": by_sim,
+            "excess": by_search["iter_time_s"] / by_sim["iter_time_s"] - 1,
+            "synthesis_rounds": len(pairs), "synthesis_behind_dp": behind}
+
+
+def agreement_table(models, ks, overrides, console: Console) -> list[dict]:
+    """search_agreement per (model, k) on paper_hetero, printed."""
+    table = Table(title="the search's price vs the simulator: which candidate each ranks first (paper_hetero)")
+    for col in ("model", "k", "candidates", "search's pick: search ms / sim ms", "simulator's pick: search ms / sim ms",
+                "agree", "excess", "rounds: synthesis behind DP"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    rows = []
+    for model in models:
+        for k in ks:
+            case = plan_case(model, k, *overrides)
+            a = search_agreement(case["rounds"])
+            rows.append({"model": model, "k": k, **a, "iter_time_s": case["iter_time_s"]})
+
+            def cell(r):
+                return f"{r['search_cost_s'] * 1e3:.1f} / {r['iter_time_s'] * 1e3:.1f}"
+
+            agree = a["excess"] <= TOLERANCE
+            table.add_row(model, str(k), str(a["candidates"]), cell(a["search_pick"]), cell(a["sim_pick"]),
+                          "yes" if agree else "no", f"{a['excess']:+.2%}",
+                          f"{a['synthesis_behind_dp']} of {a['synthesis_rounds']}")
+    console.print(table)
+    return rows
 
 
 def monotonicity(models, ks, overrides) -> list[dict]:

@@ -42,7 +42,7 @@ from rich.table import Table
 from bench.core.paths import PROJECT_DIR
 from bench.records.rows import fingerprint
 from bench.runner.case import new_record, prepare_case
-from bench.runner.configs import compose_config, methods_supporting
+from bench.runner.configs import compose_settings, methods_supporting
 from bench.runner.execute import expect_cases, run_case
 from bench.runtime.emulation import pooled_compute_s
 
@@ -90,9 +90,9 @@ class Change:
 
 
 def _compose(*overrides: str):
-    cfg = compose_config("wandb.mode=disabled", *overrides)
+    cfg = compose_settings("wandb.mode=disabled", *overrides)
     if "cache_dir" in cfg.method:  # plan every time: a cache hit would hide the planner's time
-        cfg.method.cache_dir = None
+        cfg = compose_settings("wandb.mode=disabled", *overrides, "method.cache_dir=null")
     return cfg
 
 

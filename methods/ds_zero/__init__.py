@@ -168,8 +168,15 @@ class DeepSpeedZeRO:
                                            self.moe_min_capacity),
         }
 
-    def ds_config(self, micro_batch: int, num_devices: int) -> dict:
-        """The DeepSpeed config (JSON-ready): fp32, no fused ops, the client optimizer is Adam."""
+    def ds_config(self, micro_batch: int, num_devices: int, precision: str = "fp32") -> dict:
+        """The DeepSpeed config (JSON-ready): fp32 parameters and optimizer, no fused ops, the
+        client optimizer is Adam. bf16 is torch's autocast in the engine's own `torch_autocast`
+        section, as every method trains it: DeepSpeed's engine runs forward inside its autocast
+        helper, which switches an outer autocast of its device type off unless that section is
+        enabled (the worker's outer autocast alone leaves a GPU's forward in fp32). No module is
+        listed as safe to communicate in bf16: gradients are all-reduced in fp32, as DDP and
+        hap do (DeepSpeed's `bf16` section would keep bf16 parameters: another workload). TF32
+        (tf32, fp32) is the worker's process-wide switch; DeepSpeed does not touch it."""
         zero: dict[str, Any] = {
             "stage": self.zero_stage,
             "reduce_bucket_size": self.reduce_bucket_size,
@@ -190,13 +197,15 @@ class DeepSpeedZeRO:
             "zero_allow_untested_optimizer": False,
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
+            **({"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
+               if precision == "bf16" else {}),
         }
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         micro = self.micro_batch(workload, cluster)
         moe = self.moe_settings(workload, cluster)
         n = cluster.num_devices
-        config = self.ds_config(micro, n)
+        config = self.ds_config(micro, n, workload.precision)
         program = zero_program(
             profile_workload(workload, micro, moe),
             num_devices=n,

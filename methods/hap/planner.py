@@ -342,7 +342,8 @@ class HapPlanner:
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes)
+            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
+                             self.grad_overlap)
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
             res = synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=dp)
@@ -357,8 +358,9 @@ class HapPlanner:
                     program = built[key] = build_program(r.steps, cost, meta, self.grad_overlap, bucket)
                 kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
                 c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r)
-                rounds.append({"start": start, "round": i, "stage": kind,
-                               "iter_time_s": c.iter_time_s, "oom": c.oom, "grouped": _uses_grouped(r)})
+                rounds.append({"start": start, "round": i, "stage": kind, "granularity": granularity,
+                               "iter_time_s": c.iter_time_s, "oom": c.oom, "grouped": _uses_grouped(r),
+                               "search_cost_s": self._search_cost(theory, cluster, granularity, c.ratios, r)})
                 if cand is None or _better(c, cand):
                     cand = c
             assert cand is not None and cand.result is not None
@@ -376,7 +378,7 @@ class HapPlanner:
                                "iter_time_s": lp and lp.iter_time_s, "oom": lp and lp.oom})
             else:
                 t1 = time.perf_counter()
-                lp = balanced[key] = self._balance(cand, cluster, theory.graph.batch_size, start, i, rounds)
+                lp = balanced[key] = self._balance(cand, theory, cluster, start, i, rounds)
                 stats["lp_s"] += time.perf_counter() - t1
             if lp is None or not _better(lp, best):
                 break
@@ -395,7 +397,8 @@ class HapPlanner:
         dp_theory = theory.search_cache.get("data_parallel")
         if dp_theory is None:
             dp_theory = theory.search_cache["data_parallel"] = data_parallel_theory(theory)
-        cost = CostModel(dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes)
+        cost = CostModel(dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
+                         self.grad_overlap)
         try:
             res = synthesize(dp_theory, cost, self.max_expansions, self.beam_width)
         except NoProgramError:
@@ -403,7 +406,14 @@ class HapPlanner:
         _count(stats, res)
         return res
 
-    def _balance(self, found: Candidate, cluster: ClusterSpec, batch: int, start: str, i: int,
+    def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
+        """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the
+        price it ranks programs by, beside the simulator's (planner_check's agreement table)."""
+        cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
+                         self.grad_overlap)
+        return cost.program_cost(result.steps, result.final_comms)
+
+    def _balance(self, found: Candidate, theory, cluster: ClusterSpec, start: str, i: int,
                  rounds: list) -> Candidate | None:
         """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
         segment the same row: the LP's objective is exactly the simulator's time) and rows
@@ -411,6 +421,7 @@ class HapPlanner:
         ratios fit: one solve answers both), or, when no ratios fit and method.memory_limit is
         off, without them (the fastest ratios, flagged OOM). None when no LP is feasible."""
         program, res, program_kind = found.program, found.result, found.kind
+        batch, granularity = theory.graph.batch_size, program.granularity
         best = None
         for tied in ((True, False) if program.num_segments > 1 else (False,)):
             lp = RatioLP(program, cluster, tied_rows=tied)
@@ -438,7 +449,9 @@ class HapPlanner:
                     pass
             rows = (", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")) + wider
             rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if lp.memory_limit else ''}{rows}",
-                           "lp_objective_s": objective, "iter_time_s": cand.iter_time_s, "oom": cand.oom})
+                           "granularity": granularity, "lp_objective_s": objective, "iter_time_s": cand.iter_time_s,
+                           "oom": cand.oom,
+                           "search_cost_s": self._search_cost(theory, cluster, granularity, cand.ratios, res)})
             if best is None or _better(cand, best):
                 best = cand
         return best

@@ -1,22 +1,45 @@
 """What steps cost at fixed sharding ratios: their stages, memory and seconds, as bench.cost prices them.
 
 The search (methods.hap.search) and the lowering to a Program (methods.hap.lowering) both read
-these prices, so the program the search ranks is the program the simulator times. It does not
-choose steps or ratios.
+these prices, so the program the search ranks is the program the simulator times. A step's
+price is the map of its forward stage and the map of its backward stage followed by its
+parameters' gradient syncs on the timeline bench.cost.price.iteration_time walks (lanes for
+compute, the network and the all-reduce inside machines): a complete program's price is the
+simulator's time, overlap, optimizer step and per-step terms included (program_cost), but for
+one approximation: each gradient's sync is its bytes' share of a full bucket's all-reduce,
+launched once its own gradient is made, where the runtime launches a bucket once its last one
+is (exact with one bucket per parameter, method.bucket_cap_mb=0). It does not choose steps or
+ratios.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import (
     Affine,
     Collective,
+    Memory,
+    Program,
     Stage,
     op_class,
 )
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
+from bench.cost.price import (
+    ZERO_LANES,
+    apply,
+    busiest_gpu_ratios,
+    compose,
+    end,
+    intra_grad_sync,
+    launch_times,
+    prepend,
+    stage_map,
+    stage_parts,
+    step_terms,
+)
 from methods.hap.segments import assign_segments
 from methods.hap.steps import Step
 from methods.hap.theory import IDENTITY, CommRule, Layout, Rule, Theory
@@ -28,17 +51,22 @@ class CostModel:
     """Stage contents and seconds of steps at fixed ratios (cached per triple/collective)."""
 
     def __init__(self, theory: Theory, cluster: ClusterSpec, granularity: str, ratios: Sequence[Sequence[float]],
-                 segmentation: str = "layers", grad_bucket_bytes: float = 0.0):
+                 segmentation: str = "layers", grad_bucket_bytes: float = 0.0, grad_overlap: bool = False):
         self.theory = theory
-        # > 0: replicated parameters' gradients are all-reduced in buckets of this many bytes
-        # (build_program with grad_overlap), so each is charged its share of a full bucket's
-        # all-reduce (source_time); 0: one all-reduce per parameter, as without overlap.
+        # grad_overlap: replicated parameters' gradients are all-reduced beside the rest of
+        # backward (build_program with grad_overlap), in buckets of grad_bucket_bytes (0: one
+        # per parameter), each charged its share of a full bucket's all-reduce (sync_map).
+        # Off: each all-reduce is in its op's backward stage, whose compute waits for it.
         self.grad_bucket_bytes = float(grad_bucket_bytes)
+        self.grad_overlap = bool(grad_overlap)
         self.graph = theory.graph
         self.cluster = cluster
         self.vdevs = virtual_devices(cluster, granularity)
         self.ratios = [list(r) for r in ratios]
-        self.prices = FloatAlgebra(self.ratios)  # one for every price at these ratios
+        # One for every price at these ratios; a machine computes at its busiest GPU's samples,
+        # as the simulator prices it (bench.cost.price.busiest_gpu_ratios).
+        self.prices = FloatAlgebra(self.ratios, busiest_gpu_ratios(self.ratios, self.vdevs, self.graph.batch_size))
+        self.machines = granularity == "machine" and any(v.num_gpus > 1 for v in self.vdevs)
         self.num_segments = len(self.ratios)
         key = ("segments", self.num_segments, segmentation)
         if key not in theory.search_cache:  # the ratios do not move them: shared by every search
@@ -58,7 +86,11 @@ class CostModel:
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
-        self._move_price: dict = {}  # what a move's price reads (_recipes) -> (seconds, its choices)
+        self._move_price: dict = {}  # what a move's price reads (_recipes) -> (its maps, its choices)
+        self._rule_parts_s: dict = {}  # rule_key -> (forward compute, SFB collectives, backward compute)
+        self._comm_parts: dict = {}  # comm_key -> (forward seconds, backward seconds)
+        self._sync_maps: dict = {}  # source_key -> the map of its gradient's sync (overlap)
+        self._goal: tuple | None = None  # (the lower bound of the step terms, kernels per op class)
 
     # -- stage contents ----------------------------------------------------------------------
     def _bytes(self, tensor: str, layout: Layout, segment: int | None = None) -> Affine:
@@ -166,10 +198,19 @@ class CostModel:
             key = self.comm_key(c)
             t = self._comm_price.get(key)
             if t is None:
-                f, b = self.comm_collectives(c)
-                t = self._comm_price[key] = sum(self.collective_time(x) for x in f + b)
+                t = self._comm_price[key] = sum(self.comm_seconds(c))
             self._comm_cost[c] = t
         return t
+
+    def comm_seconds(self, c: CommRule) -> tuple[float, float]:
+        """(forward, backward) seconds of a re-layout: its collectives and their duals."""
+        key = self.comm_key(c)
+        parts = self._comm_parts.get(key)
+        if parts is None:
+            f, b = self.comm_collectives(c)
+            parts = self._comm_parts[key] = (sum(self.collective_time(x) for x in f),
+                                             sum(self.collective_time(x) for x in b))
+        return parts
 
     def collective_time(self, x: Collective) -> float:
         """Seconds of one collective at this model's ratios, priced once per distinct call
@@ -193,14 +234,23 @@ class CostModel:
 
     def rule_time(self, node: str, rule: Rule) -> float:
         """Compute (fwd + bwd) plus SFB collectives of a triple, without parameter sync
-        (cached by rule_key)."""
+        (cached by rule_key): what it adds to the compute lane."""
         key = self.rule_key(node, rule)
         if key not in self._rule_cost:
+            self._rule_cost[key] = sum(self.rule_seconds(node, rule))
+        return self._rule_cost[key]
+
+    def rule_seconds(self, node: str, rule: Rule) -> tuple[float, float, float]:
+        """(forward compute, SFB collectives, backward compute) of a triple (cached by rule_key)."""
+        key = self.rule_key(node, rule)
+        parts = self._rule_parts_s.get(key)
+        if parts is None:
             fwd, bwd, extra = self.rule_parts(node, rule)
             kind_f, kind_b = self.compute_kind(node)
-            self._rule_cost[key] = (self.stage_time(Stage((), fwd, **kind_f))
-                                    + self.stage_time(Stage(tuple(extra), bwd, **kind_b)))
-        return self._rule_cost[key]
+            comm, comp_b = stage_parts(Stage(tuple(extra), bwd, **kind_b), self.cluster, self.vdevs, self.prices)
+            _, comp_f = stage_parts(Stage((), fwd, **kind_f), self.cluster, self.vdevs, self.prices)
+            parts = self._rule_parts_s[key] = (comp_f, comm, comp_b)
+        return parts
 
     def compute_kind(self, name: str) -> tuple[dict, dict]:
         """Stage fields that say how an op's compute is priced, (forward, backward): its op
@@ -228,27 +278,131 @@ class CostModel:
         return (node.kind, node.shape, node.nbytes, node.is_param, self.home[tensor], layout, rule.sfb)
 
     def source_time(self, tensor: str, layout: Layout, rule: Rule) -> float:
-        """Backward gradient sync of a parameter created in `layout` (plus the intra-machine
-        all-reduce of its gradient when a device is a machine), or the all-gather of an input
-        created in another layout than the one each rank loads."""
+        """What creating a source adds to the compute lane: the all-gather of an input created
+        in another layout than the one each rank loads (in forward), and without overlap the
+        all-reduce of a replicated parameter's gradient (in its op's backward stage). With
+        overlap that all-reduce, and the one inside machines, run beside backward (sync_map)."""
         key = self.source_key(tensor, layout, rule)
         if key not in self._param_cost:
-            node = self.graph[tensor]
-            t = 0.0
-            gather = self.input_gather(tensor, layout)
-            if gather is not None:
-                t = collective_time(gather, self.cluster, self.vdevs, self.prices)
-            if node.is_param:
-                colls = []
-                synced = layout == IDENTITY and not rule.sfb
-                if synced and not self.grad_bucket_bytes:
-                    colls.append(Collective("all_reduce", Affine(float(node.nbytes)), grad=True))
-                st = Stage(tuple(colls), Affine(), grad_bytes=self._bytes(tensor, layout))
-                t = self.stage_time(st)
-                if synced and self.grad_bucket_bytes:
-                    t += self.bucketed_sync_s(float(node.nbytes))
+            t = self.gather_time(tensor, layout)
+            if self.graph[tensor].is_param and not self.grad_overlap and layout == IDENTITY and not rule.sfb:
+                t += self.collective_time(Collective("all_reduce", Affine(float(self.graph[tensor].nbytes)), grad=True))
             self._param_cost[key] = t
         return self._param_cost[key]
+
+    def gather_time(self, tensor: str, layout: Layout) -> float:
+        """Seconds of the all-gather of an input created in another layout than each rank loads."""
+        gather = self.input_gather(tensor, layout)
+        return 0.0 if gather is None else collective_time(gather, self.cluster, self.vdevs, self.prices)
+
+    def sync_map(self, tensor: str, layout: Layout, rule: Rule) -> tuple | None:
+        """With overlap, the map of a parameter's gradient sync once backward has made it: the
+        all-reduce among the devices of a replicated one (its bytes' share of a full bucket's,
+        bucketed_sync_s) on the network beside the rest of backward, and over machines of
+        several GPUs every gradient's all-reduce inside the machine (its share of a bucket's
+        latency) on that lane; as methods.hap.lowering buckets them. None: nothing to sync."""
+        key = self.source_key(tensor, layout, rule)
+        if key in self._sync_maps:
+            return self._sync_maps[key]
+        m = None
+        node = self.graph[tensor]
+        across = layout == IDENTITY and not rule.sfb
+        if node.is_param and (across or self.machines):
+            local = self._bytes(tensor, layout)
+            size = float(node.nbytes) if not self.machines else max(local.at(self.ratios, d) for d in range(len(self.vdevs)))
+            comm = self.bucketed_sync_s(size) if across else 0.0
+            sync = 0.0
+            if self.machines:
+                share = min(1.0, size / self.grad_bucket_bytes) if self.grad_bucket_bytes else 1.0
+                sync = intra_grad_sync(Stage((), grad_bytes=local), self.cluster, self.vdevs, self.prices, share)
+            if comm or sync:
+                m = stage_map(comm, 0.0, across, True, sync)
+        self._sync_maps[key] = m
+        return m
+
+    def backward_sync(self, sources: Sequence[tuple[str, Layout]]) -> float:
+        """Without overlap, over machines: the all-reduce inside the machines of the gradients a
+        step's backward makes (of the parameters among its `sources`), on that lane."""
+        if self.grad_overlap or not self.machines:
+            return 0.0
+        nbytes = Affine()
+        for t, layout in sources:
+            if self.graph[t].is_param:
+                nbytes = nbytes + self._bytes(t, layout)
+        return intra_grad_sync(Stage((), grad_bytes=nbytes), self.cluster, self.vdevs, self.prices)
+
+    def step_maps(self, name: str, rule: Rule, sources: Sequence[tuple[str, Layout]], fwd_comm: float,
+                  bwd_comm: float) -> tuple[float, float, tuple, float | None]:
+        """(seconds of a step's forward collectives, of its forward compute, the map of its
+        backward stage followed by the syncs of the gradients of the parameters among its
+        `sources`, and that backward's compute when the map is the compute lane's alone) for
+        a step of op `name` running `rule` whose collectives take `fwd_comm` and `bwd_comm`
+        (its triple's SFB collectives aside)."""
+        comp_f, sfb, comp_b = self.rule_seconds(name, rule)
+        comm = bwd_comm + sfb
+        m = stage_map(comm, comp_b, comm > 0.0, False, self.backward_sync(sources))
+        if self.grad_overlap:
+            for t, layout in reversed(sources):  # in the order backward hands them to the buckets
+                sync = self.sync_map(t, layout, rule) if self.graph[t].is_param else None
+                if sync is not None:
+                    m = compose(sync, m)
+        return fwd_comm, comp_f, m, (comp_b if m == stage_map(0.0, comp_b, False, False) else None)
+
+    def goal(self) -> tuple[float, float, Counter]:
+        """(the host's seconds to queue every program's forward and backward kernels; a lower
+        bound of what a complete program adds after: the optimizer step and the per-step
+        terms with no parameter held; the kernels per op class every program of this graph
+        launches)."""
+        if self._goal is None:
+            launches: Counter = Counter()
+            for name in self.theory.rules:
+                for kind in self.compute_kind(name):
+                    launches[kind["op_class"]] += kind.get("launches", 0.0)
+            empty = Program((), len(self.vdevs), self.num_segments, self.granularity, Memory())
+            host = launch_times(launches, self.vdevs)[0]
+            self._goal = (host, step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter()), launches)
+        return self._goal
+
+    def complete(self, lanes_end: float, steps: Sequence[Step]) -> float:
+        """A complete program's price from where its lanes end: the host's queueing, the
+        optimizer step and the per-step terms at the parameter bytes its devices hold, as
+        bench.cost.price.iteration_time ends an iteration."""
+        params = Affine()
+        for step in steps:
+            for t, layout in step.sources:
+                if self.graph[t].is_param:
+                    params = params + self._bytes(t, layout)
+        program = Program((), len(self.vdevs), self.num_segments, self.granularity, Memory(params=params),
+                          batch=self.graph.batch_size)
+        return step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, self.goal()[2])
+
+    def program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule] = ()) -> float:
+        """What the search charges a complete program at these ratios (synthesize's cost_s):
+        its forward stages then its backward stages (each with its gradients' syncs) on the
+        lanes, the loss's last collective, then the optimizer step and the per-step terms."""
+        lanes, row = ZERO_LANES, ZERO_LANES
+        for step in steps:
+            q, p, m, _ = self.step_maps(step.node, step.rule, step.sources, *self.step_comms(step))
+            lanes = apply(stage_map(q, p, q > 0.0, False), lanes)
+            row = prepend(row, m)
+        final = sum(self.comm_time(c) for c in final_comms)
+        return self.complete(end(row, lanes) + final, steps)
+
+    def step_comms(self, step: Step) -> tuple[float, float]:
+        """(forward seconds of a step's collectives: its sources' gathers and its re-layouts;
+        their backward seconds, and without overlap the all-reduces of the gradients of the
+        replicated parameters it creates)."""
+        node = self.graph[step.node]
+        read = set(node.inputs) | {t for t, _ in step.rule.shape_pre}  # a source only for its shape is free
+        fwd = bwd = 0.0
+        for t, layout in step.sources:
+            if t in read:
+                gather = self.gather_time(t, layout)
+                fwd, bwd = fwd + gather, bwd + self.source_time(t, layout, step.rule) - gather
+        for c in step.comms:
+            f, b = self.comm_seconds(c)
+            fwd, bwd = fwd + f, bwd + b
+        return fwd, bwd
 
     def bucketed_sync_s(self, nbytes: float) -> float:
         """Seconds charged for all-reducing a replicated parameter's `nbytes` of gradient that

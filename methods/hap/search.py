@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import itertools
 import math
 from dataclasses import dataclass, field
 
 from bench.core.errors import PlanningError
+from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
 from methods.capture import Graph
 from methods.hap.pricing import CostModel
 from methods.hap.steps import Step
@@ -70,12 +70,18 @@ def _order(graph: Graph, theory: Theory) -> tuple[list[str], dict[str, int]]:
 
 def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None,
                incumbent: SearchResult | None = None) -> SearchResult:
-    """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices).
+    """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices), by the
+    simulator's price (CostModel.program_cost: the timeline of bench.cost.price, overlap,
+    optimizer step and per-step terms included).
 
-    score = cost so far + a lower bound on the remaining ops' cost (_remaining_bound: their
-    cheapest triples, the sync of the sources they create and the re-layouts along trees of
-    ops, priced as the moves are). Ties go to the deeper state, so complete programs (and
-    their bound) come early.
+    A prefix is priced as a program of its ops alone would be (its forward stages first, its
+    backward last), which every program extending it can only exceed. Its score is the larger
+    of that and its compute lane with a lower bound of the remaining ops' compute and
+    collectives put in between (_remaining_bound: their cheapest triples, the gathers of the
+    sources they create and the re-layouts along trees of ops, priced as the moves are), plus
+    the optimizer step and per-step terms at their least: a lower bound of the price of every
+    program that extends the prefix, so a complete program whose price is at most every score
+    left is the cheapest. Ties go to the deeper state, so complete programs come early.
 
     beam_width: expand at most this many states per position (None: no cap). States at one
     position share the heuristic, so A* pops them cheapest first and the cap keeps the
@@ -97,34 +103,46 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     order, (dead, dead_props) = theory.search_cache[key]
     n = len(order)
     min_rest = _remaining_bound(theory, cost, order)
+    host, after, _ = cost.goal()
     per_pos = [0] * (n + 1)
     stats = SearchStats()
-    counter = itertools.count()
-    # State: (position, layouts of live tensors, live tensors already communicated).
+    # A label: (state, end row of its backward, its forward's seconds, parent label, step).
+    # State: (position, layouts of live tensors, live tensors already communicated). Forward
+    # stages wait for their own collectives, so after a forward the network is never busier
+    # than the compute lane and the lane inside machines is idle: the forward is one number.
+    # The end row (how the iteration's end follows from the lanes where the prefix's backward
+    # starts) is three, and its network entry is never above its compute entry (the maps of
+    # bench.cost.price). A state keeps every label no other label of it is at or below on all
+    # four: a program's price only grows with each, so a label at or below another leads to a
+    # program at most as dear, whatever follows.
     start = (0, frozenset(), frozenset())
-    best_g: dict = {start: 0.0}
-    parents: dict = {start: None}
-    heap = [(min_rest[0], 0, next(counter), 0.0, start)]
+    labels: list[tuple] = [(start, ZERO_LANES, 0.0, -1, None)]
+    alive = [True]
+    at_state: dict = {start: [0]}
+    heap = [(_score(ZERO_LANES, 0.0, min_rest[0], host, after), 0, 0)]
     inf = float("inf")
     # Beating the incumbent means beating it beyond float noise: a prefix of the incumbent
     # itself scores its cost up to rounding, and would otherwise be walked to its end.
     best_cost = inf if incumbent is None else incumbent.cost_s * (1 - 1e-9)
-    best_state = None
+    best_label = None
     best_final: tuple[CommRule, ...] = ()
     while heap:
-        f, _, _, g, state = heapq.heappop(heap)
-        if g > best_g.get(state, inf):
+        f, _, label = heapq.heappop(heap)
+        if not alive[label]:
             stats.pruned_dedup += 1
             continue
         if f >= best_cost:
             stats.pruned_bound += 1
             continue
+        state, row, forward, _, _ = labels[label]
         pos, props, communicated = state
         if pos == n:
             extra = _finish(props, communicated, graph.loss, cost)
-            if extra is not None and g + extra[0] < best_cost:
-                best_cost, best_state, best_final = g + extra[0], state, extra[1]
-                stats.complete += 1
+            if extra is not None:
+                total = cost.complete(max(row[0] + forward, row[2]) + extra[0], _steps(labels, label))
+                if total < best_cost:
+                    best_cost, best_label, best_final = total, label, extra[1]
+                    stats.complete += 1
             continue
         if beam_width is not None:
             if per_pos[pos] >= beam_width:
@@ -142,34 +160,88 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
         moves = _successors(theory, cost, name, props, communicated)
         stats.generated += len(moves)
         kept, kept_comm = props - dead_here, communicated - dead_comm  # once per state, not per child
-        for step, step_cost, add_props, add_comm in moves:
-            child_g = g + step_cost
-            if child_g + rest >= best_cost:  # before building the child's sets
+        r0, r1, r2 = row
+        for step, (q, p, m, comp), add_props, add_comm in moves:
+            forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
+            # its backward stage (and its gradients' syncs) runs before the prefix's backward
+            if comp is not None:  # on the compute lane alone (bench.cost.price.prepend, written out)
+                row2 = (r0 + comp, r1, r2)
+            else:
+                row2 = (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),
+                        max(r0 + m[2], r1 + m[5], r2 + m[8]))
+            score = max(row2[0] + forward2 + rest, row2[2], host) + after  # _score, written out
+            if score >= best_cost:  # before building the child's sets
                 stats.pruned_bound += 1
                 continue
             live = kept | (add_props - dead_here)
             comm_live = kept_comm | (add_comm - dead_comm) if add_comm else kept_comm
             child = (pos + 1, live, comm_live)
-            if child_g >= best_g.get(child, inf):
+            others = at_state.get(child)
+            if others is not None and _dominated(labels, alive, others, row2, forward2):
                 stats.pruned_dedup += 1
                 continue
-            best_g[child] = child_g
-            parents[child] = (state, step)
-            heapq.heappush(heap, (child_g + rest, -pos - 1, next(counter), child_g, child))
-    if best_state is None and incumbent is not None:
+            labels.append((child, row2, forward2, label, step))
+            alive.append(True)
+            if others is None:
+                at_state[child] = [len(labels) - 1]
+            else:
+                others.append(len(labels) - 1)
+            heapq.heappush(heap, (score, -pos - 1, len(labels) - 1))
+    if best_label is None and incumbent is not None:
         return dataclasses.replace(incumbent, stats=stats)
-    if best_state is None:
+    if best_label is None:
         raise NoProgramError(
             f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
             "check that the loss is summed over the batch inside forward"
         )
+    return SearchResult(_steps(labels, best_label), best_cost, stats, best_final)
+
+
+def _score(row: tuple, forward: float, rest: float, host: float, after: float) -> float:
+    """A lower bound of the price of every program that extends a prefix whose backward has
+    the end row `row` and whose forward takes `forward` seconds: the lanes as they end now (the
+    network's part, never above the compute lane's, left out), and the compute lane with `rest`
+    (a lower bound of the remaining ops' compute and collectives, _remaining_bound) put in
+    between; no sooner than the host has queued every kernel (`host`); then the optimizer step
+    and per-step terms at their least (`after`; CostModel.goal)."""
+    return max(row[0] + forward + rest, row[2], host) + after
+
+
+# Two labels closer than this (relative) on a number are equal on it: sums of the same prices
+# in another order differ in their last bits.
+_SAME = 1e-12
+
+
+def _dominated(labels: list, alive: list, others: list, row: tuple, forward: float) -> bool:
+    """Whether a label of the state is at or below (row, forward) on all four numbers; if not,
+    the state's labels at or above them are dropped (marked dead, removed from `others`).
+    (Written out: this runs once per child the search keeps.)"""
+    r0, r1, r2 = row
+    tol = _SAME * (abs(r0) + abs(forward))  # the iteration's scale
+    keep = []
+    for k in others:
+        if not alive[k]:
+            continue
+        _, (s0, s1, s2), f, _, _ = labels[k]
+        if f <= forward + tol and s0 <= r0 + tol and s1 <= r1 + tol and s2 <= r2 + tol:
+            return True
+        if forward <= f + tol and r0 <= s0 + tol and r1 <= s1 + tol and r2 <= s2 + tol:
+            alive[k] = False
+        else:
+            keep.append(k)
+    if len(keep) != len(others):
+        others[:] = keep
+    return False
+
+
+def _steps(labels: list, label: int) -> list[Step]:
+    """The steps of the program a label is the end of, in order."""
     steps = []
-    state = best_state
-    while parents[state] is not None:
-        state, step = parents[state]
-        steps.append(step)
+    while labels[label][3] >= 0:
+        steps.append(labels[label][4])
+        label = labels[label][3]
     steps.reverse()
-    return SearchResult(steps, best_cost, stats, best_final)
+    return steps
 
 
 def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
@@ -416,27 +488,30 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
 
 
 def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:
-    """A move of _recipes at the cost model's ratios: its collectives chosen and its seconds
-    added up in the order the search has always added them (so ties break alike); priced once
-    per what the price reads (the ops of a deep model's layers share it)."""
+    """A move of _recipes at the cost model's ratios: its collectives chosen, and its price as
+    the seconds of its forward stage's collectives and compute and the map of its backward
+    stage with its gradients' syncs (CostModel.step_maps); priced once per what the price
+    reads (the ops of a deep model's layers share it)."""
     rule, items, terms, choices, sources, seg, new_props, new_comm, price_key, steps = recipe
     price = cost._move_price.get(price_key)
     if price is None:
         # padded vs grouped: the cheaper (the first of equals)
         picks = tuple(min(range(len(options)), key=lambda j: cost.comm_time(options[j])) for options in choices)
-        total = cost.rule_time(name, rule)
+        fwd = bwd = 0.0
         for kind, x in terms:
             if kind == "source":
-                total += cost.source_time(x[0], x[1], rule)
+                gather = cost.gather_time(x[0], x[1])
+                fwd, bwd = fwd + gather, bwd + cost.source_time(x[0], x[1], rule) - gather
             else:
-                total += cost.comm_time(choices[x][picks[x]] if kind == "chosen" else x)
-        price = cost._move_price[price_key] = total, picks
-    total, picks = price
+                f, b = cost.comm_seconds(choices[x][picks[x]] if kind == "chosen" else x)
+                fwd, bwd = fwd + f, bwd + b
+        price = cost._move_price[price_key] = cost.step_maps(name, rule, sources, fwd, bwd), picks
+    maps, picks = price
     step = steps.get(picks)
     if step is None:
         comms = tuple(choices[c][picks[c]] if isinstance(c, int) else c for c in items)
         step = steps[picks] = Step(name, rule, comms, sources, seg)
-    return step, total, new_props, new_comm
+    return step, maps, new_props, new_comm
 
 
 def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
@@ -546,17 +621,17 @@ def brute_force(theory: Theory, cost: CostModel) -> BruteForceResult:
     best = [float("inf")]
     count = [0]
 
-    def walk(pos, props, communicated, g):
+    def walk(pos, props, communicated, row, lanes, steps):
         if pos == len(order):
             extra = _finish(props, communicated, graph.loss, cost)
             count[0] += 1
             if extra is not None:
-                best[0] = min(best[0], g + extra[0])
+                best[0] = min(best[0], cost.complete(end(row, lanes) + extra[0], steps))
             return
-        for _, c, add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
+        for step, (q, p, m, _), add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
             live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
             comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
-            walk(pos + 1, live, comm_live, g + c)
+            walk(pos + 1, live, comm_live, prepend(row, m), apply(stage_map(q, p, q > 0.0, False), lanes), steps + [step])
 
-    walk(0, frozenset(), frozenset(), 0.0)
+    walk(0, frozenset(), frozenset(), ZERO_LANES, ZERO_LANES, [])
     return BruteForceResult(best[0], count[0])

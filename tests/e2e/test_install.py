@@ -1,4 +1,5 @@
-"""A plain (non-editable) install runs from any directory with the configs it ships.
+"""A plain (non-editable) install runs from any directory with the configs it ships, and with a
+folder of the user's own configs beside them.
 
 The wheel is built from a copy of the sources, installed with --target, and the copy is deleted:
 the installed package is then the only place configs can come from. `python -S` skips
@@ -17,6 +18,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.test_own_configs_outside import GOOD, check_good, start_all, wait_all, write_own_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -59,11 +62,17 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
              " cfg.method.name, ','.join(group_options('method')))")
     run = ["-m", "bench.cli", "run", "mode=sim", "model=bert", "cluster=local_hetero2", "method=dp_ev",
            "wandb.mode=disabled"]
-    # the three at once: none writes what another reads
+    # A folder of one's own configs beside the installed package (docs/own-configs.md): a device
+    # type, a cluster, an experiment; run with the three below, none writes what another reads.
+    here = elsewhere / "lab"
+    here.mkdir()
+    write_own_configs(here)
+    own = start_all([*python, "-m", "bench.cli", "run"], here, env,
+                    {name: GOOD[name] for name in ("device", "cluster", "experiment")})
     procs = [subprocess.Popen([*python, *args], cwd=elsewhere, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for args in (["-c", probe], run, ["-m", "bench.cli", "run", "cluster=nowhere"])]
-    (probed, ran, bad) = [(proc.communicate(timeout=120), proc.returncode) for proc in procs]
+             for args in (["-c", probe], run, ["-m", "bench.cli", "run", "--config-dir", "lab/mine", "cluster=nowhere"])]
+    (probed, ran, bad) = [(proc.communicate(timeout=300), proc.returncode) for proc in procs]
 
     assert probed[1] == 0, probed[0][1][-3000:]
     module, source, conf_dir, project, cluster, method, methods = probed[0][0].split()
@@ -77,5 +86,8 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
               (elsewhere / "results" / "runs" / "records.jsonl").read_text().splitlines()]
     assert row["status"] == "ok" and row["mode"] == "sim" and row["num_devices"] == 2
 
-    assert bad[1] != 0
-    assert bad[0][1].strip().splitlines()[-1].startswith("error: cluster=nowhere is unknown; known:")
+    assert bad[1] != 0  # one line, the user's cluster among the known names
+    assert bad[0][1].strip().splitlines() == [
+        f"error: cluster=nowhere is unknown; known: h100x1, lab, {bad[0][1].split(', lab, ', 1)[1].strip()}"]
+
+    check_good(here, wait_all(own))

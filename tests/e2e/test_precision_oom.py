@@ -6,18 +6,19 @@ import stat
 
 import pytest
 
+from bench.core.errors import ConfigError
 from bench.records.rows import load_records
 from bench.runner import case as runner_case
 from bench.runner import execute as runner
 from bench.runner.configs import results_file
-from bench.runtime.launch import WorkerError, launch
+from bench.runtime.launch import launch
 
 pytestmark = pytest.mark.e2e
 QUICK = ["warmup_iters=0", "measured_iters=2", "emulation.reference_iters=0"]
 
 
 def test_bf16_trains_for_real_and_the_row_says_so(cfg_factory):
-    rows = {p: runner.run_case(cfg_factory("method=dp_ev", f"precision={p}", *QUICK)) for p in ("fp32", "bf16")}
+    rows = {p: runner.run_case(cfg_factory("method=dp_ev", f"precision={p}", *WATCHED)) for p in ("fp32", "bf16")}
     for p, row in rows.items():
         assert row.status == "ok", row.error
         assert row.precision["precision"] == p
@@ -25,10 +26,30 @@ def test_bf16_trains_for_real_and_the_row_says_so(cfg_factory):
         assert all(h["device"] == "cpu" and h["name"] and h["cores"] >= 1 for h in row.rank_hardware)
     assert rows["bf16"].precision["autocast_dtype"] == "bfloat16"
     assert rows["fp32"].precision == {"precision": "fp32", "autocast_dtype": None,
-                                      "matmul_allow_tf32": False, "cudnn_allow_tf32": False}
+                                      "matmul_allow_tf32": False, "cudnn_allow_tf32": False,
+                                      "forward_matmul_dtypes": rows["fp32"].precision["forward_matmul_dtypes"]}
+    assert set(rows["fp32"].precision["forward_matmul_dtypes"]) == {"float32"}
+    assert set(rows["bf16"].precision["forward_matmul_dtypes"]) == {"bfloat16"}
     # bf16 rounds the forward: the same first step's loss moves, but only by bf16's precision.
     first = rows["fp32"].loss_first, rows["bf16"].loss_first
     assert first[0] != first[1] and first[1] == pytest.approx(first[0], rel=0.05)
+
+
+# One warm-up step: the worker watches the dtypes of the first, unmeasured, step's forward.
+WATCHED = ["warmup_iters=1", "measured_iters=1", "emulation.reference_iters=0"]
+METHODS = ("dp_ev", "dp_cp", "deepspeed", "sfb", "hap")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_runs_its_forward_matmuls_in_bf16_when_asked(cfg_factory, method):
+    cfg = cfg_factory(f"method={method}", "precision=bf16", *WATCHED)
+    case = runner_case.prepare_case(cfg, runner_case.new_record(cfg), launching=True)
+    ranks = launch(case, case.cluster.num_devices, timeout_s=600)
+    # what every rank's matrix products and convolutions made in forward, not what the row says
+    seen = [r["precision"]["forward_matmul_dtypes"] for r in ranks]
+    assert all(s and set(s) == {"bfloat16"} for s in seen), seen
+    if method == "deepspeed":
+        assert case.plan.details["ds_config"]["torch_autocast"]["enabled"]
 
 
 def test_a_rank_out_of_memory_is_an_oom_row_with_its_peak_and_resume_keeps_it(cfg_factory, capsys, monkeypatch):
@@ -70,8 +91,8 @@ def test_the_mps_daemon_gets_private_directories_and_is_stopped_when_the_case_fa
     cfg = cfg_factory(*QUICK)
     case = runner_case.prepare_case(cfg, runner_case.new_record(cfg))
     case.cluster = dataclasses.replace(case.cluster, device="cuda")
-    # The daemon must still be stopped.
-    with pytest.raises(WorkerError):
+    # The daemon's client check fails in one line, before any worker; the daemon must still be stopped.
+    with pytest.raises(ConfigError, match="the MPS daemon started .* but a client could not use the GPU"):
         launch(case, 2, timeout_s=120)
     start, stop = [line.split() for line in log.read_text().splitlines()]
     assert start[0] == "start" and stop[0] == "quit" and start[1:] == stop[1:]

@@ -120,6 +120,18 @@ def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
         assert r["precision"]["matmul_allow_tf32"] is False and r["emulation"] is None
 
 
+def test_every_method_runs_its_forward_matmuls_in_bf16_on_a_gpu_when_asked(tmp_path):
+    # DeepSpeed's engine switches an outer CUDA autocast off in forward unless its own config
+    # enables torch_autocast: on the CPU that cannot show, here it does. The dtypes are those
+    # the first (warm-up) step's matrix products made on the rank (bench.runtime.precision).
+    out = run("bench.run", "-m", "cluster=h100x1", "model=bert", f"method={METHODS}", "precision=bf16",
+              "warmup_iters=1", "measured_iters=2", "wandb.mode=disabled", results_dir=tmp_path)
+    got = {r["method"]: r for r in rows(tmp_path)}
+    assert set(got) == set(METHODS.split(",")), out.stderr[-3000:]
+    seen = {m: (r["status"], r["precision"] and r["precision"]["forward_matmul_dtypes"]) for m, r in got.items()}
+    assert all(status == "ok" and dtypes and set(dtypes) == {"bfloat16"} for status, dtypes in seen.values()), seen
+
+
 def test_the_libraries_workspace_is_measured_and_a_steps_peak_holds_it():
     """bench.runtime.probes.workspace_bytes in a fresh process: what cuBLAS keeps after a first matrix
     product; a step after it keeps no more than its tensors (the workspace is made once)."""

@@ -149,3 +149,36 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
     assert settings.emulation_settings(cfg, 4).realtime_comm is True
     assert settings.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).realtime_comm is False
     assert settings.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).gloo_workers_first is True
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["measured_iter=3"], "measured_iter is not an option (options: mode, precision, seed,"),
+    (["data=5"], "data=5: Invalid type assigned: int is not a subclass of DataSettings. value: 5; give data "
+                 "the shape it has in the config"),
+    (["method=nosuch"], "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, hap, sfb"),
+    (["+preset.extra=1"], None),  # a key of one's own, with +: composes
+])
+def test_a_key_no_schema_has_or_a_node_of_the_wrong_shape_is_one_line_at_compose(overrides, line):
+    from bench.runner.configs import compose_settings
+
+    if line is None:
+        compose_settings(*overrides)
+        return
+    with pytest.raises(ConfigError) as err:
+        compose_settings(*overrides)
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["warmup_iters=${preset.nope}"], "warmup_iters: Interpolation key 'preset.nope' not found; fix the value"),
+    (["preset.batch_per_device=x"], "preset.batch_per_device='x' must be an integer >= 1"),
+    (["timeout_s=0"], "timeout_s=0 must be a number > 0 (seconds)"),
+    (["resume=maybe"], "resume='maybe' must be true or false"),
+    (["~preset.batch_per_device"], "preset.batch_per_device is missing; set it (an integer >= 1)"),
+])
+def test_settings_read_at_the_edge_refuse_a_value_in_one_line(overrides, needle):
+    from bench.runner.settings import Settings
+
+    with pytest.raises(ConfigError) as err:
+        Settings.from_config(compose_config(*overrides))
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)

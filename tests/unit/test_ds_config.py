@@ -48,6 +48,19 @@ def test_generated_config_is_fp32_adam_without_clipping_and_an_even_micro_batch(
     assert DeepSpeedZeRO(zero_stage=stage, grad_clip=1.0).ds_config(8, 2)["gradient_clipping"] == 1.0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_bf16_is_the_engines_own_autocast_with_gradients_communicated_in_fp32(precision):
+    workload = _workload(TINY_BERT)
+    workload.precision = precision
+    config = DeepSpeedZeRO().plan(workload, _cluster()).details["ds_config"]
+    assert not config["fp16"]["enabled"] and not config["bf16"]["enabled"]  # parameters stay fp32
+    if precision == "bf16":
+        # without this section DeepSpeed's engine switches an outer CUDA autocast off in forward
+        assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    else:
+        assert "torch_autocast" not in config
+
+
 def test_the_conf_option_instantiates_stage_one_with_the_papers_adam():
     method = instantiate(compose_config("method=deepspeed").method)
     assert isinstance(method, DeepSpeedZeRO) and method.name == "deepspeed"

@@ -25,7 +25,7 @@ def test_the_paper_table_reads_each_methods_aggregate_and_marks_a_failed_model(m
     gpu_check = _script()
     medians = {"vgg19": (0.0132, 0.01437), "vit": (0.05955, 0.06387), "bert": (0.1369, 0.1397)}
 
-    def fake_compare(cmd, cwd):
+    def fake_compare(cmd, cwd, **output):
         out = Path(next(c for c in cmd if c.startswith("results_dir=")).split("=", 1)[1])
         model = next(c for c in cmd if c.startswith("model=")).split("=", 1)[1]
         out.mkdir(parents=True)
@@ -92,3 +92,37 @@ def test_nothing_to_run_and_a_negative_suite_are_refused_in_one_line(capsys):
         with pytest.raises(SystemExit) as stop:
             gpu_check.main(argv)
         assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_lease_call_calibrates_at_the_precision_then_tests_then_compares_within_its_budget(monkeypatch, tmp_path,
+                                                                                            capsys):
+    """--calibrate, --tests and --paper in that order, each command at --precision, files and
+    logs under --out; a check that would start past --budget-s is skipped, not run."""
+    gpu_check = _script()
+    ran = []
+
+    def fake_logged(cmd, log, env=None):
+        ran.append(cmd)
+        log.write_text("ran\n")
+        return 0
+
+    clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
+    monkeypatch.setattr(gpu_check, "run_logged", fake_logged)
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(gpu_check.subprocess, "run",
+                        lambda cmd, cwd, **output: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    out = tmp_path / "out"
+    code = gpu_check.main(["--calibrate", "H200", "--precision", "bf16", "--tests", "bf16", "--paper",
+                           "--budget-s", "750", "--out", str(out)])
+    profile, calibration, tests = ran[:3]
+    assert profile[2:] == ["bench.profile", "--device", "cuda", "--device-type", "H200", "--precision", "bf16",
+                           "--compute-out", str(out / "profile-H200-bf16.json")]
+    assert calibration[2:] == ["bench.calibrate", "--device", "cuda", "--device-type", "H200", "--precision", "bf16",
+                               "--profile", str(out / "profile-H200-bf16.json"),
+                               "--out", str(out / "calibration-H200-bf16.json")]
+    assert tests[tests.index("-k") + 1] == "bf16"
+    compares = [c for c in ran[3:] if "bench.compare" in c]
+    assert len(compares) == 1 and "precision=bf16" in compares[0] and "model=vgg19" in compares[0]
+    summary = (out / "summary.txt").read_text()
+    assert summary.count("skip (budget)") == 3  # the budget ran out before the other paper models
+    assert summary.strip() in capsys.readouterr().out and code == 1  # the fake tests left no report: a fail

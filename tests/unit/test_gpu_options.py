@@ -192,3 +192,52 @@ def test_gpu_clusters_plan_and_simulate_like_any_other(cfg_factory):
         assert record.status == "ok" and record.num_devices == n, record.error
         assert len(set(record.batch_shares)) == 2  # shares follow the two speeds
         assert compose_config(f"cluster={name}").cluster.device == "cuda"
+
+
+def test_a_gpu_cluster_wanting_more_gpus_than_the_host_has_is_one_line_before_any_worker(
+        cfg_factory, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runner, "launch", _refuse_workers)
+    record = runner.run_case(cfg_factory("cluster=paper_homo"))
+    err = capsys.readouterr().err.strip()
+    assert record.status == "failed" and "\n" not in record.error
+    assert record.error.startswith(f"cluster=paper_homo has {record.num_devices} GPUs but this host has 1; ")
+    assert err == f"error: {record.error}" and "mode=sim" in err
+    assert [r["status"] for r in load_records(results_file(cfg_factory()))] == ["failed"]
+
+
+# Stands in for nvidia-cuda-mps-control: a daemon that starts and serves no client (the ranks'
+# GPU is hidden from them), logging how it was called.
+NO_CLIENTS_CONTROL = """#!/bin/sh
+if [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> "$LOG"
+else read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$LOG"; fi
+"""
+
+
+def test_an_mps_daemon_that_starts_but_serves_no_client_is_one_line_and_is_stopped(
+        cfg_factory, capsys, monkeypatch, tmp_path):
+    control = tmp_path / "bin" / mps.CONTROL
+    control.parent.mkdir()
+    control.write_text(NO_CLIENTS_CONTROL)
+    control.chmod(0o755)
+    log = tmp_path / "mps.log"
+    monkeypatch.setenv("PATH", f"{control.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the client cannot get a GPU, GPU host or not
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the runner's check for one
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")  # the row's hardware
+
+    def no_workers(*args, **kwargs):  # what bench.runtime.launch.launch does first
+        with mps.mps_daemon():
+            raise AssertionError("the daemon was let through to the workers")
+
+    monkeypatch.setattr(runner, "launch", no_workers)
+    record = runner.run_case(cfg_factory("cluster=local_gpu_hetero2", "warmup_iters=0", "measured_iters=1"))
+    err = capsys.readouterr().err.strip()
+    assert record.status == "failed" and "\n" not in record.error, record.error
+    assert record.error.startswith(f"cluster.device=cuda: the MPS daemon started ({mps.CONTROL} -d) but a client "
+                                   "could not use the GPU through it (")
+    assert err == f"error: {record.error}"
+    start, stop = [line.split() for line in log.read_text().splitlines()]
+    assert start[0] == "start" and stop[0] == "quit" and start[1:] == stop[1:]  # stopped, its own directory

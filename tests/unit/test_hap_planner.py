@@ -152,15 +152,21 @@ def test_the_search_charges_a_replicated_gradient_its_share_of_a_bucket():
     theory = data_parallel_theory(derive_theory(capture_config(wl.model_cfg, 16), sfb=False))
     ratios = compute_proportional_ratios(cl, "gpu")
     cap = 2**16  # tiny BERT's embedding table (128 KiB) fills a bucket alone
-    per_param, bucketed = (CostModel(theory, cl, "gpu", ratios, grad_bucket_bytes=b) for b in (0.0, cap))
+    # without overlap: one all-reduce per parameter in its op's backward; with it: buckets beside backward
+    per_param = CostModel(theory, cl, "gpu", ratios)
+    bucketed = CostModel(theory, cl, "gpu", ratios, grad_bucket_bytes=cap, grad_overlap=True)
     full = bucketed.collective_time(Collective("all_reduce", Affine(cap), grad=True))
     params = [n for n in theory.graph.nodes if n.is_param]
     small = min(params, key=lambda n: n.nbytes)
     big = max(params, key=lambda n: n.nbytes)
     assert small.nbytes < cap < big.nbytes
     rule = next(r for r in theory.rules[theory.graph.users[small.name][0]] if not r.sfb)
-    assert bucketed.source_time(small.name, "I", rule) == pytest.approx(small.nbytes / cap * full)
-    assert per_param.source_time(small.name, "I", rule) > 10 * bucketed.source_time(small.name, "I", rule)
+    share = small.nbytes / cap * full
+    # on the network lane once its gradient is made (the map's network-from-compute entry), not on the compute lane
+    sync = bucketed.sync_map(small.name, "I", rule)
+    assert sync[3] == pytest.approx(share) and sync[0] == 0.0
+    assert bucketed.source_time(small.name, "I", rule) == 0.0
+    assert per_param.source_time(small.name, "I", rule) > 10 * share
     own = Collective("all_reduce", Affine(float(big.nbytes)), grad=True)
     assert bucketed.bucketed_sync_s(float(big.nbytes)) == bucketed.collective_time(own)  # fills a bucket alone
     # Over the program: the buckets' all-reduces as build_program makes them, within a latency

@@ -137,41 +137,90 @@ class Shared(nn.Module):
         return F.cross_entropy(self.out(z), y, reduction="sum")
 
 
-@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (256, 10.0, Residual),
-                                                    (16, 1.0, Residual), (4096, 100.0, Residual),
-                                                    (2, 10.0, Shared), (256, 10.0, Shared), (4096, 100.0, Shared)])
-def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
-    """A*'s bound at position i (search._remaining_bound) against the exact cost of the cheapest
-    completion, computed for every state the search can reach at i (memoised over states)."""
-
-    from methods.hap.search import _finish, _order, _remaining_bound, _successors
+def _small(batch, inter_gbps, model, **cost_options):
+    """(theory, cost model, op order, each tensor's last use) of a small model on `cluster`."""
+    from methods.hap.search import _order
 
     with torch.device("meta"):
         net = model()
     d = net.fc1.in_features
     graph = capture(net, (torch.empty(batch, d, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")))
     theory = derive_theory(graph)
-    cost = CostModel(theory, cluster(inter_gbps), "gpu", compute_proportional_ratios(cluster(inter_gbps), "gpu"))
-    order, last_use = _order(graph, theory)
+    cl = cluster(inter_gbps)
+    cost = CostModel(theory, cl, "gpu", compute_proportional_ratios(cl, "gpu"), **cost_options)
+    return theory, cost, *_order(graph, theory)
+
+
+def _moves(theory, cost, order, last_use, pos, props, communicated):
+    """The search's moves from a state, with the state each leads to."""
+    from methods.hap.search import _successors
+
+    for step, maps, add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
+        live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
+        comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
+        yield step, maps, live, comm_live
+
+
+@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (256, 10.0, Residual),
+                                                    (16, 1.0, Residual), (4096, 100.0, Residual),
+                                                    (2, 10.0, Shared), (256, 10.0, Shared), (4096, 100.0, Shared)])
+def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
+    """A*'s bound at position i (search._remaining_bound) against the cheapest completion's
+    compute and collectives on the compute lane (memoised over states), for every state the
+    search can reach at i."""
+    from methods.hap.search import _finish, _remaining_bound
+
+    theory, cost, order, last_use = _small(batch, inter_gbps, model)
     bound = _remaining_bound(theory, cost, order)
 
     @functools.cache
     def rest(pos, props, communicated):
         if pos == len(order):
-            extra = _finish(props, communicated, graph.loss, cost)
+            extra = _finish(props, communicated, theory.graph.loss, cost)
             return float("inf") if extra is None else extra[0]
         out = float("inf")
-        for _, c, add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
-            live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
-            comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
-            out = min(out, c + rest(pos + 1, live, comm_live))
+        for _, (q, p, m, _), live, comm_live in _moves(theory, cost, order, last_use, pos, props, communicated):
+            out = min(out, q + p + m[0] + rest(pos + 1, live, comm_live))  # m[0]: backward's on the compute lane
         assert bound[pos] <= out * (1 + 1e-12), f"bound {bound[pos]} > cheapest completion {out} at {order[pos]}"
         return out
 
-    best = rest(0, frozenset(), frozenset())
-    assert best == pytest.approx(synthesize(theory, cost).cost_s, rel=1e-12)
+    rest(0, frozenset(), frozenset())
     assert rest.cache_info().currsize > len(order)  # several states per position were checked
     assert bound[0] > min(cost.rule_time(order[0], r) for r in theory.rules[order[0]])  # not trivial
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (16, 1.0, Residual),
+                                                    (4096, 100.0, Residual)])
+def test_every_prefixs_score_is_at_most_the_price_of_every_program_that_extends_it(batch, inter_gbps, model, overlap):
+    """What makes the first complete program the search pops below every score left the
+    cheapest: walking every program (the price of a program depends on its whole timeline, not
+    on a state), each prefix's score against the cheapest price of the programs extending it,
+    with gradients synced in their ops' backward and beside backward."""
+    from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
+    from methods.hap.search import _finish, _remaining_bound, _score
+
+    theory, cost, order, last_use = _small(batch, inter_gbps, model, grad_bucket_bytes=2**16, grad_overlap=overlap)
+    host, after, _ = cost.goal()
+    bound = _remaining_bound(theory, cost, order)
+    checked = [0]
+
+    def cheapest(pos, props, communicated, row, lanes, steps):
+        if pos == len(order):
+            extra = _finish(props, communicated, theory.graph.loss, cost)
+            return float("inf") if extra is None else cost.complete(end(row, lanes) + extra[0], steps)
+        best = min((cheapest(pos + 1, live, comm_live, prepend(row, m), apply(stage_map(q, p, q > 0, False), lanes),
+                             [*steps, step])
+                    for step, (q, p, m, _), live, comm_live in _moves(theory, cost, order, last_use, pos, props,
+                                                                   communicated)), default=float("inf"))
+        # after a forward the network is no busier than the compute lane, the machines' lane idle
+        assert lanes[1] <= lanes[0] and lanes[2] == 0.0
+        assert _score(row, lanes[0], bound[pos], host, after) <= best * (1 + 1e-12)
+        checked[0] += 1
+        return best
+
+    best = cheapest(0, frozenset(), frozenset(), ZERO_LANES, ZERO_LANES, [])
+    assert best == pytest.approx(synthesize(theory, cost).cost_s, rel=1e-12) and checked[0] > len(order)
 
 
 @pytest.mark.parametrize("granularity", ["machine", "gpu"])
@@ -189,21 +238,33 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
     cost = CostModel(theory, cl, granularity, compute_proportional_ratios(cl, granularity, planner.num_segments),
                      planner.segmentation)
     bound = _remaining_bound(theory, cost, _order(graph, theory)[0])
-    assert bound[0] == pytest.approx(synthesize(theory, cost).cost_s, rel=1e-9)
+    best = synthesize(theory, cost)
+    assert bound[0] == pytest.approx(compute_lane_s(cost, best.steps), rel=1e-9)
+
+
+def compute_lane_s(cost, steps) -> float:
+    """What a program's steps add to the compute lane (forward and backward collectives and
+    compute; not what runs beside it): what the search's bound is a lower bound of."""
+    total = 0.0
+    for step in steps:
+        q, p, m, _ = cost.step_maps(step.node, step.rule, step.sources, *cost.step_comms(step))
+        total += q + p + m[0]
+    return total
 
 
 def test_a_beam_returns_no_program_dearer_than_its_incumbent():
     """Tiny BERT on two GPUs 1 Gbit/s apart at a 25 MiB gradient bucket: data parallelism is the
     exact optimum, but a beam of 40 keeps the prefixes that defer their costs (heads split, an
-    all-to-all later) over data parallelism's, which pays each gradient's share of a bucket at
-    its parameter, and ends 24% dearer. Given the data-parallel program as its incumbent, the
-    beam returns it."""
+    all-to-all later) over data parallelism's, whose gradient syncs, launched at the end of
+    backward, are in its price already, and ends 24% dearer. Given the data-parallel program as
+    its incumbent, the beam returns it."""
     cl = two_machines(fast=1, slow=1, inter_gbps=1.0, virtual="gpu")
     wl = bert_workload(num_devices=2)
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     dp_theory = data_parallel_theory(theory)
     ratios = compute_proportional_ratios(cl, "gpu")
-    cost, dp_cost = (CostModel(t, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20) for t in (theory, dp_theory))
+    cost, dp_cost = (CostModel(t, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20, grad_overlap=True)
+                     for t in (theory, dp_theory))
     dp = synthesize(dp_theory, dp_cost, beam_width=40)
     exact = synthesize(theory, cost)
     beam = synthesize(theory, cost, beam_width=40)
@@ -230,7 +291,8 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     dp_theory = data_parallel_theory(theory)
     ratios = compute_proportional_ratios(cl, "machine", planner.num_segments)
     bucket = planner.bucket_cap_mb * 2**20
-    cost, dp_cost = (CostModel(t, cl, "machine", ratios, planner.segmentation, bucket) for t in (theory, dp_theory))
+    cost, dp_cost = (CostModel(t, cl, "machine", ratios, planner.segmentation, bucket, grad_overlap=True)
+                     for t in (theory, dp_theory))
     dp = synthesize(dp_theory, dp_cost, beam_width=planner.beam_width)
     seeded = synthesize(theory, cost, beam_width=planner.beam_width, incumbent=dp)
     assert seeded.steps == dp.steps

@@ -47,6 +47,24 @@ def test_calibration_summary_has_errors_mape_and_tau():
     assert s["failed"] == ["bert/c/x: boom"]
 
 
+def test_calibration_summary_gives_the_mape_per_method_model_and_cluster(capsys):
+    from bench.studies.calibration import print_summary, summarize
+
+    errors = {("bert", "c2", "a"): 0.10, ("bert", "c2", "b"): 0.20, ("vit", "c2", "a"): 0.30, ("vit", "c4", "a"): 0.40}
+    rows = [dict(model=m, cluster=c, method=x, status="ok", iter_time_s_mean=1.0, predicted_iter_time_s=1.0 + e)
+            for (m, c, x), e in errors.items()]
+    s = summarize(rows)
+    assert s["mape_by_method"] == pytest.approx({"a": 0.8 / 3, "b": 0.2})
+    assert s["mape_by_model"] == pytest.approx({"bert": 0.15, "vit": 0.35})
+    assert s["mape_by_cluster"] == pytest.approx({"c2": 0.2, "c4": 0.4})
+    assert set(s["kendall_tau_all"]) == {"bert/c2", "vit/c2", "vit/c4"}
+    print_summary(s)
+    out = capsys.readouterr().out
+    assert "MAPE by method: a 26.7% (3), b 20.0% (1)" in out
+    assert "MAPE by model: bert 15.0% (2), vit 35.0% (2)" in out
+    assert "MAPE by cluster: c2 20.0% (3), c4 40.0% (1)" in out
+
+
 def test_calibration_summary_prices_the_rest_alone_with_the_compute_measured():
     from bench.studies.calibration import summarize
 
@@ -151,3 +169,29 @@ def test_a_profiled_cluster_file_reads_back_its_numbers_whatever_their_digits(tm
     spec = ClusterSpec.from_config(yaml.safe_load(text))
     assert spec.devices[0].effective_flops == 1e11
     assert spec.inter_machine.latency_s == 5e-5 and spec.inter_machine.bandwidth_gbps == 1.0
+
+
+def test_calibration_runs_split_in_parts_merge_into_one_summary(tmp_path, capsys):
+    import json
+
+    from bench.calibrate import main
+    from bench.studies.calibration import summarize
+
+    def row(model, cluster, method, measured, predicted):
+        return dict(model=model, cluster=cluster, method=method, status="ok", iter_time_s_mean=measured,
+                    predicted_iter_time_s=predicted, predicted_compute_s=predicted / 2,
+                    emulation={"compute_s": measured / 2, "link_overrun_s": 0.001})
+
+    parts = [[row("bert", "c2", "a", 1.0, 1.1), row("bert", "c2", "b", 2.0, 1.9)], [row("vit", "c4", "a", 1.0, 1.3)]]
+    whole = summarize([r for part in parts for r in part])
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(summarize(part)))
+    assert main(["--merge", *map(str, paths), "--out", str(tmp_path / "all.json")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    for key in ("mape", "mape_by_method", "mape_by_model", "mape_by_cluster", "mape_outside_compute", "kendall_tau_all"):
+        assert merged[key] == pytest.approx(whole[key]), key
+    assert "MAPE by cluster: c2 7.5% (2), c4 30.0% (1)" in capsys.readouterr().out
+    assert main(["--merge", str(paths[0]), str(paths[0])]) == 2  # a case twice: one line, no summary
+    assert capsys.readouterr().err.count("\n") == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
@@ -55,7 +54,7 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
             assert layouts and IDENTITY not in layouts, t
 
     # The program the search finds: Megatron-style, every linear sharded, activations moved.
-    cluster = ClusterSpec.from_config(figures._container(figures._cfg("cluster=motivation").cluster))
+    cluster = ClusterSpec.from_config(figures._cfg("cluster=motivation").cluster)
     point = tp.synthesize_at(theory, cluster, [[0.25] * 4], "EV")
     linears = [s for s in point.result.steps if graph[s.node].op == "linear"]
     assert linears and all(isinstance(s.rule.pre[1], int) for s in linears)
@@ -74,7 +73,7 @@ def tp_cases(setting: dict, d_model: int, mode: str) -> dict:
     cases = {}
     for point in figures.tp_points(setting, d_model, mode):
         cfg = figures._cfg(*point)
-        cases[cfg.method.ratios] = prepare_case(cfg, new_record(cfg))
+        cases[cfg.method["ratios"]] = prepare_case(cfg, new_record(cfg))
     return cases
 
 
@@ -103,7 +102,7 @@ def test_lp_ratios_are_never_slower_than_even_or_compute_proportional(d_model, f
 
 def test_every_ratio_choice_plans_a_plan_the_runtime_accepts():
     cfg = figures._cfg(*figures.tp_points(figures.CP_VS_EV_REAL, 16, "real")[0])
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True)).with_host_speed(1e10)
+    cluster = ClusterSpec.from_config(cfg.cluster).with_host_speed(1e10)
     workload = build_workload(cfg, cluster)
     for choice in tp.CHOICES:
         plan = tp.TensorParallel(ratios=choice).plan(workload, cluster)
