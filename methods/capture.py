@@ -312,7 +312,7 @@ class Graph:
         compute, backward FLOPs per sample) per parameter-holding op in forward order;
         parameter-free ops are counted with the next op that holds parameters. Backward FLOPs
         are each op's forward FLOPs times its backward_factor, as the planner prices them. The
-        input of bench.core.program.data_parallel_program."""
+        input of bench.core.data_parallel.data_parallel_program."""
         out: list[tuple[float, float, str, int, float]] = []
         classes: dict[str, float] = {}
         ops = 0

@@ -14,9 +14,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.core.cluster import ClusterSpec
+from bench.core.data_parallel import data_parallel_program
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
-from bench.core.program import data_parallel_program
 from bench.core.shares import round_shares
 from methods.capture import capture_config
 

@@ -9,6 +9,7 @@
 Callers import from here: `from bench.cost import simulate, virtual_devices, ...`.
 """
 
+from bench.cost.algebra import FloatAlgebra, LpAlgebra, alike
 from bench.cost.devices import (
     GIB,
     VirtualDevice,
@@ -20,9 +21,6 @@ from bench.cost.devices import (
 )
 from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collective_time_s, link_bytes
 from bench.cost.price import (
-    FloatAlgebra,
-    LpAlgebra,
-    alike,
     collective_cost,
     collective_link,
     collective_time,

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import Program, Ratios
+from bench.cost.algebra import FloatAlgebra
 from bench.cost.devices import GIB, virtual_devices
-from bench.cost.price import FloatAlgebra, busiest_gpu_ratios, iteration_time, per_step_s
+from bench.cost.price import busiest_gpu_ratios, iteration_time, per_step_s
 
 
 @dataclass

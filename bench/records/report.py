@@ -1,19 +1,10 @@
-"""`hetbench report PATH`: figures and tables from recorded rows (yours or the paper's).
+"""Figures and tables from recorded rows: the library behind `hetbench report`.
 
-    hetbench report results/runs                         # a results_dir (its records.jsonl[.gz])
-    hetbench report results/runs/hydra/multirun-2026...  # one Hydra sweep (its jobs' rows)
-    hetbench report my.jsonl --x cluster.gpus_per_machine --metric planner_time_s
-
-Draws one panel per model, one group of bars per value of `--x` (a config key; default the
-cluster), one bar per method: throughput with its interval where the row is an aggregate of
-repeats, and a gap with the status written at its base for a case that did not end ok (no
-height: an OOM case has no throughput). Writes NAME.png, NAME.pdf and NAME.csv (one line per
-case, with the commit and origin of its row) and NAME_speedup.csv, and prints the speedup table.
-The same rows give the same bytes: the CSVs depend on the rows alone.
-
-An experiment config may set the layout (`report: {name, x, metric, title}` in its yaml); the
-options here override it.
-
+One panel per model, one group of bars per value of a config key, one bar per method, with
+the interval where a row aggregates repeats; a case that did not end ok is a gap with its
+status at the base, never a bar. The CSVs (one line per case, with its commit and origin, and
+the speedups) depend on the rows alone, so the same rows give the same bytes. Usage:
+`bench/report.py`.
 """
 
 from __future__ import annotations

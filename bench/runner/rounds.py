@@ -85,7 +85,7 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         agg.aggregate = {"iter_time_s": summary.as_dict(),
                          "repeat_run_ids": [r.run_id for r in rows],
                          "within_run_cv": [r.iter_time_s_std / r.iter_time_s_mean for r in rows],
-                         "interval": "order-statistic interval of the median (bench/stats.py)"}
+                         "interval": "order-statistic interval of the median (bench/records/stats.py)"}
         base = times.get(BASELINE)
         if base and all(t is not None for t in base):
             agg.aggregate["speedup_vs_dp_ev"] = summarize([b / t for b, t in zip(base, times[m])]).as_dict()

@@ -1,24 +1,10 @@
-"""How far to trust the simulator: measured vs predicted iteration time on emulated clusters.
+"""The calibration's cases and summaries: measured against predicted iteration times.
 
-    python -m bench.calibrate                                    # 4 tiny models x methods x 3 clusters
-    python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
-    python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
-    python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
-    python -m bench.calibrate --reprice results/calibration/20261126-H200-steps.json   # no GPU needed
-
-With --device, one device instead: each paper model's training step (forward, backward, Adam)
-at batch 1 to 128, measured on that device and predicted by the simulator from the device
-type's compute profile (made by `bench.profile --compute-out` from op microbenchmarks, not
-fitted to these steps), time and peak memory.
-
-Every real case also records the simulator's prediction for the same plan, so one real run per
-case gives both numbers. Reports each case's error, the MAPE (overall and per method) and, per
-(model, cluster), Kendall's tau between the measured and the predicted ordering of the methods:
-over the pairs the measurement separates (the per-iteration intervals of their medians do not
-overlap: with repeats=N, each (model, cluster) runs as bench.compare does, N interleaved rounds
-over the methods, and a case's number is its median; one run per case separates nothing) and
-over all pairs.
-
+The library behind `bench.calibrate` (its docstring has the usage): the emulated cases (each
+real case also records the simulator's prediction for its plan), the one-device step sweep
+against a device type's compute profile, the re-pricing of recorded steps, and the summaries:
+each case's error, MAPE overall and per method, and per (model, cluster) Kendall's tau over
+the pairs the measured intervals separate and over all pairs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""How faithfully the emulator slows a device down: achieved dilation against 1/speed.
+"""The emulator's dilation check: achieved slow-down against 1/speed, in one worker process.
 
-    python -m bench.dilation            # 10 runs at speeds 0.25, 0.4, 0.5: one table
-    python -m bench.dilation 3 0.5      # 3 runs at speed 0.5
-    python -m bench.dilation 10 emulation.reference_iters=30   # runner overrides, as elsewhere
-
-One spawned worker process trains tiny BERT through the real worker path (bench.runtime.worker.run_rank,
-one emulated device) at speed 1, then s, then 1 again, for each speed s; the achieved dilation
-is s's median iteration time over the mean of its two speed-1 neighbours, times s (1.0 is
-perfect). All of them are paced against one full-pace reference, measured first in the same
-process (EmulationSettings.reference): one emulated device, whose speed must not follow the
-host's drift from one case to the next. What is left is the emulator's own error: sleep
-overshoot, compute that outran its target, time inside the step that pacing does not see.
-
+The library behind `bench.dilation` (usage there). Tiny BERT trains through the real worker
+path at speed 1, s, 1 for each speed s, all paced against one full-pace reference measured
+first; the achieved dilation is the median at s over the mean of its speed-1 neighbours,
+times s. What remains off 1.0 is the emulator's own error (sleep overshoot, compute that
+outran its target, time in the step that pacing does not see).
 """
 
 from __future__ import annotations

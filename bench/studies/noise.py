@@ -1,14 +1,9 @@
-"""The noise floor of this machine: one case run N times, and how much its measurements move.
+"""The noise floor: one case repeated, and how much its measurements move.
 
-    python -m bench.noise                                # dp_ev, tiny BERT on local_hetero2, 10 runs
-    python -m bench.noise method=hap repeats=6 cluster=local_hetero4
-
-Each repeat is a full case in its own worker processes (rows go to records.jsonl as usual). It
-prints the coefficient of variation of the repeats' mean iteration times (run to run), the
-median within-run CV (iteration to iteration), and the width of the interval of the median
-relative to it: two methods closer than about that cannot be ordered with this many repeats
-on this machine, and bench.compare shows them as a tie.
-
+The library behind `bench.noise` (usage there): the run-to-run coefficient of variation of the
+repeats' mean iteration times, the median within-run CV, and the width of the median's
+interval relative to it, the gap below which two methods cannot be ordered with that many
+repeats (bench.compare shows them as a tie).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Does each part of the planner pay its way, and how far is the beam from the exact search?
+"""The planner's ablations, its beam against the exact search, and search-vs-simulator agreement.
 
-    python -m bench.planner_check                          # 4 paper models x k = 1, 8
-    python -m bench.planner_check --models vgg19 --ks 8 -- global_batch=4096
-    python -m bench.planner_check --exact                  # also the beam-vs-exact table
-
-Plans (no workers, no records) on paper_hetero with k GPUs per machine, with every part on
-and with one part switched off at a time (SFB, collective choice, LP, segments), and prints
-the simulated iteration time of each: switching a part off must never make hap faster (a
-flagged cell says it did). With --exact it also plans without the beam (method.beam_width=null)
-and prints both times, the states expanded and the planning seconds.
-
+The library behind `bench.planner_check` (usage there). Plans on paper_hetero with every part
+of the planner on and with one switched off at a time (SFB, collective choice, LP, segments):
+switching a part off must never make hap faster. Also the beam against the exact search
+(times, states expanded, planning seconds) and the agreement of the search's price with the
+simulator's.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class RatioLP:
         # an optimum over those permutations is an optimum with equal ratios in each class (with
         # free rows, the reshard bound depends on device order: there, equal ratios per class is a
         # restriction, and the simulator judges the result). The LP's size and the price's work
-        # then depend on the number of device types, not of devices (bench.cost.price.alike).
+        # then depend on the number of device types, not of devices (bench.cost.algebra.alike).
         # Tied rows are one row of variables that every segment reads (not g rows held equal by
         # constraints: the same LP, a quarter of the model for CBC at 4 segments).
         classes = device_classes(cluster, self.vdevs)

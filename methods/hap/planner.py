@@ -2,7 +2,10 @@
 
 `plan` runs on the CPU and returns a bench Plan whose `program` the simulator scores and whose
 `details["steps"]` per-rank codegen rebuilds the program from (docs/planner.md "Plan format").
-Real execution lives in methods.hap.runtime; this module only decides.
+Real execution lives in methods.hap.runtime; this module only decides. It is one class, the
+planner's decision loop (levels, starting ratios, search and LP in turn, the candidates kept),
+long because the loop is; each piece it calls is a module of its own (search, bounds, balance,
+lowering, segments, hierarchy).
 """
 
 from __future__ import annotations

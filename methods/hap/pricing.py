@@ -18,28 +18,10 @@ from collections import Counter
 from collections.abc import Sequence
 
 from bench.core.cluster import ClusterSpec
-from bench.core.program import (
-    Affine,
-    Collective,
-    Memory,
-    Program,
-    Stage,
-    op_class,
-)
+from bench.core.program import Affine, Collective, Memory, Program, Stage, op_class
 from bench.cost import FloatAlgebra, collective_time, stage_time, virtual_devices
-from bench.cost.price import (
-    ZERO_LANES,
-    apply,
-    busiest_gpu_ratios,
-    compose,
-    end,
-    intra_grad_sync,
-    launch_times,
-    prepend,
-    stage_map,
-    stage_parts,
-    step_terms,
-)
+from bench.cost.lanes import ZERO_LANES, apply, compose, end, prepend, stage_map
+from bench.cost.price import busiest_gpu_ratios, intra_grad_sync, launch_times, stage_parts, step_terms
 from methods.hap.segments import assign_segments
 from methods.hap.steps import Step
 from methods.hap.theory import IDENTITY, CommRule, Layout, Rule, Theory

@@ -20,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import math
 from dataclasses import dataclass, field
 
 from bench.core.errors import PlanningError
-from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
+from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
 from methods.capture import Graph
+from methods.hap.bounds import remaining_bound
 from methods.hap.pricing import CostModel
 from methods.hap.steps import Step
-from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, Theory
+from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Theory
 
 
 class NoProgramError(PlanningError):
@@ -77,7 +77,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
     A prefix is priced as a program of its ops alone would be (its forward stages first, its
     backward last), which every program extending it can only exceed. Its score is the larger
     of that and its compute lane with a lower bound of the remaining ops' compute and
-    collectives put in between (_remaining_bound: their cheapest triples, the gathers of the
+    collectives put in between (remaining_bound: their cheapest triples, the gathers of the
     sources they create and the re-layouts along trees of ops, priced as the moves are), plus
     the optimizer step and per-step terms at their least: a lower bound of the price of every
     program that extends the prefix, so a complete program whose price is at most every score
@@ -102,7 +102,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
         theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
     order, (dead, dead_props) = theory.search_cache[key]
     n = len(order)
-    min_rest = _remaining_bound(theory, cost, order)
+    min_rest = remaining_bound(theory, cost, order)
     host, after, _ = cost.goal()
     per_pos = [0] * (n + 1)
     stats = SearchStats()
@@ -164,7 +164,7 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
         for step, (q, p, m, comp), add_props, add_comm in moves:
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
             # its backward stage (and its gradients' syncs) runs before the prefix's backward
-            if comp is not None:  # on the compute lane alone (bench.cost.price.prepend, written out)
+            if comp is not None:  # on the compute lane alone (bench.cost.lanes.prepend, written out)
                 row2 = (r0 + comp, r1, r2)
             else:
                 row2 = (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),
@@ -201,7 +201,7 @@ def _score(row: tuple, forward: float, rest: float, host: float, after: float) -
     """A lower bound of the price of every program that extends a prefix whose backward has
     the end row `row` and whose forward takes `forward` seconds: the lanes as they end now (the
     network's part, never above the compute lane's, left out), and the compute lane with `rest`
-    (a lower bound of the remaining ops' compute and collectives, _remaining_bound) put in
+    (a lower bound of the remaining ops' compute and collectives, remaining_bound) put in
     between; no sooner than the host has queued every kernel (`host`); then the optimizer step
     and per-step terms at their least (`after`; CostModel.goal)."""
     return max(row[0] + forward + rest, row[2], host) + after
@@ -242,169 +242,6 @@ def _steps(labels: list, label: int) -> list[Step]:
         label = labels[label][3]
     steps.reverse()
     return steps
-
-
-def _first_reads(theory: Theory, order: list[str]) -> dict[str, list[int]]:
-    """op -> positions (into its inputs) of the sources it is the first op to read: the step
-    that creates them (a source is fused into its first consumer)."""
-    seen: set[str] = set()
-    first: dict[str, list[int]] = {}
-    for name in order:
-        node = theory.graph[name]
-        for k, t in enumerate(node.inputs):
-            if t in theory.sources and t not in seen:
-                first.setdefault(name, []).append(k)
-                seen.add(t)
-        seen.update(node.inputs)
-        seen.update(node.shape_inputs)
-        for r in theory.rules[name]:
-            seen.update(t for t, _ in r.shape_pre)
-    return first
-
-
-def _tree(theory: Theory, order: list[str], fewest: bool) -> dict[int, tuple[int, int]]:
-    """A cover of the graph by trees: position of an op -> (position of its parent, which of
-    its inputs the parent's output is). An op hangs below the producer of the computed input
-    with the fewest readers (`fewest`; the last such input on a tie), or with the most (the
-    first on a tie): the two covers relax opposite edges where an op reads two computed
-    tensors (a residual sum: below its branch, or below the stream the branch began from),
-    whatever order the model wrote them in. An op may have several children, all reading its
-    one output."""
-    index = {name: i for i, name in enumerate(order)}
-    readers: dict[str, int] = {}
-    for name in order:
-        for t in set(theory.graph[name].inputs):
-            readers[t] = readers.get(t, 0) + 1
-    parent: dict[int, tuple[int, int]] = {}
-    for i, name in enumerate(order):
-        inputs = theory.graph[name].inputs
-        ks = [k for k, t in enumerate(inputs) if index.get(t) is not None]
-        if ks:
-            k = (min(reversed(ks), key=lambda k: readers[inputs[k]]) if fewest
-                 else max(ks, key=lambda k: readers[inputs[k]]))
-            parent[i] = (index[inputs[k]], k)
-    return parent
-
-
-def _remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[float]:
-    """min_rest[i]: a lower bound on the cost of ops i.. (A*'s heuristic at position i): the
-    larger of two tree bounds (_tree, _tree_bound), whose covers relax opposite edges."""
-    key = ("trees", tuple(order))
-    if key not in theory.search_cache:
-        theory.search_cache[key] = _first_reads(theory, order), [_tree(theory, order, fewest) for fewest in (True, False)]
-    first, trees = theory.search_cache[key]
-
-    def created(name: str, r: Rule) -> list[int]:  # the sources op `name` creates when it runs r
-        inputs = theory.graph[name].inputs
-        return [k for k in first.get(name, ()) if r.pre[k] in theory.sources[inputs[k]]]
-
-    key = ("rows", cost.segments_key, tuple(order))
-    if key not in theory.search_cache:  # per op: what its row reads (ops of a deep model's layers share it)
-        theory.search_cache[key] = [
-            tuple((cost.rule_key(name, r), tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r)
-                                                  for k in created(name, r)))
-                  for r in theory.rules[name])
-            for name in order]
-    rows: dict = {}
-    own = []  # per op, per triple: its compute and the sync of the sources it creates
-    for name, row_key in zip(order, theory.search_cache[key]):
-        row = rows.get(row_key)
-        if row is None:
-            inputs = theory.graph[name].inputs
-            row = rows[row_key] = []
-            for r in theory.rules[name]:
-                t = cost.rule_time(name, r)
-                for k in created(name, r):
-                    t += cost.source_time(inputs[k], r.pre[k], r)
-                row.append(t)
-        own.append(row)
-    relayout: dict = {}
-    bounds = [_tree_bound(theory, cost, order, tree, own, relayout) for tree in trees]
-    return [max(b) for b in zip(*bounds)]
-
-
-def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[int, tuple[int, int]],
-                own: list[list[float]], relayout: dict) -> list[float]:
-    """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
-
-    Each op hangs below the producer of one of its inputs (_tree). Over a tree the bound
-    prices exactly what the search would: each op's cheapest triple with the sync of the
-    sources it creates, and per parent the re-layout of its output for the children that
-    read it: a tensor is communicated at most once, so every child reads either the layout
-    the parent leaves or one other layout, paid for once (the cheapest collective to it).
-    Inputs off the trees, reshards between segments and the loss's final collective are
-    relaxed to free. At position i the ops i.. form subtrees whose roots' parents have run;
-    their edges in are relaxed (an earlier reader may have paid the collective), so the sum of
-    the roots' prices is admissible and the same for every state at i."""
-    graph = theory.graph
-    n = len(order)
-
-    def edges(t: str) -> dict:
-        """(layout left, layout read) -> the cheapest re-layout of t, shared by the tensors
-        whose re-layouts are priced alike (not by the tensor's name)."""
-        node = graph[t]
-        return relayout.setdefault((node.shape, node.nbytes, cost.home[t], t in theory.no_comm), {})
-
-    def price(t: str, have: Layout, want: Layout) -> float:
-        options = [] if t in theory.no_comm else [c for c in theory.comm(t, have) if c.dst == want]
-        return min((cost.comm_time(c) for c in options), default=math.inf)
-
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i, (p, _) in parent.items():
-        children[p].append(i)
-    # wants[i]: layout op i reads its parent's output in -> the cheapest price of op i's
-    # subtree run by a triple of op i that reads it so.
-    wants: list[dict] = [{} for _ in range(n)]
-    root = [0.0] * n  # the cheapest price of op i's subtree, its edge in relaxed
-    for i in range(n - 1, -1, -1):
-        name = order[i]
-        kids = [wants[c] for c in children[i]]
-        out_edges = edges(name) if kids else {}
-        below: dict = {}  # the layout op i leaves -> the cheapest price of its children's subtrees
-        best = math.inf
-        for r, t in zip(theory.rules[name], own[i]):
-            if kids:
-                if r.post not in below:
-                    below[r.post] = _children_price(name, r.post, kids, out_edges, price)
-                t += below[r.post]
-            best = min(best, t)
-            if i in parent:
-                want = r.pre[parent[i][1]]
-                wants[i][want] = min(wants[i].get(want, math.inf), t)
-        root[i] = best
-    out = [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):  # op i's subtree replaces its children's as a root
-        if math.isinf(root[i]):  # then every subtree above it is too
-            out[i] = math.inf
-        else:
-            out[i] = out[i + 1] + root[i] - sum(root[c] for c in children[i])
-    return out
-
-
-def _children_price(tensor: str, have: Layout, kids: list[dict], edges: dict, price) -> float:
-    """The cheapest price of a parent's children (each a map: layout read -> its subtree's
-    price) when the parent leaves `tensor` in `have`: all read `have`, or each reads `have` or
-    one other layout made by one collective (`edges` memoises those collectives' prices)."""
-    inf = math.inf
-    if len(kids) == 1:  # one reader: the layout it reads, made from `have` if need be (inlined: hot)
-        best = inf
-        for lay, v in kids[0].items():
-            if lay != have:
-                e = edges.get((have, lay))
-                if e is None:
-                    e = edges[(have, lay)] = price(tensor, have, lay)
-                v += e
-            if v < best:
-                best = v
-        return best
-    best = sum(k.get(have, inf) for k in kids)
-    for other in {lay for k in kids for lay in k if lay != have}:
-        e = edges.get((have, other))
-        if e is None:
-            e = edges[(have, other)] = price(tensor, have, other)
-        if e < best:
-            best = min(best, e + sum(min(k.get(have, inf), k.get(other, inf)) for k in kids))
-    return best
 
 
 def _dying(graph: Graph, order: list[str], last_use: dict[str, int],

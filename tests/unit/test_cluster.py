@@ -109,7 +109,8 @@ def test_adams_per_byte_part_follows_the_parameter_bytes_a_device_holds():
 
     from bench.core.program import Affine, Memory, Program
     from bench.cost import simulate, virtual_devices
-    from bench.cost.price import LpAlgebra, per_step_s
+    from bench.cost.algebra import LpAlgebra
+    from bench.cost.price import per_step_s
 
     cfg = compose_config("cluster=local_hetero2")
     spec = ClusterSpec.from_config(dict(cfg.cluster)).with_host_speed(1e10, 0.006, 1e-9, 4e6)

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from bench.core.program import Affine, Collective, Program, Stage, data_parallel_program
+from bench.core.data_parallel import data_parallel_program
+from bench.core.program import Affine, Collective, Program, Stage
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
 from bench.studies.planner_check import PARTS_OFF, plan_case
 from methods.capture import capture_config
@@ -71,7 +72,9 @@ def test_planner_starts_from_several_ratio_vectors_and_keeps_the_best():
 def _timeline_s(program, cl, ratios) -> float:
     """A program's time as the search composes it: every stage's map on the lanes, then the
     host, optimizer and per-step terms (bench.cost.price.program_maps, step_terms)."""
-    from bench.cost.price import ZERO_LANES, FloatAlgebra, apply, busiest_gpu_ratios, program_maps, step_terms
+    from bench.cost.algebra import FloatAlgebra
+    from bench.cost.lanes import ZERO_LANES, apply
+    from bench.cost.price import busiest_gpu_ratios, program_maps, step_terms
 
     vdevs = virtual_devices(cl, program.granularity)
     alg = FloatAlgebra(ratios, busiest_gpu_ratios(ratios, vdevs, program.batch))
@@ -82,7 +85,7 @@ def _timeline_s(program, cl, ratios) -> float:
 
 
 def test_the_stage_maps_time_a_program_as_the_simulator_does(planned, tmp_path):
-    """The search prices with max-plus maps of the stages (bench.cost.price.stage_map); composed
+    """The search prices with max-plus maps of the stages (bench.cost.lanes.stage_map); composed
     over a whole program they give iteration_time's time: buckets beside backward, the lane
     inside machines, reshards, a profiled GPU's queueing and optimizer step."""
     plan, cl = planned

@@ -232,7 +232,7 @@ def test_the_lp_reshard_bound_priced_at_run_ends_is_the_bound_over_every_device(
 
     import pulp
 
-    from bench.cost.price import LpAlgebra
+    from bench.cost.algebra import LpAlgebra
 
     rng = random.Random(3)
     classes = [0, 0, 0, 1, 1, 2, 2, 2, 2, 0, 0]  # runs of shared variables, a class seen twice

@@ -165,13 +165,14 @@ def _moves(theory, cost, order, last_use, pos, props, communicated):
                                                     (16, 1.0, Residual), (4096, 100.0, Residual),
                                                     (2, 10.0, Shared), (256, 10.0, Shared), (4096, 100.0, Shared)])
 def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
-    """A*'s bound at position i (search._remaining_bound) against the cheapest completion's
+    """A*'s bound at position i (bounds.remaining_bound) against the cheapest completion's
     compute and collectives on the compute lane (memoised over states), for every state the
     search can reach at i."""
-    from methods.hap.search import _finish, _remaining_bound
+    from methods.hap.bounds import remaining_bound
+    from methods.hap.search import _finish
 
     theory, cost, order, last_use = _small(batch, inter_gbps, model)
-    bound = _remaining_bound(theory, cost, order)
+    bound = remaining_bound(theory, cost, order)
 
     @functools.cache
     def rest(pos, props, communicated):
@@ -197,12 +198,13 @@ def test_every_prefixs_score_is_at_most_the_price_of_every_program_that_extends_
     cheapest: walking every program (the price of a program depends on its whole timeline, not
     on a state), each prefix's score against the cheapest price of the programs extending it,
     with gradients synced in their ops' backward and beside backward."""
-    from bench.cost.price import ZERO_LANES, apply, end, prepend, stage_map
-    from methods.hap.search import _finish, _remaining_bound, _score
+    from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
+    from methods.hap.bounds import remaining_bound
+    from methods.hap.search import _finish, _score
 
     theory, cost, order, last_use = _small(batch, inter_gbps, model, grad_bucket_bytes=2**16, grad_overlap=overlap)
     host, after, _ = cost.goal()
-    bound = _remaining_bound(theory, cost, order)
+    bound = remaining_bound(theory, cost, order)
     checked = [0]
 
     def cheapest(pos, props, communicated, row, lanes, steps):
@@ -230,14 +232,15 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
     free, so the bound priced two projections split by their weights with no gather of their
     input: 8% under the cheapest program on tiny BERT. Over trees the three reads share the one
     collective the search allows, and the bound at the first op is that program's cost."""
-    from methods.hap.search import _order, _remaining_bound
+    from methods.hap.bounds import remaining_bound
+    from methods.hap.search import _order
 
     planner, workload, cl = paper_planning("model=bert", "preset=tiny")
     graph = capture_config(workload.model_cfg, workload.global_batch)
     theory = derive_theory(graph)
     cost = CostModel(theory, cl, granularity, compute_proportional_ratios(cl, granularity, planner.num_segments),
                      planner.segmentation)
-    bound = _remaining_bound(theory, cost, _order(graph, theory)[0])
+    bound = remaining_bound(theory, cost, _order(graph, theory)[0])
     best = synthesize(theory, cost)
     assert bound[0] == pytest.approx(compute_lane_s(cost, best.steps), rel=1e-9)
 

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from bench.core.cluster import ClusterSpec
-from bench.core.program import Affine, Collective, Memory, Program, Stage, data_parallel_program
+from bench.core.data_parallel import data_parallel_program
+from bench.core.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import (
     compute_proportional_ratios,
     even_ratios,
