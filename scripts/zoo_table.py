@@ -66,6 +66,8 @@ def _plan_words(plan: dict) -> str:
     total = len([n for n in layouts if n.startswith("m_")])
     sfb = sum(1 for s in steps if s.get("sfb"))
     shape = "data parallel" if not sharded else f"{len(sharded)}/{total} params sharded"
+    if 0 < len(sharded) <= 2:
+        shape += " (" + ", ".join(f"{n[2:]} {layouts[n]}" for n in sharded) + ")"
     return f"{plan['chosen']} @{plan['granularity']}: {shape}" + (f", {sfb} SFB ops" if sfb else "")
 
 
