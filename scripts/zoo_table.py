@@ -133,15 +133,18 @@ def real(args) -> None:
         if done.returncode:
             print(done.stderr[-2000:], flush=True)
     rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
-    print("| model | method | status | samples/s | iter ms mean +- std (n) |")
+    print("| model | method | status | samples/s: median [min, max] over iterations | iter ms: median (n) |")
     print("|---|---|---|---|---|")
     for r in rows:
         ts = r.get("iter_times_s") or []
-        it = (f"{1e3 * statistics.mean(ts):.1f} +- {1e3 * statistics.stdev(ts):.1f} ({len(ts)})"
-              if len(ts) > 1 else "-")
-        sps = r.get("samples_per_s")
-        print(f"| {r['model']} | {r['method']} | {r['status']} | {sps:.1f} | {it} |" if sps else
-              f"| {r['model']} | {r['method']} | {r['status']} | - | {it} |")
+        if ts:
+            sps = sorted(r["global_batch"] / t for t in ts)
+            cell = f"{statistics.median(sps):.1f} [{sps[0]:.1f}, {sps[-1]:.1f}]"
+            it = f"{1e3 * statistics.median(ts):.1f} ({len(ts)})"
+        else:
+            cell, it = "-", "-"
+        error = f" ({r['error'][:80]})" if r.get("error") else ""
+        print(f"| {r['model']} | {r['method']} | {r['status']}{error} | {cell} | {it} |")
 
 
 def main() -> None:
