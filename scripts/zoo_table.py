@@ -86,7 +86,8 @@ def sim(args) -> None:
         times, hap_records = {}, []
         for method in ("hap",) + METHODS[:-1]:  # hap first, each time capturing afresh (no process cache)
             for _ in range(args.repeat if method == "hap" else 1):
-                _captured.clear()
+                if method == "hap":
+                    _captured.clear()
                 cfg = _compose(*case, *overrides, f"method={method}")
                 record = new_record(cfg)
                 try:
