@@ -110,8 +110,8 @@ def sim(args) -> None:
         spread = (f"{statistics.median(secs):.1f} [{min(secs):.1f}, {max(secs):.1f}]" if len(secs) > 1
                   else f"{secs[0]:.1f}")
         # the best baseline that fits in memory (the simulator's verdict); an OOM one is shown, not counted
-        best = min(((times[m], m) for m in BASELINES if m in times and not times[m + "_oom"]),
-                   default=(float("nan"), "none fits"))
+        fits = [(times[m], m) for m in BASELINES if m in times and not times[m + "_oom"]]
+        best = min(fits) if fits else min((times[m], m + ", every baseline OOM") for m in BASELINES if m in times)
         words = _plan_words(plan)
         params = _params(model_cfg, 2) / 1e6 if args.params else float("nan")
         cells = [f"{times[m]:.4f}{times[m + '_oom']}" if m in times else "failed" for m in METHODS]
