@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 METHODS = ("dp_ev", "dp_cp", "deepspeed", "sfb", "hap")
 BASELINES = ("dp_ev", "dp_cp", "deepspeed")
 CUSTOM = ("model=custom", "model.factory=tests.zoo_custom:build_decoder", "model.task=causal_lm")
-# (label, source, overrides at the realistic size)
+# (label, source, overrides at the realistic size[, hap's and sfb's own overrides]). Batch norm: hap
+# and sfb compute its statistics over the whole batch by default (exact, all-reduced), DDP and
+# DeepSpeed over each rank's shard; "BN per shard" plans hap and sfb as DDP trains.
 ZOO = [
     ("GPT-2 124M", "hf gpt2", ("model=hf", "model.arch=gpt2")),
     ("BERT-Base", "hf bert", ("model=hf", "model.arch=bert")),
@@ -41,8 +43,9 @@ ZOO = [
     ("Llama 7B shape", "hf llama", ("model=hf", "model.arch=llama")),
     ("ViT-B/16", "hf vit", ("model=hf", "model.arch=vit")),
     ("ResNet-50", "hf resnet", ("model=hf", "model.arch=resnet")),
+    ("ResNet-50, BN per shard", "hf resnet", ("model=hf", "model.arch=resnet"), ("method.batch_norm=local",)),
     ("Swin-T", "hf swin", ("model=hf", "model.arch=swin")),
-    ("custom decoder", "custom", CUSTOM + ("model.kwargs={vocab:32000,width:1024}", "model.vocab_size=32000",
+    ("custom decoder", "custom", CUSTOM + ("+model.kwargs.vocab=32000", "+model.kwargs.width=1024", "model.vocab_size=32000",
                                            "model.seq_len=128")),
 ]
 # The tiny real runs: the same architectures at preset=tiny.
@@ -80,15 +83,16 @@ def sim(args) -> None:
     print("| model | source | parameters | capture s | rule coverage ops / FLOPs | hap's plan (k=8) "
           "| " + " | ".join(f"{m} s" for m in METHODS) + " | hap vs best baseline | planner s (hap) |")
     print("|" + "---|" * (10 + len(METHODS) - 4))
-    for label, source, overrides in ZOO:
-        if args.only and not any(o in label for o in args.only):
+    for label, source, overrides, *own in ZOO:
+        if args.only and not any(o == label or (o in label and "," not in label) for o in args.only):
             continue
         times, hap_records = {}, []
         for method in ("hap",) + METHODS[:-1]:  # hap first, each time capturing afresh (no process cache)
             for _ in range(args.repeat if method == "hap" else 1):
                 if method == "hap":
                     _captured.clear()
-                cfg = _compose(*case, *overrides, f"method={method}")
+                extra = own[0] if own and method in ("hap", "sfb") else ()
+                cfg = _compose(*case, *overrides, f"method={method}", *extra)
                 record = new_record(cfg)
                 try:
                     prepared = prepare_case(cfg, record)
