@@ -34,6 +34,11 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
     for key in ("chosen", "granularity", "states_expanded", "states_pruned"):
         if key in d:
             lines.append(f"{key.replace('_', ' ')}: {d[key]}")
+    cov = d.get("rule_coverage")
+    if cov:
+        missing = ", ".join(f"{op} x{n}" for op, n in cov.get("uncovered_ops", {}).items()) or "none"
+        lines.append(f"sharding rules: {cov['ops_covered']} of {cov['ops']} ops ({100 * cov['ops_share']:.1f}%), "
+                     f"{100 * cov['flops_share']:.2f}% of FLOPs; ops without a rule, run replicated: {missing}")
     if isinstance(plan.program, PipelineProgram):
         lines += _pipeline_lines(plan.program, cluster)
     elif plan.program is not None and plan.ratios is not None:

@@ -1,96 +1,29 @@
-"""Trace a single-device model into the planner's reference graph: ops, shapes, FLOPs per node.
+"""The planner's reference graph of a single-device model: ATen ops, shapes, FLOPs per node.
 
-Runs on the meta device, so paper-size models are never allocated. It does not decide any
-sharding (methods.hap.theory does); FLOP conventions are documented in docs/cost-model.md.
+The model is exported with torch.export (non-strict, methods.aten_capture) on the device its
+parameters live on, the meta device for paper-size models, so nothing is allocated; every node
+gets its shape and dtype from export's fake values, and its FLOPs from a table over ATen ops. It
+does not decide any sharding (methods.hap.theory does); FLOP conventions are in docs/cost-model.md.
 """
 
 from __future__ import annotations
 
-import builtins
 import functools
 import math
-import operator
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from bench.core.program import op_class
 from bench.cost.flops import ELEMENTWISE_FLOPS
+from methods.aten_capture import CaptureError, count_flops, export_model, op_name
 
-# Canonical op names for callables whose __name__ says nothing (F.max_pool2d is a
-# boolean_dispatch wrapper called "fn") or differs between namespaces.
-_ALIASES: dict[Any, str] = {}
-for _name in dir(F):
-    _obj = getattr(F, _name)
-    if callable(_obj) and not _name.startswith("_"):
-        _ALIASES.setdefault(_obj, _name)
-_ALIASES.update(
-    {
-        operator.add: "add",
-        operator.iadd: "add",
-        operator.sub: "sub",
-        operator.mul: "mul",
-        operator.truediv: "truediv",
-        operator.matmul: "matmul",
-        operator.neg: "neg",
-        operator.getitem: "getitem",
-        operator.lt: "lt",
-        operator.gt: "gt",
-        operator.le: "le",
-        operator.ge: "ge",
-        operator.eq: "eq",
-        operator.mod: "mod",
-        operator.floordiv: "floordiv",
-        builtins.getattr: "getattr",
-        torch.functional.einsum: "einsum",
-        torch.einsum: "einsum",
-    }
-)
-
-
-def op_name(node: fx.Node) -> str:
-    """The op a node runs: its method name, or its callable's canonical name."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        name = _ALIASES.get(node.target)
-        return name or getattr(node.target, "__name__", str(node.target))
-    return node.op
-
-
-class FunctionalTracer(fx.Tracer):
-    """Traces through every nn.Module, so the graph holds functionals and get_attr params."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return False
-
-    def trace(self, root, concrete_args=None):
-        # fx.Tracer.getattr finds an attribute's name by scanning every named parameter (and
-        # buffer) of the root at each access: quadratic in depth (ViT-48: 1.5M named_modules
-        # calls). The same first names, looked up by identity.
-        self._names: tuple[dict, dict] = ({}, {})
-        if isinstance(root, nn.Module):
-            for table, items in zip(self._names, (root.named_parameters(), root.named_buffers())):
-                for name, value in items:
-                    table.setdefault(id(value), name)
-        return super().trace(root, concrete_args)
-
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        params, buffers = self._names
-        name = params.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
-        if name is None and self.proxy_buffer_attributes and isinstance(attr_val, torch.Tensor):
-            name = buffers.get(id(attr_val))
-        if name is None:
-            return attr_val
-        if name not in parameter_proxy_cache:
-            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-        return parameter_proxy_cache[name]
-
+__all__ = ["VIEW_OPS", "CaptureError", "Graph", "Node", "capture", "capture_config", "op_name"]
 
 @dataclass
 class Node:
@@ -262,15 +195,11 @@ class Graph:
         return {t: tuple(ops) for t, ops in keepers.items()}, masks
 
     def _sliced_from(self, name: str) -> str | None:
-        """The tensor whose storage `name` is a smaller view of (basic indexing, then any
+        """The tensor whose storage `name` is a smaller view of (a select or slice, then any
         views), or None when it is not one."""
         n = self[name]
-        if n.op != "getitem" or not n.inputs or self[n.inputs[0]].shape is None:
-            return None  # not a view, or an element of a tuple (its own tensor)
-        index = n.fx_node.args[1]
-        index = index if isinstance(index, tuple) else (index,)
-        if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index):
-            return None  # advanced indexing copies
+        if n.op not in ("select", "slice") or not n.inputs or self[n.inputs[0]].shape is None:
+            return None
         base = n.inputs[0]
         while self[base].op in VIEW_OPS and self[base].op != "getitem" and self[base].inputs:
             base = self[base].inputs[0]
@@ -288,11 +217,14 @@ class Graph:
 
     def _is_view(self, name: str) -> bool:
         """Whether `name` shares its input's storage (and its gradient the input's gradient's):
-        a view op, but not an element of a tuple (topk's values are their own tensor)."""
+        a view op, or an element of a split's tuple, but not an element of another op's tuple
+        (topk's values are their own tensor)."""
         n = self[name]
         if n.op == "dropout":
             return not _drops(n)  # returns its input itself
-        return n.op in VIEW_OPS and not (n.op == "getitem" and n.inputs and self[n.inputs[0]].shape is None)
+        if n.op == "getitem" and n.inputs and self[n.inputs[0]].shape is None:
+            return self[n.inputs[0]].op in VIEW_OPS
+        return n.op in VIEW_OPS
 
     def grad_ready(self) -> dict[str, str]:
         """Parameter -> the op of its last use in forward, through views: backward makes the
@@ -404,250 +336,40 @@ class Graph:
         return out
 
 
+
 # Ops whose output aliases or merely re-labels the input (no FLOPs, no new activation).
 VIEW_OPS = {
     "view", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze", "squeeze",
     "expand", "contiguous", "getitem", "t", "to", "type", "float", "detach", "size", "getattr",
+    "alias", "select", "slice", "split", "split_with_sizes", "unbind", "chunk", "narrow", "clone",
+    "view_as", "expand_as", "movedim", "type_as", "lift_fresh_copy",
 }
 
 # Ops whose backward reads their floating, non-parameter inputs, and ops whose backward reads
 # their own output (Graph.saved_bytes_factor; PyTorch's autograd formulas).
 _SAVES_INPUTS = {
-    "linear", "matmul", "bmm", "mm", "einsum", "conv2d", "mul", "truediv", "div", "gelu", "silu",
-    "layer_norm", "max_pool2d", "log", "cross_entropy", "nll_loss",
+    "linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "conv2d", "mul", "truediv", "div", "gelu",
+    "silu", "layer_norm", "batch_norm", "max_pool2d", "log", "cross_entropy", "nll_loss", "pow", "cos", "sin",
+    "scaled_dot_product_attention",
 }
-_SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt"}
+_SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt",
+                 "scaled_dot_product_attention"}
 _BY_A_NUMBER = {"mul", "truediv", "div"}  # with one tensor operand, their backward keeps none
 
 
 def _normalized_shape(node: Node) -> tuple[int, ...]:
-    """A layer_norm node's normalized_shape (F.layer_norm's second argument)."""
-    args, kwargs = node.fx_node.args, node.fx_node.kwargs
-    shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else node.shape[-1:])
+    """A layer_norm node's normalized_shape (aten.layer_norm's second argument)."""
+    args = node.fx_node.args
+    shape = args[1] if len(args) > 1 else node.shape[-1:]
     return (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
 
 
 def _drops(node: Node) -> bool:
-    """Whether a dropout node drops anything: p > 0 while training (F.dropout's defaults)."""
-    args, kwargs = node.fx_node.args, node.fx_node.kwargs
-    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    """Whether a dropout node drops anything: p > 0 while training (aten.dropout(input, p, train))."""
+    args = node.fx_node.args
+    p = args[1] if len(args) > 1 else 0.5
+    training = args[2] if len(args) > 2 else True
     return bool(training) and float(p) > 0.0
-
-
-# Forward FLOPs per output element of element-wise and normalising ops (a convention, see
-# docs/cost-model.md); backward factor 1 for them.
-_ELEMENTWISE_FLOPS = ELEMENTWISE_FLOPS
-
-
-def _shape_of(v: Any) -> tuple[int, ...] | None:
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _count_flops(name: str, node: fx.Node, args: Sequence[Any], out: Any) -> tuple[float, float]:
-    """(forward FLOPs, backward factor) of one op from its concrete (meta) inputs and output."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    out_numel = out.numel() if isinstance(out, torch.Tensor) else 0
-    if name == "linear":
-        x, w = args[0], args[1]
-        flops = 2.0 * x.numel() * w.shape[0]
-        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
-        return flops + (out_numel if bias is not None else 0), 2.0
-    if name in ("matmul", "bmm", "mm"):
-        return 2.0 * out_numel * args[0].shape[-1], 2.0
-    if name == "conv2d":
-        x, w = args[0], args[1]
-        per_out = w.shape[1] * w.shape[2] * w.shape[3]  # (C_in / groups) * kH * kW
-        bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
-        return 2.0 * out_numel * per_out + (out_numel if bias is not None else 0), 2.0
-    if name == "einsum":
-        eq = args[0].replace(" ", "")
-        ins = eq.split("->")[0].split(",")
-        sizes: dict[str, int] = {}
-        for spec, t in zip(ins, tensors):
-            for ch, n in zip(spec, t.shape):
-                sizes[ch] = max(sizes.get(ch, 1), n)
-        return 2.0 * math.prod(sizes.values()), 2.0
-    if name in VIEW_OPS or not tensors:
-        return 0.0, 0.0
-    per = _ELEMENTWISE_FLOPS.get(name, 1)
-    if name in ("sum", "mean", "cross_entropy", "nll_loss", "max_pool2d", "adaptive_avg_pool2d", "avg_pool2d"):
-        numel = tensors[0].numel()  # reductions: work follows the input
-    else:
-        numel = out_numel or sum(t.numel() for t in tensors)
-    return float(per * numel), 1.0
-
-
-class _ShapeRecorder(fx.Interpreter):
-    """Runs the graph on meta tensors and keeps every node's value. A meta op's result depends
-    only on what it reads (shapes, strides, dtypes and plain arguments), and a deep model calls
-    each of its layer's ops once per layer on the same shapes: a call seen before gets fresh
-    meta tensors of the remembered description instead of running again. An in-place op runs
-    every time (it can change what it reads)."""
-
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
-        self.values: dict[str, Any] = {}
-        self._seen: dict[tuple, tuple] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.values[n.name] = out
-        return out
-
-    def call_function(self, target, args, kwargs):
-        return self._once(target, args, kwargs, super().call_function)
-
-    def call_method(self, target, args, kwargs):
-        return self._once(target, args, kwargs, super().call_method)
-
-    def _once(self, target, args, kwargs, call):
-        name = target if isinstance(target, str) else getattr(target, "__name__", "")
-        try:
-            if name.endswith("_") or target in _MUTATING:  # (a method's "__iadd__" ends with "_")
-                raise _Unseen
-            key = (target, _meta_key(args), _meta_key(kwargs))
-            hit = self._seen.get(key)
-        except (_Unseen, TypeError):  # TypeError: an unhashable target
-            return call(target, args, kwargs)
-        if hit is not None:
-            return _from_spec(hit)
-        out = call(target, args, kwargs)
-        try:
-            self._seen[key] = _meta_key(out)
-        except _Unseen:
-            pass
-        return out
-
-
-class _Unseen(Exception):
-    """A call or value that its description (_meta_key) cannot stand for."""
-
-
-# what writes into what it reads without a trailing "_" (x += y traces to operator.iadd)
-_MUTATING = {operator.setitem, operator.delitem, setattr, operator.iadd, operator.isub, operator.imul,
-             operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
-             operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
-          type(Ellipsis))
-
-
-def _meta_key(x: Any) -> tuple:
-    """What a meta op can see of `x`: a meta tensor's shape, strides and dtype; plain values as
-    they are (with their type: 1, 1.0 and True differ); containers item by item."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "meta" or x.storage_offset():
-            raise _Unseen
-        return ("tensor", tuple(x.shape), x.stride(), x.dtype)
-    if type(x) in (tuple, list, torch.Size):  # (not a named tuple: topk's result)
-        return (type(x), tuple(_meta_key(v) for v in x))
-    if isinstance(x, dict):
-        return (dict, tuple((k, _meta_key(v)) for k, v in x.items()))
-    if isinstance(x, slice):
-        return (slice, _meta_key(x.start), _meta_key(x.stop), _meta_key(x.step))
-    if isinstance(x, _PLAIN):
-        return (type(x), x)
-    raise _Unseen
-
-
-def _from_spec(spec: tuple) -> Any:
-    """A value that _meta_key described (a meta op's result): fresh tensors of that description."""
-    kind = spec[0]
-    if kind == "tensor":
-        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
-    if kind in (tuple, list, torch.Size):
-        return kind(_from_spec(v) for v in spec[1])
-    if kind is dict:
-        return {k: _from_spec(v) for k, v in spec[1]}
-    if kind is slice:
-        return slice(*(_from_spec(v) for v in spec[1:]))
-    return spec[1]
-
-
-def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None) -> Graph:
-    """Trace `model` and give every node its shape and FLOPs.
-
-    Args:
-        model: the single-device model whose forward returns the summed loss. Put it on the
-            meta device (``with torch.device('meta'): model = cfg.build()``) for big models.
-        example_inputs: positional inputs of forward at the global batch (meta or real).
-        batch_size: samples in the inputs (default: dim 0 of the first input).
-    """
-    gm = fx.GraphModule(model, FunctionalTracer().trace(model))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    rec = _ShapeRecorder(gm)
-    with torch.no_grad():
-        rec.run(*inputs)
-    params = {name for name, _ in model.named_parameters()}
-    nodes = []
-    loss = None
-    for n in gm.graph.nodes:
-        out = rec.values.get(n.name)
-        shape = _shape_of(out)
-        tuple_shapes = None
-        if isinstance(out, (tuple, list)) and out and all(isinstance(v, torch.Tensor) for v in out):
-            tuple_shapes = tuple(tuple(v.shape) for v in out)
-        dtype = out.dtype if isinstance(out, torch.Tensor) else (out[0].dtype if tuple_shapes else None)
-        inputs_of = [a.name for a in n.all_input_nodes if _is_tensorish(rec.values.get(a.name))]
-        shape_inputs = _indirect_tensors(n, rec.values) if n.op != "output" else []
-        name = op_name(n)
-        flops, bwd = 0.0, 0.0
-        if n.op in ("call_function", "call_method"):
-            args = fx.node.map_arg(n.args, lambda a: rec.values[a.name])
-            if n.op == "call_method":
-                args = args[1:]
-                tensors_in = [rec.values[n.args[0].name]] + list(args)
-                flops, bwd = _count_flops(name, n, tensors_in, out)
-            else:
-                flops, bwd = _count_flops(name, n, list(args), out)
-        if n.op == "output":
-            loss = n.all_input_nodes[0].name
-        nodes.append(
-            Node(
-                n.name,
-                n.op,
-                name,
-                n,
-                inputs_of,
-                shape,
-                dtype,
-                flops,
-                bwd,
-                n.op == "get_attr" and n.target in params,
-                tuple_shapes,
-                [t for t in shape_inputs if t not in inputs_of],
-            )
-        )
-    assert loss is not None, "traced graph has no output"
-    if batch_size is None:
-        first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()), None)
-        batch_size = int(first.shape[0]) if first is not None else 1
-    graph = Graph(gm, nodes, loss, batch_size)
-    if graph[loss].shape != ():
-        raise ValueError(
-            f"the model's forward returns shape {graph[loss].shape}; the planner needs a scalar loss "
-            "summed over the batch (reduction='sum') computed inside forward"
-        )
-    return graph
-
-
-def _indirect_tensors(n: fx.Node, values: dict[str, Any]) -> list[str]:
-    """Tensors a node reads through chains of non-tensor nodes (sizes, dtypes)."""
-    out: list[str] = []
-    stack = [a for a in n.all_input_nodes if not _is_tensorish(values.get(a.name))]
-    seen = set()
-    while stack:
-        a = stack.pop()
-        if a.name in seen:
-            continue
-        seen.add(a.name)
-        for b in a.all_input_nodes:
-            if _is_tensorish(values.get(b.name)):
-                out.append(b.name)
-            else:
-                stack.append(b)
-    return list(dict.fromkeys(out))
 
 
 def _is_tensorish(v: Any) -> bool:
@@ -656,12 +378,79 @@ def _is_tensorish(v: Any) -> bool:
     )
 
 
-def capture_config(model_cfg: Any, batch_size: int, seed: int = 0) -> Graph:
-    """Build `model_cfg` on the meta device and capture it at `batch_size` samples."""
+def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None,
+            what: str = "the model", batch_norm: str = "sync") -> Graph:
+    """Export `model` and give every node its shape and FLOPs.
+
+    Args:
+        model: the single-device model whose forward returns the summed loss. Put it on the
+            meta device (``with torch.device('meta'): model = cfg.build()``) for big models.
+        example_inputs: positional inputs of forward at the global batch (meta or real).
+        batch_size: samples in the inputs (default: dim 0 of the first input).
+        what: how error messages name the model.
+        batch_norm: "sync" (statistics over the whole batch) or "local" (each shard's own),
+            methods.aten_capture.export_model.
+
+    Raises:
+        CaptureError: export refused the model, or its forward is not one summed loss.
+    """
+    gm = export_model(model, example_inputs, what, batch_norm)
+    params = {name for name, _ in gm.named_parameters()}
+    nodes = []
+    loss = None
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        tuple_shapes = None
+        if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
+            tuple_shapes = tuple(tuple(v.shape) for v in val)
+        dtype = val.dtype if isinstance(val, torch.Tensor) else (val[0].dtype if tuple_shapes else None)
+        inputs_of = [a.name for a in n.all_input_nodes if _is_tensorish(a.meta.get("val"))]
+        name = op_name(n)
+        flops, bwd = 0.0, 0.0
+        if n.op == "call_function" and name != "getitem":
+            args = fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
+            flops, bwd = count_flops(name, args, val, ELEMENTWISE_FLOPS, VIEW_OPS)
+        if n.op == "output":
+            loss = n.all_input_nodes[0].name
+        nodes.append(Node(n.name, n.op, name, n, inputs_of, shape, dtype, flops, bwd,
+                          n.op == "get_attr" and n.target in params, tuple_shapes, []))
+    assert loss is not None, "exported graph has no output"
+    if batch_size is None:
+        first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()), None)
+        batch_size = int(first.shape[0]) if first is not None else 1
+    graph = Graph(gm, nodes, loss, batch_size)
+    if graph[loss].shape != ():
+        raise CaptureError(
+            f"{what}: forward returns shape {graph[loss].shape}; the planner needs a scalar loss "
+            "summed over the batch (reduction='sum') computed inside forward"
+        )
+    return graph
+
+
+# Graphs of model configs captured in this process: a case captures its model for the FLOP
+# count, each method's plan and the runtime's check; a comparison does so for every method.
+_captured: OrderedDict[tuple, Graph] = OrderedDict()
+_CAPTURED_KEEP = 4
+
+
+def capture_config(model_cfg: Any, batch_size: int, seed: int = 0, batch_norm: str = "sync") -> Graph:
+    """Build `model_cfg` on the meta device and capture it at `batch_size` samples (the graph
+    of an equal config, batch and batch_norm is captured once per process)."""
+    key = (type(model_cfg), repr(model_cfg), int(batch_size), batch_norm)
+    graph = _captured.get(key)
+    if graph is not None:
+        _captured.move_to_end(key)
+        return graph
     # One sample says each input's dtype and shape past the batch dim; the values are never
     # read, and drawing a whole paper-size batch would cost a noticeable part of a plan
     sample = model_cfg.synthetic_batch(1, torch.Generator().manual_seed(seed))
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     with torch.device("meta"):
         model = model_cfg.build()
-    return capture(model, batch, batch_size)
+    graph = capture(model, batch, batch_size, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}",
+                    batch_norm=batch_norm)
+    _captured[key] = graph
+    while len(_captured) > _CAPTURED_KEEP:
+        _captured.popitem(last=False)
+    return graph

@@ -60,7 +60,8 @@ class DataParallel:
         # Every rank gets at least one sample: DDP ranks must all run the same graph.
         shares = round_shares(workload.global_batch, weights, min_share=1)
         # The simulator's view: every GPU is a rank, DDP's bucketed all-reduce overlaps backward.
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        # DDP's ranks normalise their own samples (batch norm with local statistics)
+        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm="local")
         program = data_parallel_program(
             cluster.num_devices, workload.global_batch, graph.layer_profile(),
             graph.activation_bytes() / workload.global_batch,

@@ -24,5 +24,5 @@ else
 fi
 # DS_BUILD_OPS=0: DeepSpeed compiles its C++ ops on first use instead of at install time.
 # pyproject asks torch>=2.4, so an importable torch is kept, never reinstalled.
-DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[deepspeed,metis,slurm,test,tracking]"
+DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[deepspeed,metis,slurm,test,tracking,zoo]"
 .venv/bin/python -c "import torch, hydra, bench; print('hetbench ready: torch', torch.__version__, '(CUDA', torch.version.cuda or 'none', ')')"

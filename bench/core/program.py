@@ -38,7 +38,8 @@ OP_CLASSES = ("matmul", "conv", "other")
 
 
 _OP_CLASS = {"linear": "matmul", "matmul": "matmul", "bmm": "matmul", "addmm": "matmul", "mm": "matmul",
-             "baddbmm": "matmul", "einsum": "matmul", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv"}
+             "baddbmm": "matmul", "einsum": "matmul",
+             "scaled_dot_product_attention": "matmul", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv"}
 
 
 def op_class(op: str) -> str:

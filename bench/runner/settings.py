@@ -113,7 +113,7 @@ class Settings:
     repeats: int = option(1, rule="an integer >= 1", example="5")
     emulation: EmulationOptions = option(factory=EmulationOptions)
     timeout_s: float = option(900, rule="a number > 0 (seconds)")  # a case still running then is a timeout
-    results_dir: str = "results/runs"  # rows go to ${results_dir}/records.jsonl
+    results_dir: str = option("results/runs", rule="a folder path", example="results/runs")  # rows: ${results_dir}/records.jsonl
     resume: bool = option(False, rule=_BOOL)  # skip cases already recorded ok (or oom) in records.jsonl
     wandb: WandbSettings = option(factory=WandbSettings)
     test: TestHooks = option(factory=TestHooks)

@@ -42,7 +42,8 @@ class WorkloadProfile:
 
 
 def profile_workload(workload: Workload, batch: int, moe: dict | None) -> WorkloadProfile:
-    """Per-op FLOPs and parameter bytes from the fx capture of the single-device model.
+    """Per-op FLOPs and parameter bytes from the capture of the single-device model (batch norm
+    as the engine's ranks run it, each normalising its own samples).
 
     The MoE layers' FLOPs are those of models.bert_moe at its slots per sequence, which are
     DeepSpeed's slots too with the default capacity factor (matching_capacity_factor); its
@@ -52,7 +53,7 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
     """
     from methods.capture import capture_config
 
-    graph = capture_config(workload.model_cfg, batch)
+    graph = capture_config(workload.model_cfg, batch, batch_norm="local")
     expert_prefixes: dict[str, int] = {}
     if moe:
         from models.bert_moe import MoE as ZooMoE

@@ -31,7 +31,7 @@ from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
 from methods.hap.steps import Step, comm_from_json
-from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, local_size_args
+from methods.hap.theory import IDENTITY, REDUCE, CommRule, Layout, Rule, derive_theory, explicit_size_args
 
 SUPPORTED_PLAN_FORMAT = 1
 _MOVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "keep_first", "reshard"}
@@ -184,6 +184,12 @@ class RankProgram:
         # Machine-level plans: each tensor's layout inside a machine (its batch dim, or IDENTITY
         # for what does not depend on the samples; REDUCE for a sum over them, the loss).
         self.intra: dict[str, Layout] = {}
+        # Machine-level plans: per op, its inputs whole inside the machine that it reads cut
+        # along their batch dim (_set_intra).
+        self._cuts: dict[str, dict[str, int]] = {}
+        # Where this rank computes: ops that make tensors from nothing (arange, ones) were
+        # captured with the capture's device (often meta) and run on this one.
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._instrs = self._compile(model)
         self._dead_after = self._last_reads()
         self._module: fx.GraphModule | None = None
@@ -309,6 +315,26 @@ class RankProgram:
             missing = [t for t, h in zip(node.inputs, have) if h is None]
             raise PlanMismatchError(f"step {node.name!r} reads {missing}, which no earlier step made")
         fits = [r for r in rules if tuple(r.pre) == have and not r.first_device_only]
+        cuts: dict[str, int] = {}
+        if not fits:
+            # An input whole inside the machine (a constant grown to the batch, made whole at the
+            # machine level and sliced there) is cut locally to a rule's split along its batch
+            # dim: each GPU keeps the part of the samples it holds of the other inputs.
+            def cut(r: Rule) -> dict | None:
+                out = {}
+                for t, p, h in zip(node.inputs, r.pre, have):
+                    if p == h:
+                        continue
+                    if h != IDENTITY or not isinstance(p, int) or not self._batch_dim(t, p):
+                        return None
+                    out[t] = p
+                return out
+
+            fits = [r for r in rules if not r.first_device_only and cut(r) is not None]
+            if fits:
+                chosen = min(fits, key=lambda r: len(cut(r)))
+                fits, cuts = [chosen], cut(chosen)
+        self._cuts[node.name] = cuts
         if not fits:
             raise PlanMismatchError(
                 f"machine-level plan: op {node.name!r} ({node.op}) has no data-parallel rule for inputs laid out "
@@ -318,14 +344,25 @@ class RankProgram:
         def score(r: Rule) -> tuple:
             shape_mismatch = any(self.intra.get(t, lay) != lay for t, lay in r.shape_pre)
             batch_read = any(isinstance(lay, int) for _, lay in r.shape_pre)
-            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read))
+            # an expand that makes the dim the machine's shard splits (a buffer grown to the
+            # batch) splits it inside the machine too, in whole samples
+            made = r.name == "broadcast-split" and r.post == step.rule.post
+            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read or made),
+                    not made)
 
         post = min(fits, key=score).post
         if self.intra.setdefault(node.name, post) != post:
             raise PlanMismatchError(f"op {node.name!r} runs in two layouts inside a machine")
 
+    def _batch_dim(self, tensor: str, dim: int) -> bool:
+        """Whether `tensor`'s dim runs over whole samples of the global batch."""
+        length = self._dim_len(tensor, dim)
+        return length > 1 and length % self.graph.batch_size == 0
+
     def _sfb_candidate(self, step: Step, node: Node) -> bool:
         r = step.rule
+        if node.op != "linear":
+            return False
         nd = len(self.graph[node.inputs[0]].shape)
         return (node.op == "linear" and isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post
                 and all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only)
@@ -341,7 +378,15 @@ class RankProgram:
             full = model.get_parameter(target)
             is_param = True
         except AttributeError:
-            full = model.get_buffer(target)
+            try:
+                full = model.get_buffer(target)
+            except AttributeError:  # a constant export lifted out of forward: the graph's own
+                full = getattr(self.graph.gm, target)
+                if full.is_meta and self.device.type != "meta":
+                    raise PlanMismatchError(
+                        f"constant {target!r} (a tensor forward makes from data, torch.tensor(...)) was captured on "
+                        "the meta device, where its values are unknown; make it a buffer of the model") from None
+                full = full.to(self.device)
             is_param = False
         if tuple(full.shape) != tuple(node.shape):
             raise PlanMismatchError(f"{target}: model has shape {tuple(full.shape)}, the plan {tuple(node.shape)}")
@@ -469,6 +514,12 @@ class RankProgram:
                 return env[(name, want)]
         elif name in ins.layouts:
             v = env[(name, ins.layouts[name])]
+            cut = self._cuts.get(ins.node.name, {}).get(name)
+            if cut is not None:  # this GPU's samples of a tensor whole inside its machine
+                parts = H.intra_lengths(v.shape[cut], self._dim_len(name, cut) // self.graph.batch_size,
+                                        self.machines.size, f"tensor {name!r}")
+                fn = _named(lambda x, cut=cut, parts=parts: C.shard(x, cut, parts, self.machines.local), f"cut_{name}")
+                v = self._note(fn(v), fn, (v,))
             if name in ins.replicate:
                 keep = self.machines is None or self.machines.is_leader
                 v = self._note(C.replicate(v, keep=keep), C.replicate, (v,), {"keep": keep})
@@ -616,8 +667,8 @@ class RankProgram:
                 v = self._note(v * 0, operator.mul, (v, 0))  # the output is Reduce: only rank 0 adds this operand
             return v
 
-        args = fx.node.map_arg(n.args, value)
-        kwargs = fx.node.map_arg(n.kwargs, value)
+        args = _on_device(fx.node.map_arg(n.args, value), self.device)
+        kwargs = _on_device(fx.node.map_arg(n.kwargs, value), self.device)
         if ins.sfb:
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -634,10 +685,9 @@ class RankProgram:
                     for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
             sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers), "sfb_linear")
             return self._note(sfb(x, w, b), sfb, (x, w, b))
-        if self.machines is not None and ins.out_shape is not None:
+        if ins.out_shape is not None and ins.node.tuple_shapes is None:
+            # Sizes baked into the graph are the global ones: this rank's are its local shape.
             args = explicit_size_args(ins.node, ins.out_shape, tuple(args))
-        else:
-            args = local_size_args(ins.node, rule, tuple(args))
         tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
         empty = any(t.numel() == 0 for t in tensors)
         target = n.target if n.op != "call_method" else str(n.target)
@@ -708,19 +758,15 @@ class RankProgram:
         return out
 
 
-def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
-    """The positional args of a view, reshape, expand or unflatten with every size given as
-    this rank's local output shape (a machine-level plan splits two dims: the machine's and,
-    inside the machine, the batch dim, which one -1 cannot both express)."""
-    if node.op in ("view", "reshape", "expand"):
-        if len(args) > 1 and isinstance(args[1], torch.dtype):
-            return args  # x.view(dtype)
-        return (args[0], *out_shape)
-    if node.op == "unflatten":
-        sizes = list(args[2])
-        dim = int(args[1]) % (len(out_shape) - len(sizes) + 1)
-        return (args[0], args[1], tuple(out_shape[dim:dim + len(sizes)]), *args[3:])
-    return args
+def _on_device(x: Any, device: torch.device) -> Any:
+    """`x` with every device argument (a factory's or a copy's) replaced by `device`."""
+    if isinstance(x, torch.device):
+        return device
+    if isinstance(x, (tuple, list)):
+        return type(x)(_on_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _on_device(v, device) for k, v in x.items()}
+    return x
 
 
 def _call(n: fx.Node, args, kwargs):

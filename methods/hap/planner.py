@@ -48,8 +48,24 @@ log = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
 
 # Code whose content decides a plan: a change to any of these files invalidates cached plans.
-_CODE_GLOBS = ("methods/capture.py", "methods/common.py", "methods/hap/*.py", "bench/core/program.py", "bench/cost/*.py")
+_CODE_GLOBS = ("methods/capture.py", "methods/aten_capture.py", "methods/common.py", "methods/hap/*.py",
+               "bench/core/program.py", "bench/cost/*.py")
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+def _library_versions() -> dict[str, str]:
+    """The libraries a plan also depends on: torch.export's graph and DTensor's strategies are
+    torch's; a Hugging Face model's forward is transformers'."""
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
 
 
 def _code_version() -> str:
@@ -102,6 +118,10 @@ class HapPlanner:
             backward in buckets (as DDP does) when the program is scored.
         bucket_cap_mb: gradient bucket size (MiB) for that overlap; 0 = one per parameter.
         fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
+        batch_norm: "sync": training-mode batch norm is planned as its statistics over the
+            whole batch (a batch split all-reduces them; the program trains exactly as one
+            device); "local": each device normalises its shard by its own statistics, as the
+            ranks of DDP and DeepSpeed do (methods.aten_capture.export_model).
         levels: "both": on a cluster with a machine of several GPUs, synthesize over machines
             (DP inside each) and over GPUs, and keep the faster by the simulator
             (details["levels"]); "cluster": only the cluster's virtual_device.
@@ -126,6 +146,7 @@ class HapPlanner:
     grad_overlap: bool = True
     bucket_cap_mb: float = 25.0
     fuse_routing: bool = True
+    batch_norm: str = "sync"
     levels: str = "both"
     max_expansions: int = 2_000_000
     beam_width: int | None = 40
@@ -149,6 +170,9 @@ class HapPlanner:
             raise ValueError(f"method.beam_width={self.beam_width} must be >= 1, or null for an exact search")
         if self.max_expansions < 1:
             raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
+        if self.batch_norm not in ("sync", "local"):
+            raise ValueError(f"method.batch_norm={self.batch_norm!r} is invalid; use 'sync' (statistics over the whole "
+                             "batch: the program trains exactly as one device) or 'local' (each device's own, as DDP)")
         if self.levels not in ("both", "cluster"):
             raise ValueError(f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
                              "the faster kept) or 'cluster' (the cluster's virtual_device)")
@@ -209,11 +233,12 @@ class HapPlanner:
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,
             "code": _code_version(),
+            "libraries": _library_versions(),
         }
 
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=self.batch_norm)
         theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_capture = time.perf_counter() - t0
         meta = {"method": self.name, "model": workload.name}
@@ -246,6 +271,7 @@ class HapPlanner:
         shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
         details = {
             "granularity": gran,
+            "batch_norm": self.batch_norm,  # how the graph the steps name captured batch norm
             # GPUs of each machine the plan was made for (a machine-level plan runs only there)
             "machine_gpus": [v.num_gpus for v in virtual_devices(cluster, "machine")],
             "ratios": best.ratios,
@@ -259,6 +285,9 @@ class HapPlanner:
             "search_exact": beam_pruned == 0,
             "states_beam_pruned": beam_pruned,
             "capture_time_s": t_capture,
+            # Ops with no triple but the replicated one (named once), and where triples came from.
+            "rule_coverage": {**theory.coverage(), "origins": _origin_counts(theory)},
+            "dropped_buffer_updates": list(graph.gm.meta.get("dropped_buffer_updates", [])),
             "search_time_s": t_search,
             "lp_time_s": t_lp,
             **step_fields(best.result, graph),
@@ -457,6 +486,14 @@ def _graph_fingerprint(graph: Graph) -> str | None:
     except ImportError:
         return None
     return graph_fingerprint(graph)
+
+
+def _origin_counts(theory) -> dict[str, int]:
+    """Ops by where their triples came from (methods.hap.theory.node_rules)."""
+    out: dict[str, int] = {}
+    for origin in theory.origins.values():
+        out[origin] = out.get(origin, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _count(stats: dict, res: SearchResult) -> None:

@@ -322,15 +322,16 @@ def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module
     shares nothing with it: about 1.5 s faster in a fresh process than building the model on
     the meta device, whose initialisers pull in torch's reference kernels.
     """
+    batch_norm = (plan.details or {}).get("batch_norm", "sync")
     if model is None:
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm)
     else:
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                 for p in model.parameters()}
         memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
         twin = copy.deepcopy(model, memo)
         batch = workload.model_cfg.synthetic_batch(workload.global_batch, torch.Generator().manual_seed(0))
-        graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch)
+        graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch, batch_norm=batch_norm)
     check_plan(plan.details or {}, plan.ratios, plan.batch_shares, graph, world_size,
                world_size if machines is None else len(machines))
     return graph

@@ -1,27 +1,34 @@
 """The background theory of HAP (Sec. 4.2): Hoare triples over per-tensor sharding properties.
 
-For every node of the reference graph, per-op rules list the ways the op can run SPMD:
-{pre-condition: a layout per input} op {post-condition: a layout of the output}. Communication
-triples turn one layout of a tensor into another. This module says what is *valid*; what it
-costs is methods.hap.search's business, and nothing here runs on real devices.
+For every node of the reference graph (ATen ops, methods.capture), the triples list the ways
+the op can run SPMD: {pre-condition: a layout per input} op {post-condition: a layout of the
+output}. Communication triples turn one layout of a tensor into another. This module says what
+is *valid*; what it costs is methods.hap.search's business, and nothing here runs on devices.
+
+Where the triples come from: the sharding strategies DTensor registers per ATen op
+(methods.hap.dtensor_rules), and a few rules of HAP's own, each named (HAND_RULES): what HAP's
+uneven shards and its replicated operands need, which DTensor, with its even shards and its
+partial-sum operands, does not say. An op with no triple from either runs replicated (every
+device does all its work on whole tensors); the theory names such ops (`Theory.uncovered`).
 
 Layouts of a tensor t across the devices:
     "I"    Identity: every device holds all of t.
     "R"    Reduce:   every device holds a full-shape partial; their sum is t.
     d:int  Gather(d): device i holds slice i of t along dim d; concatenated they are t.
-A dim of length 1 is never sharded. Adding a rule: write a function (node, graph) -> list of
-Rule and register it in RULES under the op's canonical name (methods.capture.op_name).
+A dim of length 1 is never sharded.
 """
 
 from __future__ import annotations
 
 import math
-import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from bench.core.errors import PlanningError
 from methods.capture import VIEW_OPS, Graph, Node
+from methods.hap import dtensor_rules
 
 Layout = str | int
 IDENTITY: Layout = "I"
@@ -147,63 +154,6 @@ def _splittable(shape: Sequence[int], d: int) -> bool:
     return 0 <= d < len(shape) and shape[d] > 1
 
 
-def _pointwise(node: Node, g: Graph, linear: str = "") -> list[Rule]:
-    """Element-wise op with broadcasting. linear: "" (not linear), "add" (sum of operands:
-    all Reduce, or Reduce + Identity added on the first device), "mul" (one Reduce factor, the
-    others Identity), "unary" (one input, Reduce passes through)."""
-    out_shape = node.shape
-    shapes = [_shape(g, i) for i in node.inputs]
-    rules = [_replicated(node)]
-    if out_shape is None:
-        return rules
-    nd = len(out_shape)
-    for d in range(nd):
-        if out_shape[d] <= 1:
-            continue
-        pre = []
-        for s in shapes:
-            e = d - (nd - len(s))
-            pre.append(e if e >= 0 and s[e] > 1 else IDENTITY)
-        rules.append(Rule(node.name, tuple(pre), d, f"split{d}", True))
-    k = len(shapes)
-    # A scalar constant in a sum would be added once per device: no Reduce through it.
-    scalars = any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.fx_node.args)
-    if linear == "add" and scalars:
-        return rules
-    if linear in ("unary", "add") and k >= 1:
-        rules.append(Rule(node.name, tuple(REDUCE for _ in shapes), REDUCE, "partial", False))
-    if linear == "add" and k == 2:
-        for r in range(2):
-            pre = tuple(REDUCE if i == r else IDENTITY for i in range(2))
-            rules.append(Rule(node.name, pre, REDUCE, f"partial+first{1 - r}", False, (1 - r,)))
-    if linear in ("mul", "div"):
-        for r in range(k if linear == "mul" else 1):
-            pre = tuple(REDUCE if i == r else IDENTITY for i in range(k))
-            rules.append(Rule(node.name, pre, REDUCE, "partial", False))
-    return rules
-
-
-def _pointwise_rule(linear: str = "") -> Callable[[Node, Graph], list[Rule]]:
-    return lambda node, g: _pointwise(node, g, linear)
-
-
-def _keep_dims(node: Node, g: Graph, fixed: Sequence[int], reduce_to_partial: Sequence[int] = (), map_dim=None) -> list[Rule]:
-    """Single-tensor-input op that works independently along every dim except `fixed`.
-    Dims in `reduce_to_partial` are summed over: sharding them gives a Reduce output."""
-    shape = _shape(g, node.inputs[0])
-    others = tuple(IDENTITY for _ in node.inputs[1:])
-    rules = [_replicated(node)]
-    for d in range(len(shape)):
-        if not _splittable(shape, d):
-            continue
-        if d in reduce_to_partial:
-            rules.append(Rule(node.name, (d,) + others, REDUCE, f"sum-split{d}", True))
-        elif d not in fixed:
-            out = map_dim(d) if map_dim else d
-            if out is not None:
-                rules.append(Rule(node.name, (d,) + others, out, f"split{d}", True))
-    return rules
-
 
 def _dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
     """For a reshape: input dim -> output dim where sharding carries over (the outermost dim
@@ -233,361 +183,179 @@ def _dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int
     return out
 
 
-# -- rules per op ----------------------------------------------------------------------------------
+
+# -- HAP's own rules (beside DTensor's) ---------------------------------------------------------
+
+# The rules this module adds to DTensor's triples, by the name each Rule carries. Each says why
+# DTensor's strategies cannot give it.
+HAND_RULES = {
+    "first-device-only": "an Identity operand where DTensor needs partial sums (a bias or residual added "
+                         "to a Reduce output) is added by the first device only, the others add zeros",
+    "shard-unit": "a view that splits a sharded dim (d_model -> heads x head_dim, B*S -> B x S) keeps whole "
+                  "units per device; DTensor's even shards never cut a unit, HAP's ratios can",
+    "broadcast-split": "expand of a dim of length 1 makes the output split along it, each device expanding "
+                       "to its own shard's length (DTensor keeps such outputs whole)",
+    "sfb": "sufficient factor broadcasting of a linear layer with a replicated weight (HAP Sec. 4)",
+    "tuple-item": "an item of a tuple output (split, topk) is laid out as the tuple",
+    "local-statistics": "batch norm kept whole (method.batch_norm=local) splits the batch, each device "
+                        "normalising its shard by its own statistics, as DDP's ranks do (not the one-device "
+                        "result; method.batch_norm=sync captures it as statistics DTensor's rules split exactly)",
+    "conv-channels": "a convolution also splits its output channels (the weight along dim 0) or its input "
+                     "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
+                     "only the batch",
+}
+_VIEWS = ("view", "reshape", "flatten", "unflatten", "squeeze")
 
 
-def _rule_reshape(node: Node, g: Graph) -> list[Rule]:
-    in_shape = _shape(g, node.inputs[0])
-    mapping = _dim_map(in_shape, node.shape)
-    rules = _keep_dims(node, g, fixed=[d for d in range(len(in_shape)) if d not in mapping], map_dim=mapping.get)
-    rules = [
-        Rule(r.node, r.pre, r.post, r.name, r.sharded, unit=max(1, in_shape[r.pre[0]] // node.shape[r.post]))
-        if isinstance(r.post, int) else r
-        for r in rules
-    ]
-    rules.append(Rule(node.name, (REDUCE,) + tuple(IDENTITY for _ in node.inputs[1:]), REDUCE, "partial", False))
-    return rules
-
-
-def _rule_transpose(node: Node, g: Graph) -> list[Rule]:
-    nd = len(_shape(g, node.inputs[0]))
-    if node.op == "permute":
-        dims = node.fx_node.args[1:]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = dims[0]
-        perm = [_norm(int(d), nd) for d in dims]
-    elif node.op == "t":
-        perm = list(range(nd))[::-1]
-    else:
-        a, b = (_norm(int(x), nd) for x in node.fx_node.args[1:3])
-        perm = list(range(nd))
-        perm[a], perm[b] = perm[b], perm[a]
-    inverse = {src: dst for dst, src in enumerate(perm)}
-    rules = _keep_dims(node, g, fixed=[], map_dim=inverse.get)
-    rules.append(Rule(node.name, (REDUCE,), REDUCE, "partial", False))
-    return rules
-
-
-def _size_sources(node: Node, g: Graph) -> dict[int, tuple[str, int]]:
-    """expand(...) sizes read from another tensor's shape: output dim -> (tensor, its dim)."""
-    out = {}
-    for pos, a in enumerate(node.fx_node.args[1:]):
-        src = a
-        if hasattr(src, "op") and src.op == "call_function" and len(src.args) == 2 and hasattr(src.args[0], "op"):
-            holder, index = src.args
-            if holder.op == "call_function" and len(holder.args) == 2 and holder.args[1] == "shape":
-                out[pos] = (holder.args[0].name, int(index))
-        elif hasattr(src, "op") and src.op == "call_method" and src.target == "size" and len(src.args) == 2:
-            out[pos] = (src.args[0].name, int(src.args[1]))
+def _rules_from_triples(node: Node, triples, origin: str, g: Graph) -> list[Rule]:
+    """DTensor's triples (a layout per tensor argument, in argument order) as Rules over the
+    node's distinct tensor inputs, with the first-device-only variants of partial operands."""
+    args = [a.name for a in dtensor_rules.tensor_args(node.fx_node)]
+    out: list[Rule] = []
+    for pre_args, post in triples:
+        per: dict[str, Layout] = {}
+        ok = True
+        for name, lay in zip(args, pre_args):
+            if per.setdefault(name, lay) != lay:
+                ok = False  # one tensor in two places, wanted in two layouts
+        if not ok or any(t not in per for t in node.inputs):
+            continue
+        pre = tuple(per[t] for t in node.inputs)
+        sharded = any(isinstance(p, int) for p in pre)
+        partial = [k for k, p in enumerate(pre) if p == REDUCE]
+        sources = [k for k in partial if g[node.inputs[k]].kind in ("placeholder", "get_attr")]
+        if not sources:
+            out.append(Rule(node.name, pre, post, origin, sharded))
+        # first-device-only: the partial operands given whole, added by device 0 alone, where
+        # another operand still carries the split (else it is the replicated op made partial).
+        for k in partial:
+            rest = [p for j, p in enumerate(pre) if j != k]
+            if all(p == IDENTITY for p in rest):
+                continue
+            if any(p == REDUCE for j, p in enumerate(pre) if j != k and j in sources):
+                continue
+            fixed = tuple(IDENTITY if j == k else p for j, p in enumerate(pre))
+            if any(p == REDUCE and j in sources for j, p in enumerate(fixed)):
+                continue
+            out.append(Rule(node.name, fixed, post, origin + "+first-device-only", sharded, (k,)))
     return out
 
 
-def _rule_expand(node: Node, g: Graph) -> list[Rule]:
+def _shard_units(node: Node, rules: list[Rule], g: Graph) -> list[Rule]:
+    """shard-unit: a view's Gather rule splits its input in whole units of the dims it splits
+    the sharded dim into (HAND_RULES)."""
     in_shape = _shape(g, node.inputs[0])
-    out_shape = node.shape
-    lead = len(out_shape) - len(in_shape)
-    sources = _size_sources(node, g)
-    # Sizes read from other tensors are full-size only if those tensors are Identity.
-    full = tuple((t, IDENTITY) for t, _ in dict.fromkeys(sources.values()))
-    rules = [Rule(node.name, (IDENTITY,), IDENTITY, "replicated", False, shape_pre=full)]
-    for d in range(len(out_shape)):
-        if out_shape[d] <= 1:
-            continue
-        e = d - lead
-        if e >= 0 and in_shape[e] == out_shape[d] and d not in sources:
-            rules.append(Rule(node.name, (e,), d, f"split{d}", True, shape_pre=full))
-        elif d in sources:
-            # Broadcast dim sized by another tensor's dim: the local size follows that shard.
-            src, sd = sources[d]
-            shape_pre = tuple((t, sd if t == src else IDENTITY) for t, _ in full)
-            pre = (e,) if e >= 0 and in_shape[e] == out_shape[d] else (IDENTITY,)
-            rules.append(Rule(node.name, pre, d, f"expand-split{d}", True, shape_pre=shape_pre))
-    return rules
-
-
-def _rule_unsqueeze(node: Node, g: Graph) -> list[Rule]:
-    nd_out = len(node.shape)
-    u = _norm(int(_arg(node, 1, "dim")), nd_out)
-    rules = _keep_dims(node, g, fixed=[], map_dim=lambda d: d if d < u else d + 1)
-    rules.append(Rule(node.name, (REDUCE,), REDUCE, "partial", False))
-    return rules
-
-
-def _rule_getitem(node: Node, g: Graph) -> list[Rule]:
-    src = g[node.inputs[0]]
-    if src.tuple_shapes is not None:  # element of a multi-output op: layout passes through
-        nd = len(src.tuple_shapes[0])
-        rules = [_replicated(node)] + [
-            Rule(node.name, (d,), d, f"split{d}", True) for d in range(nd) if node.shape[d] > 1
-        ]
-        return rules + [Rule(node.name, (REDUCE,), REDUCE, "partial", False)]
-    index = node.fx_node.args[1]
-    index = index if isinstance(index, tuple) else (index,)
-    in_shape = src.shape
-    n_real = sum(1 for x in index if x is not None and x is not Ellipsis)
-    mapping: dict[int, int] = {}
-    i = j = 0
-    for x in index:
-        if x is Ellipsis:
-            for _ in range(len(in_shape) - n_real):
-                mapping[i] = j
-                i += 1
-                j += 1
-        elif x is None:
-            j += 1
-        elif isinstance(x, slice):
-            if x == slice(None):
-                mapping[i] = j
-            i += 1
-            j += 1
-        elif isinstance(x, int):
-            i += 1
-        else:
-            raise NoRuleError(
-                f"no sharding rule for getitem index {x!r} at {node.where}; only ints, ':', '...' "
-                "and None; add one in methods/hap/theory.py (_rule_getitem)"
-            )
-    while i < len(in_shape):
-        mapping[i] = j
-        i += 1
-        j += 1
-    rules = _keep_dims(node, g, fixed=[d for d in range(len(in_shape)) if d not in mapping], map_dim=mapping.get)
-    return rules + [Rule(node.name, (REDUCE,), REDUCE, "partial", False)]
-
-
-def _rule_sum(node: Node, g: Graph) -> list[Rule]:
-    shape = _shape(g, node.inputs[0])
-    dim = _arg(node, 1, "dim")
-    keepdim = bool(_arg(node, 2, "keepdim", False))
-    if dim is None:
-        rules = [_replicated(node)] + [Rule(node.name, (d,), REDUCE, f"sum-split{d}", True) for d in range(len(shape)) if shape[d] > 1]
-        return rules + [Rule(node.name, (REDUCE,), REDUCE, "partial", False)]
-    dims = {_norm(int(d), len(shape)) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
-
-    def after(d: int) -> int:
-        return d if keepdim else d - sum(1 for r in dims if r < d)
-
-    rules = _keep_dims(node, g, fixed=[], reduce_to_partial=sorted(dims) if node.op == "sum" else (), map_dim=after)
-    if node.op == "mean":
-        rules = [r for r in rules if r.post != REDUCE or not r.sharded]
-        rules = [r for r in rules if not (isinstance(r.pre[0], int) and r.pre[0] in dims)]
-    return rules + [Rule(node.name, (REDUCE,), REDUCE, "partial", False)]
-
-
-def _rule_along_dim(key: str, index: int, default: int | None = None) -> Callable[[Node, Graph], list[Rule]]:
-    """Ops that mix values along one dim (softmax, cumsum, topk): every other dim splits."""
-
-    def rule(node: Node, g: Graph) -> list[Rule]:
-        nd = len(_shape(g, node.inputs[0]))
-        dim = _arg(node, index, key, default)
-        return _keep_dims(node, g, fixed=[_norm(int(dim), nd)])
-
-    return rule
-
-
-def _rule_one_hot(node: Node, g: Graph) -> list[Rule]:
-    return _keep_dims(node, g, fixed=[])
-
-
-def _rule_layer_norm(node: Node, g: Graph) -> list[Rule]:
-    shape = _shape(g, node.inputs[0])
-    normalized = _arg(node, 1, "normalized_shape")
-    k = len(normalized)
-    # Weight and bias (if present) stay Identity: their gradients are all-reduced.
-    return _keep_dims(node, g, fixed=list(range(len(shape) - k, len(shape))))
-
-
-def _rule_pool(node: Node, g: Graph) -> list[Rule]:
-    rules = _keep_dims(node, g, fixed=[2, 3])
-    if node.op in ("avg_pool2d", "adaptive_avg_pool2d"):
-        rules.append(Rule(node.name, (REDUCE,), REDUCE, "partial", False))
-    return rules
-
-
-def _einsum_rules(node: Node, specs: Sequence[str], out_spec: str, shapes: Sequence[Sequence[int]], first_only: Sequence[int] = ()) -> list[Rule]:
-    """A multilinear contraction: split any index (output index -> Gather, contracted -> Reduce);
-    one Reduce operand with the rest Identity -> Reduce."""
-    sizes: dict[str, int] = {}
-    for spec, s in zip(specs, shapes):
-        for ch, n in zip(spec, s):
-            sizes[ch] = max(sizes.get(ch, 1), n)
-    k = len(specs)
-    rules = [Rule(node.name, tuple(IDENTITY for _ in range(k)), IDENTITY, "replicated", False)]
-    for ch, n in sizes.items():
-        if n <= 1:
-            continue
-        pre = []
-        for spec, s in zip(specs, shapes):
-            p = spec.find(ch)
-            pre.append(p if p >= 0 and s[p] > 1 else IDENTITY)
-        if ch in out_spec:
-            rules.append(Rule(node.name, tuple(pre), out_spec.index(ch), f"split-{ch}", True))
-        else:
-            rules.append(Rule(node.name, tuple(pre), REDUCE, f"reduce-{ch}", True, tuple(first_only)))
-    for r in range(k):
-        if r in first_only:
-            continue
-        pre = tuple(REDUCE if i == r else IDENTITY for i in range(k))
-        rules.append(Rule(node.name, pre, REDUCE, "partial", False, tuple(first_only)))
-    return rules
-
-
-def _rule_einsum(node: Node, g: Graph) -> list[Rule]:
-    eq = node.fx_node.args[0].replace(" ", "")
-    if "..." in eq or "->" not in eq:
-        raise NoRuleError(f"einsum {eq!r} at {node.where}: write the equation with explicit indices and '->'")
-    lhs, out_spec = eq.split("->")
-    specs = lhs.split(",")
-    return _einsum_rules(node, specs, out_spec, [_shape(g, i) for i in node.inputs])
-
-
-def _rule_matmul(node: Node, g: Graph) -> list[Rule]:
-    a, b = (_shape(g, i) for i in node.inputs)
-    letters = iter(string.ascii_lowercase)
-    nd = max(len(a), len(b), 2)
-    batch = [next(letters) for _ in range(nd - 2)]
-    m, k, n = next(letters), next(letters), next(letters)
-    sa = "".join(batch[len(batch) - (len(a) - 2):]) + m + k if len(a) >= 2 else k
-    sb = "".join(batch[len(batch) - (len(b) - 2):]) + k + n if len(b) >= 2 else k
-    out = "".join(batch) + (m if len(a) >= 2 else "") + (n if len(b) >= 2 else "")
-    return _einsum_rules(node, [sa, sb], out, [a, b])
-
-
-def _rule_linear(node: Node, g: Graph, sfb: bool) -> list[Rule]:
-    x = _shape(g, node.inputs[0])
-    letters = string.ascii_lowercase[: len(x) - 1]
-    specs = [letters + "k", "nk"] + (["n"] if len(node.inputs) > 2 else [])
-    shapes = [_shape(g, i) for i in node.inputs]
-    # y = x W^T + b is x W^T (multilinear) plus b: the bias joins any Gather of n, and only the
-    # first device adds it to Reduce partials.
-    has_bias = len(node.inputs) > 2
-    rules = _einsum_rules(node, specs[:2], letters + "n", shapes[:2])
     out = []
     for r in rules:
-        if not has_bias:
-            out.append(r)
-            continue
-        if r.post == REDUCE:
-            if r.pre[1] == REDUCE:
-                continue  # a Reduce weight is not a trainable layout
-            out.append(Rule(node.name, r.pre + (IDENTITY,), REDUCE, r.name, r.sharded, (2,)))
-        elif r.post == len(x) - 1:
-            out.append(Rule(node.name, r.pre + (0,), r.post, r.name, r.sharded))
-        else:
-            out.append(Rule(node.name, r.pre + (IDENTITY,), r.post, r.name, r.sharded))
-    out = [r for r in out if r.pre[1] != REDUCE]
-    if sfb:
-        for r in list(out):
-            if isinstance(r.post, int) and r.post < len(x) - 1 and r.pre[1] == IDENTITY:
-                out.append(Rule(node.name, r.pre, r.post, r.name + "-sfb", True, r.first_device_only, sfb=True))
+        if isinstance(r.post, int) and isinstance(r.pre[0], int):
+            unit = max(1, in_shape[r.pre[0]] // node.shape[r.post])
+            r = Rule(r.node, r.pre, r.post, r.name + ("+shard-unit" if unit > 1 else ""), r.sharded,
+                     r.first_device_only, r.sfb, unit, r.shape_pre)
+        out.append(r)
     return out
 
 
-def _rule_conv2d(node: Node, g: Graph) -> list[Rule]:
-    groups = _arg(node, 6, "groups", 1)
-    if groups != 1:
-        raise NoRuleError(f"conv2d with groups={groups} at {node.where}: only groups=1 has rules (methods/hap/theory.py _rule_conv2d)")
+def _broadcast_split(node: Node, g: Graph) -> list[Rule]:
+    """broadcast-split (HAND_RULES): expand's dims that come from a length-1 (or missing) input
+    dim may be split; the other dims follow the input's layout (DTensor's rules give those)."""
+    in_shape = _shape(g, node.inputs[0])
+    lead = len(node.shape) - len(in_shape)
+    out = []
+    for d, n in enumerate(node.shape):
+        e = d - lead
+        if n > 1 and (e < 0 or in_shape[e] == 1):
+            out.append(Rule(node.name, (IDENTITY,), d, "broadcast-split", True))
+    return out
+
+
+def _conv_channels(node: Node, g: Graph) -> list[Rule]:
+    """conv-channels (HAND_RULES), for groups == 1: weight split along its output channels ->
+    output split along dim 1; input and weight split along the input channels -> partial sums
+    (the bias added by the first device)."""
+    args = node.fx_node.args
+    if (args[6] if len(args) > 6 else 1) != 1 or len(node.inputs) < 2:
+        return []
     has_bias = len(node.inputs) > 2
-    b = (IDENTITY,) if has_bias else ()
-    rules = [_replicated(node)]
-    x = _shape(g, node.inputs[0])
     w = _shape(g, node.inputs[1])
-    if x[0] > 1:
-        rules.append(Rule(node.name, (0, IDENTITY) + b, 0, "split-batch", True))
+    rules = []
     if w[0] > 1:
-        rules.append(Rule(node.name, (IDENTITY, 0) + ((0,) if has_bias else ()), 1, "split-out-channel", True))
+        rules.append(Rule(node.name, (IDENTITY, 0) + ((0,) if has_bias else ()), 1, "conv-channels-out", True))
     if w[1] > 1:
-        rules.append(Rule(node.name, (1, 1) + b, REDUCE, "reduce-in-channel", True, (2,) if has_bias else ()))
-    rules.append(Rule(node.name, (REDUCE, IDENTITY) + b, REDUCE, "partial", False, (2,) if has_bias else ()))
+        rules.append(Rule(node.name, (1, 1) + ((IDENTITY,) if has_bias else ()), REDUCE, "conv-channels-in", True,
+                          (2,) if has_bias else ()))
+    # Linear in its input: partial inputs give partial outputs.
+    rules.append(Rule(node.name, (REDUCE, IDENTITY) + ((IDENTITY,) if has_bias else ()), REDUCE, "conv-partial",
+                      False, (2,) if has_bias else ()))
     return rules
 
 
-def _rule_embedding(node: Node, g: Graph) -> list[Rule]:
-    idx = _shape(g, node.inputs[0])
-    w = _shape(g, node.inputs[1])
-    rules = [_replicated(node)]
-    rules += [Rule(node.name, (d, IDENTITY), d, f"split{d}", True) for d in range(len(idx)) if idx[d] > 1]
-    if w[1] > 1:
-        rules.append(Rule(node.name, (IDENTITY, 1), len(idx), "split-embedding-dim", True))
-    return rules
-
-
-def _rule_cat(node: Node, g: Graph) -> list[Rule]:
-    shapes = [_shape(g, i) for i in node.inputs]
+def _tuple_item(node: Node, g: Graph) -> list[Rule]:
+    """tuple-item (HAND_RULES): an item of a tuple output has the tuple's layout."""
+    src = g[node.inputs[0]]
     nd = len(node.shape)
-    dim = _norm(int(_arg(node, 1, "dim", 0)), nd)
-    rules = [_replicated(node), Rule(node.name, tuple(REDUCE for _ in shapes), REDUCE, "partial", False)]
-    for d in range(nd):
-        if d != dim and node.shape[d] > 1:
-            rules.append(Rule(node.name, tuple(d for _ in shapes), d, f"split{d}", True))
-    return rules
+    rules = [_replicated(node)] + [Rule(node.name, (d,), d, f"tuple-item{d}", True) for d in range(nd)
+                                   if node.shape[d] > 1 and d < len(src.tuple_shapes[0])]
+    return rules + [Rule(node.name, (REDUCE,), REDUCE, "tuple-item-partial", False)]
 
 
-def _rule_cross_entropy(node: Node, g: Graph) -> list[Rule]:
-    reduction = _arg(node, 7, "reduction", "mean")
-    if reduction != "sum":
+def _sfb_rules(node: Node, rules: list[Rule]) -> list[Rule]:
+    """sfb (HAND_RULES): a linear whose weight (and bias) is replicated and whose output is split
+    along a batch-like dim also runs with the weight gradient rebuilt from gathered factors."""
+    nd = len(node.shape)
+    out = []
+    for r in rules:
+        if isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post and \
+                all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only:
+            out.append(Rule(node.name, r.pre, r.post, r.name + "+sfb", True, r.first_device_only, sfb=True))
+    return out
+
+
+def _check_loss_contract(node: Node, g: Graph) -> None:
+    """The harness's loss is summed over the batch inside forward: a mean makes shard losses
+    that do not add up (the runtime divides the sum by the global number of targets)."""
+    if node.op != "cross_entropy" or node.name != g.loss:
+        return
+    args = node.fx_node.args
+    reduction = args[3] if len(args) > 3 else node.fx_node.kwargs.get("reduction", 1)
+    if reduction != 2:  # at::Reduction::Sum
         raise NoRuleError(
-            f"cross_entropy with reduction={reduction!r} at {node.where}: the planner needs "
-            "reduction='sum' (shard losses add up); see methods/hap/theory.py _rule_cross_entropy"
-        )
-    logits, _target = (_shape(g, i) for i in node.inputs[:2])
-    rules = [_replicated(node)]
-    if logits[0] > 1:
-        rules.append(Rule(node.name, (0, 0) + tuple(IDENTITY for _ in node.inputs[2:]), REDUCE, "split-batch", True))
-    for k in range(2, len(logits)):  # (N, C, d1, ...) against (N, d1, ...)
-        if logits[k] > 1:
-            rules.append(Rule(node.name, (k, k - 1), REDUCE, f"split{k}", True))
-    return rules
+            f"cross_entropy with reduction={['none', 'mean', 'sum'][reduction]!r} at {node.where}: the loss must be "
+            "summed over the batch (reduction='sum'), as the harness divides it by the global number of targets")
 
 
-def _rule_meta(node: Node, g: Graph) -> list[Rule]:
-    return []
-
-
-_UNARY_LINEAR = ("neg", "to", "type", "float", "contiguous", "detach", "clone")
-_UNARY = ("relu", "gelu", "tanh", "sigmoid", "exp", "dropout", "silu", "log", "sqrt", "rsqrt")
-_COMPARE = ("lt", "gt", "le", "ge", "eq", "ne", "mod", "floordiv")
-
-RULES: dict[str, Callable[[Node, Graph], list[Rule]]] = {
-    **{op: _pointwise_rule("unary") for op in _UNARY_LINEAR},
-    **{op: _pointwise_rule() for op in _UNARY + _COMPARE},
-    "add": _pointwise_rule("add"),
-    "sub": _pointwise_rule("add"),
-    "mul": _pointwise_rule("mul"),
-    "truediv": _pointwise_rule("div"),
-    "div": _pointwise_rule("div"),
-    "matmul": _rule_matmul,
-    "bmm": _rule_matmul,
-    "einsum": _rule_einsum,
-    "conv2d": _rule_conv2d,
-    "max_pool2d": _rule_pool,
-    "avg_pool2d": _rule_pool,
-    "adaptive_avg_pool2d": _rule_pool,
-    "layer_norm": _rule_layer_norm,
-    "softmax": _rule_along_dim("dim", 1),
-    "log_softmax": _rule_along_dim("dim", 1),
-    "cumsum": _rule_along_dim("dim", 1),
-    "topk": _rule_along_dim("dim", 2, -1),
-    "one_hot": _rule_one_hot,
-    "sum": _rule_sum,
-    "mean": _rule_sum,
-    "embedding": _rule_embedding,
-    "cross_entropy": _rule_cross_entropy,
-    "cat": _rule_cat,
-    "view": _rule_reshape,
-    "reshape": _rule_reshape,
-    "flatten": _rule_reshape,
-    "unflatten": _rule_reshape,
-    "squeeze": _rule_reshape,
-    "transpose": _rule_transpose,
-    "permute": _rule_transpose,
-    "t": _rule_transpose,
-    "unsqueeze": _rule_unsqueeze,
-    "expand": _rule_expand,
-    "getitem": _rule_getitem,
-    "getattr": _rule_meta,
-    "size": _rule_meta,
-}
+def node_rules(node: Node, g: Graph, sfb: bool) -> tuple[list[Rule], str]:
+    """The triples of one op node, and where they came from: "dtensor: <how>", "hand",
+    "constant" (an op reading no tensor: its value is made whole on every device) or "none"
+    (replicated only)."""
+    rep = _replicated(node)
+    if node.op == "getitem" and g[node.inputs[0]].tuple_shapes is not None:
+        return _tuple_item(node, g), "hand"
+    if not node.inputs:
+        return [rep], "constant"
+    derived = dtensor_rules.derive(node.fx_node)
+    rules = [rep]
+    origin = "none"
+    if derived is not None:
+        triples, how = derived
+        rules += _rules_from_triples(node, triples, "dtensor", g)
+        origin = f"dtensor: {how}"
+    if node.op in _VIEWS and node.shape is not None:
+        rules = _shard_units(node, rules, g)
+    if node.op == "expand":
+        extra = _broadcast_split(node, g)
+        rules += extra
+        if extra and origin == "none":
+            origin = "hand"
+    if node.op == "conv2d":
+        rules += _conv_channels(node, g)
+    if node.op == "batch_norm" and node.shape is not None and node.shape[0] > 1:
+        pre = (0,) + tuple(IDENTITY for _ in node.inputs[1:])
+        rules.append(Rule(node.name, pre, 0, "local-statistics", True))
+    if node.op == "linear" and sfb:
+        rules += _sfb_rules(node, rules)
+    if origin == "none" and len(rules) > 1:
+        origin = "hand"
+    return list(dict.fromkeys(rules)), origin
 
 
 @dataclass
@@ -609,6 +377,28 @@ class Theory:
     # (the op order, where tensors die, its bound's trees, the segments, each move without its
     # price): once per theory, not once per search.
     search_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Op nodes with no triple but the replicated one: name -> op (Theory docstring of module).
+    uncovered: dict = field(default_factory=dict, repr=False, compare=False)
+    # Op node -> where its triples came from (node_rules).
+    origins: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def coverage(self) -> dict:
+        """Share of the ops that read tensors, and of their forward FLOPs, that have a triple
+        besides the replicated one; the ops without (by op name, with their count)."""
+        ops = [n for n in self.rules if self.origins.get(n) != "constant"]
+        flops = sum(self.graph[n].flops for n in ops)
+        missing = [n for n in ops if n in self.uncovered]
+        missing_flops = sum(self.graph[n].flops for n in missing)
+        by_op: dict[str, int] = {}
+        for n in missing:
+            by_op[self.graph[n].op] = by_op.get(self.graph[n].op, 0) + 1
+        return {
+            "ops": len(ops),
+            "ops_covered": len(ops) - len(missing),
+            "ops_share": (len(ops) - len(missing)) / len(ops) if ops else 1.0,
+            "flops_share": 1.0 - missing_flops / flops if flops else 1.0,
+            "uncovered_ops": dict(sorted(by_op.items())),
+        }
 
     def comm(self, tensor: str, src: Layout) -> list[CommRule]:
         key = (tensor, src)
@@ -710,17 +500,19 @@ def routing_region(graph: Graph) -> tuple[set[str], set[str]]:
 
 
 def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_routing: bool = True) -> Theory:
-    """Apply the per-op rules to every node of `graph`.
+    """The triples of every node of `graph` (node_rules): DTensor's, HAP's own, or, for an op
+    with neither, the replicated one alone (named in `Theory.uncovered`, never an error).
 
     Args:
         fuse_routing: keep MoE routers in one layout family (see routing_region).
 
     Raises:
-        NoRuleError: an op has no rule (the message names the op, the fx node and where
-            rules are added).
+        NoRuleError: the loss is not summed over the batch (the harness's contract).
     """
     rules: dict[str, list[Rule]] = {}
     sources: dict[str, list[Layout]] = {}
+    uncovered: dict[str, str] = {}
+    origins: dict[str, str] = {}
     for n in graph.nodes:
         if n.kind in ("placeholder", "get_attr"):
             if n.shape is None:
@@ -729,26 +521,21 @@ def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_rou
             # never communicated. Length-1 dims are never split.
             sources[n.name] = [IDENTITY] + [d for d, s in enumerate(n.shape) if s > 1]
         elif n.kind in ("call_function", "call_method"):
-            fn = RULES.get(n.op)
-            if fn is None:
-                raise NoRuleError(
-                    f"no sharding rule for op {n.op!r} at {n.where}; add a rule function to "
-                    f"RULES in methods/hap/theory.py (known ops: {', '.join(sorted(RULES))})"
-                )
             if not n.is_tensor:
                 continue
-            node_rules = _rule_linear(n, graph, sfb) if n.op == "linear" else fn(n, graph)
-            for r in node_rules:
+            _check_loss_contract(n, graph)
+            node_rules_, origin = node_rules(n, graph, sfb)
+            for r in node_rules_:
                 assert len(r.pre) == len(n.inputs), f"rule {r.name} of {n.name}: {len(r.pre)} pre for {len(n.inputs)} inputs"
-            rules[n.name] = list(dict.fromkeys(node_rules))
+            rules[n.name] = node_rules_
+            origins[n.name] = origin
+            if origin == "none":
+                uncovered[n.name] = n.op
     no_comm: frozenset = frozenset()
     if fuse_routing:
         inside, exits = routing_region(graph)
         no_comm = frozenset(inside - exits)
-    return Theory(graph, rules, sources, sfb, grouped, no_comm)
-
-
-RULES["linear"] = lambda node, g: _rule_linear(node, g, False)
+    return Theory(graph, rules, sources, sfb, grouped, no_comm, uncovered=uncovered, origins=origins)
 
 
 def non_tensor_ops(graph: Graph) -> list[str]:
@@ -763,10 +550,14 @@ def sharded_numel(node: Node) -> float:
     return float(math.prod(node.shape)) if node.shape is not None else float(node.numel)
 
 
-def local_size_args(node: Node, rule: Rule, args: tuple) -> tuple:
+def local_size_args(node: Node, rule: Rule, args: tuple, local_shape: Sequence[int] | None = None) -> tuple:
     """The positional args of `node` as a device runs it under `rule`: a size argument at a
-    sharded output dim becomes -1 (inferred from the local shard), so the same op runs on
-    every device whatever its shard length. Codegen and the numeric tests both use it."""
+    sharded output dim becomes -1 (inferred from the local shard), the others the global sizes,
+    so the same op runs on every device whatever its shard length. A dim that the op makes
+    from nothing (expand's broadcast-split) needs the device's own length: `local_shape`, the
+    local output shape (codegen knows it). Codegen and the numeric tests both use it."""
+    if local_shape is not None and node.op in ("view", "reshape", "expand", "unflatten"):
+        return explicit_size_args(node, tuple(local_shape), args)
     if not isinstance(rule.post, int) or node.op not in ("view", "reshape", "unflatten", "expand"):
         return args
     args = list(args)
@@ -776,15 +567,24 @@ def local_size_args(node: Node, rule: Rule, args: tuple) -> tuple:
         k = rule.post - dim
         if 0 <= k < len(sizes):
             sizes[k] = -1
-        args[2] = tuple(sizes)
+        args[2] = list(sizes)
         return tuple(args)
-    if node.op == "expand" and rule.name.startswith("expand-split"):
-        return tuple(args)  # the size is read from the sharded tensor's local shape
-    sizes = args[1:]
-    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
-        sizes = list(sizes[0])
-    else:
-        sizes = list(sizes)
-    if rule.post < len(sizes) and isinstance(sizes[rule.post], int):
+    sizes = list(node.shape)  # the global output shape: every -1 of the original resolved
+    if rule.post < len(sizes):
         sizes[rule.post] = -1
-    return (args[0], *sizes)
+    return (args[0], sizes, *args[2:])
+
+
+def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
+    """The positional args of a view, reshape, expand or unflatten with every size given as
+    this device's local output shape (a machine-level plan splits two dims: the machine's and,
+    inside the machine, the batch dim, which one -1 cannot both express)."""
+    if node.op in ("view", "reshape", "expand"):
+        if len(args) > 1 and isinstance(args[1], torch.dtype):
+            return args  # x.view(dtype)
+        return (args[0], list(out_shape), *args[2:])
+    if node.op == "unflatten":
+        sizes = list(args[2])
+        dim = int(args[1]) % (len(out_shape) - len(sizes) + 1)
+        return (args[0], args[1], list(out_shape[dim:dim + len(sizes)]), *args[3:])
+    return args

@@ -13,7 +13,7 @@ best candidates' schedules to pick one. The schedule is torch's own (Schedule1F1
 ScheduleGPipe): the planner traces it with a stand-in stage, so the actions it prices are the
 ones the runtime calls, in the same order.
 
-At run time each rank traces the model with torch.fx (methods.capture's tracer, the graph the
+At run time each rank captures the model with torch.export (methods.aten_capture, the graph the
 planner priced), keeps the nodes of its stage as a GraphModule (the parameters it reads, the
 values that cross its borders as inputs and outputs), and runs it as a PipelineStage. The
 ops that read the targets (the loss) run as the schedule's loss function on the last stage.

@@ -1,10 +1,12 @@
-"""A traced model cut into pipeline stages at layer-group borders: each stage's nodes as an fx
+"""A captured model cut into pipeline stages at layer-group borders: each stage's nodes as an fx
 GraphModule with the values that cross its borders as inputs and outputs, and the loss's nodes
 as the last stage's loss module. It plans nothing and runs no schedule."""
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
+from torch import nn
 
 from methods.common import GroupTable
 
@@ -91,3 +93,13 @@ def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: li
         g.output(env[out.all_input_nodes[0]])
         loss = fx.GraphModule(gm, g)
     return module, loss
+
+
+def model_graph(model: nn.Module, model_cfg, batch_size: int, seed: int = 0) -> fx.GraphModule:
+    """`model` (its own parameters) as the planner's ATen graph (methods.aten_capture.export_model)
+    at `batch_size` samples: the nodes and their names are those of
+    methods.capture.capture_config(model_cfg, batch_size), so the planner's layer groups name them."""
+    from methods.aten_capture import export_model
+
+    sample = model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
+    return export_model(model, sample, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}")

@@ -7,15 +7,14 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.fx as fx
 
 from bench.core.interfaces import Workload
-from methods.capture import FunctionalTracer, capture_config
+from methods.capture import capture_config
 from methods.common import group_table
-from methods.pipeline.cut import cut_graph
+from methods.pipeline.cut import cut_graph, model_graph
 
 # -- the layer groups on this host ---------------------------------------------------------------
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4  # the groups run as ATen graphs (torch.export)
 PROFILE_REPEATS = 9
 
 
@@ -48,7 +47,7 @@ def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: in
         graph = capture_config(workload.model_cfg, micro_batch)
         table = group_table(graph)
         tensors = {n.name for n in graph.nodes if n.is_tensor}
-        gm = fx.GraphModule(model, FunctionalTracer().trace(model))
+        gm = model_graph(model, workload.model_cfg, micro_batch, seed)
         G = table.num_groups
         mods = [cut_graph(gm, table, tensors, list(range(G + 1)), s) for s in range(G)]
         opts = [torch.optim.Adam(m.parameters(), lr=1e-6) if list(m.parameters()) else None for m, _ in mods]

@@ -7,13 +7,12 @@ import gc
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
-from methods.capture import FunctionalTracer, capture_config
+from methods.capture import capture_config
 from methods.common import gradient_buckets, group_table
-from methods.pipeline.cut import cut_graph
+from methods.pipeline.cut import cut_graph, model_graph
 
 
 class PipelineTrainer:
@@ -39,10 +38,11 @@ class PipelineTrainer:
         replicas = [dist.new_group([pipelines[p][s] for p in range(D)]) for s in range(S)] if D > 1 else None
         group = groups[self.pipeline]
         members = sorted(pipelines[self.pipeline]) if D > 1 else list(range(ctx.world_size))
-        # The planner's graph of the model, for its layer groups (node names match a fresh trace).
+        # The planner's graph of the model, for its layer groups; the model's own graph, captured
+        # the same way at the same batch, has the same node names.
         graph = capture_config(ctx.workload.model_cfg, max(d["micro_batch"], 1))
         table = group_table(graph)
-        gm = fx.GraphModule(model, FunctionalTracer().trace(model))
+        gm = model_graph(model, ctx.workload.model_cfg, max(d["micro_batch"], 1))
         cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
         tensors = {n.name for n in graph.nodes if n.is_tensor}
         module, loss_module = cut_graph(gm, table, tensors, cuts, self.stage_index)
@@ -70,10 +70,8 @@ class PipelineTrainer:
         self.optimizer = torch.optim.Adam(self.params, lr=method.lr)
         self.grad_clip = method.grad_clip
         self.world = ctx.world_size
-        # torch.fx's tracer leaves reference cycles that hold the whole model (its patched
-        # methods' closures keep the tracer, the tracer its root) until a collection: collected
-        # now, a rank holds its stage alone (tiny VGG19's last stage held the other stage's
-        # 2.2 MiB of convolutions through its set-up iterations).
+        # The captured graph module holds every parameter of the model (its get_attr targets), and
+        # capturing leaves reference cycles: dropped and collected now, a rank holds its stage alone.
         del gm
         gc.collect()
 

@@ -15,6 +15,16 @@ from bench.runner.configs import group_options
 from bench.runner.execute import run_case
 from tests.conftest import compose_config
 
+# What a model option needs on the command line besides its defaults (model=custom names its
+# module), and overrides that keep a zoo model's paper size quick to count.
+NEEDS = {"custom": ["model.factory=tests.zoo_custom:build",
+                    "model.inputs=[{shape:[3,32,32],dtype:float32},{shape:[],dtype:int64,high:10}]"]}
+QUICK_PAPER = {"hf": ["model.config.num_hidden_layers=1"]}
+
+
+def _model(model: str) -> list[str]:
+    return [f"model={model}", *NEEDS.get(model, [])]
+
 
 @pytest.mark.parametrize("method", group_options("method"))
 def test_every_method_instantiates_with_a_plan(method):
@@ -27,26 +37,26 @@ def test_every_method_instantiates_with_a_plan(method):
 @pytest.mark.parametrize("preset", group_options("preset"))
 @pytest.mark.parametrize("model", group_options("model"))
 def test_every_model_and_preset_instantiates(model, preset):
-    cfg = compose_config(f"model={model}", f"preset={preset}")
+    cfg = compose_config(*_model(model), f"preset={preset}", *(QUICK_PAPER.get(model, []) if preset == "paper" else []))
     spec = instantiate(cfg.model.spec, num_devices=4)
-    assert spec.name == model and spec.targets_per_sample >= 1
+    assert spec.name == cfg.model.name and spec.targets_per_sample >= 1
     assert cfg.preset.measured_iters >= 1
 
 
 @pytest.mark.parametrize("model", group_options("model"))
 def test_paper_preset_trains_64_samples_per_gpu_32_for_bert_moe(model):
-    cfg = compose_config(f"model={model}", "preset=paper", "cluster=paper_hetero")
+    cfg = compose_config(*_model(model), "preset=paper", "cluster=paper_hetero", *QUICK_PAPER.get(model, []))
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     per_gpu = 32 if model == "bert_moe" else 64  # HAP Sec. 7.1
     assert build_workload(cfg, cluster).global_batch == per_gpu * cluster.num_devices
-    cfg = compose_config(f"model={model}", "preset=paper", "preset.batch_per_device=16")
+    cfg = compose_config(*_model(model), "preset=paper", "preset.batch_per_device=16")
     assert cfg.preset.batch_per_device == 16  # the command line still overrides it
-    assert compose_config(f"model={model}").preset.batch_per_device == 8  # tiny is unchanged
+    assert compose_config(*_model(model)).preset.batch_per_device == 8  # tiny is unchanged
 
 
 @pytest.mark.parametrize("model", group_options("model"))
 def test_tiny_workloads_count_their_flops(model):
-    cfg = compose_config(f"model={model}")
+    cfg = compose_config(*_model(model))
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     workload = build_workload(cfg, cluster)
     assert workload.global_batch == cfg.preset.batch_per_device * 2
@@ -54,8 +64,13 @@ def test_tiny_workloads_count_their_flops(model):
     # counted once per process for equal configs; any field that differs is counted anew
     model_cfg = workload.model_cfg
     assert train_flops_per_sample(dataclasses.replace(model_cfg)) == workload.flops_per_sample
-    field = "vocab_size" if hasattr(model_cfg, "vocab_size") else "num_classes"
-    wider = dataclasses.replace(model_cfg, **{field: getattr(model_cfg, field) * 4})
+    if model == "hf":
+        wider = dataclasses.replace(model_cfg, config={"vocab_size": 2048})
+    elif model == "custom":
+        wider = dataclasses.replace(model_cfg, kwargs={"width": 32})
+    else:
+        field = "vocab_size" if hasattr(model_cfg, "vocab_size") else "num_classes"
+        wider = dataclasses.replace(model_cfg, **{field: getattr(model_cfg, field) * 4})
     assert train_flops_per_sample(wider) > workload.flops_per_sample
 
 

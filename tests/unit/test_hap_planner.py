@@ -278,8 +278,8 @@ def test_activations_count_what_autograd_keeps():
     # hands it its gradient); cross-entropy's inside, at its own backward. h and x need none.
     assert sorted(g.grads_in_flight()) == sorted([
         ("linear", "linear", "relu"), ("relu", "relu", "dropout"), ("dropout", "dropout", "mul_1"),
-        ("mul", "mul", "softmax"), ("softmax", "softmax", "mul_1"), ("add_1", "mul_1", "cross_entropy"),
-        ("add_1", "cross_entropy", "cross_entropy")])
+        ("mul", "mul", "softmax"), ("softmax", "softmax", "mul_1"), ("add_1", "mul_1", "cross_entropy_loss"),
+        ("add_1", "cross_entropy_loss", "cross_entropy_loss")])
 
 
 def _dp_cp_time(wl: Workload, cl: ClusterSpec) -> float:

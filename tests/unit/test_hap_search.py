@@ -286,9 +286,8 @@ def test_a_beam_returns_no_program_dearer_than_its_incumbent():
 def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     """Paper-size ViT-48 over paper_hetero's 8 machines: the bound proves the data-parallel
     program optimal. The incumbent's own prefixes score its cost up to rounding, so with a
-    strict comparison the search walked one of them to its end (271 states here, up to 1,305 in
-    the planner's later rounds); beating the incumbent by more than 1e-9 of its cost is what
-    counts."""
+    strict comparison the search walked one of them to its end (at least one state per step);
+    beating the incumbent by more than 1e-9 of its cost is what counts."""
     planner, wl, cl = paper_planning("model=vit", "+model.spec.num_layers=48", "cluster.gpus_per_machine=8")
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     dp_theory = data_parallel_theory(theory)
@@ -299,4 +298,4 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     dp = synthesize(dp_theory, dp_cost, beam_width=planner.beam_width)
     seeded = synthesize(theory, cost, beam_width=planner.beam_width, incumbent=dp)
     assert seeded.steps == dp.steps
-    assert seeded.stats.expanded < 50 < len(dp.steps)
+    assert seeded.stats.expanded < len(dp.steps) / 10

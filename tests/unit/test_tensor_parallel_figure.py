@@ -18,7 +18,7 @@ from bench.studies import figures
 from methods.capture import capture_config
 from methods.hap import tensor_parallel as tp
 from methods.hap.runtime import FixedPlanMethod
-from methods.hap.theory import IDENTITY, derive_theory, tensor_parallel_theory
+from methods.hap.theory import IDENTITY, REDUCE, derive_theory, tensor_parallel_theory
 from models.bert import BertConfig
 
 BATCH = 3  # no other dim of the tiny BERT is 3 or 3 x 64 long
@@ -58,7 +58,11 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
     point = tp.synthesize_at(theory, cluster, [[0.25] * 4], "EV")
     linears = [s for s in point.result.steps if graph[s.node].op == "linear"]
     assert linears and all(isinstance(s.rule.pre[1], int) for s in linears)
-    assert {r.name for r in (s.rule for s in linears)} == {"split-n", "reduce-k"}
+    # column parallel (weight rows split, output features split) and row parallel (weight
+    # columns split, partial sums)
+    out_dims = {len(graph[s.node].shape) - 1 for s in linears}
+    assert {(s.rule.pre[1], s.rule.post if s.rule.post == REDUCE else "last") for s in linears} == \
+        {(0, "last"), (1, REDUCE)} and len(out_dims) == 1
     kinds = {c.kind for s in point.result.steps for c in s.comms}
     assert {"all_reduce", "all_gather"} <= kinds
     assert all(c.impl in ("padded", "ring") for s in point.result.steps for c in s.comms)

@@ -1,0 +1,396 @@
+"""Sharding triples of ATen ops read from the strategies DTensor registers for them.
+
+torch.distributed.tensor knows, per ATen op, which placements of the inputs (Replicate,
+Shard(dim), Partial(sum)) let the op run on local shards and what placement the output then
+has. On a one-dimensional mesh that is exactly a Hoare triple of HAP's theory (Identity,
+Gather(dim), Reduce). `derive` asks DTensor the way its own dispatcher would, without a process
+group: an op's single-dimension strategy when it has one, else its strategy function given every
+candidate placement of every input, else the strategies DTensor derives by tracing the op's
+decomposition (CompositeImplicitAutograd ops such as linear, layer_norm, conv2d, matmul,
+cross_entropy). Attention (scaled_dot_product_attention), whose CPU kernel has no strategy, is
+asked as DTensor's fused-attention ops. It says nothing about cost, and nothing about HAP's
+uneven shard lengths (methods.hap.theory adds what those need).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import torch
+from torch import fx
+
+Layout = str | int
+aten = torch.ops.aten
+
+# At most this many input placement combinations are tried for one op (an op with many
+# tensor inputs, a long cat, keeps combinations with few sharded inputs).
+_MAX_COMBOS = 2048
+
+
+@functools.cache
+def _dtensor():
+    """DTensor's propagator, spec types and a one-device mesh without a process group (as
+    DTensor's own decomposition tracing uses: a size-1 mesh makes every length divisible)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    mesh = DeviceMesh("cpu", [0], _init_backend=False, _rank=0)
+    return dict(prop=DTensor._op_dispatcher.sharding_propagator, mesh=mesh, DTensorSpec=DTensorSpec,
+                TensorMeta=TensorMeta, OpSchema=OpSchema, OpSpec=OpSpec, OpStrategy=OpStrategy,
+                TupleStrategy=TupleStrategy, RuntimeSchemaInfo=RuntimeSchemaInfo, Partial=Partial, Replicate=Replicate, Shard=Shard)
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor arguments in argument order (repeats kept: mul(x, x) has two)."""
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a) if _is_tensor(a) else None)
+    return out
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _is_source(a: fx.Node) -> bool:
+    return a.op in ("placeholder", "get_attr")
+
+
+def derive(node: fx.Node) -> tuple[list[tuple[tuple[Layout, ...], Layout]], str] | None:
+    """(triples, how DTensor was asked) for one ATen node, or None when DTensor has no strategy
+    for its op. A triple is (a layout per tensor argument in argument order, the output's
+    layout); the all-Identity triple is implied and not listed. Layouts: "I", "R", or a dim."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    args = tensor_args(node)
+    if not args:
+        return None
+    key = _signature(node, args)
+    return _derive_cached(key, node, args)
+
+
+# Ops whose triples depend on the lengths of the dims (which dims a view merges or splits,
+# where a slice starts): derived per exact shape. Every other op's triples depend only on its
+# arguments' ranks and which of their dims have length 1 (DTensor's strategies and
+# decompositions do not look further on a one-device mesh), so one derivation serves every
+# node of that pattern: a deep model repeats its layers' ops at a few shapes.
+_SHAPE_DEPENDENT = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "expand_as", "split",
+                    "split_with_sizes", "slice", "select", "narrow", "pad", "constant_pad_nd", "index", "repeat",
+                    "roll", "unfold", "as_strided", "new_zeros", "new_ones", "new_full", "new_empty", "view_as",
+                    "reshape_as", "tile", "unbind", "chunk", "movedim", "squeeze", "index_select", "gather",
+                    "scatter", "take_along_dim", "diagonal", "tensor_split"}
+
+
+def _signature(node: fx.Node, args: list[fx.Node]) -> tuple:
+    """What a derivation reads: the op, each tensor argument's shape (or its pattern: rank and
+    which dims have length 1), dtype and whether it is a source, and the other arguments."""
+    def plain(a):
+        return "T" if _is_tensor(a) else repr(a)
+
+    exact = node.target._overloadpacket.__name__ in _SHAPE_DEPENDENT
+    rest = repr(fx.node.map_arg((node.args, node.kwargs), plain))
+
+    def shape(v):
+        return tuple(v.shape) if exact else tuple(int(n) == 1 for n in v.shape)
+
+    tensors = tuple((shape(a.meta["val"]), a.meta["val"].dtype, _is_source(a)) for a in args)
+    out = node.meta.get("val")
+    outs = tuple(shape(o) for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor))
+    return (node.target, tensors, outs, rest)
+
+
+_cache: dict[tuple, Any] = {}
+
+
+def _derive_cached(key: tuple, node: fx.Node, args: list[fx.Node]):
+    if key not in _cache:
+        try:
+            _cache[key] = _derive(node, args)
+        except Exception:  # a strategy that cannot be evaluated here: no rule, never a crash
+            _cache[key] = None
+    return _cache[key]
+
+
+def _derive(node: fx.Node, args: list[fx.Node]):
+    d = _dtensor()
+    prop, op = d["prop"], node.target
+    if op is aten.scaled_dot_product_attention.default:
+        return _attention(node, args)
+    n_out = _num_outputs(node)
+    if op in prop.op_single_dim_strategy_funcs:
+        info = prop.op_single_dim_strategy_funcs[op]
+        args_meta, kwargs_meta = _substitute(node, lambda a, i: _meta(a))
+        strategies = info.func(op, args_meta, kwargs_meta)
+        triples = []
+        for s in strategies:
+            outs, ins = s[:n_out], s[n_out:]
+            if len(ins) != len(args):
+                continue
+            triples.append((tuple(_layout(p) for p in ins), _out_layout(outs)))
+        return _valid(triples, node, args), "single-dim strategy"
+    if op in prop.op_strategy_funcs:
+        schema = _strategy_schema(node, args, prop.op_to_schema_info.get(op))
+        if schema is None:
+            return None
+        return _valid(_read(prop.op_strategy_funcs[op](schema), n_out), node, args), "strategy"
+    if op in EXTRA_DECOMPOSITIONS:
+        return _valid(_trace(EXTRA_DECOMPOSITIONS[op](node), node, args), node, args), "decomposition given here"
+    if prop.decomp_strategy.has_decomp(op):
+        prop.decomp_strategy.ensure_schema_info(op)
+        info = prop.op_to_schema_info.get(op)
+        if any(isinstance(x, (list, tuple)) and any(_is_tensor(y) for y in x) for x in node.args):
+            info = d["RuntimeSchemaInfo"](static_argnum=info.static_argnum if info else 100,
+                                          static_kwargkey=info.static_kwargkey if info else None, needs_pytree=True)
+        seeds = _seeds(args)
+        triples = []
+        for seed in seeds:
+            specs = iter(seed)
+            a, k = _substitute(node, lambda a, i, specs=specs: _spec(a, next(specs)))
+            schema = d["OpSchema"](op, a, k, schema_info=info)
+            strategy = prop.decomp_strategy.propagate_strategy(schema)
+            if strategy is None:
+                return None
+            triples += _read(strategy, n_out)
+        return _valid(triples, node, args), "decomposition"
+    return None
+
+
+def _one_hot(node: fx.Node):
+    """one_hot as a comparison with the class indices (what it computes), for DTensor to trace;
+    the indices (made from nothing, whole on every device) are made before tracing starts."""
+    classes = torch.arange(node.meta["val"].shape[-1], device="meta")
+    classes._spec = _dtensor()["DTensorSpec"](_dtensor()["mesh"], (_dtensor()["Replicate"](),),
+                                              tensor_meta=_dtensor()["TensorMeta"](classes.shape, (1,), classes.dtype))
+    return lambda x, num_classes=-1: torch.eq(x.unsqueeze(-1), classes).to(torch.int64)
+
+
+# Ops DTensor neither registers a strategy for nor can decompose: a decomposition of our own,
+# whose ops DTensor knows, is traced the way DTensor traces its own decompositions (each entry
+# makes the function to trace for a node).
+EXTRA_DECOMPOSITIONS = {aten.one_hot.default: _one_hot}
+
+
+def _trace(fn, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout | None]]:
+    """Each candidate placement combination of the arguments run through `fn` on meta tensors
+    under DTensor's placement tracking; a combination that needs a redistribution fails."""
+    from torch.distributed.tensor._decompositions import PlacementTrackingMode
+
+    d = _dtensor()
+    combos = list(itertools.islice(itertools.product(*[_candidates(a) for a in args]), _MAX_COMBOS))
+    triples = []
+    for combo in combos:
+        places = iter(combo)
+
+        def meta(a, i, places=places):
+            p = next(places)
+            t = torch.empty(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype, device="meta")
+            t._spec = _spec(a, p)
+            return t
+
+        call_args, call_kwargs = _substitute(node, meta)
+        try:
+            with PlacementTrackingMode(d["prop"], d["mesh"]):
+                out = fn(*call_args, **call_kwargs)
+        except Exception:
+            continue
+        spec = getattr(out, "_spec", None)
+        if spec is not None:
+            triples.append((tuple(_layout(p) for p in combo), _layout(spec.placements[0])))
+    return triples
+
+
+def _num_outputs(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return len(val) if isinstance(val, (tuple, list)) else 1
+
+
+def _substitute(node: fx.Node, fn):
+    """The node's args and kwargs with the i-th tensor argument replaced by fn(arg, i)."""
+    counter = itertools.count()
+    return fx.node.map_arg((node.args, node.kwargs), lambda a: fn(a, next(counter)) if _is_tensor(a)
+                           else a.meta.get("val", a))
+
+
+def _meta(a: fx.Node):
+    """The argument's shape and dtype, contiguous: placements do not depend on strides, and
+    DTensor's decomposition tracing makes contiguous tensors (a transposed stride then fails
+    the views of the decomposition)."""
+    v = a.meta["val"]
+    strides, step = [], 1
+    for n in reversed(v.shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return _dtensor()["TensorMeta"](v.shape, tuple(reversed(strides)), v.dtype)
+
+
+def _spec(a: fx.Node, placement):
+    d = _dtensor()
+    return d["DTensorSpec"](d["mesh"], (placement,), tensor_meta=_meta(a))
+
+
+def _candidates(a: fx.Node) -> list:
+    """Placements an argument may come in: whole, split along a dim longer than 1, or (a
+    numeric tensor) partial sums. A source (input, parameter) is never made partial, but a
+    triple that wants it partial is one the first device can run with it whole
+    (methods.hap.theory, first-device-only)."""
+    d = _dtensor()
+    v = a.meta["val"]
+    out = [d["Replicate"]()] + [d["Shard"](i) for i in range(v.dim()) if v.shape[i] > 1]
+    if v.dtype != torch.bool:
+        out.append(d["Partial"]())
+    return out
+
+
+def _seeds(args: list[fx.Node]) -> list[tuple]:
+    """Input placements whose union makes DTensor's decomposition tracing try every candidate:
+    it tries Replicate, each placement it is shown on any input, and every Shard of every
+    input once it is shown one; so one input partial and another split, or, with a single
+    input that could be both, one seed of each."""
+    d = _dtensor()
+    shardable = [a for a in args if any(s > 1 for s in a.meta["val"].shape)]
+    numeric = [a for a in args if a.meta["val"].dtype != torch.bool]
+    partial = next((a for a in numeric if not _is_source(a)), numeric[-1] if numeric else None)
+
+    def seed(p_arg, s_arg):
+        out = []
+        for a in args:
+            if a is p_arg:
+                out.append(d["Partial"]())
+            elif a is s_arg:
+                out.append(d["Shard"](next(i for i, s in enumerate(a.meta["val"].shape) if s > 1)))
+            else:
+                out.append(d["Replicate"]())
+        return tuple(out)
+
+    other = next((a for a in shardable if a is not partial), None)
+    if partial is None or other is not None:
+        return [seed(partial, other)]
+    return [seed(partial, None), seed(None, partial)]
+
+
+def _strategy_schema(node: fx.Node, args: list[fx.Node], schema_info):
+    """The op's schema with every tensor argument as an OpStrategy of all its candidates."""
+    d = _dtensor()
+    combos = 1
+    for a in args:
+        combos *= len(_candidates(a))
+    if combos > _MAX_COMBOS:
+        return None
+
+    def strategy(a, i):
+        return d["OpStrategy"]([d["OpSpec"](_spec(a, p)) for p in _candidates(a)])
+
+    a, k = _substitute(node, strategy)
+    a = tuple(d["TupleStrategy"](tuple(x)) if isinstance(x, (list, tuple)) and x and
+              all(isinstance(y, d["OpStrategy"]) for y in x) else x for x in a)
+    return d["OpSchema"](node.target, a, k, schema_info=schema_info)
+
+
+def _read(strategy, n_out: int, first_only: bool = False) -> list[tuple[tuple, Layout | None]]:
+    """Triples of an OpStrategy (a TupleStrategy, for a list output, gives none); with
+    `first_only`, the first output's placement is the output's."""
+    d = _dtensor()
+    if isinstance(strategy, d["TupleStrategy"]):
+        return []
+    triples = []
+    for spec in strategy.strategies:
+        outs = spec.output_specs
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        out_places = [o.placements[0] if o is not None else None for o in outs]
+        if first_only:
+            out_places = out_places[:1]
+        if spec.input_specs is None:
+            ins = None
+        else:
+            ins = tuple(_layout(s.placements[0]) for s in spec.input_specs)
+        triples.append((ins, _out_layout(out_places)))
+    return triples
+
+
+def _layout(p) -> Layout | None:
+    d = _dtensor()
+    if type(p) is d["Replicate"]:
+        return "I"
+    if type(p) is d["Partial"]:
+        return "R" if p.reduce_op == "sum" else None
+    if type(p) is d["Shard"]:
+        return p.dim
+    if type(p).__name__ == "_ShardingPlaceholder":
+        return p.dim
+    return None  # strided shards, masked partials (vocabulary-parallel), avg / max partials
+
+
+def _out_layout(outs) -> Layout | None:
+    layouts = {_layout(p) for p in outs if p is not None}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def _valid(triples, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple[Layout, ...], Layout]]:
+    """Triples HAP's layouts can express: every placement known, no split along a dim of
+    length 1 (HAP keeps those whole on every device), the all-Identity triple left out."""
+    out_val = node.meta["val"]
+    out_shape = out_val.shape if isinstance(out_val, torch.Tensor) else out_val[0].shape
+    good = []
+    for ins, post in triples:
+        if ins is None:
+            ins = tuple(post for _ in args)
+        if post is None or any(p is None for p in ins) or len(ins) != len(args):
+            continue
+        if isinstance(post, int) and out_shape[post] <= 1:
+            continue
+        if any(isinstance(p, int) and a.meta["val"].shape[p] <= 1 for p, a in zip(ins, args)):
+            continue
+        if post == "I" and all(p == "I" for p in ins):
+            continue
+        if post == "R" and all(p == "I" for p in ins):
+            continue
+        good.append((tuple(ins), post))
+    return list(dict.fromkeys(good))
+
+
+def _attention(node: fx.Node, args: list[fx.Node]):
+    """scaled_dot_product_attention as DTensor's fused attention: the memory-efficient kernel's
+    strategy when a mask is given (its attention bias), the flash kernel's otherwise."""
+    d = _dtensor()
+    prop = d["prop"]
+    a = node.args
+    kw = node.kwargs
+    mask = a[3] if len(a) > 3 else kw.get("attn_mask")
+    dropout = a[4] if len(a) > 4 else kw.get("dropout_p", 0.0)
+    causal = a[5] if len(a) > 5 else kw.get("is_causal", False)
+    gqa = a[7] if len(a) > 7 else kw.get("enable_gqa", False)
+    q, k, v = a[0], a[1], a[2]
+    if gqa and q.meta["val"].shape[1] != k.meta["val"].shape[1]:
+        return None  # grouped-query heads: no fused strategy lines them up
+    if isinstance(mask, fx.Node) and mask.meta["val"].dtype != torch.bool:
+        fused, fargs = aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, False, dropout, causal)
+    elif isinstance(mask, fx.Node):
+        # A boolean mask is an additive bias of 0 and -inf: the same placements.
+        fused, fargs = aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, False, dropout, causal)
+    else:
+        fused, fargs = aten._scaled_dot_product_flash_attention.default, (q, k, v, dropout, causal, False)
+    fake = fx.Graph().create_node("call_function", fused, fargs)
+    fake.meta["val"] = node.meta["val"]
+    fn = prop.op_strategy_funcs.get(fused)
+    if fn is None:
+        return None
+    targs = [x for x in fargs if _is_tensor(x)]
+    schema = _strategy_schema(fake, targs, prop.op_to_schema_info.get(fused))
+    if schema is None:
+        return None
+    triples = []
+    for ins, post in _read(fn(schema), 1, True):
+        if ins is not None and isinstance(mask, fx.Node):
+            # A mask that broadcasts along a dim (heads: length 1) is whole on every device.
+            m = list(ins[3:4])
+            if m and isinstance(m[0], int) and mask.meta["val"].shape[m[0]] == 1:
+                ins = ins[:3] + ("I",) + ins[4:]
+        triples.append((ins[:len(targs)] if ins is not None else None, post))
+    triples = _valid(triples, fake, targs)
+    # Back to the node's own tensor arguments (q, k, v[, mask]).
+    return [(ins[:len(args)], post) for ins, post in triples if len(ins) >= len(args)], "fused-attention strategy"

@@ -1,0 +1,198 @@
+"""Task adapters: any module that maps inputs to logits, made into the harness's contract.
+
+The harness trains modules whose forward takes a batch (batch dim first) and returns the loss
+summed over it, and needs synthetic batches, the loss terms and tokens per sample. A task says
+how: `TaskLoss` wraps a backbone and computes the summed cross-entropy of its logits; `Task`
+draws the batches. Tasks: causal_lm (next-token prediction), masked_lm (a fixed number of
+masked tokens per sample, so every sample adds as many loss terms), seq_cls (a label per
+sequence) and image_cls (a label per image). It does not build models (models.hf, models.custom).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TASKS = ("causal_lm", "masked_lm", "seq_cls", "image_cls")
+# The share of a sample's tokens masked_lm masks (BERT's 15%), at least one.
+MASK_SHARE = 0.15
+IGNORE_INDEX = -100  # cross_entropy's default: the masked LM's unmasked positions
+
+
+def plain(x):
+    """`x` with mappings and sequences made dicts and lists (config nodes arrive as Hydra's
+    containers)."""
+    from collections.abc import Mapping, Sequence
+
+    if isinstance(x, Mapping):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        return [plain(v) for v in x]
+    return x
+
+
+def logits_of(out) -> torch.Tensor:
+    """A backbone's logits: a tensor, an output object's `.logits`, or a tuple's first item."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"the model returned {type(out).__name__}; a task adapter needs logits (a tensor, an object "
+                    "with .logits, or a tuple whose first item is the logits)")
+
+
+class TaskLoss(nn.Module):
+    """`backbone` with its task's summed cross-entropy: forward(inputs, targets) -> scalar.
+
+    Args:
+        backbone: the model; called as backbone(input_ids=...) / backbone(pixel_values=...)
+            when `keyword` is set (Hugging Face models), else positionally.
+        task: one of TASKS.
+        keyword: the backbone's keyword for the inputs, or None.
+    """
+
+    def __init__(self, backbone: nn.Module, task: str, keyword: str | None = None, export_key: str | None = None):
+        super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"task={task!r} is unknown; known: {', '.join(TASKS)}")
+        self.m = backbone
+        self.task = task
+        self.keyword = keyword
+        self.export_key = export_key  # the model config's repr: meta forwards share one export
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if inputs.device.type == "meta" and not _fake(inputs):
+            return self._on_meta(inputs, targets)
+        out = self.m(**{self.keyword: inputs}) if self.keyword else self.m(inputs)
+        logits = logits_of(out)
+        if self.task in ("causal_lm", "masked_lm"):
+            # (B, S, V) against (B, S); masked_lm's unmasked positions are IGNORE_INDEX
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
+                                   ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits, targets, reduction="sum")
+
+
+    def _on_meta(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss on meta tensors (shapes only, as the harness counts FLOPs): library code
+        that checks values when it is not being traced (transformers' masks ask whether a mask
+        is all ones) cannot run there, so forward runs as torch.export captures it."""
+        key = None if self.export_key is None else (self.export_key, tuple(inputs.shape), tuple(targets.shape))
+        program = _exported.get(key) if key is not None else None
+        if program is None:
+            program = export(self, (inputs, targets))
+            if key is not None:
+                _exported[key] = program
+                while len(_exported) > 4:
+                    _exported.popitem(last=False)
+        return program.module()(inputs, targets)
+
+
+_exported: OrderedDict = OrderedDict()
+
+
+def export(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) of `module`, quiet: on a refusal export logs the guard and
+    prints the graph so far; the refusal is raised (describe_export_error says it in a line)."""
+    quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return torch.export.export(module, inputs, strict=False)
+    finally:
+        quiet.setLevel(level)
+
+
+def describe_export_error(exc: BaseException) -> str:
+    """The construct export stopped at: the innermost frame outside torch, and the error's first line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    where = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)), None)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    place = f" at {os.path.basename(where.filename)}:{where.lineno} ({(where.line or '').strip()})" if where else ""
+    return f"{type(exc).__name__}{place}: {first[:300]}"
+
+
+def check_export(model: nn.Module, batch: tuple, what: str, fix: str) -> None:
+    """ValueError in one line (the model, the construct export refused, the fix) unless
+    torch.export can capture `model` on `batch` (meta tensors: nothing is allocated)."""
+    try:
+        model(*batch) if isinstance(model, TaskLoss) else export(model, tuple(batch))
+    except Exception as exc:  # export raises many types; each becomes one line
+        raise ValueError(f"{what}: torch.export (non-strict) refused {describe_export_error(exc)}; {fix}") from None
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a task's batches look like.
+
+    Attributes:
+        name: one of TASKS.
+        seq_len: tokens per sample (language tasks).
+        vocab_size: token ids are below it (language tasks); masked_lm's mask token is the last id.
+        num_labels: classes (classification tasks).
+        image_size, channels: image tasks' (channels, image_size, image_size) pixels.
+    """
+
+    name: str
+    seq_len: int = 0
+    vocab_size: int = 0
+    num_labels: int = 0
+    image_size: int = 0
+    channels: int = 3
+
+    @property
+    def masked_per_sample(self) -> int:
+        return max(1, math.floor(MASK_SHARE * self.seq_len + 0.5))
+
+    @property
+    def targets_per_sample(self) -> int:
+        if self.name == "causal_lm":
+            return self.seq_len
+        if self.name == "masked_lm":
+            return self.masked_per_sample
+        return 1
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return None if self.name == "image_cls" else self.seq_len
+
+    def synthetic_batch(self, batch_size: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random (inputs, targets) for `batch_size` samples."""
+        g = generator
+        if self.name == "image_cls":
+            images = torch.randn((batch_size, self.channels, self.image_size, self.image_size), generator=g)
+            return images, torch.randint(0, self.num_labels, (batch_size,), generator=g)
+        if self.name == "causal_lm":
+            # S + 1 tokens per sample: the targets are the inputs shifted by one
+            window = torch.randint(0, self.vocab_size, (batch_size, self.seq_len + 1), generator=g)
+            return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        tokens = torch.randint(0, self.vocab_size - 1, (batch_size, self.seq_len), generator=g)
+        if self.name == "seq_cls":
+            return tokens, torch.randint(0, self.num_labels, (batch_size,), generator=g)
+        # masked_lm: the same number of positions in every sample, so each adds as many terms
+        order = torch.rand((batch_size, self.seq_len), generator=g).argsort(dim=1)
+        masked = torch.zeros((batch_size, self.seq_len), dtype=torch.bool).scatter(
+            1, order[:, :self.masked_per_sample], True)
+        labels = torch.where(masked, tokens, torch.full_like(tokens, IGNORE_INDEX))
+        inputs = torch.where(masked, torch.full_like(tokens, self.vocab_size - 1), tokens)
+        return inputs, labels
