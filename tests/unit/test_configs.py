@@ -155,7 +155,7 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
     (["measured_iter=3"], "measured_iter is not an option (options: mode, precision, seed,"),
     (["data=5"], "data=5: Invalid type assigned: int is not a subclass of DataSettings. value: 5; give data "
                  "the shape it has in the config"),
-    (["method=nosuch"], "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, hap, sfb"),
+    (["method=nosuch"], "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, fsdp, fsdp_cp, hap, pipeline, sfb"),
     (["+preset.extra=1"], None),  # a key of one's own, with +: composes
 ])
 def test_a_key_no_schema_has_or_a_node_of_the_wrong_shape_is_one_line_at_compose(overrides, line):
