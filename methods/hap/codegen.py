@@ -11,6 +11,10 @@ The first call interprets the instructions and records every tensor it makes as 
 new fx graph (shard lengths, sizes and which ops see an empty shard are fixed for a rank, so
 they become constants); later calls run that GraphModule, straight-line code with no per-node
 dispatch (`RankProgram.module.code`).
+
+One module because it is one class: compiling the steps, interpreting them once and recording
+the result share the instruction format and the rank's fixed shard sizes; split, each part
+would reach into the others' state.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ Layouts of a tensor t across the devices:
     "R"    Reduce:   every device holds a full-shape partial; their sum is t.
     d:int  Gather(d): device i holds slice i of t along dim d; concatenated they are t.
 A dim of length 1 is never sharded.
+
+Long because the theory is one vocabulary: layouts, triples, communication triples, HAP's own
+rules and the derived theories (data parallel, tensor parallel) are written in terms of each
+other; DTensor's side lives in methods.hap.dtensor_rules.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
     here.mkdir()
     write_own_configs(here)
     own = start_all([*python, "-m", "bench.cli", "run"], here, env,
-                    {name: GOOD[name] for name in ("device", "cluster", "experiment")})
+                    {name: GOOD[name] for name in ("device", "cluster", "experiment", "model") if name in GOOD})
     procs = [subprocess.Popen([*python, *args], cwd=elsewhere, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for args in (["-c", probe], run, ["-m", "bench.cli", "run", "--config-dir", "lab/mine", "cluster=nowhere"])]

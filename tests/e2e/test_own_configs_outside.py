@@ -1,10 +1,11 @@
 """A folder of one's own configs, outside the repository, as docs/own-configs.md shows it: a cluster
-with a device type of its own, the same through hydra.searchpath, an experiment; and the one-line
-errors. Run from a directory outside the checkout (here) and on an installed wheel
+with a device type of its own, the same through hydra.searchpath, an experiment, a model (a
+Hugging Face architecture, where the `zoo` extra is installed); and the one-line errors. Run from a directory outside the checkout (here) and on an installed wheel
 (tests/e2e/test_install.py runs the same commands there)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+HAS_ZOO = importlib.util.find_spec("transformers") is not None
 
 pytestmark = pytest.mark.e2e
 
@@ -50,12 +53,25 @@ hydra:
       method: dp_ev,dp_cp
 mode: sim
 """
+LAB_LLAMA = """\
+# A small Llama of our lab's shape, from transformers' LlamaConfig with random weights.
+defaults:
+  - hf
+  - _self_
+name: lab_llama
+arch: llama
+config:
+  num_hidden_layers: 2
+  hidden_size: 64
+  num_attention_heads: 4
+  intermediate_size: 128
+"""
 
 
 def write_own_configs(where: Path) -> None:
     """mine/ (a cluster, its device type, an experiment) and broken/ (a cluster that does not parse)."""
     files = {"mine/device/LabGPU.yaml": LAB_GPU, "mine/cluster/lab.yaml": LAB,
-             "mine/experiment/lab_methods.yaml": LAB_METHODS, "broken/cluster/lab.yaml": "name: lab\nmachines: [\n"}
+             "mine/experiment/lab_methods.yaml": LAB_METHODS, "mine/model/lab_llama.yaml": LAB_LLAMA, "broken/cluster/lab.yaml": "name: lab\nmachines: [\n"}
     for name, text in files.items():
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         (where / name).write_text(text)
@@ -67,6 +83,7 @@ GOOD = {
     "cluster": ["--config-dir", "mine", "mode=sim", "cluster=lab"],
     "experiment": ["-m", "--config-dir", "mine", "experiment=lab_methods"],
     "searchpath": ["mode=sim", "cluster=lab", "hydra.searchpath=[file://{here}/mine]"],
+    **({"model": ["--config-dir", "mine", "mode=sim", "model=lab_llama"]} if HAS_ZOO else {}),
 }
 BAD = {
     "no_folder": (["--config-dir", "nowhere", "mode=sim"],
@@ -116,6 +133,11 @@ def check_good(here: Path, done: dict) -> None:
         assert files["device/LabGPU"] == str(here / "mine" / "device" / "LabGPU.yaml")
         assert files["device/V100-16"] == "conf/device/V100-16.yaml"  # the packaged one
         assert row["config"]["config_dirs"] == [str(here / "mine")]
+    if "model" in rows:
+        (row,) = rows["model"]
+        assert row["status"] == "ok" and row["model"] == "lab_llama", row.get("error")
+        assert row["config"]["config_files"]["model"] == str(here / "mine" / "model" / "lab_llama.yaml")
+        assert row["config"]["model"]["config"]["num_hidden_layers"] == 2
     assert [(r["method"], r["status"], r["cluster"]) for r in rows["experiment"]] == [
         ("dp_ev", "ok", "lab"), ("dp_cp", "ok", "lab")]
     files = rows["experiment"][0]["config"]["config_files"]
