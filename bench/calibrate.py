@@ -62,26 +62,50 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i]: calibrate one device's steps instead")
     parser.add_argument("--device-type", default=None, help="with --device: the conf/device type it is")
-    parser.add_argument("--profile", default=None, help="with --device: that type's compute profile (bench.profile "
-                        "--compute-out); with --reprice: price with this profile instead of the file's")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="with --device: that type's compute profile (bench.profile "
+        "--compute-out); with --reprice: price with this profile instead of the file's",
+    )
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="with --device: batch sizes")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                        help="with --device: what the steps run at (fp32: TF32 off; tf32; bf16: autocast); the "
-                             "profile must have been measured at the same")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="with --device: what the steps run at (fp32: TF32 off; tf32; bf16: autocast); the "
+        "profile must have been measured at the same",
+    )
     parser.add_argument("--preset", default="paper", help="with --device: model sizes")
-    parser.add_argument("--reprice", type=Path, default=None,
-                        help="an earlier --device calibration file: its measured steps against today's cost model")
-    parser.add_argument("--rows", type=Path, nargs="+", default=None,
-                        help="records files (or results dirs) of earlier real runs: summarise their rows (the last "
-                             "aggregate per model, cluster and method, e.g. bench.compare's) instead of running; "
-                             "model=, cluster= and method= pick among them")
-    parser.add_argument("--merge", type=Path, nargs="+", default=None,
-                        help="calibration files of emulated cases (runs split to keep each short): one summary "
-                             "over all their cases")
-    parser.add_argument("overrides", nargs="*",
-                        help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
-                             f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
-                             "method=every method that runs for real), as in compare and -m sweeps")
+    parser.add_argument(
+        "--reprice",
+        type=Path,
+        default=None,
+        help="an earlier --device calibration file: its measured steps against today's cost model",
+    )
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="records files (or results dirs) of earlier real runs: summarise their rows (the last "
+        "aggregate per model, cluster and method, e.g. bench.compare's) instead of running; "
+        "model=, cluster= and method= pick among them",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="calibration files of emulated cases (runs split to keep each short): one summary over all their cases",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="runner overrides, e.g. measured_iters=10; model=, cluster= and method= take "
+        f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
+        "method=every method that runs for real), as in compare and -m sweeps",
+    )
     argv = command_argv(argv)
     if argv is None:
         return 2
@@ -92,8 +116,11 @@ def main(argv: list[str]) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"error: --merge: {exc!r}; give files written by bench.calibrate (emulated cases)", file=sys.stderr)
             return 2
-        summary = {**summarize(rows), "merged": [str(p) for p in args.merge],
-                   "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        summary = {
+            **summarize(rows),
+            "merged": [str(p) for p in args.merge],
+            "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
         print_summary(summary)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,12 +134,16 @@ def main(argv: list[str]) -> int:
             precision = earlier.get("precision", "fp32")  # files before it was recorded ran at fp32's switches
             check_profile_precision(cluster, precision)
         except (OSError, ValueError, KeyError, ConfigError) as exc:
-            print(f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
-                  file=sys.stderr)
+            print(
+                f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
+                file=sys.stderr,
+            )
             return 2
-        print_single_device(repriced_rows(earlier["rows"], cluster, args.preset, precision),
-                            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
-                            + (f" with {args.profile}" if args.profile else ""))
+        print_single_device(
+            repriced_rows(earlier["rows"], cluster, args.preset, precision),
+            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
+            + (f" with {args.profile}" if args.profile else ""),
+        )
         return 0
     if args.device is not None:
         if not (args.device_type and args.profile):
@@ -123,20 +154,42 @@ def main(argv: list[str]) -> int:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                           f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json")
+        out = args.out or (
+            PROJECT_DIR / "results" / "calibration" / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json"
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
-        about = {"device_type": args.device_type, "profile": args.profile, "precision": args.precision,
-                 "hardware": rank_hardware(torch.device(args.device)), **fingerprint()}
+        about = {
+            "device_type": args.device_type,
+            "profile": args.profile,
+            "precision": args.precision,
+            "hardware": rank_hardware(torch.device(args.device)),
+            **fingerprint(),
+        }
 
         def write(rows: list[dict], summary: dict | None = None) -> None:
             # after every step, so a run cut short leaves what it measured (--reprice reads it)
-            out.write_text(json.dumps({**(summary or {"partial": True}), **about, "rows": rows,
-                                       "written_at": datetime.now(UTC).isoformat(timespec="seconds")},
-                                      indent=1) + "\n")
+            out.write_text(
+                json.dumps(
+                    {
+                        **(summary or {"partial": True}),
+                        **about,
+                        "rows": rows,
+                        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
 
-        rows = single_device_rows(args.models.split(","), [int(b) for b in args.batches.split(",")],
-                                  args.device, cluster, args.preset, on_row=write, precision=args.precision)
+        rows = single_device_rows(
+            args.models.split(","),
+            [int(b) for b in args.batches.split(",")],
+            args.device,
+            cluster,
+            args.preset,
+            on_row=write,
+            precision=args.precision,
+        )
         write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
         print(f"wrote {out}")
         return 0
@@ -157,14 +210,20 @@ def main(argv: list[str]) -> int:
         chosen = {k.partition("=")[0]: k.partition("=")[2].split(",") for k in args.overrides if "=" in k}
         rows = recorded_rows(args.rows, chosen.get("model"), chosen.get("cluster"), chosen.get("method"))
         if not rows:
-            print(f"error: --rows {' '.join(map(str, args.rows))}: no real rows there (of the chosen models, "
-                  "clusters and methods); give records of bench.run, bench.compare or bench.calibrate", file=sys.stderr)
+            print(
+                f"error: --rows {' '.join(map(str, args.rows))}: no real rows there (of the chosen models, "
+                "clusters and methods); give records of bench.run, bench.compare or bench.calibrate",
+                file=sys.stderr,
+            )
             return 2
     else:
         try:
-            configs = [compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}",
-                                        f"method={meth}")
-                       for m in lists["model"] for c in lists["cluster"] for meth in lists["method"]]
+            configs = [
+                compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+                for m in lists["model"]
+                for c in lists["cluster"]
+                for meth in lists["method"]
+            ]
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -175,12 +234,11 @@ def main(argv: list[str]) -> int:
         else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
             rows = []
             for i in range(0, len(configs), len(lists["method"])):
-                group = {c.method_name: c for c in configs[i:i + len(lists["method"])]}
+                group = {c.method_name: c for c in configs[i : i + len(lists["method"])]}
                 rows += [vars(r) for r in run_rounds(group, repeats)]
     summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)
-    out = args.out or (PROJECT_DIR / "results" / "calibration" /
-                       f"{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
+    out = args.out or (PROJECT_DIR / "results" / "calibration" / f"{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")

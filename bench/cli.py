@@ -32,8 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: hetbench <command> [args...]   (hetbench <command> --help for its options)", "",
-             "commands:"]
+    lines = ["usage: hetbench <command> [args...]   (hetbench <command> --help for its options)", "", "commands:"]
     lines += [f"  {name:{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -45,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)} "
-              "(hetbench --help lists them)", file=sys.stderr)
+        print(
+            f"error: unknown command {command!r}; use one of: {', '.join(COMMANDS)} (hetbench --help lists them)",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(COMMANDS[command][0])
     if command == "run":

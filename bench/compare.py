@@ -81,8 +81,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows = [r.__dict__ for r in records]
-    print_table(rows, title=f"hetbench compare: {rows[0]['model']}-{rows[0]['preset']} on "
-                            f"{rows[0]['cluster']} ({rows[0]['mode']})")
+    print_table(
+        rows,
+        title=f"hetbench compare: {rows[0]['model']}-{rows[0]['preset']} on {rows[0]['cluster']} ({rows[0]['mode']})",
+    )
     cfg = compose_settings(*(o for o in argv if not o.startswith("method=")))
     track_sweep(make_trackers(cfg), [asdict(r) for r in records], results_file(cfg))
     return 0 if all(r.status == "ok" for r in records) else 1

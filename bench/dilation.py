@@ -38,12 +38,15 @@ def main(argv: list[str]) -> int:
         runs = int(argv[0]) if argv else 10
         speeds = tuple(float(s) for s in argv[1:]) or SPEEDS
     except ValueError:
-        print(f"error: usage: python -m bench.dilation [RUNS] [SPEED ...] [key=value ...]; got {' '.join(argv)}",
-              file=sys.stderr)
+        print(
+            f"error: usage: python -m bench.dilation [RUNS] [SPEED ...] [key=value ...]; got {' '.join(argv)}",
+            file=sys.stderr,
+        )
         return 2
     if runs < 1 or not all(0 < s <= 1 for s in speeds):
-        print("error: RUNS must be >= 1 and each SPEED in (0, 1]; e.g. python -m bench.dilation 10 0.5",
-              file=sys.stderr)
+        print(
+            "error: RUNS must be >= 1 and each SPEED in (0, 1]; e.g. python -m bench.dilation 10 0.5", file=sys.stderr
+        )
         return 2
     results = [measure(speeds, overrides) for _ in track(range(runs), "dilation runs")]
     table = Table(title=f"achieved dilation x speed (1.000 = exactly 1/speed), {runs} runs")

@@ -29,9 +29,13 @@ matplotlib.use("Agg")
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="+", help=f"figure names or 'all': {', '.join(FIGURES)}; then "
-                        f"runner overrides for the experiment figures ({', '.join(EXPERIMENT_FIGURES)}), "
-                        "e.g. model=bert method=dp_ev,hap")
+    parser.add_argument(
+        "names",
+        nargs="+",
+        help=f"figure names or 'all': {', '.join(FIGURES)}; then "
+        f"runner overrides for the experiment figures ({', '.join(EXPERIMENT_FIGURES)}), "
+        "e.g. model=bert method=dp_ev,hap",
+    )
     parser.add_argument("--out", type=Path, default=FIGURE_DIR)
     argv = command_argv(argv)
     if argv is None:
@@ -42,13 +46,17 @@ def main(argv: list[str]) -> int:
     names = list(FIGURES) if names == ["all"] else names
     unknown = [n for n in names if n not in FIGURES]
     if unknown or not names:
-        print(f"error: figure {', '.join(unknown) or '(none)'} is unknown; known: {', '.join(FIGURES)}",
-              file=sys.stderr)
+        print(
+            f"error: figure {', '.join(unknown) or '(none)'} is unknown; known: {', '.join(FIGURES)}", file=sys.stderr
+        )
         return 2
     fixed = [n for n in names if n not in EXPERIMENT_FIGURES]
     if overrides and fixed:
-        print(f"error: figure {', '.join(fixed)} takes no overrides ({' '.join(overrides)}); only "
-              f"{', '.join(EXPERIMENT_FIGURES)} do: run those alone with overrides", file=sys.stderr)
+        print(
+            f"error: figure {', '.join(fixed)} takes no overrides ({' '.join(overrides)}); only "
+            f"{', '.join(EXPERIMENT_FIGURES)} do: run those alone with overrides",
+            file=sys.stderr,
+        )
         return 2
     try:
         for name in track(names, "figures"):

@@ -24,7 +24,9 @@ def _layout(v: Any) -> str:
     return {"I": "I", "R": "R"}.get(v, f"G{v}") if isinstance(v, str) else f"G{v}"
 
 
-def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60, planner_time_s: float | None = None) -> str:
+def format_plan(
+    plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60, planner_time_s: float | None = None
+) -> str:
     """The plan as text: ratios, predicted time and memory, collectives, per-op decisions."""
     d = plan.details
     lines = [f"method {plan.method} on {cluster.describe()}"]
@@ -37,8 +39,10 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
     cov = d.get("rule_coverage")
     if cov:
         missing = ", ".join(f"{op} x{n}" for op, n in cov.get("uncovered_ops", {}).items()) or "none"
-        lines.append(f"sharding rules: {cov['ops_covered']} of {cov['ops']} ops ({100 * cov['ops_share']:.1f}%), "
-                     f"{100 * cov['flops_share']:.2f}% of FLOPs; ops without a rule, run replicated: {missing}")
+        lines.append(
+            f"sharding rules: {cov['ops_covered']} of {cov['ops']} ops ({100 * cov['ops_share']:.1f}%), "
+            f"{100 * cov['flops_share']:.2f}% of FLOPs; ops without a rule, run replicated: {missing}"
+        )
     if isinstance(plan.program, PipelineProgram):
         lines += _pipeline_lines(plan.program, cluster)
     elif plan.program is not None and plan.ratios is not None:
@@ -53,7 +57,10 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
         for s, row in enumerate(plan.ratios):
             cells = " ".join(f"{r:.4f}" for r in row)
             lines.append(f"  [{s}] {cells}")
-        lines.append("virtual devices: " + ", ".join(f"{v.index}: {v.num_gpus} GPU(s) {v.flops / 1e12:.3g} TFLOP/s" for v in vdevs))
+        lines.append(
+            "virtual devices: "
+            + ", ".join(f"{v.index}: {v.num_gpus} GPU(s) {v.flops / 1e12:.3g} TFLOP/s" for v in vdevs)
+        )
         kinds: Counter = Counter()
         times: Counter = Counter()
         for st, (comm, _) in zip(plan.program.stages, sim.stage_times):
@@ -73,7 +80,8 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
             srcs = " ".join(f"{t}:{_layout(lay)}" for t, lay in s.get("sources", []))
             comms = "; ".join(
                 f"{c['kind']}({c['tensor']} {_layout(c['src'])}->{_layout(c['dst'])}"
-                + (f", {c['impl']}" if c.get("impl") not in (None, "ring") else "") + ")"
+                + (f", {c['impl']}" if c.get("impl") not in (None, "ring") else "")
+                + ")"
                 for c in s.get("comms", [])
             )
             line = f"  {s['node']:<22} {s.get('op') or '':<14} {s['rule']:<22} ({pre}) -> {_layout(s['post'])}"
@@ -85,7 +93,9 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
                 line += f"  creates {srcs}"
             lines.append(line)
         if max_steps is not None and len(shown) < len(steps):
-            lines.append(f"  ... {len(steps) - len(shown)} more ops without collectives or parameters (--all shows them)")
+            lines.append(
+                f"  ... {len(steps) - len(shown)} more ops without collectives or parameters (--all shows them)"
+            )
     elif d:
         lines.append("details: " + json.dumps({k: v for k, v in d.items() if k != "program"}, default=str)[:2000])
     return "\n".join(lines)
@@ -94,14 +104,18 @@ def format_plan(plan: Plan, cluster: ClusterSpec, *, max_steps: int | None = 60,
 def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]:
     """A pipeline's stages (its layer groups, ranks, predicted compute and memory)."""
     sim = simulate(program, cluster, None)
-    lines = [f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
-             + ("  ** OOM **" if sim.oom else ""),
-             f"{program.num_pipelines} pipeline(s) of {program.num_stages} stages, {program.schedule}, "
-             f"{program.num_micro_batches} micro-batches of {program.micro_batch} samples"]
+    lines = [
+        f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
+        + ("  ** OOM **" if sim.oom else ""),
+        f"{program.num_pipelines} pipeline(s) of {program.num_stages} stages, {program.schedule}, "
+        f"{program.num_micro_batches} micro-batches of {program.micro_batch} samples",
+    ]
     for s, (st, (send, compute)) in enumerate(zip(program.stages, sim.stage_times)):
         peak = max(sim.peak_mem_gib[r] for r in st.ranks)
-        lines.append(f"  stage {s}: layer groups {st.groups[0]}-{st.groups[1] - 1} on ranks {list(st.ranks)}, "
-                     f"compute {compute * 1e3:.2f} ms, sends {send * 1e3:.2f} ms, peak {peak:.2f} GiB")
+        lines.append(
+            f"  stage {s}: layer groups {st.groups[0]}-{st.groups[1] - 1} on ranks {list(st.ranks)}, "
+            f"compute {compute * 1e3:.2f} ms, sends {send * 1e3:.2f} ms, peak {peak:.2f} GiB"
+        )
     return lines
 
 
@@ -112,7 +126,9 @@ def _interesting(step: dict) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for bench.run (model=... cluster=... method=...)")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, as for bench.run (model=... cluster=... method=...)"
+    )
     parser.add_argument("--all", action="store_true", help="print every op, not only the interesting ones")
     parser.add_argument("--json", metavar="PATH", help="also write the plan (details, program, ratios) as JSON")
     from bench.core.errors import ConfigError

@@ -27,8 +27,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--ks", default="1,8", help="GPUs per machine of paper_hetero")
     parser.add_argument("--exact", action="store_true", help="also compare the beam with the exact search")
-    parser.add_argument("--agreement", action="store_true",
-                        help="only the table of the search's price against the simulator's (which candidate first)")
+    parser.add_argument(
+        "--agreement",
+        action="store_true",
+        help="only the table of the search's price against the simulator's (which candidate first)",
+    )
     parser.add_argument("overrides", nargs="*", help="bench.run overrides, e.g. global_batch=4096")
     argv = command_argv(argv)
     if argv is None:

@@ -79,14 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSON output (default results/profiles/<host>.json)")
     parser.add_argument("--cluster-out", type=Path, default=None, help="also write a cluster yaml here")
-    parser.add_argument("--compute-out", type=Path, default=None,
-                        help="only profile compute of one device type and write it here (a device type's `profile`)")
-    parser.add_argument("--device-type", default=None, help="the conf/device type the profile describes (with --compute-out)")
+    parser.add_argument(
+        "--compute-out",
+        type=Path,
+        default=None,
+        help="only profile compute of one device type and write it here (a device type's `profile`)",
+    )
+    parser.add_argument(
+        "--device-type", default=None, help="the conf/device type the profile describes (with --compute-out)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu (one worker thread) or cuda[:i] (with --compute-out)")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                        help="with --compute-out: what the kernels run at (fp32: TF32 off; tf32; bf16: autocast)")
-    parser.add_argument("--refit", type=Path, default=None,
-                        help="a compute profile: fit its stored points again and write it to --compute-out (no device)")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="with --compute-out: what the kernels run at (fp32: TF32 off; tf32; bf16: autocast)",
+    )
+    parser.add_argument(
+        "--refit",
+        type=Path,
+        default=None,
+        help="a compute profile: fit its stored points again and write it to --compute-out (no device)",
+    )
     args = parser.parse_args(argv)
     if args.refit is not None:
         if args.compute_out is None:
@@ -94,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             prof = refit(json.loads(args.refit.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"error: --refit={args.refit}: {exc!r}; give a file written by bench.profile --compute-out",
-                  file=sys.stderr)
+            print(
+                f"error: --refit={args.refit}: {exc!r}; give a file written by bench.profile --compute-out",
+                file=sys.stderr,
+            )
             return 2
         args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
         print(f"wrote {args.compute_out}")
@@ -108,15 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         prof = profile_device(args.device, args.device_type, args.repeats, args.precision)
         host = "dispatch_s" in prof["optimizer"]
         p = prof["precision"]
-        print(f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}" + (f" {'host us/kernel':>15}" if host else "")
-              + f"   ({prof['device']}; precision {p['precision']}, autocast {p['autocast_dtype']}, TF32 matmul "
-              f"{p['matmul_allow_tf32']}, cuDNN {p['cudnn_allow_tf32']})")
+        print(
+            f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}"
+            + (f" {'host us/kernel':>15}" if host else "")
+            + f"   ({prof['device']}; precision {p['precision']}, autocast {p['autocast_dtype']}, TF32 matmul "
+            f"{p['matmul_allow_tf32']}, cuDNN {p['cudnn_allow_tf32']})"
+        )
         for cls, c in prof["compute"].items():
-            print(f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
-                  + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else ""))
+            print(
+                f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
+                + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else "")
+            )
         o = prof["optimizer"]
-        print(f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
-              + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else ""))
+        print(
+            f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
+            + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else "")
+        )
         print(f"view call  {prof['views']['dispatch_s'] * 1e6:10.2f} us on the host (forward and backward; no kernel)")
         args.compute_out.parent.mkdir(parents=True, exist_ok=True)
         args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
@@ -138,15 +161,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'all-gather of the largest size':30} {'padded ms':>10} {'grouped ms':>10}   by the first rank's share")
     big = max(r["size"] for r in rows)
     for first in SKEW_SHARES:
-        pick = {r["impl"]: r["seconds"] for r in rows if r["kind"] == "all_gather"
-                and r["first_share"] == first and r["size"] == big}
+        pick = {
+            r["impl"]: r["seconds"]
+            for r in rows
+            if r["kind"] == "all_gather" and r["first_share"] == first and r["size"] == big
+        }
         label = "even" if first is None else f"{first:.0%}"
         print(f"{label:30} {pick['padded'] * 1e3:10.2f} {pick['grouped'] * 1e3:10.2f}")
     out = args.out or PROFILE_DIR / f"{platform.node()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"host": platform.node(), "ranks": args.ranks,
-                               "torch": torch.__version__, "compute": compute,
-                               "collectives": rows, "fits": fits}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "host": platform.node(),
+                "ranks": args.ranks,
+                "torch": torch.__version__,
+                "compute": compute,
+                "collectives": rows,
+                "fits": fits,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out}")
     if args.cluster_out:
         args.cluster_out.write_text(cluster_yaml(args.cluster_out.stem, args.ranks, compute, fits, out))

@@ -43,17 +43,32 @@ from bench.studies.regression import (
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rebaseline", action="store_true", help="write new baselines")
-    parser.add_argument("--no-measured", action="store_true", help="skip the measured figures (with "
-                        "--rebaseline: keep the current baseline's, noting where they were measured)")
-    parser.add_argument("--slowdown", type=float, default=0.0,
-                        help="demo: stretch every measured iteration by this fraction (e.g. 0.15)")
-    parser.add_argument("--sessions", type=int, default=1,
-                        help="with --rebaseline: plan, and measure the measured figures, this many times "
-                             "and keep each figure's median (the measured sessions' values are kept in the file)")
+    parser.add_argument(
+        "--no-measured",
+        action="store_true",
+        help="skip the measured figures (with "
+        "--rebaseline: keep the current baseline's, noting where they were measured)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=0.0,
+        help="demo: stretch every measured iteration by this fraction (e.g. 0.15)",
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="with --rebaseline: plan, and measure the measured figures, this many times "
+        "and keep each figure's median (the measured sessions' values are kept in the file)",
+    )
     parser.add_argument("--note", default=None, help="with --rebaseline: why the baseline changed (kept in the file)")
-    parser.add_argument("overrides", nargs="*",
-                        help="model=a,b and method=a,b check a subset of the figures (the cases "
-                             "themselves are fixed: they are what the baseline measured)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="model=a,b and method=a,b check a subset of the figures (the cases "
+        "themselves are fixed: they are what the baseline measured)",
+    )
     argv = command_argv(argv)
     if argv is None:
         return 2
@@ -62,8 +77,11 @@ def main(argv: list[str]) -> int:
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if key not in ("model", "method") or not sep or not value:
-            print(f"error: {item!r}: regress compares fixed cases with the baseline and takes only "
-                  "model=a,b and method=a,b to check a subset; e.g. method=hap", file=sys.stderr)
+            print(
+                f"error: {item!r}: regress compares fixed cases with the baseline and takes only "
+                "model=a,b and method=a,b to check a subset; e.g. method=hap",
+                file=sys.stderr,
+            )
             return 2
         chosen[key] = value.split(",")
     try:
@@ -72,17 +90,26 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.rebaseline and "model" in chosen:
-        print("error: --rebaseline writes every model's figures; drop model= (method=a,b adds or replaces "
-              "those methods' figures and keeps the rest)", file=sys.stderr)
+        print(
+            "error: --rebaseline writes every model's figures; drop model= (method=a,b adds or replaces "
+            "those methods' figures and keeps the rest)",
+            file=sys.stderr,
+        )
         return 2
     if args.sessions < 1 or (args.sessions > 1 and not args.rebaseline):
-        print(f"error: --sessions={args.sessions}: it must be >= 1, and more than 1 only with --rebaseline "
-              "(e.g. --rebaseline --sessions 3)", file=sys.stderr)
+        print(
+            f"error: --sessions={args.sessions}: it must be >= 1, and more than 1 only with --rebaseline "
+            "(e.g. --rebaseline --sessions 3)",
+            file=sys.stderr,
+        )
         return 2
     start = time.perf_counter()
     methods = chosen.get("method")
-    figures = sim_sessions(args.sessions if args.rebaseline else 1, chosen.get("model", MODELS),
-                           None if methods is None else [m for m in methods if m in methods_supporting("sim")])
+    figures = sim_sessions(
+        args.sessions if args.rebaseline else 1,
+        chosen.get("model", MODELS),
+        None if methods is None else [m for m in methods if m in methods_supporting("sim")],
+    )
     sessions = None
     if args.rebaseline and methods is not None:  # add or replace these methods' figures
         if not args.no_measured:
@@ -97,8 +124,9 @@ def main(argv: list[str]) -> int:
         figures.update(measured)
     rounds = None
     if not args.rebaseline and not args.no_measured and chosen.get("model") in (None, ["bert"]):
-        rounds = measured_rounds(args.slowdown, None if methods is None else
-                                 [m for m in methods if m in methods_supporting("real")])
+        rounds = measured_rounds(
+            args.slowdown, None if methods is None else [m for m in methods if m in methods_supporting("real")]
+        )
         figures.update(medians(rounds))
     if args.rebaseline:
         origin = None

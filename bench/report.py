@@ -40,9 +40,11 @@ def _trackers(names: str, out: Path) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hetbench report", description=__doc__.split("\n\n")[0],
-                                     epilog="Reads rows written by `hetbench run`/`compare` (any "
-                                            "mode); docs/records.md describes them.")
+    parser = argparse.ArgumentParser(
+        prog="hetbench report",
+        description=__doc__.split("\n\n")[0],
+        epilog="Reads rows written by `hetbench run`/`compare` (any mode); docs/records.md describes them.",
+    )
     parser.add_argument("path", help="a records.jsonl, a results_dir, or a Hydra sweep directory")
     parser.add_argument("--out", help="where to write the figure and CSVs (default: beside PATH)")
     parser.add_argument("--name", help="file name stem (default: the experiment's, else 'report')")
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title")
     parser.add_argument("--sweep", help="only rows of this sweep_id")
     parser.add_argument("--no-figure", action="store_true", help="CSVs and the table only")
-    parser.add_argument("--logger", default="none",
-                        help="also keep the figure and CSVs as an artifact of these loggers "
-                             "(conf/logger, comma list, e.g. wandb,csv; they write under --out)")
+    parser.add_argument(
+        "--logger",
+        default="none",
+        help="also keep the figure and CSVs as an artifact of these loggers "
+        "(conf/logger, comma list, e.g. wandb,csv; they write under --out)",
+    )
     from bench.runner.configs import command_argv
 
     argv = command_argv(argv)  # --config-dir: the loggers of a folder of your own
@@ -65,16 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             rows = [r for r in rows if r.get("sweep_id") == args.sweep]
             if not rows:
-                raise ReportError(f"--sweep {args.sweep}: no row of {args.path} has this sweep_id; "
-                                  "the rows' sweep_id column lists the sweeps")
+                raise ReportError(
+                    f"--sweep {args.sweep}: no row of {args.path} has this sweep_id; "
+                    "the rows' sweep_id column lists the sweeps"
+                )
         spec = layout(rows)
         path = Path(args.path)
         out = Path(args.out) if args.out else (path.parent if path.is_file() else path)
         trackers = _trackers(args.logger, out)
         name = args.name or spec.get("name", "report")
-        report(rows, out, name, args.x or spec.get("x", "cluster"),
-               args.metric or spec.get("metric", "samples_per_s"), args.title or spec.get("title"),
-               figure=not args.no_figure)
+        report(
+            rows,
+            out,
+            name,
+            args.x or spec.get("x", "cluster"),
+            args.metric or spec.get("metric", "samples_per_s"),
+            args.title or spec.get("title"),
+            figure=not args.no_figure,
+        )
         if trackers:
             from bench.records.tracking import track_figure
 

@@ -47,9 +47,30 @@ _ALIASES = {
 # Nodes export adds that compute nothing the program needs.
 _DROP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 # Ops that make a tensor from nothing but their arguments; their `device` is the capture's.
-FACTORY_OPS = {"arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "scalar_tensor",
-               "new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like",
-               "empty_like", "rand_like", "randn_like", "eye", "linspace"}
+FACTORY_OPS = {
+    "arange",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "rand",
+    "randn",
+    "randint",
+    "tensor",
+    "scalar_tensor",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_like",
+    "rand_like",
+    "randn_like",
+    "eye",
+    "linspace",
+}
 
 
 class CaptureError(PlanningError):
@@ -73,8 +94,9 @@ def op_name(node: fx.Node) -> str:
 BATCH_NORM = ("sync", "local")
 
 
-def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "the model",
-                 batch_norm: str = "sync") -> fx.GraphModule:
+def export_model(
+    model: nn.Module, example_inputs: Sequence[Any], what: str = "the model", batch_norm: str = "sync"
+) -> fx.GraphModule:
     """The planner's graph of `model` (see the module docstring).
 
     Args:
@@ -93,9 +115,11 @@ def export_model(model: nn.Module, example_inputs: Sequence[Any], what: str = "t
         with contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, inputs, strict=False)
     except Exception as exc:  # export raises many types; each becomes one line
-        raise CaptureError(f"{what}: torch.export (non-strict) refused {_first_refused(exc)}; use another task "
-                           "adapter (model.task=...) or wrap the model in model=custom with a forward export can "
-                           "trace") from exc
+        raise CaptureError(
+            f"{what}: torch.export (non-strict) refused {_first_refused(exc)}; use another task "
+            "adapter (model.task=...) or wrap the model in model=custom with a forward export can "
+            "trace"
+        ) from exc
     finally:
         quiet.setLevel(level)
     return planner_module(ep, model, what, batch_norm)
@@ -111,8 +135,9 @@ def _first_refused(exc: BaseException) -> str:
     return f"{type(exc).__name__}{place}: {first[:300]}"
 
 
-def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str,
-                   batch_norm: str = "sync") -> fx.GraphModule:
+def planner_module(
+    ep: torch.export.ExportedProgram, model: nn.Module, what: str, batch_norm: str = "sync"
+) -> fx.GraphModule:
     """Rewrite an ExportedProgram's graph for the planner (module docstring)."""
     sig = ep.graph_signature
     params = dict(sig.inputs_to_parameters)
@@ -120,8 +145,10 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
     constants = dict(sig.inputs_to_lifted_tensor_constants)
     user_out = [s.arg.name for s in sig.output_specs if s.kind.name == "USER_OUTPUT"]
     if len(user_out) != 1:
-        raise CaptureError(f"{what}: forward returns {len(user_out)} outputs; the planner needs one, the loss summed "
-                           "over the batch (reduction='sum') computed inside forward")
+        raise CaptureError(
+            f"{what}: forward returns {len(user_out)} outputs; the planner needs one, the loss summed "
+            "over the batch (reduction='sum') computed inside forward"
+        )
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     attrs: dict[str, Any] = {}
@@ -184,8 +211,14 @@ def planner_module(ep: torch.export.ExportedProgram, model: nn.Module, what: str
 def _updates_buffer(n: fx.Node, buffers: dict) -> bool:
     """An in-place op on a buffer input whose result nothing reads."""
     op = n.target
-    return (isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable and not n.users and bool(n.args)
-            and isinstance(n.args[0], fx.Node) and n.args[0].name in buffers)
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and op._schema.is_mutable
+        and not n.users
+        and bool(n.args)
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].name in buffers
+    )
 
 
 def _lookup(model: nn.Module, fqn: str) -> Any:
@@ -204,8 +237,12 @@ def _find(graph: fx.Graph, name: str) -> fx.Node:
 
 
 def _is_constant(a: Any, env: dict) -> bool:
-    return isinstance(a, fx.Node) and env.get(a) is not None and env[a].op == "get_attr" \
+    return (
+        isinstance(a, fx.Node)
+        and env.get(a) is not None
+        and env[a].op == "get_attr"
         and str(env[a].target).startswith("_const_")
+    )
 
 
 def _functional(target: torch._ops.OpOverload, n: fx.Node, last_read: dict, order: dict, what: str):
@@ -225,16 +262,26 @@ def _functional(target: torch._ops.OpOverload, n: fx.Node, last_read: dict, orde
     while isinstance(src, fx.Node):
         bases.append(src)
         op = src.target if src.op == "call_function" else None
-        viewing = isinstance(op, torch._ops.OpOverload) and op._schema.returns and \
-            op._schema.returns[0].alias_info is not None
+        viewing = (
+            isinstance(op, torch._ops.OpOverload)
+            and op._schema.returns
+            and op._schema.returns[0].alias_info is not None
+        )
         src = src.args[0] if viewing else None
     later = any(last_read.get(b, -1) > order[n] for b in bases)
     state = any(b.op == "placeholder" for b in bases)
     if twin is None or later or state:
-        reason = ("writes into an input, parameter or buffer" if state else
-                  "writes into a tensor read again afterwards" if later else "has no functional twin")
-        raise CaptureError(f"{what}: op {target} at node {n.name!r} {reason}; the planner needs a forward without "
-                           "in-place writes there (write x = x + y, not x += y), or model=custom with such a forward")
+        reason = (
+            "writes into an input, parameter or buffer"
+            if state
+            else "writes into a tensor read again afterwards"
+            if later
+            else "has no functional twin"
+        )
+        raise CaptureError(
+            f"{what}: op {target} at node {n.name!r} {reason}; the planner needs a forward without "
+            "in-place writes there (write x = x + y, not x += y), or model=custom with such a forward"
+        )
     return twin
 
 
@@ -265,8 +312,11 @@ def _batch_norm(graph: fx.Graph, n: fx.Node, args: tuple) -> fx.Node:
     else:
         mean, var = running_mean, running_var
     rstd = call(aten.rsqrt.default, call(aten.add.Tensor, var, float(eps)))
-    out = call(aten.mul.Tensor, call(aten.sub.Tensor, x, call(aten.view.default, mean, shape)),
-               call(aten.view.default, rstd, shape))
+    out = call(
+        aten.mul.Tensor,
+        call(aten.sub.Tensor, x, call(aten.view.default, mean, shape)),
+        call(aten.view.default, rstd, shape),
+    )
     if weight is not None:
         out = call(aten.mul.Tensor, out, call(aten.view.default, weight, shape))
     if bias is not None:
@@ -287,18 +337,72 @@ def _to_meta(x: Any) -> Any:
 # Forward FLOPs per output element of element-wise and normalising ops that the older table
 # (bench.flops.ELEMENTWISE_FLOPS) does not name; backward factor 1 for them.
 EXTRA_ELEMENTWISE_FLOPS = {
-    "div": 1, "pow": 1, "rsqrt": 1, "sqrt": 1, "silu": 4, "cos": 1, "sin": 1, "where": 1, "masked_fill": 1,
-    "clamp": 1, "abs": 1, "floor": 1, "log": 1, "ne": 1, "logical_not": 1, "bitwise_not": 1, "maximum": 1,
-    "minimum": 1, "max": 1, "min": 1, "amax": 1, "var_mean": 4, "_native_batch_norm_legit_functional": 8,
-    "adaptive_avg_pool1d": 1, "batch_norm": 8, "gather": 0, "index": 0, "index_select": 0, "pad": 0, "constant_pad_nd": 0,
-    "roll": 0, "repeat": 0, "tril": 0, "triu": 0, "scatter": 0, "embedding": 0,
+    "div": 1,
+    "pow": 1,
+    "rsqrt": 1,
+    "sqrt": 1,
+    "silu": 4,
+    "cos": 1,
+    "sin": 1,
+    "where": 1,
+    "masked_fill": 1,
+    "clamp": 1,
+    "abs": 1,
+    "floor": 1,
+    "log": 1,
+    "ne": 1,
+    "logical_not": 1,
+    "bitwise_not": 1,
+    "maximum": 1,
+    "minimum": 1,
+    "max": 1,
+    "min": 1,
+    "amax": 1,
+    "var_mean": 4,
+    "_native_batch_norm_legit_functional": 8,
+    "adaptive_avg_pool1d": 1,
+    "batch_norm": 8,
+    "gather": 0,
+    "index": 0,
+    "index_select": 0,
+    "pad": 0,
+    "constant_pad_nd": 0,
+    "roll": 0,
+    "repeat": 0,
+    "tril": 0,
+    "triu": 0,
+    "scatter": 0,
+    "embedding": 0,
 }
 # Ops whose work follows their (first) input, not their output: reductions and losses.
-REDUCTIONS = {"sum", "mean", "cross_entropy", "nll_loss", "max_pool2d", "adaptive_avg_pool2d", "avg_pool2d",
-              "adaptive_avg_pool1d", "amax", "max", "min", "var_mean", "logsumexp"}
+REDUCTIONS = {
+    "sum",
+    "mean",
+    "cross_entropy",
+    "nll_loss",
+    "max_pool2d",
+    "adaptive_avg_pool2d",
+    "avg_pool2d",
+    "adaptive_avg_pool1d",
+    "amax",
+    "max",
+    "min",
+    "var_mean",
+    "logsumexp",
+}
 # Ops with 2 FLOPs per multiply-add whose backward does about twice the forward's work.
-MATMUL_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv2d", "conv1d",
-              "scaled_dot_product_attention"}
+MATMUL_OPS = {
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "einsum",
+    "conv2d",
+    "conv1d",
+    "scaled_dot_product_attention",
+}
 
 
 def count_flops(name: str, args: Sequence[Any], out: Any, elementwise: dict, views: set) -> tuple[float, float]:

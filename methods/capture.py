@@ -4,6 +4,8 @@ The model is exported with torch.export (non-strict, methods.aten_capture) on th
 parameters live on, the meta device for paper-size models, so nothing is allocated; every node
 gets its shape and dtype from export's fake values, and its FLOPs from a table over ATen ops. It
 does not decide any sharding (methods.hap.theory does); FLOP conventions are in docs/cost-model.md.
+Most of its length is `Graph`, the one structure every planner, pricer and code generator reads
+(nodes, layer groups, per-layer costs, memory); the export itself is methods.aten_capture.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench.cost.flops import ELEMENTWISE_FLOPS
 from methods.aten_capture import CaptureError, count_flops, export_model, op_name
 
 __all__ = ["VIEW_OPS", "CaptureError", "Graph", "Node", "capture", "capture_config", "op_name"]
+
 
 @dataclass
 class Node:
@@ -141,9 +144,13 @@ class Graph:
         backward. A tensor an op keeps as its own output is kept by that op."""
         keepers, masks = self.keepers(), self.own_saves()
         position = self._positions
-        out = {t: ((1.0 if t in keepers else 0.0) + masks.get(t, 0.0),
-                   min([*keepers.get(t, ()), *([t] if t in masks else [])], key=position.__getitem__))
-               for t in {**keepers, **masks}}
+        out = {
+            t: (
+                (1.0 if t in keepers else 0.0) + masks.get(t, 0.0),
+                min([*keepers.get(t, ()), *([t] if t in masks else [])], key=position.__getitem__),
+            )
+            for t in {**keepers, **masks}
+        }
         for t in list(out):
             # A slice autograd keeps (ViT's class token, x[:, 0]) keeps its base's whole
             # storage: counted at the base's size, once, unless the base is kept itself.
@@ -248,8 +255,9 @@ class Graph:
         extra: list[tuple[str, str, str]] = []
         for n in self.nodes:
             floating = n.dtype is not None and n.dtype.is_floating_point
-            needs[n.name] = n.is_param or (floating and n.kind in ("call_function", "call_method")
-                                           and any(needs.get(i, False) for i in n.inputs))
+            needs[n.name] = n.is_param or (
+                floating and n.kind in ("call_function", "call_method") and any(needs.get(i, False) for i in n.inputs)
+            )
             if n.op == "cross_entropy" and n.inputs and needs.get(n.inputs[0], False):
                 extra.append((n.inputs[0], n.name, n.name))
         for n in reversed(self.nodes):  # a sum's gradient exists before its operands'
@@ -259,8 +267,11 @@ class Graph:
             if last == n.name:
                 continue
             user = self[last]
-            shares = (user.op == "add" or (user.op == "sub" and self._operand(last, 0) == n.name)) \
-                and user.shape == n.shape and user.name in owner
+            shares = (
+                (user.op == "add" or (user.op == "sub" and self._operand(last, 0) == n.name))
+                and user.shape == n.shape
+                and user.name in owner
+            )
             if shares:
                 owner[n.name] = owner[user.name]
                 span[owner[n.name]][0] = n.name  # consumed later in backward: earlier in forward
@@ -325,8 +336,15 @@ class Graph:
                 bwd += f * n.backward_factor
             params = [self[i] for i in n.inputs if self[i].is_param]
             if params and n.kind != "output":
-                out.append((sum(classes.values()), float(sum(p.nbytes for p in params)),
-                            max(classes, key=classes.get) if classes else "other", ops, bwd))
+                out.append(
+                    (
+                        sum(classes.values()),
+                        float(sum(p.nbytes for p in params)),
+                        max(classes, key=classes.get) if classes else "other",
+                        ops,
+                        bwd,
+                    )
+                )
                 classes, ops, bwd = {}, 0, 0.0
         if out and (classes or ops):
             f, p, cls, k, b = out[-1]
@@ -336,24 +354,80 @@ class Graph:
         return out
 
 
-
 # Ops whose output aliases or merely re-labels the input (no FLOPs, no new activation).
 VIEW_OPS = {
-    "view", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze", "squeeze",
-    "expand", "contiguous", "getitem", "t", "to", "type", "float", "detach", "size", "getattr",
-    "alias", "select", "slice", "split", "split_with_sizes", "unbind", "chunk", "narrow", "clone",
-    "view_as", "expand_as", "movedim", "type_as", "lift_fresh_copy",
+    "view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "contiguous",
+    "getitem",
+    "t",
+    "to",
+    "type",
+    "float",
+    "detach",
+    "size",
+    "getattr",
+    "alias",
+    "select",
+    "slice",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "narrow",
+    "clone",
+    "view_as",
+    "expand_as",
+    "movedim",
+    "type_as",
+    "lift_fresh_copy",
 }
 
 # Ops whose backward reads their floating, non-parameter inputs, and ops whose backward reads
 # their own output (Graph.saved_bytes_factor; PyTorch's autograd formulas).
 _SAVES_INPUTS = {
-    "linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "einsum", "conv2d", "mul", "truediv", "div", "gelu",
-    "silu", "layer_norm", "batch_norm", "max_pool2d", "log", "cross_entropy", "nll_loss", "pow", "cos", "sin",
+    "linear",
+    "matmul",
+    "bmm",
+    "mm",
+    "addmm",
+    "baddbmm",
+    "einsum",
+    "conv2d",
+    "mul",
+    "truediv",
+    "div",
+    "gelu",
+    "silu",
+    "layer_norm",
+    "batch_norm",
+    "max_pool2d",
+    "log",
+    "cross_entropy",
+    "nll_loss",
+    "pow",
+    "cos",
+    "sin",
     "scaled_dot_product_attention",
 }
-_SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "sqrt", "rsqrt",
-                 "scaled_dot_product_attention"}
+_SAVES_OUTPUT = {
+    "relu",
+    "tanh",
+    "sigmoid",
+    "exp",
+    "softmax",
+    "log_softmax",
+    "sqrt",
+    "rsqrt",
+    "scaled_dot_product_attention",
+}
 _BY_A_NUMBER = {"mul", "truediv", "div"}  # with one tensor operand, their backward keeps none
 
 
@@ -378,8 +452,13 @@ def _is_tensorish(v: Any) -> bool:
     )
 
 
-def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size: int | None = None,
-            what: str = "the model", batch_norm: str = "sync") -> Graph:
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    batch_size: int | None = None,
+    what: str = "the model",
+    batch_norm: str = "sync",
+) -> Graph:
     """Export `model` and give every node its shape and FLOPs.
 
     Args:
@@ -413,8 +492,22 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], batch_size
             flops, bwd = count_flops(name, args, val, ELEMENTWISE_FLOPS, VIEW_OPS)
         if n.op == "output":
             loss = n.all_input_nodes[0].name
-        nodes.append(Node(n.name, n.op, name, n, inputs_of, shape, dtype, flops, bwd,
-                          n.op == "get_attr" and n.target in params, tuple_shapes, []))
+        nodes.append(
+            Node(
+                n.name,
+                n.op,
+                name,
+                n,
+                inputs_of,
+                shape,
+                dtype,
+                flops,
+                bwd,
+                n.op == "get_attr" and n.target in params,
+                tuple_shapes,
+                [],
+            )
+        )
     assert loss is not None, "exported graph has no output"
     if batch_size is None:
         first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()), None)
@@ -448,8 +541,13 @@ def capture_config(model_cfg: Any, batch_size: int, seed: int = 0, batch_norm: s
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     with torch.device("meta"):
         model = model_cfg.build()
-    graph = capture(model, batch, batch_size, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}",
-                    batch_norm=batch_norm)
+    graph = capture(
+        model,
+        batch,
+        batch_size,
+        what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}",
+        batch_norm=batch_norm,
+    )
     _captured[key] = graph
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)

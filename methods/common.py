@@ -152,8 +152,9 @@ def gradient_buckets(sizes: Sequence[float], cap_mb: float) -> list[list[int]]:
     from bench.core.program import bucket_runs
 
     n = len(sizes)
-    return [[n - 1 - i for i in run] for run in bucket_runs([(sizes[n - 1 - i], None) for i in range(n)],
-                                                             cap_mb * 2**20)]
+    return [
+        [n - 1 - i for i in run] for run in bucket_runs([(sizes[n - 1 - i], None) for i in range(n)], cap_mb * 2**20)
+    ]
 
 
 def group_table(graph) -> GroupTable:
@@ -191,8 +192,9 @@ def group_table(graph) -> GroupTable:
             g.forward_flops[cls] = g.forward_flops.get(cls, 0.0) + n.flops / batch
             g.backward_flops[cls] = g.backward_flops.get(cls, 0.0) + n.flops * n.backward_factor / batch
             g.forward_launches[cls] = g.forward_launches.get(cls, 0) + 1
-            g.backward_launches[cls] = (g.backward_launches.get(cls, 0)
-                                        + (2 if any(graph[i].is_param for i in n.inputs) else 1))
+            g.backward_launches[cls] = g.backward_launches.get(cls, 0) + (
+                2 if any(graph[i].is_param for i in n.inputs) else 1
+            )
     for n in nodes:
         if n.is_param:
             g = table[first_user_group.get(n.name, 0)]
@@ -240,13 +242,21 @@ class StageActivations:
         self.group_at = {position[n]: g for n, g in group.items()}
         placeholders = {n.name for n in graph.nodes if n.kind == "placeholder"}
         # (keeper position, keeper group, producer group or -1 for a model input, bytes)
-        self.kept = [(position[k], group[k], group.get(t, -1 if t in placeholders else None),
-                      graph[t].nbytes * f / batch)
-                     for t, (f, k) in graph.kept_until().items() if k in group and graph[t].kind != "placeholder"]
+        self.kept = [
+            (position[k], group[k], group.get(t, -1 if t in placeholders else None), graph[t].nbytes * f / batch)
+            for t, (f, k) in graph.kept_until().items()
+            if k in group and graph[t].kind != "placeholder"
+        ]
         self.flight = [(position[a], position[b], graph[t].nbytes / batch) for t, a, b in graph.grads_in_flight()]
         tail = set(table.tail)
-        self.tail_inputs = sum(graph[n].nbytes for n, g in group.items() if n not in tail and graph[n].is_tensor
-                               and any(u in tail for u in graph.users.get(n, []))) / batch
+        self.tail_inputs = (
+            sum(
+                graph[n].nbytes
+                for n, g in group.items()
+                if n not in tail and graph[n].is_tensor and any(u in tail for u in graph.users.get(n, []))
+            )
+            / batch
+        )
         self.span = {}
         for pos, g in self.group_at.items():
             lo, hi = self.span.get(g, (pos, pos))
@@ -262,8 +272,11 @@ class StageActivations:
     def _compute(self, first: int, end: int) -> tuple[float, float]:
         lo = min(self.span[g][0] for g in range(first, end))
         hi = max(self.span[g][1] for g in range(first, end))
-        kept = [(p, b) for p, g, made, b in self.kept
-                if first <= g < end and made is not None and (first <= made < end or (first == 0 and made == -1))]
+        kept = [
+            (p, b)
+            for p, g, made, b in self.kept
+            if first <= g < end and made is not None and (first <= made < end or (first == 0 and made == -1))
+        ]
         flight = [(max(a, lo), min(b, hi), x) for a, b, x in self.flight if not (b < lo or a > hi)]
         out = self.tail_inputs if end == self.table.num_groups else self.table.groups[end - 1].out_bytes
         # Backward walks positions from the last down: a kept tensor is freed once backward has

@@ -21,7 +21,9 @@ from bench.core.shares import round_shares
 from methods.capture import capture_config
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
-_BUFFER_FLAG = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+_BUFFER_FLAG = (
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+)
 
 SPLITS = ("even", "compute")
 
@@ -37,8 +39,9 @@ class DataParallel:
         grad_clip: max global gradient norm; 0 disables clipping.
     """
 
-    def __init__(self, name: str, split: str = "even", bucket_cap_mb: float = 25.0,
-                 lr: float = 5e-4, grad_clip: float = 0.0):
+    def __init__(
+        self, name: str, split: str = "even", bucket_cap_mb: float = 25.0, lr: float = 5e-4, grad_clip: float = 0.0
+    ):
         if split not in SPLITS:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
         if not bucket_cap_mb > 0:
@@ -63,11 +66,15 @@ class DataParallel:
         # DDP's ranks normalise their own samples (batch norm with local statistics)
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm="local")
         program = data_parallel_program(
-            cluster.num_devices, workload.global_batch, graph.layer_profile(),
+            cluster.num_devices,
+            workload.global_batch,
+            graph.layer_profile(),
             graph.activation_bytes() / workload.global_batch,
-            bucket_cap_bytes=self.bucket_cap_mb * 2**20, granularity="gpu",
+            bucket_cap_bytes=self.bucket_cap_mb * 2**20,
+            granularity="gpu",
             bucket_copies=cluster.num_devices > 1,  # one rank trains the plain model, no DDP
-            backward_memory=graph.backward_memory(), largest_param_bytes=graph.largest_param_bytes(),
+            backward_memory=graph.backward_memory(),
+            largest_param_bytes=graph.largest_param_bytes(),
             meta={"method": self.name, "model": workload.name},
         )
         ratios = [[s / workload.global_batch for s in shares]]
@@ -91,8 +98,11 @@ class DDPTrainer:
         # still synchronised once at construction, which changes nothing: every rank builds the
         # model from one seed.)
         running_stats = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
-        self.ddp = (DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb,
-                        **{_BUFFER_FLAG: running_stats}) if self.distributed else model)
+        self.ddp = (
+            DDP(model, device_ids=device_ids, bucket_cap_mb=method.bucket_cap_mb, **{_BUFFER_FLAG: running_stats})
+            if self.distributed
+            else model
+        )
         if ctx.emulator.enabled and self.distributed:
             # Python-level all-reduce, so the emulator sees each bucket (the built-in reducer
             # calls C++ collectives directly); same arithmetic as DDP's default.

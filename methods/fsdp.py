@@ -95,8 +95,15 @@ class FullyShardedDP:
     worker_modules = ("torch.distributed.fsdp",)
     mirror_full_state = False  # tests: write the gathered parameters and gradients into the full model
 
-    def __init__(self, name: str, split: str = "even", reshard_after_forward: bool = True, lr: float = 5e-4,
-                 grad_clip: float = 0.0, work_probe: bool = True):
+    def __init__(
+        self,
+        name: str,
+        split: str = "even",
+        reshard_after_forward: bool = True,
+        lr: float = 5e-4,
+        grad_clip: float = 0.0,
+        work_probe: bool = True,
+    ):
         if split not in SPLITS:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
         if not isinstance(reshard_after_forward, bool):
@@ -117,34 +124,63 @@ class FullyShardedDP:
         shares = round_shares(workload.global_batch, weights, min_share=1)
         graph = capture_config(workload.model_cfg, workload.global_batch)
         table = group_table(graph)
-        program = fsdp_program(graph, table, n, workload.global_batch, self.reshard_after_forward,
-                               prefetch=cluster.device == "cuda",
-                               meta={"method": self.name, "model": workload.name})
+        program = fsdp_program(
+            graph,
+            table,
+            n,
+            workload.global_batch,
+            self.reshard_after_forward,
+            prefetch=cluster.device == "cuda",
+            meta={"method": self.name, "model": workload.name},
+        )
         params = [str(p.fx_node.target) for p in graph.nodes if p.is_param]
         units, root = fsdp_units(table, params)
-        details = {"split": self.split, "batch_shares": shares, "units": [mods for _, mods in units],
-                   "root_params": root, "reshard_after_forward": self.reshard_after_forward,
-                   "optimizer": f"torch.optim.Adam(lr={self.lr:g}) over each rank's shards"}
+        details = {
+            "split": self.split,
+            "batch_shares": shares,
+            "units": [mods for _, mods in units],
+            "root_params": root,
+            "reshard_after_forward": self.reshard_after_forward,
+            "optimizer": f"torch.optim.Adam(lr={self.lr:g}) over each rank's shards",
+        }
         ratios = [[s / workload.global_batch for s in shares]]
         plan = Plan(self.name, shares, details, program, ratios)
         if self.work_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu" and n > 1:
             # FSDP2's own work on a CPU worker (hooks, copies in and out of the gathered buffers,
             # DTensor bookkeeping): twice the model's for the tiny models, priced as host work
-            work = time_method_step(self, plan, workload, cluster, cache="fsdp_work",
-                                    config=[self.name, shares, self.reshard_after_forward, self.lr, details["units"]],
-                                    version=WORK_PROBE_VERSION, what="FSDP2's own work")
+            work = time_method_step(
+                self,
+                plan,
+                workload,
+                cluster,
+                cache="fsdp_work",
+                config=[self.name, shares, self.reshard_after_forward, self.lr, details["units"]],
+                version=WORK_PROBE_VERSION,
+                what="FSDP2's own work",
+            )
             if work is not None:
                 details["work"] = work
-                plan.program = dataclasses.replace(program, host_work_flops=added_host_work_flops(
-                    work["plain_s"], work["method_s"], workload, sorted(shares)[len(shares) // 2], cluster))
+                plan.program = dataclasses.replace(
+                    program,
+                    host_work_flops=added_host_work_flops(
+                        work["plain_s"], work["method_s"], workload, sorted(shares)[len(shares) // 2], cluster
+                    ),
+                )
         return plan
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> FSDPTrainer:
         return FSDPTrainer(self, plan, model, ctx)
 
 
-def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch: int,
-                 reshard_after_forward: bool = True, prefetch: bool = False, meta: dict | None = None) -> Program:
+def fsdp_program(
+    graph: Graph,
+    table: GroupTable,
+    num_devices: int,
+    global_batch: int,
+    reshard_after_forward: bool = True,
+    prefetch: bool = False,
+    meta: dict | None = None,
+) -> Program:
     """The Program of one FSDP2 iteration (module docstring), per rank, at batch ratios.
 
     Stages, synchronous (CPU): the collectives before each group's forward and backward, in the
@@ -172,12 +208,18 @@ def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch
     B = global_batch
 
     def gather(g: int | None) -> Collective:
-        return Collective("all_gather", Affine(root_shard if g is None else shard[g]),
-                          label="root params" if g is None else f"unit {g} params")
+        return Collective(
+            "all_gather",
+            Affine(root_shard if g is None else shard[g]),
+            label="root params" if g is None else f"unit {g} params",
+        )
 
     def scatter(g: int | None) -> Collective:
-        return Collective("reduce_scatter", Affine(root_shard if g is None else shard[g]),
-                          label="root grads" if g is None else f"unit {g} grads")
+        return Collective(
+            "reduce_scatter",
+            Affine(root_shard if g is None else shard[g]),
+            label="root grads" if g is None else f"unit {g} grads",
+        )
 
     def compute(g, which: str) -> tuple[Affine, str, float]:
         flops = getattr(g, which + "_flops")
@@ -216,8 +258,11 @@ def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch
             if g.index != deferred:
                 pending = [scatter(g.index)]
         steps.append((colls, (g, "backward"), f"backward group {g.index}"))
-    tail = pending + ([scatter(None)] if root and gathers else []) + (
-        [scatter(deferred)] if deferred is not None and gathers else [])
+    tail = (
+        pending
+        + ([scatter(None)] if root and gathers else [])
+        + ([scatter(deferred)] if deferred is not None and gathers else [])
+    )
     stages = []
     if prefetch:  # each stage's collectives are the next step's, beside this step's compute
         stages.append(Stage(tuple(steps[0][0]), label="first gather"))
@@ -244,9 +289,15 @@ def fsdp_program(graph: Graph, table: GroupTable, num_devices: int, global_batch
         activations=gathered + Affine.sharded(graph.activation_bytes() * per_sample),
         # A shard's gradient appears where backward makes the parameter's (its reduce-scatter
         # follows the unit's backward); what is gathered is held beside the activations.
-        backward=tuple((g, a + gathered) for g, a in backward_sweep(
-            [(p, Affine(b / n)) for p, b in grads], [(p, Affine.sharded(b * per_sample)) for p, b in acts], Affine(),
-            [(a, b, Affine.sharded(x * per_sample)) for a, b, x in flight])),
+        backward=tuple(
+            (g, a + gathered)
+            for g, a in backward_sweep(
+                [(p, Affine(b / n)) for p, b in grads],
+                [(p, Affine.sharded(b * per_sample)) for p, b in acts],
+                Affine(),
+                [(a, b, Affine.sharded(x * per_sample)) for a, b, x in flight],
+            )
+        ),
         largest_param=Affine(largest_shard),
     )
     return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), batch=global_batch)
@@ -291,8 +342,9 @@ class FSDPTrainer:
         sharded = copy.deepcopy(model) if method.mirror_full_state else model
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for mods in plan.details["units"]:
-            fully_shard([sharded.get_submodule(m) for m in mods], mesh=mesh,
-                        reshard_after_forward=method.reshard_after_forward)
+            fully_shard(
+                [sharded.get_submodule(m) for m in mods], mesh=mesh, reshard_after_forward=method.reshard_after_forward
+            )
         # The root keeps FSDP2's own rule: its parameters stay gathered from forward to backward.
         fully_shard(sharded, mesh=mesh)
         self.model = sharded

@@ -118,10 +118,7 @@ class ModelConfig:
         """
         valid = ("synthetic",) + tuple(self.real_sources)
         if source not in valid:
-            raise ValueError(
-                f"data.source={source!r} is not valid for model {self.name}; "
-                f"valid: {', '.join(valid)}"
-            )
+            raise ValueError(f"data.source={source!r} is not valid for model {self.name}; valid: {', '.join(valid)}")
         if source == "synthetic":
             return SyntheticDataset(self, seed, split)
         if path is None:
@@ -198,9 +195,7 @@ class LanguageModelConfig(ModelConfig):
         if self.vocab_size < 2:
             raise ValueError(f"{self.name}: vocab_size={self.vocab_size} must be >= 2 ('<unk>' + a word)")
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"{self.name}: d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
-            )
+            raise ValueError(f"{self.name}: d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         self._check_dropout()
 
 

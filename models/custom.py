@@ -28,8 +28,14 @@ from torch import nn
 from models.common import ModelConfig
 from models.tasks import TASKS, Task, TaskLoss, check_export, plain
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "int64": torch.int64,
-           "int32": torch.int32, "bool": torch.bool}
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -40,8 +46,10 @@ def load_factory(spec: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error inside the user's module
-        raise ValueError(f"model.factory={spec!r}: cannot import {module_name} ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); put its package on PYTHONPATH") from None
+        raise ValueError(
+            f"model.factory={spec!r}: cannot import {module_name} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); put its package on PYTHONPATH"
+        ) from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -91,14 +99,17 @@ class CustomModelConfig(ModelConfig):
         valid = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in valid:
-                raise ValueError(f"model.{key} is not a field of model=custom; valid: "
-                                 f"{', '.join(f.rstrip('_') for f in valid)}")
+                raise ValueError(
+                    f"model.{key} is not a field of model=custom; valid: {', '.join(f.rstrip('_') for f in valid)}"
+                )
         return cls(**values)
 
     def __post_init__(self) -> None:
         if not self.factory:
-            raise ValueError("model.factory is required for model=custom: 'module.path:callable' returning an "
-                             "nn.Module, e.g. model.factory=mypkg.models:build")
+            raise ValueError(
+                "model.factory is required for model=custom: 'module.path:callable' returning an "
+                "nn.Module, e.g. model.factory=mypkg.models:build"
+            )
         load_factory(self.factory)
         self.kwargs = plain(self.kwargs or {})
         self.inputs = plain(self.inputs or [])
@@ -106,29 +117,46 @@ class CustomModelConfig(ModelConfig):
             raise ValueError(f"model.task={self.task!r} is unknown for model=custom; known: loss, {', '.join(TASKS)}")
         if self.task == "loss":
             if not self.inputs:
-                raise ValueError("model=custom with model.task=loss needs model.inputs: one {shape, dtype[, high]} "
-                                 "per forward input, e.g. model.inputs='[{shape:[3,32,32],dtype:float32},"
-                                 "{shape:[],dtype:int64,high:10}]'; or name a task adapter (model.task=image_cls)")
+                raise ValueError(
+                    "model=custom with model.task=loss needs model.inputs: one {shape, dtype[, high]} "
+                    "per forward input, e.g. model.inputs='[{shape:[3,32,32],dtype:float32},"
+                    "{shape:[],dtype:int64,high:10}]'; or name a task adapter (model.task=image_cls)"
+                )
             for i, spec in enumerate(self.inputs):
                 self._check_input(i, spec)
-        self._check_positive(targets_per_sample=self.targets_per_sample_, seq_len=self.seq_len,
-                             vocab_size=self.vocab_size, num_labels=self.num_labels, image_size=self.image_size)
+        self._check_positive(
+            targets_per_sample=self.targets_per_sample_,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            num_labels=self.num_labels,
+            image_size=self.image_size,
+        )
         with torch.device("meta"):
-            check_export(self.build(), self.synthetic_batch(2, None), f"model.factory={self.factory}",
-                         "make that forward traceable by torch.export (torch.where or torch.cond instead of a "
-                         "Python branch on a tensor's value)")
+            check_export(
+                self.build(),
+                self.synthetic_batch(2, None),
+                f"model.factory={self.factory}",
+                "make that forward traceable by torch.export (torch.where or torch.cond instead of a "
+                "Python branch on a tensor's value)",
+            )
 
     def _check_input(self, i: int, spec: dict) -> None:
         where = f"model.inputs[{i}]"
-        if not isinstance(spec.get("shape"), (list, tuple)) or not all(isinstance(n, int) and n > 0
-                                                                          for n in spec["shape"]):
-            raise ValueError(f"{where}.shape={spec.get('shape')!r} must be a list of positive ints (past the batch dim)")
+        if not isinstance(spec.get("shape"), (list, tuple)) or not all(
+            isinstance(n, int) and n > 0 for n in spec["shape"]
+        ):
+            raise ValueError(
+                f"{where}.shape={spec.get('shape')!r} must be a list of positive ints (past the batch dim)"
+            )
         if spec.get("dtype", "float32") not in _DTYPES:
             raise ValueError(f"{where}.dtype={spec.get('dtype')!r} is unknown; known: {', '.join(_DTYPES)}")
         if not _DTYPES[spec.get("dtype", "float32")].is_floating_point and not (
-                isinstance(spec.get("high"), int) and spec["high"] > 0):
-            raise ValueError(f"{where}.high={spec.get('high')!r}: an integer input needs high, an int > 0 (values "
-                             "are drawn in [0, high))")
+            isinstance(spec.get("high"), int) and spec["high"] > 0
+        ):
+            raise ValueError(
+                f"{where}.high={spec.get('high')!r}: an integer input needs high, an int > 0 (values "
+                "are drawn in [0, high))"
+            )
 
     def task_spec(self) -> Task:
         if self.task == "image_cls":
@@ -138,7 +166,9 @@ class CustomModelConfig(ModelConfig):
     def build(self) -> nn.Module:
         module = load_factory(self.factory)(**self.kwargs)
         if not isinstance(module, nn.Module):
-            raise ValueError(f"model.factory={self.factory!r} returned a {type(module).__name__}, not a torch.nn.Module")
+            raise ValueError(
+                f"model.factory={self.factory!r} returned a {type(module).__name__}, not a torch.nn.Module"
+            )
         if self.task != "loss":
             module = TaskLoss(module, self.task, export_key=repr(self))
         module.train()

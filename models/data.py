@@ -35,9 +35,7 @@ import torch
 def check_slice(start: int, stop: int, global_batch: int) -> None:
     """Raises ValueError unless 0 <= start <= stop <= global_batch."""
     if not 0 <= start <= stop <= global_batch:
-        raise ValueError(
-            f"sample slice [{start}, {stop}) is not inside the global batch of {global_batch}"
-        )
+        raise ValueError(f"sample slice [{start}, {stop}) is not inside the global batch of {global_batch}")
 
 
 class SyntheticDataset:
@@ -118,7 +116,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         if module.startswith("numpy.core"):
             # numpy >= 2 moved numpy.core to numpy._core; old pickles name the old module.
             try:
-                return getattr(importlib.import_module("numpy._core" + module[len("numpy.core"):]), name)
+                return getattr(importlib.import_module("numpy._core" + module[len("numpy.core") :]), name)
             except ImportError:
                 pass
         return getattr(importlib.import_module(module), name)
@@ -153,9 +151,7 @@ def _load_cifar_file(path: str) -> tuple[np.ndarray, np.ndarray]:
     except (TypeError, ValueError) as err:
         raise ValueError(f"corrupt CIFAR-10 batch file {path}: b'labels' is not a list of ints ({err})") from err
     if labels.shape != (data.shape[0],):
-        raise ValueError(
-            f"corrupt CIFAR-10 batch file {path}: {labels.size} labels for {data.shape[0]} images"
-        )
+        raise ValueError(f"corrupt CIFAR-10 batch file {path}: {labels.size} labels for {data.shape[0]} images")
     if labels.size and (labels.min() < 0 or labels.max() >= CIFAR10_CLASSES):
         raise ValueError(f"corrupt CIFAR-10 batch file {path}: labels outside 0..{CIFAR10_CLASSES - 1}")
     return data, labels
@@ -178,7 +174,9 @@ class Cifar10:
         for name in names:
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):
-                raise DataNotFoundError(f"CIFAR-10 file {file} does not exist; expected {expected} in {self.path} ({NO_DOWNLOAD})")
+                raise DataNotFoundError(
+                    f"CIFAR-10 file {file} does not exist; expected {expected} in {self.path} ({NO_DOWNLOAD})"
+                )
             images, targets = _load_cifar_file(file)
             data.append(images)
             labels.append(targets)

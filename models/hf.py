@@ -49,8 +49,16 @@ _DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate)")
 
 # tiny: a few small layers. Per model type where its fields differ from the common names;
 # otherwise the common transformer fields the config has are set.
-_TINY_COMMON = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
-                "vocab_size": 512, "max_position_embeddings": 128, "num_key_value_heads": 2, "head_dim": 16}
+_TINY_COMMON = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 _TINY_BY_TYPE = {
     "resnet": {"embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1], "layer_type": "basic"},
     "convnext": {"hidden_sizes": [16, 32], "depths": [1, 1]},
@@ -68,16 +76,26 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ValueError("model=hf needs the transformers package: pip install '.[zoo]' "
-                         "(scripts/setup.sh installs it)") from None
+        raise ValueError(
+            "model=hf needs the transformers package: pip install '.[zoo]' (scripts/setup.sh installs it)"
+        ) from None
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _attention)
     return transformers
 
 
-def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-               is_causal: bool | None = None, **kwargs):
+def _attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """SDPA as transformers' own integration runs it, with grouped key/value heads repeated to
     the query's (as transformers does where SDPA cannot group them): the planner splits the
     heads of query, key and value alike, in whole groups (a view's shard unit)."""
@@ -85,15 +103,18 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     from transformers.integrations.sdpa_attention import repeat_kv
 
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError(f"{type(module).__name__}: attention with a softcap or position bias is not SDPA's; "
-                         "set model.config._attn_implementation=eager")
+        raise ValueError(
+            f"{type(module).__name__}: attention with a softcap or position bias is not SDPA's; "
+            "set model.config._attn_implementation=eager"
+        )
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=causal)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -149,8 +170,10 @@ class HFModelConfig(ModelConfig):
         valid = [f.name for f in dataclasses.fields(cls)]
         for key in overrides:
             if key not in valid:
-                raise ValueError(f"model.{key} is not a field of model=hf; valid: {', '.join(valid)} "
-                                 "(config fields go under model.config.<field>)")
+                raise ValueError(
+                    f"model.{key} is not a field of model=hf; valid: {', '.join(valid)} "
+                    "(config fields go under model.config.<field>)"
+                )
         return cls(preset=preset, **overrides)
 
     def __post_init__(self) -> None:
@@ -165,20 +188,37 @@ class HFModelConfig(ModelConfig):
         if self.task not in TASKS:
             raise ValueError(f"model.task={self.task!r} is unknown; known: auto, {', '.join(TASKS)}")
         if self.task not in served:
-            raise ValueError(f"model.task={self.task} cannot be served by model.arch={self.arch}: transformers has no "
-                             f"such head for {self.model_type!r}; it serves {', '.join(served) or 'none of the tasks'}")
+            raise ValueError(
+                f"model.task={self.task} cannot be served by model.arch={self.arch}: transformers has no "
+                f"such head for {self.model_type!r}; it serves {', '.join(served) or 'none of the tasks'}"
+            )
         for key in self.config:
             if not _has_field(self._base, key):
                 near = difflib.get_close_matches(key, list(self._base.to_dict()) + list(self._base.attribute_map), 3)
-                raise ValueError(f"model.config.{key} is not a field of {type(self._base).__name__}"
-                                 + (f"; did you mean {', '.join(near)}?" if near else ""))
-        self._check_positive(**{k: v for k, v in (("seq_len", self.seq_len), ("image_size", self.image_size),
-                                                     ("num_labels", self.num_labels)) if v is not None})
+                raise ValueError(
+                    f"model.config.{key} is not a field of {type(self._base).__name__}"
+                    + (f"; did you mean {', '.join(near)}?" if near else "")
+                )
+        self._check_positive(
+            **{
+                k: v
+                for k, v in (
+                    ("seq_len", self.seq_len),
+                    ("image_size", self.image_size),
+                    ("num_labels", self.num_labels),
+                )
+                if v is not None
+            }
+        )
         self.hf_config()  # the config's own checks (sizes that do not divide) fail here, in one line
         with torch.device("meta"):  # export can capture it (a meta forward exports, shared with the FLOP count)
-            check_export(self.build(), self.synthetic_batch(2, None), f"model.arch={self.arch} (task {self.task})",
-                         "try another task adapter (model.task=...) or bring the model as model=custom with a "
-                         "forward torch.export can trace")
+            check_export(
+                self.build(),
+                self.synthetic_batch(2, None),
+                f"model.arch={self.arch} (task {self.task})",
+                "try another task adapter (model.task=...) or bring the model as model=custom with a "
+                "forward torch.export can trace",
+            )
 
     # -- the transformers config -----------------------------------------------------------
     def _base_config(self):
@@ -187,8 +227,9 @@ class HFModelConfig(ModelConfig):
         if arch.endswith(".json") or os.sep in arch or os.path.isdir(arch):
             path = os.path.join(arch, "config.json") if os.path.isdir(arch) else arch
             if not os.path.isfile(path):
-                raise ValueError(f"model.arch={arch!r}: no such config.json; give a transformers model type "
-                                 "or a local config.json")
+                raise ValueError(
+                    f"model.arch={arch!r}: no such config.json; give a transformers model type or a local config.json"
+                )
             with open(path) as f:
                 values = json.load(f)
             if "model_type" not in values:
@@ -199,22 +240,30 @@ class HFModelConfig(ModelConfig):
         if arch not in model_types():
             near = difflib.get_close_matches(arch, model_types(), 3)
             hint = f"did you mean {', '.join(near)}? " if near else ""
-            raise ValueError(f"model.arch={arch!r} is not a transformers model type or a config.json; {hint}"
-                             "list the known ones with: python -m models.hf")
+            raise ValueError(
+                f"model.arch={arch!r} is not a transformers model type or a config.json; {hint}"
+                "list the known ones with: python -m models.hf"
+            )
         return T.AutoConfig.for_model(arch)
 
     def _default_task(self, served: list[str]) -> str:
         declared = (self._from_file or {}).get("architectures") or []
         for arch in declared:
-            for task, suffix in (("causal_lm", "ForCausalLM"), ("masked_lm", "ForMaskedLM"),
-                                 ("seq_cls", "ForSequenceClassification"), ("image_cls", "ForImageClassification")):
+            for task, suffix in (
+                ("causal_lm", "ForCausalLM"),
+                ("masked_lm", "ForMaskedLM"),
+                ("seq_cls", "ForSequenceClassification"),
+                ("image_cls", "ForImageClassification"),
+            ):
                 if arch.endswith(suffix) and task in served:
                     return task
         for task in ("image_cls", "masked_lm", "causal_lm", "seq_cls"):  # encoders with an MLM head: masked LM
             if task in served:
                 return task
-        raise ValueError(f"model.arch={self.arch}: transformers has none of the heads the task adapters use "
-                         f"({', '.join(TASKS)}) for {self.model_type!r}; use model=custom with your own head")
+        raise ValueError(
+            f"model.arch={self.arch}: transformers has none of the heads the task adapters use "
+            f"({', '.join(TASKS)}) for {self.model_type!r}; use model=custom with your own head"
+        )
 
     def hf_config(self):
         """The transformers config this model is built from: the architecture's (or the
@@ -269,13 +318,19 @@ class HFModelConfig(ModelConfig):
 
     @property
     def tokens(self) -> int:
-        return self.seq_len if self.seq_len is not None else (_TINY_SEQ_LEN if self.preset == "tiny" else _PAPER_SEQ_LEN)
+        return (
+            self.seq_len if self.seq_len is not None else (_TINY_SEQ_LEN if self.preset == "tiny" else _PAPER_SEQ_LEN)
+        )
 
     def task_spec(self) -> Task:
         cfg = self.hf_config()
         if self.task == "image_cls":
-            return Task("image_cls", num_labels=self.labels, image_size=self.pixels,
-                        channels=int(getattr(cfg, "num_channels", 3)))
+            return Task(
+                "image_cls",
+                num_labels=self.labels,
+                image_size=self.pixels,
+                channels=int(getattr(cfg, "num_channels", 3)),
+            )
         return Task(self.task, seq_len=self.tokens, vocab_size=int(cfg.vocab_size), num_labels=self.labels)
 
     # -- the harness's contract ------------------------------------------------------------
@@ -312,9 +367,11 @@ class HFModelConfig(ModelConfig):
         self._base = _transformers().AutoConfig.for_model(self.model_type)
 
     def __repr__(self) -> str:
-        return (f"HFModelConfig(arch={self.arch!r}, task={self.task!r}, config={self.config!r}, "
-                f"preset={self.preset!r}, seq_len={self.tokens}, image_size={self.pixels if self.task == 'image_cls' else None}, "
-                f"num_labels={self.labels})")
+        return (
+            f"HFModelConfig(arch={self.arch!r}, task={self.task!r}, config={self.config!r}, "
+            f"preset={self.preset!r}, seq_len={self.tokens}, image_size={self.pixels if self.task == 'image_cls' else None}, "
+            f"num_labels={self.labels})"
+        )
 
 
 def _has_field(config, key: str) -> bool:
@@ -328,8 +385,10 @@ def main() -> None:
     for t, tasks in rows:
         if tasks:
             print(f"{t:32s} {', '.join(tasks)}")
-    print(f"\n{sum(1 for _, x in rows if x)} of {len(rows)} model types have a head the task adapters use; "
-          "use one with model=hf model.arch=<type>")
+    print(
+        f"\n{sum(1 for _, x in rows if x)} of {len(rows)} model types have a head the task adapters use; "
+        "use one with model=hf model.arch=<type>"
+    )
 
 
 if __name__ == "__main__":

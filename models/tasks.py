@@ -50,8 +50,10 @@ def logits_of(out) -> torch.Tensor:
         return logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"the model returned {type(out).__name__}; a task adapter needs logits (a tensor, an object "
-                    "with .logits, or a tuple whose first item is the logits)")
+    raise TypeError(
+        f"the model returned {type(out).__name__}; a task adapter needs logits (a tensor, an object "
+        "with .logits, or a tuple whose first item is the logits)"
+    )
 
 
 class TaskLoss(nn.Module):
@@ -80,10 +82,8 @@ class TaskLoss(nn.Module):
         logits = logits_of(out)
         if self.task in ("causal_lm", "masked_lm"):
             # (B, S, V) against (B, S); masked_lm's unmasked positions are IGNORE_INDEX
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
         return F.cross_entropy(logits, targets, reduction="sum")
-
 
     def _on_meta(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss on meta tensors (shapes only, as the harness counts FLOPs): library code
@@ -192,7 +192,8 @@ class Task:
         # masked_lm: the same number of positions in every sample, so each adds as many terms
         order = torch.rand((batch_size, self.seq_len), generator=g).argsort(dim=1)
         masked = torch.zeros((batch_size, self.seq_len), dtype=torch.bool).scatter(
-            1, order[:, :self.masked_per_sample], True)
+            1, order[:, : self.masked_per_sample], True
+        )
         labels = torch.where(masked, tokens, torch.full_like(tokens, IGNORE_INDEX))
         inputs = torch.where(masked, torch.full_like(tokens, self.vocab_size - 1), tokens)
         return inputs, labels

@@ -23,11 +23,27 @@ from models.common import ImageClassifierConfig
 
 # Configuration E of Simonyan & Zisserman: output channels per conv, "M" = 2x2 max pool.
 VGG19_E_WIDTHS: tuple[int | str, ...] = (
-    64, 64, "M",
-    128, 128, "M",
-    256, 256, 256, 256, "M",
-    512, 512, 512, 512, "M",
-    512, 512, 512, 512, "M",
+    64,
+    64,
+    "M",
+    128,
+    128,
+    "M",
+    256,
+    256,
+    256,
+    256,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
 )
 
 # Side of the feature map the classifier sees (AdaptiveAvgPool2d output).
@@ -95,7 +111,9 @@ class VGG19Config(ImageClassifierConfig):
 class VGG(nn.Module):
     """VGG network; forward(images: (B,C,H,W) float, labels: (B,) int64) -> summed CE loss."""
 
-    def __init__(self, widths: tuple[int | str, ...], hidden: int, num_classes: int, dropout: float, in_channels: int = 3):
+    def __init__(
+        self, widths: tuple[int | str, ...], hidden: int, num_classes: int, dropout: float, in_channels: int = 3
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         channels = in_channels

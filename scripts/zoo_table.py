@@ -36,23 +36,42 @@ CUSTOM = ("model=custom", "model.factory=tests.zoo_custom:build_decoder", "model
 ZOO = [
     ("GPT-2 124M", "hf gpt2", ("model=hf", "model.arch=gpt2")),
     ("BERT-Base", "hf bert", ("model=hf", "model.arch=bert")),
-    ("Llama 1B shape", "hf llama", ("model=hf", "model.arch=llama", "model.config.num_hidden_layers=16",
-                                    "model.config.hidden_size=2048", "model.config.num_attention_heads=32",
-                                    "model.config.num_key_value_heads=8", "model.config.intermediate_size=8192",
-                                    "model.config.vocab_size=128256")),
+    (
+        "Llama 1B shape",
+        "hf llama",
+        (
+            "model=hf",
+            "model.arch=llama",
+            "model.config.num_hidden_layers=16",
+            "model.config.hidden_size=2048",
+            "model.config.num_attention_heads=32",
+            "model.config.num_key_value_heads=8",
+            "model.config.intermediate_size=8192",
+            "model.config.vocab_size=128256",
+        ),
+    ),
     ("Llama 7B shape", "hf llama", ("model=hf", "model.arch=llama")),
     ("ViT-B/16", "hf vit", ("model=hf", "model.arch=vit")),
     ("ResNet-50", "hf resnet", ("model=hf", "model.arch=resnet")),
     ("ResNet-50, BN per shard", "hf resnet", ("model=hf", "model.arch=resnet"), ("method.batch_norm=local",)),
     ("Swin-T", "hf swin", ("model=hf", "model.arch=swin")),
-    ("custom decoder", "custom", CUSTOM + ("+model.kwargs.vocab=32000", "+model.kwargs.width=1024", "model.vocab_size=32000",
-                                           "model.seq_len=128")),
+    (
+        "custom decoder",
+        "custom",
+        CUSTOM
+        + ("+model.kwargs.vocab=32000", "+model.kwargs.width=1024", "model.vocab_size=32000", "model.seq_len=128"),
+    ),
 ]
 # The tiny real runs: the same architectures at preset=tiny.
-REAL = [("gpt2", ("model=hf", "model.arch=gpt2")), ("bert", ("model=hf", "model.arch=bert")),
-        ("llama", ("model=hf", "model.arch=llama")), ("vit", ("model=hf", "model.arch=vit")),
-        ("resnet", ("model=hf", "model.arch=resnet")), ("swin", ("model=hf", "model.arch=swin")),
-        ("custom", CUSTOM)]
+REAL = [
+    ("gpt2", ("model=hf", "model.arch=gpt2")),
+    ("bert", ("model=hf", "model.arch=bert")),
+    ("llama", ("model=hf", "model.arch=llama")),
+    ("vit", ("model=hf", "model.arch=vit")),
+    ("resnet", ("model=hf", "model.arch=resnet")),
+    ("swin", ("model=hf", "model.arch=swin")),
+    ("custom", CUSTOM),
+]
 
 
 def _params(cfg, batch: int) -> int:
@@ -80,8 +99,10 @@ def sim(args) -> None:
     from methods.capture import _captured
 
     case = ("preset=paper", f"cluster={args.cluster}", "mode=sim")
-    print("| model | source | parameters | capture s | rule coverage ops / FLOPs | hap's plan (k=8) "
-          "| " + " | ".join(f"{m} s" for m in METHODS) + " | hap vs best baseline | planner s (hap) |")
+    print(
+        "| model | source | parameters | capture s | rule coverage ops / FLOPs | hap's plan (k=8) "
+        "| " + " | ".join(f"{m} s" for m in METHODS) + " | hap vs best baseline | planner s (hap) |"
+    )
     print("|" + "---|" * (10 + len(METHODS) - 4))
     for label, source, overrides, *own in ZOO:
         if args.only and not any(o == label or (o in label and "," not in label) for o in args.only):
@@ -111,17 +132,22 @@ def sim(args) -> None:
         rec = hap_records[0]
         plan, cov = rec.plan, rec.plan["rule_coverage"]
         secs = [r.planner_time_s for r in hap_records]
-        spread = (f"{statistics.median(secs):.1f} [{min(secs):.1f}, {max(secs):.1f}]" if len(secs) > 1
-                  else f"{secs[0]:.1f}")
+        spread = (
+            f"{statistics.median(secs):.1f} [{min(secs):.1f}, {max(secs):.1f}]" if len(secs) > 1 else f"{secs[0]:.1f}"
+        )
         # the best baseline that fits in memory (the simulator's verdict); an OOM one is shown, not counted
         fits = [(times[m], m) for m in BASELINES if m in times and not times[m + "_oom"]]
         best = min(fits) if fits else min((times[m], m + ", every baseline OOM") for m in BASELINES if m in times)
         words = _plan_words(plan)
         params = _params(model_cfg, 2) / 1e6 if args.params else float("nan")
         cells = [f"{times[m]:.4f}{times[m + '_oom']}" if m in times else "failed" for m in METHODS]
-        print(f"| {label} | {source} | {params:.1f}M | {plan['capture_time_s']:.1f} | "
-              f"{cov['ops_covered']}/{cov['ops']} ({cov['ops_share']:.1%}) / {cov['flops_share']:.2%} | {words} | "
-              + " | ".join(cells) + f" | {best[0] / times['hap']:.3f}x ({best[1]}){times['hap_oom']} | {spread} |", flush=True)
+        print(
+            f"| {label} | {source} | {params:.1f}M | {plan['capture_time_s']:.1f} | "
+            f"{cov['ops_covered']}/{cov['ops']} ({cov['ops_share']:.1%}) / {cov['flops_share']:.2%} | {words} | "
+            + " | ".join(cells)
+            + f" | {best[0] / times['hap']:.3f}x ({best[1]}){times['hap_oom']} | {spread} |",
+            flush=True,
+        )
 
 
 def real(args) -> None:
@@ -130,9 +156,22 @@ def real(args) -> None:
     for name, overrides in REAL:
         if args.only and name not in args.only:
             continue
-        cmd = [sys.executable, "-m", "bench.run", "-m", f"method={','.join(METHODS)}", *overrides,
-               "preset=tiny", f"cluster={args.cluster}", "mode=real", f"warmup_iters={args.warmup}",
-               f"measured_iters={args.iters}", "wandb.mode=disabled", "logger=none", f"results_dir={out}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "-m",
+            f"method={','.join(METHODS)}",
+            *overrides,
+            "preset=tiny",
+            f"cluster={args.cluster}",
+            "mode=real",
+            f"warmup_iters={args.warmup}",
+            f"measured_iters={args.iters}",
+            "wandb.mode=disabled",
+            "logger=none",
+            f"results_dir={out}",
+        ]
         print("$", " ".join(cmd[1:]), flush=True)
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if done.returncode:

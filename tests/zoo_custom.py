@@ -33,8 +33,12 @@ class TinyDecoder(nn.Module):
     def __init__(self, vocab: int = 512, width: int = 32):
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
-                                                   nn.Linear(2 * width, width)) for _ in range(2)])
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                for _ in range(2)
+            ]
+        )
         self.out = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,14 @@ from bench.core.schema import parse, plain
 
 # bench.profile's fit keys -> the kind they time: the padded all-gather / reduce-scatter are
 # single calls; grouped ones are n broadcasts / reduces, priced from those kinds' fits.
-_PROFILE_FIT_KINDS = {"all_reduce/ring": "all_reduce", "all_gather/padded": "all_gather",
-                      "reduce_scatter/padded": "reduce_scatter", "all_to_all/ring": "all_to_all",
-                      "broadcast/ring": "broadcast", "reduce/ring": "reduce"}
+_PROFILE_FIT_KINDS = {
+    "all_reduce/ring": "all_reduce",
+    "all_gather/padded": "all_gather",
+    "reduce_scatter/padded": "reduce_scatter",
+    "all_to_all/ring": "all_to_all",
+    "broadcast/ring": "broadcast",
+    "reduce/ring": "reduce",
+}
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,9 @@ def load_link_profile(path: str, where: str) -> tuple[tuple[str, float, float], 
             continue
         lat, bps = (fit.get("latency_s"), fit.get("bytes_per_s")) if isinstance(fit, dict) else (None, None)
         if not isinstance(lat, (int, float)) or lat < 0 or not isinstance(bps, (int, float)) or bps <= 0:
-            raise ConfigError(f"{where}={path!r}: fits.{key} needs latency_s >= 0 and bytes_per_s > 0 "
-                              f"(got {fit!r}); {fix}")
+            raise ConfigError(
+                f"{where}={path!r}: fits.{key} needs latency_s >= 0 and bytes_per_s > 0 (got {fit!r}); {fix}"
+            )
         out.append((kind, float(lat), float(bps)))
     if not out:
         raise ConfigError(f"{where}={path!r} holds none of the fits {', '.join(_PROFILE_FIT_KINDS)}; {fix}")
@@ -98,9 +104,7 @@ class Device:
     @property
     def effective_flops(self) -> float:
         if self.type.effective_flops is None:
-            raise ValueError(
-                f"device type {self.type.name!r} has no FLOP/s yet: call ClusterSpec.with_host_speed"
-            )
+            raise ValueError(f"device type {self.type.name!r} has no FLOP/s yet: call ClusterSpec.with_host_speed")
         return self.type.effective_flops * self.speed
 
 
@@ -163,9 +167,16 @@ class ClusterSpec:
                     # A slower emulated device takes 1/speed as long for everything it computes.
                     speed = g.speed
                     host = g.device == "cpu"
-                    devices.append(Device(len(devices), machine, dtype, speed,
-                                          (self.host_step_overhead_s - adam_s) / speed if host else 0.0,
-                                          per_byte / speed if host else 0.0))
+                    devices.append(
+                        Device(
+                            len(devices),
+                            machine,
+                            dtype,
+                            speed,
+                            (self.host_step_overhead_s - adam_s) / speed if host else 0.0,
+                            per_byte / speed if host else 0.0,
+                        )
+                    )
                 machine += 1
         object.__setattr__(self, "devices", tuple(devices))
 
@@ -192,19 +203,26 @@ class ClusterSpec:
     def total_effective_flops(self) -> float:
         return sum(d.effective_flops for d in self.devices)
 
-    def with_host_speed(self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0,
-                        param_bytes: float = 0.0) -> ClusterSpec:
+    def with_host_speed(
+        self, flops: float, step_overhead_s: float = 0.0, optimizer_s_per_byte: float = 0.0, param_bytes: float = 0.0
+    ) -> ClusterSpec:
         """The same cluster with the host worker's measured speed filled in (bench.runtime.hostspeed.HostSpeed:
         its fields in order)."""
-        return replace(self, host_flops=flops, host_step_overhead_s=step_overhead_s,
-                       host_optimizer_s_per_byte=optimizer_s_per_byte, host_param_bytes=param_bytes)
+        return replace(
+            self,
+            host_flops=flops,
+            host_step_overhead_s=step_overhead_s,
+            host_optimizer_s_per_byte=optimizer_s_per_byte,
+            host_param_bytes=param_bytes,
+        )
 
     def at_run_speed(self, flops: float, step_overhead_s: float) -> ClusterSpec:
         """The same cluster at the host speed a run's own yardstick measured (whole plain steps,
         bench.runtime.hostspeed.yardstick): Adam's per-byte part scales with the per-step part."""
         scale = step_overhead_s / self.host_step_overhead_s if self.host_step_overhead_s else 1.0
-        return self.with_host_speed(flops, step_overhead_s, self.host_optimizer_s_per_byte * scale,
-                                    self.host_param_bytes)
+        return self.with_host_speed(
+            flops, step_overhead_s, self.host_optimizer_s_per_byte * scale, self.host_param_bytes
+        )
 
     def with_link_floor(self, floor: dict[str, float]) -> ClusterSpec:
         """The same cluster with the host transport's measured floor per collective kind."""
@@ -221,8 +239,9 @@ class ClusterSpec:
         """The same cluster behind a host that probes at `probe_s` (bench.runtime.hostspeed.host_probe): its
         own device types' dispatch costs scaled by it (ComputeProfile.at_host_probe); itself
         where no profile has a probe."""
-        types = tuple(replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t
-                      for t in self.inline_types)
+        types = tuple(
+            replace(t, compute=t.compute.at_host_probe(probe_s)) if t.compute else t for t in self.inline_types
+        )
         return self if types == self.inline_types else replace(self, inline_types=types)
 
     def fingerprint(self) -> str:
@@ -232,9 +251,21 @@ class ClusterSpec:
         ones are keyed by name only. A key left at its default (no inline or own types, the
         default device) is left out of the hash, so adding such a key keeps the hashes already
         recorded in rows."""
-        body = {k: v for k, v in asdict(self).items()
-                if k not in ("devices", "host_flops", "host_step_overhead_s", "host_optimizer_s_per_byte",
-                             "host_param_bytes", "link_floor", "file_types", "type_files")}
+        body = {
+            k: v
+            for k, v in asdict(self).items()
+            if k
+            not in (
+                "devices",
+                "host_flops",
+                "host_step_overhead_s",
+                "host_optimizer_s_per_byte",
+                "host_param_bytes",
+                "link_floor",
+                "file_types",
+                "type_files",
+            )
+        }
         if not self.inline_types:
             del body["inline_types"]
         own = {name for name, path in self.type_files if not Path(path).resolve().is_relative_to(CONF_DIR.resolve())}
@@ -246,8 +277,7 @@ class ClusterSpec:
 
     def describe(self) -> str:
         parts = [
-            f"{g.count}x{g.num_devices} {g.device}" + (f"@{g.speed:g}" if g.speed != 1 else "")
-            for g in self.machines
+            f"{g.count}x{g.num_devices} {g.device}" + (f"@{g.speed:g}" if g.speed != 1 else "") for g in self.machines
         ]
         where = ""
         if self.emulated:
@@ -262,8 +292,9 @@ class ClusterSpec:
         data = plain(cfg)
         label = data.get("name") if isinstance(data, Mapping) else None
         c = parse(ClusterConfig, data, "cluster.", f"cluster={label}")
-        inline = tuple(_device_type(t, key, f"cluster.device_types.{key}.")
-                       for key, t in (c.device_types or {}).items())
+        inline = tuple(
+            _device_type(t, key, f"cluster.device_types.{key}.") for key, t in (c.device_types or {}).items()
+        )
         files = device_type_files(roots)
         known = {**{name: t for name, (t, _) in files.items()}, **{t.name: t for t in inline}}
         for i, m in enumerate(c.machines):
@@ -277,8 +308,12 @@ class ClusterSpec:
         from_files = sorted({m.device for m in c.machines} - {t.name for t in inline})
         spec = cls(
             name=c.name,
-            machines=tuple(MachineGroup(m.count, m.device, m.num_devices, float(m.speed), _float(m.memory_gib),
-                                        _float(m.effective_flops)) for m in c.machines),
+            machines=tuple(
+                MachineGroup(
+                    m.count, m.device, m.num_devices, float(m.speed), _float(m.memory_gib), _float(m.effective_flops)
+                )
+                for m in c.machines
+            ),
             intra_machine=links["intra_machine"],
             inter_machine=links["inter_machine"],
             emulated=c.emulated,

@@ -36,8 +36,7 @@ class DeviceTypeConfig:
     `device_types`. FLOP/s are fp32; memory in GiB; `sources` says where each number is from."""
 
     name: str | None = option(None, rule="the type's name")  # a file's must be its stem
-    memory_gib: float = option(MISSING, rule=_POSITIVE,
-                               missing="add one device's memory in GiB, e.g. memory_gib: 24")
+    memory_gib: float = option(MISSING, rule=_POSITIVE, missing="add one device's memory in GiB, e.g. memory_gib: 24")
     peak_flops: float | None = option(None, rule=_POSITIVE)  # datasheet peak; null where none
     effective_flops: float | None = option(None, rule=_POSITIVE)  # sustained; null: measured (cpu)
     sources: dict[str, Any] = option(rule="a mapping of each number field to where it comes from", factory=dict)
@@ -64,8 +63,10 @@ class DeviceTypeConfig:
         for name in NUMBER_FIELDS:
             value = getattr(self, name)
             if value is not None and name not in self.sources:
-                raise ConfigError(f"{at}sources.{name} is missing; say where {name}={value:g} comes from "
-                                  "(a datasheet, a profile, or 'assumption: ...')")
+                raise ConfigError(
+                    f"{at}sources.{name} is missing; say where {name}={value:g} comes from "
+                    "(a datasheet, a profile, or 'assumption: ...')"
+                )
         require(self.profile is None or bool(self.profile), self, at, "profile")
 
 
@@ -74,8 +75,11 @@ class MachineConfig:
     """A group of identical machines."""
 
     count: int = option(1, rule="an integer >= 1")  # machines in the group
-    device: str = option(MISSING, rule="a device type's name",
-                         missing="name a device type (conf/device/<name>.yaml or cluster.device_types)")
+    device: str = option(
+        MISSING,
+        rule="a device type's name",
+        missing="name a device type (conf/device/<name>.yaml or cluster.device_types)",
+    )
     num_devices: int = option(MISSING, rule="an integer >= 1")  # devices per machine
     speed: float = option(1.0, rule=_POSITIVE)  # multiplier on the type's FLOP/s (emulated devices)
     memory_gib: float | None = option(None, rule=_POSITIVE)  # overrides the type's memory
@@ -116,28 +120,40 @@ class ClusterConfig:
 
     name: str = option(MISSING, rule="a non-empty name")
     machines: list[MachineConfig] = option(
-        MISSING, rule="a list of machine groups",
-        missing="list at least one machine group like {count: 1, device: V100-16, num_devices: 8}")
+        MISSING,
+        rule="a list of machine groups",
+        missing="list at least one machine group like {count: 1, device: V100-16, num_devices: 8}",
+    )
     links: LinksConfig = option(MISSING, missing="give intra_machine and inter_machine, each with " + _LINK_MISSING)
     emulated: bool = option(False, rule="true or false")  # worker processes on this host, paced to the spec
-    virtual_device: str = option("machine", choices=("gpu", "machine"),  # what the planner shards over
-                                 rule="use 'gpu' or 'machine'")
+    virtual_device: str = option(
+        "machine",
+        choices=("gpu", "machine"),  # what the planner shards over
+        rule="use 'gpu' or 'machine'",
+    )
     # cpu: worker processes on this host's cores; cuda: GPUs (emulated: every rank on this host's
     # GPU under MPS). null: cpu for emulated clusters and clusters of cpu devices, else cuda.
-    device: str | None = option(None, choices=COMPUTE_DEVICES,
-                                rule="use cpu (worker processes on this host's cores) or cuda (emulated: "
-                                     "every rank on this host's GPU under MPS)")
+    device: str | None = option(
+        None,
+        choices=COMPUTE_DEVICES,
+        rule="use cpu (worker processes on this host's cores) or cuda (emulated: "
+        "every rank on this host's GPU under MPS)",
+    )
     num_devices: int | None = option(None, rule="an integer >= 1")  # a check: the groups must add up to it
     gpus_per_machine: int | None = option(None, rule="an integer >= 1")  # for interpolations (paper_*)
     device_types: dict[str, DeviceTypeConfig] | None = option(
-        None, rule="a mapping of type names to fields, e.g. {MyGPU: {memory_gib: 24, effective_flops: 5.0e12, "
-                   "sources: {...}}}")
+        None,
+        rule="a mapping of type names to fields, e.g. {MyGPU: {memory_gib: 24, effective_flops: 5.0e12, "
+        "sources: {...}}}",
+    )
 
     def check(self, at: str) -> None:
         require(bool(self.name), self, at, "name")
         if not self.machines:
-            raise ConfigError(f"{at}machines={self.machines!r} is empty; list at least one machine group like "
-                              "{count: 1, device: V100-16, num_devices: 8}")
+            raise ConfigError(
+                f"{at}machines={self.machines!r} is empty; list at least one machine group like "
+                "{count: 1, device: V100-16, num_devices: 8}"
+            )
         check_choice(self, at, "virtual_device")
         if self.device is not None:
             check_choice(self, at, "device")
@@ -156,23 +172,29 @@ class ClusterConfig:
         """What depends on the machines' types and count: num_devices adds up, and an emulated
         cluster's devices suit where its ranks compute."""
         if self.num_devices is not None and self.num_devices != total:
-            raise ConfigError(f"{at}num_devices={self.num_devices!r} does not add up: the machine groups hold "
-                              f"{total} devices; fix the counts or drop num_devices")
+            raise ConfigError(
+                f"{at}num_devices={self.num_devices!r} does not add up: the machine groups hold "
+                f"{total} devices; fix the counts or drop num_devices"
+            )
         types = sorted({m.device for m in self.machines})
         device = self.compute_device()
         if self.emulated and device == "cpu" and types != [MEASURED_TYPE]:
             raise ConfigError(
                 f"{at}emulated=true with {at}device=cpu needs device 'cpu' on every machine (got {types}); "
-                f"emulated devices differ by `speed`, or set {at}device=cuda to share this host's GPU")
+                f"emulated devices differ by `speed`, or set {at}device=cuda to share this host's GPU"
+            )
         if self.emulated and device == "cuda" and MEASURED_TYPE in types:
             raise ConfigError(
                 f"{at}device=cuda runs the emulated ranks on a GPU, but the machines say device 'cpu' "
-                f"(got {types}); give them this GPU's type (e.g. H100-80) or set {at}device=cpu")
+                f"(got {types}); give them this GPU's type (e.g. H100-80) or set {at}device=cpu"
+            )
 
 
 def unknown_device(machine: MachineConfig, at: str, known: list[str]) -> ConfigError:
     """One line for a machine group whose device type no file or device_types entry defines."""
     name = machine.device
-    return ConfigError(f"{at}device={name!r} is unknown; known: {', '.join(known)}; define it under "
-                       f"cluster.device_types or in conf/device/{name}.yaml (or device/{name}.yaml in a "
-                       "folder of your own configs, given with --config-dir)")
+    return ConfigError(
+        f"{at}device={name!r} is unknown; known: {', '.join(known)}; define it under "
+        f"cluster.device_types or in conf/device/{name}.yaml (or device/{name}.yaml in a "
+        "folder of your own configs, given with --config-dir)"
+    )

@@ -57,8 +57,12 @@ def data_parallel_program(
     """
     if global_batch < 1 or num_devices < 1:
         raise ValueError(f"global_batch={global_batch} and num_devices={num_devices} must be >= 1")
-    layers = [tuple(layer[:4]) + ("other", 1.0)[len(layer) - 2:]
-              + (layer[4] if len(layer) > 4 else backward_factor * layer[0],) for layer in layers]
+    layers = [
+        tuple(layer[:4])
+        + ("other", 1.0)[len(layer) - 2 :]
+        + (layer[4] if len(layer) > 4 else backward_factor * layer[0],)
+        for layer in layers
+    ]
     param_bytes = sum(layer[1] for layer in layers)
     fwd_launches = sum(layer[3] for layer in layers)
     # Walk backward, layers bucketed by their gradients (bucket_runs). A bucket keeps its FLOPs
@@ -69,8 +73,13 @@ def data_parallel_program(
         by_class: dict[str, float] = {}
         for _, _, cls, _, bwd in (backward[i] for i in run):
             by_class[cls] = by_class.get(cls, 0.0) + bwd
-        buckets.append((by_class, sum(backward[i][1] for i in run),
-                        float(sum(backward[i][3] + (1 if backward[i][1] else 0) for i in run))))
+        buckets.append(
+            (
+                by_class,
+                sum(backward[i][1] for i in run),
+                float(sum(backward[i][3] + (1 if backward[i][1] else 0) for i in run)),
+            )
+        )
     if len(buckets) > 1 and not buckets[-1][1] and not sum(buckets[-1][0].values()):
         buckets.pop()  # nothing after the last full bucket
     if not buckets:
@@ -106,11 +115,14 @@ def data_parallel_program(
         optimizer=Affine(param_bytes * optimizer_bytes_per_param_byte),
         activations=Affine.sharded(activation_bytes_per_sample * global_batch),
         buckets=Affine(param_bytes if bucket_copies else 0.0),
-        backward=() if backward_memory is None else backward_sweep(
+        backward=()
+        if backward_memory is None
+        else backward_sweep(
             [] if grads_before_backward else [(p, Affine(b)) for p, b in backward_memory[0]],
             [(p, Affine.sharded(b)) for p, b in backward_memory[1]],
             Affine(param_bytes) if grads_before_backward else Affine(),
-            [(a, b, Affine.sharded(x)) for a, b, x in (backward_memory[2] if len(backward_memory) > 2 else ())]),
+            [(a, b, Affine.sharded(x)) for a, b, x in (backward_memory[2] if len(backward_memory) > 2 else ())],
+        ),
         largest_param=None if largest_param_bytes is None else Affine(largest_param_bytes),
     )
     return Program(tuple(stages), num_devices, 1, granularity, memory, dict(meta or {}), batch=global_batch)

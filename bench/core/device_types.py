@@ -63,7 +63,9 @@ class ComputeProfile:
     path: str
     dispatch: tuple[tuple[str, float], ...] = ()  # (op class, host seconds per kernel); () = not measured
     optimizer_dispatch_s: float = 0.0
-    host_probe_s: float | None = None  # the host's speed when the dispatch costs were measured (bench.runtime.hostspeed.host_probe)
+    host_probe_s: float | None = (
+        None  # the host's speed when the dispatch costs were measured (bench.runtime.hostspeed.host_probe)
+    )
     # Bytes the framework keeps on the device beside any tensor (cuBLAS's workspaces, made at a
     # first matrix product and kept): counted in every peak; 0 where not measured (CPU workers)
     workspace_bytes: float = 0.0
@@ -89,8 +91,12 @@ class ComputeProfile:
         if not self.host_probe_s or not self.dispatch:
             return self
         k = probe_s / self.host_probe_s
-        return replace(self, dispatch=tuple((c, s * k) for c, s in self.dispatch),
-                       optimizer_dispatch_s=self.optimizer_dispatch_s * k, host_probe_s=probe_s)
+        return replace(
+            self,
+            dispatch=tuple((c, s * k) for c, s in self.dispatch),
+            optimizer_dispatch_s=self.optimizer_dispatch_s * k,
+            host_probe_s=probe_s,
+        )
 
 
 def _read_profile(path: str, where: str, fix: str):
@@ -108,15 +114,16 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     """A device type's compute profile; ConfigError naming `where`, the path and the fix when
     it cannot be read, does not parse, lacks the "other" class, or was measured on another
     device type."""
-    fix = (f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
-           "device, or set profile: null")
+    fix = (
+        f"run `python -m bench.profile --device-type {type_name} --compute-out {path}` on that "
+        "device, or set profile: null"
+    )
     data = _read_profile(path, where, fix)
     if not isinstance(data, dict) or not isinstance(data.get("compute"), dict):
         raise ConfigError(f"{where}={path!r} has no 'compute' mapping (not a compute profile); {fix}")
     measured_on = data.get("device_type")
     if measured_on != type_name:
-        raise ConfigError(f"{where}={path!r} was measured on device type {measured_on!r}, not "
-                          f"{type_name!r}; {fix}")
+        raise ConfigError(f"{where}={path!r} was measured on device type {measured_on!r}, not {type_name!r}; {fix}")
 
     def numbers(entry: Any, key: str, rate: str) -> tuple[float, float]:
         fixed, speed = (entry.get("fixed_s"), entry.get(rate)) if isinstance(entry, dict) else (None, None)
@@ -145,12 +152,21 @@ def load_compute_profile(path: str, where: str, type_name: str) -> ComputeProfil
     recorded = data.get("precision")
     precision = recorded.get("precision") if isinstance(recorded, dict) else None
     if recorded is not None and not isinstance(precision, str):
-        raise ConfigError(f"{where}={path!r}: precision must be the mapping bench.profile records, with a "
-                          f"'precision' name (got {recorded!r}); {fix}")
-    return ComputeProfile(type_name, classes, optimizer, str(path),
-                          tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
-                          0.0 if opt is None else host(opt, "optimizer"), None if probe is None else float(probe),
-                          float(workspace), precision)
+        raise ConfigError(
+            f"{where}={path!r}: precision must be the mapping bench.profile records, with a "
+            f"'precision' name (got {recorded!r}); {fix}"
+        )
+    return ComputeProfile(
+        type_name,
+        classes,
+        optimizer,
+        str(path),
+        tuple((c, host(e, f"compute.{c}")) for c, e in items if "dispatch_s" in e),
+        0.0 if opt is None else host(opt, "optimizer"),
+        None if probe is None else float(probe),
+        float(workspace),
+        precision,
+    )
 
 
 @functools.cache
@@ -165,9 +181,7 @@ def _device_files(directory: Path) -> Mapping[str, tuple[DeviceType, Path]]:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark is not None else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(
-                f"{where} is not valid yaml ({problem}{at}); fix or remove the file"
-            ) from e
+            raise ConfigError(f"{where} is not valid yaml ({problem}{at}); fix or remove the file") from e
         if not isinstance(cfg, dict):
             raise ConfigError(
                 f"{where} must hold a mapping of fields ({', '.join(sorted(fields_of(DeviceTypeConfig)))})"
@@ -177,8 +191,10 @@ def _device_files(directory: Path) -> Mapping[str, tuple[DeviceType, Path]]:
                 f"{where}: name={cfg.get('name')!r} differs from the file name; set "
                 f"name: {path.stem} or rename the file to <name>.yaml"
             )
-        types[path.stem] = (_device_type(parse(DeviceTypeConfig, cfg, f"{where}: ", where), path.stem,
-                                         f"{where}: "), path)
+        types[path.stem] = (
+            _device_type(parse(DeviceTypeConfig, cfg, f"{where}: ", where), path.stem, f"{where}: "),
+            path,
+        )
     return MappingProxyType(types)
 
 
@@ -207,8 +223,15 @@ def _device_type(cfg: DeviceTypeConfig, name: str, prefix: str) -> DeviceType:
     cfg.check_as(name, prefix)
     profile = cfg.profile
     compute = None if profile is None else load_compute_profile(profile, f"{prefix}profile", name)
-    return DeviceType(name, _float(cfg.peak_flops), _float(cfg.effective_flops), float(cfg.memory_gib),
-                      {str(k): v for k, v in cfg.sources.items()}, profile, compute)
+    return DeviceType(
+        name,
+        _float(cfg.peak_flops),
+        _float(cfg.effective_flops),
+        float(cfg.memory_gib),
+        {str(k): v for k, v in cfg.sources.items()},
+        profile,
+        compute,
+    )
 
 
 def _float(value: float | None) -> float | None:

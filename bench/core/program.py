@@ -37,9 +37,19 @@ GRANULARITIES = ("gpu", "machine")
 OP_CLASSES = ("matmul", "conv", "other")
 
 
-_OP_CLASS = {"linear": "matmul", "matmul": "matmul", "bmm": "matmul", "addmm": "matmul", "mm": "matmul",
-             "baddbmm": "matmul", "einsum": "matmul",
-             "scaled_dot_product_attention": "matmul", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv"}
+_OP_CLASS = {
+    "linear": "matmul",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "addmm": "matmul",
+    "mm": "matmul",
+    "baddbmm": "matmul",
+    "einsum": "matmul",
+    "scaled_dot_product_attention": "matmul",
+    "conv2d": "conv",
+    "conv1d": "conv",
+    "conv3d": "conv",
+}
 
 
 def op_class(op: str) -> str:
@@ -122,8 +132,10 @@ class Collective:
         if self.impl == "grouped" and self.kind not in ("all_gather", "reduce_scatter"):
             raise ValueError(f"impl 'grouped' exists for all_gather and reduce_scatter only, not {self.kind}")
         if (self.kind == "reshard") != (self.rows is not None):
-            raise ValueError(f"a {self.kind} collective {'needs' if self.kind == 'reshard' else 'takes no'} rows "
-                             "(from segment, to segment)")
+            raise ValueError(
+                f"a {self.kind} collective {'needs' if self.kind == 'reshard' else 'takes no'} rows "
+                "(from segment, to segment)"
+            )
         if self.kind == "reshard" and (not self.nbytes.is_constant or self.devices is not None):
             raise ValueError("a reshard moves a whole tensor (constant nbytes) among all devices")
         if self.grad and self.kind != "all_reduce":
@@ -266,7 +278,9 @@ class Memory:
         return self.resident() + self.largest_param.scale(2.0)
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")}
+        out: dict[str, Any] = {
+            k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")
+        }
         if self.backward:
             out["backward"] = [[g.to_json(), a.to_json()] for g, a in self.backward]
         if self.largest_param is not None:
@@ -279,9 +293,12 @@ class Memory:
         return Memory(**{k: Affine.from_json(v) for k, v in d.items() if k != "backward"}, backward=backward)
 
 
-def backward_sweep(grads: Iterable[tuple[int, Affine]], activations: Iterable[tuple[int, Affine]],
-                   made_before: Affine = Affine(),
-                   in_flight: Iterable[tuple[int, int, Affine]] = ()) -> tuple[tuple[Affine, Affine], ...]:
+def backward_sweep(
+    grads: Iterable[tuple[int, Affine]],
+    activations: Iterable[tuple[int, Affine]],
+    made_before: Affine = Affine(),
+    in_flight: Iterable[tuple[int, int, Affine]] = (),
+) -> tuple[tuple[Affine, Affine], ...]:
     """Memory.backward of one iteration: (gradients made, activations and activation gradients
     held) as backward passes each forward position, reduced to the points where a device's
     peak may fall.
@@ -349,8 +366,9 @@ def _at_most(x: Sequence[float], y: Sequence[float]) -> bool:
     return all(a <= b + 1e-9 * max(1.0, abs(b)) for a, b in zip(x, y))
 
 
-def _mixture_covers(lo: tuple[Sequence[float], float], hi: tuple[Sequence[float], float],
-                    mid: tuple[Sequence[float], float]) -> bool:
+def _mixture_covers(
+    lo: tuple[Sequence[float], float], hi: tuple[Sequence[float], float], mid: tuple[Sequence[float], float]
+) -> bool:
     """Whether `mid` is at most, coefficient by coefficient, the mixture of `lo` and `hi` with
     its gradient bytes; each is (coefficients, gradient bytes)."""
     (x0, t0), (x1, t1), (x, t) = lo, hi, mid
@@ -392,9 +410,13 @@ class Program:
                         raise ValueError(f"stage {i} ({st.label!r}) uses segment {s}; program has {self.num_segments}")
             for c in st.collectives:
                 if c.rows is not None and not all(0 <= s < self.num_segments for s in c.rows):
-                    raise ValueError(f"stage {i} reshard {c.label!r} uses rows {c.rows}; program has {self.num_segments}")
+                    raise ValueError(
+                        f"stage {i} reshard {c.label!r} uses rows {c.rows}; program has {self.num_segments}"
+                    )
                 if c.devices is not None and any(not 0 <= d < self.num_devices for d in c.devices):
-                    raise ValueError(f"stage {i} collective {c.label!r} names devices {c.devices} outside 0..{self.num_devices - 1}")
+                    raise ValueError(
+                        f"stage {i} collective {c.label!r} names devices {c.devices} outside 0..{self.num_devices - 1}"
+                    )
 
     def total_flops(self, ratios: Ratios) -> float:
         """FLOPs of all devices together (replicated work counts once per device)."""

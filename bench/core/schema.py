@@ -34,9 +34,16 @@ from bench.core.errors import ConfigError
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def option(default: Any = MISSING, *, rule: str | None = None, example: str | None = None,
-           choices: tuple[str, ...] | None = None, note: str = "", missing: str | None = None,
-           factory: Callable[[], Any] | None = None) -> Any:
+def option(
+    default: Any = MISSING,
+    *,
+    rule: str | None = None,
+    example: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    note: str = "",
+    missing: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
     """A schema field with what its messages say: `rule` ("an integer >= 1"; with `choices`, what
     to use instead), `example` (the value after `e.g. key=`), `choices` (the valid strings),
     `note` (after the choices), and `missing` (the fix when a required field is absent).
@@ -117,8 +124,11 @@ def loose(cls: type) -> type:
         kind = _strip_none(hints[f.name])
         if dataclasses.is_dataclass(kind) and not getattr(kind, "OPEN", False):
             sub = loose(kind)
-            default = dataclasses.field(default_factory=sub) if f.default_factory is not dataclasses.MISSING \
+            default = (
+                dataclasses.field(default_factory=sub)
+                if f.default_factory is not dataclasses.MISSING
                 else dataclasses.field(default=MISSING)
+            )
             specs.append((f.name, sub, default))
             continue
         if f.default_factory is not dataclasses.MISSING:
@@ -188,14 +198,22 @@ def _convert(value: Any, kind: Any, key: str, meta: Mapping) -> Any:
         if not isinstance(value, list):
             raise _refuse(key, value, meta, kind)
         (item,) = typing.get_args(kind)
-        return [_convert(v, item, f"{key}[{i}]", {}) if not dataclasses.is_dataclass(item)
-                else _build(item, v, f"{key}[{i}].", f"{key}[{i}]") for i, v in enumerate(value)]
+        return [
+            _convert(v, item, f"{key}[{i}]", {})
+            if not dataclasses.is_dataclass(item)
+            else _build(item, v, f"{key}[{i}].", f"{key}[{i}]")
+            for i, v in enumerate(value)
+        ]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise _refuse(key, value, meta, kind)
         _, item = typing.get_args(kind)
-        return {str(k): _convert(v, item, f"{key}.{k}", {}) if not dataclasses.is_dataclass(item)
-                else _build(item, v, f"{key}.{k}.", f"{key}.{k}") for k, v in value.items()}
+        return {
+            str(k): _convert(v, item, f"{key}.{k}", {})
+            if not dataclasses.is_dataclass(item)
+            else _build(item, v, f"{key}.{k}.", f"{key}.{k}")
+            for k, v in value.items()
+        }
     for member in _members(kind):
         ok, converted = _scalar(value, member)
         if ok:

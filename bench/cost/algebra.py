@@ -117,8 +117,9 @@ class LpAlgebra:
     def reshard(self, alpha: float, beta_nbytes: float, src: int, dst: int) -> Value:
         if self.tied_rows:
             return 0.0
-        return alpha + beta_nbytes * self.max([self._gap(src, dst, d - 1) + self._gap(src, dst, d)
-                                               for d in self._run_ends])
+        return alpha + beta_nbytes * self.max(
+            [self._gap(src, dst, d - 1) + self._gap(src, dst, d) for d in self._run_ends]
+        )
 
     def _prefix(self, row: int, i: int) -> Value:
         """The sum of `row`'s ratios of devices 0..i, one term per run."""

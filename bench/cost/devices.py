@@ -42,9 +42,16 @@ def virtual_devices(cluster: ClusterSpec, granularity: str) -> list[VirtualDevic
     for i, ranks in enumerate(groups):
         devs = [cluster.devices[r] for r in ranks]
         profiles = {d.type.compute for d in devs}
-        out.append(VirtualDevice(i, ranks, sum(d.effective_flops for d in devs),
-                                 min(d.type.memory_gib for d in devs) * GIB,
-                                 profiles.pop() if len(profiles) == 1 else None, sum(d.speed for d in devs)))
+        out.append(
+            VirtualDevice(
+                i,
+                ranks,
+                sum(d.effective_flops for d in devs),
+                min(d.type.memory_gib for d in devs) * GIB,
+                profiles.pop() if len(profiles) == 1 else None,
+                sum(d.speed for d in devs),
+            )
+        )
     return out
 
 
@@ -58,9 +65,13 @@ def device_classes(cluster: ClusterSpec, vdevs: list[VirtualDevice]) -> list[int
         parts.setdefault(d.machine, []).append((d.type.name, d.speed))
     makeup = {m: tuple(sorted(p)) for m, p in parts.items()}
     keys: dict[tuple, int] = {}
-    return [keys.setdefault((v.flops, v.memory_bytes, v.speed, v.num_gpus, id(v.compute),
-                             makeup[cluster.devices[v.ranks[0]].machine]), len(keys))
-            for v in vdevs]
+    return [
+        keys.setdefault(
+            (v.flops, v.memory_bytes, v.speed, v.num_gpus, id(v.compute), makeup[cluster.devices[v.ranks[0]].machine]),
+            len(keys),
+        )
+        for v in vdevs
+    ]
 
 
 def compute_proportional_ratios(cluster: ClusterSpec, granularity: str, num_segments: int = 1) -> list[list[float]]:

@@ -48,23 +48,28 @@ def stage_map(comm: float, comp: float, collectives: bool, overlap: bool, sync: 
 
 def compose(later: tuple, earlier: tuple) -> tuple:
     """The map of `earlier` then `later` (max-plus product later x earlier)."""
-    return tuple(max(later[i * 3] + earlier[j], later[i * 3 + 1] + earlier[3 + j], later[i * 3 + 2] + earlier[6 + j])
-                 for i in range(3) for j in range(3))
+    return tuple(
+        max(later[i * 3] + earlier[j], later[i * 3 + 1] + earlier[3 + j], later[i * 3 + 2] + earlier[6 + j])
+        for i in range(3)
+        for j in range(3)
+    )
 
 
 def apply(m: tuple, lanes: tuple) -> tuple:
     """The lanes after map `m`, from `lanes`."""
     c, w, a = lanes
-    return (max(m[0] + c, m[1] + w, m[2] + a), max(m[3] + c, m[4] + w, m[5] + a),
-            max(m[6] + c, m[7] + w, m[8] + a))
+    return (max(m[0] + c, m[1] + w, m[2] + a), max(m[3] + c, m[4] + w, m[5] + a), max(m[6] + c, m[7] + w, m[8] + a))
 
 
 def prepend(row: tuple, m: tuple) -> tuple:
     """The end row of (the map whose end row is `row`) after `m`: how the end depends on the
     lanes before `m` runs, once `m` runs first."""
     r0, r1, r2 = row
-    return (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),
-            max(r0 + m[2], r1 + m[5], r2 + m[8]))
+    return (
+        max(r0 + m[0], r1 + m[3], r2 + m[6]),
+        max(r0 + m[1], r1 + m[4], r2 + m[7]),
+        max(r0 + m[2], r1 + m[5], r2 + m[8]),
+    )
 
 
 def end(row: tuple, lanes: tuple) -> float:

@@ -111,10 +111,20 @@ class PipelineProgram:
 
     def to_json(self) -> dict:
         return {
-            "kind": "pipeline", "schedule": self.schedule, "num_micro_batches": self.num_micro_batches,
-            "micro_batch": self.micro_batch, "num_pipelines": self.num_pipelines,
-            "stages": [{"groups": list(st.groups), "ranks": list(st.ranks), "send_bytes": st.send_bytes,
-                        "param_bytes": st.param_bytes} for st in self.stages],
+            "kind": "pipeline",
+            "schedule": self.schedule,
+            "num_micro_batches": self.num_micro_batches,
+            "micro_batch": self.micro_batch,
+            "num_pipelines": self.num_pipelines,
+            "stages": [
+                {
+                    "groups": list(st.groups),
+                    "ranks": list(st.ranks),
+                    "send_bytes": st.send_bytes,
+                    "param_bytes": st.param_bytes,
+                }
+                for st in self.stages
+            ],
         }
 
 
@@ -138,9 +148,18 @@ def in_flight(actions: tuple[tuple, ...]) -> int:
     return most
 
 
-def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
-                 received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
-                 bucket_bytes: float) -> Memory:
+def stage_memory(
+    *,
+    param_bytes: float,
+    largest_param_bytes: float,
+    kept_bytes: float,
+    backward_bytes: float,
+    received_bytes: float,
+    sent_bytes: float,
+    in_flight: int,
+    num_micro_batches: int,
+    bucket_bytes: float,
+) -> Memory:
     """What one rank of a stage holds at its peak (bench.core.program.Memory, constants), from its
     layers' bytes per micro-batch:
 
@@ -155,9 +174,14 @@ def stage_memory(*, param_bytes: float, largest_param_bytes: float, kept_bytes: 
       keep `kept_bytes` each (autograd's saved tensors and the stage's output)."""
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     buffers = num_micro_batches * (received_bytes + sent_bytes)
-    return Memory(params=Affine(param_bytes), grads=Affine(param_bytes), optimizer=Affine(2.0 * param_bytes),
-                  activations=Affine(activations), buckets=Affine(bucket_bytes + buffers),
-                  largest_param=Affine(largest_param_bytes))
+    return Memory(
+        params=Affine(param_bytes),
+        grads=Affine(param_bytes),
+        optimizer=Affine(2.0 * param_bytes),
+        activations=Affine(activations),
+        buckets=Affine(bucket_bytes + buffers),
+        largest_param=Affine(largest_param_bytes),
+    )
 
 
 def stage_peak(memory: Memory, foreach: bool) -> float:
@@ -166,12 +190,21 @@ def stage_peak(memory: Memory, foreach: bool) -> float:
     return max(max(h.const + a.const for h, a in memory.backward_points()), memory.optimizer_step(foreach).const)
 
 
-def stage_peak_bytes(*, param_bytes: float, largest_param_bytes: float, kept_bytes: float, backward_bytes: float,
-                     received_bytes: float, sent_bytes: float, in_flight: int, num_micro_batches: int,
-                     bucket_bytes: float, foreach: bool) -> float:
+def stage_peak_bytes(
+    *,
+    param_bytes: float,
+    largest_param_bytes: float,
+    kept_bytes: float,
+    backward_bytes: float,
+    received_bytes: float,
+    sent_bytes: float,
+    in_flight: int,
+    num_micro_batches: int,
+    bucket_bytes: float,
+    foreach: bool,
+) -> float:
     """stage_peak(stage_memory(...)) in plain arithmetic, for a planner that checks many cuts."""
-    resident = 4.0 * param_bytes + bucket_bytes + num_micro_batches * (
-        received_bytes + sent_bytes)
+    resident = 4.0 * param_bytes + bucket_bytes + num_micro_batches * (received_bytes + sent_bytes)
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
     return resident + max(activations, step)
@@ -199,8 +232,9 @@ def measured_scale(program: PipelineProgram, cluster: ClusterSpec) -> float:
     return now / program.profile_step_s
 
 
-def action_times(program: PipelineProgram, cluster: ClusterSpec,
-                 vdevs: list[VirtualDevice] | None = None) -> list[list[tuple[float, float]]]:
+def action_times(
+    program: PipelineProgram, cluster: ClusterSpec, vdevs: list[VirtualDevice] | None = None
+) -> list[list[tuple[float, float]]]:
     """Per stage and pipeline, (forward, backward) seconds of one micro-batch on its rank."""
     vdevs = vdevs or virtual_devices(cluster, "gpu")
     alg = FloatAlgebra([[1.0 / len(vdevs)] * len(vdevs)])
@@ -222,8 +256,9 @@ def action_times(program: PipelineProgram, cluster: ClusterSpec,
     return out
 
 
-def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
-           times: list[tuple[float, float]]) -> list[RankTimeline]:
+def replay(
+    program: PipelineProgram, cluster: ClusterSpec, pipeline: int, times: list[tuple[float, float]]
+) -> list[RankTimeline]:
     """Run one pipeline's action lists (module docstring) and return each stage's timeline.
 
     `times`: per stage, (forward, backward) seconds of one micro-batch."""
@@ -251,8 +286,9 @@ def replay(program: PipelineProgram, cluster: ClusterSpec, pipeline: int,
                     _, ident, what, mb = a
                     to = s + 1 if what == "act" else s - 1
                     begin = max(clock[s], link_free[s])
-                    done = begin + transfer_s(stages[s].send_bytes if what == "act" else stages[to].send_bytes,
-                                              cluster, ranks[s], ranks[to])
+                    done = begin + transfer_s(
+                        stages[s].send_bytes if what == "act" else stages[to].send_bytes, cluster, ranks[s], ranks[to]
+                    )
                     link_free[s] = done
                     arrived[(what, mb, to)] = done
                     posted[s][ident] = ("done", done)
@@ -293,18 +329,24 @@ def grad_sync_s(stage: PipeStage, cluster: ClusterSpec) -> float:
     if len(stage.ranks) < 2:
         return 0.0
     link = cluster.link_between(list(stage.ranks))
-    return sum(max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link), cluster.floor_s("all_reduce"))
-               for nbytes in stage.grad_buckets)
+    return sum(
+        max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link), cluster.floor_s("all_reduce"))
+        for nbytes in stage.grad_buckets
+    )
 
 
-def optimizer_s(stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float,
-                scale: float = 1.0) -> float:
+def optimizer_s(
+    stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float, scale: float = 1.0
+) -> float:
     """A rank's per-step part after its last action: Adam's step over its stage's parameters
     (emulated workers: as measured, times `scale`, else Adam's per-byte cost), a profile's
     optimizer step (GPUs), the method's host work."""
     dev = cluster.devices[rank]
-    t = (stage.measured[2] * scale / dev.speed if stage.measured is not None
-         else dev.optimizer_s_per_byte * stage.param_bytes)
+    t = (
+        stage.measured[2] * scale / dev.speed
+        if stage.measured is not None
+        else dev.optimizer_s_per_byte * stage.param_bytes
+    )
     if v.compute is not None and v.compute.optimizer is not None:
         fixed, rate = v.compute.optimizer
         t += fixed + stage.param_bytes / rate
@@ -317,8 +359,10 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     """Predicted iteration time and per-rank memory of a pipeline (bench.cost.SimResult)."""
     vdevs = virtual_devices(cluster, "gpu")
     if len(vdevs) != program.num_devices:
-        raise ValueError(f"the pipeline is for {program.num_devices} devices, but cluster {cluster.name!r} has "
-                         f"{len(vdevs)}; plan for this cluster")
+        raise ValueError(
+            f"the pipeline is for {program.num_devices} devices, but cluster {cluster.name!r} has "
+            f"{len(vdevs)}; plan for this cluster"
+        )
     times = action_times(program, cluster, vdevs)
     scale = measured_scale(program, cluster)
     per_rank: dict[int, RankTimeline] = {}
@@ -334,9 +378,12 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
         start = max(per_rank[r].end_s for r in st.ranks)
         for r in st.ranks:
             line = per_rank[r]
-            per_rank[r] = RankTimeline(line.compute_s, start + sync,
-                                       optimizer_s(st, cluster, r, vdevs[r], program.host_work_flops, scale),
-                                       start + sync - line.end_s)
+            per_rank[r] = RankTimeline(
+                line.compute_s,
+                start + sync,
+                optimizer_s(st, cluster, r, vdevs[r], program.host_work_flops, scale),
+                start + sync - line.end_s,
+            )
     iter_time = max(t.end_s + t.optimizer_s for t in per_rank.values())
     busiest = max(per_rank.values(), key=lambda t: t.compute_s + t.optimizer_s)
     stage_times = []
@@ -351,8 +398,13 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     for v in vdevs:
         mem = stage_of[v.index].memory
         parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
-        peak = max(max(held.const + acts.const for held, acts in mem.backward_points()),
-                   mem.optimizer_step(foreach=foreach).const) / GIB
+        peak = (
+            max(
+                max(held.const + acts.const for held, acts in mem.backward_points()),
+                mem.optimizer_step(foreach=foreach).const,
+            )
+            / GIB
+        )
         if v.compute is not None:
             peak += v.compute.workspace_bytes / GIB
         memory.append(parts)

@@ -93,8 +93,11 @@ def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], 
     if key not in costs:
         alpha, beta, agg = collective_cost(c, cluster, vdevs)
         # The host transport's floor for the call (grouped: one broadcast or reduce per member)
-        floor = (members * cluster.floor_s("broadcast" if c.kind == "all_gather" else "reduce") if agg == "sum"
-                 else cluster.floor_s(c.kind))
+        floor = (
+            members * cluster.floor_s("broadcast" if c.kind == "all_gather" else "reduce")
+            if agg == "sum"
+            else cluster.floor_s(c.kind)
+        )
         costs[key] = alpha, beta, agg, floor
     alpha, beta, agg, floor = costs[key]
     if alpha == 0.0 and beta == 0.0:
@@ -108,8 +111,11 @@ def flat_price(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], 
         return max(alpha + beta * c.nbytes.const * n, floor)
     groups = alike(vdevs, alg) if c.devices is None else [(d, 1) for d in c.devices]
     if agg == "sum":
-        return floored(alg, alpha + beta * alg.sum([n * alg.at(c.nbytes, d) if n > 1 else alg.at(c.nbytes, d)
-                                                    for d, n in groups]), floor)
+        return floored(
+            alg,
+            alpha + beta * alg.sum([n * alg.at(c.nbytes, d) if n > 1 else alg.at(c.nbytes, d) for d, n in groups]),
+            floor,
+        )
     return floored(alg, alpha + beta * alg.max([alg.at(c.nbytes, d) for d, _ in groups]), floor)
 
 
@@ -157,20 +163,29 @@ def hierarchical_steps(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualD
     if size <= 1 or not inside or c.kind == "reshard":
         return 0.0
     if c.grad:
-        return alg.max([a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]]
-                       + _floor_term(cluster, "broadcast"))
+        return alg.max(
+            [a + b * alg.at(c.nbytes, d) for d in inside for a, b in [_intra("broadcast", vdevs[d], cluster)]]
+            + _floor_term(cluster, "broadcast")
+        )
     own = {d: alg.at(c.nbytes, d) for d in members}
     if c.kind in ("all_gather", "reduce_scatter"):
-        full = (alg.sum([n * own[d] if n > 1 else own[d] for d, n in groups]) if c.impl == "grouped"
-                else size * alg.max(list(own.values())))
+        full = (
+            alg.sum([n * own[d] if n > 1 else own[d] for d, n in groups])
+            if c.impl == "grouped"
+            else size * alg.max(list(own.values()))
+        )
         whole = {d: full for d in members}
         ins, outs = (own, whole) if c.kind == "all_gather" else (whole, own)
     else:  # all_reduce, all_to_all
         ins = outs = own
-    to_leader = alg.max([a + b * ins[d] for d in inside for a, b in [_intra("gather", vdevs[d], cluster)]]
-                        + _floor_term(cluster, "gather"))
-    back = alg.max([a + b * outs[d] for d in inside for a, b in [_intra("scatter", vdevs[d], cluster)]]
-                   + _floor_term(cluster, "scatter"))
+    to_leader = alg.max(
+        [a + b * ins[d] for d in inside for a, b in [_intra("gather", vdevs[d], cluster)]]
+        + _floor_term(cluster, "gather")
+    )
+    back = alg.max(
+        [a + b * outs[d] for d in inside for a, b in [_intra("scatter", vdevs[d], cluster)]]
+        + _floor_term(cluster, "scatter")
+    )
     return to_leader + back
 
 
@@ -211,16 +226,21 @@ def device_compute(st: Stage, cluster: ClusterSpec, v: VirtualDevice, alg) -> Va
     return t
 
 
-def intra_grad_sync(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg, latency_share: float = 1.0) -> Value:
+def intra_grad_sync(
+    st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg, latency_share: float = 1.0
+) -> Value:
     """Seconds of the all-reduce of a stage's gradients among each machine's GPUs (data
     parallel inside a machine-level device), on the intra-machine link; the slowest machine.
     `latency_share`: the part of the call's latency (and the host transport's floor) charged,
     for gradients that ride in a bucket with others (the search's per-parameter share)."""
     if st.grad_bytes.is_constant and st.grad_bytes.const == 0:
         return 0.0
-    terms = [alpha * latency_share + beta * alg.at(st.grad_bytes, d) for d, _ in alike(vdevs, alg)
-             if vdevs[d].num_gpus > 1
-             for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", vdevs[d].num_gpus, cluster.intra_machine)]]
+    terms = [
+        alpha * latency_share + beta * alg.at(st.grad_bytes, d)
+        for d, _ in alike(vdevs, alg)
+        if vdevs[d].num_gpus > 1
+        for alpha, beta, _ in [collective_linear_cost("all_reduce", "ring", vdevs[d].num_gpus, cluster.intra_machine)]
+    ]
     floor = [f * latency_share for f in _floor_term(cluster, "all_reduce")]
     return alg.max(terms + floor) if terms else 0.0
 
@@ -233,8 +253,9 @@ def stage_parts(st: Stage, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg
     return comm, alg.max([device_compute(st, cluster, vdevs[d], alg) for d, _ in alike(vdevs, alg)])
 
 
-def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg,
-                   stage_log: list | None = None) -> Value:
+def iteration_time(
+    program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg, stage_log: list | None = None
+) -> Value:
     """Seconds of one iteration (the timeline in the module docstring); appends each stage's
     (comm, compute) to `stage_log` when given."""
     compute_end: Value = 0.0
@@ -295,8 +316,13 @@ def iteration_time(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDe
 
 def _stage_key(st: Stage) -> tuple:
     """What stage_parts and intra_grad_sync read of a stage (not its labels)."""
-    return (st.flops, st.grad_bytes, st.op_class, st.launches,
-            tuple((c.kind, c.nbytes, c.impl, c.devices, c.rows, c.grad) for c in st.collectives))
+    return (
+        st.flops,
+        st.grad_bytes,
+        st.op_class,
+        st.launches,
+        tuple((c.kind, c.nbytes, c.impl, c.devices, c.rows, c.grad) for c in st.collectives),
+    )
 
 
 def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg) -> Value:
@@ -309,8 +335,10 @@ def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice
     terms = []
     for d, _ in alike(vdevs, alg):
         devices = [cluster.devices[r] for r in vdevs[d].ranks]  # a machine's GPUs hold its params alike
-        for fixed, per_byte in {(dev.step_overhead_s + (work / dev.effective_flops if work else 0.0),
-                                 dev.optimizer_s_per_byte) for dev in devices}:
+        for fixed, per_byte in {
+            (dev.step_overhead_s + (work / dev.effective_flops if work else 0.0), dev.optimizer_s_per_byte)
+            for dev in devices
+        }:
             terms.append(fixed + alg.at(program.memory.params, d) * per_byte if per_byte else fixed)
     return alg.max(terms)
 
@@ -344,8 +372,9 @@ class _FlopsRun:
         """The run's seconds on the compute lane (the slowest device per shape); empties it."""
         total: Value = 0.0
         for flops in self.sums.values():
-            total = total + self.alg.max([self.alg.at(flops, d) * (1.0 / self.vdevs[d].flops)
-                                          for d, _ in alike(self.vdevs, self.alg)])
+            total = total + self.alg.max(
+                [self.alg.at(flops, d) * (1.0 / self.vdevs[d].flops) for d, _ in alike(self.vdevs, self.alg)]
+            )
         self.sums = {}
         return total
 
@@ -355,9 +384,12 @@ def optimizer_time(program: Program, vdevs: list[VirtualDevice], alg) -> Value:
     plus the parameter bytes each GPU updates over its measured rate (memory-bound). Devices
     without a profile: 0 here (their effective FLOP/s, or an emulated worker's measured
     per-step overhead, already cover it)."""
-    terms = [fixed + alg.at(program.memory.params, d) * (1.0 / rate)
-             for d, _ in alike(vdevs, alg) if vdevs[d].compute is not None and vdevs[d].compute.optimizer is not None
-             for fixed, rate in [vdevs[d].compute.optimizer]]
+    terms = [
+        fixed + alg.at(program.memory.params, d) * (1.0 / rate)
+        for d, _ in alike(vdevs, alg)
+        if vdevs[d].compute is not None and vdevs[d].compute.optimizer is not None
+        for fixed, rate in [vdevs[d].compute.optimizer]
+    ]
     return alg.max(terms) if terms else 0.0
 
 
@@ -378,8 +410,10 @@ def launch_times(launches: Counter, vdevs: list[VirtualDevice]) -> tuple[float, 
     profiles = {id(v.compute): v.compute for v in vdevs if v.compute is not None and v.compute.dispatch}
     if not profiles:
         return 0.0, 0.0
-    return (max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) for c in profiles.values()),
-            max(c.optimizer_dispatch_s for c in profiles.values()))
+    return (
+        max(sum(n * c.dispatch_s(cls) for cls, n in launches.items()) for c in profiles.values()),
+        max(c.optimizer_dispatch_s for c in profiles.values()),
+    )
 
 
 def host_time(program: Program, vdevs: list[VirtualDevice]) -> float:
@@ -396,8 +430,14 @@ def program_maps(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevi
     return maps
 
 
-def step_terms(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice], alg: FloatAlgebra,
-               lanes_end: float, launches: Counter | None = None) -> float:
+def step_terms(
+    program: Program,
+    cluster: ClusterSpec,
+    vdevs: list[VirtualDevice],
+    alg: FloatAlgebra,
+    lanes_end: float,
+    launches: Counter | None = None,
+) -> float:
     """An iteration's seconds from where its lanes end (iteration_time's last lines): no sooner
     than the host has queued its kernels, then the optimizer step and the per-step terms.
     `launches`: the kernels per op class where `program` holds no stages (default: its own)."""
@@ -416,7 +456,9 @@ def _numbers(ratios: Ratios | FloatAlgebra) -> FloatAlgebra:
     return ratios if isinstance(ratios, FloatAlgebra) else FloatAlgebra(ratios)
 
 
-def collective_time(c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra) -> float:
+def collective_time(
+    c: Collective, cluster: ClusterSpec, vdevs: list[VirtualDevice], ratios: Ratios | FloatAlgebra
+) -> float:
     """Seconds of one collective at these ratios."""
     return collective_price(c, cluster, vdevs, _numbers(ratios))
 

@@ -65,15 +65,16 @@ def fit_alpha_beta(rows: list[dict], n: int) -> dict[str, dict[str, float]]:
     for key in sorted({(r["kind"], r["impl"]) for r in rows}):
         pts = [r for r in rows if (r["kind"], r["impl"]) == key and r["first_share"] is None]
         # Grouped calls move each shard once over the root's link: bytes, not a ring's share.
-        x = np.array([r["bytes"] if key[1] == "grouped" else link_bytes(key[0], r["bytes"], n)
-                      for r in pts])
+        x = np.array([r["bytes"] if key[1] == "grouped" else link_bytes(key[0], r["bytes"], n) for r in pts])
         t = np.array([r["seconds"] for r in pts])
         slope, alpha = np.polyfit(x, t, 1)
         if slope > 0:
-            fit = {"latency_s": max(float(alpha), 0.0), "bytes_per_s": float(1 / slope),
-                   "bandwidth_from": "fit"}
+            fit = {"latency_s": max(float(alpha), 0.0), "bytes_per_s": float(1 / slope), "bandwidth_from": "fit"}
         else:  # sizes too small to see the bandwidth through the noise: a lower bound
-            fit = {"latency_s": float(t.min()), "bytes_per_s": float(x.max() / t[x.argmax()]),
-                   "bandwidth_from": "largest size"}
+            fit = {
+                "latency_s": float(t.min()),
+                "bytes_per_s": float(x.max() / t[x.argmax()]),
+                "bandwidth_from": "largest size",
+            }
         fits[f"{key[0]}/{key[1]}"] = fit
     return fits

@@ -15,8 +15,9 @@ from bench.cost.price import busiest_gpu_ratios, iteration_time, per_step_s
 from bench.cost.result import SimResult
 
 
-def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: Ratios | None,
-             memory_reserve_gib: float = 0.0) -> SimResult:
+def simulate(
+    program: Program | PipelineProgram, cluster: ClusterSpec, ratios: Ratios | None, memory_reserve_gib: float = 0.0
+) -> SimResult:
     """Predicted iteration time and memory of `program` on `cluster` with these ratios.
 
     Args:
@@ -60,10 +61,14 @@ def simulate(program: Program | PipelineProgram, cluster: ClusterSpec, ratios: R
                 "activations": program.memory.activations.at(per_gpu, v.index) / v.num_gpus,
             }
             # The larger of backward's peak (activations included) and Adam's step.
-            alike[key] = ({k: val / GIB for k, val in parts.items()},
-                          max(max(held.at(ratios, v.index) + acts.at(per_gpu, v.index) / v.num_gpus
-                                  for held, acts in points) / GIB,
-                              step.at(ratios, v.index) / GIB))
+            alike[key] = (
+                {k: val / GIB for k, val in parts.items()},
+                max(
+                    max(held.at(ratios, v.index) + acts.at(per_gpu, v.index) / v.num_gpus for held, acts in points)
+                    / GIB,
+                    step.at(ratios, v.index) / GIB,
+                ),
+            )
         gib, peak = alike[key]
         memory.append(dict(gib))
         if v.compute is not None:

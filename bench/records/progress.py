@@ -28,9 +28,16 @@ def progress_bar(transient: bool = False):
         TimeRemainingColumn,
     )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                    transient=transient, disable=not interactive())
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        transient=transient,
+        disable=not interactive(),
+    )
 
 
 def track(items: Sequence[T] | Iterable[T], description: str, total: int | None = None) -> Iterator[T]:

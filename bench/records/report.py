@@ -31,9 +31,25 @@ METRICS = {  # name -> axis label
 MODEL_ORDER = ("vgg19", "vit", "bert", "bert_moe")
 
 
-_CSV_FIELDS = ("model", "x", "method", "status", "origin", "metric", "value", "low", "high",
-               "coverage", "repeats", "speedup_vs_dp_ev", "global_batch", "hardware", "git_sha",
-               "git_dirty", "error")
+_CSV_FIELDS = (
+    "model",
+    "x",
+    "method",
+    "status",
+    "origin",
+    "metric",
+    "value",
+    "low",
+    "high",
+    "coverage",
+    "repeats",
+    "speedup_vs_dp_ev",
+    "global_batch",
+    "hardware",
+    "git_sha",
+    "git_dirty",
+    "error",
+)
 
 
 class ReportError(ValueError):
@@ -46,15 +62,15 @@ def read_rows(path: str | Path) -> list[dict]:
     (the records.jsonl of each of its job directories)."""
     path = Path(path)
     if not path.exists():
-        raise ReportError(f"{path} does not exist; pass a records.jsonl, a results_dir or a "
-                          "Hydra sweep directory")
+        raise ReportError(f"{path} does not exist; pass a records.jsonl, a results_dir or a Hydra sweep directory")
     if path.is_dir():
         own = [f for f in (path / "records.jsonl", path / "records.jsonl.gz") if f.is_file()]
-        files = own[:1] or sorted(path.glob("*/records.jsonl"),
-                                  key=lambda p: (len(p.parent.name), p.parent.name))
+        files = own[:1] or sorted(path.glob("*/records.jsonl"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not files:
-            raise ReportError(f"{path} holds no rows (no records.jsonl in it or in its job "
-                              "directories); run a case or sweep with results_dir there first")
+            raise ReportError(
+                f"{path} holds no rows (no records.jsonl in it or in its job "
+                "directories); run a case or sweep with results_dir there first"
+            )
         rows = [r for f in files for r in _load(f)]
         if not rows:
             raise ReportError(f"{path} holds no rows: its records.jsonl files are empty")
@@ -66,13 +82,17 @@ def _load(path: Path) -> list[dict]:
     skipped: list[int] = []
     rows = load_records(path, skipped)
     if not rows and skipped:
-        raise ReportError(f"{path} is not a records file: no line of it is a JSON row; pass a "
-                          "records.jsonl written by hetbench")
+        raise ReportError(
+            f"{path} is not a records file: no line of it is a JSON row; pass a records.jsonl written by hetbench"
+        )
     if not rows:
         raise ReportError(f"{path} holds no rows (empty); run a case or sweep that writes there first")
     if skipped:
-        print(f"warning: {path}: {len(skipped)} line(s) are not JSON rows (e.g. line "
-              f"{skipped[0]}: a write cut short); skipped", file=sys.stderr)
+        print(
+            f"warning: {path}: {len(skipped)} line(s) are not JSON rows (e.g. line "
+            f"{skipped[0]}: a write cut short); skipped",
+            file=sys.stderr,
+        )
     return rows
 
 
@@ -131,22 +151,31 @@ def table_rows(rows: list[dict], x: str, metric: str) -> list[dict]:
     for r in final_rows(rows):
         ok = r.get("status") == "ok"
         low, high, coverage = _interval(r, metric)
-        out.append({
-            "model": r.get("model"), "x": config_value(r, x), "method": r.get("method"),
-            "status": r.get("status"), "origin": r.get("origin"), "metric": metric,
-            "value": r.get(metric) if ok or metric == "planner_time_s" else None,
-            "low": low, "high": high, "coverage": coverage,
-            "repeats": (r.get("aggregate") or {}).get("iter_time_s", {}).get("n"),
-            "speedup_vs_dp_ev": None, "global_batch": r.get("global_batch"),
-            "hardware": r.get("hardware"), "git_sha": (r.get("git_sha") or "")[:10],
-            "git_dirty": r.get("git_dirty"),
-            "error": None if ok else _last_line(r.get("error")),
-            "_row": r,
-        })
+        out.append(
+            {
+                "model": r.get("model"),
+                "x": config_value(r, x),
+                "method": r.get("method"),
+                "status": r.get("status"),
+                "origin": r.get("origin"),
+                "metric": metric,
+                "value": r.get(metric) if ok or metric == "planner_time_s" else None,
+                "low": low,
+                "high": high,
+                "coverage": coverage,
+                "repeats": (r.get("aggregate") or {}).get("iter_time_s", {}).get("n"),
+                "speedup_vs_dp_ev": None,
+                "global_batch": r.get("global_batch"),
+                "hardware": r.get("hardware"),
+                "git_sha": (r.get("git_sha") or "")[:10],
+                "git_dirty": r.get("git_dirty"),
+                "error": None if ok else _last_line(r.get("error")),
+                "_row": r,
+            }
+        )
     for line in out:
         r = line["_row"]
-        base = [b["_row"] for b in out
-                if b["method"] == BASELINE and b["x"] == line["x"] and same_case(b["_row"], r)]
+        base = [b["_row"] for b in out if b["method"] == BASELINE and b["x"] == line["x"] and same_case(b["_row"], r)]
         per_round = (r.get("aggregate") or {}).get("speedup_vs_dp_ev")
         if r.get("status") != "ok":
             continue
@@ -155,8 +184,7 @@ def table_rows(rows: list[dict], x: str, metric: str) -> list[dict]:
         elif base and base[0].get("status") == "ok" and base[0].get("samples_per_s") and r.get("samples_per_s"):
             line["speedup_vs_dp_ev"] = r["samples_per_s"] / base[0]["samples_per_s"]
     order = {m: i for i, m in enumerate(MODEL_ORDER)}
-    out.sort(key=lambda d: (order.get(d["model"], len(order)), str(d["model"]), _sort_key(d["x"]),
-                            str(d["method"])))
+    out.sort(key=lambda d: (order.get(d["model"], len(order)), str(d["model"]), _sort_key(d["x"]), str(d["method"])))
     return out
 
 
@@ -208,8 +236,7 @@ def _speedup_cell(d: dict | None) -> str:
 
 def speedup_table(lines: list[dict], x: str, title: str) -> Table:
     methods = sorted({d["method"] for d in lines})
-    table = Table(title=f"{title}: speedup vs {BASELINE} (throughput ratio; median \\[interval] "
-                        "where repeated)")
+    table = Table(title=f"{title}: speedup vs {BASELINE} (throughput ratio; median \\[interval] where repeated)")
     for col in ("model", x, *methods):
         table.add_column(col, justify="left" if col in ("model", x) else "right")
     for (model, xv), cells in _by_case(lines).items():
@@ -225,17 +252,26 @@ def draw_bars(ax, xs: list[float], lines: list[dict | None], width: float, label
     drawn = [(x, d) for x, d in zip(xs, lines) if d is not None and d["value"] is not None]
     if drawn:
         heights = [d["value"] for _, d in drawn]
-        err = [[max(0.0, d["value"] - d["low"]) if d["low"] is not None else 0.0 for _, d in drawn],
-               [max(0.0, d["high"] - d["value"]) if d["high"] is not None else 0.0 for _, d in drawn]]
+        err = [
+            [max(0.0, d["value"] - d["low"]) if d["low"] is not None else 0.0 for _, d in drawn],
+            [max(0.0, d["high"] - d["value"]) if d["high"] is not None else 0.0 for _, d in drawn],
+        ]
         has_err = any(d["low"] is not None for _, d in drawn)
-        ax.bar([x for x, _ in drawn], heights, width, label=label,
-               yerr=err if has_err else None, capsize=2 if has_err else 0)
+        ax.bar(
+            [x for x, _ in drawn],
+            heights,
+            width,
+            label=label,
+            yerr=err if has_err else None,
+            capsize=2 if has_err else 0,
+        )
     else:
         ax.bar([], [], width, label=label)
     for x, d in zip(xs, lines):
         if d is not None and d["value"] is None:
-            ax.text(x, 0, "OOM" if d["status"] == "oom" else d["status"], rotation=90,
-                    ha="center", va="bottom", fontsize=7)
+            ax.text(
+                x, 0, "OOM" if d["status"] == "oom" else d["status"], rotation=90, ha="center", va="bottom", fontsize=7
+            )
 
 
 def draw(lines: list[dict], x: str, metric: str, title: str):
@@ -253,14 +289,17 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
         xvals = sorted({d["x"] for d in sub}, key=_sort_key)
         for i, method in enumerate(methods):
             cells = {d["x"]: d for d in sub if d["method"] == method}
-            draw_bars(ax, [j + i * width for j in range(len(xvals))],
-                      [cells.get(v) for v in xvals], width, method)
+            draw_bars(ax, [j + i * width for j in range(len(xvals))], [cells.get(v) for v in xvals], width, method)
         labels = [str(v) for v in xvals]
         # Level labels overlap past about 28 characters per 4.2-inch panel (the ablation's
         # "no SFB", "no collective choice", ...): slant them.
         slant = sum(map(len, labels)) > 28
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(xvals))], labels,
-                      rotation=25 if slant else 0, ha="right" if slant else "center")
+        ax.set_xticks(
+            [j + 0.4 - width / 2 for j in range(len(xvals))],
+            labels,
+            rotation=25 if slant else 0,
+            ha="right" if slant else "center",
+        )
         ax.set_title(str(model))
         ax.set_xlabel(x)
     origins = sorted({str(d["origin"]) for d in lines})
@@ -270,16 +309,26 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
     return fig
 
 
-def report(rows: list[dict], out: Path, name: str, x: str = "cluster", metric: str = "samples_per_s",
-           title: str | None = None, figure: bool = True, console: Console | None = None) -> list[dict]:
+def report(
+    rows: list[dict],
+    out: Path,
+    name: str,
+    x: str = "cluster",
+    metric: str = "samples_per_s",
+    title: str | None = None,
+    figure: bool = True,
+    console: Console | None = None,
+) -> list[dict]:
     """Write NAME.csv, NAME_speedup.csv (and NAME.png/.pdf) under `out`; print the speedup
     table. Returns the CSV's lines."""
     if metric not in METRICS:
         raise ReportError(f"--metric {metric} is unknown; use one of: {', '.join(METRICS)}")
     lines = table_rows(rows, x, metric)
     if all(d["x"] is None for d in lines):
-        raise ReportError(f"--x {x}: no row has this config key; use a key of the rows' config, "
-                          "e.g. --x cluster or --x cluster.gpus_per_machine")
+        raise ReportError(
+            f"--x {x}: no row has this config key; use a key of the rows' config, "
+            "e.g. --x cluster or --x cluster.gpus_per_machine"
+        )
     title = title or f"{name}: {METRICS[metric]} per method"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.csv").write_text(to_csv(lines))

@@ -28,8 +28,18 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "infeasible", "timeout", "failed")
 # Keys of the resolved config that do not change what a case measures (left out of case_key).
-_NON_CASE_KEYS = ("wandb", "logger", "resume", "results_dir", "results_file", "timeout_s", "test",
-                  "report", "config_dirs", "config_files")
+_NON_CASE_KEYS = (
+    "wandb",
+    "logger",
+    "resume",
+    "results_dir",
+    "results_file",
+    "timeout_s",
+    "test",
+    "report",
+    "config_dirs",
+    "config_files",
+)
 
 
 @dataclass
@@ -109,8 +119,7 @@ class RunRecord:
     def __post_init__(self) -> None:
         assert self.status in STATUSES, self.status
         if self.status != "ok":  # failed cases carry no numbers, never 0 or -1
-            for name in ("iter_time_s_mean", "iter_time_s_std", "samples_per_s", "tokens_per_s",
-                         "efficiency"):
+            for name in ("iter_time_s_mean", "iter_time_s_std", "samples_per_s", "tokens_per_s", "efficiency"):
                 setattr(self, name, None)
 
 
@@ -207,8 +216,9 @@ def summarize_times(per_rank_times: Iterable[list[float]], measured: int) -> tup
 
 def _git(*args: str, cwd: Path | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=cwd or Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd or Path(__file__).resolve().parent
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

@@ -62,12 +62,10 @@ def summarize(values: list[float], confidence: float = 0.95) -> Summary:
     k, coverage = median_interval(n, confidence) if n > 1 else (1, 0.0)
     mean = statistics.fmean(ordered)
     cv = statistics.stdev(ordered) / mean if n > 1 and mean else 0.0
-    return Summary(n, statistics.median(ordered), ordered[k - 1], ordered[n - k], coverage,
-                   trimmed_mean(ordered), cv)
+    return Summary(n, statistics.median(ordered), ordered[k - 1], ordered[n - k], coverage, trimmed_mean(ordered), cv)
 
 
 def ranks(summaries: dict[str, Summary]) -> dict[str, int]:
     """Rank 1 = fastest (lowest value). A method's rank is one more than the number of methods
     whose whole interval lies below its own: methods whose intervals overlap share a rank."""
-    return {name: 1 + sum(o.high < s.low for o in summaries.values())
-            for name, s in summaries.items()}
+    return {name: 1 + sum(o.high < s.low for o in summaries.values()) for name, s in summaries.items()}

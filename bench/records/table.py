@@ -22,8 +22,7 @@ def speedup(row: dict, rows: list[dict]) -> float | None:
     per_round = (row.get("aggregate") or {}).get("speedup_vs_dp_ev")
     if per_round:
         return per_round["median"]
-    base = [r for r in rows if r.get("method") == BASELINE and r.get("status") == "ok"
-            and same_case(r, row)]
+    base = [r for r in rows if r.get("method") == BASELINE and r.get("status") == "ok" and same_case(r, row)]
     if row.get("status") != "ok" or not base or not row.get("samples_per_s"):
         return None
     return row["samples_per_s"] / base[-1]["samples_per_s"]
@@ -40,8 +39,7 @@ def _efficiency(value: float | None) -> str:
 
 
 def _interval(summary: dict, scale: float = 1.0, spec: str = ".1f") -> str:
-    return (f"{summary['median'] * scale:{spec}} [{summary['low'] * scale:{spec}}-"
-            f"{summary['high'] * scale:{spec}}]")
+    return f"{summary['median'] * scale:{spec}} [{summary['low'] * scale:{spec}}-{summary['high'] * scale:{spec}}]"
 
 
 def _status(r: dict) -> str:
@@ -64,11 +62,24 @@ def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
     repeated = [r for r in rows if r.get("aggregate")]
     if repeated:
         first = repeated[0]["aggregate"]["iter_time_s"]
-        title += (f"\n{first['n']} interleaved repeats; iter ms and speedup: median "
-                  f"[{first['coverage']:.0%} interval]; rank: overlapping intervals tie")
+        title += (
+            f"\n{first['n']} interleaved repeats; iter ms and speedup: median "
+            f"[{first['coverage']:.0%} interval]; rank: overlapping intervals tie"
+        )
     table = Table(title=title)
-    columns = ["model", "cluster", "method", "origin", "status", "iter ms", "samples/s",
-               "tokens/s", "speedup vs dp_ev", "efficiency", "planner ms"]
+    columns = [
+        "model",
+        "cluster",
+        "method",
+        "origin",
+        "status",
+        "iter ms",
+        "samples/s",
+        "tokens/s",
+        "speedup vs dp_ev",
+        "efficiency",
+        "planner ms",
+    ]
     if repeated:
         columns.insert(5, "rank")
     for col in columns:
@@ -87,8 +98,14 @@ def build_table(rows: Iterable[dict], title: str = "hetbench") -> Table:
             it = "-"
         up = agg.get("speedup_vs_dp_ev")
         cells = [
-            f"{r['model']}-{r['preset']}", r["cluster"], r["method"], r.get("origin", "-"),
-            _status(r), it, _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".0f"),
+            f"{r['model']}-{r['preset']}",
+            r["cluster"],
+            r["method"],
+            r.get("origin", "-"),
+            _status(r),
+            it,
+            _fmt(r.get("samples_per_s"), ".1f"),
+            _fmt(r.get("tokens_per_s"), ".0f"),
             _interval(up, spec=".2f") if up else _fmt(speedup(r, rows), ".2f"),
             _efficiency(r.get("efficiency")),
             _fmt(None if r.get("planner_time_s") is None else r["planner_time_s"] * 1e3, ".1f"),

@@ -36,10 +36,27 @@ STEP_FIELDS = (
 )
 # One line per row in a sweep's table.
 SWEEP_COLUMNS = (
-    "model", "preset", "cluster", "method", "mode", "origin", "row_kind", "repeat", "status",
-    "iter_time_s_mean", "iter_time_s_std", "samples_per_s", "tokens_per_s", "efficiency",
-    "peak_mem_gib", "loss_first", "loss_last", "predicted_iter_time_s", "planner_time_s",
-    "run_id", "error",
+    "model",
+    "preset",
+    "cluster",
+    "method",
+    "mode",
+    "origin",
+    "row_kind",
+    "repeat",
+    "status",
+    "iter_time_s_mean",
+    "iter_time_s_std",
+    "samples_per_s",
+    "tokens_per_s",
+    "efficiency",
+    "peak_mem_gib",
+    "loss_first",
+    "loss_last",
+    "predicted_iter_time_s",
+    "planner_time_s",
+    "run_id",
+    "error",
 )
 # Row fields too large or too nested for a run summary.
 _NOT_SUMMARY = ("config", "plan", "iter_times_s", "loss_per_iter", "peak_mem_gib_per_iter")
@@ -61,8 +78,9 @@ def step_metrics(record: RunRecord) -> list[dict[str, float]]:
     times = record.iter_times_s or []
     losses = record.loss_per_iter or []
     mems = record.peak_mem_gib_per_iter or []
-    tokens_per_sample = (record.tokens_per_s / record.samples_per_s
-                         if record.tokens_per_s and record.samples_per_s else None)
+    tokens_per_sample = (
+        record.tokens_per_s / record.samples_per_s if record.tokens_per_s and record.samples_per_s else None
+    )
     steps = []
     for i, t in enumerate(times):
         step = {}
@@ -131,8 +149,13 @@ def track_case(trackers: Iterable[Tracker], record: RunRecord, records_path: Pat
         try:
             tracker.log_case(record, Path(records_path))
         except Exception as exc:  # the row is already written: a mirror must never cost it
-            log.warning("logger %s failed on run %s (%s: %s); the JSONL row is kept",
-                        type(tracker).__name__, record.run_id, type(exc).__name__, exc)
+            log.warning(
+                "logger %s failed on run %s (%s: %s); the JSONL row is kept",
+                type(tracker).__name__,
+                record.run_id,
+                type(exc).__name__,
+                exc,
+            )
 
 
 def track_sweep(trackers: Iterable[Tracker], rows: list[dict], records_path: Path) -> None:
@@ -140,8 +163,12 @@ def track_sweep(trackers: Iterable[Tracker], rows: list[dict], records_path: Pat
         try:
             tracker.log_sweep(rows, Path(records_path))
         except Exception as exc:
-            log.warning("logger %s failed on the sweep table (%s: %s); the JSONL rows are kept",
-                        type(tracker).__name__, type(exc).__name__, exc)
+            log.warning(
+                "logger %s failed on the sweep table (%s: %s); the JSONL rows are kept",
+                type(tracker).__name__,
+                type(exc).__name__,
+                exc,
+            )
 
 
 def track_figure(trackers: Iterable[Tracker], name: str, files: list[Path]) -> None:
@@ -149,8 +176,13 @@ def track_figure(trackers: Iterable[Tracker], name: str, files: list[Path]) -> N
         try:
             tracker.log_figure(name, [Path(f) for f in files])
         except Exception as exc:  # the figure is already on disk
-            log.warning("logger %s failed on figure %s (%s: %s); the files are kept",
-                        type(tracker).__name__, name, type(exc).__name__, exc)
+            log.warning(
+                "logger %s failed on figure %s (%s: %s); the files are kept",
+                type(tracker).__name__,
+                name,
+                type(exc).__name__,
+                exc,
+            )
 
 
 class WandbLogger(Tracker):
@@ -173,15 +205,19 @@ class WandbLogger(Tracker):
         if self.mode == "disabled":
             return
         wandb, run = self._init(
-            config=record.config, name=run_name(record), group=record.case_key or None,
-            job_type=record.mode, tags=[record.model, record.cluster, record.method, record.status],
+            config=record.config,
+            name=run_name(record),
+            group=record.case_key or None,
+            job_type=record.mode,
+            tags=[record.model, record.cluster, record.method, record.status],
         )
         try:
             for i, step in enumerate(step_metrics(record)):
                 run.log(step, step=i)
             run.summary.update(summary_metrics(record))
-            artifact = wandb.Artifact(f"case-{record.run_id}", type="case",
-                                      metadata={"case_key": record.case_key, "status": record.status})
+            artifact = wandb.Artifact(
+                f"case-{record.run_id}", type="case", metadata={"case_key": record.case_key, "status": record.status}
+            )
             with tempfile.TemporaryDirectory() as tmp:
                 row_file = Path(tmp) / "row.json"
                 row_file.write_text(json.dumps(asdict(record), default=str, indent=1))
@@ -199,8 +235,9 @@ class WandbLogger(Tracker):
     def log_sweep(self, rows: list[dict], records_path: Path) -> None:
         if self.mode == "disabled" or not rows:
             return
-        wandb, run = self._init(name=f"sweep/{len(rows)} rows", job_type="sweep",
-                                tags=sorted({r.get("model", "?") for r in rows}))
+        wandb, run = self._init(
+            name=f"sweep/{len(rows)} rows", job_type="sweep", tags=sorted({r.get("model", "?") for r in rows})
+        )
         try:
             columns, data = sweep_table(rows)
             run.log({"sweep/rows": wandb.Table(columns=columns, data=data, allow_mixed_types=True)})
@@ -210,7 +247,6 @@ class WandbLogger(Tracker):
                 run.log_artifact(artifact)
         finally:
             run.finish()
-
 
     def log_figure(self, name: str, files: list[Path]) -> None:
         if self.mode == "disabled":
@@ -262,7 +298,6 @@ class CsvLogger(Tracker):
             writer.writerow(columns)
             writer.writerows([["" if v is None else v for v in line] for line in data])
 
-
     def log_figure(self, name: str, files: list[Path]) -> None:
         folder = self.dir / "figures" / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -282,9 +317,12 @@ class TensorBoardLogger(Tracker):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            _warn_once("tensorboardX", "logger=tensorboard needs tensorboardX, which is not installed: "
-                       "pip install '%s' (scripts/setup.sh installs it); no TensorBoard files written",
-                       TENSORBOARDX_PIN)
+            _warn_once(
+                "tensorboardX",
+                "logger=tensorboard needs tensorboardX, which is not installed: "
+                "pip install '%s' (scripts/setup.sh installs it); no TensorBoard files written",
+                TENSORBOARDX_PIN,
+            )
             SummaryWriter = None
         self._writer_cls = SummaryWriter
 
@@ -298,8 +336,7 @@ class TensorBoardLogger(Tracker):
                 for key, value in step.items():
                     writer.add_scalar(key, value, i)
             summary = summary_metrics(record)
-            writer.add_text("row", "\n".join(f"- **{k}**: `{json.dumps(v, default=str)}`"
-                                             for k, v in summary.items()))
+            writer.add_text("row", "\n".join(f"- **{k}**: `{json.dumps(v, default=str)}`" for k, v in summary.items()))
             if record.plan is not None:
                 writer.add_text("plan", "```\n" + json.dumps(record.plan, default=str, indent=1) + "\n```")
             writer.add_text("records", f"`{records_path}`")
@@ -319,7 +356,6 @@ class TensorBoardLogger(Tracker):
         finally:
             writer.close()
 
-
     def log_figure(self, name: str, files: list[Path]) -> None:
         if self._writer_cls is None:
             return
@@ -329,8 +365,7 @@ class TensorBoardLogger(Tracker):
                 if f.suffix == ".png":
                     import matplotlib.image
 
-                    writer.add_image(f"figure/{name}", matplotlib.image.imread(str(f))[..., :3],
-                                     dataformats="HWC")
+                    writer.add_image(f"figure/{name}", matplotlib.image.imread(str(f))[..., :3], dataformats="HWC")
                 elif f.suffix == ".csv":
                     writer.add_text(f"figure/{f.stem}", "```\n" + f.read_text() + "```")
         finally:

@@ -72,8 +72,13 @@ def check_workload(settings: Settings, cluster: ClusterSpec) -> tuple[object, in
 def workload_from(settings: Settings, model_cfg, batch: int, data: dict) -> Workload:
     """The workload of checked parts (check_workload); counts its FLOPs (seconds for a big model)."""
     return Workload(
-        name=settings.model["name"], preset=settings.preset.name, model_cfg=model_cfg, global_batch=batch,
-        flops_per_sample=train_flops_per_sample(model_cfg), data=data, precision=settings.precision,
+        name=settings.model["name"],
+        preset=settings.preset.name,
+        model_cfg=model_cfg,
+        global_batch=batch,
+        flops_per_sample=train_flops_per_sample(model_cfg),
+        data=data,
+        precision=settings.precision,
     )
 
 
@@ -88,15 +93,21 @@ def check_profile_precision(cluster: ClusterSpec, precision: str) -> None:
         if prof.precision is None:
             if prof.path not in _unrecorded_warned:
                 _unrecorded_warned.add(prof.path)
-                log.warning("the compute profile %s (device type %s) does not record its precision (measured "
-                            "with torch's default TF32 switches: cuDNN's on); re-profile it with bench.profile "
-                            "--precision %s", prof.path, dtype.name, precision)
+                log.warning(
+                    "the compute profile %s (device type %s) does not record its precision (measured "
+                    "with torch's default TF32 switches: cuDNN's on); re-profile it with bench.profile "
+                    "--precision %s",
+                    prof.path,
+                    dtype.name,
+                    precision,
+                )
         elif prof.precision != precision:
             raise ConfigError(
                 f"precision={precision} but the compute profile {prof.path} (device type {dtype.name}) was "
                 f"measured at precision={prof.precision}; run at precision={prof.precision}, or profile the "
                 f"device at {precision}: python -m bench.profile --device cuda --device-type {dtype.name} "
-                f"--precision {precision} --compute-out {prof.path}")
+                f"--precision {precision} --compute-out {prof.path}"
+            )
 
 
 def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
@@ -135,17 +146,24 @@ def new_record(cfg: Settings) -> RunRecord:
     config = copy.deepcopy(recorded_config(cfg))
     sweep_id, output_dir = hydra_job()
     return RunRecord(
-        model=config["model"]["name"], preset=config["preset"]["name"], cluster=config["cluster"]["name"],
-        method=config["method"]["name"], mode=config["mode"], status="failed",
+        model=config["model"]["name"],
+        preset=config["preset"]["name"],
+        cluster=config["cluster"]["name"],
+        method=config["method"]["name"],
+        mode=config["mode"],
+        status="failed",
         origin="measured" if config["mode"] == "real" else "simulated",
-        warmup_iters=config["warmup_iters"], measured_iters=config["measured_iters"],
-        case_key=case_key(config), config=config, sweep_id=sweep_id, output_dir=output_dir,
+        warmup_iters=config["warmup_iters"],
+        measured_iters=config["measured_iters"],
+        case_key=case_key(config),
+        config=config,
+        sweep_id=sweep_id,
+        output_dir=output_dir,
         **fingerprint(),
     )
 
 
-def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None,
-                 launching: bool = False) -> Case:
+def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None, launching: bool = False) -> Case:
     """Validate, measure the host, plan: everything before workers start. Fills `record`.
 
     `launching`: this process launches the case's workers next (bench.runtime.launch.launch); when they
@@ -160,8 +178,9 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
         files.update({f"device/{name}": shown_config_path(Path(path)) for name, path in cluster.type_files})
     method = instantiate_plugin(cfg.method, "method")
     if cfg.mode not in getattr(method, "modes", ("real",)):
-        raise ConfigError(f"method={cfg.method_name} does not support mode={cfg.mode} yet; it "
-                          f"supports {', '.join(method.modes)}")
+        raise ConfigError(
+            f"method={cfg.method_name} does not support mode={cfg.mode} yet; it supports {', '.join(method.modes)}"
+        )
     model_cfg, record.global_batch, data = check_workload(cfg, cluster)
     check_profile_precision(cluster, cfg.precision)
     if cfg.mode == "real":
@@ -182,12 +201,19 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
         record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
         cluster = cluster.with_host_speed(*speed)
         if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
-            record.host_link_floor_s = host_floor(cluster.num_devices, mp.get_context("forkserver") if forked else None,
-                                                  emulation.realtime_comm, emulation.gloo_workers_first)
+            record.host_link_floor_s = host_floor(
+                cluster.num_devices,
+                mp.get_context("forkserver") if forked else None,
+                emulation.realtime_comm,
+                emulation.gloo_workers_first,
+            )
             cluster = cluster.with_link_floor(record.host_link_floor_s)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
-    record.hardware = hardware_description(cluster) if cfg.mode == "real" else (
-        f"simulated {cluster.describe()}, planned on {platform.node()}")
+    record.hardware = (
+        hardware_description(cluster)
+        if cfg.mode == "real"
+        else (f"simulated {cluster.describe()}, planned on {platform.node()}")
+    )
     start = time.perf_counter()
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
@@ -203,14 +229,33 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
     if emulation is not None and cluster.device == "cuda":
         # Real kernels at MPS shares: no slow motion, no pacing reference (bench.runtime.emulation).
         emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
-    record.emulation = None if emulation is None else {
-        "device": cluster.device, "headroom": emulation.headroom,
-        "reference_iters": emulation.reference_iters, "pin_cores": emulation.pin_cores,
-        "pause_discount": emulation.pause_discount, "realtime_comm": emulation.realtime_comm,
-        "gloo_workers_first": emulation.gloo_workers_first}
-    return Case(workload, cluster, method, plan, cfg.seed, cfg.warmup_iters, cfg.measured_iters,
-                fail_rank=cfg.test.fail_rank, emulation=emulation, slowdown=cfg.test.slowdown,
-                precision=cfg.precision, oom_rank=cfg.test.oom_rank)
+    record.emulation = (
+        None
+        if emulation is None
+        else {
+            "device": cluster.device,
+            "headroom": emulation.headroom,
+            "reference_iters": emulation.reference_iters,
+            "pin_cores": emulation.pin_cores,
+            "pause_discount": emulation.pause_discount,
+            "realtime_comm": emulation.realtime_comm,
+            "gloo_workers_first": emulation.gloo_workers_first,
+        }
+    )
+    return Case(
+        workload,
+        cluster,
+        method,
+        plan,
+        cfg.seed,
+        cfg.warmup_iters,
+        cfg.measured_iters,
+        fail_rank=cfg.test.fail_rank,
+        emulation=emulation,
+        slowdown=cfg.test.slowdown,
+        precision=cfg.precision,
+        oom_rank=cfg.test.oom_rank,
+    )
 
 
 def compute_s(sim) -> float:
@@ -253,8 +298,10 @@ def hardware_description(cluster: ClusterSpec) -> str:
     import torch
 
     if cluster.emulated and cluster.device == "cuda":
-        return (f"{torch.cuda.get_device_name(0)} shared by {cluster.num_devices} MPS workers "
-                f"(emulated {cluster.describe()})")
+        return (
+            f"{torch.cuda.get_device_name(0)} shared by {cluster.num_devices} MPS workers "
+            f"(emulated {cluster.describe()})"
+        )
     if cluster.emulated:
         return f"cpu x{cluster.num_devices} workers (emulated {cluster.describe()})"
     if torch.cuda.is_available():

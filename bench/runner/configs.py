@@ -126,16 +126,19 @@ def _search_entry(entry: str) -> Path:
         try:
             return _folder(str(importlib.resources.files(module)), where)
         except (ModuleNotFoundError, TypeError):
-            raise ConfigError(f"{where}: no installed package {module!r}; install it, or give "
-                              "file://DIR for a folder") from None
+            raise ConfigError(
+                f"{where}: no installed package {module!r}; install it, or give file://DIR for a folder"
+            ) from None
     return _folder(entry.removeprefix("file://"), where)
 
 
 def _folder(path: str, where: str) -> Path:
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
-        raise ConfigError(f"{where}: no such folder ({folder}); give a folder of your own configs, with "
-                          "one subfolder per group (cluster/, device/, model/, method/, experiment/, ...)")
+        raise ConfigError(
+            f"{where}: no such folder ({folder}); give a folder of your own configs, with "
+            "one subfolder per group (cluster/, device/, model/, method/, experiment/, ...)"
+        )
     return folder
 
 
@@ -213,8 +216,11 @@ def hydra_error_line(exc: BaseException) -> str:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         return f"{where} is not valid yaml: {problem}; fix the file"
     text = str(exc).strip() or str(exc.__cause__ or "").strip() or type(exc).__name__
-    lines = [ln.strip() for ln in text.splitlines()
-             if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    lines = [
+        ln.strip()
+        for ln in text.splitlines()
+        if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))
+    ]
     first = lines[0]
     # (config_dirs and config_files are hetbench's to fill: not offered)
     options = f"options: {', '.join(f for f in fields_of(Settings) if not f.startswith('config_'))}"
@@ -294,9 +300,11 @@ def print_help_if_asked(argv: list[str], doc: str) -> bool:
     if not {"-h", "--help"} & set(argv):
         return False
     print(doc.strip())
-    print("\nOverrides are the runner's (`python -m bench.run --help` lists every config group "
-          "and key; the README's option table explains them). `--config-dir DIR` adds a folder "
-          "of your own configs (docs/own-configs.md).")
+    print(
+        "\nOverrides are the runner's (`python -m bench.run --help` lists every config group "
+        "and key; the README's option table explains them). `--config-dir DIR` adds a folder "
+        "of your own configs (docs/own-configs.md)."
+    )
     return True
 
 

@@ -59,8 +59,7 @@ def make_trackers(cfg: Settings) -> list[Tracker]:
             trackers.append(instantiate(node))
         except Exception as exc:
             cause = exc.__cause__ or exc
-            log.warning("logger=%s not started (%s: %s); the JSONL row is kept",
-                        name, type(cause).__name__, cause)
+            log.warning("logger=%s not started (%s: %s); the JSONL row is kept", name, type(cause).__name__, cause)
     return trackers
 
 
@@ -118,8 +117,9 @@ def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = No
     path = results_file(cfg)
     done = finished_record(path, record.case_key) if cfg.resume and repeat is None else None
     if done is not None:
-        print(f"skip: {record.model}/{record.cluster}/{record.method} already recorded "
-              f"({done.status}, run {done.run_id})")
+        print(
+            f"skip: {record.model}/{record.cluster}/{record.method} already recorded ({done.status}, run {done.run_id})"
+        )
         return done
     refused = False
     try:
@@ -137,10 +137,14 @@ def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = No
     except WorkerOutOfMemory as exc:
         record.status, record.error = "oom", str(exc)
         record.oom_rank = exc.rank
-        record.peak_mem_gib = [exc.peak_mem_gib if r == exc.rank else None
-                               for r in range(record.num_devices or exc.rank + 1)]
-        print(f"{exc.detail}error: rank {exc.rank} ran out of memory (peak {exc.peak_mem_gib:.2f} "
-              "GiB); case recorded as oom", file=sys.stderr)
+        record.peak_mem_gib = [
+            exc.peak_mem_gib if r == exc.rank else None for r in range(record.num_devices or exc.rank + 1)
+        ]
+        print(
+            f"{exc.detail}error: rank {exc.rank} ran out of memory (peak {exc.peak_mem_gib:.2f} "
+            "GiB); case recorded as oom",
+            file=sys.stderr,
+        )
     except WorkerError as exc:
         record.error = str(exc)
         print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
@@ -166,16 +170,15 @@ def launch_with_progress(case: Case, cfg: Settings) -> list[dict]:
     total = case.warmup_iters + case.measured_iters
     with progress_bar(transient=True) as progress:
         task = progress.add_task(f"{cfg.method_name} on {case.cluster.name}", total=total)
-        return launch(case, case.cluster.num_devices, cfg.timeout_s,
-                      on_progress=lambda it: progress.update(task, completed=it))
+        return launch(
+            case, case.cluster.num_devices, cfg.timeout_s, on_progress=lambda it: progress.update(task, completed=it)
+        )
 
 
-def fill_rates(record: RunRecord, iter_time_s: float, global_batch: int,
-               tokens_per_sample: float | None) -> None:
+def fill_rates(record: RunRecord, iter_time_s: float, global_batch: int, tokens_per_sample: float | None) -> None:
     """Throughput and efficiency from an iteration time (measured, predicted or aggregated)."""
     record.samples_per_s = global_batch / iter_time_s
-    record.tokens_per_s = (None if tokens_per_sample is None
-                           else global_batch * tokens_per_sample / iter_time_s)
+    record.tokens_per_s = None if tokens_per_sample is None else global_batch * tokens_per_sample / iter_time_s
     record.efficiency = record.ideal_iter_time_s / iter_time_s
 
 
@@ -207,9 +210,14 @@ def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, mea
         # How far the real collectives ran past their emulated link time, per iteration (the
         # rank that saw most): the declared links were not what ran when it is a visible share.
         overrun = max(r.get("link_overrun_s") or 0.0 for r in ranks) / measured
-        record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
-                            "ok": abs(worst) <= DILATION_TOLERANCE, "link_overrun_s": overrun,
-                            "links_ok": links_ok(overrun, mean)}
+        record.emulation = {
+            **record.emulation,
+            "ranks": ranks,
+            "max_error": worst,
+            "ok": abs(worst) <= DILATION_TOLERANCE,
+            "link_overrun_s": overrun,
+            "links_ok": links_ok(overrun, mean),
+        }
     record.status = "ok"
 
 
@@ -220,18 +228,15 @@ def fill_gpu_emulation(record: RunRecord, ranks: list[dict]) -> None:
     achieved = achieved_speeds(speeds, [r["probe_flops_per_s"] for r in ranks])
     ranks = [{**r, "achieved_speed": a, "error": a / r["speed"] - 1.0} for r, a in zip(ranks, achieved)]
     worst = max((r["error"] for r in ranks), key=abs)
-    record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst,
-                        "ok": abs(worst) <= DILATION_TOLERANCE}
+    record.emulation = {**record.emulation, "ranks": ranks, "max_error": worst, "ok": abs(worst) <= DILATION_TOLERANCE}
 
 
 def fill_predicted_metrics(record: RunRecord, workload: Workload) -> None:
     """Sim mode: the same metrics, from the simulator's predicted iteration time."""
     if record.predicted_iter_time_s is None:
         raise ConfigError(f"method={record.method} returned no Program: it cannot be simulated")
-    fill_rates(record, record.predicted_iter_time_s, workload.global_batch,
-               workload.model_cfg.tokens_per_sample)
+    fill_rates(record, record.predicted_iter_time_s, workload.global_batch, workload.model_cfg.tokens_per_sample)
     record.peak_mem_gib = record.predicted_peak_mem_gib
     record.status = "oom" if record.predicted_oom else "ok"
     if record.predicted_oom:
-        record.error = (f"predicted out of memory: peak {max(record.peak_mem_gib):.1f} GiB per GPU "
-                        "exceeds device memory")
+        record.error = f"predicted out of memory: peak {max(record.peak_mem_gib):.1f} GiB per GPU exceeds device memory"

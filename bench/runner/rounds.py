@@ -50,8 +50,7 @@ def run_rounds(configs: dict[str, Settings], repeats: int) -> list[RunRecord]:
 
 def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = None) -> dict[str, RunRecord]:
     """One aggregate row per method from its repeat rows (round r of every method ran together)."""
-    times = {m: [r.iter_time_s_mean if r.status == "ok" else None for r in rows]
-             for m, rows in runs.items()}
+    times = {m: [r.iter_time_s_mean if r.status == "ok" else None for r in rows] for m, rows in runs.items()}
     out, summaries = {}, {}
     for m, rows in runs.items():
         ok = [r for r in rows if r.status == "ok"]
@@ -62,8 +61,10 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
         if len(ok) < len(rows):  # a failed round fails the aggregate: no numbers from a subset
             statuses = sorted({r.status for r in rows if r.status != "ok"})
             agg.status = "oom" if statuses == ["oom"] else "failed"
-            agg.error = (f"{len(rows) - len(ok)} of {len(rows)} repeats ended "
-                         f"{'/'.join(statuses)}: {next(r.error for r in rows if r.status != 'ok')}")
+            agg.error = (
+                f"{len(rows) - len(ok)} of {len(rows)} repeats ended "
+                f"{'/'.join(statuses)}: {next(r.error for r in rows if r.status != 'ok')}"
+            )
             agg.aggregate = None
             agg.__post_init__()
             out[m] = agg
@@ -80,12 +81,13 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
             if len(values) == len(ok):
                 setattr(agg, field, statistics.median(values))
         last = ok[-1]
-        fill_rates(agg, summary.median, agg.global_batch,
-                   last.tokens_per_s and last.tokens_per_s / last.samples_per_s)
-        agg.aggregate = {"iter_time_s": summary.as_dict(),
-                         "repeat_run_ids": [r.run_id for r in rows],
-                         "within_run_cv": [r.iter_time_s_std / r.iter_time_s_mean for r in rows],
-                         "interval": "order-statistic interval of the median (bench/records/stats.py)"}
+        fill_rates(agg, summary.median, agg.global_batch, last.tokens_per_s and last.tokens_per_s / last.samples_per_s)
+        agg.aggregate = {
+            "iter_time_s": summary.as_dict(),
+            "repeat_run_ids": [r.run_id for r in rows],
+            "within_run_cv": [r.iter_time_s_std / r.iter_time_s_mean for r in rows],
+            "interval": "order-statistic interval of the median (bench/records/stats.py)",
+        }
         base = times.get(BASELINE)
         if base and all(t is not None for t in base):
             agg.aggregate["speedup_vs_dp_ev"] = summarize([b / t for b, t in zip(base, times[m])]).as_dict()
@@ -97,11 +99,15 @@ def aggregate_rounds(runs: dict[str, list[RunRecord]], sweep_id: str | None = No
             # run's, flagged against the median iteration.
             overruns = [r.emulation.get("link_overrun_s") for r in ok]
             overrun = statistics.median(overruns) if overruns and None not in overruns else None
-            agg.emulation = {**last.emulation, "ranks": None, "max_error": worst,
-                             "ok": all(f["ok"] for f in flags),
-                             "compute_s": statistics.median(computes) if all(computes) else None,
-                             "link_overrun_s": overrun,
-                             "links_ok": overrun is None or links_ok(overrun, summary.median)}
+            agg.emulation = {
+                **last.emulation,
+                "ranks": None,
+                "max_error": worst,
+                "ok": all(f["ok"] for f in flags),
+                "compute_s": statistics.median(computes) if all(computes) else None,
+                "link_overrun_s": overrun,
+                "links_ok": overrun is None or links_ok(overrun, summary.median),
+            }
         out[m] = agg
     for m, rank in ranks(summaries).items():
         out[m].aggregate["rank"] = rank

@@ -113,7 +113,9 @@ class Settings:
     repeats: int = option(1, rule="an integer >= 1", example="5")
     emulation: EmulationOptions = option(factory=EmulationOptions)
     timeout_s: float = option(900, rule="a number > 0 (seconds)")  # a case still running then is a timeout
-    results_dir: str = option("results/runs", rule="a folder path", example="results/runs")  # rows: ${results_dir}/records.jsonl
+    results_dir: str = option(
+        "results/runs", rule="a folder path", example="results/runs"
+    )  # rows: ${results_dir}/records.jsonl
     resume: bool = option(False, rule=_BOOL)  # skip cases already recorded ok (or oom) in records.jsonl
     wandb: WandbSettings = option(factory=WandbSettings)
     test: TestHooks = option(factory=TestHooks)
@@ -190,8 +192,15 @@ def emulation_settings(cfg: Any, num_ranks: int) -> EmulationSettings:
         headroom = EmulationSettings.auto_headroom(num_ranks)
     if options.realtime_comm and num_ranks > host_cores():
         # Two ranks' real-time gloo threads on one core held it for a second (docs/emulation.md).
-        raise ConfigError(f"emulation.realtime_comm=true needs a core per rank: {num_ranks} ranks on "
-                          f"{host_cores()} cores; use emulation.realtime_comm=false")
-    return EmulationSettings(headroom=float(headroom), reference_iters=options.reference_iters,
-                             pin_cores=options.pin_cores, pause_discount=options.pause_discount,
-                             realtime_comm=options.realtime_comm, gloo_workers_first=options.gloo_workers_first)
+        raise ConfigError(
+            f"emulation.realtime_comm=true needs a core per rank: {num_ranks} ranks on "
+            f"{host_cores()} cores; use emulation.realtime_comm=false"
+        )
+    return EmulationSettings(
+        headroom=float(headroom),
+        reference_iters=options.reference_iters,
+        pin_cores=options.pin_cores,
+        pause_discount=options.pause_discount,
+        realtime_comm=options.realtime_comm,
+        gloo_workers_first=options.gloo_workers_first,
+    )

@@ -42,14 +42,20 @@ class SweepSummary(Callback):
         self._done += 1
         elapsed = time.monotonic() - self._t0
         eta = elapsed / self._done * (self._total - self._done) if self._total else None
-        print(f"sweep: {self._done}/{self._total or '?'} cases, {elapsed:.0f} s"
-              + (f", eta {eta:.0f} s" if eta is not None else ""), file=sys.stderr, flush=True)
+        print(
+            f"sweep: {self._done}/{self._total or '?'} cases, {elapsed:.0f} s"
+            + (f", eta {eta:.0f} s" if eta is not None else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         # Only what the table needs: the sweep's config also holds Hydra's node, which does not
         # resolve outside a job.
-        outputs = {"results_dir": config.results_dir,
-                   "logger": OmegaConf.to_container(config.logger, resolve=True) if config.get("logger") else None}
+        outputs = {
+            "results_dir": config.results_dir,
+            "logger": OmegaConf.to_container(config.logger, resolve=True) if config.get("logger") else None,
+        }
         path = results_file(outputs)
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
         # Launchers that run jobs in other processes (submitit) report their failures here only:
@@ -75,8 +81,9 @@ def sweep_axes(params: dict[str, str]) -> list[list[str]]:
     axes = []
     for key, values in params.items():
         override = parser.parse_override(f"{key}={values}")
-        choices = (override.sweep_string_iterator() if override.is_sweep_override()
-                   else [override.get_value_element_as_str()])
+        choices = (
+            override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
+        )
         axes.append([f"{key}={v}" for v in choices])
     return axes
 

@@ -89,8 +89,10 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
         return
     try:
         if cfg.repeats != 1:
-            raise ConfigError(f"repeats={cfg.repeats!r}: a multi-node job runs one case once; set "
-                              "repeats=1 (and sweep, e.g. -m +round=1,2,3, to repeat it)")
+            raise ConfigError(
+                f"repeats={cfg.repeats!r}: a multi-node job runs one case once; set "
+                "repeats=1 (and sweep, e.g. -m +round=1,2,3, to repeat it)"
+            )
         cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
         nproc = devices_per_node(task, cluster)[task.rank]
     except ConfigError as exc:  # every task sees it; task 0 reports and records it
@@ -104,8 +106,7 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
     overrides = [*hydra_cfg.overrides.task, f"hydra.run.dir={run_dir}"]
     if cfg.config_dirs:  # the user's config folders, for the nodes' runners too
         overrides.append(f"hydra.searchpath=[{','.join(f'file://{d}' for d in cfg.config_dirs)}]")
-    code = run_torchrun(torchrun_command(task, nproc, overrides, run_dir / "torchrun"), record.run_id,
-                        cfg.timeout_s)
+    code = run_torchrun(torchrun_command(task, nproc, overrides, run_dir / "torchrun"), record.run_id, cfg.timeout_s)
     if task.rank != 0:
         return
     if any(row.get("run_id") == record.run_id for row in load_records(results_file(cfg))):
@@ -115,8 +116,9 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
     if code is None:
         record.status, record.error = "timeout", f"case did not finish within timeout_s={cfg.timeout_s:g}"
     else:
-        record.error = (f"torchrun on node 0 exited with code {code} before rank 0 recorded the "
-                        f"case; its output is in the job's log ({run_dir} and the submitit folder)")
+        record.error = (
+            f"torchrun on node 0 exited with code {code} before rank 0 recorded the "
+            f"case; its output is in the job's log ({run_dir} and the submitit folder)"
+        )
     print(f"error: {record.error}", file=sys.stderr)
     write_record(cfg, record)
-

@@ -118,6 +118,7 @@ def realtime_comm_threads() -> int | None:
     priority runs on its core until the kernel's real-time throttling (95% of each second by
     default) lets it: with more ranks than cores calls take seconds, so the runner refuses that
     (results/emulation/20261127-link-stalls-and-realtime-comm.md)."""
+
     def fifo(tid: int) -> None:
         if os.sched_getscheduler(tid) != os.SCHED_FIFO:
             os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
@@ -144,6 +145,7 @@ def gloo_workers_first() -> int | None:
     workers sleep while they wait, so they hold the core only for the little work a call gives
     them. What it changes, and the alternatives that were worse (the event loop at nice 19 while
     the rank waits; the workers at SCHED_FIFO): results/emulation/20261129-gloo-workers-first.md."""
+
     def first(tid: int) -> None:
         if os.getpriority(os.PRIO_PROCESS, tid) != GLOO_WORKER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, GLOO_WORKER_NICE)
@@ -156,8 +158,7 @@ def comm_priorities(realtime: bool, workers_first: bool) -> tuple[int | None, in
     (`emulation.realtime_comm`, `emulation.gloo_workers_first`): what realtime_comm_threads and
     gloo_workers_first return, None for a setting that is off. The runs' workers and the host
     floor's probe (bench.runtime.hostlinks) both call this, so that the floor is timed as runs run."""
-    return (realtime_comm_threads() if realtime else None,
-            gloo_workers_first() if workers_first else None)
+    return (realtime_comm_threads() if realtime else None, gloo_workers_first() if workers_first else None)
 
 
 def steady_allocator() -> bool:
@@ -175,7 +176,8 @@ def steady_allocator() -> bool:
         else:
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             _steady = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-                mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+                mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+            )
     return _steady
 
 

@@ -40,8 +40,7 @@ CALLS = 12  # timed calls per kind; each rank in turn comes last
 # How long the last rank keeps the others waiting: the longer they sleep, the slower they wake,
 # and 2 ms comes closest to the waits of a run (results/emulation/20261127-host-link-floor.md).
 LATE_S = 0.002
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter",
-          "p2p")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter", "p2p")
 _floors: dict[tuple[int, bool, bool], dict[str, float]] = {}  # by ranks, `realtime`, `workers_first`
 log = logging.getLogger(__name__)
 
@@ -99,8 +98,7 @@ def _probe(rank: int, n: int, port: int, results, realtime: bool, workers_first:
         dist.destroy_process_group()
 
 
-def measure_floor(num_ranks: int, context=None, realtime: bool = False,
-                  workers_first: bool = True) -> dict[str, float]:
+def measure_floor(num_ranks: int, context=None, realtime: bool = False, workers_first: bool = True) -> dict[str, float]:
     """Seconds of one small collective of each kind among `num_ranks` CPU worker processes on
     this host, from the last rank's arrival (module docstring); {} for one rank. `context`: the
     multiprocessing context to start them with (the launcher's forkserver when it runs; spawn
@@ -111,8 +109,10 @@ def measure_floor(num_ranks: int, context=None, realtime: bool = False,
         return {}
     ctx = context or mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_probe, args=(r, num_ranks, port, results, realtime, workers_first),
-                         daemon=True) for r in range(num_ranks)]
+    procs = [
+        ctx.Process(target=_probe, args=(r, num_ranks, port, results, realtime, workers_first), daemon=True)
+        for r in range(num_ranks)
+    ]
     for p in procs:
         p.start()
     per_rank: dict[int, dict] = {}
@@ -139,8 +139,7 @@ def _key(num_ranks: int, realtime: bool, workers_first: bool) -> str:
     return "links:" + digest(what)
 
 
-def host_floor(num_ranks: int, context=None, realtime: bool = False,
-               workers_first: bool = True) -> dict[str, float]:
+def host_floor(num_ranks: int, context=None, realtime: bool = False, workers_first: bool = True) -> dict[str, float]:
     """measure_floor, once per host, number of ranks and priorities of gloo's threads: kept in
     this process and in the host cache, so that the plans priced with it stay the same from run
     to run (delete the cache file, bench.runtime.hostspeed.host_cache_file, to measure it again). {} for
@@ -155,8 +154,9 @@ def host_floor(num_ranks: int, context=None, realtime: bool = False,
             try:
                 cached = measure_floor(num_ranks, context, realtime, workers_first)
             except (RuntimeError, OSError) as exc:
-                log.warning("the host transport's floor was not measured (%s); emulated links are "
-                            "priced without it", exc)
+                log.warning(
+                    "the host transport's floor was not measured (%s); emulated links are priced without it", exc
+                )
                 return {}
             write_cache(path, key, cached)
         _floors[which] = cached

@@ -73,8 +73,9 @@ def host_key(workload: Workload, batch_size: int, seed: int) -> str:
     return digest([*host_identity(), workload.name, repr(workload.model_cfg), batch_size, seed, PROBE_VERSION])
 
 
-def measure_host_speed(workload: Workload, batch_size: int, seed: int,
-                       repeats: int = 21, use_disk_cache: bool = True) -> HostSpeed:
+def measure_host_speed(
+    workload: Workload, batch_size: int, seed: int, repeats: int = 21, use_disk_cache: bool = True
+) -> HostSpeed:
     """How fast one worker thread trains this workload: the emulated device of speed 1.0.
 
     Times whole training steps (forward, backward, Adam) single-threaded, as the workers run
@@ -94,10 +95,10 @@ def measure_host_speed(workload: Workload, batch_size: int, seed: int,
         return _host_speed_cache[key]
     path, disk_key = host_cache_file(), host_key(workload, b, seed)
     cached = read_cache(path).get(disk_key) if use_disk_cache else None
-    if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) \
-            <= REVALIDATE_TOLERANCE:
-        _host_speed_cache[key] = HostSpeed(cached["flops_per_s"], cached["step_overhead_s"],
-                                           cached["optimizer_s_per_byte"], cached["param_bytes"])
+    if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) <= REVALIDATE_TOLERANCE:
+        _host_speed_cache[key] = HostSpeed(
+            cached["flops_per_s"], cached["step_overhead_s"], cached["optimizer_s_per_byte"], cached["param_bytes"]
+        )
         return _host_speed_cache[key]
     t1, t2 = reference_steps_s(workload, (b, 2 * b), seed, repeats)
     param_bytes = float(sum(p.numel() * p.element_size() for p in workload.build(seed).parameters()))
@@ -286,8 +287,9 @@ def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def device_step(workload: Workload, batch_size: int, seed: int, device: str = "cpu",
-                repeats: int = 21) -> tuple[float, float | None]:
+def device_step(
+    workload: Workload, batch_size: int, seed: int, device: str = "cpu", repeats: int = 21
+) -> tuple[float, float | None]:
     """(median seconds, peak bytes allocated or None on the CPU) of one plain training step
     (forward, backward, Adam) of the workload's model on `device` at the workload's precision
     (bench.runtime.precision.applied); CUDA steps are timed with events after synchronising,

@@ -104,8 +104,7 @@ def _release_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
-           env: dict[str, str], cwd: str) -> None:
+def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, env: dict[str, str], cwd: str) -> None:
     # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
     assert not torch.cuda.is_initialized(), "CUDA initialised before the rank's environment"
     os.environ.clear()
@@ -139,15 +138,16 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int,
         messages.close()
 
 
-def launch(case: Case, world_size: int, timeout_s: float,
-           on_progress: Callable[[int], None] | None = None) -> list[dict]:
+def launch(
+    case: Case, world_size: int, timeout_s: float, on_progress: Callable[[int], None] | None = None
+) -> list[dict]:
     """Run `case` on `world_size` local workers; returns their results ordered by rank.
 
     An emulated cluster with `device: cuda` runs under its own MPS daemon, stopped when the
     case ends, failed or not; ConfigError (one line) when MPS is not installed. The workers of
     a cluster that computes on the CPU see no GPU (CPU_ONLY_ENV)."""
     on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
-    with (mps.mps_daemon() if on_gpu else contextlib.nullcontext()) as dirs:
+    with mps.mps_daemon() if on_gpu else contextlib.nullcontext() as dirs:
         return _run_workers(case, world_size, timeout_s, on_progress, rank_envs(case.cluster, world_size, dirs))
 
 
@@ -226,8 +226,9 @@ def _context(case: Case):
     return mp.get_context("forkserver")
 
 
-def _run_workers(case: Case, world_size: int, timeout_s: float,
-                 on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]) -> list[dict]:
+def _run_workers(
+    case: Case, world_size: int, timeout_s: float, on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]
+) -> list[dict]:
     ctx = _context(case)
     # A pipe per worker, its writing end held by that worker alone once it has started: a worker
     # that dies, even halfway through a message, ends its pipe (a queue's pipe, which the
@@ -237,8 +238,11 @@ def _run_workers(case: Case, world_size: int, timeout_s: float,
     board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
     common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
     procs = [
-        ctx.Process(target=_entry, daemon=True,
-                    args=(r, world_size, case, pipes[r][1], os.getpid(), {**common, **envs[r]}, os.getcwd()))
+        ctx.Process(
+            target=_entry,
+            daemon=True,
+            args=(r, world_size, case, pipes[r][1], os.getpid(), {**common, **envs[r]}, os.getcwd()),
+        )
         for r in range(world_size)
     ]
     for p, (_, writer) in zip(procs, pipes):
@@ -277,7 +281,9 @@ def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None
                     continue
                 procs[r].join(timeout=1.0)  # its pipe closes as it exits: its exit code
                 code = procs[r].exitcode
-                raise WorkerError(r, "closed its pipe without a result" if code is None else _silent_exit(code)) from None
+                raise WorkerError(
+                    r, "closed its pipe without a result" if code is None else _silent_exit(code)
+                ) from None
             if kind == "progress":
                 if on_progress:
                     on_progress(payload)
@@ -316,8 +322,10 @@ def _silent_exit(code: int) -> str:
         name = f"signal {-code}"
     if -code == signal.SIGKILL:
         return f"killed by {name} (by the kernel when out of memory, or by someone)"
-    return (f"killed by {name}, in native code or from outside; where its Python threads were is "
-            "in the log, after 'Fatal Python error'")
+    return (
+        f"killed by {name}, in native code or from outside; where its Python threads were is "
+        "in the log, after 'Fatal Python error'"
+    )
 
 
 def _stop(procs) -> None:

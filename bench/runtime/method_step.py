@@ -44,9 +44,21 @@ TIMEOUT_S = 300
 log = logging.getLogger(__name__)
 
 
-def time_method_step(method, plan: Plan, workload: Workload, cluster: ClusterSpec, *, cache: str,
-                     config: list, version: int, what: str, requires: dict[str, str] | None = None,
-                     seed: int = 0, repeats: int = DEFAULT_REPEATS, timeout_s: float = TIMEOUT_S) -> dict | None:
+def time_method_step(
+    method,
+    plan: Plan,
+    workload: Workload,
+    cluster: ClusterSpec,
+    *,
+    cache: str,
+    config: list,
+    version: int,
+    what: str,
+    requires: dict[str, str] | None = None,
+    seed: int = 0,
+    repeats: int = DEFAULT_REPEATS,
+    timeout_s: float = TIMEOUT_S,
+) -> dict | None:
     """{"plain_s", "method_s"}: the median over ranks of the seconds a rank computes in a plain
     step and in `method`'s own step, at `plan`'s batch shares (see the module docstring).
 
@@ -71,8 +83,9 @@ def time_method_step(method, plan: Plan, workload: Workload, cluster: ClusterSpe
     cached = read_cache(path).get(key)
     if cached and "method_s" in cached:
         return {"plain_s": cached["plain_s"], "method_s": cached["method_s"]}
-    errors = [f"{m} is not installed: {hint}" for m, hint in (requires or {}).items()
-              if importlib.util.find_spec(m) is None]
+    errors = [
+        f"{m} is not installed: {hint}" for m, hint in (requires or {}).items() if importlib.util.find_spec(m) is None
+    ]
     out = None
     if not errors:  # no rank to start where a module is missing: it could only fail
         out, errors = _run_ranks(method, plan, workload, cluster, seed, repeats, timeout_s)
@@ -83,17 +96,23 @@ def time_method_step(method, plan: Plan, workload: Workload, cluster: ClusterSpe
     return out
 
 
-def _run_ranks(method, plan: Plan, workload: Workload, cluster: ClusterSpec, seed: int, repeats: int,
-               timeout_s: float) -> tuple[dict | None, list[str]]:
+def _run_ranks(
+    method, plan: Plan, workload: Workload, cluster: ClusterSpec, seed: int, repeats: int, timeout_s: float
+) -> tuple[dict | None, list[str]]:
     """One probe rank per device (_rank): (the medians of their answers, None where any failed;
     the errors)."""
     n = cluster.num_devices
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hetbench-step-probe-") as folder:
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
-        procs = [ctx.Process(target=_rank, daemon=True,
-                             args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]))
-                 for r in range(n)]
+        procs = [
+            ctx.Process(
+                target=_rank,
+                daemon=True,
+                args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]),
+            )
+            for r in range(n)
+        ]
         for p in procs:
             p.start()
         for _, send in pipes:
@@ -128,8 +147,18 @@ def gather_answers(pending: dict, timeout_s: float) -> dict:
     return answers
 
 
-def _rank(rank: int, world_size: int, store: str, method, plan: Plan, workload: Workload,
-          cluster: ClusterSpec, seed: int, repeats: int, conn) -> None:
+def _rank(
+    rank: int,
+    world_size: int,
+    store: str,
+    method,
+    plan: Plan,
+    workload: Workload,
+    cluster: ClusterSpec,
+    seed: int,
+    repeats: int,
+    conn,
+) -> None:
     """One probe rank: plain steps and the method's steps, interleaved (the module docstring)."""
     try:
         import torch.distributed as dist
@@ -137,8 +166,12 @@ def _rank(rank: int, world_size: int, store: str, method, plan: Plan, workload: 
         pin_to_core(rank)  # as the workers are
         # The emulator's arrival board goes in the probe's folder, removed with it: the probe
         # ends in os._exit, which runs no exit handler.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          **{ArrivalBoard.ENV: os.path.join(os.path.dirname(store), "arrivals")})
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            **{ArrivalBoard.ENV: os.path.join(os.path.dirname(store), "arrivals")},
+        )
         dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
         warnings.filterwarnings("ignore", category=FutureWarning)
         with emulated_device():
@@ -159,8 +192,9 @@ def _rank(rank: int, world_size: int, store: str, method, plan: Plan, workload: 
                 emulator.begin_iteration(i)
                 trainer.step(data)
             emulator.begin_iteration(EmulationSettings.SKIPPED + repeats)  # sets the reference
-        conn.send({"plain_s": min(plain[EmulationSettings.SKIPPED:]),
-                   "method_s": emulator.report()["reference_s_per_iter"]})
+        conn.send(
+            {"plain_s": min(plain[EmulationSettings.SKIPPED :]), "method_s": emulator.report()["reference_s_per_iter"]}
+        )
     except Exception as exc:  # reported to the parent, which plans without it
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -170,8 +204,9 @@ def _rank(rank: int, world_size: int, store: str, method, plan: Plan, workload: 
         os._exit(0)
 
 
-def added_host_work_flops(plain_s: float, method_s: float, workload: Workload, batch: int,
-                          cluster: ClusterSpec) -> float:
+def added_host_work_flops(
+    plain_s: float, method_s: float, workload: Workload, batch: int, cluster: ClusterSpec
+) -> float:
     """The method's own work as a Program's host work: the share its step adds to the plain step
     (time_method_step), times the plain step the cost model prices at `batch` samples (per-sample
     FLOPs plus the per-step part), in FLOPs at the host's rate. So it follows the host's speed (a

@@ -56,8 +56,14 @@ def thread_percentages(speeds: list[float]) -> list[int]:
 def worker_envs(cluster: ClusterSpec, pipe_dir: str, log_dir: str) -> list[dict[str, str]]:
     """The environment each rank's process sets before it touches CUDA."""
     shares = thread_percentages([d.speed for d in cluster.devices])
-    return [{"CUDA_MPS_PIPE_DIRECTORY": pipe_dir, "CUDA_MPS_LOG_DIRECTORY": log_dir,
-             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(p)} for p in shares]
+    return [
+        {
+            "CUDA_MPS_PIPE_DIRECTORY": pipe_dir,
+            "CUDA_MPS_LOG_DIRECTORY": log_dir,
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(p),
+        }
+        for p in shares
+    ]
 
 
 @contextlib.contextmanager
@@ -69,8 +75,7 @@ def mps_daemon() -> Iterator[tuple[str, str]]:
     log_dir = tempfile.mkdtemp(prefix="hetbench-mps-log-")
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe_dir, "CUDA_MPS_LOG_DIRECTORY": log_dir}
     try:
-        started = subprocess.run([binary, "-d"], env=env, capture_output=True, text=True,
-                                 timeout=_CONTROL_TIMEOUT_S)
+        started = subprocess.run([binary, "-d"], env=env, capture_output=True, text=True, timeout=_CONTROL_TIMEOUT_S)
         if started.returncode != 0:
             reason = (started.stderr or started.stdout).strip().splitlines()
             raise ConfigError(
@@ -84,8 +89,9 @@ def mps_daemon() -> Iterator[tuple[str, str]]:
         finally:
             # `quit` ends the control daemon and the server it started once its clients are
             # gone; the launcher has stopped every worker before this runs.
-            subprocess.run([binary], input="quit\n", env=env, capture_output=True, text=True,
-                           timeout=_CONTROL_TIMEOUT_S)
+            subprocess.run(
+                [binary], input="quit\n", env=env, capture_output=True, text=True, timeout=_CONTROL_TIMEOUT_S
+            )
     finally:
         shutil.rmtree(pipe_dir, ignore_errors=True)
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -96,16 +102,23 @@ def check_client(env: dict[str, str]) -> None:
     line (ConfigError) with the client's last error line: a daemon that started but cannot
     serve (the GPU in another compute mode, a server that cannot start, no GPU visible) fails
     here rather than in every rank's traceback."""
-    fix = ("check that nvidia-smi shows the GPU in compute mode Default or Exclusive-process with no other "
-           "MPS server running and that torch sees it, or use device: cpu")
+    fix = (
+        "check that nvidia-smi shows the GPU in compute mode Default or Exclusive-process with no other "
+        "MPS server running and that torch sees it, or use device: cpu"
+    )
     try:
-        client = subprocess.run([sys.executable, "-c", _CLIENT], env=env, capture_output=True, text=True,
-                                timeout=_CLIENT_TIMEOUT_S)
+        client = subprocess.run(
+            [sys.executable, "-c", _CLIENT], env=env, capture_output=True, text=True, timeout=_CLIENT_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client did not "
-                          f"get the GPU within {_CLIENT_TIMEOUT_S} s; {fix}") from None
+        raise ConfigError(
+            f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client did not "
+            f"get the GPU within {_CLIENT_TIMEOUT_S} s; {fix}"
+        ) from None
     if client.returncode != 0:
         lines = [line.strip() for line in (client.stderr or client.stdout).splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit code {client.returncode}"
-        raise ConfigError(f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client could not "
-                          f"use the GPU through it ({reason}); {fix}")
+        raise ConfigError(
+            f"cluster.device=cuda: the MPS daemon started ({CONTROL} -d) but a client could not "
+            f"use the GPU through it ({reason}); {fix}"
+        )

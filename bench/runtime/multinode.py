@@ -57,9 +57,14 @@ def current_task() -> NodeTask | None:
     env = submitit.JobEnvironment()
     if env.num_tasks < 2:
         return None
-    return NodeTask(rank=env.global_rank, num_tasks=env.num_tasks, num_nodes=env.num_nodes,
-                    hostnames=tuple(env.hostnames), job_id=str(env.job_id),
-                    local=env.cluster == "local")
+    return NodeTask(
+        rank=env.global_rank,
+        num_tasks=env.num_tasks,
+        num_nodes=env.num_nodes,
+        hostnames=tuple(env.hostnames),
+        job_id=str(env.job_id),
+        local=env.cluster == "local",
+    )
 
 
 def devices_per_node(task: NodeTask, cluster: ClusterSpec) -> list[int]:
@@ -70,12 +75,14 @@ def devices_per_node(task: NodeTask, cluster: ClusterSpec) -> list[int]:
         raise ConfigError(
             f"hydra.launcher.nodes x tasks_per_node gives {task.num_tasks} tasks but "
             f"cluster={cluster.name} has {len(machines)} machines; a task runs one machine: set "
-            f"hydra.launcher.nodes={len(machines)} hydra.launcher.tasks_per_node=1")
+            f"hydra.launcher.nodes={len(machines)} hydra.launcher.tasks_per_node=1"
+        )
     if task.num_tasks != task.num_nodes and not (cluster.emulated or task.local):
         raise ConfigError(
             f"hydra.launcher.tasks_per_node={task.num_tasks // task.num_nodes} puts several "
             f"torchruns on one node of cluster={cluster.name}, which would share its GPUs; set "
-            f"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes={task.num_tasks}")
+            f"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes={task.num_tasks}"
+        )
     return machines
 
 
@@ -83,10 +90,20 @@ def torchrun_command(task: NodeTask, nproc: int, overrides: list[str], log_dir: 
     """This task's torchrun, running `python -m bench.run <overrides>` on `nproc` workers and
     keeping what it logs per attempt and rank under `log_dir` (by default, a new folder in /tmp
     on every run)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={task.num_tasks}",
-            f"--node-rank={task.rank}", f"--nproc-per-node={nproc}",
-            f"--master-addr={task.master_addr}", f"--master-port={task.master_port}",
-            f"--log-dir={log_dir}", "-m", "bench.run", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={task.num_tasks}",
+        f"--node-rank={task.rank}",
+        f"--nproc-per-node={nproc}",
+        f"--master-addr={task.master_addr}",
+        f"--master-port={task.master_port}",
+        f"--log-dir={log_dir}",
+        "-m",
+        "bench.run",
+        *overrides,
+    ]
 
 
 def run_torchrun(command: list[str], run_id: str, timeout_s: float) -> int | None:

@@ -50,8 +50,9 @@ class P2PBoard:
     def open(cls, world_size: int) -> P2PBoard:
         from bench.runtime.emulation import ArrivalBoard
 
-        base = (os.environ.get(ArrivalBoard.ENV)
-                or str(ArrivalBoard.path(os.getppid(), os.environ.get("MASTER_PORT", "0"))))
+        base = os.environ.get(ArrivalBoard.ENV) or str(
+            ArrivalBoard.path(os.getppid(), os.environ.get("MASTER_PORT", "0"))
+        )
         path = Path(base + "-p2p")
         shape = (world_size, world_size, SLOTS, 2)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -46,12 +46,14 @@ class Pacing:
         core: the core the rank is pinned to, for its report.
     """
 
-    def __init__(self, case, rank: int, device: torch.device, emulated: bool, pace_compute: bool,
-                 core: int | None = None):
+    def __init__(
+        self, case, rank: int, device: torch.device, emulated: bool, pace_compute: bool, core: int | None = None
+    ):
         self.case, self.rank, self.device = case, rank, device
         self.emulated, self.pace_compute, self.core = emulated, pace_compute, core
-        self.emulator = Emulator(case.cluster, rank, enabled=emulated, settings=case.emulation,
-                                 pace_compute=pace_compute)
+        self.emulator = Emulator(
+            case.cluster, rank, enabled=emulated, settings=case.emulation, pace_compute=pace_compute
+        )
         self.emulator.install()
         self.probe_flops = None
         if emulated and device.type == "cuda":
@@ -63,8 +65,11 @@ class Pacing:
         # A shared reference (EmulationSettings.reference) needs only the lazy set-up iterations.
         self.references = 0 if settings.reference is not None else settings.reference_iters
         shared = settings.reference is not None
-        self.untimed = (settings.SKIPPED + self.references
-                        if pace_compute and (self.references or shared) and not case.return_state else 0)
+        self.untimed = (
+            settings.SKIPPED + self.references
+            if pace_compute and (self.references or shared) and not case.return_state
+            else 0
+        )
         # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
         # iterations, which no clock times; its peak is that of the last of them (bench.runtime.tensor_memory).
         self.tensors = TensorBytes() if self.untimed else None
@@ -98,8 +103,9 @@ class Pacing:
         case, emulator, settings, device = self.case, self.emulator, self.emulator.settings, self.device
         if self.pace_compute and it <= settings.SKIPPED:
             with emulator.paused():  # again after the lazy set-up, which may start process groups
-                self.realtime, self.workers_first = hostcpu.comm_priorities(settings.realtime_comm,
-                                                                            settings.gloo_workers_first)
+                self.realtime, self.workers_first = hostcpu.comm_priorities(
+                    settings.realtime_comm, settings.gloo_workers_first
+                )
         if it == self.untimed + case.warmup_iters:
             emulator.reset_stats()
         if case.fail_rank == self.rank:
@@ -140,8 +146,13 @@ class Pacing:
         """The emulation part of the rank's result (None where the cluster is not emulated)."""
         if not self.emulated:
             return None
-        return {**self.emulator.report(self.probe_flops), "yardstick": self.yardstick, "core": self.core,
-                "realtime_comm_threads": self.realtime, "gloo_workers_first_threads": self.workers_first}
+        return {
+            **self.emulator.report(self.probe_flops),
+            "yardstick": self.yardstick,
+            "core": self.core,
+            "realtime_comm_threads": self.realtime,
+            "gloo_workers_first_threads": self.workers_first,
+        }
 
     def _discount_pause(self) -> None:
         """A rank whose reference iterations waited (on peers with more work, on the loopback
@@ -174,4 +185,3 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-

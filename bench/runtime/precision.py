@@ -70,8 +70,20 @@ def applied(precision: str, device: torch.device | str):
 
 # The aten ops a forward's matrix products and convolutions reach at the Python dispatch key
 # (linear and matmul decompose into mm / addmm / bmm; einsum into bmm).
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
-                        "cudnn_convolution", "mkldnn_convolution"})
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "linear",
+        "convolution",
+        "_convolution",
+        "cudnn_convolution",
+        "mkldnn_convolution",
+    }
+)
 
 
 class ForwardDtypes(TorchDispatchMode):

@@ -69,14 +69,15 @@ def profile_compute(repeats: int = 20) -> dict[str, dict[str, float]]:
     out = {}
     with emulated_device():
         for name, op in _op_classes():
+
             def step(op=op):
                 op().sum().backward()
+
             with FlopCounterMode(display=False) as counter:
                 step()
             flops = counter.get_total_flops()
             seconds = _timed(step, repeats)
-            out[name] = {"seconds": seconds, "flops": float(flops),
-                         "flops_per_s": flops / seconds if flops else None}
+            out[name] = {"seconds": seconds, "flops": float(flops), "flops_per_s": flops / seconds if flops else None}
     return out
 
 
@@ -112,8 +113,11 @@ def _class_benchmarks(device: str):
     def conv(b):
         n = max(1, b // (64 if gpu else 16))
         x = torch.randn(n, 64, side, side, generator=g, device=device, requires_grad=True)
-        return chain(x, [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(CHAIN)],
-                     CHAIN * 3 * 2.0 * n * 64 * side * side * 64 * 9)
+        return chain(
+            x,
+            [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(CHAIN)],
+            CHAIN * 3 * 2.0 * n * 64 * side * side * 64 * 9,
+        )
 
     def other(b):
         x = torch.randn(b, d, generator=g, device=device, requires_grad=True)
@@ -123,8 +127,11 @@ def _class_benchmarks(device: str):
 
     # kernels per link of the chain as the planner counts them: forward 1, backward 2 (input
     # and weight gradients) for linear and conv; layer norm 1 + 2, GELU 1 + 1
-    return [("matmul", CHAIN * 3, batches, linear), ("conv", CHAIN * 3, batches, conv),
-            ("other", CHAIN * 5, batches, other)]
+    return [
+        ("matmul", CHAIN * 3, batches, linear),
+        ("conv", CHAIN * 3, batches, conv),
+        ("other", CHAIN * 5, batches, other),
+    ]
 
 
 # Views per call of the two view chains: the host's cost of one view call is the slope between.
@@ -145,6 +152,7 @@ def _view_chain(device: str, views: int):
         for _ in range(views // 2):
             y = y.unsqueeze(0).squeeze(0)
         y.sum().backward()
+
     return call
 
 
@@ -173,9 +181,11 @@ def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
     call that waits for room times the GPU, not the host (timed as a whole burst, one profile's
     host cost came out three times another's; results/gpu/20261126-0408-h200-third-run.md)."""
     if device == "cpu":
+
         def timed_cpu(fn):
             t = _timed(fn, repeats)
             return t, t
+
         return timed_cpu
     cycles_per_s = _sleep_cycles_per_s(device)
 
@@ -204,6 +214,7 @@ def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
             torch.cuda.synchronize(device)
             gpu.append(start.elapsed_time(end) / 1e3 / burst)
         return statistics.median(gpu), statistics.median(host)
+
     return timed
 
 
@@ -225,12 +236,20 @@ def _profile_device(device: str, device_type: str, repeats: int) -> dict:
     timed = _device_timer(device, repeats)
     gpu = device != "cpu"
     allocated = torch.cuda.memory_allocated(device) if gpu else 0
-    out: dict = {"device_type": device_type, "host": platform.node(), "torch": torch.__version__,
-                 "device": device if not gpu else torch.cuda.get_device_name(device),
-                 "compute": {}, "measured": time.strftime("%Y-%m-%d"),
-                 "timing": (f"median of {repeats} calls" if not gpu else
-                            f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
-                            "between CUDA events (device) and on the host's clock (dispatch)")}
+    out: dict = {
+        "device_type": device_type,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "device": device if not gpu else torch.cuda.get_device_name(device),
+        "compute": {},
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": (
+            f"median of {repeats} calls"
+            if not gpu
+            else f"median of {repeats} bursts of {GPU_BURST} calls queued behind a GPU sleep, "
+            "between CUDA events (device) and on the host's clock (dispatch)"
+        ),
+    }
     if gpu:  # the host's dispatch speed when its dispatch costs were measured (bench.runtime.hostspeed.host_probe)
         out["host_probe_s"] = host_probe(device)
 
@@ -241,10 +260,13 @@ def _profile_device(device: str, device_type: str, repeats: int) -> dict:
                 call, flops = make(b)
                 points.append((flops, *timed(call)))
                 del call
-            out["compute"][cls] = {**fit_entry(points, "flops_per_s", launches, gpu), "kernels_per_call": launches,
-                                   "points": points}
+            out["compute"][cls] = {
+                **fit_entry(points, "flops_per_s", launches, gpu),
+                "kernels_per_call": launches,
+                "points": points,
+            }
         points = []
-        for n in ((1 << 20, 1 << 22, 1 << 24, 1 << 26) if gpu else (1 << 14, 1 << 16, 1 << 18, 1 << 20)):
+        for n in (1 << 20, 1 << 22, 1 << 24, 1 << 26) if gpu else (1 << 14, 1 << 16, 1 << 18, 1 << 20):
             p = torch.nn.Parameter(torch.randn(n, device=device))
             p.grad = torch.randn(n, device=device)
             opt = torch.optim.Adam([p], lr=1e-4)
@@ -320,8 +342,12 @@ def _collective_cases(n: int, elements: int, first: float | None):
         cases += [
             ("all_reduce", "ring", full, lambda r: (lambda t: lambda: dist.all_reduce(t))(buf())),
             ("broadcast", "ring", full, lambda r: (lambda t: lambda: dist.broadcast(t, 0))(buf())),
-            ("all_to_all", "ring", full, lambda r: (lambda t, o: lambda: dist.all_to_all_single(o, t))(
-                buf(), torch.empty(elements))),
+            (
+                "all_to_all",
+                "ring",
+                full,
+                lambda r: (lambda t, o: lambda: dist.all_to_all_single(o, t))(buf(), torch.empty(elements)),
+            ),
         ]
     return cases
 
@@ -342,8 +368,16 @@ def _collective_worker(rank: int, n: int, port: int, sizes: list[int], repeats: 
                     # The slowest rank decides when a collective is done for everyone.
                     t = torch.tensor([seconds])
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    rows.append({"kind": kind, "impl": impl, "size": elements * 4,
-                                 "bytes": model_bytes, "first_share": first, "seconds": float(t)})
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "impl": impl,
+                            "size": elements * 4,
+                            "bytes": model_bytes,
+                            "first_share": first,
+                            "seconds": float(t),
+                        }
+                    )
         if rank == 0:
             queue.put(rows)
     finally:
@@ -353,6 +387,7 @@ def _collective_worker(rank: int, n: int, port: int, sizes: list[int], repeats: 
 def profile_collectives(n: int, sizes: list[int], repeats: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_collective_worker, args=(n, _free_port(), sizes, repeats, queue),
-                       nprocs=n, start_method="spawn")
+    mp.start_processes(
+        _collective_worker, args=(n, _free_port(), sizes, repeats, queue), nprocs=n, start_method="spawn"
+    )
     return queue.get(timeout=10)

@@ -91,7 +91,11 @@ class TensorBytes(TorchDispatchMode):
         for value in tree_leaves(out):
             # A wrapper subclass (FSDP2's DTensor parameters and gradients) holds no storage of
             # its own: its local tensors are counted where the ops that make them run.
-            if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_meta
-                    and not is_traceable_wrapper_subclass(value)):
+            if (
+                isinstance(value, torch.Tensor)
+                and value.device.type == "cpu"
+                and not value.is_meta
+                and not is_traceable_wrapper_subclass(value)
+            ):
                 self._count(value.untyped_storage())
         return out

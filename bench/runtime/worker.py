@@ -105,14 +105,23 @@ def rank_hardware(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
         return {
-            "device": "cuda", "name": props.name, "memory_gib": props.total_memory / 2**30,
-            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
-            "driver": _nvidia_driver(), "cuda": torch.version.cuda,
+            "device": "cuda",
+            "name": props.name,
+            "memory_gib": props.total_memory / 2**30,
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "driver": _nvidia_driver(),
+            "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
             "mps_active_thread_percentage": _env_number("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         }
-    return {"device": "cpu", "name": hostcpu.cpu_model(), "cores": os.cpu_count(),
-            "cores_usable": hostcpu.host_cores(), "threads": torch.get_num_threads()}
+    return {
+        "device": "cpu",
+        "name": hostcpu.cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": hostcpu.host_cores(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _nvidia_driver() -> str | None:
@@ -140,8 +149,15 @@ def _env_number(name: str) -> float | None:
 _RETIRED_GROUPS: list = []
 
 
-def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
-             progress: Callable[[int], None] | None = None, gather: bool = False, keep_group: bool = False):
+def run_rank(
+    case: Case,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    progress: Callable[[int], None] | None = None,
+    gather: bool = False,
+    keep_group: bool = False,
+):
     """Train `case` on this rank; returns plain numbers (safe to send between processes).
 
     With gather=True (torchrun), rank 0 returns every rank's result and the others None.
@@ -182,8 +198,17 @@ def run_rank(case: Case, rank: int, world_size: int, local_rank: int,
         gc.collect()
 
 
-def _train(case: Case, rank: int, world_size: int, device: torch.device, emulated: bool,
-           pace_compute: bool, progress, gather: bool, core: int | None = None):
+def _train(
+    case: Case,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    emulated: bool,
+    pace_compute: bool,
+    progress,
+    gather: bool,
+    core: int | None = None,
+):
     pacing = Pacing(case, rank, device, emulated, pace_compute, core)
     workload = case.workload
     with pacing.counting_tensors():
@@ -194,7 +219,9 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     if not case.return_state:  # what the trainer does not hold (hap's unsharded copies) is freed
         del model
     data = workload.model_cfg.dataset(
-        workload.data["source"], workload.data.get("path"), workload.data.get("split", "train"),
+        workload.data["source"],
+        workload.data.get("path"),
+        workload.data.get("split", "train"),
         case.seed,
     )
     start, stop = (case.plan.data_slices or offsets(case.plan.batch_shares))[rank]
@@ -205,8 +232,11 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
     pacing.measure_host()
     for it in range(pacing.total_iters):
         batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
-        with pacing.step(it) as step, step_context(case.precision, device), \
-                (watch if watch is not None and it == 0 else contextlib.nullcontext()):
+        with (
+            pacing.step(it) as step,
+            step_context(case.precision, device),
+            watch if watch is not None and it == 0 else contextlib.nullcontext(),
+        ):
             precision = precision or precision_in_force(case.precision, device)
             loss = trainer.step(batch)
         if step.seconds is not None:  # a timed iteration (warm-up or measured)
@@ -231,8 +261,7 @@ def _train(case: Case, rank: int, world_size: int, device: torch.device, emulate
         "precision": {**(precision or {}), "forward_matmul_dtypes": None if watch is None else watch.observed()},
     }
     if case.return_state and rank == 0:
-        result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters()
-                           if p.grad is not None}
+        result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}
         result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
     if gather:
         everyone = [None] * world_size if rank == 0 else None

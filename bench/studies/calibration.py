@@ -40,7 +40,8 @@ def kendall_tau(a: list[float], b: list[float], separated=None) -> float | None:
     if not pairs:
         return None
     score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum(
-        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+        (a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs
+    )
     return score / len(pairs)
 
 
@@ -76,8 +77,11 @@ def recorded_rows(paths: list[Path], models=None, clusters=None, methods=None) -
         for r in load_records(path):
             if r.get("mode") != "real" or r.get("row_kind", "case") == "repeat":
                 continue
-            if (models and r["model"] not in models) or (clusters and r["cluster"] not in clusters) or (
-                    methods and r["method"] not in methods):
+            if (
+                (models and r["model"] not in models)
+                or (clusters and r["cluster"] not in clusters)
+                or (methods and r["method"] not in methods)
+            ):
                 continue
             key = (r["model"], r["cluster"], r["method"])
             if key not in last or r.get("row_kind") == "aggregate" or last[key].get("row_kind") != "aggregate":
@@ -97,18 +101,27 @@ def summarize(rows: list[dict]) -> dict:
         # Part of the rest: how far the real collectives ran past the emulated links (bench.run)
         r["link_overrun_s"] = (r.get("emulation") or {}).get("link_overrun_s")
         r["memory_error"] = memory_error(r)
-    planned = [abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
-               for r in cases if r.get("planned_iter_time_s")]
+    planned = [
+        abs(r["planned_iter_time_s"] - r["iter_time_s_mean"]) / r["iter_time_s_mean"]
+        for r in cases
+        if r.get("planned_iter_time_s")
+    ]
     # The same predictions with their compute part swapped for the compute measured in the run:
     # what is left is the error of the rest (links, overlap, waits, the worker loop), whatever
     # the host's speed did between the ranks' yardstick and their reference. A diagnostic, not a
     # prediction: it reads the measured compute.
-    outside = [abs(r["predicted_iter_time_s"] - r["predicted_compute_s"] + r["compute_s"] - r["iter_time_s_mean"])
-               / r["iter_time_s_mean"] for r in cases if r.get("compute_s") and r.get("predicted_compute_s")]
+    outside = [
+        abs(r["predicted_iter_time_s"] - r["predicted_compute_s"] + r["compute_s"] - r["iter_time_s_mean"])
+        / r["iter_time_s_mean"]
+        for r in cases
+        if r.get("compute_s") and r.get("predicted_compute_s")
+    ]
     by_method, by_model, by_cluster = (_mean_error_by(cases, key) for key in ("method", "model", "cluster"))
     with_memory = [r for r in cases if r["memory_error"] is not None]
-    memory_by_method = {m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
-                        for m in sorted({r["method"] for r in with_memory})}
+    memory_by_method = {
+        m: statistics.fmean(r["memory_error"] for r in with_memory if r["method"] == m)
+        for m in sorted({r["method"] for r in with_memory})
+    }
     taus, taus_all, separated_pairs = {}, {}, {}
     for model, cluster in sorted({(r["model"], r["cluster"]) for r in cases}):
         group = [r for r in cases if (r["model"], r["cluster"]) == (model, cluster)]
@@ -124,10 +137,29 @@ def summarize(rows: list[dict]) -> dict:
         taus_all[key] = kendall_tau(measured, predicted)
         separated_pairs[key] = sum(separated(i, j) for i, j in itertools.combinations(range(len(group)), 2))
     return {
-        "cases": [{k: r.get(k) for k in ("model", "cluster", "method", "iter_time_s_mean", "predicted_iter_time_s",
-                                         "sim_error", "compute_s", "predicted_compute_s", "planned_iter_time_s",
-                                         "link_overrun_s", "run_host_flops_per_s", "tensor_peak_gib",
-                                         "predicted_peak_mem_gib", "memory_error", "aggregate")} for r in cases],
+        "cases": [
+            {
+                k: r.get(k)
+                for k in (
+                    "model",
+                    "cluster",
+                    "method",
+                    "iter_time_s_mean",
+                    "predicted_iter_time_s",
+                    "sim_error",
+                    "compute_s",
+                    "predicted_compute_s",
+                    "planned_iter_time_s",
+                    "link_overrun_s",
+                    "run_host_flops_per_s",
+                    "tensor_peak_gib",
+                    "predicted_peak_mem_gib",
+                    "memory_error",
+                    "aggregate",
+                )
+            }
+            for r in cases
+        ],
         "mape": statistics.fmean(r["sim_error"] for r in cases) if cases else None,
         # The same cases priced at the parent's probe of the host (what the planner saw).
         "mape_planned": statistics.fmean(planned) if planned else None,
@@ -142,8 +174,9 @@ def summarize(rows: list[dict]) -> dict:
         "kendall_tau": taus,
         "kendall_tau_all": taus_all,
         "separated_pairs": separated_pairs,
-        "failed": [f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}"
-                   for r in rows if r.get("status") != "ok"],
+        "failed": [
+            f"{r['model']}/{r['cluster']}/{r['method']}: {r.get('error')}" for r in rows if r.get("status") != "ok"
+        ],
     }
 
 
@@ -158,8 +191,13 @@ def merged_rows(summaries: list[dict]) -> list[dict]:
             if key in seen:
                 raise ValueError(f"case {'/'.join(key)} is in more than one file")
             seen.add(key)
-            rows.append({**c, "status": "ok",
-                         "emulation": {"compute_s": c.get("compute_s"), "link_overrun_s": c.get("link_overrun_s")}})
+            rows.append(
+                {
+                    **c,
+                    "status": "ok",
+                    "emulation": {"compute_s": c.get("compute_s"), "link_overrun_s": c.get("link_overrun_s")},
+                }
+            )
     return rows
 
 
@@ -171,8 +209,18 @@ def _mean_error_by(cases: list[dict], key: str) -> dict[str, float]:
 def print_summary(summary: dict) -> None:
     console = Console(width=170)
     table = Table(title="simulator vs measurement (emulated clusters)")
-    for col in ("model", "cluster", "method", "measured ms", "predicted ms", "error", "compute ms meas/pred",
-                "rest ms meas/pred", "peak MiB meas/pred", "mem error"):
+    for col in (
+        "model",
+        "cluster",
+        "method",
+        "measured ms",
+        "predicted ms",
+        "error",
+        "compute ms meas/pred",
+        "rest ms meas/pred",
+        "peak MiB meas/pred",
+        "mem error",
+    ):
         table.add_column(col, justify="left" if col in ("model", "cluster", "method") else "right")
 
     def pair(meas, pred) -> str:
@@ -188,9 +236,18 @@ def print_summary(summary: dict) -> None:
             measured += f" [{span['low'] * 1e3:.1f}-{span['high'] * 1e3:.1f}]"
         mem, pmem = c.get("tensor_peak_gib"), c.get("predicted_peak_mem_gib")
         peaks = "-" if c.get("memory_error") is None else f"{max(mem) * 1024:.1f} / {max(pmem) * 1024:.1f}"
-        table.add_row(c["model"], c["cluster"], c["method"], measured,
-                      f"{c['predicted_iter_time_s'] * 1e3:.1f}", f"{c['sim_error']:.0%}", pair(comp, pcomp),
-                      pair(rest, prest), peaks, "-" if c.get("memory_error") is None else f"{c['memory_error']:.0%}")
+        table.add_row(
+            c["model"],
+            c["cluster"],
+            c["method"],
+            measured,
+            f"{c['predicted_iter_time_s'] * 1e3:.1f}",
+            f"{c['sim_error']:.0%}",
+            pair(comp, pcomp),
+            pair(rest, prest),
+            peaks,
+            "-" if c.get("memory_error") is None else f"{c['memory_error']:.0%}",
+        )
     console.print(table)
     taus = Table(title="ordering of methods: Kendall tau (measured vs predicted)")
     taus.add_column("model/cluster")
@@ -199,12 +256,18 @@ def print_summary(summary: dict) -> None:
     taus.add_column("tau, all pairs", justify="right")
     for key, tau in summary["kendall_tau"].items():
         every = summary.get("kendall_tau_all", {}).get(key)
-        taus.add_row(key, "-" if tau is None else f"{tau:+.2f}", str(summary.get("separated_pairs", {}).get(key, "-")),
-                     "-" if every is None else f"{every:+.2f}")
+        taus.add_row(
+            key,
+            "-" if tau is None else f"{tau:+.2f}",
+            str(summary.get("separated_pairs", {}).get(key, "-")),
+            "-" if every is None else f"{every:+.2f}",
+        )
     console.print(taus)
     if summary["mape"] is not None:
-        console.print(f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases; priced at the host speed "
-                      "each run's ranks measured (bench.runtime.hostspeed.yardstick)")
+        console.print(
+            f"MAPE {summary['mape']:.1%} over {len(summary['cases'])} cases; priced at the host speed "
+            "each run's ranks measured (bench.runtime.hostspeed.yardstick)"
+        )
         for key in ("method", "model", "cluster"):
             per = summary.get(f"mape_by_{key}") or {}
             counts = {v: sum(c[key] == v for c in summary["cases"]) for v in per}
@@ -212,14 +275,20 @@ def print_summary(summary: dict) -> None:
     if summary.get("memory_mape") is not None:
         per = ", ".join(f"{m} {e:.0%}" for m, e in summary["memory_mape_by_method"].items())
         cases = sum(c.get("memory_error") is not None for c in summary["cases"])
-        console.print(f"peak tensor memory: MAPE {summary['memory_mape']:.1%} over {cases} cases ({per}); each "
-                      "CPU rank's live tensor bytes against its device's predicted peak")
+        console.print(
+            f"peak tensor memory: MAPE {summary['memory_mape']:.1%} over {cases} cases ({per}); each "
+            "CPU rank's live tensor bytes against its device's predicted peak"
+        )
     if summary.get("mape_planned") is not None:
-        console.print(f"MAPE {summary['mape_planned']:.1%} priced at the parent's probe of the host (what the "
-                      "planner planned with)")
+        console.print(
+            f"MAPE {summary['mape_planned']:.1%} priced at the parent's probe of the host (what the "
+            "planner planned with)"
+        )
     if summary.get("mape_outside_compute") is not None:
-        console.print(f"MAPE {summary['mape_outside_compute']:.1%} with each prediction's compute part taken as "
-                      "measured in its run (the error of the rest alone; a diagnostic, not a prediction)")
+        console.print(
+            f"MAPE {summary['mape_outside_compute']:.1%} with each prediction's compute part taken as "
+            "measured in its run (the error of the rest alone; a diagnostic, not a prediction)"
+        )
     for line in summary["failed"]:
         console.print(f"failed: {line}")
 
@@ -227,21 +296,43 @@ def print_summary(summary: dict) -> None:
 def single_device_cluster(device_type: str, profile: str) -> ClusterSpec:
     """One GPU of `device_type` (its packaged numbers) with the compute profile `profile`."""
     if device_type not in device_types():
-        raise ConfigError(f"--device-type={device_type!r} is unknown; known: {', '.join(sorted(device_types()))} "
-                          "(conf/device/<name>.yaml)")
+        raise ConfigError(
+            f"--device-type={device_type!r} is unknown; known: {', '.join(sorted(device_types()))} "
+            "(conf/device/<name>.yaml)"
+        )
     base = device_types()[device_type]
     link = {"bandwidth_gbps": 1.0, "latency_s": 0.0}
-    numbers = {k: v for k, v in (("memory_gib", base.memory_gib), ("peak_flops", base.peak_flops),
-                                 ("effective_flops", base.effective_flops)) if v is not None}
+    numbers = {
+        k: v
+        for k, v in (
+            ("memory_gib", base.memory_gib),
+            ("peak_flops", base.peak_flops),
+            ("effective_flops", base.effective_flops),
+        )
+        if v is not None
+    }
     inline = {**numbers, "profile": profile, "sources": {k: base.sources.get(k, "packaged type") for k in numbers}}
-    return ClusterSpec.from_config({"name": f"one {device_type}", "virtual_device": "gpu",
-                                    "device_types": {device_type: inline},
-                                    "machines": [{"count": 1, "device": device_type, "num_devices": 1}],
-                                    "links": {"intra_machine": link, "inter_machine": link}})
+    return ClusterSpec.from_config(
+        {
+            "name": f"one {device_type}",
+            "virtual_device": "gpu",
+            "device_types": {device_type: inline},
+            "machines": [{"count": 1, "device": device_type, "num_devices": 1}],
+            "links": {"intra_machine": link, "inter_machine": link},
+        }
+    )
 
 
-def single_device_rows(models, batches, device: str, cluster: ClusterSpec, preset: str = "paper",
-                       repeats: int = 10, on_row=None, precision: str = "fp32") -> list[dict]:
+def single_device_rows(
+    models,
+    batches,
+    device: str,
+    cluster: ClusterSpec,
+    preset: str = "paper",
+    repeats: int = 10,
+    on_row=None,
+    precision: str = "fp32",
+) -> list[dict]:
     """Per (model, batch): the measured step on `device` at `precision` and the simulator's
     prediction of plain training on `cluster` (one device: dp_ev's program), time and peak
     memory; on_row(rows so far) after each."""
@@ -253,9 +344,12 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
             seconds, peak = device_step(workload, batch, cfg.seed, device, repeats)
             rows.append(_predicted(cfg, workload, cluster, seconds, None if peak is None else peak / 2**30, probe))
             r = rows[-1]  # as it goes: a run cut short keeps what it measured in its log
-            print(f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
-                  f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
-                  f"(predicted {r['predicted_peak_gib']:.3f}); host probe {probe * 1e6:.2f} us/op", flush=True)
+            print(
+                f"{model} batch {batch}: {r['measured_s'] * 1e3:.2f} ms (predicted {r['predicted_s'] * 1e3:.2f}, "
+                f"host {r['predicted_host_s'] * 1e3:.2f}); peak {r['measured_peak_gib'] or 0:.3f} GiB "
+                f"(predicted {r['predicted_peak_gib']:.3f}); host probe {probe * 1e6:.2f} us/op",
+                flush=True,
+            )
             if on_row is not None:
                 on_row(rows)
     return rows
@@ -263,19 +357,35 @@ def single_device_rows(models, batches, device: str, cluster: ClusterSpec, prese
 
 def repriced_rows(rows: list[dict], cluster: ClusterSpec, preset: str = "paper", precision: str = "fp32") -> list[dict]:
     """An earlier run's measured steps against today's cost model (same profile and plans)."""
-    return [_predicted(*_step(r["model"], r["batch"], preset, cluster, precision), cluster, r["measured_s"],
-                       r["measured_peak_gib"], r.get("host_probe_s")) for r in rows]
+    return [
+        _predicted(
+            *_step(r["model"], r["batch"], preset, cluster, precision),
+            cluster,
+            r["measured_s"],
+            r["measured_peak_gib"],
+            r.get("host_probe_s"),
+        )
+        for r in rows
+    ]
 
 
 def _step(model: str, batch: int, preset: str, cluster: ClusterSpec, precision: str = "fp32"):
     """The config and workload of one plain training step of `model` at `batch` samples."""
-    cfg = compose_settings("mode=sim", f"preset={preset}", f"model={model}", "method=dp_ev", f"global_batch={batch}",
-                           f"precision={precision}", "wandb.mode=disabled")
+    cfg = compose_settings(
+        "mode=sim",
+        f"preset={preset}",
+        f"model={model}",
+        "method=dp_ev",
+        f"global_batch={batch}",
+        f"precision={precision}",
+        "wandb.mode=disabled",
+    )
     return cfg, build_workload(cfg, cluster)
 
 
-def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None,
-               host_probe_s: float | None = None) -> dict:
+def _predicted(
+    cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: float | None, host_probe_s: float | None = None
+) -> dict:
     """The step's prediction from the profile as measured, and, where both the profile and the
     row probed the host (bench.runtime.hostspeed.host_probe), also with the host's dispatch costs at the
     row's probe (`predicted_at_probe_s`): what the model says if the host, not the device, moved."""
@@ -285,36 +395,66 @@ def _predicted(cfg, workload, cluster: ClusterSpec, seconds: float, peak_gib: fl
     host = host_time(plan.program, virtual_devices(cluster, "gpu"))
     probed = cluster if host_probe_s is None else cluster.with_host_probe(host_probe_s)
     at_probe = None if probed is cluster else simulate(plan.program, probed, plan.ratios).iter_time_s
-    return {"model": model, "batch": batch, "measured_s": seconds, "predicted_s": sim.iter_time_s,
-            "predicted_host_s": host,
-            "time_error": abs(sim.iter_time_s - seconds) / seconds, "measured_peak_gib": peak_gib,
-            "predicted_peak_gib": sim.peak_mem_gib[0],
-            "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib,
-            "host_probe_s": host_probe_s, "predicted_at_probe_s": at_probe,
-            "time_error_at_probe": None if at_probe is None else abs(at_probe - seconds) / seconds}
+    return {
+        "model": model,
+        "batch": batch,
+        "measured_s": seconds,
+        "predicted_s": sim.iter_time_s,
+        "predicted_host_s": host,
+        "time_error": abs(sim.iter_time_s - seconds) / seconds,
+        "measured_peak_gib": peak_gib,
+        "predicted_peak_gib": sim.peak_mem_gib[0],
+        "memory_error": None if peak_gib is None else abs(sim.peak_mem_gib[0] - peak_gib) / peak_gib,
+        "host_probe_s": host_probe_s,
+        "predicted_at_probe_s": at_probe,
+        "time_error_at_probe": None if at_probe is None else abs(at_probe - seconds) / seconds,
+    }
 
 
 def print_single_device(rows: list[dict], title: str) -> dict:
     console = Console(width=160)
     table = Table(title=title)
     probed = all(r.get("time_error_at_probe") is not None for r in rows)
-    for col in ("model", "batch", "measured ms", "predicted ms", "host ms", "error",
-                *(("at probe ms", "error ") if probed else ()), "peak GiB", "predicted GiB", "error  "):
+    for col in (
+        "model",
+        "batch",
+        "measured ms",
+        "predicted ms",
+        "host ms",
+        "error",
+        *(("at probe ms", "error ") if probed else ()),
+        "peak GiB",
+        "predicted GiB",
+        "error  ",
+    ):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         mem, host = r["measured_peak_gib"], r.get("predicted_host_s")
         at_probe = (f"{r['predicted_at_probe_s'] * 1e3:.1f}", f"{r['time_error_at_probe']:.0%}") if probed else ()
-        table.add_row(r["model"], str(r["batch"]), f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
-                      "-" if not host else f"{host * 1e3:.1f}", f"{r['time_error']:.0%}", *at_probe,
-                      "-" if mem is None else f"{mem:.2f}", f"{r['predicted_peak_gib']:.2f}",
-                      "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}")
+        table.add_row(
+            r["model"],
+            str(r["batch"]),
+            f"{r['measured_s'] * 1e3:.1f}",
+            f"{r['predicted_s'] * 1e3:.1f}",
+            "-" if not host else f"{host * 1e3:.1f}",
+            f"{r['time_error']:.0%}",
+            *at_probe,
+            "-" if mem is None else f"{mem:.2f}",
+            f"{r['predicted_peak_gib']:.2f}",
+            "-" if r["memory_error"] is None else f"{r['memory_error']:.0%}",
+        )
     console.print(table)
     summary = {"time_mape": statistics.fmean(r["time_error"] for r in rows)}
     mem = [r["memory_error"] for r in rows if r["memory_error"] is not None]
     summary["memory_mape"] = statistics.fmean(mem) if mem else None
     summary["time_mape_at_probe"] = statistics.fmean(r["time_error_at_probe"] for r in rows) if probed else None
-    console.print(f"step time MAPE {summary['time_mape']:.1%} over {len(rows)} cases"
-                  + ("" if not probed else f" ({summary['time_mape_at_probe']:.1%} with the host's dispatch "
-                                           "costs at each step's probe)")
-                  + ("" if not mem else f"; peak memory MAPE {summary['memory_mape']:.1%}"))
+    console.print(
+        f"step time MAPE {summary['time_mape']:.1%} over {len(rows)} cases"
+        + (
+            ""
+            if not probed
+            else f" ({summary['time_mape_at_probe']:.1%} with the host's dispatch costs at each step's probe)"
+        )
+        + ("" if not mem else f"; peak memory MAPE {summary['memory_mape']:.1%}")
+    )
     return summary

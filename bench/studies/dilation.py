@@ -26,9 +26,16 @@ def _case(speed: float, overrides: tuple[str, ...] = (), reference: tuple[float,
     from bench.runner.configs import compose_settings
 
     cfg = compose_settings(
-        "model=bert", "preset=tiny", "cluster=local_homo2", "~cluster.machines",
+        "model=bert",
+        "preset=tiny",
+        "cluster=local_homo2",
+        "~cluster.machines",
         f"+cluster.machines=[{{count: 1, device: cpu, num_devices: 1, speed: {speed}}}]",
-        "warmup_iters=3", "measured_iters=20", "wandb.mode=disabled", *overrides)
+        "warmup_iters=3",
+        "measured_iters=20",
+        "wandb.mode=disabled",
+        *overrides,
+    )
     case = prepare_case(cfg, new_record(cfg))
     return dataclasses.replace(case, emulation=dataclasses.replace(case.emulation, reference=reference))
 
@@ -44,7 +51,7 @@ def _worker(speeds, port, out, overrides=()) -> None:
 
     def median_iter(speed):
         result = run_rank(cases[speed], 0, 1, 0)
-        return statistics.median(result["iter_times_s"][-cases[speed].measured_iters:])
+        return statistics.median(result["iter_times_s"][-cases[speed].measured_iters :])
 
     before = median_iter(1.0)
     for s in speeds:

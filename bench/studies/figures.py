@@ -59,14 +59,23 @@ def simulate_case(*overrides: str) -> dict:
     # As write_record does before a row is written: the simulator predicts an iteration time for
     # an OOM case too, and the rates filled from it are no throughput of a case that cannot run.
     record.__post_init__()
-    return {"model": record.model, "cluster": record.cluster, "method": record.method,
-            "status": record.status, "samples_per_s": record.samples_per_s,
-            "predicted_iter_time_s": record.predicted_iter_time_s,
-            "planner_time_s": record.planner_time_s, "num_devices": record.num_devices,
-            "peak_mem_gib": max(record.peak_mem_gib or [0]) or None, "error": record.error,
-            # the iteration simulated; the planner's time measured where it planned
-            "origin": f"{record.origin}, planner time measured", "hardware": record.hardware,
-            "git_sha": (record.git_sha or "")[:10], "git_dirty": record.git_dirty}
+    return {
+        "model": record.model,
+        "cluster": record.cluster,
+        "method": record.method,
+        "status": record.status,
+        "samples_per_s": record.samples_per_s,
+        "predicted_iter_time_s": record.predicted_iter_time_s,
+        "planner_time_s": record.planner_time_s,
+        "num_devices": record.num_devices,
+        "peak_mem_gib": max(record.peak_mem_gib or [0]) or None,
+        "error": record.error,
+        # the iteration simulated; the planner's time measured where it planned
+        "origin": f"{record.origin}, planner time measured",
+        "hardware": record.hardware,
+        "git_sha": (record.git_sha or "")[:10],
+        "git_dirty": record.git_dirty,
+    }
 
 
 def _save(fig, data: pd.DataFrame, name: str, out: Path) -> None:
@@ -105,8 +114,7 @@ def experiment_figure(experiment: str, out: Path, *overrides: str) -> None:
         records.mkdir(parents=True, exist_ok=True)
         # Committed with the figure, so gzipped (the rows carry whole plans); mtime 0: the same
         # rows give the same bytes.
-        (records / "records.jsonl.gz").write_bytes(
-            gzip.compress((Path(tmp) / "records.jsonl").read_bytes(), mtime=0))
+        (records / "records.jsonl.gz").write_bytes(gzip.compress((Path(tmp) / "records.jsonl").read_bytes(), mtime=0))
         (records / "records.jsonl").unlink(missing_ok=True)
     rows = read_rows(records)
     spec = layout(rows)
@@ -130,11 +138,18 @@ def fig_allgather_skew(out: Path, ranks: int = 2, megabytes: float = 16.0) -> No
     from bench.runtime.probes import SKEW_SHARES, profile_collectives
 
     nbytes = int(megabytes * 2**20)
-    measured = [r for r in profile_collectives(ranks, [nbytes], repeats=5)
-                if r["kind"] == "all_gather" and r["size"] == nbytes]
-    rows = [{"origin": f"measured (gloo, {ranks} ranks)", "impl": r["impl"],
-             "first_share": r["first_share"] or 1 / ranks,
-             "gb_per_s": nbytes / r["seconds"] / 1e9} for r in measured]
+    measured = [
+        r for r in profile_collectives(ranks, [nbytes], repeats=5) if r["kind"] == "all_gather" and r["size"] == nbytes
+    ]
+    rows = [
+        {
+            "origin": f"measured (gloo, {ranks} ranks)",
+            "impl": r["impl"],
+            "first_share": r["first_share"] or 1 / ranks,
+            "gb_per_s": nbytes / r["seconds"] / 1e9,
+        }
+        for r in measured
+    ]
     spec = ClusterSpec.from_config(_cfg("cluster=paper_hetero").cluster)
     n = spec.num_machines
     for first in [1 / n] + [s for s in SKEW_SHARES if s]:
@@ -143,8 +158,14 @@ def fig_allgather_skew(out: Path, ranks: int = 2, megabytes: float = 16.0) -> No
         for impl in ("padded", "grouped"):
             alpha, beta, agg = collective_linear_cost("all_gather", impl, n, spec.inter_machine)
             seconds = alpha + beta * (max(per_device) if agg == "max" else sum(per_device))
-            rows.append({"origin": f"simulated (paper_hetero, {n} machines)", "impl": impl,
-                         "first_share": first, "gb_per_s": nbytes / seconds / 1e9})
+            rows.append(
+                {
+                    "origin": f"simulated (paper_hetero, {n} machines)",
+                    "impl": impl,
+                    "first_share": first,
+                    "gb_per_s": nbytes / seconds / 1e9,
+                }
+            )
     data = pd.DataFrame(rows).sort_values(["origin", "impl", "first_share"])
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, (origin, sub) in zip(axes, data.groupby("origin")):
@@ -161,14 +182,19 @@ def fig_synthesis_time(out: Path, repeats: int = 3) -> None:
     """Planner time of hap vs ViT depth (8 machines) and vs devices (BERT, one per GPU): every
     point planned `repeats` times, in rounds over the whole sweep (a slow spell of the machine
     then touches every point alike); the median drawn with the range. One row per plan."""
-    points = [("vit layers", layers, ("model=vit", f"+model.spec.num_layers={layers}")) for layers in (4, 8, 12, 24, 48)]
-    points += [("bert devices", 8 * k, ("model=bert", f"cluster.gpus_per_machine={k}", "cluster.virtual_device=gpu"))
-               for k in KS]
+    points = [
+        ("vit layers", layers, ("model=vit", f"+model.spec.num_layers={layers}")) for layers in (4, 8, 12, 24, 48)
+    ]
+    points += [
+        ("bert devices", 8 * k, ("model=bert", f"cluster.gpus_per_machine={k}", "cluster.virtual_device=gpu"))
+        for k in KS
+    ]
     rows = []
     for r in range(repeats):
         for sweep, x, overrides in points:
-            row = simulate_case("preset=paper", "cluster=paper_hetero", "method=hap", *overrides,
-                                "method.cache_dir=null")  # time the planning, not a cache hit
+            row = simulate_case(
+                "preset=paper", "cluster=paper_hetero", "method=hap", *overrides, "method.cache_dir=null"
+            )  # time the planning, not a cache hit
             rows.append({**row, "sweep": sweep, "x": x, "repeat": r})
     data = pd.DataFrame(rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -221,26 +247,50 @@ def fig_sim_accuracy(out: Path) -> None:
 # two minutes) on local_hetero2, with head size 4 so that heads split close to the ratios (shards
 # are whole heads) and a larger vocabulary, whose logits all-gather gives the ratios something
 # to move at small sizes.
-CP_VS_EV_SIM = {"cluster": "motivation", "preset": "paper", "num_layers": 4, "vocab_size": 1024,
-                "global_batch": 32, "head_dim": 64}
+CP_VS_EV_SIM = {
+    "cluster": "motivation",
+    "preset": "paper",
+    "num_layers": 4,
+    "vocab_size": 1024,
+    "global_batch": 32,
+    "head_dim": 64,
+}
 
 
-CP_VS_EV_REAL = {"cluster": "local_hetero2", "preset": "tiny", "num_layers": 2, "vocab_size": 4096,
-                 "global_batch": 8, "head_dim": 4}
+CP_VS_EV_REAL = {
+    "cluster": "local_hetero2",
+    "preset": "tiny",
+    "num_layers": 2,
+    "vocab_size": 4096,
+    "global_batch": 8,
+    "head_dim": 4,
+}
 
 
 def tp_points(setting: dict, d_model: int, mode: str) -> list[list[str]]:
     """The overrides of one hidden size's cases of conf/experiment/cp_vs_ev.yaml, one per ratio
     choice (EV, CP, LP: the experiment's sweep)."""
     return sweep_points(
-        "cp_vs_ev", f"mode={mode}", f"preset={setting['preset']}", f"cluster={setting['cluster']}",
-        f"global_batch={setting['global_batch']}", f"+model.spec.d_model={d_model}",
-        f"+model.spec.num_heads={max(1, d_model // setting['head_dim'])}", f"+model.spec.d_ff={4 * d_model}",
-        f"+model.spec.num_layers={setting['num_layers']}", f"+model.spec.vocab_size={setting['vocab_size']}")
+        "cp_vs_ev",
+        f"mode={mode}",
+        f"preset={setting['preset']}",
+        f"cluster={setting['cluster']}",
+        f"global_batch={setting['global_batch']}",
+        f"+model.spec.d_model={d_model}",
+        f"+model.spec.num_heads={max(1, d_model // setting['head_dim'])}",
+        f"+model.spec.d_ff={4 * d_model}",
+        f"+model.spec.num_layers={setting['num_layers']}",
+        f"+model.spec.vocab_size={setting['vocab_size']}",
+    )
 
 
-def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096, 8192),
-                 real_dims=(16, 64, 128, 256, 512), warmup_iters: int = 2, measured_iters: int = 10) -> None:
+def fig_cp_vs_ev(
+    out: Path,
+    sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096, 8192),
+    real_dims=(16, 64, 128, 256, 512),
+    warmup_iters: int = 2,
+    measured_iters: int = 10,
+) -> None:
     """The seed's Fig. 2: a tensor-parallel transformer with its hidden size swept, at even (EV),
     compute-proportional (CP) and the LP's (LP) sharding ratios; simulated on `motivation` and
     measured on local_hetero2 (emulated, gloo).
@@ -287,14 +337,26 @@ def fig_cp_vs_ev(out: Path, sim_dims=(128, 256, 384, 512, 768, 1024, 2048, 4096,
                         measure_case(cfg, record, case)
                         runs[record.plan_hash] = (choice, record.iter_time_s_mean, record.iter_time_s_std)
                     run_of, mean, std = runs[record.plan_hash]
-                rows.append({
-                    "origin": origin, "cluster": case.cluster.name, "d_model": d,
-                    "num_heads": workload.model_cfg.num_heads, "num_layers": setting["num_layers"],
-                    "global_batch": workload.global_batch, "ratios": choice,
-                    "ratio_values": " ".join(f"{r:.4f}" for r in plan.ratios[0]),
-                    "iter_time_s": mean, "iter_time_std_s": std, "samples_per_s": workload.global_batch / mean,
-                    "predicted_iter_time_s": sim.iter_time_s, "predicted_comm_s": sim.comm_time_s,
-                    "predicted_compute_s": sim.compute_time_s, "oom": sim.oom, "measured_run_of": run_of})
+                rows.append(
+                    {
+                        "origin": origin,
+                        "cluster": case.cluster.name,
+                        "d_model": d,
+                        "num_heads": workload.model_cfg.num_heads,
+                        "num_layers": setting["num_layers"],
+                        "global_batch": workload.global_batch,
+                        "ratios": choice,
+                        "ratio_values": " ".join(f"{r:.4f}" for r in plan.ratios[0]),
+                        "iter_time_s": mean,
+                        "iter_time_std_s": std,
+                        "samples_per_s": workload.global_batch / mean,
+                        "predicted_iter_time_s": sim.iter_time_s,
+                        "predicted_comm_s": sim.comm_time_s,
+                        "predicted_compute_s": sim.compute_time_s,
+                        "oom": sim.oom,
+                        "measured_run_of": run_of,
+                    }
+                )
     data = pd.DataFrame(rows)
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex="col")
     for col, origin in enumerate(("simulated", "measured")):

@@ -26,23 +26,29 @@ def noise_floor(overrides: list[str]) -> tuple[Table, bool]:
     cfg = compose_settings(*overrides)
     repeats = cfg.repeats
     if repeats < 2:
-        raise ConfigError(f"repeats={repeats} gives no spread; the noise floor needs repeats>=2, "
-                          f"e.g. repeats={DEFAULT_REPEATS}")
+        raise ConfigError(
+            f"repeats={repeats} gives no spread; the noise floor needs repeats>=2, e.g. repeats={DEFAULT_REPEATS}"
+        )
     if cfg.mode != "real":
         raise ConfigError(f"mode={cfg.mode}: the simulator has no noise; use mode=real")
     agg = run_rounds({cfg.method_name: cfg}, repeats)[0]
-    table = Table(title=f"noise floor: {cfg.model['name']}-{cfg.preset.name} on {cfg.cluster['name']}, "
-                        f"{cfg.method_name}, {repeats} runs")
-    for col in ("runs ok", "median iter ms", "interval", "CV run to run", "CV within runs",
-                "interval width / median"):
+    table = Table(
+        title=f"noise floor: {cfg.model['name']}-{cfg.preset.name} on {cfg.cluster['name']}, "
+        f"{cfg.method_name}, {repeats} runs"
+    )
+    for col in ("runs ok", "median iter ms", "interval", "CV run to run", "CV within runs", "interval width / median"):
         table.add_column(col, justify="right")
     if agg.status != "ok":
         table.add_row(f"0 of {repeats}", "-", "-", "-", "-", f"{agg.status}: {agg.error}")
         return table, False
     it = agg.aggregate["iter_time_s"]
     within = statistics.median(agg.aggregate["within_run_cv"])
-    table.add_row(str(repeats), f"{it['median'] * 1e3:.2f}",
-                  f"[{it['low'] * 1e3:.2f}, {it['high'] * 1e3:.2f}] ({it['coverage']:.0%})",
-                  f"{it['cv']:.1%}", f"{within:.1%}",
-                  f"{(it['high'] - it['low']) / it['median']:.1%}")
+    table.add_row(
+        str(repeats),
+        f"{it['median'] * 1e3:.2f}",
+        f"[{it['low'] * 1e3:.2f}, {it['high'] * 1e3:.2f}] ({it['coverage']:.0%})",
+        f"{it['cv']:.1%}",
+        f"{within:.1%}",
+        f"{(it['high'] - it['low']) / it['median']:.1%}",
+    )
     return table, True

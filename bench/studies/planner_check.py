@@ -36,8 +36,15 @@ TOLERANCE = 1e-9  # relative: a variant is "faster" only beyond float noise
 def paper_planning(*overrides: str):
     """(planner, workload, cluster) of hap on paper_hetero at the paper preset, as bench.run
     builds them from conf/method/hap.yaml (plan cache off), before any planning."""
-    cfg = compose_settings("mode=sim", "preset=paper", "cluster=paper_hetero", "method=hap",
-                           "method.cache_dir=null", "wandb.mode=disabled", *overrides)
+    cfg = compose_settings(
+        "mode=sim",
+        "preset=paper",
+        "cluster=paper_hetero",
+        "method=hap",
+        "method.cache_dir=null",
+        "wandb.mode=disabled",
+        *overrides,
+    )
     cluster = ClusterSpec.from_config(cfg.cluster)
     return instantiate_plugin(cfg.method, "method"), build_workload(cfg, cluster), cluster
 
@@ -48,9 +55,16 @@ def plan_case(model: str, k: int, *overrides: str) -> dict:
     start = time.perf_counter()
     plan = planner.plan(workload, cluster)
     d = plan.details
-    return {"iter_time_s": d["predicted_iter_time_s"], "oom": d["oom"], "chosen": d["chosen"],
-            "planned_s": time.perf_counter() - start, "expanded": d["states_expanded"],
-            "exact": d["search_exact"], "beam_width": planner.beam_width, "rounds": d["rounds"]}
+    return {
+        "iter_time_s": d["predicted_iter_time_s"],
+        "oom": d["oom"],
+        "chosen": d["chosen"],
+        "planned_s": time.perf_counter() - start,
+        "expanded": d["states_expanded"],
+        "exact": d["search_exact"],
+        "beam_width": planner.beam_width,
+        "rounds": d["rounds"],
+    }
 
 
 def search_agreement(rounds: list[dict]) -> dict:
@@ -72,16 +86,29 @@ def search_agreement(rounds: list[dict]) -> dict:
             rounds_synth.setdefault((r["start"], r["round"]), {})[r["stage"]] = r
     pairs = [p for p in rounds_synth.values() if len(p) == 2]
     behind = sum(p["synthesis"]["iter_time_s"] > p["data parallel"]["iter_time_s"] * (1 + TOLERANCE) for p in pairs)
-    return {"candidates": len(pool), "search_pick": by_search, "sim_pick": by_sim,
-            "excess": by_search["iter_time_s"] / by_sim["iter_time_s"] - 1,
-            "synthesis_rounds": len(pairs), "synthesis_behind_dp": behind}
+    return {
+        "candidates": len(pool),
+        "search_pick": by_search,
+        "sim_pick": by_sim,
+        "excess": by_search["iter_time_s"] / by_sim["iter_time_s"] - 1,
+        "synthesis_rounds": len(pairs),
+        "synthesis_behind_dp": behind,
+    }
 
 
 def agreement_table(models, ks, overrides, console: Console) -> list[dict]:
     """search_agreement per (model, k) on paper_hetero, printed."""
     table = Table(title="the search's price vs the simulator: which candidate each ranks first (paper_hetero)")
-    for col in ("model", "k", "candidates", "search's pick: search ms / sim ms", "simulator's pick: search ms / sim ms",
-                "agree", "excess", "rounds: synthesis behind DP"):
+    for col in (
+        "model",
+        "k",
+        "candidates",
+        "search's pick: search ms / sim ms",
+        "simulator's pick: search ms / sim ms",
+        "agree",
+        "excess",
+        "rounds: synthesis behind DP",
+    ):
         table.add_column(col, justify="left" if col == "model" else "right")
     rows = []
     for model in models:
@@ -94,9 +121,16 @@ def agreement_table(models, ks, overrides, console: Console) -> list[dict]:
                 return f"{r['search_cost_s'] * 1e3:.1f} / {r['iter_time_s'] * 1e3:.1f}"
 
             agree = a["excess"] <= TOLERANCE
-            table.add_row(model, str(k), str(a["candidates"]), cell(a["search_pick"]), cell(a["sim_pick"]),
-                          "yes" if agree else "no", f"{a['excess']:+.2%}",
-                          f"{a['synthesis_behind_dp']} of {a['synthesis_rounds']}")
+            table.add_row(
+                model,
+                str(k),
+                str(a["candidates"]),
+                cell(a["search_pick"]),
+                cell(a["sim_pick"]),
+                "yes" if agree else "no",
+                f"{a['excess']:+.2%}",
+                f"{a['synthesis_behind_dp']} of {a['synthesis_rounds']}",
+            )
     console.print(table)
     return rows
 
@@ -138,8 +172,9 @@ def print_monotonicity(rows: list[dict], console: Console) -> None:
             delta = v["iter_time_s"] / row["hap"]["iter_time_s"] - 1
             mark = " FASTER" if name in row["faster"] else ""
             cells.append(f"{_ms(v)} ({delta:+.1%}){mark}")
-        table.add_row(row["model"], str(row["k"]), _ms(row["hap"]), *cells, row["hap"]["chosen"],
-                      f"{row['hap']['planned_s']:.1f}")
+        table.add_row(
+            row["model"], str(row["k"]), _ms(row["hap"]), *cells, row["hap"]["chosen"], f"{row['hap']['planned_s']:.1f}"
+        )
     console.print(table)
     bad = [f"{r['model']}/k={r['k']}: {', '.join(r['faster'])}" for r in rows if r["faster"]]
     console.print("every part pays its way" if not bad else f"a part switched off beat hap: {'; '.join(bad)}")
@@ -147,8 +182,18 @@ def print_monotonicity(rows: list[dict], console: Console) -> None:
 
 def beam_vs_exact(models, ks, overrides, console: Console) -> list[dict]:
     table = Table()
-    for col in ("model", "k", "beam ms", "exact ms", "difference", "beam states", "exact states",
-                "beam s", "exact s", "beam bit"):
+    for col in (
+        "model",
+        "k",
+        "beam ms",
+        "exact ms",
+        "difference",
+        "beam states",
+        "exact states",
+        "beam s",
+        "exact s",
+        "beam bit",
+    ):
         table.add_column(col, justify="left" if col == "model" else "right")
     rows = []
     for model in models:
@@ -156,10 +201,18 @@ def beam_vs_exact(models, ks, overrides, console: Console) -> list[dict]:
             beam = plan_case(model, k, *overrides)
             exact = plan_case(model, k, *overrides, "method.beam_width=null")
             rows.append({"model": model, "k": k, "beam": beam, "exact": exact})
-            table.add_row(model, str(k), _ms(beam), _ms(exact),
-                          f"{beam['iter_time_s'] / exact['iter_time_s'] - 1:+.2%}",
-                          str(beam["expanded"]), str(exact["expanded"]), f"{beam['planned_s']:.1f}",
-                          f"{exact['planned_s']:.1f}", "no" if beam["exact"] else "yes")
+            table.add_row(
+                model,
+                str(k),
+                _ms(beam),
+                _ms(exact),
+                f"{beam['iter_time_s'] / exact['iter_time_s'] - 1:+.2%}",
+                str(beam["expanded"]),
+                str(exact["expanded"]),
+                f"{beam['planned_s']:.1f}",
+                f"{exact['planned_s']:.1f}",
+                "no" if beam["exact"] else "yes",
+            )
     width = rows[0]["beam"]["beam_width"] if rows else None
     table.title = f"beam (method.beam_width={width}) vs exact A* (beam_width=null)"
     console.print(table)

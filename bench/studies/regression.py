@@ -55,8 +55,7 @@ MODELS = ("vgg19", "vit", "bert", "bert_moe")
 SIM_CASE = ("preset=paper", "cluster=paper_hetero", "mode=sim")
 
 
-REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real",
-             "measured_iters=20")
+REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real", "measured_iters=20")
 
 
 # Interleaved rounds of the measured case; a measured figure regresses when every round is past
@@ -185,8 +184,9 @@ def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> 
     methods = methods_supporting("real") if methods is None else methods
     ratios: dict[str, list[float]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
-        configs = {m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}",
-                               f"test.slowdown={slowdown}") for m in methods}
+        configs = {
+            m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}", f"test.slowdown={slowdown}") for m in methods
+        }
         expect_cases(configs.values())
         for _ in range(REAL_ROUNDS):
             for m in methods:
@@ -194,8 +194,7 @@ def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> 
                 compute = pooled_compute_s(record.emulation)
                 if record.status == "ok" and compute:
                     ratios[m].append(record.iter_time_s_mean / compute)
-    return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": r
-            for m, r in ratios.items() if len(r) == REAL_ROUNDS}
+    return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": r for m, r in ratios.items() if len(r) == REAL_ROUNDS}
 
 
 def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
@@ -211,12 +210,14 @@ def measured_figures(slowdown: float = 0.0, methods: list[str] | None = None) ->
 def _selected(figure: str, chosen: dict[str, list[str]]) -> bool:
     """Whether a figure (kind:model[-preset]/cluster/method) is among the chosen models and methods."""
     model, _, method = figure.split(":", 1)[1].split("/")
-    return (method in chosen.get("method", [method])
-            and model.split("-")[0] in chosen.get("model", [model.split("-")[0]]))
+    return method in chosen.get("method", [method]) and model.split("-")[0] in chosen.get(
+        "model", [model.split("-")[0]]
+    )
 
 
-def compare(baseline: dict[str, float], new: dict[str, float],
-            rounds: dict[str, list[float]] | None = None) -> list[Change]:
+def compare(
+    baseline: dict[str, float], new: dict[str, float], rounds: dict[str, list[float]] | None = None
+) -> list[Change]:
     """Each figure's change against the baseline. A figure with `rounds` (measured) regressed when
     every round is past its tolerance; any other when its value is."""
     rounds = rounds or {}
@@ -232,8 +233,11 @@ def compare(baseline: dict[str, float], new: dict[str, float],
         limit = old * (1 + tol) if better == "lower" else old * (1 - tol)
         values = rounds.get(figure, [cur])
         past = sum(v > limit if better == "lower" else v < limit for v in values)
-        changes.append(Change(figure, old, cur, regressed=past == len(values),
-                              past=(past, len(values)) if figure in rounds else None))
+        changes.append(
+            Change(
+                figure, old, cur, regressed=past == len(values), past=(past, len(values)) if figure in rounds else None
+            )
+        )
     return changes
 
 
@@ -243,10 +247,12 @@ def report_table(changes: list[Change], baseline_commit: str | None) -> Table:
         table.add_column(col, justify="left" if col in ("figure", "verdict") else "right")
     for c in changes:
         table.add_row(
-            c.figure, "-" if c.baseline is None else f"{c.baseline:.6g}",
+            c.figure,
+            "-" if c.baseline is None else f"{c.baseline:.6g}",
             "-" if c.new is None else f"{c.new:.6g}",
             "-" if c.change is None else f"{c.change:+.1%}",
-            "-" if c.past is None else f"{c.past[0]}/{c.past[1]}", str(baseline_commit)[:10],
+            "-" if c.past is None else f"{c.past[0]}/{c.past[1]}",
+            str(baseline_commit)[:10],
             "REGRESSION" if c.regressed else "ok",
         )
     return table
@@ -261,8 +267,9 @@ def render(table: Table) -> str:
 def load_baseline(path: Path | None = None) -> dict:
     path = path or BASELINE_FILE
     if not path.exists():
-        raise SystemExit(f"error: no baseline at {path}; create one with "
-                         "`python -m bench.regress --rebaseline` and commit it")
+        raise SystemExit(
+            f"error: no baseline at {path}; create one with `python -m bench.regress --rebaseline` and commit it"
+        )
     return json.loads(path.read_text())
 
 
@@ -285,8 +292,14 @@ def kept_measured(base: dict) -> tuple[dict[str, float], list | None, dict]:
     return figures, base.get("measured_sessions"), origin
 
 
-def add_to_baseline(base: dict, figures: dict[str, float], methods: list[str], sessions: list | None,
-                    note: str | None, path: Path | None = None) -> None:
+def add_to_baseline(
+    base: dict,
+    figures: dict[str, float],
+    methods: list[str],
+    sessions: list | None,
+    note: str | None,
+    path: Path | None = None,
+) -> None:
     """Write `base` with the figures of `methods` added or replaced by `figures` (a new method
     joins the check without measuring the others again): the rest of the baseline, its
     fingerprint included, is kept, and an `added` entry says which methods came when, from which
@@ -303,12 +316,16 @@ def add_to_baseline(base: dict, figures: dict[str, float], methods: list[str], s
     print(f"wrote {len(figures)} figures of {', '.join(methods)} to {path} ({len(kept)} kept)")
 
 
-def write_baseline(figures: dict[str, float], path: Path | None = None, sessions: list | None = None,
-                   note: str | None = None, measured_from: dict | None = None) -> None:
+def write_baseline(
+    figures: dict[str, float],
+    path: Path | None = None,
+    sessions: list | None = None,
+    note: str | None = None,
+    measured_from: dict | None = None,
+) -> None:
     path = path or BASELINE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"created": datetime.now(UTC).isoformat(), **fingerprint(),
-            "tolerance": TOLERANCE, "figures": figures}
+    body = {"created": datetime.now(UTC).isoformat(), **fingerprint(), "tolerance": TOLERANCE, "figures": figures}
     if sessions is not None:  # the measured figures of each session (figures holds their median)
         body["measured_sessions"] = sessions
     if measured_from is not None:  # measured figures kept from an earlier baseline: its commit and date

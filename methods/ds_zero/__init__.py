@@ -76,26 +76,41 @@ class DeepSpeedZeRO:
     # DeepSpeed version lacks.
     worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
 
-    def __init__(self, name: str = "deepspeed", zero_stage: int = 1, lr: float = 5e-4,
-                 grad_clip: float = 0.0, reduce_bucket_size: float = 5e8,
-                 allgather_bucket_size: float = 5e8, param_persistence_threshold: float = 1e5,
-                 moe_capacity_factor: float | None = None, moe_min_capacity: int = 0,
-                 shm_comm_op: bool = False, log_level: str = "warning", engine_probe: bool = True):
+    def __init__(
+        self,
+        name: str = "deepspeed",
+        zero_stage: int = 1,
+        lr: float = 5e-4,
+        grad_clip: float = 0.0,
+        reduce_bucket_size: float = 5e8,
+        allgather_bucket_size: float = 5e8,
+        param_persistence_threshold: float = 1e5,
+        moe_capacity_factor: float | None = None,
+        moe_min_capacity: int = 0,
+        shm_comm_op: bool = False,
+        log_level: str = "warning",
+        engine_probe: bool = True,
+    ):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"method.zero_stage={zero_stage!r} is invalid; use one of "
-                              f"{', '.join(map(str, ZERO_STAGES))}")
+            raise ConfigError(
+                f"method.zero_stage={zero_stage!r} is invalid; use one of {', '.join(map(str, ZERO_STAGES))}"
+            )
         if not lr > 0 or not grad_clip >= 0:
             raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
-        for key, value in (("reduce_bucket_size", reduce_bucket_size),
-                           ("allgather_bucket_size", allgather_bucket_size)):
+        for key, value in (
+            ("reduce_bucket_size", reduce_bucket_size),
+            ("allgather_bucket_size", allgather_bucket_size),
+        ):
             if not value >= 1:
                 raise ConfigError(f"method.{key}={value!r} must be >= 1 (elements); DeepSpeed's default is 5.0e8")
         if not param_persistence_threshold >= 0:
-            raise ConfigError(f"method.param_persistence_threshold={param_persistence_threshold!r} "
-                              "must be >= 0 (elements)")
+            raise ConfigError(
+                f"method.param_persistence_threshold={param_persistence_threshold!r} must be >= 0 (elements)"
+            )
         if moe_capacity_factor is not None and not moe_capacity_factor > 0:
-            raise ConfigError(f"method.moe_capacity_factor={moe_capacity_factor!r} must be > 0, "
-                              "or null to match the model's capacity")
+            raise ConfigError(
+                f"method.moe_capacity_factor={moe_capacity_factor!r} must be > 0, or null to match the model's capacity"
+            )
         if isinstance(moe_min_capacity, bool) or not isinstance(moe_min_capacity, int) or moe_min_capacity < 0:
             raise ConfigError(f"method.moe_min_capacity={moe_min_capacity!r} must be an integer >= 0")
         for key, value in (("shm_comm_op", shm_comm_op), ("engine_probe", engine_probe)):
@@ -148,8 +163,9 @@ class DeepSpeedZeRO:
             )
         top_k = int(getattr(cfg, "top_k", 2))
         if top_k not in (1, 2):
-            raise ConfigError(f"model={workload.name} routes to top_k={top_k} experts; DeepSpeed's "
-                              "MoE gate supports top_k 1 or 2")
+            raise ConfigError(
+                f"model={workload.name} routes to top_k={top_k} experts; DeepSpeed's MoE gate supports top_k 1 or 2"
+            )
         micro = self.micro_batch(workload, cluster)
         factor = self.moe_capacity_factor
         if factor is None:
@@ -164,8 +180,9 @@ class DeepSpeedZeRO:
             "d_model": int(cfg.d_model),
             "d_ff": int(cfg.d_ff),
             # What DeepSpeed's gate will compute over one rank's micro-batch (for the record).
-            "capacity": deepspeed_capacity(micro * cfg.seq_len, int(num_experts), float(factor), top_k,
-                                           self.moe_min_capacity),
+            "capacity": deepspeed_capacity(
+                micro * cfg.seq_len, int(num_experts), float(factor), top_k, self.moe_min_capacity
+            ),
         }
 
     def ds_config(self, micro_batch: int, num_devices: int, precision: str = "fp32") -> dict:
@@ -197,8 +214,11 @@ class DeepSpeedZeRO:
             "zero_allow_untested_optimizer": False,
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
-            **({"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
-               if precision == "bf16" else {}),
+            **(
+                {"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
+                if precision == "bf16"
+                else {}
+            ),
         }
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
@@ -228,8 +248,12 @@ class DeepSpeedZeRO:
         if self.engine_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu":
             engine = details["engine"] = engine_work(self, plan, workload, cluster)
             if engine is not None:
-                plan.program = replace(program, host_work_flops=added_host_work_flops(
-                    engine["plain_s"], engine["engine_s"], workload, micro, cluster))
+                plan.program = replace(
+                    program,
+                    host_work_flops=added_host_work_flops(
+                        engine["plain_s"], engine["engine_s"], workload, micro, cluster
+                    ),
+                )
         return plan
 
     # -- running (one worker rank) ------------------------------------------------------------
@@ -239,8 +263,7 @@ class DeepSpeedZeRO:
         deepspeed.utils.logger.setLevel(self.log_level)
         # DeepSpeed 0.19.8 still calls torch.distributed's old all-gather name: one warning per
         # rank and case that says nothing about the run.
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
         # DeepSpeed insists on LOCAL_RANK (torchrun sets it; bench.runtime.launch runs one host, where the
         # local rank is the rank) and picks its GPU by it.
         local_rank = ctx.device.index if ctx.device.type == "cuda" else ctx.rank
@@ -258,13 +281,20 @@ class DeepSpeedZeRO:
             # data-parallel group (one device, as ep_size = devices) instead of all devices.
             param_groups = split_params_into_different_moe_groups_for_optimizer(param_groups)
         optimizer = torch.optim.Adam(param_groups, lr=self.lr)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                          config=plan.details["ds_config"], dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=plan.details["ds_config"], dist_init_required=False
+        )
         return DeepSpeedTrainer(engine, ctx)
 
 
-def engine_work(method: DeepSpeedZeRO, plan: Plan, workload: Workload, cluster: ClusterSpec,
-                seed: int = 0, repeats: int = DEFAULT_REPEATS) -> dict | None:
+def engine_work(
+    method: DeepSpeedZeRO,
+    plan: Plan,
+    workload: Workload,
+    cluster: ClusterSpec,
+    seed: int = 0,
+    repeats: int = DEFAULT_REPEATS,
+) -> dict | None:
     """What the engine adds to a training step on an emulated CPU worker, beside the model's own
     work: {"plain_s", "engine_s"}, the median over ranks of the seconds a rank computes in a
     plain step (forward, backward, Adam on the whole model) and in the method's own step
@@ -276,8 +306,16 @@ def engine_work(method: DeepSpeedZeRO, plan: Plan, workload: Workload, cluster: 
     where it cannot be measured (deepspeed missing or failing): the plan then prices the model's
     work only."""
     step = time_method_step(
-        method, plan, workload, cluster, cache="deepspeed_engine",
+        method,
+        plan,
+        workload,
+        cluster,
+        cache="deepspeed_engine",
         config=[plan.details["ds_config"], plan.details.get("moe"), method.lr, method.shm_comm_op],
-        version=ENGINE_PROBE_VERSION, what="DeepSpeed's engine work", requires={"deepspeed": INSTALL_HINT},
-        seed=seed, repeats=repeats)
+        version=ENGINE_PROBE_VERSION,
+        what="DeepSpeed's engine work",
+        requires={"deepspeed": INSTALL_HINT},
+        seed=seed,
+        repeats=repeats,
+    )
     return None if step is None else {"plain_s": step["plain_s"], "engine_s": step["method_s"]}

@@ -47,14 +47,23 @@ def swap_moe_layers(model: nn.Module, moe: dict, rank: int, deepspeed) -> int:
 
     def factory(ours: ZooMoE) -> nn.Module:
         if ours.num_experts != moe["num_experts"] or ours.top_k != moe["k"]:
-            raise ValueError(f"MoE layer with {ours.num_experts} experts, top-{ours.top_k}; the plan "
-                             f"expected {moe['num_experts']} experts, top-{moe['k']}")
+            raise ValueError(
+                f"MoE layer with {ours.num_experts} experts, top-{ours.top_k}; the plan "
+                f"expected {moe['num_experts']} experts, top-{moe['k']}"
+            )
         theirs = deepspeed.moe.layer.MoE(
-            hidden_size=moe["d_model"], expert=ours.expert(first),  # a template, copied per expert
-            num_experts=moe["num_experts"], ep_size=moe["ep_size"], k=moe["k"],
-            capacity_factor=moe["capacity_factor"], eval_capacity_factor=moe["eval_capacity_factor"],
-            min_capacity=moe["min_capacity"], drop_tokens=True, use_residual=False,
-            use_rts=False, top2_2nd_expert_sampling=False,
+            hidden_size=moe["d_model"],
+            expert=ours.expert(first),  # a template, copied per expert
+            num_experts=moe["num_experts"],
+            ep_size=moe["ep_size"],
+            k=moe["k"],
+            capacity_factor=moe["capacity_factor"],
+            eval_capacity_factor=moe["eval_capacity_factor"],
+            min_capacity=moe["min_capacity"],
+            drop_tokens=True,
+            use_residual=False,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
         ).to(ours.w1.device)
         with torch.no_grad():
             theirs.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)

@@ -76,23 +76,37 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
             fwd = bwd = 0.0
     if ops and (fwd or bwd):
         last = ops[-1]
-        ops[-1] = OpCost(last.fwd_flops + fwd, last.bwd_flops + bwd, last.param_bytes,
-                         last.max_param_bytes, last.moe_layer)
+        ops[-1] = OpCost(
+            last.fwd_flops + fwd, last.bwd_flops + bwd, last.param_bytes, last.max_param_bytes, last.moe_layer
+        )
     a2a: tuple[float, ...] = ()
     if moe:
         # DeepSpeed's dispatch buffer: num_experts x capacity x d_model fp32 on every device, with
         # the capacity its gate computes for the device's batch of tokens.
-        capacity = deepspeed_capacity(batch * workload.model_cfg.seq_len, moe["num_experts"],
-                                      moe["capacity_factor"], moe["k"], moe["min_capacity"])
+        capacity = deepspeed_capacity(
+            batch * workload.model_cfg.seq_len,
+            moe["num_experts"],
+            moe["capacity_factor"],
+            moe["k"],
+            moe["min_capacity"],
+        )
         per_sample = moe["num_experts"] * capacity * moe["d_model"] * FP32_BYTES / batch
         a2a = tuple(per_sample for _ in range(len(expert_prefixes) // 4))
     # Every activation kept beside the most activation gradients backward holds at once.
     return WorkloadProfile(tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a)
 
 
-def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: int, zero_stage: int,
-                 reduce_bucket_bytes: float, allgather_bucket_bytes: float,
-                 persistence_bytes: float, meta: dict | None = None) -> Program:
+def zero_program(
+    profile: WorkloadProfile,
+    *,
+    num_devices: int,
+    global_batch: int,
+    zero_stage: int,
+    reduce_bucket_bytes: float,
+    allgather_bucket_bytes: float,
+    persistence_bytes: float,
+    meta: dict | None = None,
+) -> Program:
     """The Program of one DeepSpeed ZeRO iteration (one segment, even ratios; per GPU).
 
     What each stage communicates (P = dense parameter bytes, n = devices):
@@ -138,8 +152,9 @@ def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: in
     def close(label: str, overlap: bool = False) -> None:
         nonlocal flops, pending
         if flops or pending:
-            stages.append(Stage(tuple(pending), Affine.sharded(flops * B), overlap=overlap and bool(pending),
-                                label=label))
+            stages.append(
+                Stage(tuple(pending), Affine.sharded(flops * B), overlap=overlap and bool(pending), label=label)
+            )
         flops, pending = 0.0, []
 
     # Forward.
@@ -192,8 +207,12 @@ def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: in
     close("backward")
     if zero_stage == 3:
         if bucket:
-            stages.append(Stage((Collective("reduce_scatter", Affine(bucket / n), label="grad reduce_scatter bucket"),),
-                                label="gradient reduce_scatter"))
+            stages.append(
+                Stage(
+                    (Collective("reduce_scatter", Affine(bucket / n), label="grad reduce_scatter bucket"),),
+                    label="gradient reduce_scatter",
+                )
+            )
     else:
         if bucket:
             buckets.append(bucket)
@@ -207,9 +226,12 @@ def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: in
             stages.append(Stage((gather,) * calls, label="parameter all_gather"))
     bucket_bytes = min(dense_bytes, reduce_bucket_bytes)
     if zero_stage == 0:
-        memory = Memory(Affine(dense_bytes + expert_bytes), Affine(dense_bytes + expert_bytes),
-                        Affine(ADAM_STATE_COPIES * (dense_bytes + expert_bytes)),
-                        Affine.sharded(profile.activation_bytes_per_sample * B))
+        memory = Memory(
+            Affine(dense_bytes + expert_bytes),
+            Affine(dense_bytes + expert_bytes),
+            Affine(ADAM_STATE_COPIES * (dense_bytes + expert_bytes)),
+            Affine.sharded(profile.activation_bytes_per_sample * B),
+        )
     else:
         params = dense_bytes + expert_bytes
         if zero_stage == 3:
@@ -218,7 +240,10 @@ def zero_program(profile: WorkloadProfile, *, num_devices: int, global_batch: in
         # ZeRO 1/2 stage gradients in a reduce bucket allocated at its full configured size.
         bucket = reduce_bucket_bytes if zero_stage < 3 else bucket_bytes
         grads = (dense_bytes if zero_stage == 1 else dense_bytes / n) + expert_bytes + bucket
-        memory = Memory(Affine(params), Affine(grads),
-                        Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
-                        Affine.sharded(profile.activation_bytes_per_sample * B))
+        memory = Memory(
+            Affine(params),
+            Affine(grads),
+            Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
+            Affine.sharded(profile.activation_bytes_per_sample * B),
+        )
     return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}))

@@ -59,8 +59,9 @@ class RatioLP:
     those overflow a GPU, again with the rows, building the objective (thousands of rows on a
     deep model) once."""
 
-    def __init__(self, program: Program, cluster: ClusterSpec, tied_rows: bool = False,
-                 time_limit_s: float | None = 30.0):
+    def __init__(
+        self, program: Program, cluster: ClusterSpec, tied_rows: bool = False, time_limit_s: float | None = 30.0
+    ):
         self.program, self.cluster, self.time_limit_s = program, cluster, time_limit_s
         self.vdevs = virtual_devices(cluster, program.granularity)
         if len(self.vdevs) != program.num_devices:
@@ -77,8 +78,9 @@ class RatioLP:
         # constraints: the same LP, a quarter of the model for CBC at 4 segments).
         classes = device_classes(cluster, self.vdevs)
         rows = 1 if tied_rows else g
-        self.per_class = [[self.prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)]
-                          for s in range(rows)]
+        self.per_class = [
+            [self.prob.add_variable(f"r_{s}_{k}", lowBound=0) for k in range(max(classes) + 1)] for s in range(rows)
+        ]
         self.r = [[self.per_class[min(s, rows - 1)][classes[d]] for d in range(m)] for s in range(g)]
         for s in range(rows):
             self.prob += pulp.lpSum(self.r[s]) == 1, f"sum_{s}"
@@ -124,7 +126,10 @@ class RatioLP:
             return [alg.at(x, v.index), sum(c for _, c in x.coef) * extra]
 
         for i, (held, acts) in enumerate(memory.backward_points()):
-            self.prob += pulp.lpSum(at(held) + [a * (1.0 / v.num_gpus) for a in at(acts)]) <= cap, f"{name}_{v.index}_{i}"
+            self.prob += (
+                pulp.lpSum(at(held) + [a * (1.0 / v.num_gpus) for a in at(acts)]) <= cap,
+                f"{name}_{v.index}_{i}",
+            )
         step = memory.optimizer_step(foreach=self.cluster.device == "cuda")
         self.prob += pulp.lpSum(at(step)) <= cap, f"{name}_step_{v.index}"
 
@@ -133,10 +138,16 @@ class RatioLP:
         prob, r = self.prob, self.r
         if self.objective is None:
             self.objective = iteration_time(self.program, self.cluster, self.vdevs, self.alg)
-            prob.setObjective(self.objective if not isinstance(self.objective, (int, float))
-                              else pulp.lpSum([self.objective]))
-        _solve(prob, self.time_limit_s, "memory per device" if self.memory_limit else "ratio", self.cluster,
-               self.memory_limit)
+            prob.setObjective(
+                self.objective if not isinstance(self.objective, (int, float)) else pulp.lpSum([self.objective])
+            )
+        _solve(
+            prob,
+            self.time_limit_s,
+            "memory per device" if self.memory_limit else "ratio",
+            self.cluster,
+            self.memory_limit,
+        )
         m, g = self.program.num_devices, self.program.num_segments
         ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
         ratios = [[x / sum(row) for x in row] for row in ratios]
@@ -152,8 +163,9 @@ class RatioLP:
         return ratios, float(objective if isinstance(objective, (int, float)) else pulp.value(prob.objective))
 
 
-def _solve(prob: pulp.LpProblem, time_limit_s: float | None, what: str, cluster: ClusterSpec,
-           memory_limit: bool) -> None:
+def _solve(
+    prob: pulp.LpProblem, time_limit_s: float | None, what: str, cluster: ClusterSpec, memory_limit: bool
+) -> None:
     """Solve with PuLP's bundled CBC (PULP_CBC_CMD, deprecated in PuLP 3.3 in favour of
     COIN_CMD with a separately installed CBC; we keep the bundled one: nothing else to install).
     Anything but an optimal solution is an InfeasibleError naming the constraint family."""

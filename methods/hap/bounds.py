@@ -51,8 +51,11 @@ def _tree(theory: Theory, order: list[str], fewest: bool) -> dict[int, tuple[int
         inputs = theory.graph[name].inputs
         ks = [k for k, t in enumerate(inputs) if index.get(t) is not None]
         if ks:
-            k = (min(reversed(ks), key=lambda k: readers[inputs[k]]) if fewest
-                 else max(ks, key=lambda k: readers[inputs[k]]))
+            k = (
+                min(reversed(ks), key=lambda k: readers[inputs[k]])
+                if fewest
+                else max(ks, key=lambda k: readers[inputs[k]])
+            )
             parent[i] = (index[inputs[k]], k)
     return parent
 
@@ -62,7 +65,10 @@ def remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[f
     larger of two tree bounds (_tree, _tree_bound), whose covers relax opposite edges."""
     key = ("trees", tuple(order))
     if key not in theory.search_cache:
-        theory.search_cache[key] = _first_reads(theory, order), [_tree(theory, order, fewest) for fewest in (True, False)]
+        theory.search_cache[key] = (
+            _first_reads(theory, order),
+            [_tree(theory, order, fewest) for fewest in (True, False)],
+        )
     first, trees = theory.search_cache[key]
 
     def created(name: str, r: Rule) -> list[int]:  # the sources op `name` creates when it runs r
@@ -72,10 +78,15 @@ def remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[f
     key = ("rows", cost.segments_key, tuple(order))
     if key not in theory.search_cache:  # per op: what its row reads (ops of a deep model's layers share it)
         theory.search_cache[key] = [
-            tuple((cost.rule_key(name, r), tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r)
-                                                  for k in created(name, r)))
-                  for r in theory.rules[name])
-            for name in order]
+            tuple(
+                (
+                    cost.rule_key(name, r),
+                    tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r) for k in created(name, r)),
+                )
+                for r in theory.rules[name]
+            )
+            for name in order
+        ]
     rows: dict = {}
     own = []  # per op, per triple: its compute and the sync of the sources it creates
     for name, row_key in zip(order, theory.search_cache[key]):
@@ -94,8 +105,14 @@ def remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[f
     return [max(b) for b in zip(*bounds)]
 
 
-def _tree_bound(theory: Theory, cost: CostModel, order: list[str], parent: dict[int, tuple[int, int]],
-                own: list[list[float]], relayout: dict) -> list[float]:
+def _tree_bound(
+    theory: Theory,
+    cost: CostModel,
+    order: list[str],
+    parent: dict[int, tuple[int, int]],
+    own: list[list[float]],
+    relayout: dict,
+) -> list[float]:
     """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
 
     Each op hangs below the producer of one of its inputs (_tree). Over a tree the bound

@@ -105,8 +105,9 @@ def graph_fingerprint(graph: Graph) -> str:
     return h.hexdigest()[:16]
 
 
-def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph, world_size: int,
-               num_devices: int | None = None) -> None:
+def check_plan(
+    details: dict, ratios, batch_shares: Sequence[int], graph: Graph, world_size: int, num_devices: int | None = None
+) -> None:
     """Raise PlanMismatchError unless the plan fits `graph` (the model at its preset and global
     batch) and `world_size` ranks over `num_devices` virtual devices (default: one per rank;
     machine-level plans: one per machine). Cheap: call it before starting workers."""
@@ -117,20 +118,25 @@ def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph,
         raise PlanMismatchError("the plan has no synthesized steps (details['steps']); re-plan")
     segments = 1 + max((int(s["segment"] if isinstance(s, dict) else s.segment) for s in details["steps"]), default=0)
     if not ratios or len(ratios) < segments or any(len(row) != len(ratios[0]) for row in ratios):
-        raise PlanMismatchError(f"ratios {ratios!r}: the plan's steps use {segments} ratio rows (segments) of "
-                                "equal length")
+        raise PlanMismatchError(
+            f"ratios {ratios!r}: the plan's steps use {segments} ratio rows (segments) of equal length"
+        )
     num_devices = world_size if num_devices is None else num_devices
     if len(ratios[0]) != num_devices or len(batch_shares) != world_size:
         raise PlanMismatchError(
             f"the plan has {len(ratios[0])} virtual devices and {len(batch_shares)} batch shares; the run has "
-            f"{num_devices} virtual devices and {world_size} ranks (one batch share per rank)")
+            f"{num_devices} virtual devices and {world_size} ranks (one batch share per rank)"
+        )
     if sum(batch_shares) != graph.batch_size:
         raise PlanMismatchError(
-            f"batch shares {list(batch_shares)} sum to {sum(batch_shares)}, but the global batch is {graph.batch_size}")
+            f"batch shares {list(batch_shares)} sum to {sum(batch_shares)}, but the global batch is {graph.batch_size}"
+        )
     want = details.get("graph_fingerprint")
     if want is not None and want != graph_fingerprint(graph):
-        raise PlanMismatchError("the plan was made for another graph (model, preset or global batch): "
-                                "its graph_fingerprint differs; re-plan")
+        raise PlanMismatchError(
+            "the plan was made for another graph (model, preset or global batch): "
+            "its graph_fingerprint differs; re-plan"
+        )
     if details.get("loss", graph.loss) != graph.loss:
         raise PlanMismatchError(f"plan loss {details['loss']!r} is not the model's loss node {graph.loss!r}")
     known = {n.name: n for n in graph.nodes}
@@ -138,11 +144,15 @@ def check_plan(details: dict, ratios, batch_shares: Sequence[int], graph: Graph,
         name = s["node"] if isinstance(s, dict) else s.node
         pre = s["pre"] if isinstance(s, dict) else s.rule.pre
         if name not in known:
-            raise PlanMismatchError(f"plan step for fx node {name!r}, which the model's graph does not have; "
-                                    "the plan was made for another model or preset")
+            raise PlanMismatchError(
+                f"plan step for fx node {name!r}, which the model's graph does not have; "
+                "the plan was made for another model or preset"
+            )
         if len(pre) != len(known[name].inputs):
-            raise PlanMismatchError(f"plan step {name!r} has {len(pre)} input layouts, the model's node has "
-                                    f"{len(known[name].inputs)} tensor inputs")
+            raise PlanMismatchError(
+                f"plan step {name!r} has {len(pre)} input layouts, the model's node has "
+                f"{len(known[name].inputs)} tensor inputs"
+            )
 
 
 class RankProgram:
@@ -161,9 +171,18 @@ class RankProgram:
             machine, its collectives in three steps. None: one virtual device per rank.
     """
 
-    def __init__(self, graph: Graph, details: dict, ratios: Sequence[Sequence[float]], batch_shares: Sequence[int],
-                 model: nn.Module, rank: int, world_size: int, options: CodegenOptions | None = None,
-                 machines: H.Machines | None = None):
+    def __init__(
+        self,
+        graph: Graph,
+        details: dict,
+        ratios: Sequence[Sequence[float]],
+        batch_shares: Sequence[int],
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        options: CodegenOptions | None = None,
+        machines: H.Machines | None = None,
+    ):
         self.graph = graph
         self.options = options or CodegenOptions()
         self.rank, self.world_size = rank, world_size
@@ -230,16 +249,21 @@ class RankProgram:
         full = self._dim_len(tensor, dim)
         per_sample, rest = divmod(full, self.graph.batch_size)
         if rest or per_sample == 0:
-            raise PlanMismatchError(f"tensor {tensor!r}: dim {dim} of length {full} is not a batch dim of "
-                                    f"{self.graph.batch_size} samples; the plan cannot run data parallel inside a machine")
+            raise PlanMismatchError(
+                f"tensor {tensor!r}: dim {dim} of length {full} is not a batch dim of "
+                f"{self.graph.batch_size} samples; the plan cannot run data parallel inside a machine"
+            )
         try:
             return H.intra_lengths(machine_shape[dim], per_sample, self.machines.size, f"tensor {tensor!r}")
         except ValueError as e:
-            raise PlanMismatchError(f"{e}; re-plan (details.shard_units must cut dim length {full} in whole samples, "
-                                    f"{per_sample} rows each)") from None
+            raise PlanMismatchError(
+                f"{e}; re-plan (details.shard_units must cut dim length {full} in whole samples, "
+                f"{per_sample} rows each)"
+            ) from None
 
-    def _local_shape(self, shape: Sequence[int], layout: Layout, segment: int = 0,
-                     tensor: str | None = None) -> tuple[int, ...]:
+    def _local_shape(
+        self, shape: Sequence[int], layout: Layout, segment: int = 0, tensor: str | None = None
+    ) -> tuple[int, ...]:
         shape = self._machine_shape(shape, layout, segment)
         if self.machines is not None and isinstance(self.intra.get(tensor), int):
             shape[self.intra[tensor]] = self._intra_lengths(tensor, shape)[self.machines.local]
@@ -260,8 +284,10 @@ class RankProgram:
             node = g[step.node]
             for c in step.comms:
                 if c.kind not in _MOVES:
-                    raise PlanMismatchError(f"collective {c.kind!r} at step {step.node!r} is not supported "
-                                            f"(only {', '.join(sorted(_MOVES))}; reshard needs num_segments > 1)")
+                    raise PlanMismatchError(
+                        f"collective {c.kind!r} at step {step.node!r} is not supported "
+                        f"(only {', '.join(sorted(_MOVES))}; reshard needs num_segments > 1)"
+                    )
             seg = step.segment
             if not 0 <= seg < len(self.ratios):
                 raise PlanMismatchError(f"step {step.node!r} is in segment {seg}; the plan has {len(self.ratios)} rows")
@@ -281,8 +307,11 @@ class RankProgram:
             self.home[step.node] = seg
             sfb = step.rule.sfb or (self.options.force_sfb and self._sfb_candidate(step, node))
             layouts = {t: self._read_layout(t, lay, seg) for t, lay in zip(node.inputs, step.rule.pre)}
-            replicate = {t for t, lay in layouts.items()
-                         if lay == IDENTITY and g[t].is_param and not (sfb and t in node.inputs[1:3])}
+            replicate = {
+                t
+                for t, lay in layouts.items()
+                if lay == IDENTITY and g[t].is_param and not (sfb and t in node.inputs[1:3])
+            }
             for t, lay in layouts.items():
                 if lay == IDENTITY and g[t].is_param:
                     uses.setdefault(t, set()).add("sfb" if t not in replicate else "plain")
@@ -296,8 +325,9 @@ class RankProgram:
         # Replicated parameters with only plain uses: the trainer all-reduces their gradients
         # in buckets. A parameter also used by an SFB linear (whose weight gradient is already
         # whole) keeps a replicate() per plain use instead.
-        self.grad_sync = [g[t].fx_node.target for t, kinds in uses.items()
-                          if kinds == {"plain"} and self.options.bucket_grads]
+        self.grad_sync = [
+            g[t].fx_node.target for t, kinds in uses.items() if kinds == {"plain"} and self.options.bucket_grads
+        ]
         bucketed = {t for t, kinds in uses.items() if kinds == {"plain"} and self.options.bucket_grads}
         for ins in instrs:
             ins.replicate -= bucketed
@@ -342,7 +372,8 @@ class RankProgram:
         if not fits:
             raise PlanMismatchError(
                 f"machine-level plan: op {node.name!r} ({node.op}) has no data-parallel rule for inputs laid out "
-                f"{have} inside a machine; plan over GPUs (method.levels=both or a GPU-level cluster)")
+                f"{have} inside a machine; plan over GPUs (method.levels=both or a GPU-level cluster)"
+            )
         batch_in = any(isinstance(h, int) for h in have)
 
         def score(r: Rule) -> tuple:
@@ -351,8 +382,12 @@ class RankProgram:
             # an expand that makes the dim the machine's shard splits (a buffer grown to the
             # batch) splits it inside the machine too, in whole samples
             made = r.name == "broadcast-split" and r.post == step.rule.post
-            return (shape_mismatch, r.post == REDUCE, isinstance(r.post, int) and not (batch_in or batch_read or made),
-                    not made)
+            return (
+                shape_mismatch,
+                r.post == REDUCE,
+                isinstance(r.post, int) and not (batch_in or batch_read or made),
+                not made,
+            )
 
         post = min(fits, key=score).post
         if self.intra.setdefault(node.name, post) != post:
@@ -368,8 +403,14 @@ class RankProgram:
         if node.op != "linear":
             return False
         nd = len(self.graph[node.inputs[0]].shape)
-        return (node.op == "linear" and isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post
-                and all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only)
+        return (
+            node.op == "linear"
+            and isinstance(r.post, int)
+            and r.post < nd - 1
+            and r.pre[0] == r.post
+            and all(p == IDENTITY for p in r.pre[1:])
+            and not r.first_device_only
+        )
 
     def _make_source(self, model: nn.Module, t: str, lay: Layout, segment: int = 0) -> None:
         node = self.graph[t]
@@ -389,7 +430,8 @@ class RankProgram:
                 if full.is_meta and self.device.type != "meta":
                     raise PlanMismatchError(
                         f"constant {target!r} (a tensor forward makes from data, torch.tensor(...)) was captured on "
-                        "the meta device, where its values are unknown; make it a buffer of the model") from None
+                        "the meta device, where its values are unknown; make it a buffer of the model"
+                    ) from None
                 full = full.to(self.device)
             is_param = False
         if tuple(full.shape) != tuple(node.shape):
@@ -418,13 +460,17 @@ class RankProgram:
         if self.machines is not None and lay == 0 and full_len > 1 and self.intra.get(name) == 0:
             per_machine = [sum(self.batch_shares[r] for r in ranks) for ranks in self.machines.ranks]
             mine = self._intra_lengths(name, self._machine_shape(self.graph[name].shape, 0))
-            if (self.lengths(full_len) == per_machine
-                    and mine == [self.batch_shares[r] for r in self.machines.ranks[self.machines.index]]):
+            if self.lengths(full_len) == per_machine and mine == [
+                self.batch_shares[r] for r in self.machines.ranks[self.machines.index]
+            ]:
                 return x  # the loaded samples are this GPU's part of its machine's shard
         # Another layout than the loaded share (or other shard lengths): gather the whole input
         # (data only, no gradient), then keep what the layout asks for.
-        whole = x if self.batch_shares[self.rank] == self.graph.batch_size else \
-            C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
+        whole = (
+            x
+            if self.batch_shares[self.rank] == self.graph.batch_size
+            else C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
+        )
         if isinstance(lay, int) and whole.shape[lay] > 1:
             whole = C.shard(whole, lay, self.lengths(whole.shape[lay]), self.vrank)
         if self.machines is not None and isinstance(self.intra.get(name), int):
@@ -520,8 +566,12 @@ class RankProgram:
             v = env[(name, ins.layouts[name])]
             cut = self._cuts.get(ins.node.name, {}).get(name)
             if cut is not None:  # this GPU's samples of a tensor whole inside its machine
-                parts = H.intra_lengths(v.shape[cut], self._dim_len(name, cut) // self.graph.batch_size,
-                                        self.machines.size, f"tensor {name!r}")
+                parts = H.intra_lengths(
+                    v.shape[cut],
+                    self._dim_len(name, cut) // self.graph.batch_size,
+                    self.machines.size,
+                    f"tensor {name!r}",
+                )
                 fn = _named(lambda x, cut=cut, parts=parts: C.shard(x, cut, parts, self.machines.local), f"cut_{name}")
                 v = self._note(fn(v), fn, (v,))
             if name in ins.replicate:
@@ -683,10 +733,19 @@ class RankProgram:
             if self.machines is not None:
                 xname, seg = ins.node.inputs[0], ins.step.segment
                 gathers = tuple(
-                    H.sfb_factor(self.machines, dim, lengths, lay, self._intra_lengths(t, self._machine_shape(
-                        self.graph[t].shape, dim, seg)) if isinstance(lay, int) else [0] * self.machines.size, impl,
-                        self.graph[t].shape)
-                    for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name])))
+                    H.sfb_factor(
+                        self.machines,
+                        dim,
+                        lengths,
+                        lay,
+                        self._intra_lengths(t, self._machine_shape(self.graph[t].shape, dim, seg))
+                        if isinstance(lay, int)
+                        else [0] * self.machines.size,
+                        impl,
+                        self.graph[t].shape,
+                    )
+                    for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name]))
+                )
             sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers), "sfb_linear")
             return self._note(sfb(x, w, b), sfb, (x, w, b))
         if ins.out_shape is not None and ins.node.tuple_shapes is None:
@@ -711,7 +770,8 @@ class RankProgram:
             if self.options.check_shapes:
                 raise PlanMismatchError(
                     f"rank {self.rank}: op {ins.node.name!r} ({rule.describe()}) made local shape {got}, "
-                    f"the plan's shard is {ins.out_shape}")
+                    f"the plan's shard is {ins.out_shape}"
+                )
         if any(o.numel() == 0 for o in (out if is_tuple else (out,))) and (empty or not is_tuple):
             # Backward kernels of some ops (pooling) refuse empty gradients.
             return self._empty(ins, args, tensors)
@@ -848,8 +908,10 @@ class _Recorder:
             self._bind(x, self.graph.call_function(operator.getitem, self._items.pop(id(x))))
             return self._nodes[id(x)]
         if isinstance(x, torch.Tensor):
-            raise RuntimeError(f"a tensor argument of shape {tuple(x.shape)} that no recorded step made; "
-                               "cannot record this program (run it with CodegenOptions(compile=False))")
+            raise RuntimeError(
+                f"a tensor argument of shape {tuple(x.shape)} that no recorded step made; "
+                "cannot record this program (run it with CodegenOptions(compile=False))"
+            )
         if isinstance(x, torch.Size):
             return tuple(int(v) for v in x)
         if isinstance(x, (tuple, list)):

@@ -119,8 +119,9 @@ def _all_reduce_impl(x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_dim: int,
-                     dst_lengths: list[int], group=None) -> torch.Tensor:
+def _all_to_all_impl(
+    x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_dim: int, dst_lengths: list[int], group=None
+) -> torch.Tensor:
     """From shards along src_dim to shards along dst_dim, one all_to_all_single of flat pieces."""
     rank = dist.get_rank(group)
     assert x.shape[src_dim] == src_lengths[rank] and x.shape[dst_dim] == sum(dst_lengths)
@@ -133,14 +134,16 @@ def _all_to_all_impl(x: torch.Tensor, src_dim: int, src_lengths: list[int], dst_
         shapes.append(shape)
     recv_sizes = [int(torch.Size(s).numel()) for s in shapes]
     out = x.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, torch.cat(send) if send else x.new_empty(0), recv_sizes,
-                           [p.numel() for p in send], group=group)
+    dist.all_to_all_single(
+        out, torch.cat(send) if send else x.new_empty(0), recv_sizes, [p.numel() for p in send], group=group
+    )
     parts = [flat.view(shape) for flat, shape in zip(torch.split(out, recv_sizes), shapes)]
     return torch.cat(parts, dim=src_dim)
 
 
-def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths: list[int],
-                  group=None) -> torch.Tensor:
+def _reshard_impl(
+    x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths: list[int], group=None
+) -> torch.Tensor:
     """This rank's shard along `dim` under `dst_lengths`, from shards laid out by `src_lengths`:
     each rank keeps the overlap of its old and new interval and swaps the rest in one
     all_to_all_single. Equal layouts return x unchanged (no call)."""
@@ -162,7 +165,7 @@ def _reshard_impl(x: torch.Tensor, dim: int, src_lengths: list[int], dst_lengths
     shapes = []
     for i in range(len(src_lengths)):
         lo, hi = overlap(i, rank)
-        shapes.append(x.shape[:dim] + (hi - lo,) + x.shape[dim + 1:])
+        shapes.append(x.shape[:dim] + (hi - lo,) + x.shape[dim + 1 :])
     recv_sizes = [int(s.numel()) for s in shapes]
     out = x.new_empty(sum(recv_sizes))
     dist.all_to_all_single(out, torch.cat(send), recv_sizes, [p.numel() for p in send], group=group)
@@ -268,6 +271,7 @@ class _SfbLinear(torch.autograd.Function):
 
 # Plain functions (not Function.apply) so generated code and tracebacks name them.
 
+
 def all_gather(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
     """Gather(dim) -> Identity. Backward: reduce-scatter of the gradient (same impl)."""
     return _AllGather.apply(x, dim % max(x.dim(), 1), _check(lengths, impl), impl)
@@ -290,8 +294,9 @@ def replicate(x: torch.Tensor, keep: bool = True) -> torch.Tensor:
     return _Replicate.apply(x, keep)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_dim: int,
-               dst_lengths: Sequence[int]) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_dim: int, dst_lengths: Sequence[int]
+) -> torch.Tensor:
     """Gather(src_dim) -> Gather(dst_dim) with uneven shards. Backward: the reverse all-to-all."""
     nd = max(x.dim(), 1)
     if src_dim % nd == dst_dim % nd:
@@ -308,8 +313,15 @@ def reshard(x: torch.Tensor, dim: int, src_lengths: Sequence[int], dst_lengths: 
     return _Reshard.apply(x, dim % max(x.dim(), 1), src, dst)
 
 
-def sfb_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
-               lengths: Sequence[int], impl: str = "padded", gathers=None) -> torch.Tensor:
+def sfb_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dim: int,
+    lengths: Sequence[int],
+    impl: str = "padded",
+    gathers=None,
+) -> torch.Tensor:
     """linear(x, weight, bias) on x sharded along `dim` (not the last) with the full weight;
     the weight and bias gradients come out complete on every rank (no all-reduce needed).
     `gathers`: (for x, for dy) functions returning the whole factor, or this rank's part of it

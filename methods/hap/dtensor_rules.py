@@ -40,9 +40,20 @@ def _dtensor():
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     mesh = DeviceMesh("cpu", [0], _init_backend=False, _rank=0)
-    return dict(prop=DTensor._op_dispatcher.sharding_propagator, mesh=mesh, DTensorSpec=DTensorSpec,
-                TensorMeta=TensorMeta, OpSchema=OpSchema, OpSpec=OpSpec, OpStrategy=OpStrategy,
-                TupleStrategy=TupleStrategy, RuntimeSchemaInfo=RuntimeSchemaInfo, Partial=Partial, Replicate=Replicate, Shard=Shard)
+    return dict(
+        prop=DTensor._op_dispatcher.sharding_propagator,
+        mesh=mesh,
+        DTensorSpec=DTensorSpec,
+        TensorMeta=TensorMeta,
+        OpSchema=OpSchema,
+        OpSpec=OpSpec,
+        OpStrategy=OpStrategy,
+        TupleStrategy=TupleStrategy,
+        RuntimeSchemaInfo=RuntimeSchemaInfo,
+        Partial=Partial,
+        Replicate=Replicate,
+        Shard=Shard,
+    )
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -79,16 +90,50 @@ def derive(node: fx.Node) -> tuple[list[tuple[tuple[Layout, ...], Layout]], str]
 # arguments' ranks and which of their dims have length 1 (DTensor's strategies and
 # decompositions do not look further on a one-device mesh), so one derivation serves every
 # node of that pattern: a deep model repeats its layers' ops at a few shapes.
-_SHAPE_DEPENDENT = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "expand_as", "split",
-                    "split_with_sizes", "slice", "select", "narrow", "pad", "constant_pad_nd", "index", "repeat",
-                    "roll", "unfold", "as_strided", "new_zeros", "new_ones", "new_full", "new_empty", "view_as",
-                    "reshape_as", "tile", "unbind", "chunk", "movedim", "squeeze", "index_select", "gather",
-                    "scatter", "take_along_dim", "diagonal", "tensor_split"}
+_SHAPE_DEPENDENT = {
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "flatten",
+    "unflatten",
+    "expand",
+    "expand_as",
+    "split",
+    "split_with_sizes",
+    "slice",
+    "select",
+    "narrow",
+    "pad",
+    "constant_pad_nd",
+    "index",
+    "repeat",
+    "roll",
+    "unfold",
+    "as_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty",
+    "view_as",
+    "reshape_as",
+    "tile",
+    "unbind",
+    "chunk",
+    "movedim",
+    "squeeze",
+    "index_select",
+    "gather",
+    "scatter",
+    "take_along_dim",
+    "diagonal",
+    "tensor_split",
+}
 
 
 def _signature(node: fx.Node, args: list[fx.Node]) -> tuple:
     """What a derivation reads: the op, each tensor argument's shape (or its pattern: rank and
     which dims have length 1), dtype and whether it is a source, and the other arguments."""
+
     def plain(a):
         return "T" if _is_tensor(a) else repr(a)
 
@@ -144,8 +189,11 @@ def _derive(node: fx.Node, args: list[fx.Node]):
         prop.decomp_strategy.ensure_schema_info(op)
         info = prop.op_to_schema_info.get(op)
         if any(isinstance(x, (list, tuple)) and any(_is_tensor(y) for y in x) for x in node.args):
-            info = d["RuntimeSchemaInfo"](static_argnum=info.static_argnum if info else 100,
-                                          static_kwargkey=info.static_kwargkey if info else None, needs_pytree=True)
+            info = d["RuntimeSchemaInfo"](
+                static_argnum=info.static_argnum if info else 100,
+                static_kwargkey=info.static_kwargkey if info else None,
+                needs_pytree=True,
+            )
         seeds = _seeds(args)
         triples = []
         for seed in seeds:
@@ -164,8 +212,11 @@ def _one_hot(node: fx.Node):
     """one_hot as a comparison with the class indices (what it computes), for DTensor to trace;
     the indices (made from nothing, whole on every device) are made before tracing starts."""
     classes = torch.arange(node.meta["val"].shape[-1], device="meta")
-    classes._spec = _dtensor()["DTensorSpec"](_dtensor()["mesh"], (_dtensor()["Replicate"](),),
-                                              tensor_meta=_dtensor()["TensorMeta"](classes.shape, (1,), classes.dtype))
+    classes._spec = _dtensor()["DTensorSpec"](
+        _dtensor()["mesh"],
+        (_dtensor()["Replicate"](),),
+        tensor_meta=_dtensor()["TensorMeta"](classes.shape, (1,), classes.dtype),
+    )
     return lambda x, num_classes=-1: torch.eq(x.unsqueeze(-1), classes).to(torch.int64)
 
 
@@ -212,8 +263,9 @@ def _num_outputs(node: fx.Node) -> int:
 def _substitute(node: fx.Node, fn):
     """The node's args and kwargs with the i-th tensor argument replaced by fn(arg, i)."""
     counter = itertools.count()
-    return fx.node.map_arg((node.args, node.kwargs), lambda a: fn(a, next(counter)) if _is_tensor(a)
-                           else a.meta.get("val", a))
+    return fx.node.map_arg(
+        (node.args, node.kwargs), lambda a: fn(a, next(counter)) if _is_tensor(a) else a.meta.get("val", a)
+    )
 
 
 def _meta(a: fx.Node):
@@ -286,8 +338,12 @@ def _strategy_schema(node: fx.Node, args: list[fx.Node], schema_info):
         return d["OpStrategy"]([d["OpSpec"](_spec(a, p)) for p in _candidates(a)])
 
     a, k = _substitute(node, strategy)
-    a = tuple(d["TupleStrategy"](tuple(x)) if isinstance(x, (list, tuple)) and x and
-              all(isinstance(y, d["OpStrategy"]) for y in x) else x for x in a)
+    a = tuple(
+        d["TupleStrategy"](tuple(x))
+        if isinstance(x, (list, tuple)) and x and all(isinstance(y, d["OpStrategy"]) for y in x)
+        else x
+        for x in a
+    )
     return d["OpSchema"](node.target, a, k, schema_info=schema_info)
 
 
@@ -390,7 +446,7 @@ def _attention(node: fx.Node, args: list[fx.Node]):
             m = list(ins[3:4])
             if m and isinstance(m[0], int) and mask.meta["val"].shape[m[0]] == 1:
                 ins = ins[:3] + ("I",) + ins[4:]
-        triples.append((ins[:len(targs)] if ins is not None else None, post))
+        triples.append((ins[: len(targs)] if ins is not None else None, post))
     triples = _valid(triples, fake, targs)
     # Back to the node's own tensor arguments (q, k, v[, mask]).
-    return [(ins[:len(args)], post) for ins, post in triples if len(ins) >= len(args)], "fused-attention strategy"
+    return [(ins[: len(args)], post) for ins, post in triples if len(ins) >= len(args)], "fused-attention strategy"

@@ -92,8 +92,10 @@ def unsplittable_share(global_batch: int, machine_shares: Sequence[int], gpus: S
     machine with fewer samples than GPUs, but some), or None."""
     for m, (share, n) in enumerate(zip(machine_shares, gpus)):
         if 0 < share < n:
-            return (f"global_batch={global_batch}: machine {m} gets {share} sample(s) for its {n} GPUs, "
-                    "which data parallelism inside it cannot split")
+            return (
+                f"global_batch={global_batch}: machine {m} gets {share} sample(s) for its {n} GPUs, "
+                "which data parallelism inside it cannot split"
+            )
     return None
 
 
@@ -102,8 +104,10 @@ def intra_lengths(length: int, per_sample: int, gpus: int, what: str = "") -> li
     sample: whole samples, split evenly (as the planner splits a machine's batch share)."""
     n, rest = divmod(int(length), int(per_sample))
     if rest:
-        raise ValueError(f"{what}: a machine's {length} rows along the batch dim are not whole samples of "
-                         f"{per_sample} rows; this plan cannot run data parallel inside a machine")
+        raise ValueError(
+            f"{what}: a machine's {length} rows along the batch dim are not whole samples of "
+            f"{per_sample} rows; this plan cannot run data parallel inside a machine"
+        )
     return [per_sample * k for k in round_shares(n, [1.0] * gpus)]
 
 
@@ -174,8 +178,14 @@ def to_leader(x: torch.Tensor, m: Machines, layout: Layout, lengths: Sequence[in
     return C._unstacked(bufs, dim, lengths)
 
 
-def from_leader(y: torch.Tensor | None, m: Machines, layout: Layout, lengths: Sequence[int],
-                shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+def from_leader(
+    y: torch.Tensor | None,
+    m: Machines,
+    layout: Layout,
+    lengths: Sequence[int],
+    shape: Sequence[int],
+    like: torch.Tensor,
+) -> torch.Tensor:
     """Each GPU's part of the leader's machine tensor `y` (of machine-level `shape`): its part
     along the batch dim, the whole (broadcast), or for a partial sum the leader's y and zeros."""
     if m.size == 1:
@@ -217,17 +227,33 @@ class _Hierarchical(torch.autograd.Function):
         return (from_leader(gx, m, _dual(layout), in_lengths, in_shape, grad),) + (None,) * 7
 
 
-def hierarchical(x: torch.Tensor, m: Machines, op: MachineOp, layout: Layout, in_lengths: Sequence[int],
-                 out_lengths: Sequence[int], in_shape: Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
+def hierarchical(
+    x: torch.Tensor,
+    m: Machines,
+    op: MachineOp,
+    layout: Layout,
+    in_lengths: Sequence[int],
+    out_lengths: Sequence[int],
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+) -> torch.Tensor:
     """`op` among the machines on a tensor laid out `layout` inside each machine (a batch dim,
     IDENTITY or REDUCE), in three steps. in_lengths / out_lengths: the GPUs' parts along the
     batch dim of the machine's input / output; in_shape / out_shape: the machine-level shapes."""
-    return _Hierarchical.apply(x, m, op, layout, tuple(in_lengths), tuple(out_lengths), tuple(in_shape),
-                               tuple(out_shape))
+    return _Hierarchical.apply(
+        x, m, op, layout, tuple(in_lengths), tuple(out_lengths), tuple(in_shape), tuple(out_shape)
+    )
 
 
-def sfb_factor(m: Machines, dim: int, machine_lengths: Sequence[int], layout: Layout, lengths: Sequence[int],
-               impl: str, full_shape: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+def sfb_factor(
+    m: Machines,
+    dim: int,
+    machine_lengths: Sequence[int],
+    layout: Layout,
+    lengths: Sequence[int],
+    impl: str,
+    full_shape: Sequence[int],
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """For SFB among machines: a function that takes a factor (sharded over machines along
     `dim`, laid out `layout` inside them) in three steps: to the leader, all-gathered among the
     leaders, and back as this GPU's even part along `dim` of the whole factor. Each GPU then
@@ -240,4 +266,5 @@ def sfb_factor(m: Machines, dim: int, machine_lengths: Sequence[int], layout: La
         if m.is_leader:
             whole = C._gather_impl(whole, dim, list(machine_lengths), impl, m.leaders)
         return from_leader(whole, m, dim, parts, full_shape, t)
+
     return factor

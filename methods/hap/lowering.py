@@ -111,14 +111,29 @@ def build_program(
                 kept_bytes.append((until, nbytes))
     # Activation gradients, each in the layout of the tensor it is the gradient of.
     layouts = {step.node: step.rule.post for step in steps}
-    flying = [(position[a], position[b], cost._bytes(t, layouts[t])) for t, a, b in graph.grads_in_flight()
-              if t in layouts and a in position and b in position]
-    memory = Memory(params, params, params.scale(ADAM_STATE_PER_PARAM), activations,
-                    backward=backward_sweep(grads_made, kept_bytes, grads_before, flying),
-                    largest_param=None if largest is None else largest[1])
+    flying = [
+        (position[a], position[b], cost._bytes(t, layouts[t]))
+        for t, a, b in graph.grads_in_flight()
+        if t in layouts and a in position and b in position
+    ]
+    memory = Memory(
+        params,
+        params,
+        params.scale(ADAM_STATE_PER_PARAM),
+        activations,
+        backward=backward_sweep(grads_made, kept_bytes, grads_before, flying),
+        largest_param=None if largest is None else largest[1],
+    )
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
-    return Program(tuple(stages), len(cost.vdevs), cost.num_segments, cost.granularity, memory, dict(meta or {}),
-                   batch=cost.graph.batch_size)
+    return Program(
+        tuple(stages),
+        len(cost.vdevs),
+        cost.num_segments,
+        cost.granularity,
+        memory,
+        dict(meta or {}),
+        batch=cost.graph.batch_size,
+    )
 
 
 def _bucketed_grads(step: Step, cost: CostModel, machines: bool) -> list[tuple[float, bool, Affine]]:
@@ -164,6 +179,12 @@ def _overlapped_backward(bwd: list[tuple[Stage, list]], cap: float) -> list[Stag
             if members[0][1]:
                 nbytes = sum(size for size, _, _ in members)
                 colls = (Collective("all_reduce", Affine(nbytes), label=f"grad bucket {b}", grad=True),)
-            out.append(Stage(colls, overlap=True, grad_bytes=affine_sum(g for _, _, g in members),
-                             label=f"all_reduce grad bucket {b}"))
+            out.append(
+                Stage(
+                    colls,
+                    overlap=True,
+                    grad_bytes=affine_sum(g for _, _, g in members),
+                    label=f"all_reduce grad bucket {b}",
+                )
+            )
     return out

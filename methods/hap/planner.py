@@ -48,8 +48,14 @@ log = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planner.md)
 
 # Code whose content decides a plan: a change to any of these files invalidates cached plans.
-_CODE_GLOBS = ("methods/capture.py", "methods/aten_capture.py", "methods/common.py", "methods/hap/*.py",
-               "bench/core/program.py", "bench/cost/*.py")
+_CODE_GLOBS = (
+    "methods/capture.py",
+    "methods/aten_capture.py",
+    "methods/common.py",
+    "methods/hap/*.py",
+    "bench/core/program.py",
+    "bench/cost/*.py",
+)
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -157,8 +163,10 @@ class HapPlanner:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_segments, int) or self.num_segments < 1:
-            raise ValueError(f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
-                             "e.g. method.num_segments=4")
+            raise ValueError(
+                f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
+                "e.g. method.num_segments=4"
+            )
         check_segmentation(self.segmentation)
         if self.max_rounds < 1:
             raise ValueError(f"method.max_rounds={self.max_rounds} must be >= 1")
@@ -171,15 +179,19 @@ class HapPlanner:
         if self.max_expansions < 1:
             raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
         if self.batch_norm not in ("sync", "local"):
-            raise ValueError(f"method.batch_norm={self.batch_norm!r} is invalid; use 'sync' (statistics over the whole "
-                             "batch: the program trains exactly as one device) or 'local' (each device's own, as DDP)")
+            raise ValueError(
+                f"method.batch_norm={self.batch_norm!r} is invalid; use 'sync' (statistics over the whole "
+                "batch: the program trains exactly as one device) or 'local' (each device's own, as DDP)"
+            )
         if self.levels not in ("both", "cluster"):
-            raise ValueError(f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
-                             "the faster kept) or 'cluster' (the cluster's virtual_device)")
+            raise ValueError(
+                f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
+                "the faster kept) or 'cluster' (the cluster's virtual_device)"
+            )
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """"sim" always; "real" once methods.hap.runtime (per-rank codegen) exists."""
+        """ "sim" always; "real" once methods.hap.runtime (per-rank codegen) exists."""
         return ("sim", "real") if importlib.util.find_spec("methods.hap.runtime") else ("sim",)
 
     @property
@@ -223,8 +235,12 @@ class HapPlanner:
             "cluster": cluster.name,
             "cluster_hash": cluster.fingerprint(),
             # The numbers of its device types (conf/device/*.yaml can change under a name).
-            "device_types": sorted({(d.type.name, d.type.effective_flops, d.type.memory_gib, repr(d.type.compute))
-                                    for d in cluster.devices}),
+            "device_types": sorted(
+                {
+                    (d.type.name, d.type.effective_flops, d.type.memory_gib, repr(d.type.compute))
+                    for d in cluster.devices
+                }
+            ),
             "host_flops": cluster.host_flops,
             # Adam's per-byte part of the per-step time prices a rank's parameter shard
             "host_step": [cluster.host_step_overhead_s, cluster.host_optimizer_s_per_byte, cluster.host_param_bytes],
@@ -262,8 +278,10 @@ class HapPlanner:
             if alt is not None and (best is None or _better(alt, best)):
                 best = alt
         if best is None:
-            raise PlanningError(f"{level_rows[0]['error']}; raise the global batch (preset.batch_per_device) or plan "
-                                "per GPU as well (method.levels=both)")
+            raise PlanningError(
+                f"{level_rows[0]['error']}; raise the global batch (preset.batch_per_device) or plan "
+                "per GPU as well (method.levels=both)"
+            )
         expanded, pruned, beam_pruned = stats["expanded"], stats["pruned"], stats["beam_pruned"]
         t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
@@ -294,11 +312,26 @@ class HapPlanner:
             "grad_sync": {"overlap": self.grad_overlap, "bucket_cap_bytes": bucket if self.grad_overlap else None},
             "options": self.options(),
         }
-        log.info("%s: %d rounds, chose %s, predicted %.4f s/iter", self.name, len(rounds), details["chosen"], best.iter_time_s)
+        log.info(
+            "%s: %d rounds, chose %s, predicted %.4f s/iter",
+            self.name,
+            len(rounds),
+            details["chosen"],
+            best.iter_time_s,
+        )
         return Plan(self.name, shares, details, best.program, best.ratios)
 
-    def _search_levels(self, theory, workload: Workload, cluster: ClusterSpec, levels: list[str], meta: dict,
-                       rounds: list, stats: dict, prefix: str) -> tuple[Candidate | None, list[dict]]:
+    def _search_levels(
+        self,
+        theory,
+        workload: Workload,
+        cluster: ClusterSpec,
+        levels: list[str],
+        meta: dict,
+        rounds: list,
+        stats: dict,
+        prefix: str,
+    ) -> tuple[Candidate | None, list[dict]]:
         """The best synthesized program over `levels` (machines, GPUs) and starts, by the
         simulator; per level its best (with the reason when its batch cannot be split)."""
         best: Candidate | None = None
@@ -308,8 +341,10 @@ class HapPlanner:
         for granularity in levels:
             starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
             if self.lp:
-                starts += [("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
-                           ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments))]
+                starts += [
+                    ("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
+                    ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments)),
+                ]
             seen: set = set()
             level_best: Candidate | None = None
             for label, ratios in starts:
@@ -318,8 +353,9 @@ class HapPlanner:
                     continue  # the same start as another (e.g. a homogeneous cluster)
                 seen.add(key)
                 start = prefix + (label if len(levels) == 1 else f"{granularity}, {label}")
-                cand = self._alternate(theory, cluster, granularity, meta, start, ratios, rounds, stats, seen, balanced,
-                                       built)
+                cand = self._alternate(
+                    theory, cluster, granularity, meta, start, ratios, rounds, stats, seen, balanced, built
+                )
                 if level_best is None or _better(cand, level_best):
                     level_best = cand
             assert level_best is not None
@@ -334,8 +370,20 @@ class HapPlanner:
                 best = level_best
         return best, level_rows
 
-    def _alternate(self, theory, cluster: ClusterSpec, granularity: str, meta: dict, start: str, ratios,
-                   rounds: list, stats: dict, seen: set, balanced: dict, built: dict) -> Candidate:
+    def _alternate(
+        self,
+        theory,
+        cluster: ClusterSpec,
+        granularity: str,
+        meta: dict,
+        start: str,
+        ratios,
+        rounds: list,
+        stats: dict,
+        seen: set,
+        balanced: dict,
+        built: dict,
+    ) -> Candidate:
         """Synthesis at fixed ratios, then the LP at a fixed program, until a round brings no
         strict gain (or max_rounds); the best (program, ratios) by the simulator. `seen` holds
         the ratios already searched from: reaching one ends this start (its rounds are known).
@@ -345,8 +393,9 @@ class HapPlanner:
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
-                             self.grad_overlap)
+            cost = CostModel(
+                theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+            )
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
             res = synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=dp)
@@ -361,9 +410,18 @@ class HapPlanner:
                     program = built[key] = build_program(r.steps, cost, meta, self.grad_overlap, bucket)
                 kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
                 c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r)
-                rounds.append({"start": start, "round": i, "stage": kind, "granularity": granularity,
-                               "iter_time_s": c.iter_time_s, "oom": c.oom, "grouped": _uses_grouped(r),
-                               "search_cost_s": self._search_cost(theory, cluster, granularity, c.ratios, r)})
+                rounds.append(
+                    {
+                        "start": start,
+                        "round": i,
+                        "stage": kind,
+                        "granularity": granularity,
+                        "iter_time_s": c.iter_time_s,
+                        "oom": c.oom,
+                        "grouped": _uses_grouped(r),
+                        "search_cost_s": self._search_cost(theory, cluster, granularity, c.ratios, r),
+                    }
+                )
                 if cand is None or _better(c, cand):
                     cand = c
             assert cand is not None and cand.result is not None
@@ -377,8 +435,15 @@ class HapPlanner:
                 break
             if key in balanced:
                 lp = balanced[key]
-                rounds.append({"start": start, "round": i, "stage": "lp (this program was balanced before)",
-                               "iter_time_s": lp and lp.iter_time_s, "oom": lp and lp.oom})
+                rounds.append(
+                    {
+                        "start": start,
+                        "round": i,
+                        "stage": "lp (this program was balanced before)",
+                        "iter_time_s": lp and lp.iter_time_s,
+                        "oom": lp and lp.oom,
+                    }
+                )
             else:
                 t1 = time.perf_counter()
                 lp = balanced[key] = self._balance(cand, theory, cluster, start, i, rounds)
@@ -394,14 +459,17 @@ class HapPlanner:
         assert best is not None
         return best
 
-    def _data_parallel(self, theory, cluster: ClusterSpec, granularity: str, ratios, stats: dict) -> SearchResult | None:
+    def _data_parallel(
+        self, theory, cluster: ClusterSpec, granularity: str, ratios, stats: dict
+    ) -> SearchResult | None:
         """The cheapest data-parallel program of `theory` at these ratios, priced as the full
         search prices (the incumbent its search must beat); None if there is none."""
         dp_theory = theory.search_cache.get("data_parallel")
         if dp_theory is None:
             dp_theory = theory.search_cache["data_parallel"] = data_parallel_theory(theory)
-        cost = CostModel(dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
-                         self.grad_overlap)
+        cost = CostModel(
+            dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+        )
         try:
             res = synthesize(dp_theory, cost, self.max_expansions, self.beam_width)
         except NoProgramError:
@@ -412,12 +480,14 @@ class HapPlanner:
     def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
         """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the
         price it ranks programs by, beside the simulator's (planner_check's agreement table)."""
-        cost = CostModel(theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes,
-                         self.grad_overlap)
+        cost = CostModel(
+            theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+        )
         return cost.program_cost(result.steps, result.final_comms)
 
-    def _balance(self, found: Candidate, theory, cluster: ClusterSpec, start: str, i: int,
-                 rounds: list) -> Candidate | None:
+    def _balance(
+        self, found: Candidate, theory, cluster: ClusterSpec, start: str, i: int, rounds: list
+    ) -> Candidate | None:
         """The LP's ratios for a fixed program, the best by the simulator of: rows tied (every
         segment the same row: the LP's objective is exactly the simulator's time) and rows
         free (reshards priced from above), each with memory rows (slack where the fastest
@@ -426,7 +496,7 @@ class HapPlanner:
         program, res, program_kind = found.program, found.result, found.kind
         batch, granularity = theory.graph.batch_size, program.granularity
         best = None
-        for tied in ((True, False) if program.num_segments > 1 else (False,)):
+        for tied in (True, False) if program.num_segments > 1 else (False,):
             lp = RatioLP(program, cluster, tied_rows=tied)
             lp.add_memory_rows(ask_first=False)
             try:
@@ -451,10 +521,18 @@ class HapPlanner:
                 except InfeasibleError:
                     pass
             rows = (", rows tied" if tied else (", rows free" if program.num_segments > 1 else "")) + wider
-            rounds.append({"start": start, "round": i, "stage": f"lp{' with memory rows' if lp.memory_limit else ''}{rows}",
-                           "granularity": granularity, "lp_objective_s": objective, "iter_time_s": cand.iter_time_s,
-                           "oom": cand.oom,
-                           "search_cost_s": self._search_cost(theory, cluster, granularity, cand.ratios, res)})
+            rounds.append(
+                {
+                    "start": start,
+                    "round": i,
+                    "stage": f"lp{' with memory rows' if lp.memory_limit else ''}{rows}",
+                    "granularity": granularity,
+                    "lp_objective_s": objective,
+                    "iter_time_s": cand.iter_time_s,
+                    "oom": cand.oom,
+                    "search_cost_s": self._search_cost(theory, cluster, granularity, cand.ratios, res),
+                }
+            )
             if best is None or _better(cand, best):
                 best = cand
         return best
@@ -502,8 +580,9 @@ def _count(stats: dict, res: SearchResult) -> None:
     stats["pruned"] += res.stats.pruned_bound + res.stats.pruned_dedup
 
 
-def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int,
-           result: SearchResult | None = None) -> Candidate:
+def _score(
+    kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int, result: SearchResult | None = None
+) -> Candidate:
     """A candidate priced by the simulator at its ratios as the runtime splits the batch (the
     faster of the roundings _as_run offers)."""
     best = None
@@ -516,7 +595,9 @@ def _score(kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int
     return best
 
 
-def _as_run(ratios, batch: int, granularity: str = "gpu", cluster: ClusterSpec | None = None) -> list[list[list[float]]]:
+def _as_run(
+    ratios, batch: int, granularity: str = "gpu", cluster: ClusterSpec | None = None
+) -> list[list[list[float]]]:
     """The ways to round `ratios` to whole samples of the batch, as the runtime splits it
     (balance.batch_shares; tokens split in whole samples too, search.shard_units): each row per
     virtual device; for machines of several GPUs also per GPU, each GPU weighted by its
@@ -546,8 +627,9 @@ def _as_run(ratios, batch: int, granularity: str = "gpu", cluster: ClusterSpec |
 
 def _uses_grouped(res: SearchResult) -> bool:
     """Whether a synthesized program has a grouped (broadcast-based) collective."""
-    return any(c.impl == "grouped" for step in res.steps for c in step.comms) or \
-        any(c.impl == "grouped" for c in res.final_comms)
+    return any(c.impl == "grouped" for step in res.steps for c in step.comms) or any(
+        c.impl == "grouped" for c in res.final_comms
+    )
 
 
 def _ratios_key(ratios) -> tuple:
@@ -566,8 +648,9 @@ def _unsplittable(global_batch: int, ratios: list[float], cluster: ClusterSpec, 
     machine with fewer samples than GPUs, but some), or None."""
     if granularity != "machine":
         return None
-    return unsplittable_share(global_batch, batch_shares(global_batch, ratios),
-                              [v.num_gpus for v in virtual_devices(cluster, "machine")])
+    return unsplittable_share(
+        global_batch, batch_shares(global_batch, ratios), [v.num_gpus for v in virtual_devices(cluster, "machine")]
+    )
 
 
 def _rank_shares(global_batch: int, ratios: list[float], cluster: ClusterSpec, granularity: str) -> list[int]:

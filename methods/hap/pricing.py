@@ -32,8 +32,16 @@ ADAM_STATE_PER_PARAM = 2.0  # two fp32 moments per parameter
 class CostModel:
     """Stage contents and seconds of steps at fixed ratios (cached per triple/collective)."""
 
-    def __init__(self, theory: Theory, cluster: ClusterSpec, granularity: str, ratios: Sequence[Sequence[float]],
-                 segmentation: str = "layers", grad_bucket_bytes: float = 0.0, grad_overlap: bool = False):
+    def __init__(
+        self,
+        theory: Theory,
+        cluster: ClusterSpec,
+        granularity: str,
+        ratios: Sequence[Sequence[float]],
+        segmentation: str = "layers",
+        grad_bucket_bytes: float = 0.0,
+        grad_overlap: bool = False,
+    ):
         self.theory = theory
         # grad_overlap: replicated parameters' gradients are all-reduced beside the rest of
         # backward (build_program with grad_overlap), in buckets of grad_bucket_bytes (0: one
@@ -99,8 +107,10 @@ class CostModel:
         home = self.home[c.tensor]
         if c.kind == "reshard":
             rows = (home, c.to_segment)
-            return ([Collective("reshard", Affine(nbytes), label=c.tensor, rows=rows)],
-                    [Collective("reshard", Affine(nbytes), label=f"d{c.tensor}", rows=rows[::-1])])
+            return (
+                [Collective("reshard", Affine(nbytes), label=c.tensor, rows=rows)],
+                [Collective("reshard", Affine(nbytes), label=f"d{c.tensor}", rows=rows[::-1])],
+            )
         shard = Affine.sharded(nbytes, home)
         dual = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
         if c.kind == "all_reduce":
@@ -109,7 +119,9 @@ class CostModel:
         if c.kind == "all_to_all":
             fwd = Collective("all_to_all", shard, label=c.tensor)
             return [fwd], [fwd]
-        return [Collective(c.kind, shard, c.impl, label=c.tensor)], [Collective(dual[c.kind], shard, c.impl, label=c.tensor)]
+        return [Collective(c.kind, shard, c.impl, label=c.tensor)], [
+            Collective(dual[c.kind], shard, c.impl, label=c.tensor)
+        ]
 
     def rule_parts(self, step_node: str, rule: Rule) -> tuple[Affine, Affine, list[Collective]]:
         """(forward FLOPs, backward FLOPs, extra backward collectives for SFB) of a triple."""
@@ -125,8 +137,12 @@ class CostModel:
             bwd = Affine.sharded(f * node.backward_factor / 2, seg) + Affine(f * node.backward_factor / 2)
             x = node.inputs[0]
             extra = [
-                Collective("all_gather", Affine.sharded(float(self.graph[x].nbytes), seg), "padded", label=f"{x} (sfb)"),
-                Collective("all_gather", Affine.sharded(float(node.nbytes), seg), "padded", label=f"d{node.name} (sfb)"),
+                Collective(
+                    "all_gather", Affine.sharded(float(self.graph[x].nbytes), seg), "padded", label=f"{x} (sfb)"
+                ),
+                Collective(
+                    "all_gather", Affine.sharded(float(node.nbytes), seg), "padded", label=f"d{node.name} (sfb)"
+                ),
             ]
         return fwd, bwd, extra
 
@@ -190,8 +206,10 @@ class CostModel:
         parts = self._comm_parts.get(key)
         if parts is None:
             f, b = self.comm_collectives(c)
-            parts = self._comm_parts[key] = (sum(self.collective_time(x) for x in f),
-                                             sum(self.collective_time(x) for x in b))
+            parts = self._comm_parts[key] = (
+                sum(self.collective_time(x) for x in f),
+                sum(self.collective_time(x) for x in b),
+            )
         return parts
 
     def collective_time(self, x: Collective) -> float:
@@ -210,8 +228,15 @@ class CostModel:
         if sig is None:  # once per op: the search asks for its triples' prices again and again
             n = self.graph[node]
             first = self.graph[n.inputs[0]].nbytes if n.inputs else 0
-            sig = self._op_sig[node] = (self.op_segment[node], n.op, n.flops, n.backward_factor, n.nbytes, first,
-                                        any(self.graph[t].is_param for t in n.inputs))
+            sig = self._op_sig[node] = (
+                self.op_segment[node],
+                n.op,
+                n.flops,
+                n.backward_factor,
+                n.nbytes,
+                first,
+                any(self.graph[t].is_param for t in n.inputs),
+            )
         return (*sig, rule.sharded, rule.sfb)
 
     def rule_time(self, node: str, rule: Rule) -> float:
@@ -251,8 +276,7 @@ class CostModel:
         node = self.graph[tensor]
         if node.kind != "placeholder" or layout == 0 or not node.shape or node.shape[0] <= 1:
             return None
-        return Collective("all_gather", Affine.sharded(float(node.nbytes), 0), "padded",
-                          label=f"{tensor} (input)")
+        return Collective("all_gather", Affine.sharded(float(node.nbytes), 0), "padded", label=f"{tensor} (input)")
 
     def source_key(self, tensor: str, layout: Layout, rule: Rule) -> tuple:
         """What the price of creating a source reads (source_time), as rule_key for triples."""
@@ -291,7 +315,11 @@ class CostModel:
         across = layout == IDENTITY and not rule.sfb
         if node.is_param and (across or self.machines):
             local = self._bytes(tensor, layout)
-            size = float(node.nbytes) if not self.machines else max(local.at(self.ratios, d) for d in range(len(self.vdevs)))
+            size = (
+                float(node.nbytes)
+                if not self.machines
+                else max(local.at(self.ratios, d) for d in range(len(self.vdevs)))
+            )
             comm = self.bucketed_sync_s(size) if across else 0.0
             sync = 0.0
             if self.machines:
@@ -313,8 +341,9 @@ class CostModel:
                 nbytes = nbytes + self._bytes(t, layout)
         return intra_grad_sync(Stage((), grad_bytes=nbytes), self.cluster, self.vdevs, self.prices)
 
-    def step_maps(self, name: str, rule: Rule, sources: Sequence[tuple[str, Layout]], fwd_comm: float,
-                  bwd_comm: float) -> tuple[float, float, tuple, float | None]:
+    def step_maps(
+        self, name: str, rule: Rule, sources: Sequence[tuple[str, Layout]], fwd_comm: float, bwd_comm: float
+    ) -> tuple[float, float, tuple, float | None]:
         """(seconds of a step's forward collectives, of its forward compute, the map of its
         backward stage followed by the syncs of the gradients of the parameters among its
         `sources`, and that backward's compute when the map is the compute lane's alone) for
@@ -354,8 +383,9 @@ class CostModel:
             for t, layout in step.sources:
                 if self.graph[t].is_param:
                     params = params + self._bytes(t, layout)
-        program = Program((), len(self.vdevs), self.num_segments, self.granularity, Memory(params=params),
-                          batch=self.graph.batch_size)
+        program = Program(
+            (), len(self.vdevs), self.num_segments, self.granularity, Memory(params=params), batch=self.graph.batch_size
+        )
         return step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, self.goal()[2])
 
     def program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule] = ()) -> float:

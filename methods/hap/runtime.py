@@ -53,8 +53,14 @@ class GradBuckets:
     machine's all-reduce has completed (checked whenever a gradient arrives), in bucket order.
     """
 
-    def __init__(self, params: list[nn.Parameter], cap_bytes: float | None, overlap: bool = True,
-                 machines: Machines | None = None, across: set[int] | None = None):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        cap_bytes: float | None,
+        overlap: bool = True,
+        machines: Machines | None = None,
+        across: set[int] | None = None,
+    ):
         self.machines = machines
         across = across or set()
         ordered = list(reversed(params))
@@ -63,10 +69,13 @@ class GradBuckets:
         runs = bucket_runs([(p.numel() * p.element_size(), k) for p, k in zip(ordered, kinds)], cap_bytes)
         self.buckets: list[list[nn.Parameter]] = [[ordered[i] for i in run] for run in runs]
         self.across = [kinds[run[0]][0] for run in runs]
-        self.flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                      for b in self.buckets]
-        self._views = [[f[o - p.numel():o].view_as(p) for p, o in zip(b, itertools.accumulate(p.numel() for p in b))]
-                       for b, f in zip(self.buckets, self.flats)]
+        self.flats = [
+            torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets
+        ]
+        self._views = [
+            [f[o - p.numel() : o].view_as(p) for p, o in zip(b, itertools.accumulate(p.numel() for p in b))]
+            for b, f in zip(self.buckets, self.flats)
+        ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._pending: list[int] = []
         self._got: set[int] = set()  # parameters whose gradient backward produced this step
@@ -187,9 +196,17 @@ class HapTrainer:
         grad_overlap: launch each bucket as soon as backward has produced it (else after).
     """
 
-    def __init__(self, program: RankProgram, ctx: RankContext, lr: float = DEFAULT_LR, grad_clip: float = 0.0,
-                 mirror_full_state: bool = False, model: nn.Module | None = None, bucket_cap_mb: float | None = 25.0,
-                 grad_overlap: bool = True):
+    def __init__(
+        self,
+        program: RankProgram,
+        ctx: RankContext,
+        lr: float = DEFAULT_LR,
+        grad_clip: float = 0.0,
+        mirror_full_state: bool = False,
+        model: nn.Module | None = None,
+        bucket_cap_mb: float | None = 25.0,
+        grad_overlap: bool = True,
+    ):
         if not lr > 0 or grad_clip < 0:
             raise ValueError(f"lr={lr!r} must be > 0 and grad_clip={grad_clip!r} >= 0")
         self.program = program
@@ -208,8 +225,13 @@ class HapTrainer:
         elif program.machines is None:
             self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
         else:  # every gradient is summed inside the machine; grad_sync's also among machines
-            self.grad_sync = GradBuckets([program.params[n] for n in program.param_order], cap, grad_overlap,
-                                         program.machines, {id(program.params[n]) for n in program.grad_sync})
+            self.grad_sync = GradBuckets(
+                [program.params[n] for n in program.param_order],
+                cap,
+                grad_overlap,
+                program.machines,
+                {id(program.params[n]) for n in program.grad_sync},
+            )
         self.grad_clip = grad_clip
         self.mirror_full_state = mirror_full_state
         # Kept only to mirror into: the full model's copy of each sharded parameter is not the
@@ -300,20 +322,28 @@ def plan_machines(plan: Plan, cluster: ClusterSpec) -> list[list[int]] | None:
         return None
     vdevs = virtual_devices(cluster, "machine")
     if len(vdevs) != len(plan.ratios[0]):
-        raise PlanMismatchError(f"the plan has {len(plan.ratios[0])} machines, cluster {cluster.name!r} {len(vdevs)}; "
-                                "re-plan for this cluster (method.cache_dir=null or a fresh plan)")
+        raise PlanMismatchError(
+            f"the plan has {len(plan.ratios[0])} machines, cluster {cluster.name!r} {len(vdevs)}; "
+            "re-plan for this cluster (method.cache_dir=null or a fresh plan)"
+        )
     made_for = (plan.details or {}).get("machine_gpus")
     if made_for is not None and list(made_for) != [v.num_gpus for v in vdevs]:
         raise PlanMismatchError(
             f"plan details.machine_gpus={list(made_for)} (GPUs per machine) differ from cluster {cluster.name!r}'s "
-            f"{[v.num_gpus for v in vdevs]}; re-plan for this cluster (method.cache_dir=null or a fresh plan)")
+            f"{[v.num_gpus for v in vdevs]}; re-plan for this cluster (method.cache_dir=null or a fresh plan)"
+        )
     if all(v.num_gpus == 1 for v in vdevs):
         return None
     return [list(v.ranks) for v in vdevs]
 
 
-def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module | None = None,
-               machines: list[list[int]] | None = None) -> Graph:
+def plan_graph(
+    plan: Plan,
+    workload: Workload,
+    world_size: int,
+    model: nn.Module | None = None,
+    machines: list[list[int]] | None = None,
+) -> Graph:
     """The reference graph of `workload`, after checking that `plan` fits it and `world_size`
     ranks (in `machines`, for a machine-level plan: plan_machines; PlanMismatchError
     otherwise). Before starting workers, also check_machine_plan.
@@ -326,14 +356,22 @@ def plan_graph(plan: Plan, workload: Workload, world_size: int, model: nn.Module
     if model is None:
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm)
     else:
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                for p in model.parameters()}
+        memo = {
+            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()
+        }
         memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
         twin = copy.deepcopy(model, memo)
         batch = workload.model_cfg.synthetic_batch(workload.global_batch, torch.Generator().manual_seed(0))
         graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch, batch_norm=batch_norm)
-    check_plan(plan.details or {}, plan.ratios, plan.batch_shares, graph, world_size,
-               world_size if machines is None else len(machines))
+    check_plan(
+        plan.details or {},
+        plan.ratios,
+        plan.batch_shares,
+        graph,
+        world_size,
+        world_size if machines is None else len(machines),
+    )
     return graph
 
 
@@ -352,13 +390,23 @@ def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> N
         if got != want:
             raise PlanMismatchError(
                 f"plan batch_shares {got} for machine {m}'s ranks {ranks}: its share of {share} samples splits over "
-                f"its {len(ranks)} GPUs as {want}; re-plan (the planner splits a machine's share evenly)")
+                f"its {len(ranks)} GPUs as {want}; re-plan (the planner splits a machine's share evenly)"
+            )
     meta = copy.deepcopy(graph.gm).to("meta")
     for m, ranks in enumerate(machines):
         for local, rank in enumerate(ranks):
             where = Machines(machines, m, local)
-            RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, meta, rank,
-                        sum(map(len, machines)), CodegenOptions(), where)
+            RankProgram(
+                graph,
+                plan.details,
+                plan.ratios,
+                plan.batch_shares,
+                meta,
+                rank,
+                sum(map(len, machines)),
+                CodegenOptions(),
+                where,
+            )
 
 
 def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:
@@ -372,12 +420,15 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
     machine_ranks = plan_machines(plan, ctx.cluster)
     graph = plan_graph(plan, ctx.workload, ctx.world_size, model, machine_ranks)
     machines = None if machine_ranks is None else Machines.build(machine_ranks, ctx.rank)
-    options = CodegenOptions(force_impl=getattr(planner, "force_impl", None),
-                             force_sfb=bool(getattr(planner, "force_sfb", False)),
-                             bucket_grads=bool(getattr(planner, "bucket_grads", True)),
-                             compile=not getattr(planner, "interpret", False))
-    program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options,
-                          machines)
+    options = CodegenOptions(
+        force_impl=getattr(planner, "force_impl", None),
+        force_sfb=bool(getattr(planner, "force_sfb", False)),
+        bucket_grads=bool(getattr(planner, "bucket_grads", True)),
+        compile=not getattr(planner, "interpret", False),
+    )
+    program = RankProgram(
+        graph, plan.details, plan.ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options, machines
+    )
     # The plan's gradient bucketing (what the simulator costed) wins over the method's options.
     sync = (plan.details or {}).get("grad_sync") or {}
     overlap = bool(sync.get("overlap", getattr(planner, "grad_overlap", True)))
@@ -385,10 +436,16 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
         cap_mb = None if sync["bucket_cap_bytes"] is None else sync["bucket_cap_bytes"] / 2**20
     else:
         cap_mb = float(getattr(planner, "bucket_cap_mb", 25.0))
-    return HapTrainer(program, ctx, lr=float(getattr(planner, "lr", DEFAULT_LR)),
-                      grad_clip=float(getattr(planner, "grad_clip", 0.0)),
-                      mirror_full_state=bool(getattr(planner, "mirror_full_state", False)), model=model,
-                      bucket_cap_mb=cap_mb, grad_overlap=overlap)
+    return HapTrainer(
+        program,
+        ctx,
+        lr=float(getattr(planner, "lr", DEFAULT_LR)),
+        grad_clip=float(getattr(planner, "grad_clip", 0.0)),
+        mirror_full_state=bool(getattr(planner, "mirror_full_state", False)),
+        model=model,
+        bucket_cap_mb=cap_mb,
+        grad_overlap=overlap,
+    )
 
 
 @dataclass

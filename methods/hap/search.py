@@ -12,7 +12,9 @@ where the paper's three search-time optimisations land:
 Costs are those of bench.cost.price (the same stages end up in the emitted Program). Moves are
 memoised per (op, layouts of its inputs), MoE routers stay in one layout family
 (theory.routing_region) and an optional beam caps the states expanded per op. It does not
-choose ratios (methods.hap.balance) and does not generate per-rank code.
+choose ratios (methods.hap.balance) and does not generate per-rank code. Its length is the A*
+loop with its labels and dominance, and the moves (an op's priced recipes); its bound is
+methods.hap.bounds.
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ def _order(graph: Graph, theory: Theory) -> tuple[list[str], dict[str, int]]:
     return order, last_use
 
 
-def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000, beam_width: int | None = None,
-               incumbent: SearchResult | None = None) -> SearchResult:
+def synthesize(
+    theory: Theory,
+    cost: CostModel,
+    max_expansions: int = 2_000_000,
+    beam_width: int | None = None,
+    incumbent: SearchResult | None = None,
+) -> SearchResult:
     """A*: the cheapest program whose loss ends as Reduce (partial sums on the devices), by the
     simulator's price (CostModel.program_cost: the timeline of bench.cost.price, overlap,
     optimizer step and per-step terms included).
@@ -167,8 +174,11 @@ def synthesize(theory: Theory, cost: CostModel, max_expansions: int = 2_000_000,
             if comp is not None:  # on the compute lane alone (bench.cost.lanes.prepend, written out)
                 row2 = (r0 + comp, r1, r2)
             else:
-                row2 = (max(r0 + m[0], r1 + m[3], r2 + m[6]), max(r0 + m[1], r1 + m[4], r2 + m[7]),
-                        max(r0 + m[2], r1 + m[5], r2 + m[8]))
+                row2 = (
+                    max(r0 + m[0], r1 + m[3], r2 + m[6]),
+                    max(r0 + m[1], r1 + m[4], r2 + m[7]),
+                    max(r0 + m[2], r1 + m[5], r2 + m[8]),
+                )
             score = max(row2[0] + forward2 + rest, row2[2], host) + after  # _score, written out
             if score >= best_cost:  # before building the child's sets
                 stats.pruned_bound += 1
@@ -244,8 +254,9 @@ def _steps(labels: list, label: int) -> list[Step]:
     return steps
 
 
-def _dying(graph: Graph, order: list[str], last_use: dict[str, int],
-           num_segments: int = 1) -> tuple[list[frozenset], list[frozenset]]:
+def _dying(
+    graph: Graph, order: list[str], last_use: dict[str, int], num_segments: int = 1
+) -> tuple[list[frozenset], list[frozenset]]:
     """Per position: the tensors not needed after it, and every (tensor, layout) pair of them
     (so the search drops dead layouts with one set difference), resharded copies included."""
     dead: list[set] = [set() for _ in order]
@@ -437,12 +448,33 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
                 sources.append((t, IDENTITY))
                 new_props.add((t, IDENTITY))
         new_props.add((name, rule.post))
-        price_key = (cost.rule_key(name, rule),
-                     tuple((kind, cost.source_key(x[0], x[1], rule) if kind == "source" else
-                            x if kind == "chosen" else cost.comm_key(x)) for kind, x in terms),
-                     tuple(tuple(cost.comm_key(c) for c in options) for options in choices))
-        yield (rule, tuple(items), tuple(terms), tuple(choices), tuple(sources), seg, frozenset(new_props),
-               frozenset(new_comm), price_key, {})
+        price_key = (
+            cost.rule_key(name, rule),
+            tuple(
+                (
+                    kind,
+                    cost.source_key(x[0], x[1], rule)
+                    if kind == "source"
+                    else x
+                    if kind == "chosen"
+                    else cost.comm_key(x),
+                )
+                for kind, x in terms
+            ),
+            tuple(tuple(cost.comm_key(c) for c in options) for options in choices),
+        )
+        yield (
+            rule,
+            tuple(items),
+            tuple(terms),
+            tuple(choices),
+            tuple(sources),
+            seg,
+            frozenset(new_props),
+            frozenset(new_comm),
+            price_key,
+            {},
+        )
 
 
 @dataclass
@@ -468,7 +500,9 @@ def brute_force(theory: Theory, cost: CostModel) -> BruteForceResult:
         for step, (q, p, m, _), add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
             live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
             comm_live = frozenset(t for t in communicated | add_comm if last_use.get(t, -1) > pos)
-            walk(pos + 1, live, comm_live, prepend(row, m), apply(stage_map(q, p, q > 0.0, False), lanes), steps + [step])
+            walk(
+                pos + 1, live, comm_live, prepend(row, m), apply(stage_map(q, p, q > 0.0, False), lanes), steps + [step]
+            )
 
     walk(0, frozenset(), frozenset(), ZERO_LANES, ZERO_LANES, [])
     return BruteForceResult(best[0], count[0])

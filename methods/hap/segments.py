@@ -32,8 +32,10 @@ class SegmentationError(ConfigError):
 
 def check_segmentation(name: str) -> None:
     if name not in SEGMENTATIONS:
-        raise SegmentationError(f"method.segmentation={name!r} is unknown; valid: {', '.join(SEGMENTATIONS)} "
-                                "(e.g. method.segmentation=layers)")
+        raise SegmentationError(
+            f"method.segmentation={name!r} is unknown; valid: {', '.join(SEGMENTATIONS)} "
+            "(e.g. method.segmentation=layers)"
+        )
 
 
 def segment_ops(graph, order: Sequence[str], num_segments: int, segmentation: str = "layers") -> list[int]:
@@ -50,7 +52,8 @@ def segment_ops(graph, order: Sequence[str], num_segments: int, segmentation: st
         if num_segments > count:
             raise SegmentationError(
                 f"method.num_segments={num_segments} is more than the {count} layer groups of this model "
-                f"(method.segmentation=layers); use method.num_segments<={count} or method.segmentation=flops")
+                f"(method.segmentation=layers); use method.num_segments<={count} or method.segmentation=flops"
+            )
         group_flops = [0.0] * count
         for g, f in zip(groups, flops):
             group_flops[g] += f
@@ -74,9 +77,11 @@ def metis_parts(graph, order: Sequence[str], flops: Sequence[float], num_segment
     try:
         import pymetis
     except ImportError:
-        raise SegmentationError("method.segmentation=metis needs pymetis, which is not installed; "
-                                "pip install 'hetbench[metis]' (or pip install pymetis), "
-                                "or use method.segmentation=layers") from None
+        raise SegmentationError(
+            "method.segmentation=metis needs pymetis, which is not installed; "
+            "pip install 'hetbench[metis]' (or pip install pymetis), "
+            "or use method.segmentation=layers"
+        ) from None
     index = {name: i for i, name in enumerate(order)}
     edges: dict[tuple[int, int], int] = {}
     biggest = max((graph[t].nbytes for name in order for t in graph[name].inputs if t in index), default=1) or 1
@@ -97,16 +102,22 @@ def metis_parts(graph, order: Sequence[str], flops: Sequence[float], num_segment
         xadj.append(len(adjncy))
     top = max(flops) or 1.0
     vweights = [1 + round(1e6 * f / top) for f in flops]
-    _, parts = pymetis.part_graph(num_segments, pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights,
-                                  eweights=eweights, options=pymetis.Options(seed=0))
+    _, parts = pymetis.part_graph(
+        num_segments,
+        pymetis.CSRAdjacency(xadj, adjncy),
+        vweights=vweights,
+        eweights=eweights,
+        options=pymetis.Options(seed=0),
+    )
     relabel: dict[int, int] = {}
     for p in parts:
         relabel.setdefault(int(p), len(relabel))
     return [relabel[int(p)] for p in parts]
 
 
-def assign_segments(theory: Theory, num_segments: int,
-                    segmentation: str = "layers") -> tuple[dict[str, int], dict[str, int]]:
+def assign_segments(
+    theory: Theory, num_segments: int, segmentation: str = "layers"
+) -> tuple[dict[str, int], dict[str, int]]:
     """(segment of each op, home segment of each tensor) for `num_segments` ratio rows.
 
     Ops in topological order are cut into groups by `segmentation` (methods.hap.segments:

@@ -78,7 +78,9 @@ def comm_to_json(c: CommRule) -> dict:
 
 def comm_from_json(d: dict) -> CommRule:
     seg = d.get("to_segment")
-    return CommRule(d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"), None if seg is None else int(seg))
+    return CommRule(
+        d["tensor"], d["src"], d["dst"], d["kind"], d.get("impl", "ring"), None if seg is None else int(seg)
+    )
 
 
 def describe_steps(steps: Sequence[Step], graph: Graph) -> dict:

@@ -57,8 +57,9 @@ def tp_theory(graph: Graph) -> Theory:
     return tensor_parallel_theory(derive_theory(graph, sfb=False, grouped=False))
 
 
-def synthesize_at(theory: Theory, cluster: ClusterSpec, ratios, choice: str,
-                  beam_width: int | None = 100) -> RatioPoint:
+def synthesize_at(
+    theory: Theory, cluster: ClusterSpec, ratios, choice: str, beam_width: int | None = 100
+) -> RatioPoint:
     """The best program of `theory` at fixed `ratios`, simulated at them."""
     granularity = cluster.virtual_device
     cost = CostModel(theory, cluster, granularity, ratios)
@@ -73,8 +74,9 @@ def start_ratios(cluster: ClusterSpec) -> dict[str, list[list[float]]]:
     return {"EV": even_ratios(n), "CP": compute_proportional_ratios(cluster, cluster.virtual_device)}
 
 
-def ratio_points(graph: Graph, cluster: ClusterSpec, rounds: int = 2,
-                 beam_width: int | None = 100) -> dict[str, RatioPoint]:
+def ratio_points(
+    graph: Graph, cluster: ClusterSpec, rounds: int = 2, beam_width: int | None = 100
+) -> dict[str, RatioPoint]:
     """EV, CP and LP points of `graph` on `cluster` (see the module docstring)."""
     theory = tp_theory(graph)
     points = {c: synthesize_at(theory, cluster, r, c, beam_width) for c, r in start_ratios(cluster).items()}
@@ -110,19 +112,25 @@ def _faster(a: RatioPoint, b: RatioPoint) -> bool:
 
 def same_plan(a: RatioPoint, b: RatioPoint, tol: float = 1e-6) -> bool:
     """The same program at the same ratios (up to the LP solver's tolerance)."""
-    return (_close(a.ratios, b.ratios, tol) and a.result.steps == b.result.steps
-            and a.result.final_comms == b.result.final_comms)
+    return (
+        _close(a.ratios, b.ratios, tol)
+        and a.result.steps == b.result.steps
+        and a.result.final_comms == b.result.final_comms
+    )
 
 
 def check_gpu_level(cluster: ClusterSpec) -> None:
     """Tensor-parallel plans shard over GPUs; a machine-level cluster is refused in one line."""
     if cluster.virtual_device != "gpu":
-        raise ConfigError(f"cluster.virtual_device={cluster.virtual_device} (cluster={cluster.name}): tensor-parallel "
-                          "programs are planned over GPUs only; use cluster.virtual_device=gpu")
+        raise ConfigError(
+            f"cluster.virtual_device={cluster.virtual_device} (cluster={cluster.name}): tensor-parallel "
+            "programs are planned over GPUs only; use cluster.virtual_device=gpu"
+        )
 
 
-def to_plan(point: RatioPoint, graph: Graph, workload: Workload, cluster: ClusterSpec,
-            method: str = "tensor_parallel") -> Plan:
+def to_plan(
+    point: RatioPoint, graph: Graph, workload: Workload, cluster: ClusterSpec, method: str = "tensor_parallel"
+) -> Plan:
     """The Plan methods.hap.runtime's trainer runs: the point's steps at its ratios, in the
     planner's plan format (docs/planner.md), for GPU-level virtual devices."""
     check_gpu_level(cluster)

@@ -44,7 +44,11 @@ class NoRuleError(PlanningError):
 
 
 def layout_name(layout: Layout) -> str:
-    return {"I": "Identity", "R": "Reduce"}.get(layout, f"Gather({layout})") if isinstance(layout, str) else f"Gather({layout})"
+    return (
+        {"I": "Identity", "R": "Reduce"}.get(layout, f"Gather({layout})")
+        if isinstance(layout, str)
+        else f"Gather({layout})"
+    )
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,6 @@ def _splittable(shape: Sequence[int], d: int) -> bool:
     return 0 <= d < len(shape) and shape[d] > 1
 
 
-
 def _dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
     """For a reshape: input dim -> output dim where sharding carries over (the outermost dim
     of each group of dims that reshape into each other, both longer than 1)."""
@@ -187,26 +190,25 @@ def _dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int
     return out
 
 
-
 # -- HAP's own rules (beside DTensor's) ---------------------------------------------------------
 
 # The rules this module adds to DTensor's triples, by the name each Rule carries. Each says why
 # DTensor's strategies cannot give it.
 HAND_RULES = {
     "first-device-only": "an Identity operand where DTensor needs partial sums (a bias or residual added "
-                         "to a Reduce output) is added by the first device only, the others add zeros",
+    "to a Reduce output) is added by the first device only, the others add zeros",
     "shard-unit": "a view that splits a sharded dim (d_model -> heads x head_dim, B*S -> B x S) keeps whole "
-                  "units per device; DTensor's even shards never cut a unit, HAP's ratios can",
+    "units per device; DTensor's even shards never cut a unit, HAP's ratios can",
     "broadcast-split": "expand of a dim of length 1 makes the output split along it, each device expanding "
-                       "to its own shard's length (DTensor keeps such outputs whole)",
+    "to its own shard's length (DTensor keeps such outputs whole)",
     "sfb": "sufficient factor broadcasting of a linear layer with a replicated weight (HAP Sec. 4)",
     "tuple-item": "an item of a tuple output (split, topk) is laid out as the tuple",
     "local-statistics": "batch norm kept whole (method.batch_norm=local) splits the batch, each device "
-                        "normalising its shard by its own statistics, as DDP's ranks do (not the one-device "
-                        "result; method.batch_norm=sync captures it as statistics DTensor's rules split exactly)",
+    "normalising its shard by its own statistics, as DDP's ranks do (not the one-device "
+    "result; method.batch_norm=sync captures it as statistics DTensor's rules split exactly)",
     "conv-channels": "a convolution also splits its output channels (the weight along dim 0) or its input "
-                     "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
-                     "only the batch",
+    "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
+    "only the batch",
 }
 _VIEWS = ("view", "reshape", "flatten", "unflatten", "squeeze")
 
@@ -253,8 +255,17 @@ def _shard_units(node: Node, rules: list[Rule], g: Graph) -> list[Rule]:
     for r in rules:
         if isinstance(r.post, int) and isinstance(r.pre[0], int):
             unit = max(1, in_shape[r.pre[0]] // node.shape[r.post])
-            r = Rule(r.node, r.pre, r.post, r.name + ("+shard-unit" if unit > 1 else ""), r.sharded,
-                     r.first_device_only, r.sfb, unit, r.shape_pre)
+            r = Rule(
+                r.node,
+                r.pre,
+                r.post,
+                r.name + ("+shard-unit" if unit > 1 else ""),
+                r.sharded,
+                r.first_device_only,
+                r.sfb,
+                unit,
+                r.shape_pre,
+            )
         out.append(r)
     return out
 
@@ -285,11 +296,27 @@ def _conv_channels(node: Node, g: Graph) -> list[Rule]:
     if w[0] > 1:
         rules.append(Rule(node.name, (IDENTITY, 0) + ((0,) if has_bias else ()), 1, "conv-channels-out", True))
     if w[1] > 1:
-        rules.append(Rule(node.name, (1, 1) + ((IDENTITY,) if has_bias else ()), REDUCE, "conv-channels-in", True,
-                          (2,) if has_bias else ()))
+        rules.append(
+            Rule(
+                node.name,
+                (1, 1) + ((IDENTITY,) if has_bias else ()),
+                REDUCE,
+                "conv-channels-in",
+                True,
+                (2,) if has_bias else (),
+            )
+        )
     # Linear in its input: partial inputs give partial outputs.
-    rules.append(Rule(node.name, (REDUCE, IDENTITY) + ((IDENTITY,) if has_bias else ()), REDUCE, "conv-partial",
-                      False, (2,) if has_bias else ()))
+    rules.append(
+        Rule(
+            node.name,
+            (REDUCE, IDENTITY) + ((IDENTITY,) if has_bias else ()),
+            REDUCE,
+            "conv-partial",
+            False,
+            (2,) if has_bias else (),
+        )
+    )
     return rules
 
 
@@ -297,8 +324,11 @@ def _tuple_item(node: Node, g: Graph) -> list[Rule]:
     """tuple-item (HAND_RULES): an item of a tuple output has the tuple's layout."""
     src = g[node.inputs[0]]
     nd = len(node.shape)
-    rules = [_replicated(node)] + [Rule(node.name, (d,), d, f"tuple-item{d}", True) for d in range(nd)
-                                   if node.shape[d] > 1 and d < len(src.tuple_shapes[0])]
+    rules = [_replicated(node)] + [
+        Rule(node.name, (d,), d, f"tuple-item{d}", True)
+        for d in range(nd)
+        if node.shape[d] > 1 and d < len(src.tuple_shapes[0])
+    ]
     return rules + [Rule(node.name, (REDUCE,), REDUCE, "tuple-item-partial", False)]
 
 
@@ -308,8 +338,13 @@ def _sfb_rules(node: Node, rules: list[Rule]) -> list[Rule]:
     nd = len(node.shape)
     out = []
     for r in rules:
-        if isinstance(r.post, int) and r.post < nd - 1 and r.pre[0] == r.post and \
-                all(p == IDENTITY for p in r.pre[1:]) and not r.first_device_only:
+        if (
+            isinstance(r.post, int)
+            and r.post < nd - 1
+            and r.pre[0] == r.post
+            and all(p == IDENTITY for p in r.pre[1:])
+            and not r.first_device_only
+        ):
             out.append(Rule(node.name, r.pre, r.post, r.name + "+sfb", True, r.first_device_only, sfb=True))
     return out
 
@@ -324,7 +359,8 @@ def _check_loss_contract(node: Node, g: Graph) -> None:
     if reduction != 2:  # at::Reduction::Sum
         raise NoRuleError(
             f"cross_entropy with reduction={['none', 'mean', 'sum'][reduction]!r} at {node.where}: the loss must be "
-            "summed over the batch (reduction='sum'), as the harness divides it by the global number of targets")
+            "summed over the batch (reduction='sum'), as the harness divides it by the global number of targets"
+        )
 
 
 def node_rules(node: Node, g: Graph, sfb: bool) -> tuple[list[Rule], str]:
@@ -458,8 +494,10 @@ def tensor_parallel_theory(theory: Theory) -> Theory:
     for name, rs in theory.rules.items():
         inputs = g[name].inputs
         rules[name] = [
-            r for r in rs
-            if not r.sfb and not splits_batch(name, r.post)
+            r
+            for r in rs
+            if not r.sfb
+            and not splits_batch(name, r.post)
             and not any(splits_batch(t, lay) for t, lay in list(zip(inputs, r.pre)) + list(r.shape_pre))
         ]
     sources: dict[str, list[Layout]] = {}
@@ -530,7 +568,9 @@ def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_rou
             _check_loss_contract(n, graph)
             node_rules_, origin = node_rules(n, graph, sfb)
             for r in node_rules_:
-                assert len(r.pre) == len(n.inputs), f"rule {r.name} of {n.name}: {len(r.pre)} pre for {len(n.inputs)} inputs"
+                assert len(r.pre) == len(n.inputs), (
+                    f"rule {r.name} of {n.name}: {len(r.pre)} pre for {len(n.inputs)} inputs"
+                )
             rules[n.name] = node_rules_
             origins[n.name] = origin
             if origin == "none":
@@ -590,5 +630,5 @@ def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
     if node.op == "unflatten":
         sizes = list(args[2])
         dim = int(args[1]) % (len(out_shape) - len(sizes) + 1)
-        return (args[0], args[1], list(out_shape[dim:dim + len(sizes)]), *args[3:])
+        return (args[0], args[1], list(out_shape[dim : dim + len(sizes)]), *args[3:])
     return args

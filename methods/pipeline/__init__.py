@@ -43,8 +43,17 @@ from methods.pipeline.profile import group_profile
 from methods.pipeline.schedule import trace_schedule
 from methods.pipeline.trainer import PipelineTrainer
 
-__all__ = ["PipelineParallel", "PipelineTrainer", "StageOOM", "cut_graph", "group_profile", "layouts",
-           "micro_batch_choices", "slot_orders", "trace_schedule"]
+__all__ = [
+    "PipelineParallel",
+    "PipelineTrainer",
+    "StageOOM",
+    "cut_graph",
+    "group_profile",
+    "layouts",
+    "micro_batch_choices",
+    "slot_orders",
+    "trace_schedule",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +85,31 @@ class PipelineParallel:
     worker_modules = ("torch.distributed.pipelining",)
     mirror_full_state = False  # tests: write every stage's parameters and gradients into the full model
 
-    def __init__(self, name: str = "pipeline", schedule: str = "1f1b", num_micro_batches="auto",
-                 stage_level: str = "auto", num_stages="auto", bucket_cap_mb: float = 25.0, lr: float = 5e-4,
-                 grad_clip: float = 0.0, profile: bool = True):
+    def __init__(
+        self,
+        name: str = "pipeline",
+        schedule: str = "1f1b",
+        num_micro_batches="auto",
+        stage_level: str = "auto",
+        num_stages="auto",
+        bucket_cap_mb: float = 25.0,
+        lr: float = 5e-4,
+        grad_clip: float = 0.0,
+        profile: bool = True,
+    ):
         if schedule not in SCHEDULES:
             raise ConfigError(f"method.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         whole = isinstance(num_micro_batches, int) and not isinstance(num_micro_batches, bool)
         if num_micro_batches != "auto" and (not whole or num_micro_batches < 1):
-            raise ConfigError(f"method.num_micro_batches={num_micro_batches!r} must be auto or an integer >= 1; "
-                              "e.g. method.num_micro_batches=4")
+            raise ConfigError(
+                f"method.num_micro_batches={num_micro_batches!r} must be auto or an integer >= 1; "
+                "e.g. method.num_micro_batches=4"
+            )
         whole = isinstance(num_stages, int) and not isinstance(num_stages, bool)
         if num_stages != "auto" and (not whole or num_stages < 1):
-            raise ConfigError(f"method.num_stages={num_stages!r} must be auto or an integer >= 1; "
-                              "e.g. method.num_stages=2")
+            raise ConfigError(
+                f"method.num_stages={num_stages!r} must be auto or an integer >= 1; e.g. method.num_stages=2"
+            )
         if stage_level not in STAGE_LEVELS:
             raise ConfigError(f"method.stage_level={stage_level!r} is unknown; use one of {', '.join(STAGE_LEVELS)}")
         if not bucket_cap_mb > 0:
@@ -116,8 +137,15 @@ class PipelineParallel:
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
         if profiled:  # the layer groups on this host, at every micro-batch a layout may use
             sizes = sorted({mb for layout in layouts_ for mb in self._micro_batches(layout, table, workload)})
-            costs = _Costs(graph, table, cluster, 0.0, {mb: group_profile(workload, mb) for mb in sizes},
-                           workload.flops_per_sample, self.bucket_cap_mb * 2**20)
+            costs = _Costs(
+                graph,
+                table,
+                cluster,
+                0.0,
+                {mb: group_profile(workload, mb) for mb in sizes},
+                workload.flops_per_sample,
+                self.bucket_cap_mb * 2**20,
+            )
         else:
             costs = _Costs(graph, table, cluster, model_launches, bucket_bytes=self.bucket_cap_mb * 2**20)
         for layout in layouts_:
@@ -125,8 +153,9 @@ class PipelineParallel:
         if not found:
             if oom:  # the layout that came closest to fitting
                 raise StageOOM(min(oom)[1])
-            raise ConfigError(refusals[0] if refusals else f"{workload.name} cannot be pipelined on "
-                              f"cluster={cluster.name}")
+            raise ConfigError(
+                refusals[0] if refusals else f"{workload.name} cannot be pipelined on cluster={cluster.name}"
+            )
         found.sort(key=lambda c: c[0])
         best = None
         for _, layout, order, m, cuts in found[:SIMULATED]:
@@ -144,24 +173,37 @@ class PipelineParallel:
             return []
         per_pipeline = workload.global_batch // D
         try:
-            return [per_pipeline // m for m in micro_batch_choices(per_pipeline, S, self.schedule,
-                                                                   self.num_micro_batches)]
+            return [
+                per_pipeline // m for m in micro_batch_choices(per_pipeline, S, self.schedule, self.num_micro_batches)
+            ]
         except ConfigError:
             return []
 
-    def _candidates(self, layout: Layout, table: GroupTable, costs: _Costs, workload: Workload,
-                    cluster: ClusterSpec, refusals: list, oom: list) -> list:
+    def _candidates(
+        self,
+        layout: Layout,
+        table: GroupTable,
+        costs: _Costs,
+        workload: Workload,
+        cluster: ClusterSpec,
+        refusals: list,
+        oom: list,
+    ) -> list:
         S, D = layout.num_stages, layout.num_pipelines
         where = f"{S} stages of {len(layout.slots[0])} device(s), method.stage_level={layout.level}"
         if workload.global_batch % D:
-            refusals.append(f"global_batch={workload.global_batch} must be a multiple of the {D} pipelines of "
-                            f"{where}; e.g. global_batch={D * max(1, workload.global_batch // D)}")
+            refusals.append(
+                f"global_batch={workload.global_batch} must be a multiple of the {D} pipelines of "
+                f"{where}; e.g. global_batch={D * max(1, workload.global_batch // D)}"
+            )
             return []
         per_pipeline = workload.global_batch // D
         choices = micro_batch_choices(per_pipeline, S, self.schedule, self.num_micro_batches)
         if not choices:
-            refusals.append(f"the pipeline's batch of {per_pipeline} samples is smaller than its {S} stages "
-                            f"({where}); use a larger batch (preset.batch_per_device) or method.schedule=gpipe")
+            refusals.append(
+                f"the pipeline's batch of {per_pipeline} samples is smaller than its {S} stages "
+                f"({where}); use a larger batch (preset.batch_per_device) or method.schedule=gpipe"
+            )
             return []
         found = []
         orders = slot_orders(cluster, layout)
@@ -180,8 +222,9 @@ class PipelineParallel:
             oom.append(self._oom_message(layout, costs, table, per_pipeline, choices, cluster, workload, where))
         return found
 
-    def _oom_message(self, layout, costs: _Costs, table: GroupTable, per_pipeline: int, choices, cluster, workload,
-                     where: str) -> tuple[float, str]:
+    def _oom_message(
+        self, layout, costs: _Costs, table: GroupTable, per_pipeline: int, choices, cluster, workload, where: str
+    ) -> tuple[float, str]:
         """(bytes, one line): an even split of the groups, what its fullest stage needs and the fix."""
         m = min(choices)
         mb = per_pipeline // m
@@ -194,13 +237,25 @@ class PipelineParallel:
             if peak > need:
                 worst, need = s, peak
         dev = cluster.devices[layout.slots[0][0]]
-        return need, (f"no split of {workload.name}'s {table.num_groups} layer groups into {where} fits "
-                f"device memory: stage {worst} (groups {cuts[worst]}-{cuts[worst + 1] - 1}) needs "
-                f"{need / 2**30:.1f} GiB at method.num_micro_batches={m}, more than a {dev.type.name}'s "
-                f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices")
+        return need, (
+            f"no split of {workload.name}'s {table.num_groups} layer groups into {where} fits "
+            f"device memory: stage {worst} (groups {cuts[worst]}-{cuts[worst + 1] - 1}) needs "
+            f"{need / 2**30:.1f} GiB at method.num_micro_batches={m}, more than a {dev.type.name}'s "
+            f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
+        )
 
-    def _program(self, layout: Layout, order, m: int, cuts: list[int], table: GroupTable, costs: _Costs,
-                 workload: Workload, cluster: ClusterSpec, model_launches: float) -> PipelineProgram:
+    def _program(
+        self,
+        layout: Layout,
+        order,
+        m: int,
+        cuts: list[int],
+        table: GroupTable,
+        costs: _Costs,
+        workload: Workload,
+        cluster: ClusterSpec,
+        model_launches: float,
+    ) -> PipelineProgram:
         S, D = layout.num_stages, layout.num_pipelines
         mb = workload.global_batch // D // m
         actions = tuple(trace_schedule(self.schedule, S, m, s) for s in range(S))
@@ -213,20 +268,45 @@ class PipelineParallel:
             if D > 1:  # the buckets the replicas all-reduce, as the runtime makes them
                 sizes = [b for g in groups for b in g.param_sizes]
                 buckets = tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, self.bucket_cap_mb))
-            stages.append(PipeStage(
-                groups=(first, end), ranks=tuple(order[s]), forward=fwd, backward=bwd, launches=(fk, bk),
-                send_bytes=0.0 if s == S - 1 else mb * groups[-1].out_bytes,
-                param_bytes=sum(g.param_bytes for g in groups),
-                memory=costs.memory(first, end, mb, in_flight(actions[s]), m, D > 1, s == S - 1),
-                grad_buckets=buckets, measured=costs.measured(first, end, mb)))
-        return PipelineProgram(tuple(stages), actions, m, mb, D, cluster.num_devices, self.schedule,
-                               model_launches, workload.global_batch,
-                               meta={"method": self.name, "model": workload.name},
-                               profile_step_s=costs.profiles[mb]["step_s"] if costs.profiles else 0.0,
-                               flops_per_sample=workload.flops_per_sample)
+            stages.append(
+                PipeStage(
+                    groups=(first, end),
+                    ranks=tuple(order[s]),
+                    forward=fwd,
+                    backward=bwd,
+                    launches=(fk, bk),
+                    send_bytes=0.0 if s == S - 1 else mb * groups[-1].out_bytes,
+                    param_bytes=sum(g.param_bytes for g in groups),
+                    memory=costs.memory(first, end, mb, in_flight(actions[s]), m, D > 1, s == S - 1),
+                    grad_buckets=buckets,
+                    measured=costs.measured(first, end, mb),
+                )
+            )
+        return PipelineProgram(
+            tuple(stages),
+            actions,
+            m,
+            mb,
+            D,
+            cluster.num_devices,
+            self.schedule,
+            model_launches,
+            workload.global_batch,
+            meta={"method": self.name, "model": workload.name},
+            profile_step_s=costs.profiles[mb]["step_s"] if costs.profiles else 0.0,
+            flops_per_sample=workload.flops_per_sample,
+        )
 
-    def _plan(self, layout: Layout, order, m: int, cuts: list[int], program: PipelineProgram, table: GroupTable,
-              workload: Workload) -> Plan:
+    def _plan(
+        self,
+        layout: Layout,
+        order,
+        m: int,
+        cuts: list[int],
+        program: PipelineProgram,
+        table: GroupTable,
+        workload: Workload,
+    ) -> Plan:
         S, D = layout.num_stages, layout.num_pipelines
         per_pipeline = workload.global_batch // D
         stage_of, slices = {}, {}
@@ -236,14 +316,20 @@ class PipelineParallel:
                 slices[r] = (p * per_pipeline, (p + 1) * per_pipeline)
         n = len(stage_of)
         details = {
-            "schedule": self.schedule, "stage_level": layout.level, "num_stages": S, "num_pipelines": D,
-            "num_micro_batches": m, "micro_batch": per_pipeline // m,
+            "schedule": self.schedule,
+            "stage_level": layout.level,
+            "num_stages": S,
+            "num_pipelines": D,
+            "num_micro_batches": m,
+            "micro_batch": per_pipeline // m,
             "stages": [{"groups": [cuts[s], cuts[s + 1] - 1], "ranks": list(order[s])} for s in range(S)],
             "pipelines": [[order[s][p] for s in range(S)] for p in range(D)],
-            "layer_groups": table.num_groups, "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
+            "layer_groups": table.num_groups,
+            "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
         }
-        return Plan(self.name, [per_pipeline // m] * n, details, program, None,
-                    data_slices=[slices[r] for r in range(n)])
+        return Plan(
+            self.name, [per_pipeline // m] * n, details, program, None, data_slices=[slices[r] for r in range(n)]
+        )
 
     # -- run ---------------------------------------------------------------------------------------
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> PipelineTrainer:

@@ -11,8 +11,9 @@ from torch import nn
 from methods.common import GroupTable
 
 
-def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: list[int],
-              stage: int) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+def cut_graph(
+    gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: list[int], stage: int
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """Stage `stage`'s module (the nodes of layer groups [cuts[stage], cuts[stage + 1])), and on
     the last stage the loss module (the nodes that read the targets: loss(*outputs, targets)).
 
@@ -35,8 +36,9 @@ def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: li
             where[n.name] = num_stages
         elif n.op in ("call_function", "call_method", "call_module"):
             if n.name not in node_group:
-                raise ValueError(f"fx node {n.name!r} of the model has no layer group: the traced graph differs "
-                                 "from the planner's")
+                raise ValueError(
+                    f"fx node {n.name!r} of the model has no layer group: the traced graph differs from the planner's"
+                )
             where[n.name] = group_stage[node_group[n.name]]
     readers: dict[str, list[int]] = {}
     for n in nodes:
@@ -48,8 +50,14 @@ def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: li
 
     def crossing(s: int) -> list[fx.Node]:
         """Values made before stage s (model inputs included) that stage s or later reads."""
-        return [n for n in nodes if n.op not in ("get_attr", "output") and where.get(n.name, num_stages) < s
-                and n.name not in targets and any(r >= s for r in readers.get(n.name, []))]
+        return [
+            n
+            for n in nodes
+            if n.op not in ("get_attr", "output")
+            and where.get(n.name, num_stages) < s
+            and n.name not in targets
+            and any(r >= s for r in readers.get(n.name, []))
+        ]
 
     def build(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
         g = fx.Graph()
@@ -71,8 +79,14 @@ def cut_graph(gm: fx.GraphModule, table: GroupTable, tensors: set[str], cuts: li
     members = [n for n in nodes if where.get(n.name) == stage and n.op != "placeholder"]
     outputs = crossing(stage + 1)
     if stage == num_stages - 1:
-        outputs = [n for n in nodes if n.op not in ("get_attr", "output") and where.get(n.name, num_stages) < num_stages
-                   and n.name not in targets and num_stages in readers.get(n.name, [])]
+        outputs = [
+            n
+            for n in nodes
+            if n.op not in ("get_attr", "output")
+            and where.get(n.name, num_stages) < num_stages
+            and n.name not in targets
+            and num_stages in readers.get(n.name, [])
+        ]
     for x in [*inputs, *outputs] if stage else outputs:
         if x.name not in tensors:
             raise ValueError(f"fx node {x.name!r} crosses a stage border but is not a tensor")

@@ -59,35 +59,42 @@ def layouts(cluster: ClusterSpec, level: str, num_stages, num_groups: int) -> tu
         if len({len(r) for r in machines.values()}) == 1:
             units["machine"] = [tuple(r) for _, r in sorted(machines.items())]
         elif level == "machine":
-            raise ConfigError(f"method.stage_level=machine needs machines of one size, but cluster={cluster.name} "
-                              f"has machines of {sorted(len(r) for r in machines.values())} devices; use "
-                              "method.stage_level=device")
+            raise ConfigError(
+                f"method.stage_level=machine needs machines of one size, but cluster={cluster.name} "
+                f"has machines of {sorted(len(r) for r in machines.values())} devices; use "
+                "method.stage_level=device"
+            )
     out, seen = [], set()
     for lvl, us in units.items():
         count = len(us)
         if num_stages == "auto":
-            choices = [k for k in range(2, min(count, num_groups) + 1) if count % k == 0] or (
-                [1] if count == 1 else [])
+            choices = [k for k in range(2, min(count, num_groups) + 1) if count % k == 0] or ([1] if count == 1 else [])
             if not choices:
-                refusals.append(f"method.stage_level={lvl} gives {count} {lvl}s to cut into stages (a divisor of them, "
-                                f"from 2 to the {num_groups} layer groups), and no such number exists; use "
-                                "another method.stage_level or method.num_stages")
+                refusals.append(
+                    f"method.stage_level={lvl} gives {count} {lvl}s to cut into stages (a divisor of them, "
+                    f"from 2 to the {num_groups} layer groups), and no such number exists; use "
+                    "another method.stage_level or method.num_stages"
+                )
         else:
             if count % num_stages:
                 divisors = [k for k in range(1, count + 1) if count % k == 0]
-                refusals.append(f"method.num_stages={num_stages} does not divide the {count} {lvl}s of "
-                                f"cluster={cluster.name} (method.stage_level={lvl}); try "
-                                f"{', '.join(map(str, divisors))}")
+                refusals.append(
+                    f"method.num_stages={num_stages} does not divide the {count} {lvl}s of "
+                    f"cluster={cluster.name} (method.stage_level={lvl}); try "
+                    f"{', '.join(map(str, divisors))}"
+                )
                 continue
             if num_stages > num_groups:
-                refusals.append(f"method.num_stages={num_stages} is more than the {num_groups} layer groups the model "
-                                f"can be cut at; use method.num_stages<={num_groups}")
+                refusals.append(
+                    f"method.num_stages={num_stages} is more than the {num_groups} layer groups the model "
+                    f"can be cut at; use method.num_stages<={num_groups}"
+                )
                 continue
             choices = [num_stages]
         ordered = sorted(us, key=lambda u: (_hardware(cluster, u), u))
         for k in choices:
             size = count // k
-            slots = tuple(tuple(r for u in ordered[i * size:(i + 1) * size] for r in u) for i in range(k))
+            slots = tuple(tuple(r for u in ordered[i * size : (i + 1) * size] for r in u) for i in range(k))
             key = frozenset(slots)
             if key not in seen:
                 seen.add(key)
@@ -129,8 +136,11 @@ def slot_orders(cluster: ClusterSpec, layout: Layout) -> list[tuple[tuple[int, .
                 orders.append(perm)
         return orders
     speed = {s: sum(cluster.devices[r].speed for r in s) for s in slots}
-    return list(dict.fromkeys([tuple(slots), tuple(sorted(slots, key=lambda s: -speed[s])),
-                               tuple(sorted(slots, key=lambda s: speed[s]))]))
+    return list(
+        dict.fromkeys(
+            [tuple(slots), tuple(sorted(slots, key=lambda s: -speed[s])), tuple(sorted(slots, key=lambda s: speed[s]))]
+        )
+    )
 
 
 def _multiset_permutations(items: list, limit: int):
@@ -168,13 +178,17 @@ def micro_batch_choices(batch: int, num_stages: int, schedule: str, requested) -
     least = num_stages if schedule == "1f1b" else 1
     if requested != "auto":
         if requested not in divisors:
-            raise ConfigError(f"method.num_micro_batches={requested} must divide the pipeline's batch of {batch} "
-                              f"samples; try {', '.join(map(str, divisors))}")
+            raise ConfigError(
+                f"method.num_micro_batches={requested} must divide the pipeline's batch of {batch} "
+                f"samples; try {', '.join(map(str, divisors))}"
+            )
         if requested < least:
-            raise ConfigError(f"method.num_micro_batches={requested} is fewer than the {num_stages} stages: "
-                              "1F1B needs a micro-batch per stage; try "
-                              f"{', '.join(str(d) for d in divisors if d >= least) or 'a larger batch'} "
-                              "(or method.schedule=gpipe)")
+            raise ConfigError(
+                f"method.num_micro_batches={requested} is fewer than the {num_stages} stages: "
+                "1F1B needs a micro-batch per stage; try "
+                f"{', '.join(str(d) for d in divisors if d >= least) or 'a larger batch'} "
+                "(or method.schedule=gpipe)"
+            )
         return [requested]
     return [d for d in divisors if least <= d <= max(least, 4 * num_stages)]
 
@@ -221,8 +235,12 @@ class _Costs:
                     by_class.setdefault(cls, [0.0, 0.0])[0] += f * mb
                 for cls, k in getattr(g, launches).items():
                     by_class.setdefault(cls, [0.0, 0.0])[1] += k
-            out.append(tuple(Stage(flops=Affine(f), op_class=cls, launches=k, label=label)
-                             for cls, (f, k) in sorted(by_class.items())))
+            out.append(
+                tuple(
+                    Stage(flops=Affine(f), op_class=cls, launches=k, label=label)
+                    for cls, (f, k) in sorted(by_class.items())
+                )
+            )
         fwd_k = sum(sum(g.forward_launches.values()) for g in groups)
         bwd_k = sum(sum(g.backward_launches.values()) for g in groups)
         return out[0], out[1], float(fwd_k), float(bwd_k)
@@ -268,8 +286,9 @@ class _Costs:
             else:
                 fwd, bwd, fk, bk = self.passes(first, end, mb)
                 per_kernel = dev.step_overhead_s / self.model_launches if self.model_launches else 0.0
-                self._cache[key] = float(sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd)
-                                         + per_kernel * (fk + bk))
+                self._cache[key] = float(
+                    sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd) + per_kernel * (fk + bk)
+                )
         return self._cache[key]
 
     def memory(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool):
@@ -278,11 +297,14 @@ class _Costs:
         return stage_memory(
             param_bytes=sum(g.param_bytes for g in groups),
             largest_param_bytes=max((g.largest_param_bytes for g in groups), default=0.0),
-            kept_bytes=mb * kept, backward_bytes=mb * backward,
+            kept_bytes=mb * kept,
+            backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
-            in_flight=flight, num_micro_batches=m,
-            bucket_bytes=min(sum(g.param_bytes for g in groups), self.bucket_bytes) if replicated else 0.0)
+            in_flight=flight,
+            num_micro_batches=m,
+            bucket_bytes=min(sum(g.param_bytes for g in groups), self.bucket_bytes) if replicated else 0.0,
+        )
 
     def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool) -> float:
         """Bytes a rank of the stage holds at its peak (stage_memory's backward or Adam's step)."""
@@ -292,18 +314,26 @@ class _Costs:
         kept, backward = self._acts(first, end)
         params = self._prefix_params[end] - self._prefix_params[first]
         self._peaks[key] = stage_peak_bytes(
-            param_bytes=params, largest_param_bytes=max(g.largest_param_bytes for g in self.table.span(first, end)),
-            kept_bytes=mb * kept, backward_bytes=mb * backward,
+            param_bytes=params,
+            largest_param_bytes=max(g.largest_param_bytes for g in self.table.span(first, end)),
+            kept_bytes=mb * kept,
+            backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * self.table.groups[end - 1].out_bytes,
-            in_flight=flight, num_micro_batches=m, bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
-            foreach=self.cluster.device == "cuda")
+            in_flight=flight,
+            num_micro_batches=m,
+            bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
+            foreach=self.cluster.device == "cuda",
+        )
         return self._peaks[key]
 
     def fits(self, slot: tuple[int, ...], peak: float) -> bool:
         """Whether every device of the slot holds `peak` bytes (and its libraries' own)."""
-        return all(peak + (self.vdevs[r].compute.workspace_bytes if self.vdevs[r].compute is not None else 0.0)
-                   <= self.vdevs[r].memory_bytes for r in self._distinct(slot))
+        return all(
+            peak + (self.vdevs[r].compute.workspace_bytes if self.vdevs[r].compute is not None else 0.0)
+            <= self.vdevs[r].memory_bytes
+            for r in self._distinct(slot)
+        )
 
     def send(self, a: tuple[int, ...], b: tuple[int, ...], end: int, mb: int) -> float:
         """Sending the output of groups [., end) from slot a to slot b and its gradient back."""
@@ -317,13 +347,15 @@ class _Costs:
         key = ("sec", tuple(_hardware(self.cluster, (r,)) for r in self._distinct(slot)), mb)
         if key not in self._send:
             G = self.table.num_groups
-            self._send[key] = [[self.slot_seconds(slot, i, j, mb) if j > i else 0.0 for j in range(G + 1)]
-                               for i in range(G)]
+            self._send[key] = [
+                [self.slot_seconds(slot, i, j, mb) if j > i else 0.0 for j in range(G + 1)] for i in range(G)
+            ]
         return self._send[key]
 
 
-def best_cuts(costs: _Costs, order, mb: int, m: int, flights: list[int],
-              replicated: bool) -> tuple[float, float, list[int]] | None:
+def best_cuts(
+    costs: _Costs, order, mb: int, m: int, flights: list[int], replicated: bool
+) -> tuple[float, float, list[int]] | None:
     """The cuts of the layer groups into len(order) non-empty runs, run s on slot order[s], whose
     slowest stage (forward + backward of a micro-batch, plus sending its output) is fastest,
     ties broken by the sum, among those whose every stage fits its devices' memory (dynamic

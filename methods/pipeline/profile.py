@@ -35,9 +35,11 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     once per host, workload and micro-batch (bench.runtime.method_step.host_measurement)."""
     from bench.runtime.method_step import host_measurement
 
-    return host_measurement("layer_groups", [workload.name, repr(workload.model_cfg), micro_batch, seed, repeats,
-                                             PROFILE_VERSION],
-                            lambda: _measure_groups(workload, micro_batch, seed, repeats))
+    return host_measurement(
+        "layer_groups",
+        [workload.name, repr(workload.model_cfg), micro_batch, seed, repeats, PROFILE_VERSION],
+        lambda: _measure_groups(workload, micro_batch, seed, repeats),
+    )
 
 
 def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: int) -> dict:
@@ -54,8 +56,10 @@ def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: in
         batch = workload.model_cfg.synthetic_batch(micro_batch, torch.Generator().manual_seed(seed))
         plain = workload.build(seed)
         plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-6)
-        sizes = [workload.model_cfg.synthetic_batch(b, torch.Generator().manual_seed(seed))
-                 for b in (micro_batch, 2 * micro_batch)]
+        sizes = [
+            workload.model_cfg.synthetic_batch(b, torch.Generator().manual_seed(seed))
+            for b in (micro_batch, 2 * micro_batch)
+        ]
         times = [[[], [], []] for _ in range(G)]
         steps: list[float] = []
         for rep in range(repeats + 2):

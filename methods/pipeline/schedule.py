@@ -88,9 +88,11 @@ def trace_schedule(schedule: str, num_stages: int, num_micro_batches: int, stage
 
     fake = _TracedStage(stage, num_stages, events)
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    with mock.patch.object(torch_schedules, "_batch_p2p", batch_p2p), \
-            mock.patch.object(torch_schedules, "_sorted_batch_p2p", sorted_batch_p2p), \
-            mock.patch.object(torch_schedules, "_wait_batch_p2p", wait_batch_p2p):
+    with (
+        mock.patch.object(torch_schedules, "_batch_p2p", batch_p2p),
+        mock.patch.object(torch_schedules, "_sorted_batch_p2p", sorted_batch_p2p),
+        mock.patch.object(torch_schedules, "_wait_batch_p2p", wait_batch_p2p),
+    ):
         sched = cls(fake, num_micro_batches, loss_fn=lambda out, target: None, scale_grads=False)
         sched._initialize_stage = lambda *args, **kwargs: None
         m = num_micro_batches

@@ -52,8 +52,14 @@ class PipelineTrainer:
         # Replicas of this stage (data parallel across pipelines) sum their gradients once the
         # schedule is through, in buckets (gradient_buckets, as the plan prices them).
         self.replica_group = replicas[self.stage_index] if D > 1 else None
-        self.buckets = ([[self.params[i] for i in run] for run in gradient_buckets(
-            [p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)] if D > 1 else [])
+        self.buckets = (
+            [
+                [self.params[i] for i in run]
+                for run in gradient_buckets([p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)
+            ]
+            if D > 1
+            else []
+        )
         # Each pipeline's summed loss over the global targets; the replicas' gradients add up.
         self.loss_scale = 1.0 / ctx.workload.targets_per_iter
 
@@ -122,8 +128,14 @@ class PipelineTrainer:
     def write_full_state(self) -> None:
         """Tests: every stage's parameters and gradients written into this rank's full model."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        mine = {names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
-                for p in self.params} if self.pipeline == 0 else {}
+        mine = (
+            {
+                names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+                for p in self.params
+            }
+            if self.pipeline == 0
+            else {}
+        )
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         with torch.no_grad():

@@ -49,18 +49,25 @@ def test_planner_time(benchmark, case):
     planner, workload, cluster = prepare(case)
     plan = benchmark.pedantic(planner.plan, args=(workload, cluster), rounds=1, iterations=1)
     d = plan.details
-    benchmark.extra_info.update({
-        "predicted_iter_time_s": d["predicted_iter_time_s"], "states_expanded": d["states_expanded"],
-        "search_exact": d["search_exact"], "capture_time_s": d["capture_time_s"], "search_time_s": d["search_time_s"],
-    })
+    benchmark.extra_info.update(
+        {
+            "predicted_iter_time_s": d["predicted_iter_time_s"],
+            "states_expanded": d["states_expanded"],
+            "search_exact": d["search_exact"],
+            "capture_time_s": d["capture_time_s"],
+            "search_time_s": d["search_time_s"],
+        }
+    )
     assert plan.program is not None
 
 
 def main(cases: list[str]) -> None:
     from bench.cost import virtual_devices
 
-    print(f"{'case':<13} {'devices':>7} {'plan_s':>7} {'capture_s':>9} {'search_s':>8} {'lp_s':>6} "
-          f"{'expanded':>9} {'exact':>5} {'pred_iter_s':>11} {'oom':>4}  chosen")
+    print(
+        f"{'case':<13} {'devices':>7} {'plan_s':>7} {'capture_s':>9} {'search_s':>8} {'lp_s':>6} "
+        f"{'expanded':>9} {'exact':>5} {'pred_iter_s':>11} {'oom':>4}  chosen"
+    )
     for case in cases:
         planner, workload, cluster = prepare(case)
         t0 = time.perf_counter()
@@ -68,9 +75,12 @@ def main(cases: list[str]) -> None:
         elapsed = time.perf_counter() - t0
         d = plan.details
         devices = len(virtual_devices(cluster, cluster.virtual_device))
-        print(f"{case:<13} {devices:>7} {elapsed:>7.2f} {d['capture_time_s']:>9.2f} {d['search_time_s']:>8.2f} "
-              f"{d['lp_time_s']:>6.2f} {d['states_expanded']:>9} {d['search_exact']!s:>5} "
-              f"{d['predicted_iter_time_s']:>11.4f} {d['oom']!s:>4}  {d['chosen']}", flush=True)
+        print(
+            f"{case:<13} {devices:>7} {elapsed:>7.2f} {d['capture_time_s']:>9.2f} {d['search_time_s']:>8.2f} "
+            f"{d['lp_time_s']:>6.2f} {d['states_expanded']:>9} {d['search_exact']!s:>5} "
+            f"{d['predicted_iter_time_s']:>11.4f} {d['oom']!s:>4}  {d['chosen']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

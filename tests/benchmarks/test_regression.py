@@ -38,21 +38,29 @@ def test_no_throughput_regression_against_the_committed_baseline():
 
 
 def test_the_check_flags_a_worse_plan_and_a_lost_case():
-    base = {"sim_iter_time_s:a": 1.0, "sim_iter_time_s:b": 1.0, "iter_over_compute:c": 3.0,
-            "iter_over_compute:d": 3.0}
+    base = {"sim_iter_time_s:a": 1.0, "sim_iter_time_s:b": 1.0, "iter_over_compute:c": 3.0, "iter_over_compute:d": 3.0}
     new = {"sim_iter_time_s:a": 1.02, "iter_over_compute:c": 3.2, "iter_over_compute:d": 3.6}
     verdict = {c.figure: c.regressed for c in regress.compare(base, new)}
-    assert verdict == {"sim_iter_time_s:a": True, "sim_iter_time_s:b": True,
-                       "iter_over_compute:c": False, "iter_over_compute:d": True}
+    assert verdict == {
+        "sim_iter_time_s:a": True,
+        "sim_iter_time_s:b": True,
+        "iter_over_compute:c": False,
+        "iter_over_compute:d": True,
+    }
     assert "REGRESSION" in _report(regress.compare(base, new), "abc")
 
 
 def test_a_planner_figure_past_its_tolerance_is_planned_again_and_regresses_only_if_it_stays(monkeypatch):
-    base = {"planner_time_rel:vgg19/paper_hetero/sfb": 16.0, "planner_time_rel:vit/paper_hetero/hap": 50.0,
-            "planner_time_rel:bert/paper_hetero/hap": 50.0}
-    new = {"planner_time_rel:vgg19/paper_hetero/sfb": 70.0,  # a moment: the retries read as usual
-           "planner_time_rel:vit/paper_hetero/hap": 160.0,  # slower every time
-           "planner_time_rel:bert/paper_hetero/hap": 60.0}  # within tolerance: not planned again
+    base = {
+        "planner_time_rel:vgg19/paper_hetero/sfb": 16.0,
+        "planner_time_rel:vit/paper_hetero/hap": 50.0,
+        "planner_time_rel:bert/paper_hetero/hap": 50.0,
+    }
+    new = {
+        "planner_time_rel:vgg19/paper_hetero/sfb": 70.0,  # a moment: the retries read as usual
+        "planner_time_rel:vit/paper_hetero/hap": 160.0,  # slower every time
+        "planner_time_rel:bert/paper_hetero/hap": 60.0,
+    }  # within tolerance: not planned again
     again = {"vgg19": 17.0, "vit": 170.0}
     planned = []
 
@@ -63,11 +71,16 @@ def test_a_planner_figure_past_its_tolerance_is_planned_again_and_regresses_only
     monkeypatch.setattr(regress, "sim_figures", sim_figures)
     rounds = regress.planner_retries(base, new)
     assert sorted(planned) == [("vgg19", "sfb")] * 2 + [("vit", "hap")] * 2
-    assert rounds == {"planner_time_rel:vgg19/paper_hetero/sfb": [70.0, 17.0, 17.0],
-                      "planner_time_rel:vit/paper_hetero/hap": [160.0, 170.0, 170.0]}
+    assert rounds == {
+        "planner_time_rel:vgg19/paper_hetero/sfb": [70.0, 17.0, 17.0],
+        "planner_time_rel:vit/paper_hetero/hap": [160.0, 170.0, 170.0],
+    }
     verdict = {c.figure.split("/")[0]: (c.regressed, c.past) for c in regress.compare(base, new, rounds)}
-    assert verdict == {"planner_time_rel:vgg19": (False, (1, 3)), "planner_time_rel:vit": (True, (3, 3)),
-                       "planner_time_rel:bert": (False, None)}
+    assert verdict == {
+        "planner_time_rel:vgg19": (False, (1, 3)),
+        "planner_time_rel:vit": (True, (3, 3)),
+        "planner_time_rel:bert": (False, None),
+    }
 
 
 def test_a_measured_figure_regresses_when_every_round_is_past_its_tolerance():
@@ -75,9 +88,11 @@ def test_a_measured_figure_regresses_when_every_round_is_past_its_tolerance():
     far enough to fail a median of five, while a slower worker loop lifts every round
     (results/baselines/20261128-regression-check-rules.md)."""
     base = {"iter_over_compute:noisy": 1.5, "iter_over_compute:slower": 1.5, "iter_over_compute:faster": 1.5}
-    rounds = {"iter_over_compute:noisy": [1.29, 1.78, 1.36, 1.75, 1.72],  # median +14.7%, 3 of 5 past
-              "iter_over_compute:slower": [1.70, 1.68, 1.72, 1.66, 1.69],  # every round +10.7% or more
-              "iter_over_compute:faster": [1.2, 1.3, 1.3, 1.2, 1.3]}
+    rounds = {
+        "iter_over_compute:noisy": [1.29, 1.78, 1.36, 1.75, 1.72],  # median +14.7%, 3 of 5 past
+        "iter_over_compute:slower": [1.70, 1.68, 1.72, 1.66, 1.69],  # every round +10.7% or more
+        "iter_over_compute:faster": [1.2, 1.3, 1.3, 1.2, 1.3],
+    }
     changes = {c.figure: c for c in regress.compare(base, regress.medians(rounds), rounds)}
     assert changes["iter_over_compute:noisy"].change > regress.TOLERANCE["iter_over_compute"][1]
     assert [(c.past, c.regressed) for c in changes.values()] == [((0, 5), False), ((3, 5), False), ((5, 5), True)]
@@ -95,15 +110,26 @@ def _rounds(name: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for row in (r for session in body["sessions"] for r in session):
         # one file keeps each rank's reference per interval, the other summed
-        pooled = pooled_compute_s({"ranks": [
-            {"reference_s_per_iter": sum(r["reference_s"]) if isinstance(r["reference_s"], list) else r["reference_s"],
-             "speed": r["speed"]} for r in row["ranks"]]})
+        pooled = pooled_compute_s(
+            {
+                "ranks": [
+                    {
+                        "reference_s_per_iter": sum(r["reference_s"])
+                        if isinstance(r["reference_s"], list)
+                        else r["reference_s"],
+                        "speed": r["speed"],
+                    }
+                    for r in row["ranks"]
+                ]
+            }
+        )
         out.setdefault(f"iter_over_compute:bert-tiny/local_hetero2/{row['method']}", []).append(row["iter_s"] / pooled)
     return out
 
 
-def _failure_rate(rounds: dict[str, list[float]], slowdown: float, rule, base: dict | None = None,
-                  draws: int = 4000) -> float:
+def _failure_rate(
+    rounds: dict[str, list[float]], slowdown: float, rule, base: dict | None = None, draws: int = 4000
+) -> float:
     """How often a check of REAL_ROUNDS rounds drawn from these (stretched by `slowdown`) fails,
     against `base` (by default each figure's median of them)."""
     rng = random.Random(0)
@@ -136,9 +162,13 @@ def test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_s
 
 
 def test_a_rebaseline_over_sessions_keeps_each_figure_median_and_every_session(monkeypatch, tmp_path):
-    values = iter([{"iter_over_compute:a": 1.2, "iter_over_compute:b": 2.0},
-                   {"iter_over_compute:a": 1.4, "iter_over_compute:b": 2.2},
-                   {"iter_over_compute:a": 1.3}])  # a figure one session lost is not kept
+    values = iter(
+        [
+            {"iter_over_compute:a": 1.2, "iter_over_compute:b": 2.0},
+            {"iter_over_compute:a": 1.4, "iter_over_compute:b": 2.2},
+            {"iter_over_compute:a": 1.3},
+        ]
+    )  # a figure one session lost is not kept
     monkeypatch.setattr(regress, "measured_figures", lambda slowdown=0.0: next(values))
     figures, sessions = regress.measured_sessions(3)
     assert figures == {"iter_over_compute:a": 1.3} and len(sessions) == 3
@@ -191,11 +221,13 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
 
 def test_a_rebaseline_of_the_sim_figures_keeps_the_measured_ones_and_where_they_were_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(regress, "BASELINE_FILE", tmp_path / "regression.json")
-    regress.write_baseline({"sim_iter_time_s:a": 1.0, "iter_over_compute:b": 1.3},
-                           sessions=[{"iter_over_compute:b": 1.3}], note="measured")
+    regress.write_baseline(
+        {"sim_iter_time_s:a": 1.0, "iter_over_compute:b": 1.3}, sessions=[{"iter_over_compute:b": 1.3}], note="measured"
+    )
     first = regress.load_baseline()
-    monkeypatch.setattr(regress, "sim_figures", lambda models, methods: {"sim_iter_time_s:a": 0.9,
-                                                                         "planner_time_rel:a": 12.0})
+    monkeypatch.setattr(
+        regress, "sim_figures", lambda models, methods: {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 12.0}
+    )
     monkeypatch.setattr(regress, "measured_figures", lambda *a, **k: pytest.fail("nothing is measured"))
     for note in ("sim only", "again"):
         assert regress_cmd.main(["--rebaseline", "--no-measured", "--note", note]) == 0
@@ -214,8 +246,11 @@ def test_a_rebaseline_over_sessions_keeps_the_planner_figure_median_of_as_many_p
     plans = iter([{"sim_iter_time_s:a": 0.9, "planner_time_rel:a": rel} for rel in (12.0, 30.0, 14.0)])
     monkeypatch.setattr(regress, "sim_figures", lambda models, methods: next(plans))
     assert regress_cmd.main(["--rebaseline", "--no-measured", "--sessions", "3"]) == 0
-    assert regress.load_baseline()["figures"] == {"sim_iter_time_s:a": 0.9, "planner_time_rel:a": 14.0,
-                                                   "iter_over_compute:b": 1.3}
+    assert regress.load_baseline()["figures"] == {
+        "sim_iter_time_s:a": 0.9,
+        "planner_time_rel:a": 14.0,
+        "iter_over_compute:b": 1.3,
+    }
     assert next(plans, None) is None  # planned three times
     # A check plans once; more sessions than one is a rebaseline's option only.
     assert regress_cmd.main(["--sessions", "3"]) == 2

@@ -63,9 +63,15 @@ class RecordingTrainer:
 
 
 def _case(cfg_factory, tmp_path, model, stage, global_batch):
-    cfg = cfg_factory(f"model={model}", "method=deepspeed", f"method.zero_stage={stage}",
-                      f"global_batch={global_batch}", "warmup_iters=0", f"measured_iters={STEPS}",
-                      "method.engine_probe=false")  # these check training, not prices
+    cfg = cfg_factory(
+        f"model={model}",
+        "method=deepspeed",
+        f"method.zero_stage={stage}",
+        f"global_batch={global_batch}",
+        "warmup_iters=0",
+        f"measured_iters={STEPS}",
+        "method.engine_probe=false",
+    )  # these check training, not prices
     case = prepare_case(cfg, new_record(cfg))
     method = RecordingDeepSpeed.__new__(RecordingDeepSpeed)
     method.__dict__.update(case.method.__dict__, dump_dir=str(tmp_path))
@@ -89,8 +95,9 @@ def _reference(case):
     steps = []
     for it in range(STEPS):
         with torch.no_grad():
-            slices = [model(*data.batch(it, a, b, workload.global_batch)).item()
-                      for a, b in zip(bounds[:-1], bounds[1:])]
+            slices = [
+                model(*data.batch(it, a, b, workload.global_batch)).item() for a, b in zip(bounds[:-1], bounds[1:])
+            ]
         optimizer.zero_grad()
         loss = model(*data.batch(it, 0, workload.global_batch, workload.global_batch))
         (loss / workload.targets_per_iter).backward()
@@ -121,20 +128,21 @@ def test_zero_stage_trains_tiny_bert_exactly_like_single_device_adam(cfg_factory
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
             np.testing.assert_array_equal(dumps[1][f"grad/{name}"], got, err_msg=name)
         for name, ref in params.items():
-            np.testing.assert_array_equal(dumps[1][f"param/{name}"], dumps[0][f"param/{name}"],
-                                          err_msg=f"ranks differ after step {it}: {name}")
+            np.testing.assert_array_equal(
+                dumps[1][f"param/{name}"], dumps[0][f"param/{name}"], err_msg=f"ranks differ after step {it}: {name}"
+            )
             # Adam moves an element by about lr * g / |g|: where a gradient was float noise
             # (attention's key bias is zero in exact arithmetic; single elements can be tiny
             # too) the sign is noise, the update anything up to +-lr, and the difference stays.
             smallest[name] = np.minimum(smallest.get(name, np.inf), np.abs(grads[name]))
             kept = smallest[name] >= 1e-4 * scale
-            np.testing.assert_allclose(dumps[0][f"param/{name}"][kept], ref[kept], rtol=1e-5,
-                                       atol=1e-6, err_msg=f"step {it}: {name}")
+            np.testing.assert_allclose(
+                dumps[0][f"param/{name}"][kept], ref[kept], rtol=1e-5, atol=1e-6, err_msg=f"step {it}: {name}"
+            )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_stage_keeps_bert_moe_ranks_in_sync_with_expert_parallel_deepspeed_moe(
-        cfg_factory, tmp_path, stage):
+def test_zero_stage_keeps_bert_moe_ranks_in_sync_with_expert_parallel_deepspeed_moe(cfg_factory, tmp_path, stage):
     case = _case(cfg_factory, tmp_path, "bert_moe", stage, global_batch=8)
     moe = case.plan.details["moe"]
     assert moe["ep_size"] == 2 and moe["num_experts"] == 4 and moe["k"] == 2
@@ -146,7 +154,7 @@ def test_zero_stage_keeps_bert_moe_ranks_in_sync_with_expert_parallel_deepspeed_
         dumps = [_load(tmp_path, rank, it) for rank in (0, 1)]
         assert not any(d["shm_comm_op_built"] for d in dumps)
         experts = set(dumps[0]["experts"])
-        params = [k[len("param/"):] for k in dumps[0] if k.startswith("param/")]
+        params = [k[len("param/") :] for k in dumps[0] if k.startswith("param/")]
         assert any("deepspeed_moe.experts" in n for n in experts), "MoE layers were not swapped"
         assert not any(n.endswith(("ffn.w1", "ffn.gate.weight")) for n in params)
         for name in params:
@@ -157,13 +165,23 @@ def test_zero_stage_keeps_bert_moe_ranks_in_sync_with_expert_parallel_deepspeed_
                 assert np.abs(dumps[0][f"grad/{name}"]).max() > 0, f"{name}: no gradient"
             else:
                 np.testing.assert_array_equal(a, b, err_msg=f"ranks differ after step {it}: {name}")
-                np.testing.assert_array_equal(dumps[0][f"grad/{name}"], dumps[1][f"grad/{name}"],
-                                              err_msg=f"gradients differ at step {it}: {name}")
+                np.testing.assert_array_equal(
+                    dumps[0][f"grad/{name}"], dumps[1][f"grad/{name}"], err_msg=f"gradients differ at step {it}: {name}"
+                )
 
 
 def test_runner_cli_records_an_ok_deepspeed_row(tmp_path):
-    cmd = [sys.executable, "-m", "bench.run", "method=deepspeed", "model=bert", "warmup_iters=1",
-           "measured_iters=3", "wandb.mode=disabled", f"results_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.run",
+        "method=deepspeed",
+        "model=bert",
+        "warmup_iters=1",
+        "measured_iters=3",
+        "wandb.mode=disabled",
+        f"results_dir={tmp_path}",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = load_records(tmp_path / "records.jsonl")

@@ -35,8 +35,7 @@ def _adam_step(case, grads):
 @pytest.mark.parametrize("method", ["dp_ev", "dp_cp"])
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model, method):
-    cfg = cfg_factory(f"model={model}", f"method={method}", "global_batch=7",
-                      "warmup_iters=0", "measured_iters=1")
+    cfg = cfg_factory(f"model={model}", f"method={method}", "global_batch=7", "warmup_iters=0", "measured_iters=1")
     case = prepare_case(cfg, new_record(cfg))
     assert len(set(case.plan.batch_shares)) == 2 and sum(case.plan.batch_shares) == 7
     case.return_state = True
@@ -51,13 +50,17 @@ def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factor
     # the absolute floor is relative to the model's largest gradient.
     scale = max(g.abs().max().item() for g in grads.values())
     for name, ref in grads.items():
-        np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale,
-                                   err_msg=name)
+        np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
     # The ranks' Adam step, on every element: one Adam step of the initial model on the gradients
     # the ranks reduced gives the parameters they hold.
     for name, ref in _adam_step(case, got).items():
-        np.testing.assert_allclose(results[0]["params"][name], ref.detach().numpy(),
-                                   rtol=1e-5, atol=1e-6, err_msg=f"{name}: not Adam on the reduced gradient")
+        np.testing.assert_allclose(
+            results[0]["params"][name],
+            ref.detach().numpy(),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"{name}: not Adam on the reduced gradient",
+        )
     for name, ref in params.items():  # after one Adam step, against the single device's
         # Adam's first step moves an element by lr * g / (|g| + eps): near |g| ~ eps (1e-8) fp32
         # noise in g moves it by up to lr. A gradient at float noise (zero in exact arithmetic, as
@@ -65,5 +68,6 @@ def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factor
         # moved 1.1e-6) has no defined update; such elements are left out, as the DeepSpeed and
         # hap equivalence tests leave them out.
         kept = grads[name].abs().numpy() >= 1e-4 * scale
-        np.testing.assert_allclose(np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept],
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept], rtol=1e-5, atol=1e-6, err_msg=name
+        )

@@ -45,8 +45,9 @@ def test_real_time_gloo_threads_are_set_on_every_rank_and_recorded(cfg_factory):
     """emulation.realtime_comm=true (bench.runtime.hostcpu.realtime_comm_threads): each rank's gloo
     threads, its transport's event loop and its process group's worker(s), at SCHED_FIFO; None
     only where the host refuses it."""
-    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "warmup_iters=1", "measured_iters=2",
-                      "emulation.realtime_comm=true")
+    cfg = cfg_factory(
+        "model=bert", "cluster=local_hetero2", "warmup_iters=1", "measured_iters=2", "emulation.realtime_comm=true"
+    )
     record = run_case(cfg)
     assert record.status == "ok", record.error
     assert record.emulation["realtime_comm"] is True
@@ -77,10 +78,13 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
 
 
 SLOW_LINK = {
-    "name": "slow_link", "emulated": True,
+    "name": "slow_link",
+    "emulated": True,
     "machines": [{"count": 2, "device": "cpu", "num_devices": 1}],
-    "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
-              "inter_machine": {"bandwidth_gbps": 0.08, "latency_s": 0.002}},  # 10 MB/s
+    "links": {
+        "intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+        "inter_machine": {"bandwidth_gbps": 0.08, "latency_s": 0.002},
+    },  # 10 MB/s
 }
 
 
@@ -117,8 +121,7 @@ def test_collectives_take_the_emulated_link_time():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.start_processes(_link_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
-    reports = {r: (times, issued, done) for r, times, issued, done in
-               (out.get(timeout=10) for _ in range(2))}
+    reports = {r: (times, issued, done) for r, times, issued, done in (out.get(timeout=10) for _ in range(2))}
     times = reports[0][0]
     link = ClusterSpec.from_config(SLOW_LINK).inter_machine
     expected_reduce = collective_time_s("all_reduce", 1e6, 2, link)  # 0.102 s
@@ -144,8 +147,7 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     from bench.runtime.hostlinks import _KINDS
     from bench.runtime.hostspeed import split_step, yardstick_batches
 
-    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2",
-                      "measured_iters=4")
+    cfg = cfg_factory("model=bert", "cluster=local_hetero2", "method=dp_cp", "warmup_iters=2", "measured_iters=4")
     record = run_case(cfg)
     assert record.status == "ok", record.error
     ranks = record.emulation["ranks"]
@@ -160,7 +162,8 @@ def test_an_emulated_run_is_predicted_at_the_host_speed_its_ranks_measured(cfg_f
     run = case.cluster.at_run_speed(record.run_host_flops_per_s, record.run_host_step_overhead_s)
     assert record.predicted_iter_time_s == pytest.approx(simulate(case.plan.program, run, case.plan.ratios).iter_time_s)
     assert record.planned_iter_time_s == pytest.approx(
-        simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s)
+        simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s
+    )
     assert [r["speed"] for r in ranks] == [1.0, 0.4]
     # and with the host transport's floor under the emulated links, measured by real gloo calls
     assert set(record.host_link_floor_s) == set(_KINDS) and all(0 < s < 0.1 for s in record.host_link_floor_s.values())

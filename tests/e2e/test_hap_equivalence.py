@@ -39,11 +39,17 @@ def make_cluster(n: int, machines: list[int] | None = None) -> ClusterSpec:
     (equivalence needs no timing); machine-level virtual devices when `machines` is given."""
     machines = machines or [1] * n
     assert sum(machines) == n
-    return ClusterSpec.from_config({
-        "name": f"test{n}", "emulated": False, "virtual_device": "machine" if len(machines) < n else "gpu",
-        "machines": [{"count": 1, "device": "cpu", "num_devices": k} for k in machines],
-        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
-    }).with_host_speed(1e10)
+    return ClusterSpec.from_config(
+        {
+            "name": f"test{n}",
+            "emulated": False,
+            "virtual_device": "machine" if len(machines) < n else "gpu",
+            "machines": [{"count": 1, "device": "cpu", "num_devices": k} for k in machines],
+            "links": {
+                level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")
+            },
+        }
+    ).with_host_speed(1e10)
 
 
 def make_workload(model: str, n: int, global_batch: int) -> Workload:
@@ -51,8 +57,9 @@ def make_workload(model: str, n: int, global_batch: int) -> Workload:
     return Workload(model, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
 
 
-def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list, sfb: bool = True,
-                   segmentation: str = "layers") -> Plan:
+def plan_at_ratios(
+    workload: Workload, cluster: ClusterSpec, ratios: list, sfb: bool = True, segmentation: str = "layers"
+) -> Plan:
     """A HAP plan synthesized at fixed ratios per virtual device (the planner's pieces, without
     its LP); batch shares per rank as the planner gives them (a machine's share split evenly).
     `ratios` is one row, or one row per segment (then segments are cut as the planner does, by
@@ -64,7 +71,10 @@ def plan_at_ratios(workload: Workload, cluster: ClusterSpec, ratios: list, sfb: 
     theory = derive_theory(graph, sfb=sfb)
     res = synthesize(theory, CostModel(theory, cluster, granularity, rows, segmentation))
     details = {
-        "plan_format": PLAN_FORMAT_VERSION, "loss": graph.loss, "ratios": rows, "granularity": granularity,
+        "plan_format": PLAN_FORMAT_VERSION,
+        "loss": graph.loss,
+        "ratios": rows,
+        "granularity": granularity,
         "steps": [s.to_json(graph) for s in res.steps],
         "final_comms": [comm_to_json(c) for c in res.final_comms],
         "shard_units": {str(k): v for k, v in shard_units(res.steps, graph).items()},
@@ -102,21 +112,36 @@ def single_device(workload: Workload, seed: int, steps: int, lr: float, grad_cli
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, floors
 
 
-def run_case(model: str, ratios: list, global_batch: int = 7, machines: list[int] | None = None,
-             segmentation: str = "layers", **options):
+def run_case(
+    model: str,
+    ratios: list,
+    global_batch: int = 7,
+    machines: list[int] | None = None,
+    segmentation: str = "layers",
+    **options,
+):
     n = sum(machines) if machines else len(ratios[0] if isinstance(ratios[0], list) else ratios)
     workload = make_workload(model, n, global_batch)
     cluster = make_cluster(n, machines)
     plan = plan_at_ratios(workload, cluster, ratios, segmentation=segmentation)
     method = FixedPlanMethod(plan, mirror_full_state=True, **options)
-    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
-                measured_iters=STEPS, return_state=True)
+    case = Case(
+        workload,
+        cluster,
+        method,
+        method.plan(workload, cluster),
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        return_state=True,
+    )
     results = launch(case, n, timeout_s=120)
     return workload, plan, results
 
 
-def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0,
-                      reference=None) -> None:
+def check_equivalence(
+    workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0, reference=None
+) -> None:
     """`results` (rank 0 returning the reassembled state) against single-device training: the
     CPU's, or `reference` = single_device's (losses, grads, params[, floors]) computed elsewhere (a GPU)."""
     reference = reference or single_device(workload, 0, STEPS, lr, grad_clip)
@@ -140,8 +165,9 @@ def check_equivalence(workload: Workload, results: list[dict], lr: float = 5e-4,
         # largest, e.g. 5e-9 against 0.17: zero in exact arithmetic, a dead unit) has no defined
         # update: Adam turns the noise's sign and size into up to lr. Such elements are left out.
         keep = (floors[name] >= 1e-6).numpy() if name in floors else np.ones(ref.shape, dtype=bool)
-        np.testing.assert_allclose(np.asarray(results[0]["params"][name])[keep], ref.numpy()[keep], rtol=1e-5,
-                                   atol=lr / 50, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(results[0]["params"][name])[keep], ref.numpy()[keep], rtol=1e-5, atol=lr / 50, err_msg=name
+        )
 
 
 def compiled(model: str, ratios: list[float], **options):
@@ -151,8 +177,16 @@ def compiled(model: str, ratios: list[float], **options):
     workload = make_workload(model, len(ratios), 7)
     plan = plan_at_ratios(workload, make_cluster(len(ratios)), ratios)
     graph = capture_config(workload.model_cfg, workload.global_batch)
-    return RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, len(ratios),
-                       CodegenOptions(**options))
+    return RankProgram(
+        graph,
+        plan.details,
+        plan.ratios,
+        plan.batch_shares,
+        workload.build(0),
+        0,
+        len(ratios),
+        CodegenOptions(**options),
+    )
 
 
 # Every model on 3 devices with an empty shard (on the first, middle or last rank), one model on
@@ -164,16 +198,34 @@ def compiled(model: str, ratios: list[float], **options):
 # the planner's own machine-level plans are in test_planned_machine_level_program_...
 CASES = [
     pytest.param("vgg19", [0.6, 0.0, 0.4], dict(force_impl="padded"), id="vgg19-3dev-empty1-padded"),
-    pytest.param("vgg19", [0.7, 0.3], dict(force_impl="grouped", force_sfb=True, bucket_grads=False),
-                 id="vgg19-2dev-grouped-sfb-replicate"),
-    pytest.param("vit", [0.0, 0.5, 0.5], dict(force_impl="grouped", force_sfb=True, bucket_cap_mb=0.01),
-                 id="vit-3dev-empty0-grouped-sfb-small-buckets"),
-    pytest.param("bert", [0.5, 0.0, 0.5], dict(force_impl="padded", force_sfb=True, grad_clip=0.05),
-                 id="bert-3dev-empty1-padded-sfb-clip"),
+    pytest.param(
+        "vgg19",
+        [0.7, 0.3],
+        dict(force_impl="grouped", force_sfb=True, bucket_grads=False),
+        id="vgg19-2dev-grouped-sfb-replicate",
+    ),
+    pytest.param(
+        "vit",
+        [0.0, 0.5, 0.5],
+        dict(force_impl="grouped", force_sfb=True, bucket_cap_mb=0.01),
+        id="vit-3dev-empty0-grouped-sfb-small-buckets",
+    ),
+    pytest.param(
+        "bert",
+        [0.5, 0.0, 0.5],
+        dict(force_impl="padded", force_sfb=True, grad_clip=0.05),
+        id="bert-3dev-empty1-padded-sfb-clip",
+    ),
     pytest.param("bert_moe", [0.5, 0.3, 0.0], dict(), id="bert_moe-3dev-empty2-planned"),
-    pytest.param("vit", [0.65, 0.35], dict(machines=[2, 1], force_impl="grouped", force_sfb=True),
-                 id="vit-3dev-2machines-grouped-sfb"),
-    pytest.param("bert", [0.0, 1.0], dict(machines=[1, 2], bucket_grads=False), id="bert-3dev-2machines-empty0-replicate"),
+    pytest.param(
+        "vit",
+        [0.65, 0.35],
+        dict(machines=[2, 1], force_impl="grouped", force_sfb=True),
+        id="vit-3dev-2machines-grouped-sfb",
+    ),
+    pytest.param(
+        "bert", [0.0, 1.0], dict(machines=[1, 2], bucket_grads=False), id="bert-3dev-2machines-empty0-replicate"
+    ),
     # Every model on 2 devices as well, with the all-gather its 3-device case does not force.
     pytest.param("vit", [0.65, 0.35], dict(force_impl="padded"), id="vit-2dev-padded"),
     pytest.param("bert", [0.3, 0.7], dict(force_impl="grouped"), id="bert-2dev-grouped"),
@@ -189,8 +241,12 @@ SEGMENT_CASES = [
     pytest.param("vit", [[0.7, 0.3], [0.25, 0.75]], dict(force_impl="grouped"), id="vit-2dev-2seg"),
     pytest.param("bert_moe", [[0.4, 0.3, 0.3], [0.1, 0.3, 0.6]], dict(), id="bert_moe-3dev-2seg"),
     pytest.param("vit", [[0.3, 0.7], [0.6, 0.4]], dict(segmentation="flops"), id="vit-2dev-2seg-flops"),
-    pytest.param("bert", [[0.5, 0.2, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]], dict(segmentation="metis"),
-                 id="bert-3dev-3seg-metis"),
+    pytest.param(
+        "bert",
+        [[0.5, 0.2, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]],
+        dict(segmentation="metis"),
+        id="bert-3dev-3seg-metis",
+    ),
     pytest.param("bert_moe", [[0.6, 0.4], [0.3, 0.7]], dict(machines=[2, 2]), id="bert_moe-2x2machines-2seg"),
 ]
 
@@ -243,8 +299,16 @@ def test_planned_machine_level_program_trains_exactly_like_one_device(model, clu
     plan = HapPlanner(cache_dir=None, levels="cluster").plan(workload, cluster)
     assert plan.details["granularity"] == "machine" and len(plan.ratios[0]) == cluster.num_machines
     method = FixedPlanMethod(plan, mirror_full_state=True)
-    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
-                measured_iters=STEPS, return_state=True)
+    case = Case(
+        workload,
+        cluster,
+        method,
+        method.plan(workload, cluster),
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        return_state=True,
+    )
     results = launch(case, cluster.num_devices, timeout_s=120)
     check_equivalence(workload, results)
 
@@ -259,8 +323,11 @@ def test_a_machine_shard_of_partial_samples_is_refused_before_workers_start():
     plan = plan_at_ratios(workload, cluster, [0.6, 0.4])
     FixedPlanMethod(plan).plan(workload, cluster)  # as planned: whole samples
     plan.details["shard_units"] = {}
-    with pytest.raises(PlanMismatchError, match=r"tensor '.*': a machine's \d+ rows along the batch dim are not "
-                                                r"whole samples.*re-plan \(details.shard_units") as err:
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"tensor '.*': a machine's \d+ rows along the batch dim are not "
+        r"whole samples.*re-plan \(details.shard_units",
+    ) as err:
         FixedPlanMethod(plan).plan(workload, cluster)
     assert "\n" not in str(err.value)
 
@@ -305,8 +372,16 @@ def test_the_recorded_module_runs_what_the_interpreter_runs(model):
     with _one_rank(model) as (workload, plan, graph, batch):
         runs = []
         for compile_ in (True, False):
-            program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 1,
-                                  CodegenOptions(compile=compile_))
+            program = RankProgram(
+                graph,
+                plan.details,
+                plan.ratios,
+                plan.batch_shares,
+                workload.build(0),
+                0,
+                1,
+                CodegenOptions(compile=compile_),
+            )
             optimizer = torch.optim.Adam(list(program.params.values()), lr=1e-3)
             losses = []
             for _ in range(STEPS):
@@ -350,8 +425,9 @@ def test_the_first_call_holds_no_more_than_the_recorded_module(model):
             return out
 
     with _one_rank(model) as (workload, plan, graph, batch):
-        program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 1,
-                              CodegenOptions())
+        program = RankProgram(
+            graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 1, CodegenOptions()
+        )
         held = []
         for _ in range(2):  # the first call records, the second runs the recorded module
             with Made() as made:
@@ -393,8 +469,9 @@ def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
         def __call__(self, x):
             return (weight * x).sum() * float("nan")
 
-    ctx = SimpleNamespace(rank=1, world_size=2, emulator=Emulator(make_cluster(2), 1, enabled=False),
-                          workload=make_workload("bert", 2, 7))
+    ctx = SimpleNamespace(
+        rank=1, world_size=2, emulator=Emulator(make_cluster(2), 1, enabled=False), workload=make_workload("bert", 2, 7)
+    )
     trainer = HapTrainer(NanProgram(), ctx)
     with pytest.raises(FloatingPointError, match="loss is nan at step 0 on rank 1"):
         trainer.step((torch.ones(2),))
@@ -414,8 +491,9 @@ def test_a_reshard_between_equal_rows_is_no_op_in_the_program(monkeypatch):
     x = torch.ones(2, 3, requires_grad=True)
     for rows, moves in (([[0.5, 0.5], [0.5, 0.5]], False), ([[0.5, 0.5], [0.75, 0.25]], True)):
         plan = plan_at_ratios(workload, make_cluster(2), rows)
-        program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 2,
-                              CodegenOptions())
+        program = RankProgram(
+            graph, plan.details, plan.ratios, plan.batch_shares, workload.build(0), 0, 2, CodegenOptions()
+        )
         reshards = [c for s in program.steps for c in s.comms if c.kind == "reshard"]
         assert reshards, rows
         for c in reshards:

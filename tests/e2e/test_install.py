@@ -56,22 +56,39 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
     python = [sys.executable, "-S"]
 
-    probe = ("import bench, bench.core.paths as p; from bench.runner.configs import compose_config, group_options;"
-             "cfg = compose_config('cluster=local_hetero4', 'method=hap');"
-             "print(bench.__file__, p.CONF_SOURCE, p.CONF_DIR, p.PROJECT_DIR, cfg.cluster.name,"
-             " cfg.method.name, ','.join(group_options('method')))")
-    run = ["-m", "bench.cli", "run", "mode=sim", "model=bert", "cluster=local_hetero2", "method=dp_ev",
-           "wandb.mode=disabled"]
+    probe = (
+        "import bench, bench.core.paths as p; from bench.runner.configs import compose_config, group_options;"
+        "cfg = compose_config('cluster=local_hetero4', 'method=hap');"
+        "print(bench.__file__, p.CONF_SOURCE, p.CONF_DIR, p.PROJECT_DIR, cfg.cluster.name,"
+        " cfg.method.name, ','.join(group_options('method')))"
+    )
+    run = [
+        "-m",
+        "bench.cli",
+        "run",
+        "mode=sim",
+        "model=bert",
+        "cluster=local_hetero2",
+        "method=dp_ev",
+        "wandb.mode=disabled",
+    ]
     # A folder of one's own configs beside the installed package (docs/own-configs.md): a device
     # type, a cluster, an experiment; run with the three below, none writes what another reads.
     here = elsewhere / "lab"
     here.mkdir()
     write_own_configs(here)
-    own = start_all([*python, "-m", "bench.cli", "run"], here, env,
-                    {name: GOOD[name] for name in ("device", "cluster", "experiment", "model") if name in GOOD})
-    procs = [subprocess.Popen([*python, *args], cwd=elsewhere, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for args in (["-c", probe], run, ["-m", "bench.cli", "run", "--config-dir", "lab/mine", "cluster=nowhere"])]
+    own = start_all(
+        [*python, "-m", "bench.cli", "run"],
+        here,
+        env,
+        {name: GOOD[name] for name in ("device", "cluster", "experiment", "model") if name in GOOD},
+    )
+    procs = [
+        subprocess.Popen(
+            [*python, *args], cwd=elsewhere, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for args in (["-c", probe], run, ["-m", "bench.cli", "run", "--config-dir", "lab/mine", "cluster=nowhere"])
+    ]
     (probed, ran, bad) = [(proc.communicate(timeout=300), proc.returncode) for proc in procs]
 
     assert probed[1] == 0, probed[0][1][-3000:]
@@ -82,12 +99,12 @@ def test_an_installed_wheel_runs_anywhere_on_its_packaged_configs(tmp_path):
 
     assert ran[1] == 0, ran[0][1][-3000:]
     # results_dir is relative to the working directory; the unknown cluster records nothing
-    (row,) = [json.loads(line) for line in
-              (elsewhere / "results" / "runs" / "records.jsonl").read_text().splitlines()]
+    (row,) = [json.loads(line) for line in (elsewhere / "results" / "runs" / "records.jsonl").read_text().splitlines()]
     assert row["status"] == "ok" and row["mode"] == "sim" and row["num_devices"] == 2
 
     assert bad[1] != 0  # one line, the user's cluster among the known names
     assert bad[0][1].strip().splitlines() == [
-        f"error: cluster=nowhere is unknown; known: h100x1, lab, {bad[0][1].split(', lab, ', 1)[1].strip()}"]
+        f"error: cluster=nowhere is unknown; known: h100x1, lab, {bad[0][1].split(', lab, ', 1)[1].strip()}"
+    ]
 
     check_good(here, wait_all(own))

@@ -17,13 +17,27 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra")
 
 ROOT = Path(__file__).resolve().parents[2]
-TWO_TASKS = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
-             "hydra.launcher.timeout_min=5", "wandb.mode=disabled", "model=bert", "preset=tiny"]
+TWO_TASKS = [
+    "hydra/launcher=submitit_local",
+    "hydra.launcher.tasks_per_node=2",
+    "hydra.launcher.timeout_min=5",
+    "wandb.mode=disabled",
+    "model=bert",
+    "preset=tiny",
+]
 
 
 def _sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "bench.run", "-m", *TWO_TASKS, f"hydra.sweep.dir={tmp_path / 'sweep'}",
-           f"results_dir={tmp_path}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.run",
+        "-m",
+        *TWO_TASKS,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"results_dir={tmp_path}",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 

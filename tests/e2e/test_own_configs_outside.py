@@ -70,8 +70,13 @@ config:
 
 def write_own_configs(where: Path) -> None:
     """mine/ (a cluster, its device type, an experiment) and broken/ (a cluster that does not parse)."""
-    files = {"mine/device/LabGPU.yaml": LAB_GPU, "mine/cluster/lab.yaml": LAB,
-             "mine/experiment/lab_methods.yaml": LAB_METHODS, "mine/model/lab_llama.yaml": LAB_LLAMA, "broken/cluster/lab.yaml": "name: lab\nmachines: [\n"}
+    files = {
+        "mine/device/LabGPU.yaml": LAB_GPU,
+        "mine/cluster/lab.yaml": LAB,
+        "mine/experiment/lab_methods.yaml": LAB_METHODS,
+        "mine/model/lab_llama.yaml": LAB_LLAMA,
+        "broken/cluster/lab.yaml": "name: lab\nmachines: [\n",
+    }
     for name, text in files.items():
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         (where / name).write_text(text)
@@ -86,12 +91,18 @@ GOOD = {
     **({"model": ["--config-dir", "mine", "mode=sim", "model=lab_llama"]} if HAS_ZOO else {}),
 }
 BAD = {
-    "no_folder": (["--config-dir", "nowhere", "mode=sim"],
-                  "error: --config-dir=nowhere: no such folder ({here}/nowhere); give a folder of your own configs"),
-    "no_parse": (["--config-dir", "broken", "mode=sim", "cluster=lab"],
-                 "error: {here}/broken/cluster/lab.yaml (line 3) is not valid yaml: "),
-    "unknown": (["--config-dir", "mine", "mode=sim", "cluster=labb"],
-                "error: cluster=labb is unknown; known: h100x1, lab, local_2x2,"),
+    "no_folder": (
+        ["--config-dir", "nowhere", "mode=sim"],
+        "error: --config-dir=nowhere: no such folder ({here}/nowhere); give a folder of your own configs",
+    ),
+    "no_parse": (
+        ["--config-dir", "broken", "mode=sim", "cluster=lab"],
+        "error: {here}/broken/cluster/lab.yaml (line 3) is not valid yaml: ",
+    ),
+    "unknown": (
+        ["--config-dir", "mine", "mode=sim", "cluster=labb"],
+        "error: cluster=labb is unknown; known: h100x1, lab, local_2x2,",
+    ),
 }
 
 
@@ -100,8 +111,9 @@ def start_all(runner: list[str], here: Path, env: dict, cases: dict[str, list[st
     procs = {}
     for name, args in cases.items():
         args = [a.format(here=here) for a in args] + [f"results_dir=results/{name}", "wandb.mode=disabled"]
-        procs[name] = subprocess.Popen([*runner, *args], cwd=here, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[name] = subprocess.Popen(
+            [*runner, *args], cwd=here, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
     return procs
 
 
@@ -118,8 +130,10 @@ def check_good(here: Path, done: dict) -> None:
     """The rows of the GOOD cases that ran: ok, on the user's cluster, naming the files used."""
     for name, (rc, _, stderr) in done.items():
         assert rc == 0, f"{name}: {stderr[-3000:]}"
-    rows = {name: [json.loads(line) for line in (here / "results" / name / "records.jsonl").read_text().splitlines()]
-            for name in done}
+    rows = {
+        name: [json.loads(line) for line in (here / "results" / name / "records.jsonl").read_text().splitlines()]
+        for name in done
+    }
     if "device" in rows:
         (row,) = rows["device"]
         assert row["status"] == "ok" and row["cluster"] == "paper_hetero" and row["num_devices"] == 64
@@ -139,7 +153,9 @@ def check_good(here: Path, done: dict) -> None:
         assert row["config"]["config_files"]["model"] == str(here / "mine" / "model" / "lab_llama.yaml")
         assert row["config"]["model"]["config"]["num_hidden_layers"] == 2
     assert [(r["method"], r["status"], r["cluster"]) for r in rows["experiment"]] == [
-        ("dp_ev", "ok", "lab"), ("dp_cp", "ok", "lab")]
+        ("dp_ev", "ok", "lab"),
+        ("dp_cp", "ok", "lab"),
+    ]
     files = rows["experiment"][0]["config"]["config_files"]
     assert files["experiment"] == str(here / "mine" / "experiment" / "lab_methods.yaml")
     assert files["device/LabGPU"] == str(here / "mine" / "device" / "LabGPU.yaml")

@@ -44,42 +44,65 @@ def _check_one_step(cfg_factory, *overrides, ranks=2):
         np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
     for name, ref in params.items():  # elements whose gradient is float noise have no defined update
         kept = grads[name].abs().numpy() >= 1e-4 * scale
-        np.testing.assert_allclose(np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept],
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept], rtol=1e-5, atol=1e-6, err_msg=name
+        )
     return case
 
 
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_pipeline_step_equals_single_device_training(cfg_factory, model):
-    case = _check_one_step(cfg_factory, f"model={model}", "method=pipeline", "method.profile=false",
-                           "global_batch=8")
+    case = _check_one_step(cfg_factory, f"model={model}", "method=pipeline", "method.profile=false", "global_batch=8")
     assert case.plan.details["num_stages"] == 2 and case.plan.details["num_micro_batches"] >= 2
 
 
 def test_a_gpipe_pipeline_over_four_devices_in_a_priced_order_equals_single_device_training(cfg_factory):
-    case = _check_one_step(cfg_factory, "model=bert", "cluster=local_hetero4", "method=pipeline",
-                           "method.schedule=gpipe", "method.num_stages=4", "method.profile=false", "global_batch=8",
-                           ranks=4)
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "cluster=local_hetero4",
+        "method=pipeline",
+        "method.schedule=gpipe",
+        "method.num_stages=4",
+        "method.profile=false",
+        "global_batch=8",
+        ranks=4,
+    )
     assert case.plan.details["num_stages"] == 4
 
 
 def test_pipelines_replicated_over_machines_equal_single_device_training(cfg_factory):
-    case = _check_one_step(cfg_factory, "model=vit", "cluster=local_2x2", "method=pipeline",
-                           "method.stage_level=machine", "method.profile=false", "global_batch=8", ranks=4)
+    case = _check_one_step(
+        cfg_factory,
+        "model=vit",
+        "cluster=local_2x2",
+        "method=pipeline",
+        "method.stage_level=machine",
+        "method.profile=false",
+        "global_batch=8",
+        ranks=4,
+    )
     assert case.plan.details["num_pipelines"] == 2
 
 
 def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_training(cfg_factory):
-    case = _check_one_step(cfg_factory, "model=bert_moe", "cluster=local_hetero4", "method=pipeline",
-                           "method.stage_level=device", "method.num_stages=2", "method.profile=false",
-                           "global_batch=16", ranks=4)
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert_moe",
+        "cluster=local_hetero4",
+        "method=pipeline",
+        "method.stage_level=device",
+        "method.num_stages=2",
+        "method.profile=false",
+        "global_batch=16",
+        ranks=4,
+    )
     assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
 
 
 @pytest.mark.parametrize("model", ["vgg19", "bert_moe"])  # convolutions, experts; bert below
 def test_one_fsdp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model):
-    case = _check_one_step(cfg_factory, f"model={model}", "method=fsdp_cp", "method.work_probe=false",
-                           "global_batch=7")
+    case = _check_one_step(cfg_factory, f"model={model}", "method=fsdp_cp", "method.work_probe=false", "global_batch=7")
     assert len(set(case.plan.batch_shares)) == 2
 
 

@@ -25,9 +25,13 @@ def test_bf16_trains_for_real_and_the_row_says_so(cfg_factory):
         assert len(row.rank_hardware) == 2
         assert all(h["device"] == "cpu" and h["name"] and h["cores"] >= 1 for h in row.rank_hardware)
     assert rows["bf16"].precision["autocast_dtype"] == "bfloat16"
-    assert rows["fp32"].precision == {"precision": "fp32", "autocast_dtype": None,
-                                      "matmul_allow_tf32": False, "cudnn_allow_tf32": False,
-                                      "forward_matmul_dtypes": rows["fp32"].precision["forward_matmul_dtypes"]}
+    assert rows["fp32"].precision == {
+        "precision": "fp32",
+        "autocast_dtype": None,
+        "matmul_allow_tf32": False,
+        "cudnn_allow_tf32": False,
+        "forward_matmul_dtypes": rows["fp32"].precision["forward_matmul_dtypes"],
+    }
     assert set(rows["fp32"].precision["forward_matmul_dtypes"]) == {"float32"}
     assert set(rows["bf16"].precision["forward_matmul_dtypes"]) == {"bfloat16"}
     # bf16 rounds the forward: the same first step's loss moves, but only by bf16's precision.

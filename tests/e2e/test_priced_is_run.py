@@ -51,8 +51,11 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
         data = case.workload.model_cfg.dataset("synthetic", None, "train", case.seed)
         for step in range(2):  # the second step: the first also sends the pipeline's metadata
             calls.clear()
-            start, stop = (case.plan.data_slices or [(0, 0)] * world)[rank] if kind == "pipeline" else (
-                sum(case.plan.batch_shares[:rank]), sum(case.plan.batch_shares[:rank + 1]))
+            start, stop = (
+                (case.plan.data_slices or [(0, 0)] * world)[rank]
+                if kind == "pipeline"
+                else (sum(case.plan.batch_shares[:rank]), sum(case.plan.batch_shares[: rank + 1]))
+            )
             trainer.step(data.batch(step, start, stop, case.workload.global_batch))
         out.put((rank, calls))
         dist.barrier()

@@ -21,8 +21,9 @@ QUICK = ["warmup_iters=1", "measured_iters=3"]
 
 def run(module, *args, results_dir, env=None, timeout=600):
     cmd = [sys.executable, "-m", module, *args, f"results_dir={results_dir}"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def rows(results_dir):
@@ -30,12 +31,20 @@ def rows(results_dir):
 
 
 def test_every_model_trains_with_every_dp_method(tmp_path):
-    out = run("bench.run", "-m", "model=vgg19,vit,bert,bert_moe", "method=dp_ev,dp_cp",
-              "wandb.mode=disabled", *QUICK, results_dir=tmp_path)
+    out = run(
+        "bench.run",
+        "-m",
+        "model=vgg19,vit,bert,bert_moe",
+        "method=dp_ev,dp_cp",
+        "wandb.mode=disabled",
+        *QUICK,
+        results_dir=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = rows(tmp_path)
     assert sorted((r["model"], r["method"]) for r in got) == sorted(
-        (m, d) for m in ("vgg19", "vit", "bert", "bert_moe") for d in ("dp_ev", "dp_cp"))
+        (m, d) for m in ("vgg19", "vit", "bert", "bert_moe") for d in ("dp_ev", "dp_cp")
+    )
     for r in got:
         assert r["status"] == "ok" and r["origin"] == "measured" and r["cluster"] == "local_hetero2"
         assert len(r["iter_times_s"]) == 3 and len(r["peak_mem_gib"]) == 2
@@ -68,9 +77,16 @@ def test_a_failing_worker_ends_its_case_fast_and_the_sweep_goes_on(tmp_path):
     tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"
     start = time.monotonic()
     # Case 0 trains; in case 1 rank 1 raises while rank 0 waits in an all-reduce forever.
-    out = run("bench.run", "-m", "test.fail_rank=null,1", "wandb.mode=disabled", "timeout_s=300",
-              *QUICK, results_dir=tmp_path,
-              env=dict([tag.split("=", 1)]))
+    out = run(
+        "bench.run",
+        "-m",
+        "test.fail_rank=null,1",
+        "wandb.mode=disabled",
+        "timeout_s=300",
+        *QUICK,
+        results_dir=tmp_path,
+        env=dict([tag.split("=", 1)]),
+    )
     elapsed = time.monotonic() - start
     assert out.returncode != 0
     got = {r["config"]["test"]["fail_rank"]: r for r in rows(tmp_path)}
@@ -85,12 +101,13 @@ def test_a_failing_worker_ends_its_case_fast_and_the_sweep_goes_on(tmp_path):
 
 def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its_stack(tmp_path):
     tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"
-    cmd = [sys.executable, "-m", "bench.run", "wandb.mode=disabled", "measured_iters=100000",
-           f"results_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "bench.run", "wandb.mode=disabled", "measured_iters=100000", f"results_dir={tmp_path}"]
     log = tmp_path / "stderr.log"  # a file, not a pipe: nobody reads it while the case runs
     with log.open("w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **dict([tag.split("=", 1)])},
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env={**os.environ, **dict([tag.split("=", 1)])}, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+
     # the workers: tagged processes whose parent is one the runner started (the server), once
     # each has installed its handler for fatal signals. Not any process the runner did not start:
     # a command a worker runs holds the worker's handlers until it execs (a suite run once saw
@@ -103,6 +120,7 @@ def test_a_worker_that_dies_in_native_code_is_named_by_its_signal_and_leaves_its
 
     def ready():
         return [p for p in workers() if int(_status(p, "SigCgt") or 0, 16) >> (signal.SIGABRT - 1) & 1]
+
     try:
         deadline = time.monotonic() + 90
         while len(ready()) < 2 and time.monotonic() < deadline:
@@ -130,13 +148,15 @@ def _status(pid, field):
 
 
 def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(tmp_path):
-    first = run("bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true",
-                *QUICK, results_dir=tmp_path)
+    first = run(
+        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert len(rows(tmp_path)) == 2
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
-    again = run("bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true",
-                *QUICK, results_dir=tmp_path)
+    again = run(
+        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
+    )
     assert again.returncode == 0
     assert again.stdout.count("skip:") == 2
     assert len(rows(tmp_path)) == 2
@@ -147,28 +167,44 @@ def test_real_wikitext_files_train_through_the_runner(tmp_path):
     data.mkdir()
     words = " ".join(f"w{i % 97}" for i in range(20000))
     (data / "wiki.train.tokens").write_text("\n".join([words[:5000], "", words]) + "\n")
-    out = run("bench.run", "data.source=wikitext2", f"data.path={data}", "wandb.mode=disabled",
-              *QUICK, results_dir=tmp_path / "runs")
+    out = run(
+        "bench.run",
+        "data.source=wikitext2",
+        f"data.path={data}",
+        "wandb.mode=disabled",
+        *QUICK,
+        results_dir=tmp_path / "runs",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert rows(tmp_path / "runs")[0]["status"] == "ok"
 
 
 def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     # three runners at once, each with its own results: none reaches a worker
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.run", *args, "wandb.mode=disabled",
-                               f"results_dir={tmp_path / str(i)}"], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i, args in enumerate([["cluster=local_hetero9"], ["precision=fp16"], ["global_batch=1"]])]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.run", *args, "wandb.mode=disabled", f"results_dir={tmp_path / str(i)}"],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i, args in enumerate([["cluster=local_hetero9"], ["precision=fp16"], ["global_batch=1"]])
+    ]
     unknown, precision, batch = [(proc.communicate(timeout=300)[1], proc.returncode)[::-1] for proc in procs]
-    assert unknown == (2, "error: cluster=local_hetero9 is unknown; known: h100x1, local_2x2, local_3m, "
-                          "local_cpu1, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
-                          "local_homo2, motivation, paper_hetero, paper_homo\n")
+    assert unknown == (
+        2,
+        "error: cluster=local_hetero9 is unknown; known: h100x1, local_2x2, local_3m, "
+        "local_cpu1, local_gpu_hetero2, local_gpu_paper, local_hetero2, local_hetero4, "
+        "local_homo2, motivation, paper_hetero, paper_homo\n",
+    )
     assert precision[0] != 0 and precision[1].strip().splitlines() == [
-        "error: precision='fp16' is invalid; valid: fp32, tf32, bf16 (fp32 as in the paper; e.g. "
-        "precision=bf16)"]
+        "error: precision='fp16' is invalid; valid: fp32, tf32, bf16 (fp32 as in the paper; e.g. precision=bf16)"
+    ]
     assert batch[0] != 0 and batch[1].strip().splitlines() == [
         "error: global_batch=1 is smaller than the 2 devices of cluster=local_hetero2; every "
-        "device needs a sample: set global_batch>=2 (or preset.batch_per_device>=1)"]
+        "device needs a sample: set global_batch>=2 (or preset.batch_per_device>=1)"
+    ]
     assert not rows(tmp_path / "0")  # an unknown name: no case to record
     assert [r["status"] for i in (1, 2) for r in rows(tmp_path / str(i))] == ["failed", "failed"]
 
@@ -188,16 +224,24 @@ def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
     assert [r["method"] for r in aggregates] == methods[:n]
     for agg in aggregates:
         assert agg["aggregate"]["iter_time_s"]["n"] == 2
-        assert agg["aggregate"]["repeat_run_ids"] == [r["run_id"] for r in repeats
-                                                      if r["method"] == agg["method"]]
+        assert agg["aggregate"]["repeat_run_ids"] == [r["run_id"] for r in repeats if r["method"] == agg["method"]]
         assert len({r["sweep_id"] for r in recorded}) == 1
 
 
 def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'torchrun'}",
-           "-m", "bench.run", "method=dp_cp",
-           "wandb.mode=disabled", *QUICK, f"results_dir={tmp_path}"]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'torchrun'}",
+        "-m",
+        "bench.run",
+        "method=dp_cp",
+        "wandb.mode=disabled",
+        *QUICK,
+        f"results_dir={tmp_path}",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = rows(tmp_path)  # rank 0 alone writes the row
@@ -239,8 +283,9 @@ if __name__ == "__main__":
 
 
 def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _SERVERS, str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _SERVERS, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # (the server's import of DeepSpeed logs a line of its own to stdout)
     assert [line for line in out.stdout.splitlines() if line.isdigit()] == ["0", "1", "0"]
@@ -253,10 +298,14 @@ def test_the_workers_server_starts_while_the_runner_prepares_a_case_it_launches(
 def test_workers_of_a_killed_launcher_do_not_linger_nor_their_files(tmp_path, processes, settle_s):
     tag = f"HETBENCH_TEST_TAG={uuid.uuid4().hex}"
     # A long case: an orphaned worker would go on training well past the wait below.
-    cmd = [sys.executable, "-m", "bench.run", "wandb.mode=disabled", "measured_iters=100000",
-           f"results_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **dict([tag.split("=", 1)])},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "bench.run", "wandb.mode=disabled", "measured_iters=100000", f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **dict([tag.split("=", 1)])},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 90
     while len(_processes_with(tag)) < processes and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -26,8 +26,9 @@ def zoo_workload(arch: str, global_batch: int) -> Workload:
     if arch == "custom":
         from models.custom import CustomModelConfig
 
-        cfg = CustomModelConfig.from_preset("tiny", factory="tests.zoo_custom:build_decoder", task="causal_lm",
-                                            seq_len=16)
+        cfg = CustomModelConfig.from_preset(
+            "tiny", factory="tests.zoo_custom:build_decoder", task="causal_lm", seq_len=16
+        )
     else:
         from models.hf import HFModelConfig
 
@@ -45,14 +46,24 @@ def check(workload: Workload, results: list[dict], what: str) -> None:
     scale = max(g.abs().max().item() for g in grads.values())
     grad_err = max(float(abs(np.asarray(results[0]["grads"][n]) - g.numpy()).max()) for n, g in grads.items()) / scale
     param_err = max(float(abs(np.asarray(results[0]["params"][n]) - p.numpy()).max()) for n, p in params.items())
-    print(f"\nequivalence {what}: loss rel {loss_err:.1e}, "
-          f"grad max abs / largest grad {grad_err:.1e}, param max abs {param_err:.1e} after {STEPS} steps")
+    print(
+        f"\nequivalence {what}: loss rel {loss_err:.1e}, "
+        f"grad max abs / largest grad {grad_err:.1e}, param max abs {param_err:.1e} after {STEPS} steps"
+    )
 
 
 def run(workload: Workload, cluster, plan, **options) -> list[dict]:
     method = FixedPlanMethod(plan, mirror_full_state=True, **options)
-    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
-                measured_iters=STEPS, return_state=True)
+    case = Case(
+        workload,
+        cluster,
+        method,
+        method.plan(workload, cluster),
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        return_state=True,
+    )
     return launch(case, cluster.num_devices, timeout_s=180)
 
 

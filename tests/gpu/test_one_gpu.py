@@ -52,9 +52,18 @@ def test_every_method_trains_on_two_mps_ranks_of_one_gpu(tmp_path):
 
 def test_a_real_out_of_memory_is_an_oom_row_with_its_peak(tmp_path):
     # BERT-Base at 8192 samples keeps several hundred GiB of activations: far past any card.
-    out = run("bench.run", "cluster=h100x1", "model=bert", "preset=paper", "global_batch=8192",
-              "method=dp_ev", "warmup_iters=0", "measured_iters=1", "wandb.mode=disabled",
-              results_dir=tmp_path)
+    out = run(
+        "bench.run",
+        "cluster=h100x1",
+        "model=bert",
+        "preset=paper",
+        "global_batch=8192",
+        "method=dp_ev",
+        "warmup_iters=0",
+        "measured_iters=1",
+        "wandb.mode=disabled",
+        results_dir=tmp_path,
+    )
     [r] = rows(tmp_path)
     assert r["status"] == "oom", (r["error"] or "")[-2000:]
     assert "OutOfMemoryError" in r["error"] and r["oom_rank"] == 0
@@ -91,23 +100,45 @@ def _single_device_on_gpu(workload, lr=5e-4):
 
 def test_hap_on_two_mps_ranks_trains_exactly_like_one_device():
     workload = make_workload("bert", 2, 7)
-    cluster = ClusterSpec.from_config({
-        "name": "gpu2", "emulated": True, "device": "cuda", "virtual_device": "gpu",
-        "machines": [{"count": 1, "device": "H100-80", "num_devices": 1, "speed": s} for s in (1.0, 0.4)],
-        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
-    })
+    cluster = ClusterSpec.from_config(
+        {
+            "name": "gpu2",
+            "emulated": True,
+            "device": "cuda",
+            "virtual_device": "gpu",
+            "machines": [{"count": 1, "device": "H100-80", "num_devices": 1, "speed": s} for s in (1.0, 0.4)],
+            "links": {
+                level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")
+            },
+        }
+    )
     plan = plan_at_ratios(workload, cluster, [0.6, 0.4])
     method = FixedPlanMethod(plan, mirror_full_state=True)
-    case = Case(workload, cluster, method, method.plan(workload, cluster), seed=0, warmup_iters=0,
-                measured_iters=STEPS, return_state=True)
+    case = Case(
+        workload,
+        cluster,
+        method,
+        method.plan(workload, cluster),
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        return_state=True,
+    )
     results = launch(case, 2, timeout_s=300)
     assert all(r["hardware"]["device"] == "cuda" for r in results)
     check_equivalence(workload, results, reference=_single_device_on_gpu(workload))
 
 
 def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
-    out = run("bench.run", "-m", "cluster=h100x1", "model=vgg19,vit,bert,bert_moe", f"method={METHODS}",
-              *QUICK, results_dir=tmp_path)
+    out = run(
+        "bench.run",
+        "-m",
+        "cluster=h100x1",
+        "model=vgg19,vit,bert,bert_moe",
+        f"method={METHODS}",
+        *QUICK,
+        results_dir=tmp_path,
+    )
     got = rows(tmp_path)
     assert len(got) == 20, out.stderr[-3000:]
     failed = [(r["model"], r["method"], (r["error"] or "")[-500:]) for r in got if r["status"] != "ok"]
@@ -124,8 +155,18 @@ def test_every_method_runs_its_forward_matmuls_in_bf16_on_a_gpu_when_asked(tmp_p
     # DeepSpeed's engine switches an outer CUDA autocast off in forward unless its own config
     # enables torch_autocast: on the CPU that cannot show, here it does. The dtypes are those
     # the first (warm-up) step's matrix products made on the rank (bench.runtime.precision).
-    out = run("bench.run", "-m", "cluster=h100x1", "model=bert", f"method={METHODS}", "precision=bf16",
-              "warmup_iters=1", "measured_iters=2", "wandb.mode=disabled", results_dir=tmp_path)
+    out = run(
+        "bench.run",
+        "-m",
+        "cluster=h100x1",
+        "model=bert",
+        f"method={METHODS}",
+        "precision=bf16",
+        "warmup_iters=1",
+        "measured_iters=2",
+        "wandb.mode=disabled",
+        results_dir=tmp_path,
+    )
     got = {r["method"]: r for r in rows(tmp_path)}
     assert set(got) == set(METHODS.split(",")), out.stderr[-3000:]
     seen = {m: (r["status"], r["precision"] and r["precision"]["forward_matmul_dtypes"]) for m, r in got.items()}
@@ -146,8 +187,9 @@ def test_the_libraries_workspace_is_measured_and_a_steps_peak_holds_it():
         "layer(x).sum().backward()\n"
         "print(w, torch.cuda.memory_allocated() - base)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=os.environ)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     workspace, live = (int(v) for v in out.stdout.split())
     assert 0 < workspace < 2**30

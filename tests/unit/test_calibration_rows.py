@@ -14,17 +14,23 @@ def test_rows_of_several_runs_are_the_last_aggregate_else_the_last_case(tmp_path
     base = {"mode": "real", "cluster": "local_hetero2", "status": "ok"}
     a, b = tmp_path / "a", tmp_path / "b.jsonl"
     a.mkdir()
-    _write(a / "records.jsonl", [
-        {**base, "model": "bert", "method": "pipeline", "row_kind": "repeat", "run_id": "r1"},
-        {**base, "model": "bert", "method": "pipeline", "row_kind": "aggregate", "run_id": "agg1"},
-        {**base, "model": "bert", "method": "fsdp", "row_kind": "case", "run_id": "c1"},
-        {**base, "model": "bert", "method": "fsdp", "mode": "sim", "run_id": "sim"},
-    ])
-    _write(b, [
-        {**base, "model": "bert", "method": "pipeline", "row_kind": "case", "run_id": "c2"},  # an aggregate wins
-        {**base, "model": "bert", "method": "fsdp", "row_kind": "case", "run_id": "c3"},  # the later case
-        {**base, "model": "vit", "method": "fsdp", "row_kind": "case", "run_id": "c4"},
-    ])
+    _write(
+        a / "records.jsonl",
+        [
+            {**base, "model": "bert", "method": "pipeline", "row_kind": "repeat", "run_id": "r1"},
+            {**base, "model": "bert", "method": "pipeline", "row_kind": "aggregate", "run_id": "agg1"},
+            {**base, "model": "bert", "method": "fsdp", "row_kind": "case", "run_id": "c1"},
+            {**base, "model": "bert", "method": "fsdp", "mode": "sim", "run_id": "sim"},
+        ],
+    )
+    _write(
+        b,
+        [
+            {**base, "model": "bert", "method": "pipeline", "row_kind": "case", "run_id": "c2"},  # an aggregate wins
+            {**base, "model": "bert", "method": "fsdp", "row_kind": "case", "run_id": "c3"},  # the later case
+            {**base, "model": "vit", "method": "fsdp", "row_kind": "case", "run_id": "c4"},
+        ],
+    )
     rows = {(r["model"], r["method"]): r["run_id"] for r in recorded_rows([a, b])}
     assert rows == {("bert", "pipeline"): "agg1", ("bert", "fsdp"): "c3", ("vit", "fsdp"): "c4"}
     assert [r["run_id"] for r in recorded_rows([a, b], models=["vit"])] == ["c4"]

@@ -11,10 +11,14 @@ from tests.conftest import compose_config
 
 GOOD = {
     "name": "two",
-    "machines": [{"count": 1, "device": "V100-16", "num_devices": 2},
-                 {"count": 2, "device": "P100-16", "num_devices": 1, "speed": 0.5}],
-    "links": {"intra_machine": {"bandwidth_gbps": 100.0, "latency_s": 1e-5},
-              "inter_machine": {"bandwidth_gbps": 10.0, "latency_s": 3e-5}},
+    "machines": [
+        {"count": 1, "device": "V100-16", "num_devices": 2},
+        {"count": 2, "device": "P100-16", "num_devices": 1, "speed": 0.5},
+    ],
+    "links": {
+        "intra_machine": {"bandwidth_gbps": 100.0, "latency_s": 1e-5},
+        "inter_machine": {"bandwidth_gbps": 10.0, "latency_s": 3e-5},
+    },
 }
 
 
@@ -65,20 +69,23 @@ def _broken(path, value):
     return cfg
 
 
-@pytest.mark.parametrize("path,value,needle", [
-    (("machines", 1, "speed"), 0.0, "cluster.machines[1].speed=0.0 must be a number > 0"),
-    (("machines", 0, "effective_flops"), -1e12, "cluster.machines[0].effective_flops=-1000000000000.0"),
-    (("machines", 0, "memory_gib"), 0, "cluster.machines[0].memory_gib=0 must be a number > 0"),
-    (("machines", 0, "num_devices"), 0, "cluster.machines[0].num_devices=0 must be an integer >= 1"),
-    (("machines", 1, "count"), 0, "cluster.machines[1].count=0"),
-    (("machines", 0, "device"), "H100", "cluster.machines[0].device='H100' is unknown; known: A100-40"),
-    (("links", "inter_machine", "bandwidth_gbps"), -5, "cluster.links.inter_machine.bandwidth_gbps=-5"),
-    (("links", "intra_machine", "latency_s"), -1, "cluster.links.intra_machine.latency_s=-1"),
-    (("machines",), [], "cluster.machines=[] is empty"),
-    (("num_devices",), 5, "cluster.num_devices=5 does not add up: the machine groups hold 4"),
-    (("virtual_device",), "node", "cluster.virtual_device='node' is invalid"),
-    (("machines", 0, "gpus"), 3, "unknown field(s) ['gpus']"),
-])
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        (("machines", 1, "speed"), 0.0, "cluster.machines[1].speed=0.0 must be a number > 0"),
+        (("machines", 0, "effective_flops"), -1e12, "cluster.machines[0].effective_flops=-1000000000000.0"),
+        (("machines", 0, "memory_gib"), 0, "cluster.machines[0].memory_gib=0 must be a number > 0"),
+        (("machines", 0, "num_devices"), 0, "cluster.machines[0].num_devices=0 must be an integer >= 1"),
+        (("machines", 1, "count"), 0, "cluster.machines[1].count=0"),
+        (("machines", 0, "device"), "H100", "cluster.machines[0].device='H100' is unknown; known: A100-40"),
+        (("links", "inter_machine", "bandwidth_gbps"), -5, "cluster.links.inter_machine.bandwidth_gbps=-5"),
+        (("links", "intra_machine", "latency_s"), -1, "cluster.links.intra_machine.latency_s=-1"),
+        (("machines",), [], "cluster.machines=[] is empty"),
+        (("num_devices",), 5, "cluster.num_devices=5 does not add up: the machine groups hold 4"),
+        (("virtual_device",), "node", "cluster.virtual_device='node' is invalid"),
+        (("machines", 0, "gpus"), 3, "unknown field(s) ['gpus']"),
+    ],
+)
 def test_invalid_cluster_fields_name_the_field_and_value(path, value, needle):
     with pytest.raises(ConfigError) as err:
         ClusterSpec.from_config(_broken(path, value))
@@ -143,9 +150,16 @@ def test_adams_per_byte_part_follows_the_parameter_bytes_a_device_holds():
 # Device types are data: conf/device/*.yaml, or inline in a cluster file.
 
 PACKAGED = ["H100-80", "H200", "A100-80", "A100-40", "V100-16", "V100-32", "P100-16", "L4", "T4", "cpu"]
-MY_GPU = {"memory_gib": 24, "peak_flops": 30.0e12, "effective_flops": 7.0e12,
-          "sources": {"memory_gib": "vendor sheet", "peak_flops": "vendor sheet",
-                      "effective_flops": "assumption: 0.23 x peak"}}
+MY_GPU = {
+    "memory_gib": 24,
+    "peak_flops": 30.0e12,
+    "effective_flops": 7.0e12,
+    "sources": {
+        "memory_gib": "vendor sheet",
+        "peak_flops": "vendor sheet",
+        "effective_flops": "assumption: 0.23 x peak",
+    },
+}
 
 
 @pytest.mark.parametrize("name", PACKAGED)
@@ -163,8 +177,7 @@ def test_every_packaged_device_type_loads_with_a_source_per_number(name):
 
 def test_the_paper_types_keep_the_hap_profiled_rates():
     types = device_types()
-    assert [types[n].effective_flops for n in ("V100-16", "P100-16", "A100-40")] == [
-        3.859e12, 2.149e12, 5.712e12]
+    assert [types[n].effective_flops for n in ("V100-16", "P100-16", "A100-40")] == [3.859e12, 2.149e12, 5.712e12]
 
 
 def test_an_inline_device_type_is_used_and_changes_the_fingerprint():
@@ -202,21 +215,26 @@ def _with_type(**changes):
     return cfg
 
 
-@pytest.mark.parametrize("changes,needle", [
-    ({"memory_gib": ...}, "cluster.device_types.MyGPU.memory_gib is missing; add"),
-    ({"effective_flops": ..., "peak_flops": ...},
-     "cluster.device_types.MyGPU.effective_flops is missing; a GPU type needs the sustained FLOP/s"),
-    ({"effective_flops": ..., "peak_flops": ...}, "and peak_flops from the datasheet"),
-    ({"effective_flops": None}, "cluster.device_types.MyGPU.effective_flops is missing"),
-    ({"peak_flops": "fast"}, "cluster.device_types.MyGPU.peak_flops='fast' must be a number > 0"),
-    ({"memory_gib": 0}, "cluster.device_types.MyGPU.memory_gib=0 must be a number > 0"),
-    ({"effective_flops": -1e12}, "cluster.device_types.MyGPU.effective_flops=-1000000000000.0 must be"),
-    ({"tflops": 30}, "cluster.device_types.MyGPU has unknown field(s) ['tflops']; valid:"),
-    ({"sources": {"memory_gib": "sheet"}}, "cluster.device_types.MyGPU.sources.peak_flops is missing"),
-    ({"sources": {**MY_GPU["sources"], "speed": "x"}}, "cluster.device_types.MyGPU.sources.speed is not"),
-    ({"profile": 3}, "cluster.device_types.MyGPU.profile=3 must be a profile file's path"),
-    ({"name": "Other"}, "cluster.device_types.MyGPU.name='Other' differs from its key 'MyGPU'"),
-])
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"memory_gib": ...}, "cluster.device_types.MyGPU.memory_gib is missing; add"),
+        (
+            {"effective_flops": ..., "peak_flops": ...},
+            "cluster.device_types.MyGPU.effective_flops is missing; a GPU type needs the sustained FLOP/s",
+        ),
+        ({"effective_flops": ..., "peak_flops": ...}, "and peak_flops from the datasheet"),
+        ({"effective_flops": None}, "cluster.device_types.MyGPU.effective_flops is missing"),
+        ({"peak_flops": "fast"}, "cluster.device_types.MyGPU.peak_flops='fast' must be a number > 0"),
+        ({"memory_gib": 0}, "cluster.device_types.MyGPU.memory_gib=0 must be a number > 0"),
+        ({"effective_flops": -1e12}, "cluster.device_types.MyGPU.effective_flops=-1000000000000.0 must be"),
+        ({"tflops": 30}, "cluster.device_types.MyGPU has unknown field(s) ['tflops']; valid:"),
+        ({"sources": {"memory_gib": "sheet"}}, "cluster.device_types.MyGPU.sources.peak_flops is missing"),
+        ({"sources": {**MY_GPU["sources"], "speed": "x"}}, "cluster.device_types.MyGPU.sources.speed is not"),
+        ({"profile": 3}, "cluster.device_types.MyGPU.profile=3 must be a profile file's path"),
+        ({"name": "Other"}, "cluster.device_types.MyGPU.name='Other' differs from its key 'MyGPU'"),
+    ],
+)
 def test_bad_inline_device_types_name_the_field_and_value(changes, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)) as err:
         ClusterSpec.from_config(_with_type(**changes))
@@ -224,8 +242,9 @@ def test_bad_inline_device_types_name_the_field_and_value(changes, needle):
 
 
 def test_an_unknown_device_says_how_to_define_one():
-    with pytest.raises(ConfigError, match=re.escape(
-            "device='B200' is unknown; known: A100-40, A100-80, H100-80")) as err:
+    with pytest.raises(
+        ConfigError, match=re.escape("device='B200' is unknown; known: A100-40, A100-80, H100-80")
+    ) as err:
         ClusterSpec.from_config(_broken(("machines", 0, "device"), "B200"))
     assert "cluster.device_types" in str(err.value) and "conf/device/B200.yaml" in str(err.value)
 
@@ -236,19 +255,25 @@ def _device_dir(tmp_path, text, stem="MyGPU"):
 
 
 def test_the_loader_reads_a_directory_of_its_own(tmp_path):
-    d = _device_dir(tmp_path, "name: MyGPU\nmemory_gib: 24\neffective_flops: 7e12\n"
-                              "sources: {memory_gib: sheet, effective_flops: assumption}\n")
+    d = _device_dir(
+        tmp_path,
+        "name: MyGPU\nmemory_gib: 24\neffective_flops: 7e12\n"
+        "sources: {memory_gib: sheet, effective_flops: assumption}\n",
+    )
     assert device_types(d)["MyGPU"].effective_flops == 7e12
     assert set(device_types(DEVICE_DIR)) >= set(PACKAGED)
 
 
-@pytest.mark.parametrize("text,stem,needle", [
-    ("name: MyGPU\nmemory_gib: [24\n", "MyGPU", "MyGPU.yaml is not valid yaml ("),
-    ("name: Other\nmemory_gib: 24\n", "MyGPU", "MyGPU.yaml: name='Other' differs from the file name"),
-    ("- 1\n- 2\n", "MyGPU", "MyGPU.yaml must hold a mapping of fields"),
-    ("name: MyGPU\nmemory_gib: big\n", "MyGPU", "MyGPU.yaml: memory_gib='big' must be a number > 0"),
-    ("name: MyGPU\nmemory_gib: 24\ncolor: red\n", "MyGPU", "MyGPU.yaml has unknown field(s) ['color']"),
-])
+@pytest.mark.parametrize(
+    "text,stem,needle",
+    [
+        ("name: MyGPU\nmemory_gib: [24\n", "MyGPU", "MyGPU.yaml is not valid yaml ("),
+        ("name: Other\nmemory_gib: 24\n", "MyGPU", "MyGPU.yaml: name='Other' differs from the file name"),
+        ("- 1\n- 2\n", "MyGPU", "MyGPU.yaml must hold a mapping of fields"),
+        ("name: MyGPU\nmemory_gib: big\n", "MyGPU", "MyGPU.yaml: memory_gib='big' must be a number > 0"),
+        ("name: MyGPU\nmemory_gib: 24\ncolor: red\n", "MyGPU", "MyGPU.yaml has unknown field(s) ['color']"),
+    ],
+)
 def test_a_bad_device_file_names_its_path(tmp_path, text, stem, needle):
     d = _device_dir(tmp_path, text, stem)
     with pytest.raises(ConfigError, match=re.escape(needle)) as err:

@@ -17,8 +17,12 @@ from tests.conftest import compose_config
 
 # What a model option needs on the command line besides its defaults (model=custom names its
 # module), and overrides that keep a zoo model's paper size quick to count.
-NEEDS = {"custom": ["model.factory=tests.zoo_custom:build",
-                    "model.inputs=[{shape:[3,32,32],dtype:float32},{shape:[],dtype:int64,high:10}]"]}
+NEEDS = {
+    "custom": [
+        "model.factory=tests.zoo_custom:build",
+        "model.inputs=[{shape:[3,32,32],dtype:float32},{shape:[],dtype:int64,high:10}]",
+    ]
+}
 QUICK_PAPER = {"hf": ["model.config.num_hidden_layers=1"]}
 
 
@@ -74,34 +78,41 @@ def test_tiny_workloads_count_their_flops(model):
     assert train_flops_per_sample(wider) > workload.flops_per_sample
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["measured_iters=0"], "measured_iters=0 must be an integer >= 1"),
-    (["warmup_iters=-1"], "warmup_iters=-1 must be an integer >= 0"),
-    (["global_batch=1"], "global_batch=1 is smaller than the 2 devices"),
-    (["cluster.machines.1.speed=0"], "cluster.machines[1].speed=0 must be a number > 0"),
-    (["cluster.links.inter_machine.bandwidth_gbps=0"], "bandwidth_gbps=0 must be a number > 0"),
-    (["+cluster.num_devices=3"], "cluster.num_devices=3 does not add up"),
-    (["mode=fast"], "mode='fast' is invalid; valid: real, sim"),
-    (["wandb.mode=maybe"], "wandb.mode='maybe' is invalid"),
-    (["data.source=imagenet"], "data.source='imagenet' is invalid"),
-    (["data.source=cifar10"], "data.source"),
-    (["+model.spec.num_layerz=3"], "num_layerz"),
-    (["method.split=random"], "method.split='random' is invalid"),
-    (["repeats=0"], "repeats=0 must be an integer >= 1; e.g. repeats=5"),
-    (["repeats=-2"], "repeats=-2 must be an integer >= 1"),
-    (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),
-    (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
-    (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
-    (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
-    (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
-    (["emulation.realtime_comm=yes"], "emulation.realtime_comm='yes' must be true or false"),
-    (["emulation.gloo_workers_first=2"], "emulation.gloo_workers_first=2 must be true or false"),
-    (["method=hap", "mode=sim", "method.segmentation=random"],
-     "method.segmentation='random' is unknown; valid: layers, flops, metis"),
-    (["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head
-     "method.num_segments=5 is more than the 4 layer groups of this model (method.segmentation=layers); "
-     "use method.num_segments<=4 or method.segmentation=flops"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["measured_iters=0"], "measured_iters=0 must be an integer >= 1"),
+        (["warmup_iters=-1"], "warmup_iters=-1 must be an integer >= 0"),
+        (["global_batch=1"], "global_batch=1 is smaller than the 2 devices"),
+        (["cluster.machines.1.speed=0"], "cluster.machines[1].speed=0 must be a number > 0"),
+        (["cluster.links.inter_machine.bandwidth_gbps=0"], "bandwidth_gbps=0 must be a number > 0"),
+        (["+cluster.num_devices=3"], "cluster.num_devices=3 does not add up"),
+        (["mode=fast"], "mode='fast' is invalid; valid: real, sim"),
+        (["wandb.mode=maybe"], "wandb.mode='maybe' is invalid"),
+        (["data.source=imagenet"], "data.source='imagenet' is invalid"),
+        (["data.source=cifar10"], "data.source"),
+        (["+model.spec.num_layerz=3"], "num_layerz"),
+        (["method.split=random"], "method.split='random' is invalid"),
+        (["repeats=0"], "repeats=0 must be an integer >= 1; e.g. repeats=5"),
+        (["repeats=-2"], "repeats=-2 must be an integer >= 1"),
+        (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),
+        (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
+        (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
+        (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
+        (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
+        (["emulation.realtime_comm=yes"], "emulation.realtime_comm='yes' must be true or false"),
+        (["emulation.gloo_workers_first=2"], "emulation.gloo_workers_first=2 must be true or false"),
+        (
+            ["method=hap", "mode=sim", "method.segmentation=random"],
+            "method.segmentation='random' is unknown; valid: layers, flops, metis",
+        ),
+        (
+            ["method=hap", "mode=sim", "method.num_segments=5"],  # tiny BERT: embedding, 2 blocks, head
+            "method.num_segments=5 is more than the 4 layer groups of this model (method.segmentation=layers); "
+            "use method.num_segments<=4 or method.segmentation=flops",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overrides, needle):
     cfg = cfg_factory(*overrides)
     record = run_case(cfg)
@@ -142,8 +153,11 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
 
     cfg = cfg_factory("cluster=local_hetero4", "emulation.realtime_comm=true")
     monkeypatch.setattr(settings, "host_cores", lambda: 2)
-    with pytest.raises(ConfigError, match=r"emulation.realtime_comm=true needs a core per rank: 4 ranks "
-                                          r"on 2 cores; use emulation.realtime_comm=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"emulation.realtime_comm=true needs a core per rank: 4 ranks "
+        r"on 2 cores; use emulation.realtime_comm=false",
+    ):
         settings.emulation_settings(cfg, 4)
     monkeypatch.setattr(settings, "host_cores", lambda: 4)
     assert settings.emulation_settings(cfg, 4).realtime_comm is True
@@ -151,13 +165,22 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
     assert settings.emulation_settings(cfg_factory("cluster=local_hetero4"), 4).gloo_workers_first is True
 
 
-@pytest.mark.parametrize("overrides,line", [
-    (["measured_iter=3"], "measured_iter is not an option (options: mode, precision, seed,"),
-    (["data=5"], "data=5: Invalid type assigned: int is not a subclass of DataSettings. value: 5; give data "
-                 "the shape it has in the config"),
-    (["method=nosuch"], "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, fsdp, fsdp_cp, hap, pipeline, sfb"),
-    (["+preset.extra=1"], None),  # a key of one's own, with +: composes
-])
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["measured_iter=3"], "measured_iter is not an option (options: mode, precision, seed,"),
+        (
+            ["data=5"],
+            "data=5: Invalid type assigned: int is not a subclass of DataSettings. value: 5; give data "
+            "the shape it has in the config",
+        ),
+        (
+            ["method=nosuch"],
+            "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, fsdp, fsdp_cp, hap, pipeline, sfb",
+        ),
+        (["+preset.extra=1"], None),  # a key of one's own, with +: composes
+    ],
+)
 def test_a_key_no_schema_has_or_a_node_of_the_wrong_shape_is_one_line_at_compose(overrides, line):
     from bench.runner.configs import compose_settings
 
@@ -169,13 +192,16 @@ def test_a_key_no_schema_has_or_a_node_of_the_wrong_shape_is_one_line_at_compose
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["warmup_iters=${preset.nope}"], "warmup_iters: Interpolation key 'preset.nope' not found; fix the value"),
-    (["preset.batch_per_device=x"], "preset.batch_per_device='x' must be an integer >= 1"),
-    (["timeout_s=0"], "timeout_s=0 must be a number > 0 (seconds)"),
-    (["resume=maybe"], "resume='maybe' must be true or false"),
-    (["~preset.batch_per_device"], "preset.batch_per_device is missing; set it (an integer >= 1)"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["warmup_iters=${preset.nope}"], "warmup_iters: Interpolation key 'preset.nope' not found; fix the value"),
+        (["preset.batch_per_device=x"], "preset.batch_per_device='x' must be an integer >= 1"),
+        (["timeout_s=0"], "timeout_s=0 must be a number > 0 (seconds)"),
+        (["resume=maybe"], "resume='maybe' must be true or false"),
+        (["~preset.batch_per_device"], "preset.batch_per_device is missing; set it (an integer >= 1)"),
+    ],
+)
 def test_settings_read_at_the_edge_refuse_a_value_in_one_line(overrides, needle):
     from bench.runner.settings import Settings
 

@@ -23,8 +23,7 @@ def planned():
     """(plan, cluster) of hap on a 1 fast + 2 slow machine cluster, 2 GPUs each, 4 segments:
     overlapped gradient buckets, machine-level devices and reshards all appear."""
     cl = cluster(fast=1, slow=2, k=2, inter_gbps=5.0)
-    plan = HapPlanner(cache_dir=None, num_segments=4, levels="cluster").plan(
-        bert_workload(batch=24, num_devices=6), cl)
+    plan = HapPlanner(cache_dir=None, num_segments=4, levels="cluster").plan(bert_workload(batch=24, num_devices=6), cl)
     assert plan.program.num_segments == 4
     return plan, cl
 
@@ -89,16 +88,24 @@ def test_the_stage_maps_time_a_program_as_the_simulator_does(planned, tmp_path):
     over a whole program they give iteration_time's time: buckets beside backward, the lane
     inside machines, reshards, a profiled GPU's queueing and optimizer step."""
     plan, cl = planned
-    assert _timeline_s(plan.program, cl, plan.ratios) == pytest.approx(simulate(plan.program, cl, plan.ratios).iter_time_s,
-                                                                       rel=1e-12)
+    assert _timeline_s(plan.program, cl, plan.ratios) == pytest.approx(
+        simulate(plan.program, cl, plan.ratios).iter_time_s, rel=1e-12
+    )
     wl = bert_workload(batch=24)
     graph = capture_config(wl.model_cfg, wl.global_batch)
     ddp = data_parallel_program(3, 24, graph.layer_profile(), graph.activation_bytes() / 24, bucket_cap_bytes=2**16)
     gpus = cluster(fast=1, slow=2, inter_gbps=2.0, virtual="gpu")
-    profiled = _cluster_with_profile(_profile_file(
-        tmp_path, compute={"matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
-                           "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}},
-        optimizer={"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5}), gpus=3)
+    profiled = _cluster_with_profile(
+        _profile_file(
+            tmp_path,
+            compute={
+                "matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
+                "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5},
+            },
+            optimizer={"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5},
+        ),
+        gpus=3,
+    )
     for cl in (gpus, profiled):
         for ratios in ([[1 / 3] * 3], [[0.5, 0.25, 0.25]]):
             sim = simulate(ddp, cl, ratios)
@@ -121,13 +128,26 @@ def test_the_search_prices_a_program_as_the_simulator_times_it_with_a_bucket_per
     from methods.hap.theory import derive_theory
 
     # emulated CPU workers: a per-step part and Adam's cost per byte held, a transport floor
-    links = {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
-             "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 3e-5}}
-    cl = ClusterSpec.from_config({
-        "name": "cpus", "emulated": True, "virtual_device": granularity, "links": links,
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 2, "speed": 1.0},
-                     {"count": 2, "device": "cpu", "num_devices": 2, "speed": 0.5}],
-    }).with_host_speed(2e11, 3e-3, 1e-10, 4e7).with_link_floor({"all_reduce": 2e-5, "all_gather": 1e-5})
+    links = {
+        "intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
+        "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 3e-5},
+    }
+    cl = (
+        ClusterSpec.from_config(
+            {
+                "name": "cpus",
+                "emulated": True,
+                "virtual_device": granularity,
+                "links": links,
+                "machines": [
+                    {"count": 1, "device": "cpu", "num_devices": 2, "speed": 1.0},
+                    {"count": 2, "device": "cpu", "num_devices": 2, "speed": 0.5},
+                ],
+            }
+        )
+        .with_host_speed(2e11, 3e-3, 1e-10, 4e7)
+        .with_link_floor({"all_reduce": 2e-5, "all_gather": 1e-5})
+    )
     wl = bert_workload(batch=24, num_devices=6)
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     uneven = [5, 10, 9] if granularity == "machine" else [2, 3, 4, 5, 6, 4]  # of 24 samples
@@ -182,8 +202,15 @@ def baseline_time(model: str, k: int, method: str) -> tuple[bool, float]:
     from tests.conftest import compose_config
 
     no_cache = ["method.cache_dir=null"] if method == "sfb" else []  # the planners' plan cache: not written
-    cfg = compose_config("mode=sim", "preset=paper", "cluster=paper_hetero", f"cluster.gpus_per_machine={k}",
-                         f"model={model}", f"method={method}", *no_cache)
+    cfg = compose_config(
+        "mode=sim",
+        "preset=paper",
+        "cluster=paper_hetero",
+        f"cluster.gpus_per_machine={k}",
+        f"model={model}",
+        f"method={method}",
+        *no_cache,
+    )
     record = new_record(cfg)
     prepare_case(cfg, record)
     return record.predicted_oom, record.predicted_iter_time_s
@@ -207,16 +234,26 @@ def _profiled_cluster(tmp_path, fits: dict | str):
     path = tmp_path / "profile.json"
     path.write_text(fits if isinstance(fits, str) else json.dumps({"ranks": 2, "fits": fits}))
     link = {"bandwidth_gbps": 8.0, "latency_s": 1e-5, "profile": str(path)}
-    return ClusterSpec.from_config({"name": "p", "virtual_device": "gpu",
-                                    "machines": [{"count": 1, "device": "V100-16", "num_devices": 2}],
-                                    "links": {"intra_machine": link, "inter_machine": link}})
+    return ClusterSpec.from_config(
+        {
+            "name": "p",
+            "virtual_device": "gpu",
+            "machines": [{"count": 1, "device": "V100-16", "num_devices": 2}],
+            "links": {"intra_machine": link, "inter_machine": link},
+        }
+    )
 
 
 def test_a_profiled_kind_is_priced_by_its_fit_and_the_others_by_the_link(tmp_path):
     from bench.cost import collective_time_s
 
-    cl = _profiled_cluster(tmp_path, {"all_gather/padded": {"latency_s": 1e-3, "bytes_per_s": 1e8},
-                                      "broadcast/ring": {"latency_s": 2e-4, "bytes_per_s": 5e8}})
+    cl = _profiled_cluster(
+        tmp_path,
+        {
+            "all_gather/padded": {"latency_s": 1e-3, "bytes_per_s": 1e8},
+            "broadcast/ring": {"latency_s": 2e-4, "bytes_per_s": 5e8},
+        },
+    )
     link = cl.intra_machine
     # all_gather of 2e8 bytes over 2 ranks: half crosses each link.
     assert collective_time_s("all_gather", 2e8, 2, link) == pytest.approx(1e-3 + 1e8 / 1e8)
@@ -235,8 +272,9 @@ def test_an_emulated_collective_takes_at_least_the_hosts_own_transport():
     floored = cl.with_link_floor({"all_reduce": 5e-4, "all_gather": 4e-4, "broadcast": 2e-4, "all_to_all": 3e-4})
 
     def price(c: Collective, ratios=((0.5, 0.5),), spec=floored) -> float:
-        return simulate(Program((Stage((c,), Affine()),), 2, c.rows[1] + 1 if c.rows else 1), spec,
-                        [list(r) for r in ratios]).iter_time_s
+        return simulate(
+            Program((Stage((c,), Affine()),), 2, c.rows[1] + 1 if c.rows else 1), spec, [list(r) for r in ratios]
+        ).iter_time_s
 
     small, large = Collective("all_reduce", Affine(1e3)), Collective("all_reduce", Affine(1e6))
     assert price(small, spec=cl) == pytest.approx(3e-5 + 1e3 / 1e9)
@@ -255,13 +293,16 @@ def test_an_emulated_collective_takes_at_least_the_hosts_own_transport():
     assert simulate(prog, floored, ratios).comm_time_s == pytest.approx(4e-4 + 5e-4)
 
 
-@pytest.mark.parametrize("content,message", [
-    (None, "cannot be read"),
-    ("{not json", "is not JSON"),
-    (json.dumps({"compute": {}}), "has no 'fits' mapping"),
-    (json.dumps({"fits": {"all_reduce/ring": {"latency_s": 1e-5, "bytes_per_s": 0}}}), "bytes_per_s > 0"),
-    (json.dumps({"fits": {"other/ring": {}}}), "holds none of the fits"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "cannot be read"),
+        ("{not json", "is not JSON"),
+        (json.dumps({"compute": {}}), "has no 'fits' mapping"),
+        (json.dumps({"fits": {"all_reduce/ring": {"latency_s": 1e-5, "bytes_per_s": 0}}}), "bytes_per_s > 0"),
+        (json.dumps({"fits": {"other/ring": {}}}), "holds none of the fits"),
+    ],
+)
 def test_a_bad_link_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, content, message):
     from bench.core.cluster import ClusterSpec
     from bench.core.errors import ConfigError
@@ -270,8 +311,11 @@ def test_a_bad_link_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, c
     if content is not None:
         path.write_text(content)
     link = {"bandwidth_gbps": 8.0, "latency_s": 1e-5, "profile": str(path)}
-    cfg = {"name": "p", "machines": [{"count": 1, "device": "V100-16", "num_devices": 2}],
-           "links": {"intra_machine": link, "inter_machine": {"bandwidth_gbps": 8.0, "latency_s": 1e-5}}}
+    cfg = {
+        "name": "p",
+        "machines": [{"count": 1, "device": "V100-16", "num_devices": 2}],
+        "links": {"intra_machine": link, "inter_machine": {"bandwidth_gbps": 8.0, "latency_s": 1e-5}},
+    }
     with pytest.raises(ConfigError, match=message) as info:
         ClusterSpec.from_config(cfg)
     text = str(info.value)
@@ -280,10 +324,12 @@ def test_a_bad_link_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, c
 
 # -- compute from a measured profile -----------------------------------------------------------
 def _profile_file(tmp_path, device_type="MyGPU", **over) -> str:
-    prof = {"device_type": device_type,
-            "compute": {"matmul": {"fixed_s": 1e-5, "flops_per_s": 1e12},
-                        "other": {"fixed_s": 2e-5, "flops_per_s": 1e11}},
-            "optimizer": {"fixed_s": 1e-4, "bytes_per_s": 1e9}, **over}
+    prof = {
+        "device_type": device_type,
+        "compute": {"matmul": {"fixed_s": 1e-5, "flops_per_s": 1e12}, "other": {"fixed_s": 2e-5, "flops_per_s": 1e11}},
+        "optimizer": {"fixed_s": 1e-4, "bytes_per_s": 1e9},
+        **over,
+    }
     path = tmp_path / f"{device_type}.json"
     path.write_text(json.dumps(prof))
     return str(path)
@@ -293,21 +339,36 @@ def _cluster_with_profile(profile: str, gpus: int = 2):
     from bench.core.cluster import ClusterSpec
 
     link = {"bandwidth_gbps": 100.0, "latency_s": 1e-5}
-    return ClusterSpec.from_config({
-        "name": "prof", "virtual_device": "gpu",
-        "device_types": {"MyGPU": {"memory_gib": 24, "effective_flops": 5e11, "profile": profile,
-                                   "sources": {"memory_gib": "test", "effective_flops": "test"}}},
-        "machines": [{"count": 1, "device": "MyGPU", "num_devices": gpus}],
-        "links": {"intra_machine": link, "inter_machine": link}})
+    return ClusterSpec.from_config(
+        {
+            "name": "prof",
+            "virtual_device": "gpu",
+            "device_types": {
+                "MyGPU": {
+                    "memory_gib": 24,
+                    "effective_flops": 5e11,
+                    "profile": profile,
+                    "sources": {"memory_gib": "test", "effective_flops": "test"},
+                }
+            },
+            "machines": [{"count": 1, "device": "MyGPU", "num_devices": gpus}],
+            "links": {"intra_machine": link, "inter_machine": link},
+        }
+    )
 
 
 def test_a_profiled_device_pays_a_fixed_cost_per_kernel_its_class_rate_and_the_optimizer(tmp_path):
     from bench.core.program import Memory
 
     cl = _cluster_with_profile(_profile_file(tmp_path))
-    prog = Program((Stage((), Affine.sharded(2e12), op_class="matmul", launches=3),
-                    Stage((), Affine.sharded(2e11), op_class="conv", launches=1)), 2,
-                   memory=Memory(params=Affine.sharded(4e9)))
+    prog = Program(
+        (
+            Stage((), Affine.sharded(2e12), op_class="matmul", launches=3),
+            Stage((), Affine.sharded(2e11), op_class="conv", launches=1),
+        ),
+        2,
+        memory=Memory(params=Affine.sharded(4e9)),
+    )
     ratios = [[0.5, 0.5]]
     matmul = 3 * 1e-5 + 1e12 / 1e12
     conv = 1 * 2e-5 + 1e11 / 1e11  # no conv class measured: priced as "other"
@@ -324,8 +385,11 @@ def test_the_libraries_workspace_a_profile_measured_is_in_every_peak_and_the_lps
 
     GIB = 2**30
     workspace = 2 * GIB
-    prog = Program((Stage((), Affine.sharded(2e12), op_class="matmul"),), 2,
-                   memory=Memory(params=Affine(4 * GIB), activations=Affine.sharded(36 * GIB)))
+    prog = Program(
+        (Stage((), Affine.sharded(2e12), op_class="matmul"),),
+        2,
+        memory=Memory(params=Affine(4 * GIB), activations=Affine.sharded(36 * GIB)),
+    )
     plain = _cluster_with_profile(_profile_file(tmp_path))
     cl = _cluster_with_profile(_profile_file(tmp_path, workspace_bytes=workspace))
     assert cl.devices[0].type.compute.workspace_bytes == workspace
@@ -343,15 +407,23 @@ def test_a_gpu_step_takes_at_least_its_hosts_time_to_queue_the_kernels(tmp_path)
     from bench.core.program import Memory
     from bench.cost import host_time, virtual_devices
 
-    compute = {"matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
-               "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
-    cl = _cluster_with_profile(_profile_file(tmp_path, compute=compute,
-                                             optimizer={"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5}))
+    compute = {
+        "matmul": {"fixed_s": 1e-6, "flops_per_s": 1e12, "dispatch_s": 2e-5},
+        "other": {"fixed_s": 1e-6, "flops_per_s": 1e11, "dispatch_s": 1e-5},
+    }
+    cl = _cluster_with_profile(
+        _profile_file(tmp_path, compute=compute, optimizer={"fixed_s": 1e-5, "bytes_per_s": 1e12, "dispatch_s": 3e-5})
+    )
 
     def program(flops):
-        return Program((Stage((), Affine.sharded(flops), op_class="matmul", launches=100),
-                        Stage((), Affine.sharded(flops / 10), op_class="other", launches=50)), 2,
-                       memory=Memory(params=Affine.sharded(1e6)))
+        return Program(
+            (
+                Stage((), Affine.sharded(flops), op_class="matmul", launches=100),
+                Stage((), Affine.sharded(flops / 10), op_class="other", launches=50),
+            ),
+            2,
+            memory=Memory(params=Affine.sharded(1e6)),
+        )
 
     host, host_optimizer = 100 * 2e-5 + 50 * 1e-5, 3e-5
     optimizer = 1e-5 + 5e5 / 1e12  # the device's part of Adam: shorter than its queueing
@@ -382,14 +454,17 @@ def test_a_host_that_probes_slower_than_the_profiles_queues_kernels_that_much_sl
     assert unprobed.with_host_probe(3e-6) is unprobed  # a profile without a probe: nothing to scale by
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"device_type": "OtherGPU"}, "was measured on device type 'OtherGPU', not 'MyGPU'"),
-    ({"compute": {"other": {"fixed_s": 0, "flops_per_s": 1e12, "dispatch_s": "x"}}}, "dispatch_s must be a number"),
-    ({"compute": {"matmul": {"fixed_s": 0, "flops_per_s": 1e12}}}, "has no compute.other"),
-    ({"compute": {"other": {"fixed_s": -1, "flops_per_s": 1e12}}}, "needs fixed_s >= 0"),
-    ({"host_probe_s": 0}, "host_probe_s must be a number > 0"),
-    ({"workspace_bytes": -1}, "workspace_bytes must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"device_type": "OtherGPU"}, "was measured on device type 'OtherGPU', not 'MyGPU'"),
+        ({"compute": {"other": {"fixed_s": 0, "flops_per_s": 1e12, "dispatch_s": "x"}}}, "dispatch_s must be a number"),
+        ({"compute": {"matmul": {"fixed_s": 0, "flops_per_s": 1e12}}}, "has no compute.other"),
+        ({"compute": {"other": {"fixed_s": -1, "flops_per_s": 1e12}}}, "needs fixed_s >= 0"),
+        ({"host_probe_s": 0}, "host_probe_s must be a number > 0"),
+        ({"workspace_bytes": -1}, "workspace_bytes must be a number >= 0"),
+    ],
+)
 def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path, change, message):
     from bench.core.errors import ConfigError
 
@@ -450,11 +525,26 @@ def test_a_device_calibration_writes_its_rows_after_every_step(tmp_path, monkeyp
     from bench import calibrate
 
     # a T4 profile's shape, its host probed; the steps run on this CPU
-    profile = _profile_file(tmp_path, "T4", host_probe_s=1e-6,
-                            compute={"other": {"fixed_s": 2e-5, "flops_per_s": 1e11, "dispatch_s": 1e-5}})
+    profile = _profile_file(
+        tmp_path, "T4", host_probe_s=1e-6, compute={"other": {"fixed_s": 2e-5, "flops_per_s": 1e11, "dispatch_s": 1e-5}}
+    )
     out = tmp_path / "steps.json"
-    args = ["--device", "cpu", "--device-type", "T4", "--profile", profile, "--models", "bert",
-            "--batches", "1,2", "--preset", "tiny", "--out", str(out)]
+    args = [
+        "--device",
+        "cpu",
+        "--device-type",
+        "T4",
+        "--profile",
+        profile,
+        "--models",
+        "bert",
+        "--batches",
+        "1,2",
+        "--preset",
+        "tiny",
+        "--out",
+        str(out),
+    ]
     assert calibrate.main(args) == 0
     done = json.loads(out.read_text())
     assert "partial" not in done and [r["batch"] for r in done["rows"]] == [1, 2] and done["time_mape"] > 0
@@ -465,6 +555,7 @@ def test_a_device_calibration_writes_its_rows_after_every_step(tmp_path, monkeyp
 
     def cut(*_):
         raise KeyboardInterrupt  # the lease ends after the last step, before the summary
+
     monkeypatch.setattr(calibrate, "print_single_device", cut)
     with pytest.raises(KeyboardInterrupt):
         calibrate.main(args)
@@ -488,6 +579,7 @@ def test_gpu_profile_and_step_calibration_run_on_cuda(tmp_path):
     assert 0 < prof["host_probe_s"] < prof["compute"]["other"]["dispatch_s"] * 10
     assert prof["views"]["dispatch_s"] > 0  # the host's, while the GPU sleeps
     path.write_text(json.dumps(prof))
-    rows = single_device_rows(["bert"], [1, 8], "cuda", single_device_cluster("H100-80", str(path)),
-                              preset="tiny", repeats=5)
+    rows = single_device_rows(
+        ["bert"], [1, 8], "cuda", single_device_cluster("H100-80", str(path)), preset="tiny", repeats=5
+    )
     assert all(r["measured_peak_gib"] > 0 for r in rows)

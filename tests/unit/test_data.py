@@ -97,8 +97,12 @@ def _py2_cifar_pickle(data, labels):
     out += b"cnumpy\nndarray\n" + b"K\x00\x85" + _py2_str(b"b") + b"\x87R"
     shape = b"(" + b"".join(b"J" + struct.pack("<i", n) for n in data.shape) + b"t"
     dtype = (
-        b"cnumpy\ndtype\n" + _py2_str(b"u1") + b"K\x00K\x01\x87R"
-        + b"(K\x03" + _py2_str(b"|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+        b"cnumpy\ndtype\n"
+        + _py2_str(b"u1")
+        + b"K\x00K\x01\x87R"
+        + b"(K\x03"
+        + _py2_str(b"|")
+        + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
     )
     out += b"(K\x01" + shape + dtype + b"\x89" + _py2_str(data.tobytes()) + b"tb"
     out += _py2_str(b"labels") + b"](" + b"".join(b"K" + bytes([label]) for label in labels) + b"e"
@@ -168,7 +172,24 @@ def test_wikitext_windows_shift_and_unk(tmp_path):
     dataset = WikiText2(str(tmp_path), "train", vocab_size=5, seq_len=4)
     assert dataset.vocab == ["<unk>", "<eos>", "the", "=", "sat"]
     ids = {w: i for i, w in enumerate(dataset.vocab)}
-    words = ["=", "Title", "=", "<eos>", "the", "cat", "sat", "on", "the", "mat", "<eos>", "the", "dog", "<unk>", "sat", "<eos>"]
+    words = [
+        "=",
+        "Title",
+        "=",
+        "<eos>",
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "the",
+        "mat",
+        "<eos>",
+        "the",
+        "dog",
+        "<unk>",
+        "sat",
+        "<eos>",
+    ]
     expected = [ids.get(w, 0) for w in words]
     assert dataset.tokens.tolist() == expected
     assert len(dataset) == (16 - 1) // 4

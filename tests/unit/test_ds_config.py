@@ -25,8 +25,9 @@ def _cluster(name="local_homo2"):
 
 
 def _workload(model_cfg, global_batch=16):
-    return Workload(name=model_cfg.name, preset="tiny", model_cfg=model_cfg,
-                    global_batch=global_batch, flops_per_sample=1.0)
+    return Workload(
+        name=model_cfg.name, preset="tiny", model_cfg=model_cfg, global_batch=global_batch, flops_per_sample=1.0
+    )
 
 
 TINY_BERT = BertConfig.from_preset("tiny")
@@ -68,16 +69,19 @@ def test_the_conf_option_instantiates_stage_one_with_the_papers_adam():
     assert method.modes == ("real", "sim") and not method.shm_comm_op
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"zero_stage": 4}, "method.zero_stage=4 is invalid; use one of 0, 1, 2, 3"),
-    ({"zero_stage": True}, "method.zero_stage=True is invalid"),
-    ({"lr": 0.0}, "method.lr=0.0 must be > 0"),
-    ({"reduce_bucket_size": 0}, "method.reduce_bucket_size=0 must be >= 1"),
-    ({"moe_capacity_factor": -1.0}, "method.moe_capacity_factor=-1.0 must be > 0"),
-    ({"log_level": "loud"}, "method.log_level='loud' is invalid"),
-    ({"engine_probe": "no"}, "method.engine_probe='no' is invalid; use true or false"),
-    ({"shm_comm_op": 1}, "method.shm_comm_op=1 is invalid; use true or false"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"zero_stage": 4}, "method.zero_stage=4 is invalid; use one of 0, 1, 2, 3"),
+        ({"zero_stage": True}, "method.zero_stage=True is invalid"),
+        ({"lr": 0.0}, "method.lr=0.0 must be > 0"),
+        ({"reduce_bucket_size": 0}, "method.reduce_bucket_size=0 must be >= 1"),
+        ({"moe_capacity_factor": -1.0}, "method.moe_capacity_factor=-1.0 must be > 0"),
+        ({"log_level": "loud"}, "method.log_level='loud' is invalid"),
+        ({"engine_probe": "no"}, "method.engine_probe='no' is invalid; use true or false"),
+        ({"shm_comm_op": 1}, "method.shm_comm_op=1 is invalid; use true or false"),
+    ],
+)
 def test_bad_options_fail_in_one_line_at_construction(kwargs, needle):
     with pytest.raises(ConfigError) as err:
         DeepSpeedZeRO(**kwargs)
@@ -89,8 +93,10 @@ def test_moe_with_zero3_is_refused_in_one_line_before_any_worker():
         DeepSpeedZeRO(zero_stage=3).plan(_workload(TINY_MOE), _cluster())
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg == ("method.zero_stage=3 cannot train model=bert_moe: DeepSpeed's MoE layer does not "
-                   "support ZeRO-3; use method.zero_stage=0, 1 or 2")
+    assert msg == (
+        "method.zero_stage=3 cannot train model=bert_moe: DeepSpeed's MoE layer does not "
+        "support ZeRO-3; use method.zero_stage=0, 1 or 2"
+    )
 
 
 def test_global_batch_not_divisible_by_devices_is_refused_with_the_fix():
@@ -98,7 +104,8 @@ def test_global_batch_not_divisible_by_devices_is_refused_with_the_fix():
         DeepSpeedZeRO().plan(_workload(TINY_BERT, global_batch=7), _cluster())
     assert str(err.value) == (
         "global_batch=7 is not divisible by the 2 devices of cluster=local_homo2: DeepSpeed gives "
-        "every device the same micro-batch; set global_batch=6 or 8")
+        "every device the same micro-batch; set global_batch=6 or 8"
+    )
 
 
 def test_moe_settings_match_the_models_experts_and_slots():
@@ -148,8 +155,11 @@ def test_deepspeed_is_imported_inside_functions_only():
 
 def _paper(model_cls, stage):
     cluster = _cluster("paper_hetero")
-    cfg = model_cls.from_preset("paper", num_devices=cluster.num_devices) if model_cls is BertMoEConfig \
+    cfg = (
+        model_cls.from_preset("paper", num_devices=cluster.num_devices)
+        if model_cls is BertMoEConfig
         else model_cls.from_preset("paper")
+    )
     plan = DeepSpeedZeRO(zero_stage=stage).plan(_workload(cfg, 32 * cluster.num_devices), cluster)
     plan.details["workload"] = _workload(cfg, 32 * cluster.num_devices)
     return plan, cluster
@@ -167,11 +177,18 @@ def test_zero_program_shards_memory_and_adds_the_stage_collectives_on_the_paper_
     plan, cluster = _paper(BertConfig, 1)
     profile = profile_workload(plan_workload(plan, cluster), 32, None)
     method = DeepSpeedZeRO()
-    programs = {stage: zero_program(profile, num_devices=64, global_batch=32 * 64, zero_stage=stage,
-                                    reduce_bucket_bytes=method.reduce_bucket_size * 4,
-                                    allgather_bucket_bytes=method.allgather_bucket_size * 4,
-                                    persistence_bytes=method.param_persistence_threshold * 4)
-                for stage in (0, 1, 2, 3)}
+    programs = {
+        stage: zero_program(
+            profile,
+            num_devices=64,
+            global_batch=32 * 64,
+            zero_stage=stage,
+            reduce_bucket_bytes=method.reduce_bucket_size * 4,
+            allgather_bucket_bytes=method.allgather_bucket_size * 4,
+            persistence_bytes=method.param_persistence_threshold * 4,
+        )
+        for stage in (0, 1, 2, 3)
+    }
     assert programs[1] == plan.program
     results = {stage: simulate(p, cluster, plan.ratios) for stage, p in programs.items()}
     mem = {stage: r.memory_gib[0] for stage, r in results.items()}
@@ -214,7 +231,8 @@ def test_an_emulated_cpu_cluster_prices_the_engines_own_work_as_measured(monkeyp
     bare = DeepSpeedZeRO(engine_probe=False).plan(workload, host).program
     assert bare.host_work_flops == 0 and bare.stages == plan.program.stages
     assert simulate(plan.program, host, plan.ratios).iter_time_s == pytest.approx(
-        simulate(bare, host, plan.ratios).iter_time_s + 0.3 * (8e-9 + 0.002))
+        simulate(bare, host, plan.ratios).iter_time_s + 0.3 * (8e-9 + 0.002)
+    )
     assert DeepSpeedZeRO().plan(workload, _cluster()).program.host_work_flops == 0  # no host speed
     assert len(probes) == 1
     monkeypatch.setattr(ds_zero, "engine_work", lambda *a: None)

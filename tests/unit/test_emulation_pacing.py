@@ -49,11 +49,17 @@ def clock(monkeypatch):
 
 
 def _one_device(speed: float) -> ClusterSpec:
-    return ClusterSpec.from_config({
-        "name": "one", "emulated": True,
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": speed}],
-        "links": {"intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
-                  "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0}}})
+    return ClusterSpec.from_config(
+        {
+            "name": "one",
+            "emulated": True,
+            "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": speed}],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+            },
+        }
+    )
 
 
 def _iterate(emu: Emulator, clock: FakeClock, busy: dict[int, float], preempted: dict[int, float] | None = None):
@@ -98,8 +104,8 @@ def test_a_shared_reference_paces_from_the_first_iteration_after_set_up(clock):
     settings = EmulationSettings(headroom=1.0, reference_iters=12, reference=(0.005,))
     emu = Emulator(_one_device(0.5), 0, enabled=True, settings=settings)
     walls = _iterate(emu, clock, {i: 0.002 for i in range(4)})
-    assert walls[:EmulationSettings.SKIPPED] == pytest.approx([0.002] * EmulationSettings.SKIPPED)
-    assert walls[EmulationSettings.SKIPPED:] == pytest.approx([0.010] * 2)  # 2 x the shared 5 ms
+    assert walls[: EmulationSettings.SKIPPED] == pytest.approx([0.002] * EmulationSettings.SKIPPED)
+    assert walls[EmulationSettings.SKIPPED :] == pytest.approx([0.010] * 2)  # 2 x the shared 5 ms
     assert emu.report()["shared_reference"] and emu.report()["reference_s"] == [0.005]
 
 
@@ -135,8 +141,9 @@ def test_the_pooled_compute_is_every_ranks_reference_over_the_summed_speeds():
     assert emulation.pooled_compute_s(None) is None
 
 
-def _waiting_iterations(emu: Emulator, clock: FakeClock, count: int, busy: float, wait: float,
-                        preempted: float = 0.0) -> None:
+def _waiting_iterations(
+    emu: Emulator, clock: FakeClock, count: int, busy: float, wait: float, preempted: float = 0.0
+) -> None:
     """`count` iterations of `busy` compute (preempted inside for `preempted`), each followed
     by `wait` spent waiting on peers."""
     for it in range(count):
@@ -160,18 +167,22 @@ def test_the_pause_of_the_reference_iterations_is_their_wall_time_less_their_com
     assert emu.reference_step_s == pytest.approx(0.004)
 
 
-@pytest.mark.parametrize("penalty, apply, factor", [
-    (1.2, True, 1.2),  # measured slowdown after the pause: taken out
-    (0.95, True, 1.0),  # a noisy probe never makes the reference slower
-    (3.0, True, emulation.MAX_PAUSE_PENALTY),  # nor takes out more than the clamp
-    (1.2, False, 1.0),  # a rank that hardly waited: recorded, not applied
-])
+@pytest.mark.parametrize(
+    "penalty, apply, factor",
+    [
+        (1.2, True, 1.2),  # measured slowdown after the pause: taken out
+        (0.95, True, 1.0),  # a noisy probe never makes the reference slower
+        (3.0, True, emulation.MAX_PAUSE_PENALTY),  # nor takes out more than the clamp
+        (1.2, False, 1.0),  # a rank that hardly waited: recorded, not applied
+    ],
+)
 def test_the_pause_discount_divides_the_reference_by_the_measured_penalty(clock, penalty, apply, factor):
     emu = Emulator(_one_device(0.5), 0, enabled=True, settings=EmulationSettings(headroom=1.0, reference_iters=2))
     _waiting_iterations(emu, clock, EmulationSettings.SKIPPED + 3, busy=0.006, wait=0.004)
     assert emu.pacing
-    emu.discount_reference({"pause_s": 0.004, "warm_s": 0.005, "cold_s": 0.005 * penalty, "penalty": penalty},
-                           apply=apply)
+    emu.discount_reference(
+        {"pause_s": 0.004, "warm_s": 0.005, "cold_s": 0.005 * penalty, "penalty": penalty}, apply=apply
+    )
     report = emu.report()
     assert report["reference_s_per_iter"] == pytest.approx(0.006 / factor)
     assert report["reference_cold_s_per_iter"] == pytest.approx(0.006)

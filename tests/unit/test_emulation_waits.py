@@ -27,12 +27,19 @@ class SlowWork:
 
 def _cluster() -> ClusterSpec:
     """Two emulated devices, full speed and half."""
-    return ClusterSpec.from_config({
-        "name": "t", "emulated": True,
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
-                     {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5}],
-        "links": {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")},
-    }).with_host_speed(1e10)
+    return ClusterSpec.from_config(
+        {
+            "name": "t",
+            "emulated": True,
+            "machines": [
+                {"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
+                {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5},
+            ],
+            "links": {
+                level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_machine", "inter_machine")
+            },
+        }
+    ).with_host_speed(1e10)
 
 
 def test_time_blocked_in_a_wait_is_not_a_compute_interval():

@@ -15,16 +15,17 @@ from bench.studies import figures
 
 
 def test_an_oom_case_is_a_marked_gap_and_an_empty_throughput_in_the_csv(tmp_path):
-    lines = [{"value": 120.0, "status": "ok", "low": None, "high": None},
-             {"value": None, "status": "oom", "low": None, "high": None},
-             {"value": 300.0, "status": "ok", "low": None, "high": None}]
+    lines = [
+        {"value": 120.0, "status": "ok", "low": None, "high": None},
+        {"value": None, "status": "oom", "low": None, "high": None},
+        {"value": 300.0, "status": "ok", "low": None, "high": None},
+    ]
     fig, ax = plt.subplots()
     report.draw_bars(ax, [0.0, 1.0, 2.0], lines, 0.4, "dp_ev")
 
     bars = [bar for container in ax.containers for bar in container]
     assert len(ax.patches) == len(bars) == 2  # nothing at all drawn for the OOM case
-    assert [(bar.get_x() + bar.get_width() / 2, bar.get_height()) for bar in bars] == [
-        (0.0, 120.0), (2.0, 300.0)]
+    assert [(bar.get_x() + bar.get_width() / 2, bar.get_height()) for bar in bars] == [(0.0, 120.0), (2.0, 300.0)]
     assert [(t.get_text(), tuple(t.get_position())) for t in ax.texts] == [("OOM", (1.0, 0))]
     plt.close(fig)
 
@@ -40,7 +41,6 @@ def test_a_simulated_oom_case_carries_no_throughput(monkeypatch):
         return SimpleNamespace(workload=SimpleNamespace(global_batch=16, model_cfg=model_cfg))
 
     monkeypatch.setattr(figures, "prepare_case", plan_that_runs_out_of_memory)
-    row = figures.simulate_case("preset=paper", "cluster=paper_hetero", "model=bert",
-                                "method=dp_ev")
+    row = figures.simulate_case("preset=paper", "cluster=paper_hetero", "model=bert", "method=dp_ev")
     assert row["status"] == "oom" and row["samples_per_s"] is None
     assert row["predicted_iter_time_s"] == 0.5  # the prediction itself is kept

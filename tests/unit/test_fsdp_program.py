@@ -65,8 +65,11 @@ def test_an_iteration_gathers_each_unit_before_use_and_scatters_its_gradients_on
         gathers = [i for i, e in enumerate(events) if e == f"unit {g} params"]
         assert gathers[0] < events.index(f"forward group {g}")
         if reshard:
-            assert events.index(f"forward group {len(table.groups) - 1}") < gathers[1] < events.index(
-                f"backward group {g}")
+            assert (
+                events.index(f"forward group {len(table.groups) - 1}")
+                < gathers[1]
+                < events.index(f"backward group {g}")
+            )
         assert events.index(f"unit {g} grads") > events.index(f"backward group {g}")
 
 

@@ -29,11 +29,19 @@ def test_the_paper_table_reads_each_methods_aggregate_and_marks_a_failed_model(m
         out = Path(next(c for c in cmd if c.startswith("results_dir=")).split("=", 1)[1])
         model = next(c for c in cmd if c.startswith("model=")).split("=", 1)[1]
         out.mkdir(parents=True)
-        rows = [{"method": m, "row_kind": "aggregate",
-                 "aggregate": {"iter_time_s": {"median": t, "low": t * 0.99, "high": t * 1.01}}}
-                for m, t in zip(("dp_ev", "hap"), medians.get(model, ()))]
-        rows += [{"method": m, "row_kind": "repeat", "peak_mem_gib_per_iter": [3.0, gib]}
-                 for m, gib in zip(("dp_ev", "hap", "hap"), (2.5, 2.25, 2.75)) if model in medians]
+        rows = [
+            {
+                "method": m,
+                "row_kind": "aggregate",
+                "aggregate": {"iter_time_s": {"median": t, "low": t * 0.99, "high": t * 1.01}},
+            }
+            for m, t in zip(("dp_ev", "hap"), medians.get(model, ()))
+        ]
+        rows += [
+            {"method": m, "row_kind": "repeat", "peak_mem_gib_per_iter": [3.0, gib]}
+            for m, gib in zip(("dp_ev", "hap", "hap"), (2.5, 2.25, 2.75))
+            if model in medians
+        ]
         (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return subprocess.CompletedProcess(cmd, 0 if model in medians else 1)
 
@@ -59,8 +67,12 @@ def test_background_jobs_get_disjoint_core_pairs_after_the_foregrounds_or_wait_f
 def test_a_background_job_runs_on_its_cores_and_logs_there(tmp_path):
     gpu_check = _script()
     core = min(os.sched_getaffinity(0))
-    job = gpu_check.Background("affinity", [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                               tmp_path / "job.log", {core})
+    job = gpu_check.Background(
+        "affinity",
+        [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        tmp_path / "job.log",
+        {core},
+    )
     name, result, _ = job.finish()  # never begun: it starts now, as on a host with too few cores
     assert (name, result) == (f"affinity (cores {core}-{core})", "pass")
     assert (tmp_path / "job.log").read_text().strip() == f"[{core}]"
@@ -69,8 +81,10 @@ def test_a_background_job_runs_on_its_cores_and_logs_there(tmp_path):
 def test_the_suite_option_runs_its_groups_and_reports_each_failure_by_name(monkeypatch, tmp_path, capsys):
     gpu_check = _script()
     tests = tmp_path / "test_some.py"
-    tests.write_text("def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2\n\n"
-                     "import pytest\n\n@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+    tests.write_text(
+        "def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2\n\n"
+        "import pytest\n\n@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n"
+    )
     ids = [f"{tests}::{name}" for name in ("test_passes", "test_fails", "test_skipped")]
     monkeypatch.setattr(gpu_check, "collect_suite", lambda: ids)
     code = gpu_check.main(["--skip-tests", "--suite", "2", "--out", str(tmp_path / "out")])
@@ -81,21 +95,26 @@ def test_the_suite_option_runs_its_groups_and_reports_each_failure_by_name(monke
     group2 = next(line for line in printed.splitlines() if line.startswith("suite 2/2, 1 tests"))
     assert "0 passed, 1 failed, 0 skipped" in group2 and group2.split()[-2] == "fail"
     # named as junit names it: the module's path from where pytest ran, dotted
-    assert any(line.startswith("    failed: ") and line.endswith("test_some::test_fails") for line in printed.splitlines())
+    assert any(
+        line.startswith("    failed: ") and line.endswith("test_some::test_fails") for line in printed.splitlines()
+    )
     assert (tmp_path / "out" / "suite-1.xml").exists() and (tmp_path / "out" / "suite-2.log").exists()
 
 
 def test_nothing_to_run_and_a_negative_suite_are_refused_in_one_line(capsys):
     gpu_check = _script()
-    for argv, words in ((["--skip-tests"], "--skip-tests leaves nothing to run"),
-                        (["--suite", "-1"], "--suite -1: the number of test processes is 1 or more")):
+    for argv, words in (
+        (["--skip-tests"], "--skip-tests leaves nothing to run"),
+        (["--suite", "-1"], "--suite -1: the number of test processes is 1 or more"),
+    ):
         with pytest.raises(SystemExit) as stop:
             gpu_check.main(argv)
         assert stop.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_a_lease_call_calibrates_at_the_precision_then_tests_then_compares_within_its_budget(monkeypatch, tmp_path,
-                                                                                            capsys):
+def test_a_lease_call_calibrates_at_the_precision_then_tests_then_compares_within_its_budget(
+    monkeypatch, tmp_path, capsys
+):
     """--calibrate, --tests and --paper in that order, each command at --precision, files and
     logs under --out; a check that would start past --budget-s is skipped, not run."""
     gpu_check = _script()
@@ -109,17 +128,50 @@ def test_a_lease_call_calibrates_at_the_precision_then_tests_then_compares_withi
     clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
     monkeypatch.setattr(gpu_check, "run_logged", fake_logged)
     monkeypatch.setattr(gpu_check.time, "monotonic", lambda: float(next(clock)))
-    monkeypatch.setattr(gpu_check.subprocess, "run",
-                        lambda cmd, cwd, **output: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(
+        gpu_check.subprocess, "run", lambda cmd, cwd, **output: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
     out = tmp_path / "out"
-    code = gpu_check.main(["--calibrate", "H200", "--precision", "bf16", "--tests", "bf16", "--paper",
-                           "--budget-s", "750", "--out", str(out)])
+    code = gpu_check.main(
+        [
+            "--calibrate",
+            "H200",
+            "--precision",
+            "bf16",
+            "--tests",
+            "bf16",
+            "--paper",
+            "--budget-s",
+            "750",
+            "--out",
+            str(out),
+        ]
+    )
     profile, calibration, tests = ran[:3]
-    assert profile[2:] == ["bench.profile", "--device", "cuda", "--device-type", "H200", "--precision", "bf16",
-                           "--compute-out", str(out / "profile-H200-bf16.json")]
-    assert calibration[2:] == ["bench.calibrate", "--device", "cuda", "--device-type", "H200", "--precision", "bf16",
-                               "--profile", str(out / "profile-H200-bf16.json"),
-                               "--out", str(out / "calibration-H200-bf16.json")]
+    assert profile[2:] == [
+        "bench.profile",
+        "--device",
+        "cuda",
+        "--device-type",
+        "H200",
+        "--precision",
+        "bf16",
+        "--compute-out",
+        str(out / "profile-H200-bf16.json"),
+    ]
+    assert calibration[2:] == [
+        "bench.calibrate",
+        "--device",
+        "cuda",
+        "--device-type",
+        "H200",
+        "--precision",
+        "bf16",
+        "--profile",
+        str(out / "profile-H200-bf16.json"),
+        "--out",
+        str(out / "calibration-H200-bf16.json"),
+    ]
     assert tests[tests.index("-k") + 1] == "bf16"
     compares = [c for c in ran[3:] if "bench.compare" in c]
     assert len(compares) == 1 and "precision=bf16" in compares[0] and "model=vgg19" in compares[0]

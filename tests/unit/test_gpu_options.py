@@ -25,9 +25,16 @@ LINKS = {level: {"bandwidth_gbps": 1.0, "latency_s": 5e-5} for level in ("intra_
 
 
 def cluster(**fields) -> ClusterSpec:
-    body = {"name": "t", "emulated": True, "virtual_device": "gpu", "links": LINKS,
-            "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
-                         {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.4}]}
+    body = {
+        "name": "t",
+        "emulated": True,
+        "virtual_device": "gpu",
+        "links": LINKS,
+        "machines": [
+            {"count": 1, "device": "cpu", "num_devices": 1, "speed": 1.0},
+            {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.4},
+        ],
+    }
     return ClusterSpec.from_config({**body, **fields})
 
 
@@ -45,11 +52,14 @@ def test_emulated_clusters_compute_on_cpu_unless_they_say_cuda():
     assert real.fingerprint() != cluster(emulated=False, machines=gpu_machines(1, 1), device="cpu").fingerprint()
 
 
-@pytest.mark.parametrize("fields,needle", [
-    ({"device": "gpu"}, "cluster.device='gpu' is invalid; use cpu"),
-    ({"device": "cuda"}, "cluster.device=cuda runs the emulated ranks on a GPU, but the machines say device 'cpu'"),
-    ({"machines": gpu_machines(1, 0.4)}, "cluster.emulated=true with cluster.device=cpu needs device 'cpu'"),
-])
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        ({"device": "gpu"}, "cluster.device='gpu' is invalid; use cpu"),
+        ({"device": "cuda"}, "cluster.device=cuda runs the emulated ranks on a GPU, but the machines say device 'cpu'"),
+        ({"machines": gpu_machines(1, 0.4)}, "cluster.emulated=true with cluster.device=cpu needs device 'cpu'"),
+    ],
+)
 def test_bad_device_values_name_the_field_and_the_fix(fields, needle):
     with pytest.raises(ConfigError) as err:
         cluster(**fields)
@@ -114,8 +124,12 @@ def test_an_unpaced_emulator_leaves_compute_alone_and_reports_the_probe():
     emu.begin_iteration(100)
     emu.stretch()
     assert emu.slept_s == 0.0
-    assert emu.report(3e12) == {"speed": 0.4, "paced": False, "probe_flops_per_s": 3e12,
-                                "mps_active_thread_percentage": None}
+    assert emu.report(3e12) == {
+        "speed": 0.4,
+        "paced": False,
+        "probe_flops_per_s": 3e12,
+        "mps_active_thread_percentage": None,
+    }
 
 
 def test_out_of_memory_is_recognised_from_cuda_python_and_the_cpu_allocator():
@@ -127,8 +141,9 @@ def test_out_of_memory_is_recognised_from_cuda_python_and_the_cpu_allocator():
     assert is_out_of_memory(err.value)
 
 
-@pytest.mark.parametrize("precision,autocast,tf32", [
-    ("fp32", None, False), ("tf32", None, True), ("bf16", "bfloat16", False)])
+@pytest.mark.parametrize(
+    "precision,autocast,tf32", [("fp32", None, False), ("tf32", None, True), ("bf16", "bfloat16", False)]
+)
 def test_precision_sets_and_reports_what_torch_has_in_force(precision, autocast, tf32):
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
@@ -136,8 +151,12 @@ def test_precision_sets_and_reports_what_torch_has_in_force(precision, autocast,
         with step_context(precision, torch.device("cpu")):
             got = precision_in_force(precision, torch.device("cpu"))
             y = torch.ones(2, 2) @ torch.ones(2, 2)
-        assert got == {"precision": precision, "autocast_dtype": autocast,
-                       "matmul_allow_tf32": tf32, "cudnn_allow_tf32": tf32}
+        assert got == {
+            "precision": precision,
+            "autocast_dtype": autocast,
+            "matmul_allow_tf32": tf32,
+            "cudnn_allow_tf32": tf32,
+        }
         assert y.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
@@ -152,12 +171,14 @@ def _refuse_workers(*args, **kwargs):
     raise AssertionError("a worker was started")
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["precision=fp16"], "precision='fp16' is invalid; valid: fp32, tf32, bf16"),
-    (["+cluster.device=gpu"], "cluster.device='gpu' is invalid; use cpu"),
-])
-def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch,
-                                                               overrides, needle):
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["precision=fp16"], "precision='fp16' is invalid; valid: fp32, tf32, bf16"),
+        (["+cluster.device=gpu"], "cluster.device='gpu' is invalid; use cpu"),
+    ],
+)
+def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch, overrides, needle):
     monkeypatch.setattr(runner, "launch", _refuse_workers)
     record = runner.run_case(cfg_factory(*overrides))
     err = capsys.readouterr().err.strip()
@@ -195,7 +216,8 @@ def test_gpu_clusters_plan_and_simulate_like_any_other(cfg_factory):
 
 
 def test_a_gpu_cluster_wanting_more_gpus_than_the_host_has_is_one_line_before_any_worker(
-        cfg_factory, capsys, monkeypatch):
+    cfg_factory, capsys, monkeypatch
+):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(runner, "launch", _refuse_workers)
@@ -216,7 +238,8 @@ else read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$LOG"; fi
 
 
 def test_an_mps_daemon_that_starts_but_serves_no_client_is_one_line_and_is_stopped(
-        cfg_factory, capsys, monkeypatch, tmp_path):
+    cfg_factory, capsys, monkeypatch, tmp_path
+):
     control = tmp_path / "bin" / mps.CONTROL
     control.parent.mkdir()
     control.write_text(NO_CLIENTS_CONTROL)
@@ -236,8 +259,10 @@ def test_an_mps_daemon_that_starts_but_serves_no_client_is_one_line_and_is_stopp
     record = runner.run_case(cfg_factory("cluster=local_gpu_hetero2", "warmup_iters=0", "measured_iters=1"))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and "\n" not in record.error, record.error
-    assert record.error.startswith(f"cluster.device=cuda: the MPS daemon started ({mps.CONTROL} -d) but a client "
-                                   "could not use the GPU through it (")
+    assert record.error.startswith(
+        f"cluster.device=cuda: the MPS daemon started ({mps.CONTROL} -d) but a client "
+        "could not use the GPU through it ("
+    )
     assert err == f"error: {record.error}"
     start, stop = [line.split() for line in log.read_text().splitlines()]
     assert start[0] == "start" and stop[0] == "quit" and start[1:] == stop[1:]  # stopped, its own directory

@@ -90,15 +90,20 @@ def test_memory_rows_added_after_a_solve_give_the_fresh_lps_answer():
     # Solving for the fastest ratios, then (they overflow) again with memory rows on the same
     # LP: the answer must be the one a fresh LP with the rows gives.
     cl = make(fast=1, slow=1)
-    prog = Program((Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),), 2,
-                   memory=Memory(activations=Affine.sharded(28 * 2**30)))
+    prog = Program(
+        (Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),),
+        2,
+        memory=Memory(activations=Affine.sharded(28 * 2**30)),
+    )
     lp = RatioLP(prog, cl)
     fastest, _ = lp.solve()
     assert simulate(prog, cl, fastest).oom  # the fast V100 takes more than its 16 GiB
     lp.add_memory_rows()
     ratios, objective = lp.solve()
     fresh_ratios, fresh_objective = balance_ratios(prog, cl, memory_limit=True)
-    assert ratios[0] == pytest.approx(fresh_ratios[0], abs=1e-9) and objective == pytest.approx(fresh_objective, rel=1e-9)
+    assert ratios[0] == pytest.approx(fresh_ratios[0], abs=1e-9) and objective == pytest.approx(
+        fresh_objective, rel=1e-9
+    )
     assert not simulate(prog, cl, ratios).oom and objective > simulate(prog, cl, fastest).iter_time_s
 
 
@@ -107,8 +112,11 @@ def test_one_lp_with_memory_rows_answers_as_the_fastest_where_they_fit():
     # fastest ratios fit, the rows are slack and the answer is the fastest; where nothing fits,
     # an LP without them gives the fastest ratios (flagged OOM).
     cl = make(fast=1, slow=1)
-    fits = Program((Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),), 2,
-                   memory=Memory(activations=Affine.sharded(4 * 2**30)))
+    fits = Program(
+        (Stage((Collective("all_reduce", Affine(1e6)),), Affine.sharded(1e13)),),
+        2,
+        memory=Memory(activations=Affine.sharded(4 * 2**30)),
+    )
     nowhere = Program(fits.stages, 2, memory=Memory(params=Affine(20 * 2**30)))
     for prog in (fits, nowhere):
         fastest, fastest_objective = balance_ratios(prog, cl)
@@ -119,7 +127,9 @@ def test_one_lp_with_memory_rows_answers_as_the_fastest_where_they_fit():
                 lp.solve()
             lp = RatioLP(prog, cl)
         ratios, objective = lp.solve()
-        assert ratios[0] == pytest.approx(fastest[0], abs=1e-9) and objective == pytest.approx(fastest_objective, rel=1e-9)
+        assert ratios[0] == pytest.approx(fastest[0], abs=1e-9) and objective == pytest.approx(
+            fastest_objective, rel=1e-9
+        )
         assert simulate(prog, cl, ratios).oom == (prog is nowhere)
 
 
@@ -179,11 +189,20 @@ def test_planner_never_predicts_slower_than_compute_proportional_synthesis():
 
 def _two_segment_program(reshard_bytes: float) -> Program:
     """Segment 0 compute-bound, segment 1 bound by a padded all-gather, a reshard between."""
-    return Program((
-        Stage((), Affine.sharded(1e14, 0)),
-        Stage((Collective("reshard", Affine(reshard_bytes), rows=(0, 1)),
-               Collective("all_gather", Affine.sharded(4e8, 1), "padded")), Affine.sharded(2e12, 1)),
-    ), 4, num_segments=2)
+    return Program(
+        (
+            Stage((), Affine.sharded(1e14, 0)),
+            Stage(
+                (
+                    Collective("reshard", Affine(reshard_bytes), rows=(0, 1)),
+                    Collective("all_gather", Affine.sharded(4e8, 1), "padded"),
+                ),
+                Affine.sharded(2e12, 1),
+            ),
+        ),
+        4,
+        num_segments=2,
+    )
 
 
 def test_segments_get_their_own_rows_when_the_reshard_is_cheap():
@@ -204,11 +223,17 @@ def test_an_expensive_reshard_keeps_the_rows_equal():
     ratios, _ = balance_ratios(_two_segment_program(1e12), cl)
     assert ratios[0] == ratios[1]
     # Equal rows move nothing: the same time as the best single row for both segments.
-    merged = Program((Stage((), Affine.sharded(1e14)),
-                      Stage((Collective("all_gather", Affine.sharded(4e8), "padded"),), Affine.sharded(2e12))), 4)
+    merged = Program(
+        (
+            Stage((), Affine.sharded(1e14)),
+            Stage((Collective("all_gather", Affine.sharded(4e8), "padded"),), Affine.sharded(2e12)),
+        ),
+        4,
+    )
     best_one_row, _ = balance_ratios(merged, cl)
     assert simulate(_two_segment_program(1e12), cl, ratios).iter_time_s == pytest.approx(
-        simulate(merged, cl, best_one_row).iter_time_s, rel=1e-6)
+        simulate(merged, cl, best_one_row).iter_time_s, rel=1e-6
+    )
 
 
 def test_runs_of_compute_stages_priced_together_keep_the_lp_exact_and_optimal():
@@ -216,8 +241,13 @@ def test_runs_of_compute_stages_priced_together_keep_the_lp_exact_and_optimal():
     # mixed): the LP adds each run up per shape before the max over devices (price._FlopsRun).
     cl = make(fast=1, slow=1, inter_gbps=1.0)
     ag = Collective("all_gather", Affine.sharded(2e8), "padded")
-    run = [Stage((), Affine.sharded(3e12)), Stage((), Affine(4e11)), Stage((), Affine(1e11) + Affine.sharded(2e12)),
-           Stage((), Affine.sharded(1e12)), Stage((), Affine())]
+    run = [
+        Stage((), Affine.sharded(3e12)),
+        Stage((), Affine(4e11)),
+        Stage((), Affine(1e11) + Affine.sharded(2e12)),
+        Stage((), Affine.sharded(1e12)),
+        Stage((), Affine()),
+    ]
     prog = Program(tuple(run + [Stage((ag,), Affine.sharded(5e11))] + run + [Stage((ag,), Affine())]), 2)
     ratios, obj = balance_ratios(prog, cl)
     assert obj == pytest.approx(simulate(prog, cl, ratios).iter_time_s, rel=1e-6)

@@ -34,9 +34,13 @@ class _TransposedCopies(TorchFunctionMode):
     broadcast with stride 0, is no transpose). A function mode, not a dispatch mode: it sees
     the collectives' own torch calls and leaves c10d's ops alone."""
 
-    SOURCES = {torch.Tensor.contiguous: lambda a: a[:1], torch.Tensor.clone: lambda a: a[:1],
-               torch.Tensor.reshape: lambda a: a[:1], torch.Tensor.copy_: lambda a: a[1:2],
-               torch.cat: lambda a: a[0]}
+    SOURCES = {
+        torch.Tensor.contiguous: lambda a: a[:1],
+        torch.Tensor.clone: lambda a: a[:1],
+        torch.Tensor.reshape: lambda a: a[:1],
+        torch.Tensor.copy_: lambda a: a[1:2],
+        torch.cat: lambda a: a[0],
+    }
 
     def __init__(self):
         super().__init__()
@@ -192,7 +196,6 @@ def test_collectives_forward_and_backward_match_single_process_with_uneven_and_e
     while not errors.empty():
         found.append(errors.get())
     assert not found, "\n".join(f"rank {r}:\n{tb}" for r, tb in found)
-
 
 
 def test_collective_names_of_older_torch_are_used_where_the_new_ones_are_missing(monkeypatch):

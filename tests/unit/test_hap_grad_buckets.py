@@ -86,13 +86,26 @@ def test_the_simulator_prices_the_buckets_the_runtime_fills(virtual, gpus):
     stages = [st for st in plan.program.stages if st.label.startswith("all_reduce grad bucket")]
     graph = capture_config(wl.model_cfg, wl.global_batch)
     machines = Machines([[0, 1], [2, 3]], 0, 0) if gpus > 1 else None  # the fast machine's leader
-    program = RankProgram(graph, plan.details, plan.ratios, plan.batch_shares, wl.build(0).to("meta"), 0,
-                          cl.num_devices, CodegenOptions(), machines)
+    program = RankProgram(
+        graph,
+        plan.details,
+        plan.ratios,
+        plan.batch_shares,
+        wl.build(0).to("meta"),
+        0,
+        cl.num_devices,
+        CodegenOptions(),
+        machines,
+    )
     if machines is None:
         buckets = GradBuckets([program.params[n] for n in program.grad_sync], 2**16)
     else:
-        buckets = GradBuckets([program.params[n] for n in program.param_order], 2**16, machines=machines,
-                              across={id(program.params[n]) for n in program.grad_sync})
+        buckets = GradBuckets(
+            [program.params[n] for n in program.param_order],
+            2**16,
+            machines=machines,
+            across={id(program.params[n]) for n in program.grad_sync},
+        )
     sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
     across = [sum(c.nbytes.const for c in st.collectives) for st in stages]
     assert len(stages) == len(buckets.buckets) > 2

@@ -34,13 +34,17 @@ def cluster(fast=1, slow=2, inter_gbps=10.0, k=1, virtual="machine") -> ClusterS
         machines.append({"count": fast, "device": "V100-16", "num_devices": k})
     if slow:
         machines.append({"count": slow, "device": "P100-16", "num_devices": k})
-    return ClusterSpec.from_config({
-        "name": "t",
-        "machines": machines,
-        "links": {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
-                  "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": 3e-5}},
-        "virtual_device": virtual,
-    })
+    return ClusterSpec.from_config(
+        {
+            "name": "t",
+            "machines": machines,
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
+                "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": 3e-5},
+            },
+            "virtual_device": virtual,
+        }
+    )
 
 
 def bert_workload(name="bert", batch=16, num_devices=3) -> Workload:
@@ -102,8 +106,9 @@ def test_hap_is_never_slower_than_data_parallel_or_sfb(inter_gbps):
     graph = capture_config(wl.model_cfg, wl.global_batch)
     for gran in ("gpu", "machine"):
         n = len(virtual_devices(cl, gran))
-        dp = data_parallel_program(n, wl.global_batch, graph.layer_profile(), graph.activation_bytes() / wl.global_batch,
-                                   granularity=gran)
+        dp = data_parallel_program(
+            n, wl.global_batch, graph.layer_profile(), graph.activation_bytes() / wl.global_batch, granularity=gran
+        )
         for ratios in (even_ratios(n), compute_proportional_ratios(cl, gran)):
             # as DP runs them: whole samples per device
             ratios = [[k / wl.global_batch for k in batch_shares(wl.global_batch, ratios[0])]]
@@ -139,9 +144,16 @@ def test_the_planner_finds_data_parallelism_where_it_is_best(name, inter_gbps):
     plan = HapPlanner(max_rounds=2).plan(wl, cl)
     assert plan.details["chosen"] == "data parallel"
     graph = capture_config(wl.model_cfg, wl.global_batch)
-    ddp = data_parallel_program(2, 16, graph.layer_profile(), graph.activation_bytes() / 16,
-                                granularity="gpu", backward_memory=graph.backward_memory(),
-                                grads_before_backward=True, largest_param_bytes=graph.largest_param_bytes())
+    ddp = data_parallel_program(
+        2,
+        16,
+        graph.layer_profile(),
+        graph.activation_bytes() / 16,
+        granularity="gpu",
+        backward_memory=graph.backward_memory(),
+        grads_before_backward=True,
+        largest_param_bytes=graph.largest_param_bytes(),
+    )
     for ratios in (even_ratios(2), compute_proportional_ratios(cl, "gpu")):
         ratios = [[k / 16 for k in batch_shares(16, ratios[0])]]  # whole samples, as DDP runs them
         assert plan.details["predicted_iter_time_s"] <= simulate(ddp, cl, ratios).iter_time_s * (1 + 1e-9)
@@ -175,8 +187,12 @@ def test_the_search_charges_a_replicated_gradient_its_share_of_a_bucket():
     res = synthesize(theory, bucketed)
     program = build_program(res.steps, bucketed, bucket_cap_bytes=cap)
     buckets = [c for st in program.stages for c in st.collectives if c.grad]
-    charged = sum(bucketed.bucketed_sync_s(float(theory.graph[t].nbytes)) for s in res.steps
-                  for t, lay in s.sources if theory.graph[t].is_param and lay == "I")
+    charged = sum(
+        bucketed.bucketed_sync_s(float(theory.graph[t].nbytes))
+        for s in res.steps
+        for t, lay in s.sources
+        if theory.graph[t].is_param and lay == "I"
+    )
     latency = bucketed.collective_time(Collective("all_reduce", Affine(0.0), grad=True))
     assert len(buckets) > 1
     assert abs(sum(bucketed.collective_time(c) for c in buckets) - charged) < len(buckets) * latency
@@ -228,7 +244,12 @@ def test_moe_router_is_one_layout_family_and_plans_fast():
     assert exits and all(any(graph[u].op == "einsum" for u in graph.users[t]) for t in exits)
     plan = HapPlanner(max_rounds=2).plan(wl, cluster(inter_gbps=1.0))
     assert plan.details["states_expanded"] < 200_000
-    router_comms = [c for s in plan.details["steps"] for c in s["comms"] if c["tensor"] in inside - exits and c["kind"] not in ("slice", "keep_first")]
+    router_comms = [
+        c
+        for s in plan.details["steps"]
+        for c in s["comms"]
+        if c["tensor"] in inside - exits and c["kind"] not in ("slice", "keep_first")
+    ]
     assert not router_comms
 
 
@@ -276,10 +297,17 @@ def test_activations_count_what_autograd_keeps():
     # The gradients backward holds: each from its tensor's last use to the op that made it
     # (softmax's through the dropout that is its input); s * z's is the sum's own (s * z + x
     # hands it its gradient); cross-entropy's inside, at its own backward. h and x need none.
-    assert sorted(g.grads_in_flight()) == sorted([
-        ("linear", "linear", "relu"), ("relu", "relu", "dropout"), ("dropout", "dropout", "mul_1"),
-        ("mul", "mul", "softmax"), ("softmax", "softmax", "mul_1"), ("add_1", "mul_1", "cross_entropy_loss"),
-        ("add_1", "cross_entropy_loss", "cross_entropy_loss")])
+    assert sorted(g.grads_in_flight()) == sorted(
+        [
+            ("linear", "linear", "relu"),
+            ("relu", "relu", "dropout"),
+            ("dropout", "dropout", "mul_1"),
+            ("mul", "mul", "softmax"),
+            ("softmax", "softmax", "mul_1"),
+            ("add_1", "mul_1", "cross_entropy_loss"),
+            ("add_1", "cross_entropy_loss", "cross_entropy_loss"),
+        ]
+    )
 
 
 def _dp_cp_time(wl: Workload, cl: ClusterSpec) -> float:
@@ -343,12 +371,21 @@ def test_both_levels_are_planned_and_the_faster_kept():
     assert [row["granularity"] for row in only.details["levels"]] == ["machine"]
     assert only.details["predicted_iter_time_s"] == pytest.approx(levels["machine"])
     # A machine-level plan on a cluster whose machines have other sizes: one clear line.
-    other = ClusterSpec.from_config({
-        "name": "t2", "virtual_device": "machine",
-        "machines": [{"count": 1, "device": "V100-16", "num_devices": 1}, {"count": 1, "device": "P100-16", "num_devices": 3},
-                     {"count": 1, "device": "P100-16", "num_devices": 2}],
-        "links": {"intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
-                  "inter_machine": {"bandwidth_gbps": 5.0, "latency_s": 3e-5}}})
+    other = ClusterSpec.from_config(
+        {
+            "name": "t2",
+            "virtual_device": "machine",
+            "machines": [
+                {"count": 1, "device": "V100-16", "num_devices": 1},
+                {"count": 1, "device": "P100-16", "num_devices": 3},
+                {"count": 1, "device": "P100-16", "num_devices": 2},
+            ],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 66.0, "latency_s": 1e-5},
+                "inter_machine": {"bandwidth_gbps": 5.0, "latency_s": 3e-5},
+            },
+        }
+    )
     with pytest.raises(PlanMismatchError, match=r"machine_gpus=\[2, 2, 2\].*\[1, 3, 2\]; re-plan") as err:
         plan_machines(Plan("hap", only.batch_shares, only.details, only.program, only.ratios), other)
     assert "\n" not in str(err.value)
@@ -365,8 +402,11 @@ def test_a_batch_a_machine_cannot_split_over_its_gpus_is_refused_in_one_line():
 
     cl = cluster(fast=1, slow=1, k=2, inter_gbps=5.0)
     wl = bert_workload(batch=3, num_devices=4)
-    with pytest.raises(PlanningError, match=r"global_batch=3: machine 1 gets 1 sample\(s\) for its 2 GPUs.*"
-                                            r"method.levels=both") as err:
+    with pytest.raises(
+        PlanningError,
+        match=r"global_batch=3: machine 1 gets 1 sample\(s\) for its 2 GPUs.*"
+        r"method.levels=both",
+    ) as err:
         HapPlanner(cache_dir=None, levels="cluster").plan(wl, cl)
     assert "\n" not in str(err.value)
     plan = HapPlanner(cache_dir=None).plan(wl, cl)

@@ -25,7 +25,10 @@ def cluster(inter_gbps: float) -> ClusterSpec:
     return ClusterSpec.from_config(
         {
             "name": "two",
-            "machines": [{"count": 1, "device": "V100-16", "num_devices": 1}, {"count": 2, "device": "P100-16", "num_devices": 1}],
+            "machines": [
+                {"count": 1, "device": "V100-16", "num_devices": 1},
+                {"count": 2, "device": "P100-16", "num_devices": 1},
+            ],
             "links": {
                 "intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
                 "inter_machine": {"bandwidth_gbps": inter_gbps, "latency_s": 1e-5},
@@ -161,9 +164,19 @@ def _moves(theory, cost, order, last_use, pos, props, communicated):
         yield step, maps, live, comm_live
 
 
-@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (256, 10.0, Residual),
-                                                    (16, 1.0, Residual), (4096, 100.0, Residual),
-                                                    (2, 10.0, Shared), (256, 10.0, Shared), (4096, 100.0, Shared)])
+@pytest.mark.parametrize(
+    "batch,inter_gbps,model",
+    [
+        (512, 10.0, Mlp),
+        (8, 1.0, Mlp),
+        (256, 10.0, Residual),
+        (16, 1.0, Residual),
+        (4096, 100.0, Residual),
+        (2, 10.0, Shared),
+        (256, 10.0, Shared),
+        (4096, 100.0, Shared),
+    ],
+)
 def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_state(batch, inter_gbps, model):
     """A*'s bound at position i (bounds.remaining_bound) against the cheapest completion's
     compute and collectives on the compute lane (memoised over states), for every state the
@@ -191,8 +204,9 @@ def test_the_heuristic_never_exceeds_the_cheapest_completion_of_any_reachable_st
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (16, 1.0, Residual),
-                                                    (4096, 100.0, Residual)])
+@pytest.mark.parametrize(
+    "batch,inter_gbps,model", [(512, 10.0, Mlp), (8, 1.0, Mlp), (16, 1.0, Residual), (4096, 100.0, Residual)]
+)
 def test_every_prefixs_score_is_at_most_the_price_of_every_program_that_extends_it(batch, inter_gbps, model, overlap):
     """What makes the first complete program the search pops below every score left the
     cheapest: walking every program (the price of a program depends on its whole timeline, not
@@ -211,10 +225,22 @@ def test_every_prefixs_score_is_at_most_the_price_of_every_program_that_extends_
         if pos == len(order):
             extra = _finish(props, communicated, theory.graph.loss, cost)
             return float("inf") if extra is None else cost.complete(end(row, lanes) + extra[0], steps)
-        best = min((cheapest(pos + 1, live, comm_live, prepend(row, m), apply(stage_map(q, p, q > 0, False), lanes),
-                             [*steps, step])
-                    for step, (q, p, m, _), live, comm_live in _moves(theory, cost, order, last_use, pos, props,
-                                                                   communicated)), default=float("inf"))
+        best = min(
+            (
+                cheapest(
+                    pos + 1,
+                    live,
+                    comm_live,
+                    prepend(row, m),
+                    apply(stage_map(q, p, q > 0, False), lanes),
+                    [*steps, step],
+                )
+                for step, (q, p, m, _), live, comm_live in _moves(
+                    theory, cost, order, last_use, pos, props, communicated
+                )
+            ),
+            default=float("inf"),
+        )
         # after a forward the network is no busier than the compute lane, the machines' lane idle
         assert lanes[1] <= lanes[0] and lanes[2] == 0.0
         assert _score(row, lanes[0], bound[pos], host, after) <= best * (1 + 1e-12)
@@ -238,8 +264,13 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
     planner, workload, cl = paper_planning("model=bert", "preset=tiny")
     graph = capture_config(workload.model_cfg, workload.global_batch)
     theory = derive_theory(graph)
-    cost = CostModel(theory, cl, granularity, compute_proportional_ratios(cl, granularity, planner.num_segments),
-                     planner.segmentation)
+    cost = CostModel(
+        theory,
+        cl,
+        granularity,
+        compute_proportional_ratios(cl, granularity, planner.num_segments),
+        planner.segmentation,
+    )
     bound = remaining_bound(theory, cost, _order(graph, theory)[0])
     best = synthesize(theory, cost)
     assert bound[0] == pytest.approx(compute_lane_s(cost, best.steps), rel=1e-9)
@@ -266,8 +297,9 @@ def test_a_beam_returns_no_program_dearer_than_its_incumbent():
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     dp_theory = data_parallel_theory(theory)
     ratios = compute_proportional_ratios(cl, "gpu")
-    cost, dp_cost = (CostModel(t, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20, grad_overlap=True)
-                     for t in (theory, dp_theory))
+    cost, dp_cost = (
+        CostModel(t, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20, grad_overlap=True) for t in (theory, dp_theory)
+    )
     dp = synthesize(dp_theory, dp_cost, beam_width=40)
     exact = synthesize(theory, cost)
     beam = synthesize(theory, cost, beam_width=40)
@@ -293,8 +325,10 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     dp_theory = data_parallel_theory(theory)
     ratios = compute_proportional_ratios(cl, "machine", planner.num_segments)
     bucket = planner.bucket_cap_mb * 2**20
-    cost, dp_cost = (CostModel(t, cl, "machine", ratios, planner.segmentation, bucket, grad_overlap=True)
-                     for t in (theory, dp_theory))
+    cost, dp_cost = (
+        CostModel(t, cl, "machine", ratios, planner.segmentation, bucket, grad_overlap=True)
+        for t in (theory, dp_theory)
+    )
     dp = synthesize(dp_theory, dp_cost, beam_width=planner.beam_width)
     seeded = synthesize(theory, cost, beam_width=planner.beam_width, incumbent=dp)
     assert seeded.steps == dp.steps

@@ -115,7 +115,9 @@ def test_more_segments_than_layer_groups_is_one_clear_error(vgg):
 
 def test_unknown_segmentation_is_refused(bert):
     graph, order = bert
-    with pytest.raises(SegmentationError, match=r"method.segmentation='random' is unknown; valid: layers, flops, metis"):
+    with pytest.raises(
+        SegmentationError, match=r"method.segmentation='random' is unknown; valid: layers, flops, metis"
+    ):
         segment_ops(graph, order, 2, "random")
 
 

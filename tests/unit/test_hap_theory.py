@@ -78,8 +78,12 @@ def run_local(fx_node: fx.Node, env: dict, node=None, rule=None, full_shape=None
 
     try:
         out = call(args, kwargs)
-        if rule is not None and rule.post == REDUCE and isinstance(out, torch.Tensor) and \
-                tuple(out.shape) != tuple(full_shape):
+        if (
+            rule is not None
+            and rule.post == REDUCE
+            and isinstance(out, torch.Tensor)
+            and tuple(out.shape) != tuple(full_shape)
+        ):
             # conv2d with a zero-length input-channel shard returns an empty tensor instead
             # of zeros of the output shape: codegen must guard this too.
             return torch.zeros(full_shape)
@@ -289,7 +293,12 @@ def test_operator_and_functional_namespaces_map_to_the_same_rules():
     assert ops == {"matmul", "add", "sum"}
 
 
-ZOO = [("models.vgg19", "VGG19Config"), ("models.vit", "ViTConfig"), ("models.bert", "BertConfig"), ("models.bert_moe", "BertMoEConfig")]
+ZOO = [
+    ("models.vgg19", "VGG19Config"),
+    ("models.vit", "ViTConfig"),
+    ("models.bert", "BertConfig"),
+    ("models.bert_moe", "BertMoEConfig"),
+]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "resnet", "swin"])

@@ -78,13 +78,16 @@ def test_a_corrupt_cache_is_only_a_lost_shortcut(timings, monkeypatch):
     assert len(flops.read_cache(flops.host_cache_file())) == 1
 
 
-@pytest.mark.parametrize("shares, batches", [
-    ([8, 8], (8, 16)),  # an even split: the share and twice it
-    ([11, 5], (5, 11)),  # uneven: exact at both shares
-    ([12, 11, 6, 3], (3, 12)),
-    ([9, 7], (7, 14)),  # close shares: at least twice the smallest, for a slope above the noise
-    ([4, 0], (1, 4)),  # a device with no sample: the model still needs one
-])
+@pytest.mark.parametrize(
+    "shares, batches",
+    [
+        ([8, 8], (8, 16)),  # an even split: the share and twice it
+        ([11, 5], (5, 11)),  # uneven: exact at both shares
+        ([12, 11, 6, 3], (3, 12)),
+        ([9, 7], (7, 14)),  # close shares: at least twice the smallest, for a slope above the noise
+        ([4, 0], (1, 4)),  # a device with no sample: the model still needs one
+    ],
+)
 def test_the_yardstick_times_the_plans_smallest_share_and_spans_its_largest(shares, batches):
     assert flops.yardstick_batches(shares) == batches
 
@@ -138,10 +141,13 @@ def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after
     assert probe["penalty"] == pytest.approx(1.2)
 
 
-@pytest.mark.parametrize("measure, repeats, slow", [
-    (lambda w, r: flops.yardstick(w, (5, 11), 0, r)["seconds"], 9, 13),  # the fastest step of each size
-    (lambda w, r: flops.reference_steps_s(w, (5, 11), 0, r), 21, 17),  # the parent's probe: the median
-])
+@pytest.mark.parametrize(
+    "measure, repeats, slow",
+    [
+        (lambda w, r: flops.yardstick(w, (5, 11), 0, r)["seconds"], 9, 13),  # the fastest step of each size
+        (lambda w, r: flops.reference_steps_s(w, (5, 11), 0, r), 21, 17),  # the parent's probe: the median
+    ],
+)
 def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, measure, repeats, slow):
     """The host runs 1.8x slow for the first `slow` steps timed: past what the estimate of the
     first size can absorb, were the sizes timed one after the other. Taking turns, both sizes

@@ -87,8 +87,9 @@ print(json.dumps({"allowed": allowed, "core": core, "now": sorted(os.sched_getaf
 
 @pytest.mark.parametrize("local_rank", [0, 1, 5])
 def test_a_rank_is_bound_to_one_core_and_so_are_the_threads_it_starts(local_rank):
-    out = json.loads(subprocess.run([sys.executable, "-c", _PIN, str(local_rank)], capture_output=True,
-                                    text=True, check=True).stdout)
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", _PIN, str(local_rank)], capture_output=True, text=True, check=True).stdout
+    )
     assert out["core"] == out["allowed"][local_rank % len(out["allowed"])]
     assert out["now"] == out["thread"] == [out["core"]]
 
@@ -132,8 +133,9 @@ dist.destroy_process_group()
 
 
 def _priority(what: str, mode: str) -> dict:
-    return json.loads(subprocess.run([sys.executable, "-c", _PRIORITY, what, mode], capture_output=True,
-                                     text=True, check=True).stdout)
+    return json.loads(
+        subprocess.run([sys.executable, "-c", _PRIORITY, what, mode], capture_output=True, text=True, check=True).stdout
+    )
 
 
 def test_gloo_threads_and_only_they_run_at_real_time_priority_where_the_host_allows():

@@ -18,8 +18,9 @@ def test_the_floor_is_measured_once_per_host_number_of_ranks_and_priorities(monk
 
     def fake(num_ranks, context=None, realtime=False, workers_first=True):
         measured.append((num_ranks, realtime) if workers_first else (num_ranks, realtime, "as gloo leaves them"))
-        return {kind: 1e-4 * num_ranks * (3 if realtime else 1) * (1 if workers_first else 5)
-                for kind in hostlinks._KINDS}
+        return {
+            kind: 1e-4 * num_ranks * (3 if realtime else 1) * (1 if workers_first else 5) for kind in hostlinks._KINDS
+        }
 
     monkeypatch.setattr(hostlinks, "measure_floor", fake)
     assert hostlinks.host_floor(2) == {kind: pytest.approx(2e-4) for kind in hostlinks._KINDS}

@@ -30,8 +30,12 @@ def test_the_workers_server_leaves_without_tearing_down_what_it_imported():
     out = subprocess.run([sys.executable, "-c", _SERVER_EXIT], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (0, "written", "")
     # without it, the interpreter's teardown runs
-    plain = subprocess.run([sys.executable, "-c", _SERVER_EXIT.replace("import bench.runtime.server_exit", "")],
-                           capture_output=True, text=True, timeout=60)
+    plain = subprocess.run(
+        [sys.executable, "-c", _SERVER_EXIT.replace("import bench.runtime.server_exit", "")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert plain.stdout == "writtentorn down\n"
 
 
@@ -43,8 +47,11 @@ def test_the_server_preloads_its_exit_first_and_its_launcher_freezes_its_heap_at
     from bench.runtime import launch
 
     preloads, registered = [], []
-    monkeypatch.setattr(launch.mp, "get_context", lambda kind: type("Ctx", (), {
-        "set_forkserver_preload": staticmethod(preloads.append)})())
+    monkeypatch.setattr(
+        launch.mp,
+        "get_context",
+        lambda kind: type("Ctx", (), {"set_forkserver_preload": staticmethod(preloads.append)})(),
+    )
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
@@ -84,7 +91,10 @@ def test_a_worker_that_dies_halfway_through_a_message_fails_the_case_at_once():
 
     ctx = multiprocessing.get_context("fork")  # the workers touch no torch
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=f, args=(w,), daemon=True) for f, (_, w) in zip((_sends_its_result, _dies_mid_message), pipes)]
+    procs = [
+        ctx.Process(target=f, args=(w,), daemon=True)
+        for f, (_, w) in zip((_sends_its_result, _dies_mid_message), pipes)
+    ]
     for p, (_, w) in zip(procs, pipes):
         p.start()
         w.close()

@@ -1,4 +1,4 @@
-"""The layering contracts (import-linter) and the linter (ruff) hold for the whole tree.
+"""The layering contracts (import-linter), the linter and the formatter (ruff) hold for the whole tree.
 
 Both read their rules from pyproject.toml; a failure prints what broke them.
 """
@@ -35,4 +35,9 @@ def test_imports_follow_the_layering_contracts():
 
 def test_ruff_finds_nothing():
     out = _run(_tool("ruff"), "check", "--no-cache", ".")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_ruff_format_would_change_nothing():
+    out = _run(_tool("ruff"), "format", "--check", "--no-cache", ".")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -57,8 +57,11 @@ def test_forward_keeps_and_backward_peaks_as_the_graph_counts(model):
     assert sum(saved.values()) == pytest.approx(graph.activation_bytes(), rel=0.005)
 
     grads, activations, in_flight = graph.backward_memory()
-    points = backward_sweep([(p, Affine(b)) for p, b in grads], [(p, Affine(b)) for p, b in activations],
-                            in_flight=[(a, b, Affine(x)) for a, b, x in in_flight])
+    points = backward_sweep(
+        [(p, Affine(b)) for p, b in grads],
+        [(p, Affine(b)) for p, b in activations],
+        in_flight=[(a, b, Affine(x)) for a, b, x in in_flight],
+    )
     predicted = max(g.const + a.const for g, a in points)
     assert predicted == pytest.approx(tensors.peak - params, rel=0.005)
     # Without the gradients in flight the peak is missed (by a residual stream's or a

@@ -198,7 +198,13 @@ def _lm_embeddings_and_head(vocab, seq_len, d):
 def test_paper_bert_parameter_count():
     cfg = BertConfig.from_preset("paper")
     assert (cfg.vocab_size, cfg.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.d_ff) == (
-        33280, 128, 12, 768, 12, 3072)
+        33280,
+        128,
+        12,
+        768,
+        12,
+        3072,
+    )
     d = 768
     body = 12 * _block(d, _dense_ffn(d, 3072))
     assert 84e6 < body < 86e6  # BERT-Base encoder body
@@ -211,9 +217,7 @@ def test_paper_bert_moe_parameter_count():
     assert cfg.num_experts == 16 and cfg.capacity == 20
     d, ff = 768, 3072
     expected = (
-        6 * _block(d, _dense_ffn(d, ff))
-        + 6 * _block(d, _moe_ffn(d, ff, 16))
-        + _lm_embeddings_and_head(33280, 128, d)
+        6 * _block(d, _dense_ffn(d, ff)) + 6 * _block(d, _moe_ffn(d, ff, 16)) + _lm_embeddings_and_head(33280, 128, d)
     )
     assert _meta_build(cfg) == expected
 
@@ -391,8 +395,12 @@ def test_synthetic_dataset_determinism_and_rank_slices(config_cls):
 
 @pytest.mark.parametrize(
     "config_cls,source,valid",
-    [(VGG19Config, "wikitext2", "cifar10"), (ViTConfig, "imagenet", "cifar10"),
-     (BertConfig, "cifar10", "wikitext2"), (BertMoEConfig, "cifar10", "wikitext2")],
+    [
+        (VGG19Config, "wikitext2", "cifar10"),
+        (ViTConfig, "imagenet", "cifar10"),
+        (BertConfig, "cifar10", "wikitext2"),
+        (BertMoEConfig, "cifar10", "wikitext2"),
+    ],
 )
 def test_mismatched_data_source(config_cls, source, valid):
     cfg = config_cls.from_preset("tiny")

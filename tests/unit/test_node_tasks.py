@@ -31,11 +31,17 @@ def test_task_i_runs_machine_i_of_a_heterogeneous_cluster(cfg_factory):
 
 def test_tasks_must_match_machines_and_gpu_nodes_take_one_task_each(cfg_factory):
     cluster = _cluster(cfg_factory, "paper_hetero")
-    with pytest.raises(ConfigError, match=r"4 tasks but cluster=paper_hetero has 8 machines.*"
-                                          r"set hydra.launcher.nodes=8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"4 tasks but cluster=paper_hetero has 8 machines.*"
+        r"set hydra.launcher.nodes=8",
+    ):
         devices_per_node(_task(num_tasks=4, num_nodes=4), cluster)
-    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=2 .* set "
-                                          r"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes=8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"hydra.launcher.tasks_per_node=2 .* set "
+        r"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes=8",
+    ):
         devices_per_node(_task(num_tasks=8, num_nodes=4), cluster)
     emulated = _cluster(cfg_factory, "local_hetero2")  # emulated: tasks may share a host
     assert devices_per_node(_task(num_tasks=2, num_nodes=1), emulated) == [1, 1]
@@ -45,8 +51,13 @@ def test_every_task_builds_the_same_rendezvous_with_its_own_node_rank():
     first, third = _task(rank=0), _task(rank=2)
     cmd = torchrun_command(third, 8, ["method=hap", "cluster=paper_hetero"], Path("job/node2/torchrun"))
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert {"--nnodes=8", "--node-rank=2", "--nproc-per-node=8", "--master-addr=gpu00",
-            "--log-dir=job/node2/torchrun"} <= set(cmd)
+    assert {
+        "--nnodes=8",
+        "--node-rank=2",
+        "--nproc-per-node=8",
+        "--master-addr=gpu00",
+        "--log-dir=job/node2/torchrun",
+    } <= set(cmd)
     assert first.master_port == third.master_port and 15000 <= first.master_port < 30000
     assert cmd[-4:] == ["-m", "bench.run", "method=hap", "cluster=paper_hetero"]
     assert _task(local=True).master_addr == "127.0.0.1"

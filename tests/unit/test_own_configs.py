@@ -55,7 +55,8 @@ def mine(tmp_path):
     (root / "model").mkdir()
     (root / "model" / "bert_wide.yaml").write_text(
         "name: bert_wide\nspec:\n  _target_: models.bert.BertConfig.from_preset\n  preset: ${preset.name}\n"
-        "  d_model: 256\n")
+        "  d_model: 256\n"
+    )
     yield root
     use_config_dirs([])
 
@@ -96,8 +97,10 @@ def test_a_device_type_of_ones_own_is_found_and_counts_in_the_fingerprint(mine, 
     lab = yaml.safe_load(LAB)
     own = ClusterSpec.from_config(lab, (mine, CONF_DIR))
     assert own.devices[0].type.name == "LabGPU" and own.devices[0].effective_flops == 7.0e12
-    assert dict(own.type_files) == {"LabGPU": str(mine / "device" / "LabGPU.yaml"),
-                                    "V100-16": str(CONF_DIR / "device" / "V100-16.yaml")}
+    assert dict(own.type_files) == {
+        "LabGPU": str(mine / "device" / "LabGPU.yaml"),
+        "V100-16": str(CONF_DIR / "device" / "V100-16.yaml"),
+    }
     with pytest.raises(ConfigError, match="device='LabGPU' is unknown; known: A100-40"):
         ClusterSpec.from_config(lab)  # a folder is searched only where given
     # A V100-16 of one's own, with other numbers: it wins, and the cluster hashes differently
@@ -112,12 +115,18 @@ def test_a_device_type_of_ones_own_is_found_and_counts_in_the_fingerprint(mine, 
     assert ClusterSpec.from_config(paper, (mine, CONF_DIR)).fingerprint() == packaged.fingerprint()
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--config-dir", "{tmp}/nowhere"], "--config-dir={tmp}/nowhere: no such folder ({tmp}/nowhere); give a folder"),
-    (["--config-dir"], "--config-dir needs a folder"),
-    (["hydra.searchpath=[file://{tmp}/nowhere]"], "hydra.searchpath entry file://{tmp}/nowhere: no such folder"),
-    (["hydra.searchpath=[pkg://no_such_pkg.conf]"], "no installed package 'no_such_pkg.conf'"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--config-dir", "{tmp}/nowhere"],
+            "--config-dir={tmp}/nowhere: no such folder ({tmp}/nowhere); give a folder",
+        ),
+        (["--config-dir"], "--config-dir needs a folder"),
+        (["hydra.searchpath=[file://{tmp}/nowhere]"], "hydra.searchpath entry file://{tmp}/nowhere: no such folder"),
+        (["hydra.searchpath=[pkg://no_such_pkg.conf]"], "no installed package 'no_such_pkg.conf'"),
+    ],
+)
 def test_a_config_folder_that_is_not_there_is_one_line(tmp_path, argv, needle):
     with pytest.raises(ConfigError) as err:
         take_config_dirs([a.format(tmp=tmp_path) for a in argv])
@@ -134,15 +143,18 @@ def test_a_users_file_that_does_not_parse_is_one_line_naming_it(mine):
 
 
 def test_an_option_no_schema_has_is_one_line_naming_the_file_or_the_override(mine):
-    (mine / "experiment" / "typo.yaml").write_text(textwrap.dedent("""\
+    (mine / "experiment" / "typo.yaml").write_text(
+        textwrap.dedent("""\
         # @package _global_
         measured_iter: 3
-        """))
+        """)
+    )
     take_config_dirs(["--config-dir", str(mine)])
     with pytest.raises(ConfigError) as err:
         compose_settings("experiment=typo")
-    assert str(err.value).startswith(f"{mine / 'experiment' / 'typo.yaml'}: measured_iter is not an option "
-                                     "(options: mode, precision, seed,")
+    assert str(err.value).startswith(
+        f"{mine / 'experiment' / 'typo.yaml'}: measured_iter is not an option (options: mode, precision, seed,"
+    )
     with pytest.raises(ConfigError) as err:
         compose_settings("measured_iter=3")
     assert str(err.value).startswith("measured_iter is not an option (options: mode,")

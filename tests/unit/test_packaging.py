@@ -17,11 +17,16 @@ def _setuptools() -> dict:
 
 def test_every_code_package_and_config_folder_is_packaged():
     listed = set(_setuptools()["packages"])
-    code = {".".join(p.parent.relative_to(ROOT).parts)
-            for top in ("bench", "methods", "models") for p in (ROOT / top).rglob("__init__.py")}
-    configs = {".".join(("bench", *d.relative_to(ROOT).parts))
-               for d in [ROOT / "conf", *(ROOT / "conf").rglob("*")]
-               if d.is_dir() and d.name != "__pycache__"}
+    code = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("bench", "methods", "models")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    configs = {
+        ".".join(("bench", *d.relative_to(ROOT).parts))
+        for d in [ROOT / "conf", *(ROOT / "conf").rglob("*")]
+        if d.is_dir() and d.name != "__pycache__"
+    }
     assert code | configs == listed, "add the missing ones to [tool.setuptools] packages"
 
 

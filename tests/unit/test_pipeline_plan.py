@@ -41,18 +41,28 @@ def test_traced_schedule_runs_every_micro_batch_once_and_matches_sends_with_rece
 
 def _cluster(num: int, speeds=None, gbps: float = 1e6) -> ClusterSpec:
     speeds = speeds or [1.0] * num
-    return ClusterSpec.from_config({
-        "name": "test", "emulated": True, "virtual_device": "gpu",
-        "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": s} for s in speeds],
-        "links": {"intra_machine": {"bandwidth_gbps": gbps, "latency_s": 0.0},
-                  "inter_machine": {"bandwidth_gbps": gbps, "latency_s": 0.0}},
-    }).with_host_speed(1e9)
+    return ClusterSpec.from_config(
+        {
+            "name": "test",
+            "emulated": True,
+            "virtual_device": "gpu",
+            "machines": [{"count": 1, "device": "cpu", "num_devices": 1, "speed": s} for s in speeds],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": gbps, "latency_s": 0.0},
+                "inter_machine": {"bandwidth_gbps": gbps, "latency_s": 0.0},
+            },
+        }
+    ).with_host_speed(1e9)
 
 
 def _uniform_program(schedule: str, stages: int, micro: int, seconds: float) -> PipelineProgram:
     flops = Affine(seconds * 1e9)  # at the host's 1e9 FLOP/s
-    st = [PipeStage((s, s + 1), (s,), (Stage(flops=flops),), (Stage(flops=flops.scale(2.0)),), (0.0, 0.0), 0.0, 0.0,
-                    Memory()) for s in range(stages)]
+    st = [
+        PipeStage(
+            (s, s + 1), (s,), (Stage(flops=flops),), (Stage(flops=flops.scale(2.0)),), (0.0, 0.0), 0.0, 0.0, Memory()
+        )
+        for s in range(stages)
+    ]
     actions = tuple(trace_schedule(schedule, stages, micro, s) for s in range(stages))
     return PipelineProgram(tuple(st), actions, micro, 1, 1, stages, schedule)
 
@@ -73,9 +83,18 @@ def test_a_slow_link_delays_every_hop_it_carries():
     program = _uniform_program("1f1b", stages, micro, f)
     base = simulate(program, _cluster(stages), None).iter_time_s
     nbytes = 1e6
-    program = PipelineProgram(tuple(PipeStage(st.groups, st.ranks, st.forward, st.backward, st.launches, nbytes, 0.0,
-                                              st.memory) for st in program.stages),
-                              program.actions, micro, 1, 1, stages, "1f1b")
+    program = PipelineProgram(
+        tuple(
+            PipeStage(st.groups, st.ranks, st.forward, st.backward, st.launches, nbytes, 0.0, st.memory)
+            for st in program.stages
+        ),
+        program.actions,
+        micro,
+        1,
+        1,
+        stages,
+        "1f1b",
+    )
     slow = simulate(program, _cluster(stages, gbps=8.0), None).iter_time_s  # 1 ms per MB
     # The critical path crosses the link 2 x m times: each micro-batch's activation and gradient.
     assert slow == pytest.approx(base + 2 * micro * 1e-3, rel=0.02)
@@ -106,7 +125,8 @@ def test_the_slowest_device_gets_the_cheapest_layer_group():
 def test_stages_over_machines_replicate_each_stage_on_a_machines_gpus():
     cluster = _paper_cluster(**{"cluster.gpus_per_machine": 2})
     plan = PipelineParallel(stage_level="machine", num_stages=8).plan(
-        _workload("bert", 16 * 64, "preset=paper"), cluster)
+        _workload("bert", 16 * 64, "preset=paper"), cluster
+    )
     d = plan.details
     assert d["num_stages"] == 8 and d["num_pipelines"] == 2
     for st in d["stages"]:  # a stage's replicas are the GPUs of one machine
@@ -128,32 +148,67 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
     costs = _Costs(graph, group_table(graph), cluster, 0.0)
     program = plan.program
     for s, st in enumerate(program.stages):
-        peak = costs.peak(st.groups[0], st.groups[1], program.micro_batch, in_flight(program.actions[s]),
-                          program.num_micro_batches, program.num_pipelines > 1, s == program.num_stages - 1)
+        peak = costs.peak(
+            st.groups[0],
+            st.groups[1],
+            program.micro_batch,
+            in_flight(program.actions[s]),
+            program.num_micro_batches,
+            program.num_pipelines > 1,
+            s == program.num_stages - 1,
+        )
         assert sim.peak_mem_gib[st.ranks[0]] == pytest.approx(peak / 2**30)
 
 
 def test_micro_batches_must_divide_the_pipelines_batch_and_feed_every_stage():
     assert micro_batch_choices(16, 2, "1f1b", "auto") == [2, 4, 8]
     assert micro_batch_choices(16, 2, "gpipe", "auto") == [1, 2, 4, 8]
-    with pytest.raises(ConfigError, match=r"method.num_micro_batches=3 must divide the pipeline's batch of 16 "
-                                          r"samples; try 1, 2, 4, 8, 16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"method.num_micro_batches=3 must divide the pipeline's batch of 16 "
+        r"samples; try 1, 2, 4, 8, 16",
+    ):
         micro_batch_choices(16, 2, "1f1b", 3)
-    with pytest.raises(ConfigError, match=r"method.num_micro_batches=2 is fewer than the 4 stages: 1F1B needs a "
-                                          r"micro-batch per stage; try 4, 8, 16 \(or method.schedule=gpipe\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"method.num_micro_batches=2 is fewer than the 4 stages: 1F1B needs a "
+        r"micro-batch per stage; try 4, 8, 16 \(or method.schedule=gpipe\)",
+    ):
         micro_batch_choices(16, 4, "1f1b", 2)
 
 
-@pytest.mark.parametrize("overrides,status,needle", [
-    (["method.num_micro_batches=3"], "failed",
-     "method.num_micro_batches=3 must divide the pipeline's batch of 16 samples; try 1, 2, 4, 8, 16"),
-    (["cluster=local_hetero4", "+model.spec.num_layers=1", "method.num_stages=4"], "failed",
-     "method.num_stages=4 is more than the 3 layer groups the model can be cut at; use method.num_stages<=3"),
-    (["method.num_stages=3"], "failed", "method.num_stages=3 does not divide the 2 devices of cluster=local_hetero2"),
-    (["method.schedule=zigzag"], "failed", "method.schedule='zigzag' is unknown; use one of 1f1b, gpipe"),
-    (["preset=paper", "cluster=paper_hetero", "cluster.gpus_per_machine=1", "+cluster.machines.0.memory_gib=1",
-      "+cluster.machines.1.memory_gib=1"], "oom", "fits device memory: stage"),
-])
+@pytest.mark.parametrize(
+    "overrides,status,needle",
+    [
+        (
+            ["method.num_micro_batches=3"],
+            "failed",
+            "method.num_micro_batches=3 must divide the pipeline's batch of 16 samples; try 1, 2, 4, 8, 16",
+        ),
+        (
+            ["cluster=local_hetero4", "+model.spec.num_layers=1", "method.num_stages=4"],
+            "failed",
+            "method.num_stages=4 is more than the 3 layer groups the model can be cut at; use method.num_stages<=3",
+        ),
+        (
+            ["method.num_stages=3"],
+            "failed",
+            "method.num_stages=3 does not divide the 2 devices of cluster=local_hetero2",
+        ),
+        (["method.schedule=zigzag"], "failed", "method.schedule='zigzag' is unknown; use one of 1f1b, gpipe"),
+        (
+            [
+                "preset=paper",
+                "cluster=paper_hetero",
+                "cluster.gpus_per_machine=1",
+                "+cluster.machines.0.memory_gib=1",
+                "+cluster.machines.1.memory_gib=1",
+            ],
+            "oom",
+            "fits device memory: stage",
+        ),
+    ],
+)
 def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, status, needle):
     cfg = cfg_factory("method=pipeline", "mode=sim", "method.profile=false", *overrides)
     record = run_case(cfg)
@@ -164,8 +219,12 @@ def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, st
 
 
 def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned():
-    cluster = _paper_cluster(**{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 1,
-                                "+cluster.machines.1.memory_gib": 1})
-    with pytest.raises(StageOOM, match=r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
-                                       r"method.num_micro_batches=\d+, more than a [PV]100-16's 1 GiB; use"):
+    cluster = _paper_cluster(
+        **{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 1, "+cluster.machines.1.memory_gib": 1}
+    )
+    with pytest.raises(
+        StageOOM,
+        match=r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
+        r"method.num_micro_batches=\d+, more than a [PV]100-16's 1 GiB; use",
+    ):
         PipelineParallel(stage_level="machine").plan(_workload("bert", 8 * 64, "preset=paper"), cluster)

@@ -21,8 +21,11 @@ FP32 = {"precision": "fp32", "autocast_dtype": None, "matmul_allow_tf32": False,
 
 
 def _profile(tmp_path, precision: dict | None, name="MyGPU.json") -> str:
-    prof = {"device_type": "MyGPU", "compute": {"other": {"fixed_s": 1e-6, "flops_per_s": 1e11}},
-            "optimizer": {"fixed_s": 1e-5, "bytes_per_s": 1e9}}
+    prof = {
+        "device_type": "MyGPU",
+        "compute": {"other": {"fixed_s": 1e-6, "flops_per_s": 1e11}},
+        "optimizer": {"fixed_s": 1e-5, "bytes_per_s": 1e9},
+    }
     if precision is not None:
         prof["precision"] = precision
     path = tmp_path / name
@@ -32,18 +35,30 @@ def _profile(tmp_path, precision: dict | None, name="MyGPU.json") -> str:
 
 def _cluster(profile: str) -> ClusterSpec:
     link = {"bandwidth_gbps": 100.0, "latency_s": 1e-5}
-    return ClusterSpec.from_config({
-        "name": "prof", "virtual_device": "gpu",
-        "device_types": {"MyGPU": {"memory_gib": 24, "effective_flops": 5e11, "profile": profile,
-                                   "sources": {"memory_gib": "test", "effective_flops": "test"}}},
-        "machines": [{"count": 1, "device": "MyGPU", "num_devices": 2}],
-        "links": {"intra_machine": link, "inter_machine": link}})
+    return ClusterSpec.from_config(
+        {
+            "name": "prof",
+            "virtual_device": "gpu",
+            "device_types": {
+                "MyGPU": {
+                    "memory_gib": 24,
+                    "effective_flops": 5e11,
+                    "profile": profile,
+                    "sources": {"memory_gib": "test", "effective_flops": "test"},
+                }
+            },
+            "machines": [{"count": 1, "device": "MyGPU", "num_devices": 2}],
+            "links": {"intra_machine": link, "inter_machine": link},
+        }
+    )
 
 
-@pytest.mark.parametrize("precision,tf32,autocast", [("fp32", False, None), ("tf32", True, None),
-                                                     ("bf16", False, "bfloat16")])
+@pytest.mark.parametrize(
+    "precision,tf32,autocast", [("fp32", False, None), ("tf32", True, None), ("bf16", False, "bfloat16")]
+)
 def test_a_profile_is_measured_at_its_precision_records_it_and_leaves_the_switches_as_they_were(
-        monkeypatch, precision, tf32, autocast):
+    monkeypatch, precision, tf32, autocast
+):
     inside = {}
 
     def measure(device, device_type, repeats):
@@ -54,8 +69,12 @@ def test_a_profile_is_measured_at_its_precision_records_it_and_leaves_the_switch
     monkeypatch.setattr(probes, "_profile_device", measure)
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     prof = probes.profile_device("cpu", "MyGPU", precision=precision)
-    assert prof["precision"] == {"precision": precision, "autocast_dtype": autocast,
-                                 "matmul_allow_tf32": tf32, "cudnn_allow_tf32": tf32}
+    assert prof["precision"] == {
+        "precision": precision,
+        "autocast_dtype": autocast,
+        "matmul_allow_tf32": tf32,
+        "cudnn_allow_tf32": tf32,
+    }
     assert inside["tf32"] == (tf32, tf32)
     assert inside["dtype"] == (torch.bfloat16 if precision == "bf16" else torch.float32)
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
@@ -80,8 +99,10 @@ def test_a_profile_measured_at_another_precision_is_refused_in_one_line(tmp_path
         check_profile_precision(cluster, "bf16")
     text = str(info.value)
     assert "\n" not in text
-    assert text.startswith(f"precision=bf16 but the compute profile {tmp_path}/MyGPU.json (device type MyGPU) "
-                           "was measured at precision=fp32; run at precision=fp32, or profile the device at bf16")
+    assert text.startswith(
+        f"precision=bf16 but the compute profile {tmp_path}/MyGPU.json (device type MyGPU) "
+        "was measured at precision=fp32; run at precision=fp32, or profile the device at bf16"
+    )
     assert "bench.profile --device cuda --device-type MyGPU --precision bf16 --compute-out" in text
 
 
@@ -107,8 +128,20 @@ def test_the_device_calibration_refuses_a_profile_of_another_precision_before_an
     path = tmp_path / "T4.json"
     path.write_text(json.dumps({**json.loads(Path(_profile(tmp_path, FP32)).read_text()), "device_type": "T4"}))
     path = str(path)
-    code = main(["--device", "cpu", "--device-type", "T4", "--profile", path, "--precision", "bf16",
-                 "--out", str(tmp_path / "out.json")])
+    code = main(
+        [
+            "--device",
+            "cpu",
+            "--device-type",
+            "T4",
+            "--profile",
+            path,
+            "--precision",
+            "bf16",
+            "--out",
+            str(tmp_path / "out.json"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: precision=bf16 but the compute profile")
     assert not (tmp_path / "out.json").exists()
@@ -124,9 +157,14 @@ def test_a_case_at_another_precision_than_its_clusters_profile_is_a_failed_row_o
 
     cfg = compose_config("mode=sim", "precision=bf16", "cluster=h100x1", results_dir=str(tmp_path / "runs"))
     with open_dict(cfg):
-        cfg.cluster.device_types = {"MyGPU": {"memory_gib": 24, "effective_flops": 5e11,
-                                              "profile": _profile(tmp_path, FP32),
-                                              "sources": {"memory_gib": "test", "effective_flops": "test"}}}
+        cfg.cluster.device_types = {
+            "MyGPU": {
+                "memory_gib": 24,
+                "effective_flops": 5e11,
+                "profile": _profile(tmp_path, FP32),
+                "sources": {"memory_gib": "test", "effective_flops": "test"},
+            }
+        }
         cfg.cluster.machines[0].device = "MyGPU"
     row = run_case(cfg)
     assert row.status == "failed" and "\n" not in row.error and "was measured at precision=fp32" in row.error

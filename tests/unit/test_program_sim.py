@@ -152,7 +152,9 @@ def test_memory_flags_oom_on_the_gpu_that_does_not_fit():
     ok = simulate(prog, cluster, [[0.5, 0.5]])
     # Backward holds 12 + 2.5 GiB; Adam's step 12 + 3 (the square roots of the second moments).
     assert not ok.oom and ok.peak_mem_gib[0] == pytest.approx(12 + 3)
-    assert ok.memory_gib[0] == pytest.approx({"params": 3, "grads": 3, "optimizer": 6, "activations": 2.5, "buckets": 0})
+    assert ok.memory_gib[0] == pytest.approx(
+        {"params": 3, "grads": 3, "optimizer": 6, "activations": 2.5, "buckets": 0}
+    )
     skewed = simulate(prog, cluster, [[0.1, 0.9]])
     assert skewed.oom and skewed.oom_devices == [1]
     assert skewed.memory_gib[1]["activations"] == pytest.approx(4.5)
@@ -184,8 +186,13 @@ def test_a_machine_is_priced_at_its_busiest_gpu_when_its_share_splits_unevenly()
     cluster = make_cluster(fast=2, slow=0, per_machine=2, virtual="machine")
     vd = virtual_devices(cluster, "machine")
     per_sample = 1e10
-    prog = Program((Stage((), Affine.sharded(32 * per_sample)),), 2, granularity="machine",
-                   memory=Memory(activations=Affine.sharded(32 * GIB)), batch=32)
+    prog = Program(
+        (Stage((), Affine.sharded(32 * per_sample)),),
+        2,
+        granularity="machine",
+        memory=Memory(activations=Affine.sharded(32 * GIB)),
+        batch=32,
+    )
 
     def run(*shares):
         return simulate(prog, cluster, [[n / 32 for n in shares]])
@@ -232,8 +239,15 @@ def test_all_to_all_across_machines_shares_each_machines_link():
     assert simulate(a2a_m, m, even_ratios(2)).iter_time_s == pytest.approx(0.5 * 1e9 / 2 / 1e9 + inside)
 
 
-@pytest.mark.parametrize("src,dst", [([500, 250, 250], [250, 250, 500]), ([1000, 0, 0], [0, 0, 1000]),
-                                     ([300, 0, 700], [0, 650, 350]), ([400, 600], [400, 600])])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ([500, 250, 250], [250, 250, 500]),
+        ([1000, 0, 0], [0, 0, 1000]),
+        ([300, 0, 700], [0, 650, 350]),
+        ([400, 600], [400, 600]),
+    ],
+)
 def test_reshard_fractions_are_what_changes_owner(src, dst):
     from bench.core.program import reshard_fractions
 
@@ -242,12 +256,16 @@ def test_reshard_fractions_are_what_changes_owner(src, dst):
         return set(range(start, start + lengths[i]))
 
     total = sum(src)
-    exact = [max(len(owned(src, i) - owned(dst, i)), len(owned(dst, i) - owned(src, i))) / total for i in range(len(src))]
+    exact = [
+        max(len(owned(src, i) - owned(dst, i)), len(owned(dst, i) - owned(src, i))) / total for i in range(len(src))
+    ]
     got = reshard_fractions([x / total for x in src], [x / total for x in dst])
     assert got == pytest.approx(exact, abs=1e-12)
     # The LP's linear bound (how far each device's two interval ends move) is never below it.
     prefix = lambda r, i: sum(r[: i + 1]) / total if 0 <= i < len(r) - 1 else 0.0  # noqa: E731
-    bound = [abs(prefix(src, i - 1) - prefix(dst, i - 1)) + abs(prefix(src, i) - prefix(dst, i)) for i in range(len(src))]
+    bound = [
+        abs(prefix(src, i - 1) - prefix(dst, i - 1)) + abs(prefix(src, i) - prefix(dst, i)) for i in range(len(src))
+    ]
     assert all(b >= e - 1e-12 for b, e in zip(bound, exact))
 
 
@@ -281,12 +299,20 @@ def test_collective_among_machines_is_priced_in_three_steps():
     # all-gather 2 x the largest shard (0.75 GB); inside the 3-GPU machine the leader first
     # gathers 2/3 of its 0.75 GB shard, then scatters 2/3 of the gathered 1.5 GB back. The
     # 1-GPU machine has no step inside.
-    cl = ClusterSpec.from_config({
-        "name": "m13", "virtual_device": "machine",
-        "machines": [{"count": 1, "device": "V100-16", "num_devices": 1},
-                     {"count": 1, "device": "V100-16", "num_devices": 3}],
-        "links": {"intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
-                  "inter_machine": {"bandwidth_gbps": 8.0, "latency_s": 1e-4}}})
+    cl = ClusterSpec.from_config(
+        {
+            "name": "m13",
+            "virtual_device": "machine",
+            "machines": [
+                {"count": 1, "device": "V100-16", "num_devices": 1},
+                {"count": 1, "device": "V100-16", "num_devices": 3},
+            ],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 800.0, "latency_s": 1e-5},
+                "inter_machine": {"bandwidth_gbps": 8.0, "latency_s": 1e-4},
+            },
+        }
+    )
     ratios = [[0.25, 0.75]]
     ag = Program((Stage((Collective("all_gather", Affine.sharded(1e9), "padded"),)),), 2, granularity="machine")
     among = 1e-4 + 2 * 0.75e9 * (1 / 2) / 1e9
@@ -308,8 +334,10 @@ def test_gradient_all_reduce_inside_machines_overlaps_later_backward():
     intra = cluster.intra_machine
     sync = intra.latency_s + 2 * 3 / 4 * 100e6 / intra.bytes_per_s  # 1.5e-3 s at 800 Gbit/s
     slow_flops = vd[1].flops
-    stages = (Stage((), Affine.sharded(2e12), grad_bytes=Affine(100e6)),
-              Stage((), Affine.sharded(2e12), grad_bytes=Affine(10e6)))
+    stages = (
+        Stage((), Affine.sharded(2e12), grad_bytes=Affine(100e6)),
+        Stage((), Affine.sharded(2e12), grad_bytes=Affine(10e6)),
+    )
     prog = Program(stages, 2, granularity="machine")
     compute = 2 * 1e12 / slow_flops
     assert compute / 2 > sync  # stage 2 hides stage 1's sync
@@ -317,6 +345,7 @@ def test_gradient_all_reduce_inside_machines_overlaps_later_backward():
     assert simulate(prog, cluster, [[0.5, 0.5]]).iter_time_s == pytest.approx(compute + last)
     # The LP prices the same (balance_ratios' objective at the ratios it picks).
     from methods.hap.balance import balance_ratios
+
     ratios, objective = balance_ratios(prog, cluster)
     assert objective == pytest.approx(simulate(prog, cluster, ratios).iter_time_s, rel=1e-6)
 
@@ -363,9 +392,13 @@ def test_backward_sweep_keeps_every_point_where_the_peak_can_fall():
     # Every point, by brute force: at position k, the gradients made at k or later, the
     # activations freed at k or before, and the activation gradients live at k.
     positions = sorted({p for p, _ in grads + acts} | {p for a, b, _ in flight for p in (a, b)}, reverse=True)
-    everything = [(sum((b for p, b in grads if p >= k), Affine()),
-                   sum((b for p, b in acts if p <= k), Affine()) + sum((x for a, b, x in flight if a <= k <= b), Affine()))
-                  for k in positions]
+    everything = [
+        (
+            sum((b for p, b in grads if p >= k), Affine()),
+            sum((b for p, b in acts if p <= k), Affine()) + sum((x for a, b, x in flight if a <= k <= b), Affine()),
+        )
+        for k in positions
+    ]
     assert len(kept) < len(everything) / 2
     assert all(any(_same(point, p) for p in everything) for point in kept)
     rng = random.Random(0)
@@ -403,5 +436,7 @@ def test_ddp_peaks_before_its_gradients_exist_where_activations_dominate():
     assert len(swept.memory.backward) == 2  # the first and the last layer's
     assert Program.from_json(swept.to_json()).memory == swept.memory
     # hap's runtime: the gradients are views of buckets made before backward.
-    before = data_parallel_program(2, 100, layers, acts_per_sample, backward_memory=backward, grads_before_backward=True)
+    before = data_parallel_program(
+        2, 100, layers, acts_per_sample, backward_memory=backward, grads_before_backward=True
+    )
     assert simulate(before, cluster, ratios).peak_mem_gib[0] == pytest.approx(2 + 4 + 2 + 5)

@@ -18,8 +18,17 @@ from bench.records.table import speedup
 
 
 def _row(**kw):
-    base = dict(model="bert", preset="tiny", cluster="c", method="dp_ev", mode="real", status="ok",
-                global_batch=16, samples_per_s=100.0, iter_time_s_mean=0.16)
+    base = dict(
+        model="bert",
+        preset="tiny",
+        cluster="c",
+        method="dp_ev",
+        mode="real",
+        status="ok",
+        global_batch=16,
+        samples_per_s=100.0,
+        iter_time_s_mean=0.16,
+    )
     base.update(kw)
     return RunRecord(**base)
 
@@ -54,7 +63,7 @@ def test_a_row_appended_after_a_torn_line_is_kept(tmp_path):
 
 def test_a_file_that_is_not_jsonl_loads_as_no_rows(tmp_path, caplog):
     path = tmp_path / "records.jsonl"
-    path.write_bytes(b"not json\n\xff\xfe binary\n42\n[1, 2]\n{\"unclosed\": \n\n")
+    path.write_bytes(b'not json\n\xff\xfe binary\n42\n[1, 2]\n{"unclosed": \n\n')
     with caplog.at_level("WARNING", logger="bench.records.rows"):
         assert load_records(path) == []
     assert len(caplog.records) == 5  # one per line, the blank one aside
@@ -74,8 +83,7 @@ def test_resume_skips_only_cases_with_a_final_answer(tmp_path):
 
 
 def test_case_key_ignores_bookkeeping_but_not_the_case():
-    cfg = {"model": {"name": "bert"}, "seed": 0, "wandb": {"mode": "offline"}, "resume": False,
-           "results_dir": "x"}
+    cfg = {"model": {"name": "bert"}, "seed": 0, "wandb": {"mode": "offline"}, "resume": False, "results_dir": "x"}
     same = dict(cfg, wandb={"mode": "disabled"}, resume=True, results_dir="y")
     assert case_key(cfg) == case_key(same)
     assert case_key(cfg) != case_key(dict(cfg, seed=1))
@@ -85,12 +93,15 @@ def test_iteration_time_is_the_max_over_ranks_of_the_measured_iterations():
     per_iter, mean, std = summarize_times([[9.0, 1.0, 2.0, 3.0], [0.0, 2.0, 1.0, 5.0]], measured=3)
     assert per_iter == [2.0, 2.0, 5.0]
     assert mean == pytest.approx(3.0)
-    assert std == pytest.approx(3 ** 0.5)  # sample std of 2, 2, 5
+    assert std == pytest.approx(3**0.5)  # sample std of 2, 2, 5
 
 
 def test_speedup_is_throughput_over_dp_ev_on_the_same_case():
-    rows = [vars(_row()), vars(_row(method="dp_cp", samples_per_s=150.0)),
-            vars(_row(method="dp_ev", cluster="other", samples_per_s=10.0))]
+    rows = [
+        vars(_row()),
+        vars(_row(method="dp_cp", samples_per_s=150.0)),
+        vars(_row(method="dp_ev", cluster="other", samples_per_s=10.0)),
+    ]
     assert speedup(rows[1], rows) == pytest.approx(1.5)
     assert speedup(rows[0], rows) == pytest.approx(1.0)
     assert speedup(vars(_row(cluster="none")), rows) is None
@@ -115,8 +126,9 @@ def test_a_wandb_failure_keeps_the_row(tmp_path, monkeypatch):
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_row_is_dirty_when_the_code_changed_not_when_results_did(tmp_path):
     def git(*args):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True
+        )
 
     (tmp_path / "bench").mkdir()
     (tmp_path / "results").mkdir()

@@ -15,32 +15,65 @@ FIGURES = ROOT / "results" / "figures"
 
 
 def _row(method, k, status="ok", samples=100.0, key=None, **kw):
-    config = {"cluster": {"gpus_per_machine": k}, "report": {"name": "fig", "x": "cluster.gpus_per_machine",
-                                                          "metric": "samples_per_s"}}
-    base = dict(model="bert", preset="tiny", cluster="c", method=method, mode="real", status=status,
-                global_batch=16, samples_per_s=samples, iter_time_s_mean=16 / samples,
-                case_key=key or f"{method}-{k}", config=config, git_sha="abcdef0123456789",
-                error=None if status == "ok" else "Traceback...\nRuntimeError: out of memory")
+    config = {
+        "cluster": {"gpus_per_machine": k},
+        "report": {"name": "fig", "x": "cluster.gpus_per_machine", "metric": "samples_per_s"},
+    }
+    base = dict(
+        model="bert",
+        preset="tiny",
+        cluster="c",
+        method=method,
+        mode="real",
+        status=status,
+        global_batch=16,
+        samples_per_s=samples,
+        iter_time_s_mean=16 / samples,
+        case_key=key or f"{method}-{k}",
+        config=config,
+        git_sha="abcdef0123456789",
+        error=None if status == "ok" else "Traceback...\nRuntimeError: out of memory",
+    )
     base.update(kw)
     return RunRecord(**base)
 
 
 def _aggregate(method, k, median, low, high, speedup=None):
-    agg = {"iter_time_s": {"n": 6, "median": median, "low": low, "high": high, "coverage": 0.969,
-                           "trimmed_mean": median, "cv": 0.02}}
+    agg = {
+        "iter_time_s": {
+            "n": 6,
+            "median": median,
+            "low": low,
+            "high": high,
+            "coverage": 0.969,
+            "trimmed_mean": median,
+            "cv": 0.02,
+        }
+    }
     if speedup:
-        agg["speedup_vs_dp_ev"] = {"n": 6, "median": speedup[0], "low": speedup[1], "high": speedup[2],
-                                   "coverage": 0.969, "trimmed_mean": speedup[0], "cv": 0.02}
+        agg["speedup_vs_dp_ev"] = {
+            "n": 6,
+            "median": speedup[0],
+            "low": speedup[1],
+            "high": speedup[2],
+            "coverage": 0.969,
+            "trimmed_mean": speedup[0],
+            "cv": 0.02,
+        }
     return _row(method, k, samples=16 / median, row_kind="aggregate", aggregate=agg)
 
 
 @pytest.fixture
 def records(tmp_path):
     path = tmp_path / "records.jsonl"
-    for row in (_row("dp_ev", 1, samples=100.0), _row("hap", 1, samples=150.0),
-                _row("dp_ev", 2, status="oom"), _row("hap", 2, samples=120.0),
-                _row("hap", 1, samples=10.0, key="hap-1", row_kind="repeat", repeat=0),
-                _aggregate("sfb", 1, 0.1, 0.09, 0.12, speedup=(1.6, 1.5, 1.7))):
+    for row in (
+        _row("dp_ev", 1, samples=100.0),
+        _row("hap", 1, samples=150.0),
+        _row("dp_ev", 2, status="oom"),
+        _row("hap", 2, samples=120.0),
+        _row("hap", 1, samples=10.0, key="hap-1", row_kind="repeat", repeat=0),
+        _aggregate("sfb", 1, 0.1, 0.09, 0.12, speedup=(1.6, 1.5, 1.7)),
+    ):
         append_record(path, row)
     return path
 
@@ -89,18 +122,21 @@ def test_the_committed_paper_figures_regenerate_byte_identical_from_their_record
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "bench.report", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_bad_input_is_one_line_naming_the_path_or_option(tmp_path, records):
     (tmp_path / "notes.txt").write_text("hello\nworld\n")
     (tmp_path / "empty").mkdir()
-    for args, start in (([str(tmp_path / "notes.txt")], f"error: {tmp_path / 'notes.txt'} is not a records file"),
-                        ([str(tmp_path / "empty")], f"error: {tmp_path / 'empty'} holds no rows"),
-                        ([str(tmp_path / "nowhere")], f"error: {tmp_path / 'nowhere'} does not exist"),
-                        ([str(records), "--metric", "speed"], "error: --metric speed is unknown"),
-                        ([str(records), "--x", "cluster.nodes"], "error: --x cluster.nodes: no row")):
+    for args, start in (
+        ([str(tmp_path / "notes.txt")], f"error: {tmp_path / 'notes.txt'} is not a records file"),
+        ([str(tmp_path / "empty")], f"error: {tmp_path / 'empty'} holds no rows"),
+        ([str(tmp_path / "nowhere")], f"error: {tmp_path / 'nowhere'} does not exist"),
+        ([str(records), "--metric", "speed"], "error: --metric speed is unknown"),
+        ([str(records), "--x", "cluster.nodes"], "error: --x cluster.nodes: no row"),
+    ):
         done = _cli(*args)
         assert done.returncode == 2 and done.stderr.startswith(start), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
@@ -142,6 +178,7 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
 
 def test_a_tiny_efficiency_keeps_its_digits():
     from bench.records.table import _efficiency
+
     assert [_efficiency(v) for v in (None, 0.0, 0.31, 0.00042)] == ["-", "0.00", "0.31", "4.2e-04"]
 
 
@@ -152,8 +189,14 @@ def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatc
     from bench.runtime import launch
 
     monkeypatch.setattr(launch, "_expected", [])
-    config = OmegaConf.create({"hydra": {"sweeper": {"params": {"method": "dp_ev,nosuch"}},
-                                         "overrides": {"task": ["method=dp_ev,nosuch,deepspeed", "cluster=a,b"]}}})
+    config = OmegaConf.create(
+        {
+            "hydra": {
+                "sweeper": {"params": {"method": "dp_ev,nosuch"}},
+                "overrides": {"task": ["method=dp_ev,nosuch,deepspeed", "cluster=a,b"]},
+            }
+        }
+    )
     SweepSummary().on_multirun_start(config)
     assert {"methods.dp", "methods.ds_zero", "deepspeed"} <= set(launch._expected)
     assert not [m for m in launch._expected if "nosuch" in m]  # its job fails in one line, as before

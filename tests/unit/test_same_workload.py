@@ -31,8 +31,13 @@ MODELS = ("vgg19", "vit", "bert", "bert_moe")
 PRESETS = ("tiny", "paper")
 FP32_BYTES = 4
 # The planner with one synthesis round and a narrow beam keeps this file fast.
-FAST_PLANNER = ("method.lp=false", "method.max_rounds=1", "method.num_segments=1", "method.beam_width=2",
-                "method.cache_dir=null")
+FAST_PLANNER = (
+    "method.lp=false",
+    "method.max_rounds=1",
+    "method.num_segments=1",
+    "method.beam_width=2",
+    "method.cache_dir=null",
+)
 
 
 @functools.cache
@@ -97,7 +102,8 @@ def test_every_method_prices_the_same_flops_per_iteration(model, preset):
     assert work["dp_ev"] > 0
     for name, flops in work.items():
         assert flops == pytest.approx(work["dp_ev"], rel=1e-9), (
-            f"{model}-{preset}: {name} prices {flops:.6e} FLOPs of work per iteration, dp_ev {work['dp_ev']:.6e}")
+            f"{model}-{preset}: {name} prices {flops:.6e} FLOPs of work per iteration, dp_ev {work['dp_ev']:.6e}"
+        )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -114,7 +120,8 @@ def test_the_pipeline_prices_the_same_flops_per_iteration(model, preset):
     assert groups[0][0] == 0 and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
     flops = sum(s.flops.const for st in program.stages for s in (*st.forward, *st.backward))
     assert flops * program.num_micro_batches * program.num_pipelines == pytest.approx(
-        work_flops(plan(model, preset, "dp_ev").program), rel=1e-9)
+        work_flops(plan(model, preset, "dp_ev").program), rel=1e-9
+    )
 
 
 def test_bert_moe_all_to_alls_move_the_models_expert_slots_in_hap_and_deepspeed():
@@ -128,8 +135,12 @@ def test_bert_moe_all_to_alls_move_the_models_expert_slots_in_hap_and_deepspeed(
 
     def all_to_alls(method: str) -> list[tuple[str, float]]:
         planned = plan("bert_moe", "paper", method)
-        return [(c.label, sum(c.nbytes.values(planned.ratios)))
-                for st in planned.program.stages for c in st.collectives if c.kind == "all_to_all"]
+        return [
+            (c.label, sum(c.nbytes.values(planned.ratios)))
+            for st in planned.program.stages
+            for c in st.collectives
+            if c.kind == "all_to_all"
+        ]
 
     ds = all_to_alls("deepspeed")
     assert len(ds) == 4 * moe_layers  # dispatch and combine, forward and backward

@@ -9,8 +9,7 @@ from bench.records.stats import median_interval, ranks, summarize
 from bench.runner.rounds import aggregate_rounds
 
 
-@pytest.mark.parametrize("n,k,coverage", [(5, 1, 0.9375), (6, 1, 0.96875), (9, 2, 0.9609375),
-                                          (10, 2, 0.978515625)])
+@pytest.mark.parametrize("n,k,coverage", [(5, 1, 0.9375), (6, 1, 0.96875), (9, 2, 0.9609375), (10, 2, 0.978515625)])
 def test_the_median_interval_is_the_widest_binomial_one_needed(n, k, coverage):
     assert median_interval(n) == (k, pytest.approx(coverage))
 
@@ -37,16 +36,28 @@ def test_overlapping_intervals_share_a_rank():
 
 
 def _row(method, mean, status="ok", error=None):
-    return RunRecord(model="bert", preset="tiny", cluster="c", method=method, mode="real",
-                     status=status, error=error, global_batch=16, iter_time_s_mean=mean,
-                     iter_time_s_std=mean and mean / 10, samples_per_s=mean and 16 / mean,
-                     ideal_iter_time_s=0.01)
+    return RunRecord(
+        model="bert",
+        preset="tiny",
+        cluster="c",
+        method=method,
+        mode="real",
+        status=status,
+        error=error,
+        global_batch=16,
+        iter_time_s_mean=mean,
+        iter_time_s_std=mean and mean / 10,
+        samples_per_s=mean and 16 / mean,
+        ideal_iter_time_s=0.01,
+    )
 
 
 def test_speedups_are_taken_round_by_round_and_a_failed_round_fails_the_aggregate():
-    runs = {"dp_ev": [_row("dp_ev", t) for t in (0.10, 0.20, 0.10)],
-            "dp_cp": [_row("dp_cp", t) for t in (0.05, 0.10, 0.05)],
-            "hap": [_row("hap", 0.05), _row("hap", None, "failed", "rank 1 failed"), _row("hap", 0.05)]}
+    runs = {
+        "dp_ev": [_row("dp_ev", t) for t in (0.10, 0.20, 0.10)],
+        "dp_cp": [_row("dp_cp", t) for t in (0.05, 0.10, 0.05)],
+        "hap": [_row("hap", 0.05), _row("hap", None, "failed", "rank 1 failed"), _row("hap", 0.05)],
+    }
     out = aggregate_rounds(runs)
     cp = out["dp_cp"].aggregate
     assert cp["speedup_vs_dp_ev"]["low"] == cp["speedup_vs_dp_ev"]["high"] == 2.0  # drift cancels
@@ -70,9 +81,14 @@ def test_the_aggregate_prediction_and_compute_are_the_medians_of_the_rounds():
     rows = [_row("hap", 0.05) for _ in range(3)]
     for row, predicted, reference in zip(rows, (0.043, 0.047, 0.041), (0.010, 0.012, 0.011)):
         row.predicted_iter_time_s = predicted
-        row.emulation = {"ok": True, "max_error": 0.0,
-                         "ranks": [{"speed": 0.5, "reference_s_per_iter": reference},
-                                   {"speed": 1.0, "reference_s_per_iter": reference}]}
+        row.emulation = {
+            "ok": True,
+            "max_error": 0.0,
+            "ranks": [
+                {"speed": 0.5, "reference_s_per_iter": reference},
+                {"speed": 1.0, "reference_s_per_iter": reference},
+            ],
+        }
     agg = aggregate_rounds({"hap": rows})["hap"]
     assert agg.predicted_iter_time_s == 0.043
     assert agg.emulation["compute_s"] == pytest.approx(0.022) and agg.emulation["ranks"] is None
@@ -87,14 +103,21 @@ def test_links_that_ran_past_their_emulated_time_are_flagged_in_the_row_and_its_
     from bench.records.table import _status
     from bench.runner.execute import fill_metrics
 
-    workload = SimpleNamespace(global_batch=16, targets_per_iter=16,
-                               model_cfg=SimpleNamespace(tokens_per_sample=None))
+    workload = SimpleNamespace(global_batch=16, targets_per_iter=16, model_cfg=SimpleNamespace(tokens_per_sample=None))
 
     def run(overruns):  # two ranks, 4 measured iterations of 0.1 s; overrun summed over them
         record = _row("hap", None)
         record.emulation = {"headroom": 0.6}
-        results = [{"iter_times_s": [0.1] * 4, "peak_mem_gib": 0.01, "loss_sums": [1.0] * 4, "host": "h",
-                    "emulation": {"error": 0.0, "link_overrun_s": o}} for o in overruns]
+        results = [
+            {
+                "iter_times_s": [0.1] * 4,
+                "peak_mem_gib": 0.01,
+                "loss_sums": [1.0] * 4,
+                "host": "h",
+                "emulation": {"error": 0.0, "link_overrun_s": o},
+            }
+            for o in overruns
+        ]
         fill_metrics(record, results, workload, measured=4)
         return record
 
@@ -103,8 +126,10 @@ def test_links_that_ran_past_their_emulated_time_are_flagged_in_the_row_and_its_
     assert flagged.emulation["link_overrun_s"] == pytest.approx(0.02) and flagged.emulation["links_ok"] is False
     assert quiet.emulation["link_overrun_s"] == pytest.approx(0.0025) and quiet.emulation["links_ok"] is True
     assert _status(flagged_dict) == "ok, links +20%" and _status(quiet_dict) == "ok"
-    assert _status({**flagged_dict, "emulation": {**flagged.emulation, "ok": False, "max_error": 0.07}}) \
+    assert (
+        _status({**flagged_dict, "emulation": {**flagged.emulation, "ok": False, "max_error": 0.07}})
         == "ok, dilation +7%, links +20%"
+    )
     # an aggregate: the median run's overrun against the median iteration
     assert aggregate_rounds({"hap": [flagged, quiet, quiet]})["hap"].emulation["links_ok"] is True
     agg = aggregate_rounds({"hap": [flagged, flagged, quiet]})["hap"]

@@ -61,8 +61,10 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
     # column parallel (weight rows split, output features split) and row parallel (weight
     # columns split, partial sums)
     out_dims = {len(graph[s.node].shape) - 1 for s in linears}
-    assert {(s.rule.pre[1], s.rule.post if s.rule.post == REDUCE else "last") for s in linears} == \
-        {(0, "last"), (1, REDUCE)} and len(out_dims) == 1
+    assert {(s.rule.pre[1], s.rule.post if s.rule.post == REDUCE else "last") for s in linears} == {
+        (0, "last"),
+        (1, REDUCE),
+    } and len(out_dims) == 1
     kinds = {c.kind for s in point.result.steps for c in s.comms}
     assert {"all_reduce", "all_gather"} <= kinds
     assert all(c.impl in ("padded", "ring") for s in point.result.steps for c in s.comms)
@@ -112,8 +114,11 @@ def test_every_ratio_choice_plans_a_plan_the_runtime_accepts():
 
 def test_a_machine_level_cluster_is_refused_in_one_line():
     cfg = figures._cfg("experiment=cp_vs_ev", "mode=sim", "cluster=paper_hetero")
-    with pytest.raises(ConfigError, match=r"^cluster.virtual_device=machine \(cluster=paper_hetero\).*"
-                                          r"use cluster.virtual_device=gpu$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^cluster.virtual_device=machine \(cluster=paper_hetero\).*"
+        r"use cluster.virtual_device=gpu$",
+    ):
         prepare_case(cfg, new_record(cfg))
 
 
@@ -122,9 +127,23 @@ def test_the_figure_writes_png_pdf_and_the_csv_it_plots(tmp_path, monkeypatch):
     figures.fig_cp_vs_ev(tmp_path, sim_dims=(64, 256), real_dims=())
     data = pd.read_csv(tmp_path / "cp_vs_ev.csv")
     assert list(data.columns) == [
-        "origin", "cluster", "d_model", "num_heads", "num_layers", "global_batch", "ratios", "ratio_values",
-        "iter_time_s", "iter_time_std_s", "samples_per_s", "predicted_iter_time_s", "predicted_comm_s",
-        "predicted_compute_s", "oom", "measured_run_of"]
+        "origin",
+        "cluster",
+        "d_model",
+        "num_heads",
+        "num_layers",
+        "global_batch",
+        "ratios",
+        "ratio_values",
+        "iter_time_s",
+        "iter_time_std_s",
+        "samples_per_s",
+        "predicted_iter_time_s",
+        "predicted_comm_s",
+        "predicted_compute_s",
+        "oom",
+        "measured_run_of",
+    ]
     assert len(data) == 6 and set(data.ratios) == {"EV", "CP", "LP"} and set(data.origin) == {"simulated"}
     assert (data.samples_per_s > 0).all() and (data.iter_time_s == data.predicted_iter_time_s).all()
     assert (tmp_path / "cp_vs_ev.png").stat().st_size > 0 and (tmp_path / "cp_vs_ev.pdf").stat().st_size > 0

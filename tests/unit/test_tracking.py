@@ -34,18 +34,31 @@ from tests.conftest import compose_config
 from tests.unit.wandb_offline import read_run
 
 REPO = CONF_DIR.parent
-STEP_KEYS = {"train/loss", "time/iter_s", "throughput/samples_per_s", "throughput/tokens_per_s",
-             "mem/peak_gib"}
+STEP_KEYS = {"train/loss", "time/iter_s", "throughput/samples_per_s", "throughput/tokens_per_s", "mem/peak_gib"}
 # A simulated case on a real-GPU cluster: no worker processes, no host-speed measurement.
 SIM = ("mode=sim", "cluster=paper_hetero")
 
 
 def _row(**kw) -> RunRecord:
-    base = dict(model="bert", preset="tiny", cluster="local_hetero2", method="dp_ev", mode="real",
-                status="ok", global_batch=16, iter_times_s=[0.5, 0.25, 0.4],
-                loss_per_iter=[6.0, 5.5, 5.25], peak_mem_gib_per_iter=[0.25, 0.5, 0.5],
-                iter_time_s_mean=0.38, iter_time_s_std=0.1, samples_per_s=16 / 0.38, tokens_per_s=64 * 16 / 0.38,
-                plan={"shares": [8, 8], "note": "even"}, case_key="abc", config={"seed": 0})
+    base = dict(
+        model="bert",
+        preset="tiny",
+        cluster="local_hetero2",
+        method="dp_ev",
+        mode="real",
+        status="ok",
+        global_batch=16,
+        iter_times_s=[0.5, 0.25, 0.4],
+        loss_per_iter=[6.0, 5.5, 5.25],
+        peak_mem_gib_per_iter=[0.25, 0.5, 0.5],
+        iter_time_s_mean=0.38,
+        iter_time_s_std=0.1,
+        samples_per_s=16 / 0.38,
+        tokens_per_s=64 * 16 / 0.38,
+        plan={"shares": [8, 8], "note": "even"},
+        case_key="abc",
+        config={"seed": 0},
+    )
     base.update(kw)
     return RunRecord(**base)
 
@@ -70,12 +83,23 @@ def test_step_metrics_derive_throughput_from_each_step_time():
 
 
 def test_fill_metrics_keeps_loss_and_memory_of_each_measured_iteration():
-    workload = SimpleNamespace(global_batch=4, targets_per_iter=2,
-                               model_cfg=SimpleNamespace(tokens_per_sample=None))
-    results = [{"iter_times_s": [9.0, 1.0, 2.0], "loss_sums": [8.0, 6.0, 4.0],
-                "peak_mem_gib": 0.5, "peak_mem_gib_per_iter": [0.1, 0.2, 0.5], "host": "h"},
-               {"iter_times_s": [9.0, 2.0, 1.0], "loss_sums": [2.0, 2.0, 2.0],
-                "peak_mem_gib": 0.3, "peak_mem_gib_per_iter": [0.3, 0.3, 0.3], "host": "h"}]
+    workload = SimpleNamespace(global_batch=4, targets_per_iter=2, model_cfg=SimpleNamespace(tokens_per_sample=None))
+    results = [
+        {
+            "iter_times_s": [9.0, 1.0, 2.0],
+            "loss_sums": [8.0, 6.0, 4.0],
+            "peak_mem_gib": 0.5,
+            "peak_mem_gib_per_iter": [0.1, 0.2, 0.5],
+            "host": "h",
+        },
+        {
+            "iter_times_s": [9.0, 2.0, 1.0],
+            "loss_sums": [2.0, 2.0, 2.0],
+            "peak_mem_gib": 0.3,
+            "peak_mem_gib_per_iter": [0.3, 0.3, 0.3],
+            "host": "h",
+        },
+    ]
     record = _row(ideal_iter_time_s=1.0, loss_per_iter=None, peak_mem_gib_per_iter=None)
     fill_metrics(record, results, workload, measured=2)
     assert record.loss_per_iter == [4.0, 3.0]
@@ -90,8 +114,7 @@ def test_csv_logger_writes_steps_plan_and_sweep_table(tmp_path):
     logger.log_case(row, path)
     with (tmp_path / "csv" / "steps" / f"{row.run_id}.csv").open() as f:
         lines = list(csv.DictReader(f))
-    assert list(lines[0]) == ["step", "loss", "iter_time_s", "samples_per_s", "tokens_per_s",
-                              "peak_mem_gib"]
+    assert list(lines[0]) == ["step", "loss", "iter_time_s", "samples_per_s", "tokens_per_s", "peak_mem_gib"]
     assert [float(line["loss"]) for line in lines] == [6.0, 5.5, 5.25]
     assert float(lines[1]["samples_per_s"]) == pytest.approx(64.0)
     plan = json.loads((tmp_path / "csv" / "plans" / f"{row.run_id}.json").read_text())
@@ -111,12 +134,13 @@ def _tensorboard_tags(logdir: Path) -> dict[str, list]:
     for path in logdir.glob("events.out.tfevents.*"):
         data, pos = path.read_bytes(), 0
         while pos < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = Event.FromString(data[pos + 12 : pos + 12 + length])
             pos += 16 + length
             for value in event.summary.value:
-                content = value.simple_value if value.HasField("simple_value") else \
-                    b"".join(value.tensor.string_val).decode()
+                content = (
+                    value.simple_value if value.HasField("simple_value") else b"".join(value.tensor.string_val).decode()
+                )
                 tags.setdefault(value.tag.removesuffix("/text_summary"), []).append(content)
     return tags
 
@@ -188,10 +212,8 @@ def test_wandb_mode_disabled_and_logger_none_log_nothing(tmp_path):
 def test_several_loggers_at_once(tmp_path, monkeypatch):
     pytest.importorskip("tensorboardX")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose_config(*SIM, "logger=[wandb,csv,tensorboard]", "wandb.mode=offline",
-                         results_dir=str(tmp_path))
-    assert [type(t).__name__ for t in make_trackers(cfg)] == ["WandbLogger", "CsvLogger",
-                                                              "TensorBoardLogger"]
+    cfg = compose_config(*SIM, "logger=[wandb,csv,tensorboard]", "wandb.mode=offline", results_dir=str(tmp_path))
+    assert [type(t).__name__ for t in make_trackers(cfg)] == ["WandbLogger", "CsvLogger", "TensorBoardLogger"]
     record = run_case(cfg)
     assert record.status == "ok"
     assert (tmp_path / "csv" / "plans" / f"{record.run_id}.json").exists()
@@ -244,10 +266,21 @@ def test_a_failing_logger_is_a_warning_and_the_others_still_run(tmp_path, caplog
 
 def test_a_logger_that_raises_keeps_the_row_and_the_case_exits_0(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.run", *SIM, "logger=none", f"results_dir={tmp_path}",
-         "+logger.broken._target_=tests.unit.test_tracking.BrokenLogger",
-         "+logger.unstartable._target_=tests.unit.test_tracking.UnstartableLogger"],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            *SIM,
+            "logger=none",
+            f"results_dir={tmp_path}",
+            "+logger.broken._target_=tests.unit.test_tracking.BrokenLogger",
+            "+logger.unstartable._target_=tests.unit.test_tracking.UnstartableLogger",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (row,) = load_records(tmp_path / "records.jsonl")
     assert row["status"] == "ok"
@@ -259,10 +292,13 @@ def test_a_logger_that_raises_keeps_the_row_and_the_case_exits_0(tmp_path):
 def test_unknown_logger_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "bench.run", "logger=[wandb,tensorbord]", f"results_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("error: logger=tensorbord is unknown; known: csv, none, "
-                                  "tensorboard, wandb")
+    assert out.stderr.strip() == ("error: logger=tensorbord is unknown; known: csv, none, tensorboard, wandb")
     assert not (tmp_path / "records.jsonl").exists()
 
 
@@ -273,8 +309,7 @@ def test_hetbench_run_checks_logger_names_too(tmp_path, capsys, monkeypatch):
     assert err.startswith("error: logger=mlflow is unknown") and "\n" not in err
 
 
-@pytest.mark.parametrize("value", ["csv", "[wandb,csv]", "[ wandb , tensorboard ]", "wandb,csv",
-                                   "none", "[]", "null"])
+@pytest.mark.parametrize("value", ["csv", "[wandb,csv]", "[ wandb , tensorboard ]", "wandb,csv", "none", "[]", "null"])
 def test_known_logger_choices_pass_the_check(value):
     check_group_choices([f"logger={value}"])
 

@@ -32,15 +32,18 @@ def test_causal_lm_targets_are_the_inputs_shifted_by_one():
     assert torch.equal(tokens[:, 1:], targets[:, :-1])
 
 
-@pytest.mark.parametrize("arch,task,targets", [("gpt2", "causal_lm", 32), ("bert", "masked_lm", 5),
-                                               ("vit", "image_cls", 1), ("resnet", "image_cls", 1)])
+@pytest.mark.parametrize(
+    "arch,task,targets",
+    [("gpt2", "causal_lm", 32), ("bert", "masked_lm", 5), ("vit", "image_cls", 1), ("resnet", "image_cls", 1)],
+)
 def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, task, targets):
     hf = _hf()
     cfg = hf.HFModelConfig.from_preset("tiny", arch=arch)
     assert cfg.task == task and cfg.targets_per_sample == targets and cfg.name == f"hf-{arch}"
     hc = cfg.hf_config()
-    assert getattr(hc, "use_cache", False) is False and all(v == 0.0 for k, v in hc.to_dict().items() if "dropout" in k
-                                         and isinstance(v, float))
+    assert getattr(hc, "use_cache", False) is False and all(
+        v == 0.0 for k, v in hc.to_dict().items() if "dropout" in k and isinstance(v, float)
+    )
     torch.manual_seed(0)
     model = cfg.build()
     assert model.training
@@ -50,7 +53,7 @@ def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, tas
     # summed, not averaged: two halves add up to the whole (batch norm's statistics differ
     # between halves in training: compared in evaluation, on the running statistics)
     model.eval()
-    halves = sum(model(*(t[i:i + 2] for t in batch)) for i in (0, 2))
+    halves = sum(model(*(t[i : i + 2] for t in batch)) for i in (0, 2))
     assert torch.allclose(halves, model(*batch), rtol=1e-5)
 
 
@@ -64,23 +67,36 @@ def test_config_fields_override_the_preset_and_the_paper_preset_is_the_architect
 
 def test_a_local_config_json_names_its_task_by_its_architectures(tmp_path):
     hf = _hf()
-    (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertForSequenceClassification"],'
-                                          ' "num_hidden_layers": 1}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "bert", "architectures": ["BertForSequenceClassification"], "num_hidden_layers": 1}'
+    )
     cfg = hf.HFModelConfig.from_preset("tiny", arch=str(tmp_path))
     assert cfg.task == "seq_cls" and cfg.hf_config().num_hidden_layers == 2  # the preset's tiny size wins
     assert cfg.targets_per_sample == 1 and cfg.tokens_per_sample == 32
 
 
-@pytest.mark.parametrize("kwargs,line", [
-    (dict(arch="gtp2"), r"model.arch='gtp2' is not a transformers model type or a config.json; did you mean gpt2.*\? "
-                        r"list the known ones with: python -m models.hf"),
-    (dict(arch="gpt2", task="image_cls"), r"model.task=image_cls cannot be served by model.arch=gpt2: transformers has "
-                                          r"no such head for 'gpt2'; it serves causal_lm, seq_cls"),
-    (dict(arch="gpt2", config={"num_hiden_layers": 2}), r"model.config.num_hiden_layers is not a field of GPT2Config; "
-                                                        r"did you mean num_hidden_layers"),
-    (dict(arch="/no/such/config.json"), r"model.arch='/no/such/config.json': no such config.json"),
-    (dict(arch="gpt2", task="speech"), r"model.task='speech' is unknown; known: auto, causal_lm"),
-])
+@pytest.mark.parametrize(
+    "kwargs,line",
+    [
+        (
+            dict(arch="gtp2"),
+            r"model.arch='gtp2' is not a transformers model type or a config.json; did you mean gpt2.*\? "
+            r"list the known ones with: python -m models.hf",
+        ),
+        (
+            dict(arch="gpt2", task="image_cls"),
+            r"model.task=image_cls cannot be served by model.arch=gpt2: transformers has "
+            r"no such head for 'gpt2'; it serves causal_lm, seq_cls",
+        ),
+        (
+            dict(arch="gpt2", config={"num_hiden_layers": 2}),
+            r"model.config.num_hiden_layers is not a field of GPT2Config; "
+            r"did you mean num_hidden_layers",
+        ),
+        (dict(arch="/no/such/config.json"), r"model.arch='/no/such/config.json': no such config.json"),
+        (dict(arch="gpt2", task="speech"), r"model.task='speech' is unknown; known: auto, causal_lm"),
+    ],
+)
 def test_bad_hf_input_is_one_line_naming_the_field_and_the_fix(kwargs, line):
     hf = _hf()
     with pytest.raises(ValueError, match=line) as err:
@@ -95,21 +111,35 @@ def test_the_known_architectures_are_listed_with_their_tasks(capsys):
     assert "gpt2" in out and "causal_lm" in out and "resnet" in out and "image_cls" in out
 
 
-@pytest.mark.parametrize("kwargs,line", [
-    (dict(factory="no_such_pkg.mod:build", inputs=IMAGES),
-     r"model.factory='no_such_pkg.mod:build': cannot import no_such_pkg.mod \(ModuleNotFoundError: No module named "
-     r"'no_such_pkg'\); put its package on PYTHONPATH"),
-    (dict(factory="tests.zoo_custom:nothing", inputs=IMAGES), r"tests.zoo_custom has no attribute 'nothing'"),
-    (dict(factory="tests.zoo_custom:not_a_module", inputs=IMAGES),
-     r"model.factory='tests.zoo_custom:not_a_module' returned a list, not a torch.nn.Module"),
-    (dict(factory="tests.zoo_custom", inputs=IMAGES), r"must be 'module.path:callable'"),
-    (dict(factory="tests.zoo_custom:build"), r"model=custom with model.task=loss needs model.inputs"),
-    (dict(factory="tests.zoo_custom:build", inputs=[{"shape": [3], "dtype": "int64"}]),
-     r"model.inputs\[0\].high=None: an integer input needs high"),
-    (dict(factory="tests.zoo_custom:build_branchy", inputs=[{"shape": [4]}, {"shape": [], "dtype": "int64", "high": 4}]),
-     r"model.factory=tests.zoo_custom:build_branchy: torch.export \(non-strict\) refused GuardOnDataDependentSymNode at "
-     r"zoo_custom.py:\d+ \(if h.sum\(\) > 0:\).*; make that forward traceable by torch.export \(torch.where"),
-])
+@pytest.mark.parametrize(
+    "kwargs,line",
+    [
+        (
+            dict(factory="no_such_pkg.mod:build", inputs=IMAGES),
+            r"model.factory='no_such_pkg.mod:build': cannot import no_such_pkg.mod \(ModuleNotFoundError: No module named "
+            r"'no_such_pkg'\); put its package on PYTHONPATH",
+        ),
+        (dict(factory="tests.zoo_custom:nothing", inputs=IMAGES), r"tests.zoo_custom has no attribute 'nothing'"),
+        (
+            dict(factory="tests.zoo_custom:not_a_module", inputs=IMAGES),
+            r"model.factory='tests.zoo_custom:not_a_module' returned a list, not a torch.nn.Module",
+        ),
+        (dict(factory="tests.zoo_custom", inputs=IMAGES), r"must be 'module.path:callable'"),
+        (dict(factory="tests.zoo_custom:build"), r"model=custom with model.task=loss needs model.inputs"),
+        (
+            dict(factory="tests.zoo_custom:build", inputs=[{"shape": [3], "dtype": "int64"}]),
+            r"model.inputs\[0\].high=None: an integer input needs high",
+        ),
+        (
+            dict(
+                factory="tests.zoo_custom:build_branchy",
+                inputs=[{"shape": [4]}, {"shape": [], "dtype": "int64", "high": 4}],
+            ),
+            r"model.factory=tests.zoo_custom:build_branchy: torch.export \(non-strict\) refused GuardOnDataDependentSymNode at "
+            r"zoo_custom.py:\d+ \(if h.sum\(\) > 0:\).*; make that forward traceable by torch.export \(torch.where",
+        ),
+    ],
+)
 def test_bad_custom_input_is_one_line_naming_the_field_and_the_fix(kwargs, line):
     with pytest.raises(ValueError, match=line) as err:
         CustomModelConfig.from_preset("tiny", **kwargs)
@@ -121,8 +151,9 @@ def test_a_custom_module_with_its_input_spec_or_a_task_adapter_meets_the_contrac
     images, labels = own.synthetic_batch(5, torch.Generator().manual_seed(0))
     assert images.shape == (5, 3, 32, 32) and labels.dtype == torch.int64 and int(labels.max()) < 10
     assert own.build()(images, labels).shape == ()
-    adapted = CustomModelConfig.from_preset("tiny", factory="tests.zoo_custom:build_decoder", task="causal_lm",
-                                            seq_len=8)
+    adapted = CustomModelConfig.from_preset(
+        "tiny", factory="tests.zoo_custom:build_decoder", task="causal_lm", seq_len=8
+    )
     assert adapted.targets_per_sample == 8 == adapted.tokens_per_sample
     assert adapted.build()(*adapted.synthetic_batch(2, torch.Generator().manual_seed(0))).shape == ()
 
@@ -148,5 +179,6 @@ def test_batch_norm_is_planned_as_whole_batch_statistics_or_as_each_shards_own()
     assert "batch_norm" not in {n.op for n in sync.ops}  # two sums over the batch, then element-wise
     local = derive_theory(capture_config(cfg, 4, batch_norm="local"))
     norms = [n for n in local.graph.ops if n.op == "batch_norm"]
-    assert norms and all(any(r.name == "local-statistics" and r.pre[0] == 0 for r in local.rules[n.name])
-                         for n in norms)
+    assert norms and all(
+        any(r.name == "local-statistics" and r.pre[0] == 0 for r in local.rules[n.name]) for n in norms
+    )

@@ -28,10 +28,10 @@ def read_records(path: str | Path) -> list:
         if left < _CHUNK_HEADER:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + _CHUNK_HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK_HEADER])
         if pos + _CHUNK_HEADER + length > len(data):  # a chunk still being written
             break
-        payload = data[pos + _CHUNK_HEADER:pos + _CHUNK_HEADER + length]
+        payload = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
         pos += _CHUNK_HEADER + length
         if kind == 0:
             continue
@@ -71,8 +71,7 @@ def read_run(run_dir: str | Path, wait_s: float = 20.0) -> dict:
         elif kind == "summary":
             out["summary"].update({_key(i): json.loads(i.value_json) for i in record.summary.update})
         elif kind == "artifact":
-            out["artifacts"][record.artifact.name] = sorted(
-                m.path for m in record.artifact.manifest.contents)
+            out["artifacts"][record.artifact.name] = sorted(m.path for m in record.artifact.manifest.contents)
         elif kind == "run":
             out["config"].update({_key(i): json.loads(i.value_json) for i in record.run.config.update})
     return out

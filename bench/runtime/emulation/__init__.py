@@ -41,6 +41,15 @@ from bench.runtime.emulation.settings import (
 )
 
 __all__ = [
-    "DILATION_TOLERANCE", "MAX_PAUSE_PENALTY", "PAUSE_PROBE_MIN_SHARE", "ArrivalBoard", "EmulationSettings",
-    "Emulator", "achieved_speeds", "emulated_compute_s", "links_ok", "measure_matmul_flops", "pooled_compute_s",
+    "DILATION_TOLERANCE",
+    "MAX_PAUSE_PENALTY",
+    "PAUSE_PROBE_MIN_SHARE",
+    "ArrivalBoard",
+    "EmulationSettings",
+    "Emulator",
+    "achieved_speeds",
+    "emulated_compute_s",
+    "links_ok",
+    "measure_matmul_flops",
+    "pooled_compute_s",
 ]

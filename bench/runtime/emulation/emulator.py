@@ -22,8 +22,14 @@ from bench.runtime.emulation.settings import MAX_PAUSE_PENALTY, EmulationSetting
 class Emulator:
     """Per-rank time dilation and link emulation. A disabled one does nothing, cheaply."""
 
-    def __init__(self, cluster: ClusterSpec, rank: int, enabled: bool,
-                 settings: EmulationSettings | None = None, pace_compute: bool = True):
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        rank: int,
+        enabled: bool,
+        settings: EmulationSettings | None = None,
+        pace_compute: bool = True,
+    ):
         self.enabled = enabled
         # False: links only; compute runs as fast as the hardware lets it (MPS sets its speed).
         self.pace_compute = enabled and pace_compute
@@ -214,17 +220,19 @@ class Emulator:
         Unpaced (on a GPU): the configured speed and the rank's measured matmul FLOP/s
         (`probe_flops`); the runner turns every rank's into achieved speeds (achieved_speeds)."""
         if not self.pace_compute:
-            return {"speed": self.cluster.devices[self.rank].speed, "paced": False,
-                    "probe_flops_per_s": probe_flops,
-                    "mps_active_thread_percentage": _env_float("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}
+            return {
+                "speed": self.cluster.devices[self.rank].speed,
+                "paced": False,
+                "probe_flops_per_s": probe_flops,
+                "mps_active_thread_percentage": _env_float("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            }
         # What the rank's timeline was charged: an overrun that a wait hid (absorb_debt) is not.
         achieved = self.achieved_s - self.absorbed_s
         error = None if not self.target_s else achieved / self.target_s - 1.0
         return {
             "speed": 1.0 / self.dilation,
             "target_dilation": self.dilation,
-            "achieved_dilation": (None if not self.reference_s
-                                  else achieved * self.headroom / self.reference_s),
+            "achieved_dilation": (None if not self.reference_s else achieved * self.headroom / self.reference_s),
             "error": error,
             "unreferenced_intervals": self.unreferenced,
             "reference_s_per_iter": sum(self._reference or ()),
@@ -236,8 +244,9 @@ class Emulator:
             "shared_reference": self.settings.reference is not None,
             "reference_pause_s": self.reference_pause_s,
             # The reference as measured, before discount_reference divided it (None: not probed).
-            "reference_cold_s_per_iter": (None if self.pause_probe is None
-                                          else sum(self._reference) * self.pause_probe["applied"]),
+            "reference_cold_s_per_iter": (
+                None if self.pause_probe is None else sum(self._reference) * self.pause_probe["applied"]
+            ),
             "pause_probe": self.pause_probe,
             "slept_s": self.slept_s,
             # Of the measured iterations' emulated collectives, the share whose link time counted
@@ -265,8 +274,9 @@ class Emulator:
         token names that collective for link_deadline."""
         return self._links.arrive(group)
 
-    def link_deadline(self, kind: str, nbytes: int, group, issued: float,
-                      token: tuple[int, int] | None = None) -> float:
+    def link_deadline(
+        self, kind: str, nbytes: int, group, issued: float, token: tuple[int, int] | None = None
+    ) -> float:
         """When the emulated link delivers a collective whose real run just completed
         (LinkClock.deadline); now, where links are not emulated (disabled, paused, or while a
         paced rank sets its reference)."""

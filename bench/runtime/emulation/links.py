@@ -55,8 +55,9 @@ class LinkClock:
         """Note on the board that this rank issues its next collective on `group` now."""
         return None if self._board is None else self._board.arrive(group, self.rank)
 
-    def deadline(self, kind: str, nbytes: int, group, issued: float, token: tuple[int, int] | None,
-                 wall_per_emulated_s: float) -> float:
+    def deadline(
+        self, kind: str, nbytes: int, group, issued: float, token: tuple[int, int] | None, wall_per_emulated_s: float
+    ) -> float:
         """When the emulated link delivers a collective whose real run just completed.
 
         The link carries the data once every member has arrived. Where the board has every
@@ -69,8 +70,7 @@ class LinkClock:
         side. A gather or scatter (to and from a machine's leader) moves the parts of all
         ranks: its size is theirs. `wall_per_emulated_s`: the run's slow motion (1 / headroom).
         """
-        ranks = list(dist.get_process_group_ranks(group) if group is not None
-                     else range(dist.get_world_size()))
+        ranks = list(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
         link = self.cluster.link_between(ranks)
         if kind in ("gather", "scatter"):
             nbytes *= len(ranks)
@@ -93,7 +93,6 @@ class LinkClock:
                 self._free_at[id(link)] = max(now, free) + max(0.0, emulated - real)
             return self._free_at[id(link)]
 
-
     def reserve(self, link, emulated: float) -> float:
         """A point-to-point transfer of `emulated` wall seconds posted now on `link`
         (bench.runtime.p2p): queued on the link's clock behind its earlier transfers and
@@ -111,6 +110,7 @@ class LinkClock:
             self.count[1] += 1
             self.wall[0] += emulated
             self.wall[1] += overrun
+
 
 def measure_loopback() -> tuple[float, float]:
     """(latency s, bytes/s per link) of this host's real all-reduce, fitted from two sizes.
@@ -188,8 +188,7 @@ class _DelayedWork:
         return out
 
     def is_completed(self):
-        return self._work.is_completed() and self._deadline is not None and (
-            time.perf_counter() >= self._deadline)
+        return self._work.is_completed() and self._deadline is not None and (time.perf_counter() >= self._deadline)
 
     def get_future(self):
         def delay(fut):
