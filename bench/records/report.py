@@ -245,10 +245,13 @@ def speedup_table(lines: list[dict], x: str, title: str) -> Table:
 
 
 # -- drawing ----------------------------------------------------------------------------------
-def draw_bars(ax, xs: list[float], lines: list[dict | None], width: float, label: str) -> None:
+def draw_bars(
+    ax, xs: list[float], lines: list[dict | None], width: float, label: str, color: str | None = None
+) -> None:
     """One bar per case at `xs`, with its interval where it has one. A case that is not ok
     (OOM, failed, ...) gets no bar, since even one of height 0 would read as a measured zero,
-    but a gap with its status written at the base; a missing case gets nothing."""
+    but a gap with its status written at the base; a missing case gets nothing. `color`: the
+    method's, the same in every panel."""
     drawn = [(x, d) for x, d in zip(xs, lines) if d is not None and d["value"] is not None]
     if drawn:
         heights = [d["value"] for _, d in drawn]
@@ -262,11 +265,12 @@ def draw_bars(ax, xs: list[float], lines: list[dict | None], width: float, label
             heights,
             width,
             label=label,
+            color=color,
             yerr=err if has_err else None,
             capsize=2 if has_err else 0,
         )
     else:
-        ax.bar([], [], width, label=label)
+        ax.bar([], [], width, label=label, color=color)
     for x, d in zip(xs, lines):
         if d is not None and d["value"] is None:
             ax.text(
@@ -278,18 +282,28 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(d["model"] for d in lines))
     methods = sorted({d["method"] for d in lines})
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     width = 0.8 / max(1, len(methods))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
     for ax, model in zip(axes[0], models):
         sub = [d for d in lines if d["model"] == model]
         xvals = sorted({d["x"] for d in sub}, key=_sort_key)
         for i, method in enumerate(methods):
             cells = {d["x"]: d for d in sub if d["method"] == method}
-            draw_bars(ax, [j + i * width for j in range(len(xvals))], [cells.get(v) for v in xvals], width, method)
+            draw_bars(
+                ax,
+                [j + i * width for j in range(len(xvals))],
+                [cells.get(v) for v in xvals],
+                width,
+                method,
+                colors[method],
+            )
         labels = [str(v) for v in xvals]
         # Level labels overlap past about 28 characters per 4.2-inch panel (the ablation's
         # "no SFB", "no collective choice", ...): slant them.
@@ -304,7 +318,10 @@ def draw(lines: list[dict], x: str, metric: str, title: str):
         ax.set_xlabel(x)
     origins = sorted({str(d["origin"]) for d in lines})
     axes[0][0].set_ylabel(f"{METRICS[metric]} ({', '.join(origins)})")
-    axes[0][-1].legend(fontsize=7)
+    # one handle per method in its colour: a panel where a method has no bar (all OOM) has no
+    # patch of its to take the colour from
+    handles = [matplotlib.patches.Patch(facecolor=colors[m], label=m) for m in methods]
+    axes[0][-1].legend(handles=handles, fontsize=7)
     fig.suptitle(title, y=1.03)
     return fig
 

@@ -200,3 +200,24 @@ def test_a_sweep_has_the_workers_server_preload_every_method_it_names(monkeypatc
     SweepSummary().on_multirun_start(config)
     assert {"methods.dp", "methods.ds_zero", "deepspeed"} <= set(launch._expected)
     assert not [m for m in launch._expected if "nosuch" in m]  # its job fails in one line, as before
+
+
+def test_a_method_keeps_its_colour_in_every_panel_and_in_the_legend_where_its_panel_has_no_bar():
+    # the last panel (the legend's) has dp_ev only as an OOM gap, as BERT-MoE in the main figure
+    lines = [
+        {"model": m, "x": 1, "method": meth, "status": st, "value": v, "low": None, "high": None, "origin": "simulated"}
+        for m, meth, st, v in [
+            ("vgg19", "dp_cp", "ok", 5.0),
+            ("vgg19", "dp_ev", "ok", 4.0),
+            ("bert_moe", "dp_cp", "ok", 3.0),
+            ("bert_moe", "dp_ev", "oom", None),
+        ]
+    ]
+    fig = report.draw(lines, "x", "samples_per_s", "t")
+    first, last = fig.axes
+    bar_colour = {c.get_label(): c.patches[0].get_facecolor() for c in first.containers}
+    legend = {
+        t.get_text(): h.get_facecolor() for t, h in zip(last.get_legend().texts, last.get_legend().legend_handles)
+    }
+    assert bar_colour["dp_cp"] != bar_colour["dp_ev"]
+    assert legend == bar_colour
