@@ -25,6 +25,7 @@ from bench.studies.regression import (
     MODELS,
     _selected,
     add_to_baseline,
+    baseline_real_methods,
     compare,
     kept_measured,
     load_baseline,
@@ -124,9 +125,8 @@ def main(argv: list[str]) -> int:
         figures.update(measured)
     rounds = None
     if not args.rebaseline and not args.no_measured and chosen.get("model") in (None, ["bert"]):
-        rounds = measured_rounds(
-            args.slowdown, None if methods is None else [m for m in methods if m in methods_supporting("real")]
-        )
+        real = baseline_real_methods(load_baseline())
+        rounds = measured_rounds(args.slowdown, real if methods is None else [m for m in methods if m in real])
         figures.update(medians(rounds))
     if args.rebaseline:
         origin = None

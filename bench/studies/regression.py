@@ -173,6 +173,13 @@ def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None)
     return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}
 
 
+def baseline_real_methods(baseline: dict) -> list[str]:
+    """The real-capable methods the baseline has a measured figure of: the ones a check measures
+    (a method without one has nothing to be compared with until a rebaseline adds it)."""
+    have = {k.rpartition("/")[2] for k in baseline["figures"] if k.startswith("iter_over_compute:")}
+    return [m for m in methods_supporting("real") if m in have]
+
+
 def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, list[float]]:
     """Each real-capable method's measured iteration time over the cluster's pooled compute in
     the same run, one value per round of REAL_ROUNDS interleaved rounds (iter_over_compute); a

@@ -29,7 +29,7 @@ def _report(changes, commit) -> str:
 def test_no_throughput_regression_against_the_committed_baseline():
     base = regress.load_baseline()
     figures = regress.sim_figures()
-    rounds = regress.measured_rounds()
+    rounds = regress.measured_rounds(methods=regress.baseline_real_methods(base))
     figures.update(regress.medians(rounds))
     rounds.update(regress.planner_retries(base["figures"], figures))
     changes = regress.compare(base["figures"], figures, rounds)

@@ -209,8 +209,11 @@ def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     assert [r["status"] for i in (1, 2) for r in rows(tmp_path / str(i))] == ["failed", "failed"]
 
 
-def test_the_main_job_compares_every_method_in_interleaved_rounds(tmp_path):
-    out = run("bench.compare", "wandb.mode=disabled", "repeats=2", *QUICK, results_dir=tmp_path)
+def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
+    # four of the methods, one per engine family (the README's command runs all of them; each
+    # method's own case is tested elsewhere): the rounds, ranks and aggregates are the same code
+    methods = "method=dp_ev,dp_cp,hap,pipeline"
+    out = run("bench.compare", "wandb.mode=disabled", "repeats=2", methods, *QUICK, results_dir=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "speedup vs dp_ev" in out.stdout and "rank" in out.stdout
     assert "RuntimeWarning" not in out.stderr  # e.g. runpy's, in forked workers (bench.runtime.launch)
