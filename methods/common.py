@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bench.core.errors import ConfigError
 from bench.core.program import op_class
 
 POOLING_OPS = ("max_pool2d", "avg_pool2d")
@@ -298,3 +299,12 @@ class StageActivations:
             kept_now -= freed_at.get(pos, 0.0)
             flying -= leave.get(pos, 0.0)
         return held + out, peak + out
+
+
+def check_training_options(lr: float, grad_clip: float, bucket_cap_mb: float | None = None) -> None:
+    """The optimizer and gradient-bucket options every data-parallel style method shares: one
+    line naming the option where one is out of range (ConfigError)."""
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ConfigError(f"method.bucket_cap_mb={bucket_cap_mb!r} must be > 0 (MiB)")
+    if not lr > 0 or grad_clip < 0:
+        raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")

@@ -19,6 +19,7 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import round_shares
 from methods.capture import capture_config
+from methods.common import check_training_options
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (
@@ -44,10 +45,7 @@ class DataParallel:
     ):
         if split not in SPLITS:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
-        if not bucket_cap_mb > 0:
-            raise ConfigError(f"method.bucket_cap_mb={bucket_cap_mb!r} must be > 0 (MiB)")
-        if not lr > 0 or grad_clip < 0:
-            raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+        check_training_options(lr, grad_clip, bucket_cap_mb)
         self.name = name
         self.modes = ("real", "sim")
         self.split = split

@@ -32,7 +32,7 @@ from bench.core.program import Affine, Collective, Memory, Program, Stage, backw
 from bench.core.shares import round_shares
 from bench.runtime.method_step import added_host_work_flops, time_method_step
 from methods.capture import Graph, capture_config
-from methods.common import GroupTable, group_table
+from methods.common import GroupTable, check_training_options, group_table
 
 SPLITS = ("even", "compute")
 WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
@@ -108,8 +108,7 @@ class FullyShardedDP:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(f"method.reshard_after_forward={reshard_after_forward!r} must be true or false")
-        if not lr > 0 or grad_clip < 0:
-            raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+        check_training_options(lr, grad_clip)
         self.name = name
         self.modes = ("real", "sim")
         self.split = split

@@ -36,7 +36,7 @@ from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.cost.pipeline import SCHEDULES, PipelineProgram, PipeStage, in_flight, simulate_pipeline
 from methods.capture import capture_config
-from methods.common import GroupTable, gradient_buckets, group_table
+from methods.common import GroupTable, check_training_options, gradient_buckets, group_table
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.planning import Layout, _Costs, best_cuts, layouts, micro_batch_choices, slot_orders
 from methods.pipeline.profile import group_profile
@@ -112,10 +112,7 @@ class PipelineParallel:
             )
         if stage_level not in STAGE_LEVELS:
             raise ConfigError(f"method.stage_level={stage_level!r} is unknown; use one of {', '.join(STAGE_LEVELS)}")
-        if not bucket_cap_mb > 0:
-            raise ConfigError(f"method.bucket_cap_mb={bucket_cap_mb!r} must be > 0 (MiB)")
-        if not lr > 0 or grad_clip < 0:
-            raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+        check_training_options(lr, grad_clip, bucket_cap_mb)
         self.name = name
         self.modes = ("real", "sim")
         self.schedule = schedule
