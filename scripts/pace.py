@@ -50,6 +50,9 @@ def last_row(results: Path) -> dict:
     return json.loads(lines[-1])
 
 
+PARTS = ("prepare_s", "workers_s", "setup_s", "untimed_s", "iterations_s")  # a row's timings
+
+
 def iteration_wall_s(row: dict) -> float:
     """The wall time of a row's timed iterations (warm-up and measured): its emulated times over
     the emulation's headroom (rows hold emulated time, wall x headroom)."""
@@ -136,6 +139,12 @@ class Bench:
                 repeats = [r for r in rows if r.get("row_kind") == "repeat"]
                 inside = sum(iteration_wall_s(r) for r in repeats)
                 cpu = after.ru_utime - before.ru_utime
+                parts = {k: sum((r.get("timings") or {}).get(k, 0.0) for r in repeats) for k in PARTS}
+                if any(parts.values()):
+                    workers = parts.pop("workers_s")
+                    parts["launch_and_results_s"] = workers - sum(parts[k] for k in PARTS[2:])
+                    parts["elsewhere_s"] = wall - workers - parts["prepare_s"]
+                    print("outside the iterations: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
                 self.rows.append(
                     (
                         f"main job: {len(repeats)} cases",

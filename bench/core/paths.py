@@ -15,6 +15,7 @@ one of the same name (bench.runner.configs sets them from the command line).
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -89,3 +90,10 @@ def shown_config_path(path: Path) -> str:
     """A config file as a row records it: conf/<group>/<name>.yaml for the project's, the full
     path for a file of the user's own."""
     return show_path(path) if Path(path).resolve().is_relative_to(CONF_DIR.resolve()) else str(path)
+
+
+def user_cache_dir() -> Path:
+    """The per-user folder of hetbench's caches (host speeds, method probes, captured graphs):
+    HETBENCH_CACHE_DIR, else ~/.cache/hetbench. Tests point it at a temporary folder."""
+    folder = os.environ.get("HETBENCH_CACHE_DIR")
+    return Path(folder) if folder else Path.home() / ".cache" / "hetbench"

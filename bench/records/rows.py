@@ -78,6 +78,15 @@ class RunRecord:
     predicted_peak_mem_gib: list[float] | None = None  # per (virtual) device, per GPU
     predicted_oom: bool | None = None
     planner_time_s: float | None = None
+    capture_time_s: float | None = None  # of planner_time_s: the model's capture (0 where it came from the cache)
+    search_time_s: float | None = None  # of planner_time_s: the planner's search, LP included (hap, sfb)
+    # Wall seconds of the run's parts: prepare_s (validating and planning: a case's first run),
+    # workers_s (the round on the workers, from start or the launcher's word to every result) and,
+    # the most over the ranks, setup_s (joining, building, the method's set-up: the first round),
+    # untimed_s (lazy set-up and pacing reference iterations: the first round) and iterations_s
+    # (the warm-up and measured iterations).
+    timings: dict | None = None
+    worker_pids: list[int] | None = None  # the process of each rank (one set per case, kept for its rounds)
     peak_mem_gib: list[float] | None = None  # per rank
     # per CPU rank: the peak of its live tensor bytes in its last lazy set-up iteration, the
     # steady state the cost model predicts (bench.runtime.tensor_memory; CUDA's is peak_mem_gib_per_iter)

@@ -136,6 +136,12 @@ class Tracker:
     def log_case(self, record: RunRecord, records_path: Path) -> None:
         """Mirror one written row (`records_path` is the JSONL file that holds it)."""
 
+    def log_rounds(self, aggregate: RunRecord, repeats: list[RunRecord], records_path: Path) -> None:
+        """Mirror one case of a comparison: its rounds' rows and their aggregate row (by default,
+        each as a case)."""
+        for record in (*repeats, aggregate):
+            self.log_case(record, records_path)
+
     def log_sweep(self, rows: list[dict], records_path: Path) -> None:
         """Mirror the rows one sweep wrote, as one table."""
 
@@ -153,6 +159,24 @@ def track_case(trackers: Iterable[Tracker], record: RunRecord, records_path: Pat
                 "logger %s failed on run %s (%s: %s); the JSONL row is kept",
                 type(tracker).__name__,
                 record.run_id,
+                type(exc).__name__,
+                exc,
+            )
+
+
+def track_rounds(
+    trackers: Iterable[Tracker], aggregate: RunRecord, repeats: list[RunRecord], records_path: Path
+) -> None:
+    """Give a comparison's case (its rounds and their aggregate) to every tracker; a tracker's
+    error is a warning, never a failure."""
+    for tracker in trackers:
+        try:
+            tracker.log_rounds(aggregate, repeats, Path(records_path))
+        except Exception as exc:  # the rows are already written
+            log.warning(
+                "logger %s failed on the rounds of %s (%s: %s); the JSONL rows are kept",
+                type(tracker).__name__,
+                run_name(aggregate),
                 type(exc).__name__,
                 exc,
             )
@@ -202,6 +226,14 @@ class WandbLogger(Tracker):
         return wandb, wandb.init(mode=self.mode, project=self.project, dir=self.dir, **kwargs)
 
     def log_case(self, record: RunRecord, records_path: Path) -> None:
+        self._log_run(record, [record], records_path)
+
+    def log_rounds(self, aggregate: RunRecord, repeats: list[RunRecord], records_path: Path) -> None:
+        """One W&B run for the case: every round's steps (numbered on, each with its `round`),
+        the aggregate row as the summary, every row in the artifact."""
+        self._log_run(aggregate, repeats, records_path)
+
+    def _log_run(self, record: RunRecord, stepped: list[RunRecord], records_path: Path) -> None:
         if self.mode == "disabled":
             return
         wandb, run = self._init(
@@ -212,8 +244,11 @@ class WandbLogger(Tracker):
             tags=[record.model, record.cluster, record.method, record.status],
         )
         try:
-            for i, step in enumerate(step_metrics(record)):
-                run.log(step, step=i)
+            i = 0
+            for row in stepped:
+                for step in step_metrics(row):
+                    run.log(step if row.repeat is None else {**step, "round": row.repeat}, step=i)
+                    i += 1
             run.summary.update(summary_metrics(record))
             artifact = wandb.Artifact(
                 f"case-{record.run_id}", type="case", metadata={"case_key": record.case_key, "status": record.status}
@@ -222,6 +257,10 @@ class WandbLogger(Tracker):
                 row_file = Path(tmp) / "row.json"
                 row_file.write_text(json.dumps(asdict(record), default=str, indent=1))
                 artifact.add_file(str(row_file), name="row.json")
+                if stepped != [record]:
+                    rounds_file = Path(tmp) / "rounds.jsonl"
+                    rounds_file.write_text("".join(json.dumps(asdict(r), default=str) + "\n" for r in stepped))
+                    artifact.add_file(str(rounds_file), name="rounds.jsonl")
                 if record.plan is not None:
                     plan_file = Path(tmp) / "plan.json"
                     plan_file.write_text(json.dumps(record.plan, default=str, indent=1))

@@ -5,9 +5,11 @@ A failed case is a row too (failed, oom, timeout), never an exception for the ca
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -29,10 +31,10 @@ from bench.runner.settings import Settings, as_settings, recorded_config
 from bench.runtime.emulation import DILATION_TOLERANCE, achieved_speeds, links_ok
 from bench.runtime.launch import (
     CaseTimeout,
+    CaseWorkers,
     WorkerError,
     WorkerOutOfMemory,
     expect_modules,
-    launch,
     method_modules,
 )
 from bench.runtime.worker import (
@@ -101,78 +103,156 @@ def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = No
 
     `cfg` is checked Settings, or a config as composed: read into Settings here, where a refused
     value fails the case with its row. `repeat` marks the row as one round of a repeated
-    comparison (bench.compare aggregates).
+    comparison (bench.compare aggregates); a comparison's rounds run through CaseRunner, which
+    keeps the case's preparation and workers from one round to the next.
     """
-    record = new_record(cfg)
-    record.sweep_id = sweep_id or record.sweep_id
-    try:
-        cfg = as_settings(cfg)
-    except ConfigError as exc:
-        record.error = str(exc)
-        print(f"error: {exc}", file=sys.stderr)
-        write_record(cfg, record, track=False)
+    with CaseRunner(cfg, sweep_id) as runner:
+        return runner.run(repeat)
+
+
+class CaseRunner:
+    """One case, run once or round after round: validated and planned once (prepare_case), its
+    workers started once and kept (bench.runtime.launch.CaseWorkers), one row per run.
+
+    A later round of a case repeats only its warm-up and measured iterations on the workers the
+    first round set up; a round that fails ends them, and the next starts fresh ones. Each case
+    has a runner and workers of its own: no state passes from one case (method) to another.
+    """
+
+    def __init__(self, cfg: Settings, sweep_id: str | None = None):
+        self.cfg, self.sweep_id = cfg, sweep_id
+        self._template: RunRecord | None = None  # the prepared row, copied for each run
+        self._case: Case | None = None
+        self._refused: BaseException | None = None  # preparation failed: every run records why
+        self._workers: CaseWorkers | None = None
+
+    def __enter__(self) -> CaseRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def run(self, repeat: int | None = None, track: bool = True) -> RunRecord:
+        """One run of the case, as a row: written, mirrored to the loggers (unless `track` is
+        false: a comparison mirrors its rounds together), returned; never raises for a failed case."""
+        cfg = self.cfg
+        record = self._row()
+        try:
+            cfg = as_settings(cfg)
+        except ConfigError as exc:
+            record.error = str(exc)
+            print(f"error: {exc}", file=sys.stderr)
+            write_record(cfg, record, track=False)
+            return record
+        if repeat is not None:
+            record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
+        done = finished_record(results_file(cfg), record.case_key) if cfg.resume and repeat is None else None
+        if done is not None:
+            print(
+                f"skip: {record.model}/{record.cluster}/{record.method} already recorded ({done.status}, run {done.run_id})"
+            )
+            return done
+        refused = False
+        try:
+            case = self._prepared(cfg, record)
+            if cfg.mode == "sim":
+                fill_predicted_metrics(record, case.workload)
+            else:
+                self._measure(cfg, record, case)
+        except ConfigError as exc:
+            record.error, refused = str(exc), True
+            print(f"error: {exc}", file=sys.stderr)
+        except PlanningError as exc:
+            record.status, record.error = exc.status, str(exc)
+            print(f"error: {exc} (case recorded as {exc.status})", file=sys.stderr)
+        except WorkerOutOfMemory as exc:
+            record.status, record.error = "oom", str(exc)
+            record.oom_rank = exc.rank
+            record.peak_mem_gib = [
+                exc.peak_mem_gib if r == exc.rank else None for r in range(record.num_devices or exc.rank + 1)
+            ]
+            print(
+                f"{exc.detail}error: rank {exc.rank} ran out of memory (peak {exc.peak_mem_gib:.2f} "
+                "GiB); case recorded as oom",
+                file=sys.stderr,
+            )
+        except WorkerError as exc:
+            record.error = str(exc)
+            print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
+        except CaseTimeout as exc:
+            record.status, record.error = "timeout", str(exc)
+            print(f"error: {exc}", file=sys.stderr)
+        except Exception:  # a bug in planning or setup: the case fails, the sweep goes on
+            record.error = traceback.format_exc()
+            print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
+        write_record(cfg, record, track=track and not refused)
         return record
-    if repeat is not None:
-        record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
-    path = results_file(cfg)
-    done = finished_record(path, record.case_key) if cfg.resume and repeat is None else None
-    if done is not None:
-        print(
-            f"skip: {record.model}/{record.cluster}/{record.method} already recorded ({done.status}, run {done.run_id})"
-        )
-        return done
-    refused = False
-    try:
-        case = prepare_case(cfg, record, launching=cfg.mode == "real")
-        if cfg.mode == "sim":
-            fill_predicted_metrics(record, case.workload)
-        else:
-            measure_case(cfg, record, case)
-    except ConfigError as exc:
-        record.error, refused = str(exc), True
-        print(f"error: {exc}", file=sys.stderr)
-    except PlanningError as exc:
-        record.status, record.error = exc.status, str(exc)
-        print(f"error: {exc} (case recorded as {exc.status})", file=sys.stderr)
-    except WorkerOutOfMemory as exc:
-        record.status, record.error = "oom", str(exc)
-        record.oom_rank = exc.rank
-        record.peak_mem_gib = [
-            exc.peak_mem_gib if r == exc.rank else None for r in range(record.num_devices or exc.rank + 1)
-        ]
-        print(
-            f"{exc.detail}error: rank {exc.rank} ran out of memory (peak {exc.peak_mem_gib:.2f} "
-            "GiB); case recorded as oom",
-            file=sys.stderr,
-        )
-    except WorkerError as exc:
-        record.error = str(exc)
-        print(f"{exc.detail}\nerror: rank {exc.rank} failed; case recorded as failed", file=sys.stderr)
-    except CaseTimeout as exc:
-        record.status, record.error = "timeout", str(exc)
-        print(f"error: {exc}", file=sys.stderr)
-    except Exception:  # a bug in planning or setup: the case fails, the sweep goes on
-        record.error = traceback.format_exc()
-        print(f"{record.error}error: case failed before training; recorded as failed", file=sys.stderr)
-    write_record(cfg, record, track=not refused)
-    return record
+
+    def _row(self) -> RunRecord:
+        """A new row for the next run: the prepared row's copy (its own run id and time), or,
+        before preparation, the case's row as composed."""
+        if self._template is None:
+            record = new_record(self.cfg)
+            record.sweep_id = self.sweep_id or record.sweep_id
+            return record
+        record = copy.deepcopy(self._template)
+        fresh = RunRecord(model="", preset="", cluster="", method="", mode="", status="failed", origin="")
+        record.run_id, record.timestamp = fresh.run_id, fresh.timestamp
+        return record
+
+    def _prepared(self, cfg: Settings, record: RunRecord) -> Case:
+        """The case, prepared at the first run (filling `record`); a later run's row is a copy
+        of the first's as prepared, and one that could not be prepared fails every run alike."""
+        if self._refused is not None:
+            raise self._refused
+        if self._case is None:
+            start = time.perf_counter()
+            try:
+                self._case = prepare_case(cfg, record, launching=cfg.mode == "real")
+            except BaseException as exc:
+                self._refused = exc
+                raise
+            self._template = copy.deepcopy(record)
+            record.timings = {"prepare_s": time.perf_counter() - start}
+        return self._case
+
+    def _measure(self, cfg: Settings, record: RunRecord, case: Case) -> None:
+        """Train the prepared case for one round on its workers and fill the row's measured metrics
+        (a worker's failure raises; run records it)."""
+        if self._workers is None:
+            self._workers = CaseWorkers(case, case.cluster.num_devices)
+        start = time.perf_counter()
+        results = launch_with_progress(case, cfg, self._workers)
+        fill_metrics(record, results, case.workload, cfg.measured_iters)
+        predict_at_run_speed(record, case)
+        ranks = [r.get("timings") or {} for r in results]
+        record.timings = {
+            **(record.timings or {}),
+            "workers_s": time.perf_counter() - start,
+            **{k: max(t.get(k, 0.0) for t in ranks) for k in ("setup_s", "untimed_s", "iterations_s")},
+        }
+        record.worker_pids = [r.get("pid") for r in results]
 
 
 def measure_case(cfg: Settings, record: RunRecord, case: Case) -> None:
-    """Train a prepared case (bench.runner.case.prepare_case) on its workers and fill its row's
-    measured metrics; a worker's failure raises (run_case records it)."""
-    results = launch_with_progress(case, cfg)
+    """Train a prepared case (bench.runner.case.prepare_case) on fresh workers for one round and
+    fill its row's measured metrics; a worker's failure raises."""
+    with CaseWorkers(case, case.cluster.num_devices) as workers:
+        results = launch_with_progress(case, cfg, workers)
     fill_metrics(record, results, case.workload, cfg.measured_iters)
     predict_at_run_speed(record, case)
 
 
-def launch_with_progress(case: Case, cfg: Settings) -> list[dict]:
+def launch_with_progress(case: Case, cfg: Settings, workers: CaseWorkers) -> list[dict]:
     total = case.warmup_iters + case.measured_iters
     with progress_bar(transient=True) as progress:
         task = progress.add_task(f"{cfg.method_name} on {case.cluster.name}", total=total)
-        return launch(
-            case, case.cluster.num_devices, cfg.timeout_s, on_progress=lambda it: progress.update(task, completed=it)
-        )
+        return workers.run_round(cfg.timeout_s, on_progress=lambda it: progress.update(task, completed=it))
 
 
 def fill_rates(record: RunRecord, iter_time_s: float, global_batch: int, tokens_per_sample: float | None) -> None:

@@ -1,13 +1,16 @@
 """Interleaved rounds: every method of a comparison once per round, then one aggregate row each.
 
 Round r runs every method once, each in its own worker processes (A B C, A B C, ...), so a drift
-of the machine hits every method alike. The aggregate row holds the median of the repeats' mean
+of the machine hits every method alike. Each method's case is prepared and its workers set up
+once, at its first round; its later rounds repeat only the warm-up and measured iterations on
+those workers (bench.runner.execute.CaseRunner). The aggregate row holds the median of the repeats' mean
 iteration times with its order-statistic interval (bench.records.stats), the MLPerf-style trimmed
 mean, and the speedup over dp_ev computed round by round, with its own interval.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import uuid
@@ -16,8 +19,9 @@ from bench.records.progress import progress_bar
 from bench.records.rows import RunRecord, case_key, finished_record
 from bench.records.stats import ranks, summarize
 from bench.records.table import BASELINE
+from bench.records.tracking import track_rounds
 from bench.runner.configs import results_file
-from bench.runner.execute import fill_rates, run_case, write_record
+from bench.runner.execute import CaseRunner, fill_rates, make_trackers, write_record
 from bench.runner.settings import Settings, as_settings
 from bench.runtime.emulation import emulated_compute_s, links_ok
 
@@ -35,16 +39,20 @@ def run_rounds(configs: dict[str, Settings], repeats: int) -> list[RunRecord]:
             done[m] = row
     todo = [m for m in configs if m not in done]
     runs: dict[str, list[RunRecord]] = {m: [] for m in todo}
-    with progress_bar() as bar:  # a terminal sees progress with an ETA; CI logs stay quiet
+    runners = {m: CaseRunner(configs[m], sweep_id) for m in todo}
+    with contextlib.ExitStack() as stack, progress_bar() as bar:  # a terminal sees progress with an ETA
+        for runner in runners.values():
+            stack.enter_context(runner)
         task = bar.add_task("interleaved rounds", total=repeats * len(todo))
         for r in range(repeats):
             for m in todo:
                 bar.update(task, description=f"round {r + 1}/{repeats}: {m}")
-                runs[m].append(run_case(configs[m], repeat=r, sweep_id=sweep_id))
+                runs[m].append(runners[m].run(repeat=r, track=False))
                 bar.advance(task)
     aggregates = aggregate_rounds(runs, sweep_id)
-    for m in todo:
-        write_record(configs[m], aggregates[m])
+    for m in todo:  # the loggers get each case once: its rounds and their aggregate
+        write_record(configs[m], aggregates[m], track=False)
+        track_rounds(make_trackers(configs[m]), aggregates[m], runs[m], results_file(configs[m]))
     return [done.get(m) or aggregates[m] for m in configs]
 
 

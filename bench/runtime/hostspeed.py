@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from bench.core.interfaces import Workload
+from bench.core.paths import user_cache_dir
 from bench.runtime.hostcpu import cpu_model, emulated_device
 from bench.runtime.precision import applied
 
@@ -54,8 +55,7 @@ MIN_PER_SAMPLE_SHARE = 0.1  # the least part of a step split_step attributes to 
 def host_cache_file() -> Path:
     """Per-user cache of measured host speeds (HETBENCH_CACHE_DIR overrides the folder; the
     DeepSpeed engine probe keeps its own file beside it)."""
-    folder = os.environ.get("HETBENCH_CACHE_DIR") or Path.home() / ".cache" / "hetbench"
-    return Path(folder) / "host_speed.json"
+    return user_cache_dir() / "host_speed.json"
 
 
 def host_identity() -> list:

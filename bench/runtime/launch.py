@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from bench.core.cluster import ClusterSpec
 from bench.runtime import mps
 from bench.runtime.emulation import ArrivalBoard
-from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, run_rank
+from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, rank_session
 
 _TERMINATE_GRACE_S = 3.0
 # The process that imported this module first; in a worker forked from the server, the server.
@@ -104,7 +104,9 @@ def _release_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, env: dict[str, str], cwd: str) -> None:
+def _entry(
+    rank: int, world_size: int, case: Case, messages, commands, launcher: int, env: dict[str, str], cwd: str
+) -> None:
     # MPS settings and a hidden GPU take effect when CUDA initialises: before anything touches it.
     assert not torch.cuda.is_initialized(), "CUDA initialised before the rank's environment"
     os.environ.clear()
@@ -119,15 +121,20 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, env:
     if forked:
         _release_server()
     # What exists at this point (the server's imports, the case) is never garbage: no collection
-    # scans it again, the one at a rank's end (run_rank) included
+    # scans it again, the one at a rank's end (rank_session) included
     # (results/harness/20261127-preparation-costs.md).
     gc.freeze()
     try:
         report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
         # A forked worker ends by os._exit (the server's children run no destructors): it can
-        # keep its process group past destroy_process_group (run_rank's keep_group).
-        result = run_rank(case, rank, world_size, local_rank=rank, progress=report, keep_group=forked)
-        messages.send(("result", rank, result))
+        # keep its process group past destroy_process_group (rank_session's keep_group).
+        with rank_session(case, rank, world_size, local_rank=rank, keep_group=forked) as training:
+            # The first round starts with the process; each later one when the launcher asks
+            # (CaseWorkers.run_round), until it says stop or goes.
+            while True:
+                messages.send(("result", rank, training.run_round(report)))
+                if not _next_round(commands):
+                    break
     except RankOutOfMemory as exc:
         messages.send(("oom", rank, {"detail": exc.detail, "peak_mem_gib": exc.peak_mem_gib}))
         raise SystemExit(1) from None
@@ -138,17 +145,117 @@ def _entry(rank: int, world_size: int, case: Case, messages, launcher: int, env:
         messages.close()
 
 
+def _next_round(commands) -> bool:
+    """Wait for the launcher's word: another round (True), or stop (False; also when its end of
+    the pipe is gone)."""
+    try:
+        return bool(commands.recv())
+    except (EOFError, OSError):
+        return False
+
+
+class CaseWorkers:
+    """A case's worker processes, one per rank, kept from one round to the next.
+
+    The first `run_round` starts them (each joins the case's process group, sets the method up
+    and runs its untimed iterations, then the round); a later one asks them for another round
+    of warm-up and measured iterations. A round that fails (a rank's error, out of memory, a
+    timeout) stops every worker; the next round starts fresh ones. `close` stops them. Each
+    case has workers of its own: nothing of one case reaches another's.
+    """
+
+    def __init__(self, case: Case, world_size: int):
+        self.case, self.world_size = case, world_size
+        self._stack = contextlib.ExitStack()
+        self._procs: list = []
+        self._readers: list = []
+        self._commands: list = []
+        self._board = None
+
+    def run_round(self, timeout_s: float, on_progress: Callable[[int], None] | None = None) -> list[dict]:
+        """One round on every rank; their results ordered by rank."""
+        try:
+            if not self._procs:
+                self._start()
+            else:
+                for conn in self._commands:
+                    conn.send(True)
+            results = _collect(self._procs, self._readers, timeout_s, on_progress)
+            return [results[r] for r in range(self.world_size)]
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the workers (asked first, then terminated, then killed) and free their pipes."""
+        for conn in self._commands:
+            with contextlib.suppress(OSError):
+                conn.send(False)
+        end = time.monotonic() + _TERMINATE_GRACE_S
+        for p in self._procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        _stop(self._procs)
+        for conn in self._readers + self._commands:
+            conn.close()
+        if self._board is not None:
+            self._board.unlink(missing_ok=True)
+        self._procs, self._readers, self._commands, self._board = [], [], [], None
+        self._stack.close()
+
+    def __enter__(self) -> CaseWorkers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        case, world_size = self.case, self.world_size
+        on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
+        dirs = self._stack.enter_context(mps.mps_daemon()) if on_gpu else None
+        envs = rank_envs(case.cluster, world_size, dirs)
+        ctx = _context(case)
+        # A pipe per worker, its writing end held by that worker alone once it has started: a
+        # worker that dies, even halfway through a message, ends its pipe (a queue's pipe, which
+        # the launcher also holds open for writing, left a launcher blocked mid-read for good).
+        # The launcher's word for another round goes the other way, on a pipe of its own.
+        pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+        words = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+        port = _free_port()
+        self._board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
+        common = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            ArrivalBoard.ENV: str(self._board),
+        }
+        procs = [
+            ctx.Process(
+                target=_entry,
+                daemon=True,
+                args=(r, world_size, case, pipes[r][1], words[r][0], os.getpid(), {**common, **envs[r]}, os.getcwd()),
+            )
+            for r in range(world_size)
+        ]
+        for p, (_, writer), (reader, _) in zip(procs, pipes, words):
+            p.start()
+            writer.close()
+            reader.close()
+        self._procs = procs
+        self._readers = [reader for reader, _ in pipes]
+        self._commands = [writer for _, writer in words]
+
+
 def launch(
     case: Case, world_size: int, timeout_s: float, on_progress: Callable[[int], None] | None = None
 ) -> list[dict]:
-    """Run `case` on `world_size` local workers; returns their results ordered by rank.
+    """Run `case` on `world_size` local workers for one round; returns their results ordered by
+    rank (CaseWorkers keeps workers for several rounds).
 
     An emulated cluster with `device: cuda` runs under its own MPS daemon, stopped when the
     case ends, failed or not; ConfigError (one line) when MPS is not installed. The workers of
     a cluster that computes on the CPU see no GPU (CPU_ONLY_ENV)."""
-    on_gpu = case.cluster.emulated and case.cluster.device == "cuda"
-    with mps.mps_daemon() if on_gpu else contextlib.nullcontext() as dirs:
-        return _run_workers(case, world_size, timeout_s, on_progress, rank_envs(case.cluster, world_size, dirs))
+    with CaseWorkers(case, world_size) as workers:
+        return workers.run_round(timeout_s, on_progress)
 
 
 def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] | None) -> list[dict[str, str]]:
@@ -224,40 +331,6 @@ def _context(case: Case):
         return mp.get_context("spawn")
     start_server(case.method, case.workload.model_cfg)
     return mp.get_context("forkserver")
-
-
-def _run_workers(
-    case: Case, world_size: int, timeout_s: float, on_progress: Callable[[int], None] | None, envs: list[dict[str, str]]
-) -> list[dict]:
-    ctx = _context(case)
-    # A pipe per worker, its writing end held by that worker alone once it has started: a worker
-    # that dies, even halfway through a message, ends its pipe (a queue's pipe, which the
-    # launcher also holds open for writing, left a launcher blocked mid-read for good).
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    port = _free_port()
-    board = ArrivalBoard.path(os.getpid(), port)  # the workers' link board
-    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), ArrivalBoard.ENV: str(board)}
-    procs = [
-        ctx.Process(
-            target=_entry,
-            daemon=True,
-            args=(r, world_size, case, pipes[r][1], os.getpid(), {**common, **envs[r]}, os.getcwd()),
-        )
-        for r in range(world_size)
-    ]
-    for p, (_, writer) in zip(procs, pipes):
-        p.start()
-        writer.close()
-    try:
-        results = _collect(procs, [reader for reader, _ in pipes], timeout_s, on_progress)
-        for p in procs:
-            p.join(timeout=10)
-        return [results[r] for r in range(world_size)]
-    finally:
-        _stop(procs)
-        board.unlink(missing_ok=True)
-        for reader, _ in pipes:
-            reader.close()
 
 
 def _collect(procs, readers, timeout_s: float, on_progress: Callable[[int], None] | None) -> dict[int, dict]:

@@ -77,6 +77,7 @@ class Pacing:
         self.peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
         self.realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
         self.workers_first = None  # gloo's workers at nice -10: how many (None: off or refused)
+        self.discounted = False  # the pause discount is taken once, after the reference is set
 
     @property
     def total_iters(self) -> int:
@@ -86,6 +87,11 @@ class Pacing:
     def counting_tensors(self):
         """Around the model's build and the method's set-up: their tensors count (CPU ranks)."""
         return self.tensors or contextlib.nullcontext()
+
+    def begin_round(self) -> None:
+        """Before a later round of the same case (bench.runtime.worker.TrainingRank): its iterations
+        are paced against the reference the first round set, from a clean slate (nothing owed)."""
+        self.emulator.begin_round()
 
     def measure_host(self) -> None:
         """Before the references, every rank at once: the host as this run meets it (the
@@ -118,8 +124,9 @@ class Pacing:
                 self.peak = max(self.peak, peak_mem_gib(device))
                 torch.cuda.reset_peak_memory_stats(device)
         emulator.begin_iteration(it)
-        if self.untimed and self.references and it == self.untimed and settings.pause_discount:
+        if self.untimed and self.references and it == self.untimed and settings.pause_discount and not self.discounted:
             self._discount_pause()  # the reference is set: discount its waiting
+            self.discounted = True
         counted = self.tensors is not None and it < settings.SKIPPED
         if counted and it == settings.SKIPPED - 1:
             self.tensors.reset_peak()

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import math
 import os
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,9 +159,23 @@ def run_rank(
     gather: bool = False,
     keep_group: bool = False,
 ):
-    """Train `case` on this rank; returns plain numbers (safe to send between processes).
+    """Train `case` on this rank for one round; returns plain numbers (safe to send between
+    processes). With gather=True (torchrun), rank 0 returns every rank's result and the others
+    None. keep_group: see rank_session."""
+    with rank_session(case, rank, world_size, local_rank, keep_group) as training:
+        result = training.run_round(progress)
+        if gather:  # while the process group is there
+            everyone = [None] * world_size if rank == 0 else None
+            dist.gather_object(result, everyone, dst=0)
+            return everyone
+    return result
 
-    With gather=True (torchrun), rank 0 returns every rank's result and the others None.
+
+@contextlib.contextmanager
+def rank_session(case: Case, rank: int, world_size: int, local_rank: int, keep_group: bool = False):
+    """This rank of `case` for as many rounds as its caller runs (TrainingRank.run_round): the
+    process joins the case's group and sets the method up once; the group goes when it ends.
+
     keep_group: hold a reference to the destroyed process group until the process ends, for a
     worker that ends without running destructors (bench.runtime.launch's forked ones, by os._exit). A gloo work
     that completes after destroy_process_group can otherwise drop the group's last reference
@@ -182,11 +197,8 @@ def run_rank(
     if not dist.is_initialized():
         init_process_group(rank, world_size, device, backend_for(case.cluster, device))
     try:
-        return _train(case, rank, world_size, device, emulated, pace_compute, progress, gather, core)
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
+        with _out_of_memory_as(rank, device):
+            yield TrainingRank(case, rank, world_size, device, emulated, pace_compute, core)
     finally:
         if keep_group:
             _RETIRED_GROUPS.append(dist.group.WORLD)
@@ -198,73 +210,123 @@ def run_rank(
         gc.collect()
 
 
-def _train(
-    case: Case,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    emulated: bool,
-    pace_compute: bool,
-    progress,
-    gather: bool,
-    core: int | None = None,
-):
-    pacing = Pacing(case, rank, device, emulated, pace_compute, core)
-    workload = case.workload
-    with pacing.counting_tensors():
-        model = workload.build(case.seed).to(device)
-        ctx = RankContext(rank, world_size, device, case.cluster, workload, pacing.emulator)
-        with pacing.emulator.paused():  # set-up is not part of an iteration: not emulated
-            trainer = case.method.setup(case.plan, model, ctx)
-    if not case.return_state:  # what the trainer does not hold (hap's unsharded copies) is freed
+@contextlib.contextmanager
+def _out_of_memory_as(rank: int, device: torch.device):
+    """A rank's out-of-memory error, wherever in set-up or a round, as RankOutOfMemory."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
+
+
+class TrainingRank:
+    """One rank of a case, built and set up once, then trained round after round.
+
+    The first round runs the untimed iterations (lazy set-up, the pacing reference: bench.runtime.pacing)
+    before its warm-up and measured ones; a later round runs only warm-up and measured
+    iterations, on the same batches as the first, its pacing against the same reference. A
+    round's result is what one run of the case reports (its `timings` say where its wall time
+    went: set-up and untimed iterations, which only the first round pays, and the timed ones).
+    """
+
+    def __init__(
+        self,
+        case: Case,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        emulated: bool,
+        pace_compute: bool,
+        core: int | None = None,
+    ):
+        start = time.perf_counter()
+        self.case, self.rank, self.world_size, self.device = case, rank, world_size, device
+        self.pacing = pacing = Pacing(case, rank, device, emulated, pace_compute, core)
+        workload = case.workload
+        with pacing.counting_tensors():
+            model = workload.build(case.seed).to(device)
+            ctx = RankContext(rank, world_size, device, case.cluster, workload, pacing.emulator)
+            with pacing.emulator.paused():  # set-up is not part of an iteration: not emulated
+                self.trainer = case.method.setup(case.plan, model, ctx)
+        # What the trainer does not hold (hap's unsharded copies) is freed.
+        self.model = model if case.return_state else None
         del model
-    data = workload.model_cfg.dataset(
-        workload.data["source"],
-        workload.data.get("path"),
-        workload.data.get("split", "train"),
-        case.seed,
-    )
-    start, stop = (case.plan.data_slices or offsets(case.plan.batch_shares))[rank]
-    iter_times, losses, mems = [], [], []
-    precision = None
-    # The first iteration, where it is not measured, shows the dtypes the forward really made.
-    watch = ForwardDtypes() if pacing.untimed + case.warmup_iters > 0 else None
-    pacing.measure_host()
-    for it in range(pacing.total_iters):
-        batch = tuple(t.to(device) for t in data.batch(it, start, stop, workload.global_batch))
-        with (
-            pacing.step(it) as step,
-            step_context(case.precision, device),
-            watch if watch is not None and it == 0 else contextlib.nullcontext(),
-        ):
-            precision = precision or precision_in_force(case.precision, device)
-            loss = trainer.step(batch)
-        if step.seconds is not None:  # a timed iteration (warm-up or measured)
-            iter_times.append(step.seconds)
-            mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
-        value = float(loss)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss is {value} at step {it} on rank {rank}")
-        losses.append(value)
-        if progress is not None and step.seconds is not None:
-            progress(it + 1 - pacing.untimed)
-    result = {
-        "rank": rank,
-        "iter_times_s": iter_times,
-        "loss_sums": losses,
-        "peak_mem_gib": pacing.peak_mem_gib(),
-        "tensor_peak_gib": pacing.tensor_peak_gib,
-        "peak_mem_gib_per_iter": mems,
-        "emulation": pacing.report(),
-        "host": os.uname().nodename,
-        "hardware": rank_hardware(device),
-        "precision": {**(precision or {}), "forward_matmul_dtypes": None if watch is None else watch.observed()},
-    }
-    if case.return_state and rank == 0:
-        result["grads"] = {n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}
-        result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
-    if gather:
-        everyone = [None] * world_size if rank == 0 else None
-        dist.gather_object(result, everyone, dst=0)
-        return everyone
-    return result
+        self.data = workload.model_cfg.dataset(
+            workload.data["source"],
+            workload.data.get("path"),
+            workload.data.get("split", "train"),
+            case.seed,
+        )
+        self.slice = (case.plan.data_slices or offsets(case.plan.batch_shares))[rank]
+        self.rounds = 0
+        self.setup_s = time.perf_counter() - start
+
+    def run_round(self, progress: Callable[[int], None] | None = None) -> dict:
+        """One round: the rank's result (iteration times, losses, memory, emulation report)."""
+        case, pacing, device, workload = self.case, self.pacing, self.device, self.case.workload
+        start = time.perf_counter()
+        first = self.rounds == 0
+        if first:
+            pacing.measure_host()
+        else:
+            pacing.begin_round()
+        iter_times, losses, mems = [], [], []
+        precision = None
+        # The first iteration, where it is not measured, shows the dtypes the forward really made.
+        watch = ForwardDtypes() if first and pacing.untimed + case.warmup_iters > 0 else None
+        timed_from = None
+        for it in range(0 if first else pacing.untimed, pacing.total_iters):
+            # Every round trains the same batches: iteration `it` of the first round's numbering.
+            batch = tuple(t.to(device) for t in self.data.batch(it, *self.slice, workload.global_batch))
+            if it == pacing.untimed:
+                timed_from = time.perf_counter()
+            with (
+                pacing.step(it) as step,
+                step_context(case.precision, device),
+                watch if watch is not None and it == 0 else contextlib.nullcontext(),
+            ):
+                precision = precision or precision_in_force(case.precision, device)
+                loss = self.trainer.step(batch)
+            if step.seconds is not None:  # a timed iteration (warm-up or measured)
+                iter_times.append(step.seconds)
+                mems.append(peak_mem_gib(device))  # after the clock: not part of the iteration
+            value = float(loss)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss is {value} at step {it} on rank {self.rank}")
+            losses.append(value)
+            if progress is not None and step.seconds is not None:
+                progress(it + 1 - pacing.untimed)
+        end = time.perf_counter()
+        timed_from = end if timed_from is None else timed_from
+        result = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "round": self.rounds,
+            "iter_times_s": iter_times,
+            "loss_sums": losses,
+            "peak_mem_gib": pacing.peak_mem_gib(),
+            "tensor_peak_gib": pacing.tensor_peak_gib,
+            "peak_mem_gib_per_iter": mems,
+            "emulation": pacing.report(),
+            "host": os.uname().nodename,
+            "hardware": rank_hardware(device),
+            "precision": {
+                **(precision or {}),
+                "forward_matmul_dtypes": None if watch is None else watch.observed(),
+            },
+            "timings": {
+                "setup_s": self.setup_s if first else 0.0,
+                "untimed_s": timed_from - start,
+                "iterations_s": end - timed_from,
+            },
+        }
+        if case.return_state and self.rank == 0:
+            model = self.model
+            result["grads"] = {
+                n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None
+            }
+            result["params"] = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+        self.rounds += 1
+        return result

@@ -25,6 +25,7 @@ It does not decide what is fast; it says what changed since the baseline and by 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import io
 import json
@@ -43,7 +44,7 @@ from bench.core.paths import PROJECT_DIR
 from bench.records.rows import fingerprint
 from bench.runner.case import new_record, prepare_case
 from bench.runner.configs import compose_settings, methods_supporting
-from bench.runner.execute import expect_cases, run_case
+from bench.runner.execute import CaseRunner, expect_cases
 from bench.runtime.emulation import pooled_compute_s
 
 BASELINE_FILE = PROJECT_DIR / "results" / "baselines" / "regression.json"
@@ -195,12 +196,14 @@ def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> 
             m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}", f"test.slowdown={slowdown}") for m in methods
         }
         expect_cases(configs.values())
-        for _ in range(REAL_ROUNDS):
-            for m in methods:
-                record = run_case(configs[m])
-                compute = pooled_compute_s(record.emulation)
-                if record.status == "ok" and compute:
-                    ratios[m].append(record.iter_time_s_mean / compute)
+        with contextlib.ExitStack() as stack:  # each method's workers kept for its rounds
+            runners = {m: stack.enter_context(CaseRunner(configs[m])) for m in methods}
+            for _ in range(REAL_ROUNDS):
+                for m in methods:
+                    record = runners[m].run()
+                    compute = pooled_compute_s(record.emulation)
+                    if record.status == "ok" and compute:
+                        ratios[m].append(record.iter_time_s_mean / compute)
     return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": r for m, r in ratios.items() if len(r) == REAL_ROUNDS}
 
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import time
@@ -61,15 +62,14 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 def _library_versions() -> dict[str, str]:
     """The libraries a plan also depends on: torch.export's graph and DTensor's strategies are
-    torch's; a Hugging Face model's forward is transformers'."""
+    torch's; a Hugging Face model's forward is transformers' (its version read from its
+    installed metadata: importing it takes seconds)."""
     import torch
 
     out = {"torch": torch.__version__}
     try:
-        import transformers
-
-        out["transformers"] = transformers.__version__
-    except ImportError:
+        out["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return out
 

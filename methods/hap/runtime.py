@@ -21,7 +21,7 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import bucket_runs
 from bench.core.shares import round_shares
 from bench.cost import virtual_devices
-from methods.capture import Graph, capture, capture_config
+from methods.capture import Graph, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.codegen import (
     CodegenOptions,
@@ -348,22 +348,10 @@ def plan_graph(
     ranks (in `machines`, for a machine-level plan: plan_machines; PlanMismatchError
     otherwise). Before starting workers, also check_machine_plan.
 
-    With `model` (the built model), its structure is traced through a meta-device twin that
-    shares nothing with it: about 1.5 s faster in a fresh process than building the model on
-    the meta device, whose initialisers pull in torch's reference kernels.
+    `model`: the built model, for capture_config to trace where no graph is kept.
     """
     batch_norm = (plan.details or {}).get("batch_norm", "sync")
-    if model is None:
-        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm)
-    else:
-        memo = {
-            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            for p in model.parameters()
-        }
-        memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
-        twin = copy.deepcopy(model, memo)
-        batch = workload.model_cfg.synthetic_batch(workload.global_batch, torch.Generator().manual_seed(0))
-        graph = capture(twin, [t.to("meta") for t in batch], workload.global_batch, batch_norm=batch_norm)
+    graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm, model=model)
     check_plan(
         plan.details or {},
         plan.ratios,

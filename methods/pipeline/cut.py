@@ -4,7 +4,6 @@ as the last stage's loss module. It plans nothing and runs no schedule."""
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch import nn
 
@@ -110,10 +109,11 @@ def cut_graph(
 
 
 def model_graph(model: nn.Module, model_cfg, batch_size: int, seed: int = 0) -> fx.GraphModule:
-    """`model` (its own parameters) as the planner's ATen graph (methods.aten_capture.export_model)
-    at `batch_size` samples: the nodes and their names are those of
-    methods.capture.capture_config(model_cfg, batch_size), so the planner's layer groups name them."""
-    from methods.aten_capture import export_model
+    """`model` (its own parameters and buffers) as the planner's ATen graph at `batch_size`
+    samples: the graph of methods.capture.capture_config(model_cfg, batch_size) (kept on disk,
+    or traced from the model), so its nodes are the ones the planner's layer groups name; its
+    constants on the model's device."""
+    from methods.capture import capture_config
+    from methods.graph_cache import with_tensors
 
-    sample = model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
-    return export_model(model, sample, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}")
+    return with_tensors(capture_config(model_cfg, batch_size, seed, model=model).gm, model)

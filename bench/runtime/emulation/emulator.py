@@ -62,7 +62,7 @@ class Emulator:
         self._debt_at_issue = 0.0  # ... when it last issued a collective (absorb_debt)
         # Links are not emulated in the iterations before pacing starts (begin_iteration).
         self._links_emulated = True
-        self.slept_s = 0.0  # total compute-dilation sleep, for reports and tests
+        self.slept_s = 0.0  # compute-dilation sleep of this round, for reports and tests
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -111,6 +111,13 @@ class Emulator:
         # the loopback takes. Emulated links would leave the cores idle between bursts, and a
         # burst after idling computes slower (results/emulation/20261125-reference-without-links.md).
         self._links_emulated = not (self.pace_compute and self._phase == "reference")
+        self.mark()
+
+    def begin_round(self) -> None:
+        """A later round of the case starts after an idle spell: what the rank was behind or
+        ahead of its targets at the end of the last round is not carried into it."""
+        self._debt = self._debt_at_issue = 0.0
+        self.slept_s = 0.0
         self.mark()
 
     @property
