@@ -102,8 +102,9 @@ class Bench:
                     capture = row.get("capture_time_s", plan.get("capture_time_s"))
                     if capture is not None:
                         bucket["capture"].append(capture)
-                    if plan.get("search_time_s") is not None:
-                        bucket["search"].append(plan["search_time_s"])
+                    search = row.get("search_time_s", plan.get("search_time_s"))
+                    if search is not None:
+                        bucket["search"].append(search)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         for name, b in (("cold", cold), ("warm", warm)):

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hydra import compose
 
 from bench.runner.configs import initialize_configs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hetbench_cache(tmp_path_factory):
+    """Every test keeps hetbench's caches (host speeds, method probes, captured graphs, DTensor's
+    derivations) in one folder of this test run's, shared by its pytest-xdist workers: never the
+    user's (HETBENCH_CACHE_DIR; subprocesses inherit it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / "hetbench-cache"
+    folder.mkdir(exist_ok=True)
+    before = os.environ.get("HETBENCH_CACHE_DIR")
+    os.environ["HETBENCH_CACHE_DIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("HETBENCH_CACHE_DIR", None)
+    else:
+        os.environ["HETBENCH_CACHE_DIR"] = before
 
 
 def compose_config(*overrides: str, results_dir=None):

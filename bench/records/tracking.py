@@ -210,8 +210,11 @@ def track_figure(trackers: Iterable[Tracker], name: str, files: list[Path]) -> N
 
 
 class WandbLogger(Tracker):
-    """One W&B run per case: per-step metrics, the row as summary, and an artifact holding the
-    row, its plan and the records file; one run per sweep holding a table of its rows."""
+    """One W&B run per case (a comparison's case: its rounds together): per-step metrics, the
+    row as summary, and an artifact holding the row, its plan and the records file; one run per
+    sweep holding a table of its rows. W&B's own readings of the host (installed packages, git,
+    machine, system metrics) are off: the row records versions, commit and hardware, and those
+    readings took about a second per run."""
 
     def __init__(self, mode: str = "offline", project: str = "hetbench", dir: str = "."):
         if mode not in WANDB_MODES:
@@ -223,7 +226,10 @@ class WandbLogger(Tracker):
         import wandb
 
         Path(self.dir).mkdir(parents=True, exist_ok=True)
-        return wandb, wandb.init(mode=self.mode, project=self.project, dir=self.dir, **kwargs)
+        settings = wandb.Settings(
+            x_save_requirements=False, disable_git=True, x_disable_machine_info=True, x_disable_stats=True
+        )
+        return wandb, wandb.init(mode=self.mode, project=self.project, dir=self.dir, settings=settings, **kwargs)
 
     def log_case(self, record: RunRecord, records_path: Path) -> None:
         self._log_run(record, [record], records_path)

@@ -318,7 +318,7 @@ class TrainingRank:
             },
             "timings": {
                 "setup_s": self.setup_s if first else 0.0,
-                "untimed_s": timed_from - start,
+                "untimed_s": timed_from - start if first else 0.0,
                 "iterations_s": end - timed_from,
             },
         }

@@ -14,12 +14,24 @@ uneven shard lengths (methods.hap.theory adds what those need).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import itertools
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
+
+from bench.core.paths import user_cache_dir
+
+log = logging.getLogger(__name__)
 
 Layout = str | int
 aten = torch.ops.aten
@@ -150,15 +162,106 @@ def _signature(node: fx.Node, args: list[fx.Node]) -> tuple:
 
 
 _cache: dict[tuple, Any] = {}
+# Derivations by their signature's text, as kept on disk for later processes (save_derivations).
+_stored: dict[str, Any] | None = None
+_unsaved: dict[str, Any] = {}
 
 
 def _derive_cached(key: tuple, node: fx.Node, args: list[fx.Node]):
     if key not in _cache:
+        text = repr(key)
+        stored = _load_stored()
+        if text in stored:
+            _cache[key] = _from_json(stored[text])
+            return _cache[key]
         try:
-            _cache[key] = _derive(node, args)
+            with _whole_on_one_device():
+                _cache[key] = _derive(node, args)
         except Exception:  # a strategy that cannot be evaluated here: no rule, never a crash
             _cache[key] = None
+        _unsaved[text] = _cache[key]
     return _cache[key]
+
+
+def _store_path() -> Path:
+    """One file per torch version and version of this module: DTensor's strategies are torch's."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return user_cache_dir() / f"dtensor_rules-{torch.__version__}-{code}.json"
+
+
+def _load_stored() -> dict[str, Any]:
+    global _stored
+    if _stored is None:
+        _stored = {}
+        path = _store_path()
+        if path.is_file():
+            try:
+                _stored = dict(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:  # damaged: derived again and rewritten
+                log.warning("DTensor rule cache %s is unreadable (%s); deriving again", path, exc)
+    return _stored
+
+
+def save_derivations() -> None:
+    """Keep the derivations this process made on disk, beside those other processes kept (the
+    file written whole, then renamed into place; a folder that is not writable keeps none)."""
+    if not _unsaved:
+        return
+    path = _store_path()
+    try:
+        on_disk = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        on_disk = {}
+    merged = {**on_disk, **{k: _to_json(v) for k, v in _unsaved.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("DTensor rule cache %s not written (%s)", path, exc)
+        return
+    _load_stored().update(merged)
+    _unsaved.clear()
+
+
+def _to_json(value):
+    if value is None:
+        return None
+    triples, how = value
+    return [[[list(ins), post] for ins, post in triples], how]
+
+
+def _from_json(value):
+    if value is None:
+        return None
+    triples, how = value
+    return [(tuple(ins), post) for ins, post in triples], how
+
+
+@contextlib.contextmanager
+def _whole_on_one_device():
+    """DTensor's propagator works out the local shape of an op's output shape argument
+    (views, new_empty) for the mesh's rank; for a strided shard it chunks a list as long as the
+    sharded dim, on every call: seconds per op at a batch of 10^5 samples. On this one-device
+    mesh every local shape is the global one, so it is answered at once."""
+    module = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    original = getattr(module, "compute_local_shape_and_global_offset", None)
+    if original is None:
+        yield
+        return
+
+    def local_shape(global_shape, mesh, placements, skip_offset=False):
+        if mesh.size() != 1:
+            return original(global_shape, mesh, placements, skip_offset=skip_offset)
+        return tuple(global_shape), (() if skip_offset else (0,) * len(global_shape))
+
+    module.compute_local_shape_and_global_offset = local_shape
+    try:
+        yield
+    finally:
+        module.compute_local_shape_and_global_offset = original
 
 
 def _derive(node: fx.Node, args: list[fx.Node]):

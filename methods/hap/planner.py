@@ -255,8 +255,9 @@ class HapPlanner:
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=self.batch_norm)
-        theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_capture = time.perf_counter() - t0
+        theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
+        t_theory = time.perf_counter() - t0 - t_capture
         meta = {"method": self.name, "model": workload.name}
         bucket = self.bucket_cap_mb * 2**20
         levels = [cluster.virtual_device]
@@ -302,7 +303,8 @@ class HapPlanner:
             "states_pruned": pruned,
             "search_exact": beam_pruned == 0,
             "states_beam_pruned": beam_pruned,
-            "capture_time_s": t_capture,
+            "capture_time_s": t_capture,  # the model's graph (from the graph cache: a load)
+            "theory_time_s": t_theory,  # its triples (DTensor's strategies, HAP's rules)
             # Ops with no triple but the replicated one (named once), and where triples came from.
             "rule_coverage": {**theory.coverage(), "origins": _origin_counts(theory)},
             "dropped_buffer_updates": list(graph.gm.meta.get("dropped_buffer_updates", [])),

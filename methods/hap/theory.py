@@ -579,6 +579,7 @@ def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_rou
     if fuse_routing:
         inside, exits = routing_region(graph)
         no_comm = frozenset(inside - exits)
+    dtensor_rules.save_derivations()
     return Theory(graph, rules, sources, sfb, grouped, no_comm, uncovered=uncovered, origins=origins)
 
 

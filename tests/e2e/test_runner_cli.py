@@ -229,6 +229,23 @@ def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
         assert agg["aggregate"]["iter_time_s"]["n"] == 2
         assert agg["aggregate"]["repeat_run_ids"] == [r["run_id"] for r in repeats if r["method"] == agg["method"]]
         assert len({r["sweep_id"] for r in recorded}) == 1
+    # A case's fixed cost is paid once: its first round prepares it and sets its workers up, the
+    # second reuses both; each method has processes of its own.
+    first, second = repeats[:n], repeats[n:]
+    for a, b in zip(first, second):
+        assert a["worker_pids"] == b["worker_pids"] and len(set(a["worker_pids"])) == 2
+        assert a["timings"]["prepare_s"] > 0 and a["timings"]["setup_s"] > 0 and a["timings"]["untimed_s"] > 0
+        assert "prepare_s" not in b["timings"] and b["timings"]["setup_s"] == b["timings"]["untimed_s"] == 0
+        assert b["timings"]["iterations_s"] > 0 and a["plan_hash"] == b["plan_hash"]
+    pids = [set(r["worker_pids"]) for r in first]
+    assert all(not (p & q) for i, p in enumerate(pids) for q in pids[i + 1 :])
+    # Nothing passes from one method to the next: dp_cp's first round, run after dp_ev's in the
+    # same comparison, trains exactly as dp_cp alone.
+    alone = run("bench.run", "method=dp_cp", "wandb.mode=disabled", *QUICK, results_dir=tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    (single,) = rows(tmp_path / "alone")
+    (cp_first,) = [r for r in first if r["method"] == "dp_cp"]
+    assert cp_first["loss_per_iter"] == single["loss_per_iter"] and cp_first["loss_first"] == single["loss_first"]
 
 
 def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):

@@ -162,8 +162,8 @@ def test_shard_lengths_sum_exactly_and_never_split_length_one():
 
 
 def test_planner_on_homogeneous_cluster_gives_equal_ratios_and_exact_batch_split():
-    bert = pytest.importorskip("models.bert")
     from methods.hap.planner import HapPlanner
+    from models import bert
 
     cl = make(fast=4, slow=0)
     cfg = bert.BertConfig.from_preset("tiny", num_devices=4)
@@ -175,8 +175,8 @@ def test_planner_on_homogeneous_cluster_gives_equal_ratios_and_exact_batch_split
 
 
 def test_planner_never_predicts_slower_than_compute_proportional_synthesis():
-    bert = pytest.importorskip("models.bert")
     from methods.hap.planner import HapPlanner, SfbPlanner
+    from models import bert
 
     cl = make(fast=1, slow=3, inter_gbps=1.0)
     cfg = bert.BertConfig.from_preset("tiny", num_devices=4)

@@ -1,0 +1,146 @@
+"""The planner's graph kept on disk (methods.graph_cache) and DTensor's derivations kept on disk
+(methods.hap.dtensor_rules): what comes back equals a fresh capture, and a damaged entry is
+never trusted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose_config
+
+import methods.capture as capture
+from bench.runner.configs import instantiate_plugin
+from bench.runner.settings import as_settings
+from methods import graph_cache
+from methods.hap import dtensor_rules
+from methods.hap.theory import derive_theory
+
+
+def model_config(*overrides: str):
+    cfg = as_settings(compose_config(*overrides))
+    return instantiate_plugin(cfg.model["spec"], "model.spec", num_devices=2)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder of this test's, and no graph kept in this process."""
+    monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("HETBENCH_GRAPH_CACHE", raising=False)
+    capture._captured.clear()
+    yield tmp_path / "graphs"
+    capture._captured.clear()
+
+
+def signature(graph) -> list:
+    """Everything the planner reads of a graph's nodes, and the module's code."""
+    nodes = [
+        (
+            n.name,
+            n.kind,
+            n.op,
+            tuple(n.inputs),
+            n.shape,
+            n.dtype,
+            n.flops,
+            n.backward_factor,
+            n.is_param,
+            n.tuple_shapes,
+        )
+        for n in graph.nodes
+    ]
+    stacks = [n.fx_node.meta.get("nn_module_stack") for n in graph.nodes]
+    return [nodes, stacks, graph.gm.code, graph.loss, graph.batch_size, graph.saved_bytes_factor()]
+
+
+def fresh(model_cfg, batch: int, monkeypatch):
+    monkeypatch.setenv("HETBENCH_GRAPH_CACHE", "0")
+    capture._captured.clear()
+    try:
+        return capture.capture_config(model_cfg, batch)
+    finally:
+        monkeypatch.delenv("HETBENCH_GRAPH_CACHE")
+        capture._captured.clear()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("model=bert",), ("model=bert_moe",), ("model=vit",), ("model=vgg19",), ("model=hf", "model.arch=gpt2")],
+    ids=lambda o: o[-1],
+)
+def test_a_kept_graph_is_the_capture_and_gives_the_same_triples(cache, monkeypatch, overrides):
+    cfg = model_config(*overrides)
+    made = capture.capture_config(cfg, 6)  # captured, then written
+    assert len(list(cache.glob("*.pt"))) == 1
+    capture._captured.clear()
+    kept = capture.capture_config(cfg, 6)  # read back
+    assert kept is not made
+    assert signature(kept) == signature(made) == signature(fresh(cfg, 6, monkeypatch))
+    assert all(isinstance(n.fx_node.meta["val"], torch.Tensor) for n in kept.nodes if n.shape is not None)
+    constants = {k: v for k, v in made.gm.named_buffers() if not v.is_meta}
+    assert all(torch.equal(dict(kept.gm.named_buffers())[k], v) for k, v in constants.items())
+    assert derive_theory(kept).rules == derive_theory(made).rules
+
+
+def test_each_thing_a_capture_reads_has_its_own_entry(cache):
+    tiny, other = model_config("model=bert"), model_config("model=bert", "+model.spec.num_layers=3")
+    keys = {
+        graph_cache.graph_key(tiny, 8, "sync"),
+        graph_cache.graph_key(tiny, 16, "sync"),
+        graph_cache.graph_key(tiny, 8, "local"),
+        graph_cache.graph_key(other, 8, "sync"),
+    }
+    assert len(keys) == 4 and graph_cache.graph_key(tiny, 8, "sync") == graph_cache.graph_key(tiny, 8, "sync")
+
+
+@pytest.mark.parametrize("damage", ["cut short", "garbage", "another format", "another key", "empty"])
+def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
+    cfg = model_config("model=bert")
+    good = signature(capture.capture_config(cfg, 4))
+    (path,) = cache.glob("*.pt")
+    body = path.read_bytes()
+    if damage == "cut short":  # what a process killed mid-write would leave without the rename
+        path.write_bytes(body[: len(body) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"not a graph" * 10)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        data = torch.load(path, weights_only=True)
+        data["format" if damage == "another format" else "key"] += 1 if damage == "another format" else "x"
+        torch.save(data, path)
+    capture._captured.clear()
+    with caplog.at_level("WARNING", logger="methods.graph_cache"):
+        again = capture.capture_config(cfg, 4)
+    assert signature(again) == good
+    assert "unreadable" in caplog.text
+    assert graph_cache.load_module(path.stem) is not None  # rewritten whole
+
+
+def test_a_half_written_file_is_never_read(cache):
+    cfg = model_config("model=bert")
+    key = graph_cache.graph_key(cfg, 4, "sync")
+    cache.mkdir(parents=True)
+    (cache / f".{key}.abc.tmp").write_bytes(b"partial")  # a writer killed before its rename
+    assert graph_cache.load_module(key) is None
+    capture.capture_config(cfg, 4)
+    assert graph_cache.load_module(key) is not None
+
+
+def test_kept_derivations_give_the_same_triples_and_damage_is_derived_again(cache, monkeypatch):
+    graph = capture.capture_config(model_config("model=bert_moe"), 4)
+    monkeypatch.setattr(dtensor_rules, "_cache", {})
+    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    derived = derive_theory(graph).rules  # derived, then kept on disk
+    path = dtensor_rules._store_path()
+    assert path.is_file()
+    monkeypatch.setattr(dtensor_rules, "_cache", {})
+    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    monkeypatch.setattr(dtensor_rules, "_derive", lambda *a: pytest.fail("derived although kept"))
+    assert derive_theory(graph).rules == derived
+    monkeypatch.undo()
+    monkeypatch.setenv("HETBENCH_CACHE_DIR", str(cache.parent))
+    path.write_text("{ not json")
+    monkeypatch.setattr(dtensor_rules, "_cache", {})
+    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    assert derive_theory(graph).rules == derived
+    assert dtensor_rules._load_stored()  # rewritten
