@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from bench.core.meta import build_on_meta
 from bench.core.program import op_class
 from bench.cost.flops import ELEMENTWISE_FLOPS
 from methods import graph_cache
@@ -572,8 +573,7 @@ def _export_config(
     sample = model_cfg.synthetic_batch(1, torch.Generator().manual_seed(seed))
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
     if model is None:
-        with torch.device("meta"):
-            model = model_cfg.build()
+        model = build_on_meta(model_cfg)
     else:  # a twin on the meta device that shares nothing with the model
         memo: dict[int, Any] = {
             id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)

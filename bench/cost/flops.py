@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.core.meta import build_on_meta
+
 # FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
 # (methods.capture; docs/cost-model.md "FLOPs and activations"), backward factor 1.
 # bench.profile times the "other" op class with the same counts, so its rates price the
@@ -61,8 +63,8 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
     for each method (and round) (results/harness/20261127-preparation-costs.md)."""
     key = (type(model_cfg), repr(model_cfg), samples)
     if key not in _counted:
+        model = build_on_meta(model_cfg)
         with torch.device("meta"):
-            model = model_cfg.build()
             batch = model_cfg.synthetic_batch(samples, None)
         with FlopCounterMode(display=False) as counter:
             model(*batch).backward()
