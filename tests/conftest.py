@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 import pytest
@@ -26,6 +27,28 @@ def hetbench_cache(tmp_path_factory):
         os.environ.pop("HETBENCH_CACHE_DIR", None)
     else:
         os.environ["HETBENCH_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def host_share(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked `alone` runs with no other test beside it: its
+    assertions time what the host does. The others share the host. A test waiting to run alone
+    holds the turnstile, so that no new shared test starts before it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(root / "turnstile.lock", "a") as turnstile, open(root / "host.lock", "a") as host:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(host, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(host, fcntl.LOCK_UN)
 
 
 def compose_config(*overrides: str, results_dir=None):

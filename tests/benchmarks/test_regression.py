@@ -26,6 +26,7 @@ def _report(changes, commit) -> str:
 # Its real half trains every method in interleaved rounds, minutes of it; on a GPU host with
 # every core busy it ran past the suite's 300 s hang guard (results/gpu/20261126-h200-timings.md).
 @pytest.mark.timeout(600)
+@pytest.mark.alone
 def test_no_throughput_regression_against_the_committed_baseline():
     base = regress.load_baseline()
     figures = regress.sim_figures()
@@ -182,6 +183,7 @@ def _slow_python(frame, event, arg):  # a line tracer: every line of Python cost
     return _slow_python
 
 
+@pytest.mark.alone
 def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     """On a host slower at Python the planner's seconds grow past their tolerance; its time over
     the yardstick timed beside it, for as long, does not.

@@ -13,7 +13,7 @@ from bench.cost import collective_time_s
 from bench.runner.execute import run_case
 from bench.runtime.emulation import DILATION_TOLERANCE, EmulationSettings, Emulator
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]  # each test times what the host does
 
 
 def test_each_rank_reports_its_achieved_dilation(cfg_factory):

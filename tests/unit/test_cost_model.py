@@ -476,6 +476,7 @@ def test_a_bad_compute_profile_is_one_line_naming_the_field_and_the_fix(tmp_path
     assert "cluster.device_types.MyGPU.profile=" in text and "bench.profile" in text and "\n" not in text
 
 
+@pytest.mark.alone  # a view's dispatch time, bounded
 def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
     from bench.runtime.probes import profile_device
 

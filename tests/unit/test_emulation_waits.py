@@ -13,6 +13,8 @@ from bench.core.cluster import ClusterSpec
 from bench.runtime import emulation
 from bench.runtime.emulation import links
 
+pytestmark = pytest.mark.alone  # millisecond waits and intervals, timed
+
 
 class SlowWork:
     """An async handle whose peers arrive late: wait() blocks without using the CPU."""

@@ -167,8 +167,17 @@ def test_the_default_precision_keeps_case_keys_of_older_rows():
     assert case_key({"model": {"name": "bert"}, "precision": "bf16"}) != case_key({"model": {"name": "bert"}})
 
 
-def _refuse_workers(*args, **kwargs):
-    raise AssertionError("a worker was started")
+class _RefusedWorkers:
+    """Stands in for bench.runtime.launch.CaseWorkers: no worker may start."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def run_round(self, *args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    def close(self):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -179,7 +188,7 @@ def _refuse_workers(*args, **kwargs):
     ],
 )
 def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch, overrides, needle):
-    monkeypatch.setattr(runner, "launch", _refuse_workers)
+    monkeypatch.setattr(runner, "CaseWorkers", _RefusedWorkers)
     record = runner.run_case(cfg_factory(*overrides))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and needle in record.error
@@ -189,7 +198,7 @@ def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, caps
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
 def test_a_cuda_cluster_without_a_gpu_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch):
-    monkeypatch.setattr(runner, "launch", _refuse_workers)
+    monkeypatch.setattr(runner, "CaseWorkers", _RefusedWorkers)
     record = runner.run_case(cfg_factory("cluster=local_gpu_hetero2"))
     err = capsys.readouterr().err.strip()
     needle = "cluster.device=cuda (cluster=local_gpu_hetero2) needs a CUDA GPU, but torch"
@@ -200,7 +209,7 @@ def test_a_cuda_cluster_without_a_gpu_is_one_line_before_any_worker(cfg_factory,
 def test_a_cuda_cluster_without_mps_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control there
-    monkeypatch.setattr(runner, "launch", _refuse_workers)
+    monkeypatch.setattr(runner, "CaseWorkers", _RefusedWorkers)
     record = runner.run_case(cfg_factory("cluster=local_gpu_hetero2"))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and "nvidia-cuda-mps-control is not on PATH" in record.error
@@ -220,7 +229,7 @@ def test_a_gpu_cluster_wanting_more_gpus_than_the_host_has_is_one_line_before_an
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runner, "launch", _refuse_workers)
+    monkeypatch.setattr(runner, "CaseWorkers", _RefusedWorkers)
     record = runner.run_case(cfg_factory("cluster=paper_homo"))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and "\n" not in record.error
@@ -251,11 +260,12 @@ def test_an_mps_daemon_that_starts_but_serves_no_client_is_one_line_and_is_stopp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the runner's check for one
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")  # the row's hardware
 
-    def no_workers(*args, **kwargs):  # what bench.runtime.launch.launch does first
-        with mps.mps_daemon():
-            raise AssertionError("the daemon was let through to the workers")
+    class NoWorkers(_RefusedWorkers):
+        def run_round(self, *args, **kwargs):  # what bench.runtime.launch.CaseWorkers does first
+            with mps.mps_daemon():
+                raise AssertionError("the daemon was let through to the workers")
 
-    monkeypatch.setattr(runner, "launch", no_workers)
+    monkeypatch.setattr(runner, "CaseWorkers", NoWorkers)
     record = runner.run_case(cfg_factory("cluster=local_gpu_hetero2", "warmup_iters=0", "measured_iters=1"))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and "\n" not in record.error, record.error

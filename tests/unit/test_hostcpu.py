@@ -41,6 +41,7 @@ def _faults(mode: str) -> dict:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.alone
 def test_a_steady_allocator_faults_no_pages_once_steps_repeat():
     """Glibc's defaults fault ~500-7,000 pages in nearly every step of this loop; kept memory
     faults none, but for a rare step that grows the heap (its peak moves with the order of
