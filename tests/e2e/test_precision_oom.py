@@ -69,7 +69,7 @@ def test_a_rank_out_of_memory_is_an_oom_row_with_its_peak_and_resume_keeps_it(cf
     def refuse(*args, **kwargs):
         raise AssertionError("resume ran a case already recorded oom")
 
-    monkeypatch.setattr(runner, "launch", refuse)
+    monkeypatch.setattr(runner, "CaseWorkers", refuse)
     again = runner.run_case(cfg_factory("test.oom_rank=1", "resume=true", *QUICK))
     assert again.status == "oom" and again.run_id == row.run_id
 
