@@ -8,6 +8,7 @@ them). The cluster file's shape is bench.core.cluster_config's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -251,21 +252,18 @@ class ClusterSpec:
         ones are keyed by name only. A key left at its default (no inline or own types, the
         default device) is left out of the hash, so adding such a key keeps the hashes already
         recorded in rows."""
-        body = {
-            k: v
-            for k, v in asdict(self).items()
-            if k
-            not in (
-                "devices",
-                "host_flops",
-                "host_step_overhead_s",
-                "host_optimizer_s_per_byte",
-                "host_param_bytes",
-                "link_floor",
-                "file_types",
-                "type_files",
-            )
-        }
+        left_out = (
+            "devices",
+            "host_flops",
+            "host_step_overhead_s",
+            "host_optimizer_s_per_byte",
+            "host_param_bytes",
+            "link_floor",
+            "file_types",
+            "type_files",
+        )
+        # Field by field, as asdict would give them (asdict of the whole would copy every device)
+        body = {f.name: _as_plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in left_out}
         if not self.inline_types:
             del body["inline_types"]
         own = {name for name, path in self.type_files if not Path(path).resolve().is_relative_to(CONF_DIR.resolve())}
@@ -336,3 +334,13 @@ def _default_device(emulated: bool, machines) -> str:
     if emulated or all(g.device == MEASURED_TYPE for g in machines):
         return "cpu"
     return "cuda"
+
+
+def _as_plain(value):
+    """A field's value as dataclasses.asdict gives it."""
+    return dataclasses.asdict(_Box(value))["value"]
+
+
+@dataclasses.dataclass
+class _Box:
+    value: object

@@ -28,7 +28,16 @@ class VirtualDevice:
 
 
 def virtual_devices(cluster: ClusterSpec, granularity: str) -> list[VirtualDevice]:
-    """The cluster seen as `granularity` ('gpu' or 'machine') devices, in rank order."""
+    """The cluster seen as `granularity` ('gpu' or 'machine') devices, in rank order (worked out
+    once per cluster object and granularity: a planner asks for them at every price it takes,
+    and a cluster of thousands of GPUs makes each answer cost)."""
+    memo = cluster.__dict__.setdefault("_virtual_devices", {})  # not a field: eq, hash and asdict ignore it
+    if granularity not in memo:
+        memo[granularity] = _virtual_devices(cluster, granularity)
+    return list(memo[granularity])
+
+
+def _virtual_devices(cluster: ClusterSpec, granularity: str) -> list[VirtualDevice]:
     if granularity == "gpu":
         groups = [(d.rank,) for d in cluster.devices]
     elif granularity == "machine":

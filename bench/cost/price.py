@@ -34,7 +34,6 @@ from collections import Counter
 
 from bench.core.cluster import ClusterSpec, Link
 from bench.core.program import Affine, Collective, Program, Ratios, Stage
-from bench.core.shares import round_shares
 from bench.cost.algebra import FloatAlgebra, LpAlgebra, Value, alike
 from bench.cost.devices import VirtualDevice
 from bench.cost.lanes import stage_map
@@ -209,7 +208,8 @@ def busiest_gpu_ratios(ratios: Ratios, vdevs: list[VirtualDevice], batch: int) -
         for v in machines:
             n = round(row[v.index] * batch)
             if n > 0 and abs(row[v.index] * batch - n) < 1e-6:
-                row[v.index] *= v.num_gpus * max(round_shares(n, [1.0] * v.num_gpus)) / n
+                busiest = -(-n // v.num_gpus)  # max(round_shares(n, [1.0] * v.num_gpus))
+                row[v.index] *= v.num_gpus * busiest / n
         out.append(row)
     return out
 

@@ -150,7 +150,7 @@ class RatioLP:
         )
         m, g = self.program.num_devices, self.program.num_segments
         ratios = [[max(0.0, r[s][d].value() or 0.0) for d in range(m)] for s in range(g)]
-        ratios = [[x / sum(row) for x in row] for row in ratios]
+        ratios = [[x / total for x in row] for row, total in ((row, sum(row)) for row in ratios)]
         for s in range(1, g):
             # A row the solver left within rounding of an earlier one is that row: a reshard
             # between equal rows moves nothing (and the simulator charges it nothing).
