@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
-
-import pulp
+from typing import TYPE_CHECKING, Any
 
 from bench.core.program import Affine, Ratios, reshard_fractions
 from bench.cost.devices import VirtualDevice
+
+if TYPE_CHECKING:
+    import pulp
 
 Value = Any  # a float, or a PuLP expression
 
@@ -58,6 +59,9 @@ class LpAlgebra:
     """Prices as PuLP expressions of ratio variables r[segment][device] (the load balancer)."""
 
     def __init__(self, prob: pulp.LpProblem, ratios: Sequence[Sequence[pulp.LpVariable]], tied_rows: bool = False):
+        import pulp  # here, not at import: the emulated links' workers use this package's prices, never an LP
+
+        self._pulp = pulp
         """tied_rows: the caller constrains every segment's row to be the same, so a reshard
         moves nothing and costs nothing (exactly as at equal rows in FloatAlgebra)."""
         self.prob = prob
@@ -81,7 +85,7 @@ class LpAlgebra:
     def at(self, a: Affine, device: int) -> Value:
         if a.is_constant:
             return a.const
-        return a.const + pulp.lpSum(c * self.ratios[s][device] for s, c in a.coef)
+        return a.const + self._pulp.lpSum(c * self.ratios[s][device] for s, c in a.coef)
 
     def at_busiest(self, a: Affine, device: int) -> Value:
         """As `at`: the LP's shares are continuous, a machine's split inside it even (the
@@ -103,14 +107,14 @@ class LpAlgebra:
         return t
 
     def sum(self, items: Sequence[Value]) -> Value:
-        return pulp.lpSum(items)
+        return self._pulp.lpSum(items)
 
     def settle(self, x: Value) -> Value:
         """A long sum about to be copied into another expression or a max (the compute lane
         through a model's backward, at every collective stage): one variable bounded below by
         it instead, exact at the optimum as a max is. Without it the LP grows quadratically in
         the stages (results/planner/20261125-planner-time.md)."""
-        if not isinstance(x, pulp.LpAffineExpression) or len(x) <= 8:
+        if not isinstance(x, self._pulp.LpAffineExpression) or len(x) <= 8:
             return x
         return self.max([x])
 
@@ -128,7 +132,7 @@ class LpAlgebra:
             if first > i:
                 break
             terms.append((min(last, i) - first + 1) * self.ratios[row][first])
-        return pulp.lpSum(terms)
+        return self._pulp.lpSum(terms)
 
     def _gap(self, src: int, dst: int, i: int) -> Value:
         """|prefix sum of src's first i+1 ratios - the same of dst|: how far the boundary

@@ -2,7 +2,7 @@
 
 FLOPs count matmuls and convolutions (2 per multiply-add), forward and backward, as torch's
 counter defines them; element-wise ops are not counted. That is the convention of "model FLOPs"
-in MFU reports and of the ideal time in DESIGN.md. How fast a host computes them is
+in MFU reports and of the rows' ideal time (docs/records.md, "Metrics"). How fast a host computes them is
 bench.runtime.hostspeed's business.
 """
 

@@ -263,7 +263,7 @@ def fill_rates(record: RunRecord, iter_time_s: float, global_batch: int, tokens_
 
 
 def fill_metrics(record: RunRecord, results: list[dict], workload: Workload, measured: int) -> None:
-    """Metrics exactly as DESIGN.md defines them, from every rank's per-iteration times."""
+    """Metrics as docs/records.md ("Metrics") defines them, from every rank's per-iteration times."""
     per_iter, mean, std = summarize_times([r["iter_times_s"] for r in results], measured)
     record.iter_times_s = per_iter
     record.iter_time_s_mean, record.iter_time_s_std = mean, std
