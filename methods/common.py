@@ -517,10 +517,11 @@ class MemoryTools:
         if all(s % k == 0 for s in shares):
             return
         valid = _divisors(math.gcd(*shares))
+        sizes = sorted(set(shares), reverse=True)  # each size once: a cluster of 64 ranks has a few
         raise ConfigError(
-            f"method.grad_accumulation={k} cannot cut the ranks' batch shares {list(shares)} into {k} "
-            f"micro-batches of whole samples each; use method.grad_accumulation={_choices(valid)}, or a global "
-            f"batch whose shares it divides"
+            f"method.grad_accumulation={k} cannot cut the ranks' batch shares ({', '.join(map(str, sizes))} "
+            f"samples) into {k} micro-batches of whole samples each; use method.grad_accumulation="
+            f"{_choices(valid)}, or a global batch whose shares it divides"
         )
 
     def check_batch(self, global_batch: int) -> None:

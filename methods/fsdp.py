@@ -333,7 +333,14 @@ def fsdp_program(
         largest_param=Affine(largest_shard),
     )
     return Program(
-        micro_step_stages(stages, micro_steps, sync_each=True), n, 1, "gpu", memory, dict(meta or {}), batch=B
+        micro_step_stages(stages, micro_steps, sync_each=True),
+        n,
+        1,
+        "gpu",
+        memory,
+        dict(meta or {}),
+        batch=B,
+        micro_steps=micro_steps,
     )
 
 

@@ -151,5 +151,12 @@ def data_parallel_program(
         largest_param=None if largest_param_bytes is None else Affine(largest_param_bytes),
     )
     return Program(
-        micro_step_stages(stages, micro_steps), num_devices, 1, granularity, memory, dict(meta or {}), batch=micro
+        micro_step_stages(stages, micro_steps),
+        num_devices,
+        1,
+        granularity,
+        memory,
+        dict(meta or {}),
+        batch=micro,
+        micro_steps=micro_steps,
     )

@@ -398,8 +398,14 @@ class Program:
     # GPU may hold a sample more than an even split of the share: the price of its compute
     # and activations follows that GPU (bench.cost.price.busiest_gpu_ratios).
     batch: int = 0
+    # Forward and backward passes per iteration (gradient accumulation, micro_step_stages): an
+    # emulated worker's per-step part, its dispatch of every op, is paid once per micro-step
+    # (bench.cost.price.per_step_s).
+    micro_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.micro_steps < 1:
+            raise ValueError(f"micro_steps={self.micro_steps} must be >= 1")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is invalid; use 'gpu' or 'machine'")
         if self.num_devices < 1 or self.num_segments < 1:
@@ -443,6 +449,7 @@ class Program:
             "meta": self.meta,
             **({"host_work_flops": self.host_work_flops} if self.host_work_flops else {}),
             **({"batch": self.batch} if self.batch else {}),
+            **({"micro_steps": self.micro_steps} if self.micro_steps > 1 else {}),
         }
 
     def dumps(self) -> str:
@@ -461,6 +468,7 @@ class Program:
             dict(d.get("meta", {})),
             float(d.get("host_work_flops", 0.0)),
             int(d.get("batch", 0)),
+            int(d.get("micro_steps", 1)),
         )
 
 

@@ -280,4 +280,4 @@ def zero_program(
             Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
         )
-    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}))
+    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), micro_steps=micro_steps)

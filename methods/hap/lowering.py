@@ -140,6 +140,7 @@ def build_program(
         memory,
         dict(meta or {}),
         batch=cost.graph.batch_size,
+        micro_steps=micro_steps,
     )
 
 

@@ -40,12 +40,14 @@ def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factor
     assert len(set(case.plan.batch_shares)) == 2 and sum(case.plan.batch_shares) == 7
 
 
-# Every model with each tool and both; uneven shares (10 and 4 of 14) where dp_cp splits.
+# Every paper model with a tool or both; uneven shares (10 and 4 of 14) where dp_cp splits.
 MEMORY_TOOLS = [
     ("dp_cp", "vgg19", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
     ("dp_cp", "vit", ("method.grad_accumulation=2",)),
     ("dp_ev", "bert", ("method.activation_checkpointing=true",)),
     ("dp_cp", "bert_moe", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+    # A Hugging Face decoder: its layers are the checkpoints, called with keyword arguments
+    ("dp_cp", "hf", ("model.arch=llama", "method.activation_checkpointing=true", "method.grad_accumulation=2")),
 ]
 
 
