@@ -11,6 +11,7 @@ Most of its length is `Graph`, the one structure every planner, pricer and code 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
@@ -83,12 +84,22 @@ class Node:
 
 @dataclass
 class Graph:
-    """The reference graph: nodes in topological order, the loss node, parameter shapes."""
+    """The reference graph: nodes in topological order, the loss node, parameter shapes.
+
+    `recompute` lists the activation-checkpointed units (methods.common.checkpoint_units), each
+    as the names of its ops, contiguous in forward order: backward runs a unit's forward again
+    before its own, so a unit's ops keep nothing from forward to backward but the unit's
+    inputs, which the checkpoint holds (kept_until), their saved tensors live again from the
+    start of the unit's backward (recompute_windows), and their forward FLOPs are spent twice
+    (backward_flops). Empty: plain training (with_recompute makes the checkpointed view; the
+    nodes are shared).
+    """
 
     gm: fx.GraphModule
     nodes: list[Node]
     loss: str
     batch_size: int
+    recompute: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self.by_name = {n.name: n for n in self.nodes}
@@ -100,6 +111,21 @@ class Graph:
 
     def __getitem__(self, name: str) -> Node:
         return self.by_name[name]
+
+    def with_recompute(self, units: Sequence[Sequence[str]]) -> Graph:
+        """This graph with `units` checkpointed (none: the plain graph); the nodes are shared."""
+        units = tuple(tuple(u) for u in units)
+        return self if units == self.recompute else dataclasses.replace(self, recompute=units)
+
+    @functools.cached_property
+    def recomputed(self) -> frozenset[str]:
+        """The ops a checkpointed unit runs again in backward."""
+        return frozenset(name for unit in self.recompute for name in unit)
+
+    def backward_flops(self, node: Node) -> float:
+        """An op's backward FLOPs on the full inputs: its forward's times its backward factor,
+        plus its forward again where a checkpointed unit recomputes it."""
+        return node.flops * node.backward_factor + (node.flops if node.name in self.recomputed else 0.0)
 
     @property
     def ops(self) -> list[Node]:
@@ -178,13 +204,72 @@ class Graph:
 
     @functools.cached_property
     def _saves(self) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
-        alias = {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and self._is_view(n.name)}
+        """(keepers, own saves) of training as it runs: a checkpointed unit's ops keep nothing
+        for backward (their saves are made again by the recompute), and the first op of the
+        unit stands for the checkpoint, which holds the unit's inputs until backward has passed
+        the unit."""
+        keepers, masks = self._plain_saves
+        if not self.recompute:
+            return keepers, masks
+        gone = self.recomputed
+        out = {t: [k for k in ops if k not in gone] for t, ops in keepers.items()}
+        for unit in self.recompute:
+            for t in self.unit_inputs(unit):
+                out.setdefault(t, []).append(unit[0])
+        return (
+            {t: tuple(ops) for t, ops in out.items() if ops},
+            {t: f for t, f in masks.items() if t not in gone},
+        )
 
-        def base(name: str) -> str:
-            while name in alias:
-                name = alias[name]
-            return name
+    def unit_inputs(self, unit: Sequence[str]) -> list[str]:
+        """The tensors a checkpointed unit reads that are made before it (parameters and
+        buffers aside): what the checkpoint keeps for the recompute. A dropout that drops
+        nothing is its input."""
+        inside = set(unit)
+        out: dict[str, None] = {}
+        for name in unit:
+            for i in self[name].inputs:
+                src = self[i]
+                if i in inside or src.kind == "get_attr" or src.is_param or not src.is_tensor:
+                    continue
+                out[self._alias_base(i)] = None
+        return list(out)
 
+    def _alias_base(self, name: str) -> str:
+        alias = self._dropout_alias
+        while name in alias:
+            name = alias[name]
+        return name
+
+    @functools.cached_property
+    def _dropout_alias(self) -> dict[str, str]:
+        return {n.name: n.inputs[0] for n in self.ops if n.op == "dropout" and self._is_view(n.name)}
+
+    def recompute_windows(self) -> list[tuple[str, str, str, float]]:
+        """What a checkpointed unit's recompute holds in its backward: (tensor, from, to,
+        bytes) per tensor the unit makes and its ops keep, live while backward is at an op
+        from `from` (its first keeper in the unit: backward frees it there) to `to` (the unit's
+        last op, where backward recomputes the unit), as grads_in_flight's spans."""
+        if not self.recompute:
+            return []
+        keepers, masks = self._plain_saves
+        position = self._positions
+        out = []
+        for unit in self.recompute:
+            inside = set(unit)
+            last = max(unit, key=position.__getitem__)
+            for t in unit:
+                ks = [k for k in keepers.get(t, ()) if k in inside]
+                mask = masks.get(t, 0.0)
+                if not ks and not mask:
+                    continue
+                first = min([*ks, *([t] if mask else [])], key=position.__getitem__)
+                out.append((t, first, last, self[t].nbytes * ((1.0 if ks else 0.0) + mask)))
+        return out
+
+    @functools.cached_property
+    def _plain_saves(self) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
+        base, alias = self._alias_base, self._dropout_alias
         keepers: dict[str, list[str]] = {}
         masks: dict[str, float] = {}
         for n in self.ops:
@@ -297,20 +382,23 @@ class Graph:
         """(gradients, activations, gradients in flight) as bench.core.program.backward_sweep reads
         them: each parameter's bytes at the position its gradient is made (grad_ready), each
         kept tensor's bytes (activation_bytes' share) at the position after which backward
-        frees it, each activation gradient's bytes over the positions it lives (grads_in_flight)."""
+        frees it, each activation gradient's bytes over the positions it lives (grads_in_flight),
+        and with checkpointed units what their recomputes hold, over the same kind of span
+        (recompute_windows)."""
         position = self._positions
         grads = [(position[op], float(self[t].nbytes)) for t, op in self.grad_ready().items()]
         acts = [(position[op], self[t].nbytes * f) for t, (f, op) in self.kept_until().items()]
         flight = [(position[a], position[b], float(self[t].nbytes)) for t, a, b in self.grads_in_flight()]
+        flight += [(position[a], position[b], x) for _, a, b, x in self.recompute_windows()]
         return grads, acts, flight
 
     def peak_bytes_in_flight(self) -> float:
-        """The most bytes of activation gradients backward holds at once (grads_in_flight)."""
-        position = self._positions
+        """The most bytes of activation gradients backward holds at once (grads_in_flight), and
+        of a checkpointed unit's recompute beside them (recompute_windows)."""
         change: dict[int, float] = {}
-        for t, a, b in self.grads_in_flight():
-            change[position[b]] = change.get(position[b], 0.0) + self[t].nbytes  # made there
-            change[position[a] - 1] = change.get(position[a] - 1, 0.0) - self[t].nbytes  # gone after it
+        for a, b, nbytes in self.backward_memory()[2]:
+            change[b] = change.get(b, 0.0) + nbytes  # made there
+            change[a - 1] = change.get(a - 1, 0.0) - nbytes  # gone after it
         held = peak = 0.0
         for pos in sorted(change, reverse=True):  # backward's order
             held += change[pos]
@@ -321,22 +409,24 @@ class Graph:
         """Bytes forward keeps for backward at this batch (saved_bytes_factor), parameters excluded."""
         return sum(self[t].nbytes * f for t, f in self.saved_bytes_factor().items())
 
-    def layer_profile(self) -> list[tuple[float, float, str, int, float]]:
+    def layer_profile(self) -> list[tuple[float, float, str, int, float, int]]:
         """(forward FLOPs per sample, parameter bytes, op class of most of its FLOPs, ops that
-        compute, backward FLOPs per sample) per parameter-holding op in forward order;
-        parameter-free ops are counted with the next op that holds parameters. Backward FLOPs
-        are each op's forward FLOPs times its backward_factor, as the planner prices them. The
-        input of bench.core.data_parallel.data_parallel_program."""
-        out: list[tuple[float, float, str, int, float]] = []
+        compute, backward FLOPs per sample, of those ops the ones a checkpointed unit runs again
+        in backward) per parameter-holding op in forward order; parameter-free ops are counted
+        with the next op that holds parameters. Backward FLOPs are backward_flops', as the
+        planner prices them. The input of bench.core.data_parallel.data_parallel_program."""
+        out: list[tuple[float, float, str, int, float, int]] = []
         classes: dict[str, float] = {}
-        ops = 0
+        ops = again = 0
         bwd = 0.0
+        batch = max(self.batch_size, 1)
         for n in self.nodes:
-            f = n.flops / max(self.batch_size, 1)
+            f = n.flops / batch
             if f:
                 classes[op_class(n.op)] = classes.get(op_class(n.op), 0.0) + f
                 ops += 1
-                bwd += f * n.backward_factor
+                again += n.name in self.recomputed
+                bwd += self.backward_flops(n) / batch
             params = [self[i] for i in n.inputs if self[i].is_param]
             if params and n.kind != "output":
                 out.append(
@@ -346,14 +436,16 @@ class Graph:
                         max(classes, key=classes.get) if classes else "other",
                         ops,
                         bwd,
+                        again,
                     )
                 )
-                classes, ops, bwd = {}, 0, 0.0
+                classes, ops, again, bwd = {}, 0, 0, 0.0
         if out and (classes or ops):
-            f, p, cls, k, b = out[-1]
-            out[-1] = (f + sum(classes.values()), p, cls, k + ops, b + bwd)
+            f, p, cls, k, b, r = out[-1]
+            out[-1] = (f + sum(classes.values()), p, cls, k + ops, b + bwd, r + again)
         elif not out:
-            out.append((sum(classes.values()), 0.0, max(classes, key=classes.get) if classes else "other", ops, bwd))
+            cls = max(classes, key=classes.get) if classes else "other"
+            out.append((sum(classes.values()), 0.0, cls, ops, bwd, again))
         return out
 
 

@@ -1,14 +1,23 @@
-"""Helpers shared by the methods: layer groups of a traced model and what each group costs.
+"""Helpers shared by the methods: layer groups of a traced model, what each group costs, and
+the memory tools every method offers (activation checkpointing per layer group, gradient
+accumulation over micro-batches).
 
 A layer group is the unit at which methods cut a model: hap's ratio rows (segmentation
-`layers`), the stages of the pipeline and FSDP's `fully_shard` units all cut at group borders.
-This module reads the planner's traced graph (methods.capture); it decides no parallelism.
+`layers`), the stages of the pipeline, FSDP's `fully_shard` units and the activation
+checkpoints all cut at group borders. This module reads the planner's traced graph
+(methods.capture); it decides no parallelism.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from bench.core.errors import ConfigError
 from bench.core.program import op_class
@@ -88,8 +97,9 @@ class GroupCost:
     """What one layer group costs, per sample of the batch unless the name says otherwise.
 
     FLOPs by op class (bench.core.program.OP_CLASSES), as the planner counts them: backward = each
-    op's forward times its backward factor. Launches count kernels as the cost model does: one
-    per computing op in forward; in backward two for an op that reads a parameter, one otherwise.
+    op's forward times its backward factor, plus its forward again where an activation checkpoint
+    recomputes it. Launches count kernels as the cost model does: one per computing op in forward;
+    in backward two for an op that reads a parameter, one otherwise, and one more where recomputed.
     """
 
     index: int
@@ -191,10 +201,10 @@ def group_table(graph) -> GroupTable:
         if n.flops:
             cls = op_class(n.op)
             g.forward_flops[cls] = g.forward_flops.get(cls, 0.0) + n.flops / batch
-            g.backward_flops[cls] = g.backward_flops.get(cls, 0.0) + n.flops * n.backward_factor / batch
+            g.backward_flops[cls] = g.backward_flops.get(cls, 0.0) + graph.backward_flops(n) / batch
             g.forward_launches[cls] = g.forward_launches.get(cls, 0) + 1
             g.backward_launches[cls] = g.backward_launches.get(cls, 0) + (
-                2 if any(graph[i].is_param for i in n.inputs) else 1
+                (2 if any(graph[i].is_param for i in n.inputs) else 1) + (n.name in graph.recomputed)
             )
     for n in nodes:
         if n.is_param:
@@ -308,3 +318,247 @@ def check_training_options(lr: float, grad_clip: float, bucket_cap_mb: float | N
         raise ConfigError(f"method.bucket_cap_mb={bucket_cap_mb!r} must be > 0 (MiB)")
     if not lr > 0 or grad_clip < 0:
         raise ConfigError(f"method.lr={lr!r} must be > 0 and method.grad_clip={grad_clip!r} >= 0")
+
+
+# -- memory tools -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointUnit:
+    """One activation checkpoint: the modules a layer group's ops run inside, which the runtime
+    runs under torch.utils.checkpoint (methods.capture.Graph.recompute prices it).
+
+    `modules` is one module (a transformer block), or consecutive children of the nn.Sequential
+    `sequential` (a VGG conv stage: convolutions, activations and the pool); `nodes` are the
+    ops that run inside them, contiguous in forward order."""
+
+    group: int
+    modules: tuple[str, ...]
+    nodes: tuple[str, ...]
+    sequential: str | None = None
+
+    def to_json(self) -> dict:
+        return {"group": self.group, "modules": list(self.modules), "sequential": self.sequential}
+
+    @staticmethod
+    def from_json(d: dict, nodes: Sequence[str] = ()) -> CheckpointUnit:
+        return CheckpointUnit(int(d["group"]), tuple(d["modules"]), tuple(nodes), d.get("sequential"))
+
+
+def _module_stack(node) -> list[tuple[str, str]]:
+    """(path, type) of the modules an op runs inside, outermost first."""
+    return [tuple(v) for v in (node.fx_node.meta.get("nn_module_stack") or {}).values()]
+
+
+def checkpoint_units(graph, table: GroupTable | None = None) -> list[CheckpointUnit]:
+    """The layer groups an activation checkpoint can cover, one unit each, in forward order.
+
+    A group's unit is the module all of its ops inside modules run in (the largest one that
+    runs no other group's ops), or where there are several, consecutive children of one
+    nn.Sequential; its ops (those inside the unit's modules) must be contiguous in forward
+    order. Ops of the group outside the modules (a residual add in the model's forward) are
+    not recomputed. A group whose modules are called from elsewhere (embeddings and head,
+    called by the model's own forward) has no unit, nor one whose ops keep no more for
+    backward than the unit's inputs (a single convolution: a checkpoint would only cost time).
+    """
+    table = table or group_table(graph)
+    compute = graph.ops
+    at = {n.name: i for i, n in enumerate(compute)}
+    groups_of: dict[str, set[int]] = {}
+    first_at: dict[str, int] = {}
+    kind: dict[str, str] = {}
+    parent: dict[str, str] = {}
+    for n in compute:
+        stack = _module_stack(n)
+        for i, (path, typ) in enumerate(stack):
+            groups_of.setdefault(path, set()).add(table.node_group[n.name])
+            first_at.setdefault(path, at[n.name])
+            kind[path] = typ
+            parent[path] = stack[i - 1][0] if i else ""
+    plain = graph.with_recompute(())
+    keepers, masks = plain.keepers(), plain.own_saves()
+    units = []
+    for g in range(table.num_groups):
+        tops = sorted(
+            (p for p, gs in groups_of.items() if gs == {g} and (parent[p] == "" or groups_of[parent[p]] != {g})),
+            key=first_at.__getitem__,
+        )
+        if not tops:
+            continue
+        sequential = None
+        if len(tops) > 1:
+            owner = {parent[p] for p in tops}
+            if len(owner) != 1 or not kind.get(next(iter(owner)), "").endswith("container.Sequential"):
+                continue
+            sequential = owner.pop()
+            index = [p.rsplit(".", 1)[-1] for p in tops]
+            if not all(i.isdigit() for i in index):
+                continue
+            lo, hi = int(index[0]), int(index[-1])
+            siblings = {int(p.rsplit(".", 1)[-1]) for p in groups_of if parent[p] == sequential}
+            if any(i in siblings and f"{sequential}.{i}" not in tops for i in range(lo, hi + 1)):
+                continue
+            tops = [f"{sequential}.{i}" for i in range(lo, hi + 1)]
+        inside = set(tops)
+        nodes = [n.name for n in compute if inside & _paths(n)]
+        span = [at[name] for name in nodes]
+        if max(span) - min(span) + 1 != len(nodes):
+            continue  # another op runs between the unit's: not one call
+        unit = set(nodes)
+        saved = sum(
+            graph[t].nbytes * (any(k in unit for k in keepers.get(t, ())) + masks.get(t, 0.0) * (t in unit))
+            for t in {*keepers, *masks}
+        )
+        held = sum(graph[t].nbytes for t in plain.unit_inputs(nodes))
+        if saved <= held:
+            continue
+        units.append(CheckpointUnit(g, tuple(tops), tuple(nodes), sequential))
+    return units
+
+
+def _paths(node) -> set[str]:
+    return {p for p, _ in _module_stack(node)}
+
+
+def unit_nodes(graph, units: Sequence[CheckpointUnit]) -> list[CheckpointUnit]:
+    """A plan's units (memory_tools_of) with their ops in `graph`: the ops that run inside
+    their modules."""
+    compute = graph.ops
+    return [
+        CheckpointUnit(u.group, u.modules, tuple(n.name for n in compute if set(u.modules) & _paths(n)), u.sequential)
+        for u in units
+    ]
+
+
+def apply_checkpointing(model: nn.Module, units: Sequence[CheckpointUnit]) -> None:
+    """Run each unit's modules under torch.utils.checkpoint (non-reentrant): forward keeps the
+    unit's inputs only, backward runs the unit's forward again first. The modules keep their
+    names (their parameters' names and FSDP's units are unchanged): a module's own `forward`
+    is wrapped, and an nn.Sequential whose children form units runs them through a forward of
+    its own. Call it on the model each rank trains, after any copy of it is made."""
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for u in units:
+        if u.sequential is None:
+            module = model.get_submodule(u.modules[0])
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+        else:
+            index = [int(m.rsplit(".", 1)[-1]) for m in u.modules]
+            runs.setdefault(u.sequential, []).append((index[0], index[-1]))
+    for path, spans in runs.items():
+        seq = model.get_submodule(path)
+        seq.forward = functools.partial(_sequential_forward, list(seq), sorted(spans))
+
+
+def _run(modules: Sequence[nn.Module], x):
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def _sequential_forward(children: list[nn.Module], spans: list[tuple[int, int]], x):
+    """nn.Sequential's forward with the children of each span [first, last] run as one checkpoint."""
+    i = 0
+    starts = dict(spans)
+    while i < len(children):
+        if i in starts:
+            x = checkpoint(_run, children[i : starts[i] + 1], x, use_reentrant=False)
+            i = starts[i] + 1
+        else:
+            x = children[i](x)
+            i += 1
+    return x
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(values: Sequence[int]) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+@dataclass(frozen=True)
+class MemoryTools:
+    """The memory tools every method offers, its options `method.activation_checkpointing` and
+    `method.grad_accumulation`; the workload (global batch, each rank's share, loss) is the same
+    with them or without.
+
+    Attributes:
+        activation_checkpointing: run each layer group that can be checkpointed
+            (checkpoint_units) under torch.utils.checkpoint: its activations are made again in
+            backward from its input.
+        grad_accumulation: micro-steps per iteration: each rank's share is cut into this many
+            micro-batches of whole samples, each run forward and backward, and the gradients
+            (summed) are synchronised once per iteration where the engine allows it.
+    """
+
+    activation_checkpointing: bool = False
+    grad_accumulation: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ConfigError(
+                f"method.activation_checkpointing={self.activation_checkpointing!r} is invalid; use true "
+                "(checkpoint every layer group that can be) or false"
+            )
+        k = self.grad_accumulation
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(
+                f"method.grad_accumulation={k!r} is invalid; use an integer >= 1 (micro-steps per iteration, 1 = off)"
+            )
+
+    def units(self, graph) -> list[CheckpointUnit]:
+        """The checkpointed units of `graph` (none with checkpointing off)."""
+        return checkpoint_units(graph) if self.activation_checkpointing else []
+
+    def check_shares(self, shares: Sequence[int]) -> None:
+        """One line (ConfigError) where a rank's batch share does not split into
+        grad_accumulation micro-batches of whole samples."""
+        k = self.grad_accumulation
+        if all(s % k == 0 for s in shares):
+            return
+        valid = _divisors(math.gcd(*shares))
+        sizes = sorted(set(shares), reverse=True)  # each size once: a cluster of 64 ranks has a few
+        raise ConfigError(
+            f"method.grad_accumulation={k} cannot cut the ranks' batch shares ({', '.join(map(str, sizes))} "
+            f"samples) into {k} micro-batches of whole samples each; use method.grad_accumulation="
+            f"{_choices(valid)}, or a global batch whose shares it divides"
+        )
+
+    def check_batch(self, global_batch: int) -> None:
+        """One line (ConfigError) where the global batch does not split into grad_accumulation
+        micro-batches (a planner that plans one micro-step: hap, sfb)."""
+        k = self.grad_accumulation
+        if global_batch % k:
+            raise ConfigError(
+                f"method.grad_accumulation={k} does not divide global_batch={global_batch} into micro-batches "
+                f"of whole samples; use method.grad_accumulation={_choices(_divisors(global_batch)[:8])}, or a "
+                f"global batch that {k} divides"
+            )
+
+    def details(self, units: Sequence[CheckpointUnit]) -> dict:
+        """What a plan records of the tools (the row's plan.memory_tools)."""
+        return {
+            "activation_checkpointing": self.activation_checkpointing,
+            "checkpointed_groups": [u.group for u in units],
+            "checkpoint_units": [u.to_json() for u in units],
+            "grad_accumulation": self.grad_accumulation,
+        }
+
+
+def micro_batches(batch: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, ...]]:
+    """A rank's batch (every tensor's dim 0 its samples) cut into k micro-batches of equal,
+    whole samples, in order."""
+    if k == 1:
+        return [tuple(batch)]
+    parts = [t.chunk(k) if t.dim() else (t,) * k for t in batch]
+    for t, p in zip(batch, parts):
+        assert t.dim() == 0 or (t.shape[0] % k == 0 and len(p) == k), (tuple(t.shape), k)
+    return list(zip(*parts))
+
+
+def memory_tools_of(details: dict | None) -> tuple[list[CheckpointUnit], int]:
+    """(checkpointed units, without their ops; micro-steps) a plan records (MemoryTools.details):
+    none and 1 where it records none."""
+    tools = (details or {}).get("memory_tools") or {}
+    units = [CheckpointUnit.from_json(d) for d in tools.get("checkpoint_units", [])]
+    return units, int(tools.get("grad_accumulation", 1))

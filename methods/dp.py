@@ -6,6 +6,7 @@ DDP's average over ranks equals the gradient of the mean loss over the whole glo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -19,7 +20,7 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import round_shares
 from methods.capture import capture_config
-from methods.common import check_training_options
+from methods.common import MemoryTools, apply_checkpointing, check_training_options, memory_tools_of, micro_batches
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (
@@ -38,14 +39,25 @@ class DataParallel:
         bucket_cap_mb: DDP gradient bucket size (MiB).
         lr: Adam learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
+        activation_checkpointing, grad_accumulation: the memory tools (methods.common.MemoryTools):
+            layer groups recomputed in backward; micro-steps per iteration, DDP's no_sync for
+            all but the last, so gradients are all-reduced once.
     """
 
     def __init__(
-        self, name: str, split: str = "even", bucket_cap_mb: float = 25.0, lr: float = 5e-4, grad_clip: float = 0.0
+        self,
+        name: str,
+        split: str = "even",
+        bucket_cap_mb: float = 25.0,
+        lr: float = 5e-4,
+        grad_clip: float = 0.0,
+        activation_checkpointing: bool = False,
+        grad_accumulation: int = 1,
     ):
         if split not in SPLITS:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
         check_training_options(lr, grad_clip, bucket_cap_mb)
+        self.tools = MemoryTools(activation_checkpointing, grad_accumulation)
         self.name = name
         self.modes = ("real", "sim")
         self.split = split
@@ -60,9 +72,12 @@ class DataParallel:
             weights = [d.effective_flops for d in cluster.devices]
         # Every rank gets at least one sample: DDP ranks must all run the same graph.
         shares = round_shares(workload.global_batch, weights, min_share=1)
+        self.tools.check_shares(shares)
         # The simulator's view: every GPU is a rank, DDP's bucketed all-reduce overlaps backward.
         # DDP's ranks normalise their own samples (batch norm with local statistics)
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm="local")
+        units = self.tools.units(graph)
+        graph = graph.with_recompute([u.nodes for u in units])
         program = data_parallel_program(
             cluster.num_devices,
             workload.global_batch,
@@ -73,18 +88,26 @@ class DataParallel:
             bucket_copies=cluster.num_devices > 1,  # one rank trains the plain model, no DDP
             backward_memory=graph.backward_memory(),
             largest_param_bytes=graph.largest_param_bytes(),
+            micro_steps=self.tools.grad_accumulation,
             meta={"method": self.name, "model": workload.name},
         )
         ratios = [[s / workload.global_batch for s in shares]]
-        details = {"split": self.split, "batch_shares": shares, "bucket_cap_mb": self.bucket_cap_mb}
+        details = {
+            "split": self.split,
+            "batch_shares": shares,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "memory_tools": self.tools.details(units),
+        }
         return Plan(self.name, shares, details, program, ratios)
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> DDPTrainer:
-        return DDPTrainer(self, model, ctx)
+        return DDPTrainer(self, plan, model, ctx)
 
 
 class DDPTrainer:
-    def __init__(self, method: DataParallel, model: nn.Module, ctx: RankContext):
+    def __init__(self, method: DataParallel, plan: Plan, model: nn.Module, ctx: RankContext):
+        units, self.micro_steps = memory_tools_of(plan.details)
+        apply_checkpointing(model, units)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # One rank has nothing to synchronise: the plain model, so its whole step is compute.
         self.distributed = ctx.world_size > 1
@@ -113,16 +136,23 @@ class DDPTrainer:
 
     def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.ddp(*batch)
-        self.emulator.stretch()  # forward compute
-        (loss_sum * self.loss_scale).backward()
-        if self.distributed:
-            self.emulator.mark()  # backward ended waiting for the last all-reduce: not compute
-        else:
-            self.emulator.stretch()  # backward compute
+        micro = micro_batches(batch, self.micro_steps)
+        losses = []
+        for i, part in enumerate(micro):
+            # Every micro-step but the last accumulates into .grad without DDP's all-reduce.
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last or not self.distributed else self.ddp.no_sync():
+                loss = self.ddp(*part)
+                self.emulator.stretch()  # forward compute
+                (loss * self.loss_scale).backward()
+            losses.append(loss.detach())
+            if self.distributed and last:
+                self.emulator.mark()  # backward ended waiting for the last all-reduce: not compute
+            else:
+                self.emulator.stretch()  # backward compute
         if self.grad_clip:
             # Gradients are identical on every rank after DDP, so the local norm is global.
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.emulator.stretch()  # optimizer compute
-        return loss_sum.detach()
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()

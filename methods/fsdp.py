@@ -28,11 +28,19 @@ from torch import nn
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
-from bench.core.program import Affine, Collective, Memory, Program, Stage, backward_sweep
+from bench.core.program import Affine, Collective, Memory, Program, Stage, backward_sweep, micro_step_stages
 from bench.core.shares import round_shares
 from bench.runtime.method_step import added_host_work_flops, time_method_step
 from methods.capture import Graph, capture_config
-from methods.common import GroupTable, check_training_options, group_table
+from methods.common import (
+    GroupTable,
+    MemoryTools,
+    apply_checkpointing,
+    check_training_options,
+    group_table,
+    memory_tools_of,
+    micro_batches,
+)
 
 SPLITS = ("even", "compute")
 WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
@@ -90,6 +98,11 @@ class FullyShardedDP:
         grad_clip: max global gradient norm; 0 disables clipping.
         work_probe: emulated CPU clusters: time FSDP2's own work once per host, workload and
             plan (cached) and price it (bench.runtime.method_step).
+        activation_checkpointing, grad_accumulation: the memory tools (methods.common.MemoryTools):
+            layer groups recomputed in backward (checkpointed before fully_shard, as torchtitan
+            does); micro-steps per iteration, each gathering parameters and reduce-scattering
+            gradients into the shards (deferring the reduce-scatter, FSDP2's
+            set_requires_gradient_sync(False), would hold every unit's whole gradient).
     """
 
     worker_modules = ("torch.distributed.fsdp",)
@@ -103,12 +116,15 @@ class FullyShardedDP:
         lr: float = 5e-4,
         grad_clip: float = 0.0,
         work_probe: bool = True,
+        activation_checkpointing: bool = False,
+        grad_accumulation: int = 1,
     ):
         if split not in SPLITS:
             raise ConfigError(f"method.split={split!r} is invalid; use one of {', '.join(SPLITS)}")
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(f"method.reshard_after_forward={reshard_after_forward!r} must be true or false")
         check_training_options(lr, grad_clip)
+        self.tools = MemoryTools(activation_checkpointing, grad_accumulation)
         self.name = name
         self.modes = ("real", "sim")
         self.split = split
@@ -121,7 +137,10 @@ class FullyShardedDP:
         n = cluster.num_devices
         weights = [1.0] * n if self.split == "even" else [d.effective_flops for d in cluster.devices]
         shares = round_shares(workload.global_batch, weights, min_share=1)
+        self.tools.check_shares(shares)
         graph = capture_config(workload.model_cfg, workload.global_batch)
+        checkpoints = self.tools.units(graph)
+        graph = graph.with_recompute([u.nodes for u in checkpoints])
         table = group_table(graph)
         program = fsdp_program(
             graph,
@@ -130,6 +149,7 @@ class FullyShardedDP:
             workload.global_batch,
             self.reshard_after_forward,
             prefetch=cluster.device == "cuda",
+            micro_steps=self.tools.grad_accumulation,
             meta={"method": self.name, "model": workload.name},
         )
         params = [str(p.fx_node.target) for p in graph.nodes if p.is_param]
@@ -141,6 +161,7 @@ class FullyShardedDP:
             "root_params": root,
             "reshard_after_forward": self.reshard_after_forward,
             "optimizer": f"torch.optim.Adam(lr={self.lr:g}) over each rank's shards",
+            "memory_tools": self.tools.details(checkpoints),
         }
         ratios = [[s / workload.global_batch for s in shares]]
         plan = Plan(self.name, shares, details, program, ratios)
@@ -153,7 +174,8 @@ class FullyShardedDP:
                 workload,
                 cluster,
                 cache="fsdp_work",
-                config=[self.name, shares, self.reshard_after_forward, self.lr, details["units"]],
+                config=[self.name, shares, self.reshard_after_forward, self.lr, details["units"]]
+                + ([details["memory_tools"]] if checkpoints or self.tools.grad_accumulation > 1 else []),
                 version=WORK_PROBE_VERSION,
                 what="FSDP2's own work",
             )
@@ -178,9 +200,17 @@ def fsdp_program(
     global_batch: int,
     reshard_after_forward: bool = True,
     prefetch: bool = False,
+    micro_steps: int = 1,
     meta: dict | None = None,
 ) -> Program:
     """The Program of one FSDP2 iteration (module docstring), per rank, at batch ratios.
+
+    `graph` may hold activation checkpoints (methods.capture.Graph.recompute): their groups'
+    backward runs their forward again (the group table's FLOPs), without collectives of its own
+    (FSDP2 leaves the unit gathered from its pre-backward hook through the recompute).
+    `micro_steps` > 1 accumulates gradients: that many micro-steps at global_batch / micro_steps
+    samples, each issuing all of the collectives (micro_step_stages(sync_each=True)), the
+    shards' gradients existing from the first micro-step on.
 
     Stages, synchronous (CPU): the collectives before each group's forward and backward, in the
     order FSDP2 issues them (below). With `prefetch` (GPUs), each stage's collectives are those
@@ -204,7 +234,9 @@ def fsdp_program(
     shard = {g: sum(shard_bytes(*shapes[p], n) for p in unit_params(mods)) for g, mods in units}
     root_shard = sum(shard_bytes(*shapes[p], n) for p in root)
     root_full = sum(math.prod(shapes[p][0]) * shapes[p][1] for p in root)
-    B = global_batch
+    if micro_steps < 1 or global_batch % micro_steps:
+        raise ValueError(f"micro_steps={micro_steps} must be >= 1 and divide global_batch={global_batch}")
+    B = global_batch // micro_steps  # samples per micro-step
 
     def gather(g: int | None) -> Collective:
         return Collective(
@@ -281,6 +313,7 @@ def fsdp_program(
     grads, acts, flight = graph.backward_memory()
     per_sample = 1.0 / graph.batch_size * B
     largest_shard = max((shard_bytes(*shapes[p], n) for p in shapes), default=0.0)
+    ready = micro_steps > 1  # every shard's gradient exists before a later micro-step's backward
     memory = Memory(
         params=Affine(sharded),
         grads=Affine(sharded),
@@ -291,15 +324,24 @@ def fsdp_program(
         backward=tuple(
             (g, a + gathered)
             for g, a in backward_sweep(
-                [(p, Affine(b / n)) for p, b in grads],
+                [] if ready else [(p, Affine(b / n)) for p, b in grads],
                 [(p, Affine.sharded(b * per_sample)) for p, b in acts],
-                Affine(),
+                Affine(sharded) if ready else Affine(),
                 [(a, b, Affine.sharded(x * per_sample)) for a, b, x in flight],
             )
         ),
         largest_param=Affine(largest_shard),
     )
-    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), batch=global_batch)
+    return Program(
+        micro_step_stages(stages, micro_steps, sync_each=True),
+        n,
+        1,
+        "gpu",
+        memory,
+        dict(meta or {}),
+        batch=B,
+        micro_steps=micro_steps,
+    )
 
 
 class _ShardAdam:
@@ -339,6 +381,8 @@ class FSDPTrainer:
         self.emulator = ctx.emulator
         self.full_model = model if method.mirror_full_state else None
         sharded = copy.deepcopy(model) if method.mirror_full_state else model
+        units, self.micro_steps = memory_tools_of(plan.details)
+        apply_checkpointing(sharded, units)  # before fully_shard, so FSDP2's hooks see the recompute
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for mods in plan.details["units"]:
             fully_shard(
@@ -355,17 +399,20 @@ class FSDPTrainer:
 
     def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.model(*batch)
-        self.emulator.stretch()  # forward compute since the last all-gather
-        (loss_sum * self.loss_scale).backward()
-        self.emulator.stretch()  # backward compute since the last reduce-scatter
+        losses = []
+        for part in micro_batches(batch, self.micro_steps):  # FSDP2 adds each reduce-scatter into the shards
+            loss = self.model(*part)
+            self.emulator.stretch()  # forward compute since the last all-gather
+            (loss * self.loss_scale).backward()
+            self.emulator.stretch()  # backward compute since the last reduce-scatter
+            losses.append(loss.detach())
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.emulator.stretch()  # optimizer compute
         if self.full_model is not None:
             self.write_full_state()
-        return loss_sum.detach()
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     def write_full_state(self) -> None:
         """Tests: the gathered parameters and gradients written into the unsharded model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Collective kinds a stage may hold. `nbytes` of a Collective is always per device:
@@ -392,13 +392,20 @@ class Program:
     # worker's rate (DeepSpeed's engine on CPU workers, methods.ds_zero.engine_work): priced at
     # each device's FLOP/s like the model's work, once per iteration (bench.cost.price.per_step_s).
     host_work_flops: float = 0.0
-    # Samples per iteration, which the rows split (0: not known). A machine-level device's GPUs
+    # Samples per micro-step, which the rows split (0: not known): the global batch, or with
+    # gradient accumulation (micro_step_stages) its part of it. A machine-level device's GPUs
     # split its share in whole samples, evenly (methods.hap.hierarchy.intra_lengths), so one
     # GPU may hold a sample more than an even split of the share: the price of its compute
     # and activations follows that GPU (bench.cost.price.busiest_gpu_ratios).
     batch: int = 0
+    # Forward and backward passes per iteration (gradient accumulation, micro_step_stages): an
+    # emulated worker's per-step part, its dispatch of every op, is paid once per micro-step
+    # (bench.cost.price.per_step_s).
+    micro_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.micro_steps < 1:
+            raise ValueError(f"micro_steps={self.micro_steps} must be >= 1")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is invalid; use 'gpu' or 'machine'")
         if self.num_devices < 1 or self.num_segments < 1:
@@ -442,6 +449,7 @@ class Program:
             "meta": self.meta,
             **({"host_work_flops": self.host_work_flops} if self.host_work_flops else {}),
             **({"batch": self.batch} if self.batch else {}),
+            **({"micro_steps": self.micro_steps} if self.micro_steps > 1 else {}),
         }
 
     def dumps(self) -> str:
@@ -460,6 +468,7 @@ class Program:
             dict(d.get("meta", {})),
             float(d.get("host_work_flops", 0.0)),
             int(d.get("batch", 0)),
+            int(d.get("micro_steps", 1)),
         )
 
 
@@ -484,3 +493,35 @@ def bucket_runs(grads: Sequence[tuple[float, object]], cap: float | None) -> lis
         runs[-1].append(i)
         size += nbytes
     return runs
+
+
+def without_grad_sync(stages: Iterable[Stage]) -> list[Stage]:
+    """`stages` as a micro-step runs them when it does not synchronise gradients (DDP's
+    no_sync, hap's buckets held back): the parameter gradients' all-reduces (Collective.grad)
+    and their sums inside machines (Stage.grad_bytes) left out, and a stage left with nothing
+    to do dropped."""
+    out = []
+    for st in stages:
+        kept = tuple(c for c in st.collectives if not c.grad)
+        if not kept and st.flops.is_constant and not st.flops.const and not st.launches:
+            continue
+        out.append(replace(st, collectives=kept, overlap=st.overlap and bool(kept), grad_bytes=Affine()))
+    return out
+
+
+def micro_step_stages(stages: Sequence[Stage], micro_steps: int, sync_each: bool = False) -> tuple[Stage, ...]:
+    """The stages of an iteration that accumulates gradients over `micro_steps` forward and
+    backward passes, from one micro-step's `stages` (at the micro-batch, its gradient syncs
+    included): micro_steps - 1 of them without their gradient syncs (without_grad_sync), then
+    `stages`, so the FLOPs add up to the whole batch's, every kernel is launched micro_steps
+    times and the gradients are synchronised once. `sync_each`: every micro-step is `stages`
+    (FSDP, ZeRO-2/3: gradients reduced, or parameters gathered, at every micro-step)."""
+    if micro_steps < 1:
+        raise ValueError(f"micro_steps={micro_steps} must be >= 1")
+    if micro_steps == 1:
+        return tuple(stages)
+    quiet = list(stages) if sync_each else without_grad_sync(stages)
+    out: list[Stage] = []
+    for j in range(micro_steps):
+        out += [replace(st, label=f"micro-step {j}: {st.label}") for st in (stages if j == micro_steps - 1 else quiet)]
+    return tuple(out)

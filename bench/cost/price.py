@@ -330,13 +330,19 @@ def per_step_s(program: Program, cluster: ClusterSpec, vdevs: list[VirtualDevice
     emulated worker's measured per-step overhead (bench.runtime.hostspeed), Adam's per-byte cost over the
     parameter bytes the device holds (all of them under data parallelism, its shard of a
     sharded parameter), plus the method's own host work (Program.host_work_flops, at the
-    device's FLOP/s: DeepSpeed's engine on CPU workers)."""
+    device's FLOP/s: DeepSpeed's engine on CPU workers). With gradient accumulation the
+    per-step overhead, most of it the dispatch of forward's and backward's ops, is paid once
+    per micro-step (Program.micro_steps; its optimizer's fixed part, once per step, is
+    counted as often: the part a plain step's timing cannot tell apart)."""
     work = program.host_work_flops
     terms = []
     for d, _ in alike(vdevs, alg):
         devices = [cluster.devices[r] for r in vdevs[d].ranks]  # a machine's GPUs hold its params alike
         for fixed, per_byte in {
-            (dev.step_overhead_s + (work / dev.effective_flops if work else 0.0), dev.optimizer_s_per_byte)
+            (
+                dev.step_overhead_s * program.micro_steps + (work / dev.effective_flops if work else 0.0),
+                dev.optimizer_s_per_byte,
+            )
             for dev in devices
         }:
             terms.append(fixed + alg.at(program.memory.params, d) * per_byte if per_byte else fixed)

@@ -25,6 +25,7 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.cost import even_ratios
 from bench.runtime.method_step import DEFAULT_REPEATS, added_host_work_flops, time_method_step
+from methods.common import MemoryTools, apply_checkpointing, memory_tools_of
 from methods.ds_zero.moe import deepspeed_capacity, matching_capacity_factor, swap_moe_layers
 from methods.ds_zero.program import FP32_BYTES, ZERO_STAGES, profile_workload, zero_program
 from methods.ds_zero.trainer import (
@@ -65,6 +66,10 @@ class DeepSpeedZeRO:
         engine_probe: on an emulated CPU cluster, price the engine's own work (engine_work:
             timed once per host, workload, devices and config, then cached) as the Program's
             host work; false prices the model's work and collectives only.
+        activation_checkpointing, grad_accumulation: the memory tools (methods.common.MemoryTools):
+            layer groups recomputed in backward (torch.utils.checkpoint on the modules DeepSpeed
+            trains); DeepSpeed's own gradient_accumulation_steps, each rank's share cut into
+            that many micro-batches (train_micro_batch_size_per_gpu).
     """
 
     modes = ("real", "sim")
@@ -90,6 +95,8 @@ class DeepSpeedZeRO:
         shm_comm_op: bool = False,
         log_level: str = "warning",
         engine_probe: bool = True,
+        activation_checkpointing: bool = False,
+        grad_accumulation: int = 1,
     ):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ConfigError(
@@ -130,9 +137,17 @@ class DeepSpeedZeRO:
         self.shm_comm_op = bool(shm_comm_op)
         self.log_level = str(log_level).upper()
         self.engine_probe = bool(engine_probe)
+        self.tools = MemoryTools(activation_checkpointing, grad_accumulation)
 
     # -- planning (CPU only, no deepspeed) ----------------------------------------------------
     def micro_batch(self, workload: Workload, cluster: ClusterSpec) -> int:
+        """Samples a rank computes at a time (DeepSpeed's train_micro_batch_size_per_gpu): its
+        share of the global batch, split into method.grad_accumulation micro-batches."""
+        share = self.batch_share(workload, cluster)
+        self.tools.check_shares([share] * cluster.num_devices)
+        return share // self.tools.grad_accumulation
+
+    def batch_share(self, workload: Workload, cluster: ClusterSpec) -> int:
         n, batch = cluster.num_devices, workload.global_batch
         if batch % n:
             lower, upper = (batch // n) * n, -(-batch // n) * n
@@ -202,9 +217,9 @@ class DeepSpeedZeRO:
         if self.zero_stage == 3:
             zero["stage3_param_persistence_threshold"] = self.param_persistence_threshold
         return {
-            "train_batch_size": micro_batch * num_devices,
+            "train_batch_size": micro_batch * num_devices * self.tools.grad_accumulation,
             "train_micro_batch_size_per_gpu": micro_batch,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": self.tools.grad_accumulation,
             "gradient_clipping": self.grad_clip,
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},
@@ -223,35 +238,39 @@ class DeepSpeedZeRO:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         micro = self.micro_batch(workload, cluster)
+        share = micro * self.tools.grad_accumulation
         moe = self.moe_settings(workload, cluster)
         n = cluster.num_devices
         config = self.ds_config(micro, n, workload.precision)
+        profile = profile_workload(workload, micro, moe, self.tools.activation_checkpointing)
         program = zero_program(
-            profile_workload(workload, micro, moe),
+            profile,
             num_devices=n,
             global_batch=workload.global_batch,
             zero_stage=self.zero_stage,
             reduce_bucket_bytes=self.reduce_bucket_size * FP32_BYTES,
             allgather_bucket_bytes=self.allgather_bucket_size * FP32_BYTES,
             persistence_bytes=self.param_persistence_threshold * FP32_BYTES,
+            micro_steps=self.tools.grad_accumulation,
             meta={"method": self.name, "model": workload.name, "zero_stage": self.zero_stage},
         )
         details = {
             "zero_stage": self.zero_stage,
             "micro_batch": micro,
-            "batch_shares": [micro] * n,
+            "batch_shares": [share] * n,
             "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
             "moe": moe,
             "ds_config": config,
+            "memory_tools": self.tools.details(profile.checkpoint_units),
         }
-        plan = Plan(self.name, [micro] * n, details=details, program=program, ratios=even_ratios(n))
+        plan = Plan(self.name, [share] * n, details=details, program=program, ratios=even_ratios(n))
         if self.engine_probe and cluster.host_flops and cluster.emulated and cluster.device == "cpu":
             engine = details["engine"] = engine_work(self, plan, workload, cluster)
             if engine is not None:
                 plan.program = replace(
                     program,
                     host_work_flops=added_host_work_flops(
-                        engine["plain_s"], engine["engine_s"], workload, micro, cluster
+                        engine["plain_s"], engine["engine_s"], workload, share, cluster
                     ),
                 )
         return plan
@@ -273,6 +292,8 @@ class DeepSpeedZeRO:
         moe = plan.details.get("moe")
         if moe:
             swap_moe_layers(model, moe, ctx.rank, deepspeed)
+        units, micro_steps = memory_tools_of(plan.details)
+        apply_checkpointing(model, units)
         param_groups: list[dict] = [{"name": "parameters", "params": list(model.parameters())}]
         if moe:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -284,7 +305,7 @@ class DeepSpeedZeRO:
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=plan.details["ds_config"], dist_init_required=False
         )
-        return DeepSpeedTrainer(engine, ctx)
+        return DeepSpeedTrainer(engine, ctx, micro_steps)
 
 
 def engine_work(
@@ -311,7 +332,12 @@ def engine_work(
         workload,
         cluster,
         cache="deepspeed_engine",
-        config=[plan.details["ds_config"], plan.details.get("moe"), method.lr, method.shm_comm_op],
+        config=[plan.details["ds_config"], plan.details.get("moe"), method.lr, method.shm_comm_op]
+        + (
+            [plan.details["memory_tools"]["checkpoint_units"]]
+            if plan.details["memory_tools"]["checkpoint_units"]
+            else []
+        ),
         version=ENGINE_PROBE_VERSION,
         what="DeepSpeed's engine work",
         requires={"deepspeed": INSTALL_HINT},

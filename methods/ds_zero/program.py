@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.core.interfaces import Workload
-from bench.core.program import Affine, Collective, Memory, Program, Stage
+from bench.core.program import Affine, Collective, Memory, Program, Stage, micro_step_stages
 from methods.ds_zero.moe import deepspeed_capacity
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -31,6 +31,7 @@ class OpCost:
     param_bytes: float
     max_param_bytes: float  # the largest single parameter it reads (ZeRO-3 persistence)
     moe_layer: int | None = None  # index of the MoE layer whose experts it belongs to
+    recomputed: bool = False  # an activation checkpoint runs it again in backward
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,15 @@ class WorkloadProfile:
     activation_bytes_per_sample: float
     # Per MoE layer: bytes one device sends in one all-to-all, per sample of its batch.
     moe_all_to_all_bytes_per_sample: tuple[float, ...] = ()
+    checkpoint_units: tuple = ()  # the activation checkpoints (methods.common.CheckpointUnit)
 
 
-def profile_workload(workload: Workload, batch: int, moe: dict | None) -> WorkloadProfile:
+def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpointing: bool = False) -> WorkloadProfile:
     """Per-op FLOPs and parameter bytes from the capture of the single-device model (batch norm
-    as the engine's ranks run it, each normalising its own samples).
+    as the engine's ranks run it, each normalising its own samples), at `batch` samples (a
+    rank's micro-batch). With `checkpointing`, every layer group that can be is an activation
+    checkpoint (methods.common.checkpoint_units): its ops' forward FLOPs count in backward again
+    and the activations are the checkpointed graph's.
 
     The MoE layers' FLOPs are those of models.bert_moe at its slots per sequence, which are
     DeepSpeed's slots too with the default capacity factor (matching_capacity_factor); its
@@ -52,8 +57,11 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
     gives DeepSpeed other slots changes the all-to-all bytes here, not the FLOPs.
     """
     from methods.capture import capture_config
+    from methods.common import checkpoint_units
 
     graph = capture_config(workload.model_cfg, batch, batch_norm="local")
+    units = tuple(checkpoint_units(graph)) if checkpointing else ()
+    graph = graph.with_recompute([u.nodes for u in units])
     expert_prefixes: dict[str, int] = {}
     if moe:
         from models.bert_moe import MoE as ZooMoE
@@ -66,18 +74,23 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
     fwd = bwd = 0.0
     for node in graph.nodes:
         fwd += node.flops / batch
-        bwd += node.flops * node.backward_factor / batch
+        bwd += graph.backward_flops(node) / batch
         params = [graph[i] for i in node.inputs if graph[i].is_param]
         if params and node.kind != "output":
             layers = {expert_prefixes.get(str(p.fx_node.target)) for p in params}
             layer = next(iter(layers)) if len(layers) == 1 else None
             nbytes = [float(p.nbytes) for p in params]
-            ops.append(OpCost(fwd, bwd, sum(nbytes), max(nbytes), layer))
+            ops.append(OpCost(fwd, bwd, sum(nbytes), max(nbytes), layer, node.name in graph.recomputed))
             fwd = bwd = 0.0
     if ops and (fwd or bwd):
         last = ops[-1]
         ops[-1] = OpCost(
-            last.fwd_flops + fwd, last.bwd_flops + bwd, last.param_bytes, last.max_param_bytes, last.moe_layer
+            last.fwd_flops + fwd,
+            last.bwd_flops + bwd,
+            last.param_bytes,
+            last.max_param_bytes,
+            last.moe_layer,
+            last.recomputed,
         )
     a2a: tuple[float, ...] = ()
     if moe:
@@ -92,8 +105,9 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None) -> Worklo
         )
         per_sample = moe["num_experts"] * capacity * moe["d_model"] * FP32_BYTES / batch
         a2a = tuple(per_sample for _ in range(len(expert_prefixes) // 4))
-    # Every activation kept beside the most activation gradients backward holds at once.
-    return WorkloadProfile(tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a)
+    # Every activation kept beside the most activation gradients backward holds at once (and,
+    # checkpointed, the largest unit's recompute).
+    return WorkloadProfile(tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a, units)
 
 
 def zero_program(
@@ -105,9 +119,19 @@ def zero_program(
     reduce_bucket_bytes: float,
     allgather_bucket_bytes: float,
     persistence_bytes: float,
+    micro_steps: int = 1,
     meta: dict | None = None,
 ) -> Program:
     """The Program of one DeepSpeed ZeRO iteration (one segment, even ratios; per GPU).
+
+    `micro_steps` > 1: DeepSpeed's gradient accumulation, forward and backward at
+    global_batch / micro_steps samples that many times (the profile's op costs per sample);
+    ZeRO 0/1 all-reduce the gradients at the last micro-step only (the engine reduces at the
+    accumulation boundary), ZeRO-2 at every one (it reduces into the partitions as it goes),
+    ZeRO-3 gathers parameters and reduce-scatters gradients at every one; ZeRO 1/2 gather the
+    updated parameters once, after the step. An op an activation checkpoint recomputes costs its
+    forward again in backward (the profile's backward FLOPs), and an MoE layer inside a
+    checkpoint its two forward all-to-alls again.
 
     What each stage communicates (P = dense parameter bytes, n = devices):
       * ZeRO 0-2: forward and backward, then the gradients all-reduced in reduce buckets once
@@ -131,7 +155,9 @@ def zero_program(
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage} must be one of {ZERO_STAGES}")
-    n, B = num_devices, global_batch
+    if micro_steps < 1 or global_batch % micro_steps:
+        raise ValueError(f"micro_steps={micro_steps} must be >= 1 and divide global_batch={global_batch}")
+    n, B = num_devices, global_batch // micro_steps  # B: samples per micro-step
     ops = profile.ops
     dense = [0.0 if o.moe_layer is not None else o.param_bytes for o in ops]
     dense_bytes = sum(dense)
@@ -187,6 +213,9 @@ def zero_program(
                 pending.append(a2a_collective(prev_layer, "dispatch (backward)"))
             if o.moe_layer is not None:
                 close("backward")
+                if o.recomputed:  # the checkpoint's recompute runs the layer's forward again
+                    pending.append(a2a_collective(o.moe_layer, "dispatch (recompute)"))
+                    pending.append(a2a_collective(o.moe_layer, "combine (recompute)"))
                 pending.append(a2a_collective(o.moe_layer, "combine (backward)"))
             prev_layer = o.moe_layer
         if gathered[i]:
@@ -205,6 +234,7 @@ def zero_program(
         close(f"backward, moe {prev_layer} experts")
         pending.append(a2a_collective(prev_layer, "dispatch (backward)"))
     close("backward")
+    reduce: list[Stage] = []  # the gradients' reduction of a micro-step that reduces them
     if zero_stage == 3:
         if bucket:
             stages.append(
@@ -216,14 +246,18 @@ def zero_program(
     else:
         if bucket:
             buckets.append(bucket)
-        reduce = tuple(Collective("all_reduce", Affine(b), label=f"grad bucket {k}") for k, b in enumerate(buckets))
-        if reduce:
-            stages.append(Stage(reduce, label="gradient all_reduce"))
-        if zero_stage in (1, 2) and dense_bytes:
-            # DeepSpeed splits the gather into max(1, P // allgather bucket) calls.
-            calls = max(1, int(dense_bytes // allgather_bucket_bytes))
-            gather = Collective("all_gather", Affine(dense_bytes / n / calls), label="param all_gather")
-            stages.append(Stage((gather,) * calls, label="parameter all_gather"))
+        colls = tuple(Collective("all_reduce", Affine(b), label=f"grad bucket {k}") for k, b in enumerate(buckets))
+        if colls:
+            reduce.append(Stage(colls, label="gradient all_reduce"))
+    if zero_stage == 2:
+        stages = list(micro_step_stages(stages + reduce, micro_steps, sync_each=True))
+    else:
+        stages = list(micro_step_stages(stages, micro_steps, sync_each=True)) + reduce
+    if zero_stage in (1, 2) and dense_bytes:
+        # DeepSpeed splits the gather into max(1, P // allgather bucket) calls.
+        calls = max(1, int(dense_bytes // allgather_bucket_bytes))
+        gather = Collective("all_gather", Affine(dense_bytes / n / calls), label="param all_gather")
+        stages.append(Stage((gather,) * calls, label="parameter all_gather"))
     bucket_bytes = min(dense_bytes, reduce_bucket_bytes)
     if zero_stage == 0:
         memory = Memory(
@@ -246,4 +280,4 @@ def zero_program(
             Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
         )
-    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}))
+    return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), micro_steps=micro_steps)

@@ -9,26 +9,40 @@ from __future__ import annotations
 import torch
 
 from bench.core.interfaces import RankContext
+from methods.common import micro_batches
 
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
 
 
 class DeepSpeedTrainer:
-    """One iteration: engine forward, backward (gradient reduction inside), step."""
+    """One iteration: engine forward, backward (gradient reduction inside), step; with
+    gradient accumulation, forward and backward per micro-batch and the engine's step after
+    each (DeepSpeed updates the parameters at the last)."""
 
-    def __init__(self, engine, ctx: RankContext):
+    def __init__(self, engine, ctx: RankContext, micro_steps: int = 1):
         self.engine = engine
         self.emulator = ctx.emulator
-        # DeepSpeed averages gradients over ranks like DDP: scaling each rank's summed loss by
-        # world_size / (global loss terms) gives the gradient of the global mean loss.
-        self.loss_scale = ctx.world_size / ctx.workload.targets_per_iter
+        self.micro_steps = micro_steps
+        # DeepSpeed averages gradients over ranks like DDP and divides each micro-step's loss by
+        # the accumulation steps: scaling each micro-batch's summed loss by world_size x
+        # micro_steps / (global loss terms) gives the gradient of the global mean loss.
+        self.loss_scale = ctx.world_size * micro_steps / ctx.workload.targets_per_iter
 
     def forward_backward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        loss_sum = self.engine(*batch)
-        self.emulator.stretch()  # forward compute
-        self.engine.backward(loss_sum * self.loss_scale)
-        self.emulator.stretch()  # backward compute after its last collective (DeepSpeed copies the reduced buckets back)
-        return loss_sum.detach()
+        """Forward and backward over the rank's batch, one micro-batch at a time; the engine's
+        step after all but the last (it counts the micro-steps there), so the gradients are
+        reduced and readable when this returns."""
+        losses = []
+        parts = micro_batches(batch, self.micro_steps)
+        for i, part in enumerate(parts):
+            if i:
+                self.engine.step()  # not the accumulation boundary: counts the micro-step
+            loss_sum = self.engine(*part)
+            self.emulator.stretch()  # forward compute
+            self.engine.backward(loss_sum * self.loss_scale)
+            self.emulator.stretch()  # backward compute after its last collective (DeepSpeed copies the reduced buckets back)
+            losses.append(loss_sum.detach())
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     def optimizer_step(self) -> None:
         self.engine.step()  # ZeRO 1-3: Adam on this rank's partition, then parameter all-gather

@@ -10,7 +10,9 @@ global batch). It does not plan, train or time anything (methods.hap.runtime doe
 The first call interprets the instructions and records every tensor it makes as a node of a
 new fx graph (shard lengths, sizes and which ops see an empty shard are fixed for a rank, so
 they become constants); later calls run that GraphModule, straight-line code with no per-node
-dispatch (`RankProgram.module.code`).
+dispatch (`RankProgram.module.code`). With activation checkpoints, the recording is cut into
+sub-modules at the checkpointed units' borders and each unit's runs under
+torch.utils.checkpoint (its collectives with it: the recompute issues them again in backward).
 
 One module because it is one class: compiling the steps, interpreting them once and recording
 the result share the instruction format and the rank's fixed shard sizes; split, each part
@@ -19,6 +21,7 @@ would reach into the others' state.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 import weakref
@@ -28,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import checkpoint
 
 from bench.core.shares import offsets
 from methods.capture import Graph, Node
@@ -169,6 +174,8 @@ class RankProgram:
         machines: for a machine-level plan (one ratio per machine), this rank's place among the
             machines (methods.hap.hierarchy): the program then runs data parallel inside each
             machine, its collectives in three steps. None: one virtual device per rank.
+        checkpoints: the activation checkpoints, each the ops of one unit (contiguous steps):
+            the recorded program runs each as a checkpointed sub-module.
     """
 
     def __init__(
@@ -182,6 +189,7 @@ class RankProgram:
         world_size: int,
         options: CodegenOptions | None = None,
         machines: H.Machines | None = None,
+        checkpoints: Sequence[Sequence[str]] = (),
     ):
         self.graph = graph
         self.options = options or CodegenOptions()
@@ -217,6 +225,21 @@ class RankProgram:
         self._dead_after = self._last_reads()
         self._module: fx.GraphModule | None = None
         self._rec: _Recorder | None = None
+        self._unit_of = self._checkpoint_instrs(checkpoints)
+
+    def _checkpoint_instrs(self, checkpoints: Sequence[Sequence[str]]) -> dict[int, int]:
+        """Instruction -> the checkpoint it is in (each unit's instructions are consecutive)."""
+        out: dict[int, int] = {}
+        for u, names in enumerate(checkpoints):
+            names = set(names)
+            idx = [i for i, ins in enumerate(self._instrs) if ins.node.name in names]
+            if idx and idx[-1] - idx[0] + 1 != len(idx):
+                raise PlanMismatchError(
+                    f"checkpoint {u}'s ops are not consecutive steps of the plan; re-plan "
+                    "(method.activation_checkpointing=false runs it without checkpoints)"
+                )
+            out.update((i, u) for i in idx)
+        return out
 
     # -- shapes ----------------------------------------------------------------------------
     def lengths(self, length: int, segment: int = 0) -> list[int]:
@@ -632,12 +655,19 @@ class RankProgram:
             return self._interpret(batch)
         self._rec = _Recorder(self._placeholders, batch)
         try:
-            loss = self._interpret(batch)
-            self._module = self._rec.module(loss)
+            # With checkpoints the recording runs without autograd, so that the first step,
+            # which runs the recorded (checkpointed) module, holds no more than the others.
+            with torch.no_grad() if self._unit_of else contextlib.nullcontext():
+                loss = self._interpret(batch)
+            module = self._rec.module(loss)
         finally:
             self._rec.close()
             self._rec = None
-        return loss
+        if not self._unit_of:
+            self._module = module
+            return loss
+        self._module = _with_checkpoints(module, self._unit_of)
+        return self._module(*batch)
 
     def _note(self, value: Any, target: Callable | str, args: tuple = (), kwargs: dict | None = None) -> Any:
         """`value`, which target(*args, **kwargs) just made; recorded as a node when recording.
@@ -682,7 +712,9 @@ class RankProgram:
         """Run the plan step by step (recording each tensor made, when compiling), dropping
         each value after its last reader."""
         env: dict = {}
-        for ins, dead in zip(self._instrs, self._dead_after):
+        for i, (ins, dead) in enumerate(zip(self._instrs, self._dead_after)):
+            if self._rec is not None:
+                self._rec.instr = i
             for t, lay in ins.sources:
                 if (t, lay) in env:
                     continue
@@ -700,6 +732,8 @@ class RankProgram:
             if dead:
                 for key in [k for k in env if k[0] in dead]:
                     del env[key]
+        if self._rec is not None:
+            self._rec.instr = len(self._instrs)
         for c in self.final_comms:
             self._run_comm(c, env)
         if (self.loss, REDUCE) not in env:
@@ -865,6 +899,7 @@ class _Recorder:
     def __init__(self, placeholders: Sequence[str], batch: Sequence[torch.Tensor]):
         self.graph = fx.Graph()
         self.root = nn.Module()
+        self.instr: int | None = None  # the instruction being recorded: each node's meta["instr"]
         self._nodes: dict[int, fx.Node] = {}
         # A tensor's id is forgotten when it is freed (before the id can be reused), so
         # recording keeps no value alive that the step itself would have freed.
@@ -897,7 +932,11 @@ class _Recorder:
             self.root.register_buffer(field_name, value)
         else:
             raise RuntimeError(f"source {name!r} is a {type(value).__name__}, not a tensor; cannot record it")
-        self._bind(value, self.graph.get_attr(field_name))
+        self._bind(value, self._tagged(self.graph.get_attr(field_name)))
+
+    def _tagged(self, node: fx.Node) -> fx.Node:
+        node.meta["instr"] = self.instr
+        return node
 
     def arg(self, x: Any) -> Any:
         """x with every recorded value replaced by its node (sizes become plain tuples)."""
@@ -905,7 +944,7 @@ class _Recorder:
         if node is not None:
             return node
         if id(x) in self._items:
-            self._bind(x, self.graph.call_function(operator.getitem, self._items.pop(id(x))))
+            self._bind(x, self._tagged(self.graph.call_function(operator.getitem, self._items.pop(id(x)))))
             return self._nodes[id(x)]
         if isinstance(x, torch.Tensor):
             raise RuntimeError(
@@ -928,7 +967,7 @@ class _Recorder:
             node = self.graph.call_method(target, args, kwargs)
         else:
             node = self.graph.call_function(target, args, kwargs)
-        self._bind(value, node)
+        self._bind(value, self._tagged(node))
 
     def _forget(self, key: int) -> None:
         self._nodes.pop(key, None)
@@ -943,3 +982,38 @@ class _Recorder:
         for f in self._watch:
             f.detach()
         self._watch = []
+
+
+class _Checkpointed(nn.Module):
+    """A sub-module of the recorded program run under torch.utils.checkpoint (non-reentrant):
+    forward keeps its inputs, backward runs it again before its own backward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _with_checkpoints(gm: fx.GraphModule, unit_of: dict[int, int]) -> fx.GraphModule:
+    """The recorded program cut into sub-modules at the checkpoints' borders (each run of nodes
+    recorded for one checkpoint's instructions, or for none), each checkpoint's sub-module run
+    under torch.utils.checkpoint; the tensors one passes to the next are its inputs."""
+    part: dict[str, int] = {}
+    ckpt: set[int] = set()
+    current, key = -1, None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        unit = unit_of.get(node.meta.get("instr"))
+        if unit != key or current < 0:
+            current, key = current + 1, unit
+            if unit is not None:
+                ckpt.add(current)
+        part[node.name] = current
+    top = split_module(gm, gm, lambda n: part[n.name], keep_original_order=True)
+    for p in ckpt:
+        name = f"submod_{p}"
+        setattr(top, name, _Checkpointed(getattr(top, name)))
+    return top

@@ -19,6 +19,7 @@ from bench.core.program import (
     affine_sum,
     backward_sweep,
     bucket_runs,
+    micro_step_stages,
 )
 from methods.hap.pricing import ADAM_STATE_PER_PARAM, CostModel
 from methods.hap.steps import Step
@@ -33,9 +34,16 @@ def build_program(
     meta: dict | None = None,
     grad_overlap: bool = True,
     bucket_cap_bytes: float = DDP_BUCKET_BYTES,
+    micro_steps: int = 1,
 ) -> Program:
     """The bench Program of a synthesized program: forward stages in order, then backward
     stages in reverse, with the memory each device holds.
+
+    Where the graph holds activation checkpoints (methods.capture.Graph.recompute), a
+    checkpointed op's backward stage runs its forward again first (its forward collectives
+    and FLOPs: methods.hap.pricing), it keeps nothing from forward but the unit's inputs, which
+    the checkpoint keeps in the layout they are made in, and what it would have kept lives
+    again from the start of its unit's backward (a window, as activation gradients).
 
     Args:
         grad_overlap: replicated parameters' gradient all-reduces run asynchronously beside
@@ -44,14 +52,25 @@ def build_program(
             activations waits for them (one network). False: each all-reduce runs in its
             op's backward stage, which is exactly the search's (sequential) cost.
         bucket_cap_bytes: gradient bytes per bucket; 0 = one all-reduce per parameter.
+        micro_steps: gradient accumulation: the steps are one micro-step's (the graph's batch);
+            the iteration runs them micro_steps times, gradients summed inside machines and
+            all-reduced in the last only (micro_step_stages), every gradient already made
+            when a later micro-step's backward starts.
     """
     graph = cost.graph
     kept, keepers, own = graph.kept_until(), graph.keepers(), graph.own_saves()
+    plain = graph.with_recompute(())
+    plain_kept, plain_keepers, plain_own = plain.kept_until(), plain.keepers(), plain.own_saves()
+    checkpoints = {u[0] for u in graph.recompute}  # a unit's first op stands for its checkpoint
     ready = graph.grad_ready()
     position = {step.node: i for i, step in enumerate(steps)}
     # Tensors each op reads as a re-laid copy (gathered, exchanged): the op keeps the copy.
     # A reshard between rows is not counted as a copy (with tied rows it is the tensor itself).
     relaid = [{c.tensor for c in step.comms if not c.free and c.kind != "reshard"} for step in steps]
+    unit_end = {  # a checkpointed op -> the position where backward recomputes its unit
+        name: max(position[n] for n in unit if n in position) for unit in graph.recompute for name in unit
+    }
+    windows: list[tuple[int, int, Affine]] = []  # what recomputes hold in backward (from, to, bytes)
     # With more than one rank the runtime's gradients of replicated parameters are views of
     # its buckets, made before backward (methods.hap.runtime.GradBuckets; on machine-level
     # devices every gradient is); a parameter an SFB linear reads as its weight is not bucketed.
@@ -86,36 +105,24 @@ def build_program(
                     grads_before = grads_before + nbytes
                 else:
                     grads_made.append((position.get(ready[t], i), nbytes))
-        node = graph[step.node]
         # What autograd keeps for backward (methods.capture.Graph.saved_bytes_factor), in the
-        # layout it exists in, each until backward has passed the first op that keeps it: the
-        # op's output (its value while an op that keeps it reads it as it is; what the op
-        # keeps beside, always), and the re-laid copies ops that keep them read (a copy made
-        # for this op is this op's to keep).
-        held: list[tuple[Affine, float, int]] = []
-        if node.shape is not None and step.node in kept:
-            t = step.node
-            read = any(k == t or t not in relaid[position[k]] for k in keepers.get(t, ()) if k in position)
-            factor = own.get(t, 0.0) + (kept[t][0] - own.get(t, 0.0) if read else 0.0)
-            held.append((cost._bytes(t, step.rule.post), factor, position.get(kept[t][1], i)))
-        for c in step.comms:
-            if not c.free and c.kind != "reshard" and step.node in keepers.get(c.tensor, ()):
-                held.append((cost._bytes(c.tensor, c.dst, c.to_segment), 1.0, i))
-        for t, layout in step.sources:
-            if t in kept and not graph[t].is_param:
-                held.append((cost._bytes(t, layout), kept[t][0], position.get(kept[t][1], i)))
-        for nbytes, factor, until in held:
-            if factor:
-                nbytes = nbytes.scale(factor)
-                activations = activations + nbytes
-                kept_bytes.append((until, nbytes))
+        # layout it exists in, each until backward has passed the first op that keeps it; a
+        # checkpointed op's saves (the plain graph's) are a window of its unit's recompute.
+        if step.node in unit_end:
+            for nbytes, until in _held(step, i, cost, position, relaid, plain_kept, plain_keepers, plain_own, ()):
+                windows.append((until, unit_end[step.node], nbytes))
+        for nbytes, until in _held(step, i, cost, position, relaid, kept, keepers, own, checkpoints):
+            activations = activations + nbytes
+            kept_bytes.append((until, nbytes))
     # Activation gradients, each in the layout of the tensor it is the gradient of.
     layouts = {step.node: step.rule.post for step in steps}
     flying = [
         (position[a], position[b], cost._bytes(t, layouts[t]))
         for t, a, b in graph.grads_in_flight()
         if t in layouts and a in position and b in position
-    ]
+    ] + windows
+    if micro_steps > 1:  # a later micro-step's backward starts with every gradient made
+        grads_made, grads_before = [], params
     memory = Memory(
         params,
         params,
@@ -126,14 +133,55 @@ def build_program(
     )
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
     return Program(
-        tuple(stages),
+        micro_step_stages(stages, micro_steps),
         len(cost.vdevs),
         cost.num_segments,
         cost.granularity,
         memory,
         dict(meta or {}),
         batch=cost.graph.batch_size,
+        micro_steps=micro_steps,
     )
+
+
+def _held(
+    step: Step,
+    i: int,
+    cost: CostModel,
+    position: dict,
+    relaid: list,
+    kept: dict,
+    keepers: dict,
+    own: dict,
+    checkpoints: set,
+) -> list[tuple[Affine, int]]:
+    """(bytes, the position after which backward frees them) of what autograd keeps of step
+    `i`, in the layout it exists in: the op's output (its value while an op that keeps it reads
+    it as it is, or a checkpoint keeps it as its unit's input; what the op keeps beside,
+    always), the re-laid copies ops that keep them read (a copy made for this op is this op's
+    to keep), and its sources that ops keep."""
+    graph = cost.graph
+    node = graph[step.node]
+    held: list[tuple[Affine, float, int]] = []
+    if node.shape is not None and step.node in kept:
+        t = step.node
+        read = any(
+            k == t or k in checkpoints or t not in relaid[position[k]] for k in keepers.get(t, ()) if k in position
+        )
+        factor = own.get(t, 0.0) + (kept[t][0] - own.get(t, 0.0) if read else 0.0)
+        held.append((cost._bytes(t, step.rule.post), factor, position.get(kept[t][1], i)))
+    for c in step.comms:
+        if (
+            not c.free
+            and c.kind != "reshard"
+            and step.node in keepers.get(c.tensor, ())
+            and step.node not in checkpoints
+        ):
+            held.append((cost._bytes(c.tensor, c.dst, c.to_segment), 1.0, i))
+    for t, layout in step.sources:
+        if t in kept and not graph[t].is_param:
+            held.append((cost._bytes(t, layout), kept[t][0], position.get(kept[t][1], i)))
+    return [(nbytes.scale(factor), until) for nbytes, factor, until in held if factor]
 
 
 def _bucketed_grads(step: Step, cost: CostModel, machines: bool) -> list[tuple[float, bool, Affine]]:

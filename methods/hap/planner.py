@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.core.cluster import ClusterSpec
-from bench.core.errors import PlanningError
+from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, Workload
 from bench.core.plan_cache import load_plan, plan_key, save_plan
 from bench.core.program import Program
@@ -35,6 +35,7 @@ from bench.cost import (
     virtual_devices,
 )
 from methods.capture import Graph, capture_config
+from methods.common import MemoryTools
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
 from methods.hap.lowering import build_program
@@ -139,6 +140,12 @@ class HapPlanner:
         lr, grad_clip: the optimiser of mode=real (read by methods.hap.runtime).
         interpret: mode=real interprets the plan node by node at every step instead of running
             the fx module recorded from the first step (the reference; slower).
+        activation_checkpointing, grad_accumulation: the memory tools (methods.common.MemoryTools).
+            Checkpointed layer groups run in the rank's program as checkpointed sub-modules
+            (methods.hap.codegen), priced with their recompute. With k micro-steps the planner
+            plans one micro-step (global_batch / k samples, split by the same ratios) and the
+            iteration runs it k times, the replicated parameters' gradient buckets all-reduced
+            in the last (bench.core.program.micro_step_stages).
     """
 
     name: str = "hap"
@@ -160,8 +167,16 @@ class HapPlanner:
     lr: float = 5e-4  # Adam, for mode=real (methods.hap.runtime); not a planning option
     grad_clip: float = 0.0  # max global grad norm in mode=real; 0 = off
     interpret: bool = False  # mode=real: interpret every step (no recorded module); not a planning option
+    activation_checkpointing: bool = False
+    grad_accumulation: int = 1
 
     def __post_init__(self) -> None:
+        self.tools = MemoryTools(self.activation_checkpointing, self.grad_accumulation)
+        if self.activation_checkpointing and self.interpret:
+            raise ConfigError(
+                "method.activation_checkpointing=true needs the recorded program (its checkpoints are "
+                "sub-modules of it); set method.interpret=false"
+            )
         if not isinstance(self.num_segments, int) or self.num_segments < 1:
             raise ValueError(
                 f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
@@ -254,8 +269,14 @@ class HapPlanner:
 
     def _plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
+        k = self.grad_accumulation
+        self.tools.check_batch(workload.global_batch)
+        full_batch = workload.global_batch
+        workload = dataclasses.replace(workload, global_batch=full_batch // k)  # one micro-step
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=self.batch_norm)
         t_capture = time.perf_counter() - t0
+        units = self.tools.units(graph)
+        graph = graph.with_recompute([u.nodes for u in units])
         theory = derive_theory(graph, sfb=self.sfb, grouped=self.collective_choice, fuse_routing=self.fuse_routing)
         t_theory = time.perf_counter() - t0 - t_capture
         meta = {"method": self.name, "model": workload.name}
@@ -287,7 +308,8 @@ class HapPlanner:
         t_search, t_lp = stats["search_s"], stats["lp_s"]
         assert best is not None and best.result is not None
         gran = best.program.granularity
-        shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
+        micro_shares = _rank_shares(workload.global_batch, best.ratios[0], cluster, gran)
+        shares = [s * k for s in micro_shares]
         details = {
             "granularity": gran,
             "batch_norm": self.batch_norm,  # how the graph the steps name captured batch norm
@@ -312,6 +334,7 @@ class HapPlanner:
             "lp_time_s": t_lp,
             **step_fields(best.result, graph),
             "grad_sync": {"overlap": self.grad_overlap, "bucket_cap_bytes": bucket if self.grad_overlap else None},
+            "memory_tools": {**self.tools.details(units), "micro_batch_shares": micro_shares},
             "options": self.options(),
         }
         log.info(
@@ -409,7 +432,9 @@ class HapPlanner:
                 key = (granularity, tuple(r.steps))
                 program = built.get(key)
                 if program is None:  # its stages and memory are symbolic in the ratios: built once
-                    program = built[key] = build_program(r.steps, cost, meta, self.grad_overlap, bucket)
+                    program = built[key] = build_program(
+                        r.steps, cost, meta, self.grad_overlap, bucket, self.grad_accumulation
+                    )
                 kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
                 c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r)
                 rounds.append(

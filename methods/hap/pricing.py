@@ -124,7 +124,8 @@ class CostModel:
         ]
 
     def rule_parts(self, step_node: str, rule: Rule) -> tuple[Affine, Affine, list[Collective]]:
-        """(forward FLOPs, backward FLOPs, extra backward collectives for SFB) of a triple."""
+        """(forward FLOPs, backward FLOPs, extra backward collectives for SFB) of a triple; an
+        op an activation checkpoint recomputes runs its forward again in backward."""
         node = self.graph[step_node]
         seg = self.op_segment[step_node]
         f = node.flops
@@ -144,6 +145,8 @@ class CostModel:
                     "all_gather", Affine.sharded(float(node.nbytes), seg), "padded", label=f"d{node.name} (sfb)"
                 ),
             ]
+        if step_node in self.graph.recomputed:
+            bwd = bwd + fwd
         return fwd, bwd, extra
 
     def param_sync(self, step: Step) -> list[Collective]:
@@ -163,7 +166,9 @@ class CostModel:
 
     def stages(self, step: Step, param_sync: bool = True) -> tuple[Stage, Stage]:
         """(forward, backward) stage of a step; param_sync=False leaves out the gradient
-        all-reduce of replicated parameters (build_program buckets and overlaps them)."""
+        all-reduce of replicated parameters (build_program buckets and overlaps them). A step
+        an activation checkpoint recomputes issues its forward collectives again in backward
+        (the recompute runs the step as forward did: its FLOPs are rule_parts')."""
         fwd_flops, bwd_flops, sfb = self.rule_parts(step.node, step.rule)
         fwd_c = [g for t, lay in step.sources if (g := self.input_gather(t, lay)) is not None]
         bwd_c: list[Collective] = []
@@ -171,6 +176,8 @@ class CostModel:
             f, b = self.comm_collectives(c)
             fwd_c += f
             bwd_c += b
+        if step.node in self.graph.recomputed:
+            bwd_c = fwd_c + bwd_c
         bwd_c += sfb + (self.param_sync(step) if param_sync else [])
         label = step.describe()
         kind_f, kind_b = self.compute_kind(step.node)
@@ -236,6 +243,7 @@ class CostModel:
                 n.nbytes,
                 first,
                 any(self.graph[t].is_param for t in n.inputs),
+                node in self.graph.recomputed,
             )
         return (*sig, rule.sharded, rule.sfb)
 
@@ -262,13 +270,15 @@ class CostModel:
     def compute_kind(self, name: str) -> tuple[dict, dict]:
         """Stage fields that say how an op's compute is priced, (forward, backward): its op
         class and the kernels it launches (backward: input and weight gradients of an op with
-        parameters, one kernel otherwise; ops without FLOPs launch none)."""
+        parameters, one kernel otherwise, and its forward's again where an activation checkpoint
+        recomputes it; ops without FLOPs launch none)."""
         node = self.graph[name]
         cls = op_class(node.op)
         if not node.flops:
             return {"op_class": cls}, {"op_class": cls}
         has_params = any(self.graph[t].is_param for t in node.inputs)
-        return {"op_class": cls, "launches": 1.0}, {"op_class": cls, "launches": 2.0 if has_params else 1.0}
+        again = 1.0 if name in self.graph.recomputed else 0.0
+        return {"op_class": cls, "launches": 1.0}, {"op_class": cls, "launches": (2.0 if has_params else 1.0) + again}
 
     def input_gather(self, tensor: str, layout: Layout) -> Collective | None:
         """Each rank loads only its share of an input (batch dim 0); any other layout costs an

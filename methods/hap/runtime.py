@@ -8,6 +8,7 @@ plan (methods.hap.planner) and does not time iterations (bench.runtime.worker do
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from bench.core.program import bucket_runs
 from bench.core.shares import round_shares
 from bench.cost import virtual_devices
 from methods.capture import Graph, capture_config
+from methods.common import memory_tools_of, micro_batches, unit_nodes
 from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.codegen import (
     CodegenOptions,
@@ -78,6 +80,7 @@ class GradBuckets:
         ]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._pending: list[int] = []
+        self._started = False
         self._got: set[int] = set()  # parameters whose gradient backward produced this step
         self._works: list = []
         self._next = 0
@@ -85,24 +88,32 @@ class GradBuckets:
         for p in params:
             p.register_post_accumulate_grad_hook(self._ready)
 
-    def start(self) -> None:
-        """Before backward: zero the buckets and point every `.grad` into its bucket."""
+    def start(self, launch: bool = True) -> None:
+        """Before backward: zero the buckets and point every `.grad` into its bucket. Without
+        `launch`, backward accumulates into them and nothing is all-reduced until arm()
+        (gradient accumulation: the micro-steps before the last)."""
         for flat, bucket, views in zip(self.flats, self.buckets, self._views):
             flat.zero_()
             for p, view in zip(bucket, views):
                 p.grad = view
-        self._pending = [len(b) for b in self.buckets]
+        self._started = True
+        self._pending = [len(b) for b in self.buckets] if launch else []
         self._got = set()
         self._works = [None] * len(self.buckets)
         self._next = 0
         self._stage = [0] * len(self.buckets)  # machine-level: steps launched per bucket
         self._recv: list = [None] * len(self.buckets)
 
+    def arm(self) -> None:
+        """Before the backward whose gradients complete the buckets (the last micro-step's):
+        each bucket is launched once that backward has added all of its gradients."""
+        self._pending = [len(b) for b in self.buckets]
+
     def _ready(self, p: nn.Parameter) -> None:
-        if not self._pending:
+        if not self._started:
             return  # a backward outside step() (no bucket bookkeeping started)
         self._got.add(id(p))
-        if not self.overlap:
+        if not self.overlap or not self._pending:
             return
         self._pending[self._bucket_of[id(p)]] -= 1
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -164,6 +175,7 @@ class GradBuckets:
                 if id(p) not in self._got:
                     p.grad = None  # no gradient this step: Adam leaves it alone, as without buckets
         self._pending = []
+        self._started = False
 
 
 def _done(work, wait: bool) -> bool:
@@ -194,6 +206,9 @@ class HapTrainer:
         bucket_cap_mb: gradient all-reduce bucket of replicated parameters (MiB); 0 = one
             all-reduce per parameter; None = one bucket.
         grad_overlap: launch each bucket as soon as backward has produced it (else after).
+        micro_steps: gradient accumulation: the rank's batch is cut into this many micro-batches,
+            each run forward and backward through the program (planned for one), the buckets
+            all-reduced in the last backward only.
     """
 
     def __init__(
@@ -206,6 +221,7 @@ class HapTrainer:
         model: nn.Module | None = None,
         bucket_cap_mb: float | None = 25.0,
         grad_overlap: bool = True,
+        micro_steps: int = 1,
     ):
         if not lr > 0 or grad_clip < 0:
             raise ValueError(f"lr={lr!r} must be > 0 and grad_clip={grad_clip!r} >= 0")
@@ -238,16 +254,25 @@ class HapTrainer:
         # rank's, and held it would double what the cost model counts for it (measured on tiny
         # VGG19's classifier: results/cost-model/20261128-cpu-tensor-memory.md).
         self.model = model if mirror_full_state else None
+        self.micro_steps = micro_steps
         self.steps_done = 0
 
     def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.program(*batch)
-        self.emulator.stretch()  # forward compute since the last collective
-        if self.grad_sync is not None:
-            self.grad_sync.start()
-        (loss_sum * self.loss_scale).backward()
-        self.emulator.stretch()  # backward compute since the last collective
+        parts = micro_batches(batch, self.micro_steps)
+        losses = []
+        for i, part in enumerate(parts):
+            loss = self.program(*part)
+            self.emulator.stretch()  # forward compute since the last collective
+            if self.grad_sync is not None:
+                if i == 0:
+                    self.grad_sync.start(launch=len(parts) == 1)
+                elif i == len(parts) - 1:
+                    self.grad_sync.arm()
+            (loss * self.loss_scale).backward()
+            self.emulator.stretch()  # backward compute since the last collective
+            losses.append(loss.detach())
+        loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if self.grad_sync is not None:
             self.grad_sync.finish()
             self.emulator.mark()
@@ -337,6 +362,19 @@ def plan_machines(plan: Plan, cluster: ClusterSpec) -> list[list[int]] | None:
     return [list(v.ranks) for v in vdevs]
 
 
+def micro_step(plan: Plan, workload: Workload) -> tuple[Plan, Workload]:
+    """The plan and workload of one micro-step: with gradient accumulation (plan.details
+    memory_tools) the program is planned for global_batch / k samples, each rank's micro-batch
+    its share / k; without, the plan and workload themselves."""
+    _, k = memory_tools_of(plan.details)
+    if k == 1:
+        return plan, workload
+    shares = (plan.details or {})["memory_tools"]["micro_batch_shares"]
+    return dataclasses.replace(plan, batch_shares=list(shares)), dataclasses.replace(
+        workload, global_batch=workload.global_batch // k
+    )
+
+
 def plan_graph(
     plan: Plan,
     workload: Workload,
@@ -346,7 +384,9 @@ def plan_graph(
 ) -> Graph:
     """The reference graph of `workload`, after checking that `plan` fits it and `world_size`
     ranks (in `machines`, for a machine-level plan: plan_machines; PlanMismatchError
-    otherwise). Before starting workers, also check_machine_plan.
+    otherwise), with the plan's activation checkpoints (Graph.recompute). Before starting
+    workers, also check_machine_plan. With gradient accumulation, `plan` and `workload` are
+    one micro-step's (micro_step).
 
     `model`: the built model, for capture_config to trace where no graph is kept.
     """
@@ -360,7 +400,8 @@ def plan_graph(
         world_size,
         world_size if machines is None else len(machines),
     )
-    return graph
+    units, _ = memory_tools_of(plan.details)
+    return graph.with_recompute([u.nodes for u in unit_nodes(graph, units)])
 
 
 def check_machine_plan(plan: Plan, graph: Graph, machines: list[list[int]]) -> None:
@@ -406,7 +447,9 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
         methods.hap.codegen.PlanMismatchError: the plan was made for another model, batch or world size.
     """
     machine_ranks = plan_machines(plan, ctx.cluster)
-    graph = plan_graph(plan, ctx.workload, ctx.world_size, model, machine_ranks)
+    _, micro_steps = memory_tools_of(plan.details)
+    plan, workload = micro_step(plan, ctx.workload)
+    graph = plan_graph(plan, workload, ctx.world_size, model, machine_ranks)
     machines = None if machine_ranks is None else Machines.build(machine_ranks, ctx.rank)
     options = CodegenOptions(
         force_impl=getattr(planner, "force_impl", None),
@@ -415,7 +458,16 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
         compile=not getattr(planner, "interpret", False),
     )
     program = RankProgram(
-        graph, plan.details, plan.ratios, plan.batch_shares, model, ctx.rank, ctx.world_size, options, machines
+        graph,
+        plan.details,
+        plan.ratios,
+        plan.batch_shares,
+        model,
+        ctx.rank,
+        ctx.world_size,
+        options,
+        machines,
+        graph.recompute,
     )
     # The plan's gradient bucketing (what the simulator costed) wins over the method's options.
     sync = (plan.details or {}).get("grad_sync") or {}
@@ -433,6 +485,7 @@ def setup_trainer(planner, plan: Plan, model: nn.Module, ctx: RankContext) -> Ha
         model=model,
         bucket_cap_mb=cap_mb,
         grad_overlap=overlap,
+        micro_steps=micro_steps,
     )
 
 
@@ -460,9 +513,10 @@ class FixedPlanMethod:
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         # A mismatch fails here, before any worker starts.
         machines = plan_machines(self.plan_, cluster)
-        graph = plan_graph(self.plan_, workload, cluster.num_devices, machines=machines)
+        plan, workload = micro_step(self.plan_, workload)
+        graph = plan_graph(plan, workload, cluster.num_devices, machines=machines)
         if machines is not None:
-            check_machine_plan(self.plan_, graph, machines)
+            check_machine_plan(plan, graph, machines)
         return self.plan_
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> HapTrainer:

@@ -62,7 +62,7 @@ class RecordingTrainer:
         return loss
 
 
-def _case(cfg_factory, tmp_path, model, stage, global_batch):
+def _case(cfg_factory, tmp_path, model, stage, global_batch, *extra):
     cfg = cfg_factory(
         f"model={model}",
         "method=deepspeed",
@@ -71,6 +71,7 @@ def _case(cfg_factory, tmp_path, model, stage, global_batch):
         "warmup_iters=0",
         f"measured_iters={STEPS}",
         "method.engine_probe=false",
+        *extra,
     )  # these check training, not prices
     case = prepare_case(cfg, new_record(cfg))
     method = RecordingDeepSpeed.__new__(RecordingDeepSpeed)
@@ -112,6 +113,36 @@ def _reference(case):
 def test_zero_stage_trains_tiny_bert_exactly_like_single_device_adam(cfg_factory, tmp_path, stage):
     case = _case(cfg_factory, tmp_path, "bert", stage, global_batch=8)
     assert case.plan.batch_shares == [4, 4] and case.plan.details["zero_stage"] == stage
+    _check_like_single_device_adam(case, tmp_path)
+
+
+# The memory tools (methods.common.MemoryTools) under each ZeRO stage: torch's checkpoints on
+# the modules DeepSpeed trains (ZeRO-3 gathers a unit's parameters again for its recompute) and
+# DeepSpeed's own gradient_accumulation_steps, on tiny BERT and VGG19 (a checkpointed nn.Sequential).
+@pytest.mark.parametrize(
+    "stage,model,tools",
+    [
+        (0, "vgg19", ("method.activation_checkpointing=true",)),
+        (1, "bert", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+        (2, "bert", ("method.grad_accumulation=2",)),
+        (3, "bert", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+    ],
+)
+def test_zero_stage_with_memory_tools_trains_exactly_like_single_device_adam(
+    cfg_factory, tmp_path, stage, model, tools
+):
+    case = _case(cfg_factory, tmp_path, model, stage, 8, *tools)
+    k = 2 if "method.grad_accumulation=2" in tools else 1
+    config = case.plan.details["ds_config"]
+    assert case.plan.batch_shares == [4, 4] and config["train_micro_batch_size_per_gpu"] == 4 // k
+    assert config["gradient_accumulation_steps"] == k and config["train_batch_size"] == 8
+    assert bool(case.plan.details["memory_tools"]["checkpointed_groups"]) == (
+        "method.activation_checkpointing=true" in tools
+    )
+    _check_like_single_device_adam(case, tmp_path)
+
+
+def _check_like_single_device_adam(case, tmp_path):
     results = launch(case, 2, timeout_s=180)
     reference = _reference(case)
     smallest = {}  # per parameter element: the smallest |gradient| so far

@@ -1,4 +1,5 @@
-"""One DDP step with uneven shares on 2 emulated devices == one step on the whole batch."""
+"""One DDP step with uneven shares on 2 emulated devices == one step on the whole batch, also
+with the memory tools (activation checkpointing per layer group, gradient accumulation)."""
 
 import numpy as np
 import pytest
@@ -35,9 +36,32 @@ def _adam_step(case, grads):
 @pytest.mark.parametrize("method", ["dp_ev", "dp_cp"])
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factory, model, method):
-    cfg = cfg_factory(f"model={model}", f"method={method}", "global_batch=7", "warmup_iters=0", "measured_iters=1")
-    case = prepare_case(cfg, new_record(cfg))
+    case = _check_one_step(cfg_factory, f"model={model}", f"method={method}", "global_batch=7")
     assert len(set(case.plan.batch_shares)) == 2 and sum(case.plan.batch_shares) == 7
+
+
+# Every paper model with a tool or both; uneven shares (10 and 4 of 14) where dp_cp splits.
+MEMORY_TOOLS = [
+    ("dp_cp", "vgg19", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+    ("dp_cp", "vit", ("method.grad_accumulation=2",)),
+    ("dp_ev", "bert", ("method.activation_checkpointing=true",)),
+    ("dp_cp", "bert_moe", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+    # A Hugging Face decoder: its layers are the checkpoints, called with keyword arguments
+    ("dp_cp", "hf", ("model.arch=llama", "method.activation_checkpointing=true", "method.grad_accumulation=2")),
+]
+
+
+@pytest.mark.parametrize("method,model,tools", MEMORY_TOOLS)
+def test_one_dp_step_with_memory_tools_equals_single_device_training(cfg_factory, method, model, tools):
+    case = _check_one_step(cfg_factory, f"model={model}", f"method={method}", "global_batch=14", *tools)
+    memory = case.plan.details["memory_tools"]
+    assert bool(memory["checkpointed_groups"]) == ("method.activation_checkpointing=true" in tools)
+    assert memory["grad_accumulation"] == (2 if "method.grad_accumulation=2" in tools else 1)
+
+
+def _check_one_step(cfg_factory, *overrides):
+    cfg = cfg_factory(*overrides, "warmup_iters=0", "measured_iters=1")
+    case = prepare_case(cfg, new_record(cfg))
     case.return_state = True
     results = launch(case, 2, timeout_s=120)
 
@@ -71,3 +95,4 @@ def test_one_dp_step_with_uneven_shares_equals_single_device_training(cfg_factor
         np.testing.assert_allclose(
             np.asarray(results[0]["params"][name])[kept], ref.detach().numpy()[kept], rtol=1e-5, atol=1e-6, err_msg=name
         )
+    return case

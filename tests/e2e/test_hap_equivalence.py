@@ -140,14 +140,19 @@ def run_case(
 
 
 def check_equivalence(
-    workload: Workload, results: list[dict], lr: float = 5e-4, grad_clip: float = 0.0, reference=None
+    workload: Workload,
+    results: list[dict],
+    lr: float = 5e-4,
+    grad_clip: float = 0.0,
+    reference=None,
+    steps: int = STEPS,
 ) -> None:
     """`results` (rank 0 returning the reassembled state) against single-device training: the
     CPU's, or `reference` = single_device's (losses, grads, params[, floors]) computed elsewhere (a GPU)."""
-    reference = reference or single_device(workload, 0, STEPS, lr, grad_clip)
+    reference = reference or single_device(workload, 0, steps, lr, grad_clip)
     losses, grads, params = reference[:3]
     floors = reference[3] if len(reference) > 3 else {}
-    dist_losses = [sum(r["loss_sums"][i] for r in results) / workload.targets_per_iter for i in range(STEPS)]
+    dist_losses = [sum(r["loss_sums"][i] for r in results) / workload.targets_per_iter for i in range(steps)]
     np.testing.assert_allclose(dist_losses, losses, rtol=1e-5)
     got = results[0]["grads"]  # the last step's gradients, reassembled from every rank's shards
     assert set(got) == set(grads)
@@ -499,3 +504,103 @@ def test_a_reshard_between_equal_rows_is_no_op_in_the_program(monkeypatch):
         for c in reshards:
             fn = program._comm(c)[2]
             assert fn(x)[0] == "reshard" if moves else fn(x) is x, (rows, c)
+
+
+# The planner's own plans with the memory tools (methods.common.MemoryTools): checkpointed layer
+# groups run as checkpointed sub-modules of the recorded program (their collectives issued again
+# in backward), and with 2 micro-steps the program planned for 7 of the 14 samples runs twice,
+# the gradient buckets all-reduced in the second; per GPU on local_hetero2 and per machine on
+# local_2x2 (data parallel inside the machines, their gradient sums held to the last micro-step).
+# Two steps, as the DeepSpeed test: the second step's loss checks the first update. A third step's
+# gradients drift past the tolerance where the summation order differs from one device's (bert,
+# 2 micro-steps: 1.7e-5 of the largest gradient after three steps, 7e-6 after two, 1.5e-8 after
+# one): Adam turns elements whose gradient is fp32 noise into updates of up to lr.
+TOOL_STEPS = 2
+MEMORY_TOOL_CASES = [
+    pytest.param(
+        "vgg19", "local_hetero2", dict(activation_checkpointing=True, grad_accumulation=2), id="vgg19-ckpt-accum"
+    ),
+    pytest.param("vit", "local_hetero2", dict(activation_checkpointing=True), id="vit-ckpt"),
+    pytest.param("bert", "local_hetero2", dict(grad_accumulation=2), id="bert-accum"),
+    pytest.param(
+        "bert_moe",
+        "local_2x2",
+        dict(activation_checkpointing=True, grad_accumulation=2, levels="cluster"),
+        id="bert_moe-machines-ckpt-accum",
+    ),
+]
+
+
+@pytest.mark.parametrize("model,cluster_name,options", MEMORY_TOOL_CASES)
+def test_planned_program_with_memory_tools_trains_exactly_like_one_device(model, cluster_name, options):
+    from methods.hap.planner import HapPlanner
+
+    cluster = _conf_cluster(cluster_name)
+    workload = make_workload(model, cluster.num_devices, 14)
+    plan = HapPlanner(cache_dir=None, **options).plan(workload, cluster)
+    tools = plan.details["memory_tools"]
+    assert bool(tools["checkpointed_groups"]) == options.get("activation_checkpointing", False)
+    k = options.get("grad_accumulation", 1)
+    assert sum(plan.batch_shares) == 14 and plan.batch_shares == [k * s for s in tools["micro_batch_shares"]]
+    method = FixedPlanMethod(plan, mirror_full_state=True)
+    case = Case(
+        workload,
+        cluster,
+        method,
+        method.plan(workload, cluster),
+        seed=0,
+        warmup_iters=0,
+        measured_iters=TOOL_STEPS,
+        return_state=True,
+    )
+    results = launch(case, cluster.num_devices, timeout_s=180)
+    check_equivalence(workload, results, steps=TOOL_STEPS)
+
+
+@pytest.mark.parametrize("model", ["vgg19", "bert"])
+def test_a_checkpointed_program_runs_what_the_plain_program_runs_and_keeps_less(model):
+    """With activation checkpoints the recorded module runs each unit as a checkpointed
+    sub-module from the first step on: three Adam steps give bit-identical losses and
+    parameters to the plain program, and forward leaves alive for backward what the
+    checkpointed graph counts less (methods.capture.Graph.recompute)."""
+    from bench.runtime.tensor_memory import TensorBytes
+    from methods.common import checkpoint_units
+    from methods.hap.codegen import CodegenOptions, RankProgram, _Checkpointed
+
+    with _one_rank(model) as (workload, plan, graph, batch):
+        runs = []
+        for units in ([], checkpoint_units(graph)):
+            program = RankProgram(
+                graph,
+                plan.details,
+                plan.ratios,
+                plan.batch_shares,
+                workload.build(0),
+                0,
+                1,
+                CodegenOptions(),
+                checkpoints=[u.nodes for u in units],
+            )
+            optimizer = torch.optim.Adam(list(program.params.values()), lr=1e-3)
+            losses, kept = [], []
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                tensors = TensorBytes()
+                with tensors:
+                    before = tensors.live
+                    loss = program(*batch)
+                    kept.append(tensors.live - before)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            runs.append((program, losses, kept, {k: p.detach().clone() for k, p in program.params.items()}))
+    (plain, ref_losses, ref_kept, ref_params), (ckpt, losses, kept, params) = runs
+    assert not any(isinstance(m, _Checkpointed) for m in plain.module.modules())
+    assert sum(isinstance(m, _Checkpointed) for m in ckpt.module.modules()) == len(checkpoint_units(graph))
+    assert losses == ref_losses
+    for name, ref in ref_params.items():
+        assert torch.equal(params[name], ref), name
+    units = checkpoint_units(graph)
+    saved = graph.activation_bytes() - graph.with_recompute([u.nodes for u in units]).activation_bytes()
+    assert saved > 0 and max(kept) == min(kept) and max(ref_kept) == min(ref_kept)
+    assert ref_kept[0] - kept[0] == pytest.approx(saved, rel=0.02), (kept, ref_kept, saved)

@@ -108,3 +108,24 @@ def test_one_fsdp_step_with_uneven_shares_equals_single_device_training(cfg_fact
 
 def test_one_even_fsdp_step_equals_single_device_training(cfg_factory):
     _check_one_step(cfg_factory, "model=bert", "method=fsdp", "method.work_probe=false", "global_batch=8")
+
+
+# Each model with a memory tool or both (methods.common.MemoryTools): the checkpoints run inside
+# FSDP2's units (a block, VGG19's conv stages through their nn.Sequential), and every micro-step
+# gathers the units and reduce-scatters into the shards; uneven shares (10 and 4 of 14) for fsdp_cp.
+FSDP_MEMORY_TOOLS = [
+    ("fsdp_cp", "vgg19", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+    ("fsdp", "vit", ("method.activation_checkpointing=true",)),
+    ("fsdp_cp", "bert", ("method.grad_accumulation=2",)),
+    ("fsdp_cp", "bert_moe", ("method.activation_checkpointing=true", "method.grad_accumulation=2")),
+]
+
+
+@pytest.mark.parametrize("method,model,tools", FSDP_MEMORY_TOOLS)
+def test_one_fsdp_step_with_memory_tools_equals_single_device_training(cfg_factory, method, model, tools):
+    case = _check_one_step(
+        cfg_factory, f"model={model}", f"method={method}", "method.work_probe=false", "global_batch=14", *tools
+    )
+    memory = case.plan.details["memory_tools"]
+    assert bool(memory["checkpointed_groups"]) == ("method.activation_checkpointing=true" in tools)
+    assert memory["grad_accumulation"] == (2 if "method.grad_accumulation=2" in tools else 1)

@@ -93,6 +93,30 @@ def test_tiny_workloads_count_their_flops(model):
         (["data.source=cifar10"], "data.source"),
         (["+model.spec.num_layerz=3"], "num_layerz"),
         (["method.split=random"], "method.split='random' is invalid"),
+        (["method.grad_accumulation=0"], "method.grad_accumulation=0 is invalid; use an integer >= 1"),
+        (
+            ["method=fsdp", "method.activation_checkpointing=maybe"],
+            "method.activation_checkpointing='maybe' is invalid",
+        ),
+        (
+            ["method=dp_cp", "global_batch=7", "method.grad_accumulation=2"],
+            "method.grad_accumulation=2 cannot cut the ranks' batch shares (5, 2 samples) into 2 micro-batches of "
+            "whole samples each; use method.grad_accumulation=1",
+        ),
+        (
+            ["method=deepspeed", "mode=sim", "global_batch=12", "method.grad_accumulation=4"],
+            "method.grad_accumulation=4 cannot cut the ranks' batch shares (6 samples) into 4 micro-batches of "
+            "whole samples each; use method.grad_accumulation=1, 2, 3 or 6",
+        ),
+        (
+            ["method=hap", "mode=sim", "global_batch=15", "method.grad_accumulation=2"],
+            "method.grad_accumulation=2 does not divide global_batch=15 into micro-batches of whole samples; "
+            "use method.grad_accumulation=1, 3, 5 or 15",
+        ),
+        (
+            ["method=hap", "method.interpret=true", "method.activation_checkpointing=true"],
+            "method.activation_checkpointing=true needs the recorded program",
+        ),
         (["repeats=0"], "repeats=0 must be an integer >= 1; e.g. repeats=5"),
         (["repeats=-2"], "repeats=-2 must be an integer >= 1"),
         (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),

@@ -440,3 +440,61 @@ def test_ddp_peaks_before_its_gradients_exist_where_activations_dominate():
         2, 100, layers, acts_per_sample, backward_memory=backward, grads_before_backward=True
     )
     assert simulate(before, cluster, ratios).peak_mem_gib[0] == pytest.approx(2 + 4 + 2 + 5)
+
+
+def test_gradient_accumulation_repeats_the_work_at_a_micro_batch_and_syncs_gradients_once():
+    """k micro-steps (bench.core.program.micro_step_stages): the same FLOPs, every kernel launched
+    k times, the gradients all-reduced once (DDP's no_sync), activations of one micro-batch and
+    every gradient beside them from the second micro-step on."""
+    layers = [(1e9, 3e6, "matmul", 2), (2e9, 5e6, "matmul", 3), (4e9, 7e6, "other", 1)]
+    memory = ([(0, 3e6), (1, 5e6), (2, 7e6)], [(0, 8e6), (1, 8e6), (2, 8e6)])
+    one = data_parallel_program(2, 16, layers, 1.5e6, bucket_cap_bytes=6e6, backward_memory=memory)
+    four = data_parallel_program(2, 16, layers, 1.5e6, bucket_cap_bytes=6e6, backward_memory=memory, micro_steps=4)
+    ratios = even_ratios(2)
+    assert four.total_flops(ratios) == pytest.approx(one.total_flops(ratios))
+    assert sum(st.launches for st in four.stages) == pytest.approx(4 * sum(st.launches for st in one.stages))
+    synced = [c for st in four.stages for c in st.collectives]
+    assert synced == [c for st in one.stages for c in st.collectives] and all(c.grad for c in synced)
+    assert all(st.label.startswith("micro-step 3: ") for st in four.stages if st.collectives)
+    assert four.batch == 4 and four.memory.activations.at(ratios, 0) == pytest.approx(1.5e6 * 16 / 2 / 4)
+    (held, acts), *_ = four.memory.backward_points()
+    assert held.const == pytest.approx(15e6 * 4) and acts.at(ratios, 0) == pytest.approx(24e6 / 2 / 4)
+    cluster = make_cluster(fast=1, slow=1, inter_gbps=1.0)
+    slow_link = [simulate(p, cluster, ratios).iter_time_s for p in (one, four)]
+    assert slow_link[1] == pytest.approx(slow_link[0], rel=0.2)  # one sync: not 4 x the network
+    with pytest.raises(ValueError, match="micro_steps must divide global_batch"):
+        data_parallel_program(2, 15, layers, 1.5e6, micro_steps=4)
+
+
+def test_engines_that_reduce_every_micro_step_repeat_their_collectives():
+    stages = [
+        Stage((Collective("all_gather", Affine(1e6)),), Affine.sharded(1e9), label="fwd"),
+        Stage((Collective("all_reduce", Affine(2e6), grad=True),), Affine.sharded(2e9), overlap=True, label="bwd"),
+        Stage((Collective("all_reduce", Affine(3e6), grad=True),), overlap=True, label="tail"),
+    ]
+    from bench.core.program import micro_step_stages, without_grad_sync
+
+    quiet = without_grad_sync(stages)
+    assert [st.label for st in quiet] == ["fwd", "bwd"] and quiet[1].collectives == () and not quiet[1].overlap
+    every = micro_step_stages(stages, 3, sync_each=True)
+    assert len(every) == 9 and sum(len(st.collectives) for st in every) == 9
+    once = micro_step_stages(stages, 3)
+    assert len(once) == 2 + 2 + 3 and sum(len(st.collectives) for st in once) == 2 + 1 + 2
+    assert micro_step_stages(stages, 1) == tuple(stages)
+
+
+def test_an_emulated_workers_per_step_part_is_paid_once_per_micro_step():
+    """Its per-step part is mostly the dispatch of every op of forward and backward, which each
+    micro-step repeats (bench.cost.price.per_step_s); the program round-trips its micro-steps."""
+    cluster = ClusterSpec.from_config(
+        {
+            "name": "cpu2",
+            "machines": [{"count": 2, "device": "cpu", "num_devices": 1}],
+            "links": {lv: {"bandwidth_gbps": 8.0, "latency_s": 1e-4} for lv in ("intra_machine", "inter_machine")},
+        }
+    ).with_host_speed(1e10, 0.002)
+    layers = [(1e6, 3e6)] * 4
+    one, three = (data_parallel_program(2, 12, layers, 1e3, micro_steps=k) for k in (1, 3))
+    ratios = even_ratios(2)
+    assert simulate(three, cluster, ratios).per_step_s == pytest.approx(3 * simulate(one, cluster, ratios).per_step_s)
+    assert Program.from_json(three.dumps()) == three and three.micro_steps == 3
