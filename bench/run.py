@@ -30,7 +30,7 @@ from bench.runner.configs import (
     record_sources,
     take_config_dirs,
 )
-from bench.runner.execute import failed_cases, run_case
+from bench.runner.execute import failed_cases, record_refused, run_case
 from bench.runner.rounds import run_rounds
 from bench.runner.settings import as_settings
 from bench.runner.torchrun import run_across_nodes, run_under_torchrun
@@ -45,10 +45,10 @@ def main(cfg: DictConfig) -> None:
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         settings = as_settings(cfg)
-    except ConfigError:  # the case fails with its row and one line (rank 0's alone under torchrun)
+    except ConfigError as refused:  # the case fails with its row and one line (rank 0's alone under torchrun)
         if not torchrun or os.environ.get("RANK", "0") == "0":
             try:
-                run_case(cfg)
+                record_refused(cfg, refused)
             except ConfigError as exc:  # a config that does not even resolve: one line, no row
                 print(f"error: {exc}", file=sys.stderr)
                 failed_cases.append("config")

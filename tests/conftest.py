@@ -9,6 +9,7 @@ import pytest
 from hydra import compose
 
 from bench.runner.configs import initialize_configs
+from bench.runner.settings import as_settings
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,10 +59,22 @@ def compose_config(*overrides: str, results_dir=None):
         return compose("config", overrides=extra + list(overrides))
 
 
+def compose_settings(*overrides: str, results_dir=None):
+    """compose_config read into Settings, as the runner's functions take it."""
+    return as_settings(compose_config(*overrides, results_dir=results_dir))
+
+
 @pytest.fixture
-def cfg_factory(tmp_path):
-    """compose_config with results under this test's tmp_path."""
+def config_factory(tmp_path):
+    """compose_config with results under this test's tmp_path: the config as composed, for what
+    reads it into Settings itself (bench.runner.execute.run_config: a refused value is a row)."""
     return lambda *overrides: compose_config(*overrides, results_dir=str(tmp_path / "runs"))
+
+
+@pytest.fixture
+def cfg_factory(config_factory):
+    """config_factory's config read into Settings, as the runner's functions take it."""
+    return lambda *overrides: as_settings(config_factory(*overrides))
 
 
 class InfeasibleMethod:

@@ -29,7 +29,7 @@ from bench.records.rows import (
     fingerprint,
 )
 from bench.runner.configs import hydra_job, instantiate_plugin
-from bench.runner.settings import Settings, as_settings, emulation_settings, recorded_config
+from bench.runner.settings import Settings, emulation_settings, recorded_config
 from bench.runtime.emulation import EmulationSettings
 from bench.runtime.hostlinks import host_floor
 from bench.runtime.hostspeed import measure_host_speed, split_step
@@ -47,8 +47,7 @@ _unrecorded_warned: set[str] = set()
 
 
 def build_workload(cfg: Settings, cluster: ClusterSpec) -> Workload:
-    settings = as_settings(cfg)
-    return workload_from(settings, *check_workload(settings, cluster))
+    return workload_from(cfg, *check_workload(cfg, cluster))
 
 
 def check_workload(settings: Settings, cluster: ClusterSpec) -> tuple[object, int, dict]:
@@ -140,9 +139,9 @@ def check_hardware(cluster: ClusterSpec, world_size: int | None) -> None:
     )
 
 
-def new_record(cfg: Settings) -> RunRecord:
-    """The case's row, failed until it ends well, from its config as composed (which may still
-    be refused: the row then says why)."""
+def new_record(cfg) -> RunRecord:
+    """The case's row, failed until it ends well, from its Settings or its config as composed
+    (one Settings refused: the row then says why, bench.runner.execute.record_refused)."""
     config = copy.deepcopy(recorded_config(cfg))
     sweep_id, output_dir = hydra_job()
     return RunRecord(
@@ -169,7 +168,6 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
     `launching`: this process launches the case's workers next (bench.runtime.launch.launch); when they
     fork from a server on the CPU, it starts here, as soon as the case is valid, so that its
     seconds of imports overlap the FLOP count (start_server)."""
-    cfg = as_settings(cfg)
     cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
     record.cluster_hash = cluster.fingerprint()
     record.num_devices = cluster.num_devices

@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -79,12 +80,12 @@ def write_record(cfg: Settings, record: RunRecord, track: bool = True) -> None:
         failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
 
 
-def expect_cases(configs) -> None:
+def expect_cases(configs: Iterable[Settings]) -> None:
     """Before a series of cases in this process (a comparison's methods, the regression check's
     rounds, a calibration): the server their CPU workers fork from, started by the first case,
     preloads what every case's method imports in its workers (bench.runtime.launch.expect_modules), not
     the first's alone. (A model's module is small: each worker imports its own.)"""
-    expect_methods(as_settings(cfg).method_target for cfg in configs)
+    expect_methods(cfg.method_target for cfg in configs)
 
 
 def expect_methods(targets) -> None:
@@ -98,13 +99,32 @@ def expect_methods(targets) -> None:
         expect_modules(*method_modules(target))
 
 
+def run_config(config) -> RunRecord:
+    """A composed config (the edge where a DictConfig becomes Settings) run to its row: a value
+    Settings refuses fails the case with its row and one line; the rest is run_case's."""
+    try:
+        settings = as_settings(config)
+    except ConfigError as exc:
+        return record_refused(config, exc)
+    return run_case(settings)
+
+
+def record_refused(config, exc: ConfigError) -> RunRecord:
+    """The failed row of a config refused before anything ran, and its one line (the config
+    as composed: what could not be read into Settings is recorded as given)."""
+    record = new_record(config)
+    record.error = str(exc)
+    print(f"error: {exc}", file=sys.stderr)
+    write_record(config, record, track=False)
+    return record
+
+
 def run_case(cfg: Settings, repeat: int | None = None, sweep_id: str | None = None) -> RunRecord:
     """Run one case and append its row (ok or not). Never raises for a failed case.
 
-    `cfg` is checked Settings, or a config as composed: read into Settings here, where a refused
-    value fails the case with its row. `repeat` marks the row as one round of a repeated
-    comparison (bench.compare aggregates); a comparison's rounds run through CaseRunner, which
-    keeps the case's preparation and workers from one round to the next.
+    `repeat` marks the row as one round of a repeated comparison (bench.compare aggregates); a
+    comparison's rounds run through CaseRunner, which keeps the case's preparation and workers
+    from one round to the next.
     """
     with CaseRunner(cfg, sweep_id) as runner:
         return runner.run(repeat)
@@ -142,13 +162,6 @@ class CaseRunner:
         false: a comparison mirrors its rounds together), returned; never raises for a failed case."""
         cfg = self.cfg
         record = self._row()
-        try:
-            cfg = as_settings(cfg)
-        except ConfigError as exc:
-            record.error = str(exc)
-            print(f"error: {exc}", file=sys.stderr)
-            write_record(cfg, record, track=False)
-            return record
         if repeat is not None:
             record.row_kind, record.repeat, record.repeats = "repeat", repeat, cfg.repeats
         done = finished_record(results_file(cfg), record.case_key) if cfg.resume and repeat is None else None

@@ -22,14 +22,13 @@ from bench.records.table import BASELINE
 from bench.records.tracking import track_rounds
 from bench.runner.configs import results_file
 from bench.runner.execute import CaseRunner, fill_rates, make_trackers, write_record
-from bench.runner.settings import Settings, as_settings
+from bench.runner.settings import Settings
 from bench.runtime.emulation import emulated_compute_s, links_ok
 
 
 def run_rounds(configs: dict[str, Settings], repeats: int) -> list[RunRecord]:
     """`repeats` interleaved rounds over the methods, then one aggregate row per method."""
     sweep_id = uuid.uuid4().hex[:12]
-    configs = {m: as_settings(cfg) for m, cfg in configs.items()}
     done = {}
     for m, cfg in configs.items():  # resume=true: a method whose aggregate is recorded is done
         key = case_key(cfg.config)

@@ -183,10 +183,10 @@ def recorded_config(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in config.items() if not (k in _UNSET_KEYS and v is None)}
 
 
-def emulation_settings(cfg: Any, num_ranks: int) -> EmulationSettings:
+def emulation_settings(cfg: Settings, num_ranks: int) -> EmulationSettings:
     """The `emulation` options for `num_ranks` ranks on this host: headroom=auto resolved, and
     real-time gloo threads refused where the ranks outnumber the cores."""
-    options = as_settings(cfg).emulation
+    options = cfg.emulation
     headroom = options.headroom
     if headroom == "auto":
         headroom = EmulationSettings.auto_headroom(num_ranks)

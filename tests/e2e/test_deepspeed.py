@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from bench.core.cluster import ClusterSpec
 from bench.records.rows import load_records
 from bench.runner.case import build_workload, new_record, prepare_case
-from bench.runner.configs import compose_config
+from bench.runner.configs import compose_settings
 from bench.runtime.launch import launch
 from methods.ds_zero import DeepSpeedZeRO
 
@@ -229,8 +228,8 @@ def test_an_engine_probe_that_fails_is_a_warning_and_no_price(caplog):
     pytest.importorskip("deepspeed")
     from methods.ds_zero import engine_work
 
-    cfg = compose_config("model=bert", "cluster=local_hetero2", "method=deepspeed")
-    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    cfg = compose_settings("model=bert", "cluster=local_hetero2", "method=deepspeed")
+    cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
     workload = build_workload(cfg, cluster)
     method = DeepSpeedZeRO(engine_probe=False)
     plan = method.plan(workload, cluster)

@@ -272,7 +272,7 @@ _SERVERS = """
 import os, sys
 from pathlib import Path
 import multiprocessing
-from bench.runner.configs import compose_config
+from bench.runner.configs import compose_settings
 from bench.runner.execute import expect_cases
 from bench.runner.case import new_record, prepare_case
 
@@ -287,10 +287,10 @@ def servers():  # this process's children that run multiprocessing's fork server
     return found
 
 if __name__ == "__main__":
-    cfg = compose_config("wandb.mode=disabled", f"results_dir={sys.argv[1]}")
+    cfg = compose_settings("wandb.mode=disabled", f"results_dir={sys.argv[1]}")
     prepare_case(cfg, new_record(cfg))  # as bench.plan does: nothing to launch
     print(servers())
-    expect_cases([compose_config("method=deepspeed")])  # as bench.compare does for later cases
+    expect_cases([compose_settings("method=deepspeed")])  # as bench.compare does for later cases
     prepare_case(cfg, new_record(cfg), launching=True)  # as the runner does before it launches
     print(servers())
     # a process forked from the server finds what the later case's workers import already there

@@ -12,7 +12,8 @@ from bench.cost.flops import train_flops_per_sample
 from bench.records.rows import load_records
 from bench.runner.case import build_workload
 from bench.runner.configs import group_options
-from bench.runner.execute import run_case
+from bench.runner.execute import run_case, run_config
+from bench.runner.settings import as_settings
 from tests.conftest import compose_config
 
 # What a model option needs on the command line besides its defaults (model=custom names its
@@ -52,7 +53,7 @@ def test_paper_preset_trains_64_samples_per_gpu_32_for_bert_moe(model):
     cfg = compose_config(*_model(model), "preset=paper", "cluster=paper_hetero", *QUICK_PAPER.get(model, []))
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     per_gpu = 32 if model == "bert_moe" else 64  # HAP Sec. 7.1
-    assert build_workload(cfg, cluster).global_batch == per_gpu * cluster.num_devices
+    assert build_workload(as_settings(cfg), cluster).global_batch == per_gpu * cluster.num_devices
     cfg = compose_config(*_model(model), "preset=paper", "preset.batch_per_device=16")
     assert cfg.preset.batch_per_device == 16  # the command line still overrides it
     assert compose_config(*_model(model)).preset.batch_per_device == 8  # tiny is unchanged
@@ -62,7 +63,7 @@ def test_paper_preset_trains_64_samples_per_gpu_32_for_bert_moe(model):
 def test_tiny_workloads_count_their_flops(model):
     cfg = compose_config(*_model(model))
     cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    workload = build_workload(cfg, cluster)
+    workload = build_workload(as_settings(cfg), cluster)
     assert workload.global_batch == cfg.preset.batch_per_device * 2
     assert workload.flops_per_sample > 0
     # counted once per process for equal configs; any field that differs is counted anew
@@ -137,9 +138,9 @@ def test_tiny_workloads_count_their_flops(model):
         ),
     ],
 )
-def test_bad_input_is_one_line_and_records_no_ok_row(cfg_factory, capsys, overrides, needle):
-    cfg = cfg_factory(*overrides)
-    record = run_case(cfg)
+def test_bad_input_is_one_line_and_records_no_ok_row(config_factory, capsys, overrides, needle):
+    cfg = config_factory(*overrides)
+    record = run_config(cfg)
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and needle in record.error
     assert err.startswith("error: ") and "\n" not in err and needle in err

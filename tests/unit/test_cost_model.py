@@ -199,10 +199,10 @@ def test_switching_a_part_off_never_makes_hap_faster(model, k, overrides):
 def baseline_time(model: str, k: int, method: str) -> tuple[bool, float]:
     """(OOM, simulated seconds) of a baseline's plan at paper scale, as bench.run mode=sim prices it."""
     from bench.runner.case import new_record, prepare_case
-    from tests.conftest import compose_config
+    from tests.conftest import compose_settings
 
     no_cache = ["method.cache_dir=null"] if method == "sfb" else []  # the planners' plan cache: not written
-    cfg = compose_config(
+    cfg = compose_settings(
         "mode=sim",
         "preset=paper",
         "cluster=paper_hetero",

@@ -187,13 +187,13 @@ class _RefusedWorkers:
         (["+cluster.device=gpu"], "cluster.device='gpu' is invalid; use cpu"),
     ],
 )
-def test_bad_precision_or_device_is_one_line_before_any_worker(cfg_factory, capsys, monkeypatch, overrides, needle):
+def test_bad_precision_or_device_is_one_line_before_any_worker(config_factory, capsys, monkeypatch, overrides, needle):
     monkeypatch.setattr(runner, "CaseWorkers", _RefusedWorkers)
-    record = runner.run_case(cfg_factory(*overrides))
+    record = runner.run_config(config_factory(*overrides))
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and needle in record.error
     assert err.startswith("error: ") and needle in err and "\n" not in err
-    assert [r["status"] for r in load_records(results_file(cfg_factory()))] == ["failed"]
+    assert [r["status"] for r in load_records(results_file(config_factory()))] == ["failed"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")

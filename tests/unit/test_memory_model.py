@@ -17,6 +17,7 @@ import torch
 from bench.core.cluster import ClusterSpec
 from bench.core.program import Affine, backward_sweep
 from bench.runner.case import build_workload
+from bench.runner.settings import as_settings
 from bench.runtime.tensor_memory import TensorBytes
 from methods.capture import capture
 from tests.conftest import compose_config
@@ -27,7 +28,7 @@ BATCH = 6
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_forward_keeps_and_backward_peaks_as_the_graph_counts(model):
     cfg = compose_config(f"model={model}")
-    workload = build_workload(cfg, ClusterSpec.from_config(cfg.cluster))
+    workload = build_workload(as_settings(cfg), ClusterSpec.from_config(cfg.cluster))
     tensors = TensorBytes()
     with tensors:
         module = workload.build(0)
@@ -80,7 +81,7 @@ def test_checkpointed_groups_keep_and_peak_as_the_graph_counts(model):
     from methods.common import apply_checkpointing, checkpoint_units
 
     cfg = compose_config(f"model={model}")
-    workload = build_workload(cfg, ClusterSpec.from_config(cfg.cluster))
+    workload = build_workload(as_settings(cfg), ClusterSpec.from_config(cfg.cluster))
     tensors = TensorBytes()
     with tensors:
         module = workload.build(0)

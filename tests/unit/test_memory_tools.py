@@ -12,7 +12,7 @@ from bench.cost import simulate
 from bench.runner.case import new_record, prepare_case
 from methods.capture import capture_config
 from methods.common import checkpoint_units
-from tests.conftest import compose_config
+from tests.conftest import compose_settings
 
 METHODS = {
     "dp_ev": (),
@@ -23,7 +23,7 @@ METHODS = {
 
 
 def _plan(tmp_path, method, *tools):
-    cfg = compose_config(
+    cfg = compose_settings(
         "model=bert",
         f"method={method}",
         "mode=sim",

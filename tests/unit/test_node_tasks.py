@@ -12,8 +12,8 @@ from bench.core.errors import ConfigError
 from bench.runtime.multinode import NodeTask, current_task, devices_per_node, torchrun_command
 
 
-def _cluster(cfg_factory, name: str, *overrides: str) -> ClusterSpec:
-    cfg = cfg_factory(f"cluster={name}", *overrides)
+def _cluster(config_factory, name: str, *overrides: str) -> ClusterSpec:
+    cfg = config_factory(f"cluster={name}", *overrides)
     return ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
 
 
@@ -22,15 +22,15 @@ def _task(rank=0, num_tasks=8, num_nodes=8, local=False) -> NodeTask:
     return NodeTask(rank, num_tasks, num_nodes, hosts, job_id="4242", local=local)
 
 
-def test_task_i_runs_machine_i_of_a_heterogeneous_cluster(cfg_factory):
-    cluster = _cluster(cfg_factory, "paper_hetero", "cluster.gpus_per_machine=4")
+def test_task_i_runs_machine_i_of_a_heterogeneous_cluster(config_factory):
+    cluster = _cluster(config_factory, "paper_hetero", "cluster.gpus_per_machine=4")
     assert devices_per_node(_task(), cluster) == [4] * 8
-    mixed = _cluster(cfg_factory, "paper_hetero", "cluster.machines.1.num_devices=2")
+    mixed = _cluster(config_factory, "paper_hetero", "cluster.machines.1.num_devices=2")
     assert devices_per_node(_task(), mixed) == [8, 8] + [2] * 6
 
 
-def test_tasks_must_match_machines_and_gpu_nodes_take_one_task_each(cfg_factory):
-    cluster = _cluster(cfg_factory, "paper_hetero")
+def test_tasks_must_match_machines_and_gpu_nodes_take_one_task_each(config_factory):
+    cluster = _cluster(config_factory, "paper_hetero")
     with pytest.raises(
         ConfigError,
         match=r"4 tasks but cluster=paper_hetero has 8 machines.*"
@@ -43,7 +43,7 @@ def test_tasks_must_match_machines_and_gpu_nodes_take_one_task_each(cfg_factory)
         r"hydra.launcher.tasks_per_node=1 and hydra.launcher.nodes=8",
     ):
         devices_per_node(_task(num_tasks=8, num_nodes=4), cluster)
-    emulated = _cluster(cfg_factory, "local_hetero2")  # emulated: tasks may share a host
+    emulated = _cluster(config_factory, "local_hetero2")  # emulated: tasks may share a host
     assert devices_per_node(_task(num_tasks=2, num_nodes=1), emulated) == [1, 1]
 
 

@@ -152,7 +152,7 @@ def test_a_case_at_another_precision_than_its_clusters_profile_is_a_failed_row_o
 
     from bench.records.rows import load_records
     from bench.runner.configs import results_file
-    from bench.runner.execute import run_case
+    from bench.runner.execute import run_config
     from tests.conftest import compose_config
 
     cfg = compose_config("mode=sim", "precision=bf16", "cluster=h100x1", results_dir=str(tmp_path / "runs"))
@@ -166,7 +166,7 @@ def test_a_case_at_another_precision_than_its_clusters_profile_is_a_failed_row_o
             }
         }
         cfg.cluster.machines[0].device = "MyGPU"
-    row = run_case(cfg)
+    row = run_config(cfg)
     assert row.status == "failed" and "\n" not in row.error and "was measured at precision=fp32" in row.error
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {row.error}"]

@@ -30,7 +30,7 @@ from bench.records.tracking import (
 from bench.runner.configs import check_group_choices
 from bench.runner.execute import fill_metrics, make_trackers, run_case
 from bench.runner.sweep import SweepSummary
-from tests.conftest import compose_config
+from tests.conftest import compose_config, compose_settings
 from tests.unit.wandb_offline import read_run
 
 REPO = CONF_DIR.parent
@@ -202,7 +202,7 @@ def test_wandb_offline_run_holds_steps_summary_and_artifacts(tmp_path, monkeypat
 
 def test_wandb_mode_disabled_and_logger_none_log_nothing(tmp_path):
     for overrides in (["wandb.mode=disabled"], ["logger=none", "wandb.mode=offline"]):
-        cfg = compose_config(*SIM, *overrides, results_dir=str(tmp_path))
+        cfg = compose_settings(*SIM, *overrides, results_dir=str(tmp_path))
         assert run_case(cfg).status == "ok"
         assert not (tmp_path / "wandb").exists()
         assert all(not isinstance(t, WandbLogger) or t.mode == "disabled" for t in make_trackers(cfg))
@@ -212,7 +212,7 @@ def test_wandb_mode_disabled_and_logger_none_log_nothing(tmp_path):
 def test_several_loggers_at_once(tmp_path, monkeypatch):
     pytest.importorskip("tensorboardX")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose_config(*SIM, "logger=[wandb,csv,tensorboard]", "wandb.mode=offline", results_dir=str(tmp_path))
+    cfg = compose_settings(*SIM, "logger=[wandb,csv,tensorboard]", "wandb.mode=offline", results_dir=str(tmp_path))
     assert [type(t).__name__ for t in make_trackers(cfg)] == ["WandbLogger", "CsvLogger", "TensorBoardLogger"]
     record = run_case(cfg)
     assert record.status == "ok"
