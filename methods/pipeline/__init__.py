@@ -221,16 +221,22 @@ class PipelineParallel:
             raise ConfigError(
                 refusals[0] if refusals else f"{workload.name} cannot be pipelined on cluster={cluster.name}"
             )
-        best, over = None, []
+        best, over, refused = None, [], []
         for schedule in dict.fromkeys(c.schedule for c in found):
             ranked = sorted((c for c in found if c.schedule == schedule), key=lambda c: c.estimate_s)
-            for c in ranked[:SIMULATED]:
+            priced = 0
+            for c in ranked[: 3 * SIMULATED]:  # past those that do not fit, SIMULATED that do
                 try:  # torch's own lowering of the schedule, which may refuse it (its last check)
                     traces = tuple(
                         trace_schedule(c.schedule, c.layout.num_stages, c.m, r, c.stages_per_rank)
                         for r in range(c.layout.num_stages)
                     )
-                except ScheduleRefused:
+                except ScheduleRefused as exc:
+                    refused.append(
+                        f"method.schedule={c.schedule} does not run {c.m} micro-batches on {c.layout.num_stages} "
+                        f"ranks a pipeline, {c.stages_per_rank} stage(s) each (torch: {exc}); try another "
+                        "method.num_micro_batches or method.schedule"
+                    )
                     continue
                 program = self._program(c, traces, table, costs, workload, cluster, model_launches)
                 sim = simulate_pipeline(program, cluster)
@@ -239,6 +245,11 @@ class PipelineParallel:
                     continue
                 if best is None or sim.iter_time_s < best[0]:
                     best = (sim.iter_time_s, c, program)
+                priced += 1
+                if priced == SIMULATED:
+                    break
+        if best is None and not over:
+            raise ConfigError(refused[0])
         if best is None:
             _, c, sim = min(over, key=lambda x: x[0])
             rank = sim.oom_devices[0]
