@@ -18,10 +18,11 @@ replays the actions rank by rank, as the ranks would run them:
     its layer groups took on this host at the micro-batch (methods.pipeline's profile), scaled by
     the host's plain step then and now (measured_scale) and over the device's speed; without
     such a profile a micro-batch also pays its kernels' share of the per-step part of a plain
-    step (`model_launches`). A zero-bubble schedule's backward for the input takes the part of
-    the stage's backward that is not the weights' gradient (StageWork.weight_share), its
-    backward for the weights the rest; on a pipeline's first stage torch runs the whole
-    backward as the weights' (its input needs no gradient);
+    step (`model_launches`). A zero-bubble schedule's backward for the input and for the
+    weights take torch's two passes as timed on the host where the groups were
+    (StageWork.measured_split), else the part of the stage's backward that is not the weights'
+    gradient and that part (StageWork.weight_share); on a pipeline's first stage torch runs the
+    whole backward as the weights' (its input needs no gradient);
   - a send occupies the sender's link from when it is posted (or the link frees) for the
     alpha-beta time of the link the two ranks span (bench.cost.links), never less than the
     host transport's floor for a point-to-point transfer; a receive completes when that
@@ -90,6 +91,9 @@ class StageWork:
     # parameter-reading op's half of its backward FLOPs (x @ w: dx and dw alike), over the
     # stage's backward FLOPs
     weight_share: float = 0.5
+    # Where timed on the host: (input, weights) seconds of torch's two zero-bubble passes
+    # (they cost more than one backward on a CPU), scaled as `measured`
+    measured_split: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -356,8 +360,11 @@ def action_times(
         row = []
         for p, (r, w) in enumerate(zip(st.ranks, st.work)):
             v, dev = vdevs[r], cluster.devices[r]
+            split = None
             if w.measured is not None:
                 fwd, bwd = w.measured[0] * scales[p] / dev.speed, w.measured[1] * scales[p] / dev.speed
+                if w.measured_split is not None:
+                    split = tuple(x * scales[p] / dev.speed for x in w.measured_split)
             else:
                 # The per-step part of a plain step, spread over the model's kernels (emulated workers).
                 per_kernel = dev.step_overhead_s / program.model_launches if program.model_launches else 0.0
@@ -365,6 +372,8 @@ def action_times(
                 bwd = float(sum(device_compute(s, cluster, v, alg) for s in w.backward) + per_kernel * w.launches[1])
             if k == 0:  # torch's input backward on a first stage does nothing; its weights' does all
                 row.append(StageTimes(fwd, bwd, 0.0, bwd))
+            elif split is not None:
+                row.append(StageTimes(fwd, bwd, *split))
             else:
                 row.append(StageTimes(fwd, bwd, bwd * (1.0 - w.weight_share), bwd * w.weight_share))
         out.append(row)

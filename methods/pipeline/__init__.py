@@ -404,6 +404,7 @@ class PipelineParallel:
                         send_bytes=0.0 if k == K - 1 else mb * groups[-1].out_bytes,
                         measured=costs.measured(first, end, mb),
                         weight_share=costs.weight_share(first, end),
+                        measured_split=costs.measured_split(first, end, mb),
                     )
                 )
             stages.append(

@@ -299,6 +299,14 @@ class _Costs:
             return None
         return tuple(float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
 
+    def measured_split(self, first: int, end: int, mb: int) -> tuple[float, float] | None:
+        """(input, weights) seconds of torch's zero-bubble backward of groups [first, end) at `mb`
+        samples, summed over the groups, where timed on this host (group_profile), else None."""
+        prof = self.profile_at(mb)
+        if prof is None:
+            return None
+        return tuple(float(sum(prof[k][first:end])) for k in ("input_backward", "weight_backward"))
+
     def scale(self, mb: int) -> float:
         """The host's plain step at `mb` as the cluster's speed prices it over the profile's."""
         prof = self.profile_at(mb)
