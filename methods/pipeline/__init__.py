@@ -138,6 +138,8 @@ class PipelineParallel:
         shares: "priced" (each pipeline's batch in proportion to its priced speed) or "equal".
         alike: what alike hardware is kept together in (planning.layouts): "stage" (a stage's
             replicas), "pipeline" (a pipeline's ranks, its replicas unlike) or "auto" (both).
+        activation_checkpointing: each layer group of a stage under torch.utils.checkpoint (its
+            activations recomputed in backward: more compute, a smaller activation peak).
         bucket_cap_mb: the gradient bucket a rank's replicas all-reduce at a time (MiB).
         lr: Adam's learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
@@ -158,6 +160,7 @@ class PipelineParallel:
         stages_per_rank="auto",
         shares: str = "priced",
         alike: str = "auto",
+        activation_checkpointing: bool = False,
         bucket_cap_mb: float = 25.0,
         lr: float = 5e-4,
         grad_clip: float = 0.0,
@@ -190,6 +193,7 @@ class PipelineParallel:
         self.stages_per_rank = stages_per_rank
         self.shares = shares
         self.alike = alike
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.bucket_cap_mb = bucket_cap_mb
         self.lr = lr
         self.grad_clip = grad_clip
@@ -210,6 +214,7 @@ class PipelineParallel:
             (lambda mb: group_profile(workload, mb)) if profiled else None,
             workload.flops_per_sample,
             self.bucket_cap_mb * 2**20,
+            self.activation_checkpointing,
         )
         found: list[_Candidate] = []
         oom: list[tuple[float, str]] = []
@@ -468,6 +473,7 @@ class PipelineParallel:
             "num_pipelines": D,
             "num_micro_batches": c.m,
             "shares": self.shares,
+            "activation_checkpointing": self.activation_checkpointing,
             "micro_batches": list(c.micro_batches),
             "pipeline_batches": batches,
             "stages": [

@@ -217,7 +217,12 @@ class _Costs:
 
     `profile`: on an emulated CPU cluster, the layer groups' measured seconds at a micro-batch
     size (group_profile, measured on first use); a stage is then priced at those, scaled by the
-    host's plain step now over the profile's (bench.cost.pipeline.measured_scale)."""
+    host's plain step now over the profile's (bench.cost.pipeline.measured_scale).
+
+    `checkpointing`: each layer group under activation checkpointing (cut.CheckpointedStage): a
+    stage's backward also runs its forward again (the recompute: its FLOPs and kernels, or its
+    measured forward, in the backward's price and in zero-bubble's input pass, the first to
+    reach the saved tensors), and it keeps only its groups' inputs between its passes."""
 
     graph: Graph
     table: GroupTable
@@ -226,6 +231,7 @@ class _Costs:
     profile: Callable[[int], dict] | None = None
     flops_per_sample: float = 0.0
     bucket_bytes: float = 25 * 2**20  # the gradient bucket replicas all-reduce at a time
+    checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
@@ -257,8 +263,10 @@ class _Costs:
         return out
 
     def weight_share(self, first: int, end: int) -> float:
-        """The part of groups [first, end)'s backward that makes the weights' gradients."""
-        total = sum(g.bwd_flops for g in self.table.span(first, end))
+        """The part of groups [first, end)'s backward (the recompute included) that makes the
+        weights' gradients."""
+        groups = self.table.span(first, end)
+        total = sum(g.bwd_flops + (g.fwd_flops if self.checkpointing else 0.0) for g in groups)
         return sum(self._weight[first:end]) / total if total else 0.5
 
     def profile_at(self, mb: int) -> dict | None:
@@ -270,7 +278,8 @@ class _Costs:
 
     def passes(self, first: int, end: int, mb: int) -> tuple[tuple[Stage, ...], tuple[Stage, ...], float, float]:
         """(forward Stages, backward Stages, forward kernels, backward kernels) of groups
-        [first, end) at `mb` samples: a Stage per op class, as Programs price compute."""
+        [first, end) at `mb` samples: a Stage per op class, as Programs price compute; with
+        checkpointing the backward also holds the forward's Stages and kernels (the recompute)."""
         groups = self.table.span(first, end)
         label = f"groups {first}-{end - 1}"
         out = []
@@ -289,6 +298,8 @@ class _Costs:
             )
         fwd_k = sum(sum(g.forward_launches.values()) for g in groups)
         bwd_k = sum(sum(g.backward_launches.values()) for g in groups)
+        if self.checkpointing:
+            return out[0], out[1] + out[0], float(fwd_k), float(bwd_k + fwd_k)
         return out[0], out[1], float(fwd_k), float(bwd_k)
 
     def measured(self, first: int, end: int, mb: int) -> tuple[float, float, float] | None:
@@ -297,7 +308,8 @@ class _Costs:
         prof = self.profile_at(mb)
         if prof is None:
             return None
-        return tuple(float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
+        fwd, bwd, adam = (float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
+        return fwd, bwd + (fwd if self.checkpointing else 0.0), adam
 
     def measured_split(self, first: int, end: int, mb: int) -> tuple[float, float] | None:
         """(input, weights) seconds of torch's zero-bubble backward of groups [first, end) at `mb`
@@ -305,7 +317,8 @@ class _Costs:
         prof = self.profile_at(mb)
         if prof is None:
             return None
-        return tuple(float(sum(prof[k][first:end])) for k in ("input_backward", "weight_backward"))
+        recompute = float(sum(prof["forward"][first:end])) if self.checkpointing else 0.0
+        return float(sum(prof["input_backward"][first:end])) + recompute, float(sum(prof["weight_backward"][first:end]))
 
     def scale(self, mb: int) -> float:
         """The host's plain step at `mb` as the cluster's speed prices it over the profile's."""
@@ -329,7 +342,7 @@ class _Costs:
             out = [0.0]
             for g in range(self.table.num_groups):
                 measured = self.measured(g, g + 1, mb)
-                if measured is not None:
+                if measured is not None:  # the recompute is in the measured backward
                     t = (measured[0] + measured[1]) * self.scale(mb) / dev.speed
                 else:
                     fwd, bwd, fk, bk = self.passes(g, g + 1, mb)
@@ -341,9 +354,26 @@ class _Costs:
             self._cache[key] = out
         return self._cache[key]
 
+    def activations(self, first: int, end: int) -> tuple[float, float]:
+        """Per sample, (what stage [first, end) keeps of a micro-batch between its passes, the
+        most it holds of one in its backward): methods.common.StageActivations, or under
+        checkpointing what crosses into each of its groups but the first (its receive buffer,
+        counted as such) and its output, and in backward that plus the most one group holds
+        of its own recomputed activations and their gradients."""
+        if not self.checkpointing:
+            return self._acts(first, end)
+        last = self.table.num_groups - 1
+
+        def out(g: int) -> float:
+            return self._acts.tail_inputs if g == last else self.table.groups[g].out_bytes
+
+        kept = sum(self.table.groups[g - 1].out_bytes for g in range(first + 1, end)) + out(end - 1)
+        inner = max(self._acts(g, g + 1)[1] - out(g) for g in range(first, end))
+        return kept, kept + inner
+
     def stage_bytes(self, first: int, end: int, mb: int) -> StageBytes:
         """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory)."""
-        kept, backward = self._acts(first, end)
+        kept, backward = self.activations(first, end)
         groups = self.table.span(first, end)
         last = end == self.table.num_groups
         return StageBytes(
@@ -360,7 +390,7 @@ class _Costs:
         key = (first, end, mb, flight, m, replicated)
         if key in self._peaks:
             return self._peaks[key]
-        kept, backward = self._acts(first, end)
+        kept, backward = self.activations(first, end)
         params = self._prefix_params[end] - self._prefix_params[first]
         last = end == self.table.num_groups
         self._peaks[key] = stage_peak_bytes(

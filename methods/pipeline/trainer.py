@@ -12,7 +12,7 @@ from torch import nn
 from bench.core.interfaces import Plan, RankContext
 from methods.capture import capture_config
 from methods.common import gradient_buckets, group_table
-from methods.pipeline.cut import cut_graph, model_graph
+from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
 from methods.pipeline.schedule import is_multi_stage, schedule_class
 
 
@@ -54,6 +54,8 @@ class PipelineTrainer:
         stages, loss_module, params = [], None, {}
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
+            if method.activation_checkpointing:
+                module = checkpointed_stage(gm, table, tensors, cuts[k], cuts[k + 1])
             loss_module = loss or loss_module
             for p in module.parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)

@@ -121,6 +121,22 @@ def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_
     assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbvzerobubble"])
+def test_checkpointed_stages_equal_single_device_training(cfg_factory, schedule):
+    """Every layer group under torch.utils.checkpoint (recomputed in backward), with a whole
+    backward and with zero-bubble's two passes."""
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "method=pipeline",
+        f"method.schedule={schedule}",
+        "method.activation_checkpointing=true",
+        "method.profile=false",
+        "global_batch=8",
+    )
+    assert case.plan.details["activation_checkpointing"] is True
+
+
 @pytest.mark.parametrize(
     "model,cluster,extra",
     [

@@ -329,6 +329,71 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
         assert sim.peak_mem_gib[st.ranks[0]] == pytest.approx(peak / 2**30)
 
 
+def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups_inputs():
+    from methods.capture import capture_config
+    from methods.common import group_table
+    from methods.pipeline.planning import _Costs
+
+    cluster = _cluster(2, [1.0, 0.5])
+    workload = _workload("bert", 16)
+    graph = capture_config(workload.model_cfg, 16)
+    table = group_table(graph)
+    plain, ckpt = (_Costs(graph, table, cluster, 0.0, checkpointing=c) for c in (False, True))
+    first, end, mb = 1, 3, 4  # two transformer blocks
+
+    def flops(stages) -> float:
+        return sum(s.flops.const for s in stages)
+
+    fwd, bwd, fk, bk = plain.passes(first, end, mb)
+    _, bwd_ckpt, _, bk_ckpt = ckpt.passes(first, end, mb)
+    assert flops(bwd_ckpt) == pytest.approx(flops(bwd) + flops(fwd)) and bk_ckpt == bk + fk
+    assert ckpt.seconds(0, first, end, mb) > plain.seconds(0, first, end, mb)
+    (kept, held), (kept_ckpt, held_ckpt) = plain.activations(first, end), ckpt.activations(first, end)
+    assert kept_ckpt < kept / 4 and held_ckpt < held
+    assert 0 < ckpt.weight_share(first, end) < plain.weight_share(first, end)
+    # the plan: a smaller activation peak on every rank, a slower iteration
+    kw = dict(profile=False, schedule="gpipe", num_stages=2, num_micro_batches=4)
+    programs = [PipelineParallel(activation_checkpointing=c, **kw).plan(workload, cluster).program for c in (0, 1)]
+    sims = [simulate(p, cluster, None) for p in programs]
+    assert [st.groups for st in programs[0].stages] == [st.groups for st in programs[1].stages]
+    for r in range(2):
+        assert sims[1].memory_gib[r]["activations"] < sims[0].memory_gib[r]["activations"]
+    assert sims[1].iter_time_s > sims[0].iter_time_s
+
+
+def test_a_checkpointed_stage_computes_the_same_and_runs_each_group_again_in_backward():
+    import torch
+
+    from methods.capture import capture_config
+    from methods.common import group_table
+    from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
+
+    workload = _workload("bert", 4)
+    graph = capture_config(workload.model_cfg, 4)
+    table = group_table(graph)
+    tensors = {n.name for n in graph.nodes if n.is_tensor}
+    gm = model_graph(workload.build(0), workload.model_cfg, 4)
+    cuts = [0, 1, 3, 4]
+    first, _ = cut_graph(gm, table, tensors, cuts, 0)
+    plain, _ = cut_graph(gm, table, tensors, cuts, 1)
+    ckpt = checkpointed_stage(gm, table, tensors, 1, 3)
+    calls = []
+    for g in ckpt.groups:  # counted around forward itself (module hooks do not see the recompute)
+        g.forward = (lambda f: lambda *args: calls.append(1) or f(*args))(g.forward)
+    x = first(*workload.model_cfg.synthetic_batch(4, torch.Generator().manual_seed(0))[:-1])
+    outs = []
+    for stage in (plain, ckpt):
+        inp = x.detach().requires_grad_()
+        y = stage(inp)
+        y.square().sum().backward()
+        outs.append((y.detach(), inp.grad, [p.grad.clone() for p in stage.parameters()]))
+        for p in stage.parameters():
+            p.grad = None
+    assert torch.allclose(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(outs[0][2], outs[1][2]))
+    assert len(calls) == 2 * len(ckpt.groups)  # forward, and again in backward
+
+
 def test_micro_batches_must_divide_the_batch_and_feed_every_pipeline():
     assert micro_batch_counts(16, 1, "equal", "auto") == [1, 2, 4, 8, 16]
     assert micro_batch_counts(16, 2, "equal", "auto") == [1, 2, 4, 8]
