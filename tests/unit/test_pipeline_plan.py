@@ -461,6 +461,7 @@ def test_micro_batches_must_divide_the_batch_and_feed_every_pipeline():
             "method.schedule=interleaved1f1b needs at least 2 stages per rank",
         ),
         (["method.shares=uneven"], "failed", "method.shares='uneven' is unknown; use one of priced, equal"),
+        (["method.alike=devices"], "failed", "method.alike='devices' is unknown; use one of auto, stage, pipeline"),
         (
             [
                 "preset=paper",
