@@ -104,11 +104,12 @@ def format_plan(
 def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]:
     """A pipeline's stages (its layer groups, ranks, predicted compute and memory)."""
     sim = simulate(program, cluster, None)
+    per_rank = f", {program.stages_per_rank} stages per rank" if program.stages_per_rank > 1 else ""
     lines = [
         f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
         + ("  ** OOM **" if sim.oom else ""),
-        f"{program.num_pipelines} pipeline(s) of {program.num_stages} stages, {program.schedule}, "
-        f"{program.num_micro_batches} micro-batches of {program.micro_batch} samples",
+        f"{program.num_pipelines} pipeline(s) of {program.num_ranks} ranks{per_rank}, {program.schedule}, "
+        f"{program.num_micro_batches} micro-batches of {'/'.join(map(str, program.micro_batches))} samples",
     ]
     for s, (st, (send, compute)) in enumerate(zip(program.stages, sim.stage_times)):
         peak = max(sim.peak_mem_gib[r] for r in st.ranks)

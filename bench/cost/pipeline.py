@@ -1,38 +1,50 @@
 """The price of a pipeline: stages on their own devices, micro-batches in a schedule's order.
 
 A PipelineProgram is not SPMD like a Program: each stage runs its own layers on its own ranks,
-in the order its schedule calls them. `actions` are those calls, one list per stage, as the
-runtime's schedule makes them (methods.pipeline traces torch.distributed.pipelining's
-schedule with a stand-in stage): a micro-batch's forward or backward, a transfer posted
-(send or receive of an activation or of its gradient), a wait on posted transfers. The
-simulator replays them rank by rank, as the ranks would run them:
+in the order its schedule calls them. The ranks of one pipeline are its positions; a position
+holds one stage (1F1B, GPipe) or several (torch's looped, interleaved and V-shaped schedules:
+`stage_rank` says which position holds each stage). `actions` are the calls one position
+makes, as the runtime's schedule makes them (methods.pipeline traces
+torch.distributed.pipelining's schedule with stand-in stages): a micro-batch's forward or
+backward on one of its stages (zero-bubble schedules split backward into the input's gradient
+and the weights'), a transfer posted (send or receive of an activation or of its gradient), a
+wait on posted transfers. Pipelines run side by side, each on its own share of the batch
+(`micro_batches`: its micro-batch, the same number of them in every pipeline). The simulator
+replays the actions rank by rank, as the ranks would run them:
 
-  - a forward or backward takes its stage's compute at one micro-batch, priced by
+  - a forward or backward takes its stage's compute at the pipeline's micro-batch, priced by
     bench.cost.price.device_compute (the same price as a Program's stage: FLOPs over the
     device's rate, or a profile's kernels and rates). On an emulated CPU worker a stage takes what
     its layer groups took on this host at the micro-batch (methods.pipeline's profile), scaled by
     the host's plain step then and now (measured_scale) and over the device's speed; without
     such a profile a micro-batch also pays its kernels' share of the per-step part of a plain
-    step (`model_launches`);
+    step (`model_launches`). A zero-bubble schedule's backward for the input and for the
+    weights take torch's two passes as timed on the host where the groups were
+    (StageWork.measured_split), else the part of the stage's backward that is not the weights'
+    gradient and that part (StageWork.weight_share); on a pipeline's first stage torch runs the
+    whole backward as the weights' (its input needs no gradient);
   - a send occupies the sender's link from when it is posted (or the link frees) for the
     alpha-beta time of the link the two ranks span (bench.cost.links), never less than the
     host transport's floor for a point-to-point transfer; a receive completes when that
-    transfer has arrived; a wait ends when all it waits on have;
-  - stages replicated over several pipelines (data parallel across pipelines) all-reduce
+    transfer has arrived; a wait ends when all it waits on have. Two stages of one position
+    pass their tensors in memory (torch sends nothing between them);
+  - the positions replicated over several pipelines (data parallel across pipelines) all-reduce
     their gradients among the replicas once every replica is through its schedule, bucket by
     bucket (grad_sync_s);
-  - then each rank's optimizer step: Adam's per-byte cost over the stage's parameters on an
+  - then each rank's optimizer step: Adam's per-byte cost over its stages' parameters on an
     emulated worker, a profile's optimizer time on a GPU, and the method's own host work.
 
-The iteration lasts until the last rank is done. Memory is per rank: its stage's parameters,
-gradients and Adam state, a gradient bucket's flat copy, the receive buffers of every micro-batch, and the
-activations of the micro-batches in flight at once (Memory.activations, priced by the planner).
+The iteration lasts until the last rank is done. Memory is per rank (rank_memory): its stages'
+parameters, gradients and Adam state, a gradient bucket's flat copy, the receive buffers of
+every micro-batch, and the activations of the micro-batches its action list holds at once.
 It runs no model and touches no process group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from bench.core.cluster import ClusterSpec
 from bench.core.program import Affine, Memory, Stage
@@ -42,85 +54,147 @@ from bench.cost.links import collective_time_s
 from bench.cost.price import device_compute
 from bench.cost.result import SimResult
 
-SCHEDULES = ("1f1b", "gpipe")
-# The kinds of action a stage's list holds (PipelineProgram.actions):
-#   ("F", mb) / ("B", mb): forward / backward of micro-batch mb
-#   ("send", id, what, mb) / ("recv", id, what, mb): a transfer posted; what is "act" (the
-#       forward's output, to the next stage) or "grad" (the input's gradient, to the one before)
+# torch.distributed.pipelining's schedules by the name its get_schedule_class takes (lower case):
+# what `PipelineProgram.schedule` may say. methods.pipeline.schedule maps them to torch's classes.
+SCHEDULES = (
+    "1f1b",
+    "gpipe",
+    "interleaved1f1b",
+    "loopedbfs",
+    "interleavedzerobubble",
+    "zbvzerobubble",
+    "dualpipev",
+)
+# The kinds of action a position's list holds (PipelineProgram.actions); k is a stage index:
+#   ("F", k, mb) / ("B", k, mb): forward / backward of micro-batch mb on stage k
+#   ("I", k, mb) / ("W", k, mb): zero-bubble's backward for the input / for the weights
+#   ("send", id, what, k, mb) / ("recv", id, what, k, mb): a transfer posted by stage k; what is
+#       "act" (the forward's output, to stage k + 1) or "grad" (the input's gradient, to k - 1)
 #   ("wait", (id, ...)): wait until those transfers are done
-ACTIONS = ("F", "B", "send", "recv", "wait")
+ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait")
+COMPUTE = ("F", "B", "I", "W")
 
 
 @dataclass(frozen=True)
-class PipeStage:
-    """One stage of a pipeline, per micro-batch, as the cost model prices it."""
+class StageWork:
+    """One stage's work on one pipeline's rank, per micro-batch of that pipeline."""
 
-    groups: tuple[int, int]  # [first, end) layer groups of the model
-    ranks: tuple[int, ...]  # its rank in each pipeline (replicas of the stage)
     forward: tuple[Stage, ...]  # one micro-batch's forward compute (a Stage per op class)
     backward: tuple[Stage, ...]
     launches: tuple[float, float]  # kernels of one micro-batch's forward, backward
     send_bytes: float  # activations it sends the next stage per micro-batch (its gradient comes back)
-    param_bytes: float
-    memory: Memory  # per rank, at the peak (constants: a stage's ranks are not sharded)
-    # The gradient buckets all-reduced among the replicas after the schedule (bytes each, in
-    # order); empty with one pipeline
-    grad_buckets: tuple[float, ...] = ()
     # Where its layer groups were timed on the host (emulated CPU workers: methods.pipeline's
     # profile): (forward, backward, Adam's step) seconds of one micro-batch there, which the
     # simulator scales by the host's plain step at the micro-batch then and now (measured_scale)
     measured: tuple[float, float, float] | None = None
+    # The part of backward that makes the weights' gradients (a zero-bubble schedule's W): each
+    # parameter-reading op's half of its backward FLOPs (x @ w: dx and dw alike), over the
+    # stage's backward FLOPs
+    weight_share: float = 0.5
+    # Where timed on the host: (input, weights) seconds of torch's two zero-bubble passes
+    # (they cost more than one backward on a CPU), scaled as `measured`
+    measured_split: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class PipeStage:
+    """One stage of the pipelines: its layer groups, its rank and work in each pipeline."""
+
+    groups: tuple[int, int]  # [first, end) layer groups of the model
+    ranks: tuple[int, ...]  # its rank in each pipeline (replicas of the stage)
+    work: tuple[StageWork, ...]  # per pipeline, at that pipeline's micro-batch
+    param_bytes: float
 
 
 @dataclass(frozen=True)
 class PipelineProgram:
-    """One training iteration of `num_pipelines` pipelines of len(stages) stages each."""
+    """One training iteration of len(micro_batches) pipelines of len(stages) stages each."""
 
     stages: tuple[PipeStage, ...]
-    actions: tuple[tuple[tuple, ...], ...]  # per stage (ACTIONS)
-    num_micro_batches: int
-    micro_batch: int  # samples per micro-batch
-    num_pipelines: int
+    actions: tuple[tuple[tuple, ...], ...]  # per position of a pipeline (ACTIONS)
+    num_micro_batches: int  # per pipeline
+    micro_batches: tuple[int, ...]  # samples per micro-batch, per pipeline
     num_devices: int
+    memory: tuple[tuple[Memory, ...], ...]  # per position and pipeline: its rank at the peak (constants)
+    # The gradient buckets a position's replicas all-reduce after the schedule (bytes each, in
+    # order), per position; empty with one pipeline
+    grad_buckets: tuple[tuple[float, ...], ...] = ()
     schedule: str = "1f1b"
+    stage_rank: tuple[int, ...] = ()  # the position of each stage; () = stage k at position k
     model_launches: float = 0.0  # kernels of one forward and backward of the whole model
     batch: int = 0
     meta: dict = field(default_factory=dict, compare=False)
     host_work_flops: float = 0.0  # the method's own host work per iteration (bench.core.program.Program)
     granularity: str = "gpu"  # every device is a rank of its own
-    # Where the stages were timed (PipeStage.measured): the host's plain training step at the
-    # micro-batch then (seconds), and the model's FLOPs per sample (bench.cost.flops), from which
-    # the cluster's host speed gives the same step now
-    profile_step_s: float = 0.0
+    # Where the stages were timed (StageWork.measured): per pipeline, the host's plain training
+    # step at its micro-batch then (seconds), and the model's FLOPs per sample (bench.cost.flops),
+    # from which the cluster's host speed gives the same step now
+    profile_step_s: tuple[float, ...] = ()
     flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r} is unknown; known: {', '.join(SCHEDULES)}")
-        if len(self.actions) != len(self.stages):
-            raise ValueError(f"{len(self.actions)} action lists for {len(self.stages)} stages")
-        ranks = [r for st in self.stages for r in st.ranks]
-        if sorted(ranks) != list(range(self.num_devices)):
-            raise ValueError(f"the stages' ranks {ranks} are not each of the {self.num_devices} devices once")
-        if any(len(st.ranks) != self.num_pipelines for st in self.stages):
-            raise ValueError(f"every stage needs a rank in each of the {self.num_pipelines} pipelines")
+        if not self.stage_rank:
+            object.__setattr__(self, "stage_rank", tuple(range(len(self.stages))))
+        if len(self.stage_rank) != len(self.stages) or sorted(set(self.stage_rank)) != list(range(len(self.actions))):
+            raise ValueError(
+                f"stage_rank {self.stage_rank} must give each of the {len(self.stages)} stages one of the "
+                f"{len(self.actions)} positions, every position at least one"
+            )
+        D = self.num_pipelines
+        ranks = [self.position_ranks(r) for r in range(self.num_ranks)]
+        flat = [x for row in ranks for x in row]
+        if sorted(flat) != list(range(self.num_devices)):
+            raise ValueError(f"the positions' ranks {ranks} are not each of the {self.num_devices} devices once")
+        for k, st in enumerate(self.stages):
+            if len(st.ranks) != D or len(st.work) != D:
+                raise ValueError(f"stage {k} needs a rank and its work in each of the {D} pipelines")
+            if st.ranks != ranks[self.stage_rank[k]]:
+                raise ValueError(f"stage {k}'s ranks {st.ranks} are not its position's {ranks[self.stage_rank[k]]}")
+        if len(self.memory) != self.num_ranks or any(len(row) != D for row in self.memory):
+            raise ValueError(f"memory needs one entry per position ({self.num_ranks}) and pipeline ({D})")
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.micro_batches)
 
     @property
     def num_stages(self) -> int:
+        """Stages of a pipeline (its positions times the stages each holds)."""
         return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Positions (ranks) of a pipeline."""
+        return len(self.actions)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return len(self.stages) // len(self.actions)
+
+    def position_ranks(self, position: int) -> tuple[int, ...]:
+        """The rank of `position` in each pipeline."""
+        k = self.stage_rank.index(position)
+        return self.stages[k].ranks
+
+    def pipeline_batches(self) -> list[int]:
+        """Samples each pipeline takes of the global batch."""
+        return [self.num_micro_batches * mb for mb in self.micro_batches]
 
     def to_json(self) -> dict:
         return {
             "kind": "pipeline",
             "schedule": self.schedule,
             "num_micro_batches": self.num_micro_batches,
-            "micro_batch": self.micro_batch,
+            "micro_batches": list(self.micro_batches),
             "num_pipelines": self.num_pipelines,
+            "stage_rank": list(self.stage_rank),
             "stages": [
                 {
                     "groups": list(st.groups),
                     "ranks": list(st.ranks),
-                    "send_bytes": st.send_bytes,
+                    "send_bytes": [w.send_bytes for w in st.work],
                     "param_bytes": st.param_bytes,
                 }
                 for st in self.stages
@@ -138,54 +212,82 @@ class RankTimeline:
     sync_s: float = 0.0  # the gradient all-reduce among replicas (and the wait for them)
 
 
-def in_flight(actions: tuple[tuple, ...]) -> int:
-    """The most micro-batches a stage holds the activations of at once in its action list
-    (forwards done whose backward is not): 1F1B's stage s of S holds S - s, GPipe all."""
+def in_flight(actions: Sequence[tuple], stage: int | None = None) -> int:
+    """The most micro-batches of one stage (`stage`; None: every stage of the list) a position
+    holds the activations of at once (forwards done whose backward is not; a zero-bubble
+    backward keeps them until its weights' part): 1F1B's stage s of S holds S - s, GPipe all."""
     most = held = 0
     for a in actions:
-        held += 1 if a[0] == "F" else -1 if a[0] == "B" else 0
+        if a[0] not in COMPUTE or (stage is not None and a[1] != stage):
+            continue
+        held += 1 if a[0] == "F" else -1 if a[0] in ("B", "W") else 0
         most = max(most, held)
     return most
 
 
-def stage_memory(
-    *,
-    param_bytes: float,
-    largest_param_bytes: float,
-    kept_bytes: float,
-    backward_bytes: float,
-    received_bytes: float,
-    sent_bytes: float,
-    in_flight: int,
-    num_micro_batches: int,
-    bucket_bytes: float,
+@dataclass(frozen=True)
+class StageBytes:
+    """What one stage's layers hold on a rank, at its pipeline's micro-batch (stage_memory)."""
+
+    param_bytes: float
+    largest_param_bytes: float
+    kept_bytes: float  # autograd's saved tensors and the output, of one micro-batch between its passes
+    backward_bytes: float  # the most of one micro-batch during its backward
+    received_bytes: float  # its input's receive buffer per micro-batch (0 on the first stage)
+    sent_bytes: float  # its output's gradient's receive buffer per micro-batch (0 on the last)
+
+
+def activation_peak(actions: Sequence[tuple], parts: dict[int, StageBytes]) -> float:
+    """The most activation bytes a position holds over its action list: every micro-batch in
+    flight keeps `kept_bytes` of its stage, and the one in backward (B, I, or W, which on a
+    first stage runs the whole backward) holds `backward_bytes` instead."""
+    held = {k: 0 for k in parts}
+    total = most = 0.0
+    for a in actions:
+        kind = a[0]
+        if kind not in COMPUTE:
+            continue
+        k = a[1]
+        p = parts[k]
+        if kind == "F":
+            held[k] += 1
+            total += p.kept_bytes
+            most = max(most, total)
+            continue
+        most = max(most, total - p.kept_bytes + p.backward_bytes)
+        if kind in ("B", "W"):
+            held[k] -= 1
+            total -= p.kept_bytes
+    return most
+
+
+def rank_memory(
+    actions: Sequence[tuple], parts: dict[int, StageBytes], num_micro_batches: int, bucket_bytes: float
 ) -> Memory:
-    """What one rank of a stage holds at its peak (bench.core.program.Memory, constants), from its
-    layers' bytes per micro-batch:
+    """What one rank holds at its peak (bench.core.program.Memory, constants), from its stages'
+    bytes at its pipeline's micro-batch:
 
     - its parameters, their gradients (accumulated over the micro-batches: all exist from the
       first backward on), Adam's two moments, and with replicas the flat copy of the gradient
-      bucket they all-reduce (`bucket_bytes`: the stage's gradients up to the bucket's cap);
-    - a receive buffer per micro-batch of the iteration for its input (`received_bytes`, not
-      on the first stage) and for its output's gradient (`sent_bytes`, not on the last), which
+      bucket they all-reduce (`bucket_bytes`: its gradients up to the bucket's cap);
+    - a receive buffer per micro-batch of the iteration for each stage's input (not on the
+      first stage) and for its output's gradient (not on the last), which
       torch.distributed.pipelining allocates once for every micro-batch (held, as buckets are);
-    - the most micro-batches it has in flight: while one runs its backward (at most
-      `backward_bytes`: what it still keeps and the activation gradients it holds), the others
-      keep `kept_bytes` each (autograd's saved tensors and the stage's output)."""
-    activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
-    buffers = num_micro_batches * (received_bytes + sent_bytes)
+    - the activations of the micro-batches in flight at once (activation_peak)."""
+    params = sum(p.param_bytes for p in parts.values())
+    buffers = num_micro_batches * sum(p.received_bytes + p.sent_bytes for p in parts.values())
     return Memory(
-        params=Affine(param_bytes),
-        grads=Affine(param_bytes),
-        optimizer=Affine(2.0 * param_bytes),
-        activations=Affine(activations),
+        params=Affine(params),
+        grads=Affine(params),
+        optimizer=Affine(2.0 * params),
+        activations=Affine(activation_peak(actions, parts)),
         buckets=Affine(bucket_bytes + buffers),
-        largest_param=Affine(largest_param_bytes),
+        largest_param=Affine(max((p.largest_param_bytes for p in parts.values()), default=0.0)),
     )
 
 
 def stage_peak(memory: Memory, foreach: bool) -> float:
-    """Bytes a rank of a stage holds at its peak: the larger of backward's (every gradient, the
+    """Bytes a rank holds at its peak: the larger of backward's (every gradient, the
     activations in flight) and Adam's step (bench.core.program.Memory.optimizer_step)."""
     return max(max(h.const + a.const for h, a in memory.backward_points()), memory.optimizer_step(foreach).const)
 
@@ -203,7 +305,8 @@ def stage_peak_bytes(
     bucket_bytes: float,
     foreach: bool,
 ) -> float:
-    """stage_peak(stage_memory(...)) in plain arithmetic, for a planner that checks many cuts."""
+    """stage_peak(rank_memory(...)) of a rank that holds one stage with `in_flight` micro-batches
+    at its peak, in plain arithmetic, for a planner that checks many cuts."""
     resident = 4.0 * param_bytes + bucket_bytes + num_micro_batches * (received_bytes + sent_bytes)
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
@@ -219,52 +322,88 @@ def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float
     return max(collective_time_s("broadcast", nbytes, 2, link), cluster.floor_s("p2p"))
 
 
-def measured_scale(program: PipelineProgram, cluster: ClusterSpec) -> float:
+def measured_scale(program: PipelineProgram, cluster: ClusterSpec, pipeline: int = 0) -> float:
     """How much longer the host computes now than when the stages were timed: its plain step at
-    the micro-batch as the cluster's host speed prices it (per-sample part and per-step part:
-    at a run's prediction, the run's own yardstick, bench.runtime.hostspeed.yardstick, which times that step
-    at that size), over the same step timed with the stages. A ratio of two whole steps: the
-    per-sample rate alone comes from the difference of two timings and moved 50% between runs
-    where whole steps moved 10-20%."""
-    if not program.profile_step_s or not cluster.host_flops:
+    the pipeline's micro-batch as the cluster's host speed prices it (per-sample part and
+    per-step part: at a run's prediction, the run's own yardstick,
+    bench.runtime.hostspeed.yardstick, which times that step at that size), over the same step
+    timed with the stages. A ratio of two whole steps: the per-sample rate alone comes from the
+    difference of two timings and moved 50% between runs where whole steps moved 10-20%."""
+    if not program.profile_step_s or not program.profile_step_s[pipeline] or not cluster.host_flops:
         return 1.0
-    now = program.flops_per_sample * program.micro_batch / cluster.host_flops + cluster.host_step_overhead_s
-    return now / program.profile_step_s
+    mb = program.micro_batches[pipeline]
+    now = program.flops_per_sample * mb / cluster.host_flops + cluster.host_step_overhead_s
+    return now / program.profile_step_s[pipeline]
+
+
+class StageTimes(NamedTuple):
+    """Seconds of one micro-batch's passes of a stage on one rank, in COMPUTE's order."""
+
+    forward: float
+    backward: float
+    input: float  # zero-bubble's backward for the input
+    weight: float  # and for the weights
+
+
+_PASS = {kind: i for i, kind in enumerate(COMPUTE)}
 
 
 def action_times(
     program: PipelineProgram, cluster: ClusterSpec, vdevs: list[VirtualDevice] | None = None
-) -> list[list[tuple[float, float]]]:
-    """Per stage and pipeline, (forward, backward) seconds of one micro-batch on its rank."""
+) -> list[list[StageTimes]]:
+    """Per stage and pipeline, the passes of one micro-batch on its rank (StageTimes)."""
     vdevs = vdevs or virtual_devices(cluster, "gpu")
     alg = FloatAlgebra([[1.0 / len(vdevs)] * len(vdevs)])
-    scale = measured_scale(program, cluster)
+    scales = [measured_scale(program, cluster, p) for p in range(program.num_pipelines)]
     out = []
-    for st in program.stages:
+    for k, st in enumerate(program.stages):
         row = []
-        for r in st.ranks:
+        for p, (r, w) in enumerate(zip(st.ranks, st.work)):
             v, dev = vdevs[r], cluster.devices[r]
-            if st.measured is not None:
-                row.append((st.measured[0] * scale / dev.speed, st.measured[1] * scale / dev.speed))
-                continue
-            # The per-step part of a plain step, spread over the model's kernels (emulated workers).
-            per_kernel = dev.step_overhead_s / program.model_launches if program.model_launches else 0.0
-            fwd = sum(device_compute(s, cluster, v, alg) for s in st.forward) + per_kernel * st.launches[0]
-            bwd = sum(device_compute(s, cluster, v, alg) for s in st.backward) + per_kernel * st.launches[1]
-            row.append((float(fwd), float(bwd)))
+            split = None
+            if w.measured is not None:
+                fwd, bwd = w.measured[0] * scales[p] / dev.speed, w.measured[1] * scales[p] / dev.speed
+                if w.measured_split is not None:
+                    split = tuple(x * scales[p] / dev.speed for x in w.measured_split)
+            else:
+                # The per-step part of a plain step, spread over the model's kernels (emulated workers).
+                per_kernel = dev.step_overhead_s / program.model_launches if program.model_launches else 0.0
+                fwd = float(sum(device_compute(s, cluster, v, alg) for s in w.forward) + per_kernel * w.launches[0])
+                bwd = float(sum(device_compute(s, cluster, v, alg) for s in w.backward) + per_kernel * w.launches[1])
+            if k == 0:  # torch's input backward on a first stage does nothing; its weights' does all
+                row.append(StageTimes(fwd, bwd, 0.0, bwd))
+            elif split is not None:
+                row.append(StageTimes(fwd, bwd, *split))
+            else:
+                row.append(StageTimes(fwd, bwd, bwd * (1.0 - w.weight_share), bwd * w.weight_share))
         out.append(row)
     return out
 
 
-def replay(
-    program: PipelineProgram, cluster: ClusterSpec, pipeline: int, times: list[tuple[float, float]]
-) -> list[RankTimeline]:
-    """Run one pipeline's action lists (module docstring) and return each stage's timeline.
+def transfer_times(program: PipelineProgram, cluster: ClusterSpec, pipeline: int) -> list[float]:
+    """Per stage of one pipeline, seconds of sending its output to the next stage (and of its
+    gradient back: the same bytes over the same link); 0 where the next stage is on the same
+    rank (torch passes it in memory) or there is none."""
+    out = []
+    K = program.num_stages
+    for k, st in enumerate(program.stages):
+        if k + 1 == K or program.stage_rank[k] == program.stage_rank[k + 1]:
+            out.append(0.0)
+        else:
+            nxt = program.stages[k + 1].ranks[pipeline]
+            out.append(transfer_s(st.work[pipeline].send_bytes, cluster, st.ranks[pipeline], nxt))
+    return out
 
-    `times`: per stage, (forward, backward) seconds of one micro-batch."""
-    stages = program.stages
-    n = len(stages)
-    ranks = [st.ranks[pipeline] for st in stages]
+
+def replay(
+    program: PipelineProgram, cluster: ClusterSpec, pipeline: int, times: list[StageTimes], sends: list[float]
+) -> list[RankTimeline]:
+    """Run one pipeline's action lists (module docstring) and return each position's timeline.
+
+    `times`: per stage, its passes of one micro-batch; `sends`: per stage, seconds of a transfer
+    of its output (or of that output's gradient back)."""
+    n = program.num_ranks
+    where = program.stage_rank
     clock = [0.0] * n
     pc = [0] * n
     link_free = [0.0] * n  # each rank's sending link
@@ -273,32 +412,31 @@ def replay(
     compute = [0.0] * n
     while True:
         moved = False
-        for s in range(n):
-            acts = program.actions[s]
-            while pc[s] < len(acts):
-                a = acts[pc[s]]
+        for r in range(n):
+            acts = program.actions[r]
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
                 kind = a[0]
-                if kind in ("F", "B"):
-                    d = times[s][0 if kind == "F" else 1]
-                    clock[s] += d
-                    compute[s] += d
+                if kind in COMPUTE:
+                    d = times[a[1]][_PASS[kind]]
+                    clock[r] += d
+                    compute[r] += d
                 elif kind == "send":
-                    _, ident, what, mb = a
-                    to = s + 1 if what == "act" else s - 1
-                    begin = max(clock[s], link_free[s])
-                    done = begin + transfer_s(
-                        stages[s].send_bytes if what == "act" else stages[to].send_bytes, cluster, ranks[s], ranks[to]
-                    )
-                    link_free[s] = done
+                    _, ident, what, k, mb = a
+                    to = k + 1 if what == "act" else k - 1
+                    assert where[to] != r, f"stage {k} sends to stage {to} on its own rank"
+                    begin = max(clock[r], link_free[r])
+                    done = begin + sends[k if what == "act" else to]
+                    link_free[r] = done
                     arrived[(what, mb, to)] = done
-                    posted[s][ident] = ("done", done)
+                    posted[r][ident] = ("done", done)
                 elif kind == "recv":
-                    _, ident, what, mb = a
-                    posted[s][ident] = ("recv", (what, mb, s))
+                    _, ident, what, k, mb = a
+                    posted[r][ident] = ("recv", (what, mb, k))
                 elif kind == "wait":
                     ends = []
                     for ident in a[1]:
-                        state, value = posted[s][ident]
+                        state, value = posted[r][ident]
                         if state == "recv":
                             if value not in arrived:
                                 break
@@ -306,52 +444,54 @@ def replay(
                         else:
                             ends.append(value)
                     else:
-                        clock[s] = max([clock[s], *ends])
-                        pc[s] += 1
+                        clock[r] = max([clock[r], *ends])
+                        pc[r] += 1
                         moved = True
                         continue
                     break  # a transfer it waits on was not sent yet
                 else:
-                    raise ValueError(f"stage {s}: unknown action {a!r}")
-                pc[s] += 1
+                    raise ValueError(f"position {r}: unknown action {a!r}")
+                pc[r] += 1
                 moved = True
-        if all(pc[s] == len(program.actions[s]) for s in range(n)):
+        if all(pc[r] == len(program.actions[r]) for r in range(n)):
             break
         if not moved:
-            stuck = {s: program.actions[s][pc[s]] for s in range(n) if pc[s] < len(program.actions[s])}
+            stuck = {r: program.actions[r][pc[r]] for r in range(n) if pc[r] < len(program.actions[r])}
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
-    return [RankTimeline(compute_s=compute[s], end_s=clock[s]) for s in range(n)]
+    return [RankTimeline(compute_s=compute[r], end_s=clock[r]) for r in range(n)]
 
 
-def grad_sync_s(stage: PipeStage, cluster: ClusterSpec) -> float:
-    """Seconds of the all-reduces of a stage's gradient buckets among its replicas, one after
-    another (what the runtime does once its schedule is through)."""
-    if len(stage.ranks) < 2:
+def grad_sync_s(buckets: Sequence[float], ranks: Sequence[int], cluster: ClusterSpec) -> float:
+    """Seconds of the all-reduces of a position's gradient buckets among its replicas (`ranks`),
+    one after another (what the runtime does once its schedule is through)."""
+    if len(ranks) < 2:
         return 0.0
-    link = cluster.link_between(list(stage.ranks))
+    link = cluster.link_between(list(ranks))
     return sum(
-        max(collective_time_s("all_reduce", nbytes, len(stage.ranks), link), cluster.floor_s("all_reduce"))
-        for nbytes in stage.grad_buckets
+        max(collective_time_s("all_reduce", nbytes, len(ranks), link), cluster.floor_s("all_reduce"))
+        for nbytes in buckets
     )
 
 
 def optimizer_s(
-    stage: PipeStage, cluster: ClusterSpec, rank: int, v: VirtualDevice, host_work_flops: float, scale: float = 1.0
+    program: PipelineProgram, position: int, pipeline: int, cluster: ClusterSpec, v: VirtualDevice, scale: float = 1.0
 ) -> float:
-    """A rank's per-step part after its last action: Adam's step over its stage's parameters
+    """A rank's per-step part after its last action: Adam's step over its stages' parameters
     (emulated workers: as measured, times `scale`, else Adam's per-byte cost), a profile's
     optimizer step (GPUs), the method's host work."""
+    mine = [st for k, st in enumerate(program.stages) if program.stage_rank[k] == position]
+    rank = mine[0].ranks[pipeline]
     dev = cluster.devices[rank]
-    t = (
-        stage.measured[2] * scale / dev.speed
-        if stage.measured is not None
-        else dev.optimizer_s_per_byte * stage.param_bytes
-    )
+    param_bytes = sum(st.param_bytes for st in mine)
+    t = 0.0
+    for st in mine:
+        w = st.work[pipeline]
+        t += w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
     if v.compute is not None and v.compute.optimizer is not None:
         fixed, rate = v.compute.optimizer
-        t += fixed + stage.param_bytes / rate
-    if host_work_flops:
-        t += host_work_flops / dev.effective_flops
+        t += fixed + param_bytes / rate
+    if program.host_work_flops:
+        t += program.host_work_flops / dev.effective_flops
     return t
 
 
@@ -364,47 +504,44 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
             f"{len(vdevs)}; plan for this cluster"
         )
     times = action_times(program, cluster, vdevs)
-    scale = measured_scale(program, cluster)
-    per_rank: dict[int, RankTimeline] = {}
+    K, R, D = program.num_stages, program.num_ranks, program.num_pipelines
+    lines: dict[tuple[int, int], RankTimeline] = {}  # (position, pipeline)
     seen: dict[tuple, list[RankTimeline]] = {}
-    for p in range(program.num_pipelines):
-        key = tuple(times[s][p] for s in range(program.num_stages))  # pipelines alike price alike
+    sends = [transfer_times(program, cluster, p) for p in range(D)]
+    for p in range(D):
+        key = (tuple(times[k][p] for k in range(K)), tuple(sends[p]))  # pipelines alike price alike
         if key not in seen:
-            seen[key] = replay(program, cluster, p, [times[s][p] for s in range(program.num_stages)])
-        for s, line in enumerate(seen[key]):
-            per_rank[program.stages[s].ranks[p]] = line
-    for st in program.stages:  # replicas all-reduce once the last of them is through
-        sync = grad_sync_s(st, cluster)
-        start = max(per_rank[r].end_s for r in st.ranks)
-        for r in st.ranks:
-            line = per_rank[r]
-            per_rank[r] = RankTimeline(
+            seen[key] = replay(program, cluster, p, [times[k][p] for k in range(K)], sends[p])
+        for r, line in enumerate(seen[key]):
+            lines[(r, p)] = line
+    per_rank: dict[int, RankTimeline] = {}
+    for r in range(R):  # replicas all-reduce once the last of them is through
+        ranks = program.position_ranks(r)
+        sync = grad_sync_s(program.grad_buckets[r] if program.grad_buckets else (), ranks, cluster)
+        start = max(lines[(r, p)].end_s for p in range(D))
+        for p, rank in enumerate(ranks):
+            line = lines[(r, p)]
+            scale = measured_scale(program, cluster, p)
+            per_rank[rank] = RankTimeline(
                 line.compute_s,
                 start + sync,
-                optimizer_s(st, cluster, r, vdevs[r], program.host_work_flops, scale),
+                optimizer_s(program, r, p, cluster, vdevs[rank], scale),
                 start + sync - line.end_s,
             )
     iter_time = max(t.end_s + t.optimizer_s for t in per_rank.values())
     busiest = max(per_rank.values(), key=lambda t: t.compute_s + t.optimizer_s)
     stage_times = []
-    for s, st in enumerate(program.stages):
-        r = st.ranks[0]
-        last = s + 1 == program.num_stages
-        send = 0.0 if last else transfer_s(st.send_bytes, cluster, r, program.stages[s + 1].ranks[0])
-        stage_times.append((send * program.num_micro_batches, per_rank[r].compute_s))
+    m = program.num_micro_batches
+    for k in range(K):  # pipeline 0's: each stage's sends and compute over the iteration
+        t = times[k][0]
+        stage_times.append((sends[0][k] * m, (t.forward + t.backward) * m))
     memory, peaks, oom_devices = [], [], []
     foreach = cluster.device == "cuda"
-    stage_of = {r: st for st in program.stages for r in st.ranks}
+    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
     for v in vdevs:
-        mem = stage_of[v.index].memory
+        mem = mem_of[v.index]
         parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
-        peak = (
-            max(
-                max(held.const + acts.const for held, acts in mem.backward_points()),
-                mem.optimizer_step(foreach=foreach).const,
-            )
-            / GIB
-        )
+        peak = stage_peak(mem, foreach) / GIB
         if v.compute is not None:
             peak += v.compute.workspace_bytes / GIB
         memory.append(parts)

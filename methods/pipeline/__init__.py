@@ -1,56 +1,92 @@
 """Pipeline parallelism on mixed devices, run by torch.distributed.pipelining.
 
 The model is cut into stages at layer-group borders (methods.common: embeddings, blocks, conv
-stages, head). A stage runs on a slot of the cluster: a device, a machine, or a group of alike
+stages, head). A pipeline's ranks take slots of the cluster: a device, a machine, or a group of
 devices or machines (`stage_level`, `num_stages`); a slot of several devices runs one pipeline
-per device, data parallel across the pipelines (a stage's replicas sum their gradients once the
-schedule is through). Which slot holds which stage, where the cuts fall and how many
-micro-batches an iteration has are chosen by pricing: for each order of the slots a dynamic
-program over the layer groups' costs (the same price the planner's Programs get, or on an
-emulated CPU cluster the groups' measured time) finds the cuts whose slowest stage is fastest
-among those that fit their devices' memory, and the simulator (bench.cost.pipeline) replays the
-best candidates' schedules to pick one. The schedule is torch's own (Schedule1F1B, or
-ScheduleGPipe): the planner traces it with a stand-in stage, so the actions it prices are the
-ones the runtime calls, in the same order.
+per device, data parallel across the pipelines (a rank's replicas sum their gradients once the
+schedule is through). Each pipeline takes a share of the global batch in proportion to its
+priced speed (`shares`), in the same number of micro-batches, so that pipelines on unlike
+devices finish together; the loss of every micro-batch is its summed loss over the global
+batch's targets, so the pipelines' gradients add up to single-device training's.
+
+What runs where is chosen by pricing: for each schedule of torch's (1F1B, GPipe, the
+interleaved and looped ones with several stages per rank, the zero-bubble ones), each number
+of micro-batches torch's schedule takes, each order of the slots, a dynamic program over the
+layer groups' costs (the same price the planner's Programs get, or on an emulated CPU cluster
+the groups' measured time) finds the cuts whose slowest stage is fastest among those that fit
+their devices' memory, and the pipelines' shares are balanced for them; the simulator
+(bench.cost.pipeline) replays the best candidates' schedules and the fastest is kept. The
+schedule is torch's own: the planner traces it with stand-in stages, so the actions it prices
+are the ones the runtime calls, in the same order, with the stages where torch places them.
 
 At run time each rank captures the model with torch.export (methods.aten_capture, the graph the
-planner priced), keeps the nodes of its stage as a GraphModule (the parameters it reads, the
-values that cross its borders as inputs and outputs), and runs it as a PipelineStage. The
-ops that read the targets (the loss) run as the schedule's loss function on the last stage.
-It does not interleave several stages per rank (no looped or zero-bubble schedules) and does
-not mix tensor parallelism into a stage.
+planner priced), keeps the nodes of each of its stages as a GraphModule (the parameters it
+reads, the values that cross its borders as inputs and outputs), and runs them as
+PipelineStages. The ops that read the targets (the loss) run as the schedule's loss function on
+the last stage. It does not mix tensor parallelism into a stage.
 
 The method (PipelineParallel) is here; its parts: schedule (torch's schedules traced),
-planning (slots, orders, micro-batches, priced costs, the cuts' dynamic program), profile (the
-layer groups timed on this host), cut (a stage of the traced model), trainer (a rank at run time).
+planning (slots, orders, micro-batches, shares, priced costs, the cuts' dynamic program),
+profile (the layer groups timed on this host), cut (a stage of the traced model), trainer (a
+rank at run time).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
-from bench.cost.pipeline import SCHEDULES, PipelineProgram, PipeStage, in_flight, simulate_pipeline
+from bench.core.shares import offsets
+from bench.cost.pipeline import (
+    SCHEDULES,
+    PipelineProgram,
+    PipeStage,
+    StageWork,
+    in_flight,
+    rank_memory,
+    simulate_pipeline,
+)
 from methods.capture import capture_config
-from methods.common import GroupTable, check_training_options, gradient_buckets, group_table
+from methods.common import GroupTable, check_training_options, group_table
 from methods.pipeline.cut import cut_graph
-from methods.pipeline.planning import Layout, _Costs, best_cuts, layouts, micro_batch_choices, slot_orders
+from methods.pipeline.planning import (
+    ALIKE,
+    Layout,
+    _Costs,
+    balance_shares,
+    best_cuts,
+    layouts,
+    micro_batch_counts,
+    replica_buckets,
+    slot_orders,
+    sync_seconds,
+)
 from methods.pipeline.profile import group_profile
-from methods.pipeline.schedule import trace_schedule
+from methods.pipeline.schedule import (
+    ScheduleRefused,
+    Trace,
+    check_schedule,
+    compute_order,
+    is_multi_stage,
+    trace_schedule,
+)
 from methods.pipeline.trainer import PipelineTrainer
 
 __all__ = [
     "PipelineParallel",
     "PipelineTrainer",
     "StageOOM",
+    "balance_shares",
+    "best_cuts",
     "cut_graph",
     "group_profile",
     "layouts",
-    "micro_batch_choices",
+    "micro_batch_counts",
     "slot_orders",
     "trace_schedule",
 ]
@@ -58,11 +94,31 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STAGE_LEVELS = ("auto", "device", "machine")
-SIMULATED = 8  # candidates (order, micro-batches, cuts) replayed exactly, the best priced first
+SHARES = ("priced", "equal")
+SIMULATED = 4  # candidates per schedule replayed exactly, the best priced first
+# The most forwards (micro-batches x stages) a rank of a multi-stage schedule is searched at:
+# torch lowers those schedules to communication in time quadratic in a rank's actions (0.1-0.4 s
+# a trace at this size), where the single-stage ones are searched at every micro-batch count.
+MAX_MULTI_FORWARDS = 256
 
 
 class StageOOM(PlanningError):
     status = "oom"
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One way to run the pipelines, with its balanced-pipeline estimate."""
+
+    estimate_s: float
+    schedule: str
+    layout: Layout
+    order: tuple[tuple[int, ...], ...]  # a slot per position
+    stages_per_rank: int
+    m: int
+    micro_batches: tuple[int, ...]  # per pipeline
+    cuts: tuple[int, ...]
+    stage_rank: tuple[int, ...]  # the position of each stage
 
 
 class PipelineParallel:
@@ -70,12 +126,21 @@ class PipelineParallel:
 
     Args:
         name: the method's name in records.
-        schedule: "1f1b" (torch's Schedule1F1B) or "gpipe" (ScheduleGPipe).
+        schedule: "auto" (the fastest priced) or a torch schedule (bench.cost.pipeline.SCHEDULES:
+            "1f1b", "gpipe", "interleaved1f1b", "loopedbfs", "interleavedzerobubble",
+            "zbvzerobubble", "dualpipev").
         num_micro_batches: micro-batches per pipeline and iteration, or "auto" (priced).
-        stage_level: what a stage's slot is cut from: "device", "machine" or "auto" (both).
-        num_stages: stages per pipeline, a divisor of the devices (machines); "auto": the
+        stage_level: what a position's slot is cut from: "device", "machine" or "auto" (both).
+        num_stages: ranks per pipeline, a divisor of the devices (machines); "auto": the
             fastest priced of those up to the model's layer groups.
-        bucket_cap_mb: the gradient bucket a stage's replicas all-reduce at a time (MiB).
+        stages_per_rank: stages each rank of a pipeline holds: 1 for torch's single-stage
+            schedules, 2 for the V-shaped ones, 2 or more for the looped ones; "auto": priced.
+        shares: "priced" (each pipeline's batch in proportion to its priced speed) or "equal".
+        alike: what alike hardware is kept together in (planning.layouts): "stage" (a stage's
+            replicas), "pipeline" (a pipeline's ranks, its replicas unlike) or "auto" (both).
+        activation_checkpointing: each layer group of a stage under torch.utils.checkpoint (its
+            activations recomputed in backward: more compute, a smaller activation peak).
+        bucket_cap_mb: the gradient bucket a rank's replicas all-reduce at a time (MiB).
         lr: Adam's learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
         profile: emulated CPU clusters: price the stages from the layer groups' time on this
@@ -88,30 +153,36 @@ class PipelineParallel:
     def __init__(
         self,
         name: str = "pipeline",
-        schedule: str = "1f1b",
+        schedule: str = "auto",
         num_micro_batches="auto",
         stage_level: str = "auto",
         num_stages="auto",
+        stages_per_rank="auto",
+        shares: str = "priced",
+        alike: str = "auto",
+        activation_checkpointing: bool = False,
         bucket_cap_mb: float = 25.0,
         lr: float = 5e-4,
         grad_clip: float = 0.0,
         profile: bool = True,
     ):
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"method.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        whole = isinstance(num_micro_batches, int) and not isinstance(num_micro_batches, bool)
-        if num_micro_batches != "auto" and (not whole or num_micro_batches < 1):
-            raise ConfigError(
-                f"method.num_micro_batches={num_micro_batches!r} must be auto or an integer >= 1; "
-                "e.g. method.num_micro_batches=4"
-            )
-        whole = isinstance(num_stages, int) and not isinstance(num_stages, bool)
-        if num_stages != "auto" and (not whole or num_stages < 1):
-            raise ConfigError(
-                f"method.num_stages={num_stages!r} must be auto or an integer >= 1; e.g. method.num_stages=2"
-            )
+        check_schedule(schedule)
+        for field_, value in (
+            ("num_micro_batches", num_micro_batches),
+            ("num_stages", num_stages),
+            ("stages_per_rank", stages_per_rank),
+        ):
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if value != "auto" and (not whole or value < 1):
+                raise ConfigError(f"method.{field_}={value!r} must be auto or an integer >= 1; e.g. method.{field_}=2")
         if stage_level not in STAGE_LEVELS:
             raise ConfigError(f"method.stage_level={stage_level!r} is unknown; use one of {', '.join(STAGE_LEVELS)}")
+        if shares not in SHARES:
+            raise ConfigError(f"method.shares={shares!r} is unknown; use one of {', '.join(SHARES)}")
+        if alike not in ALIKE:
+            raise ConfigError(f"method.alike={alike!r} is unknown; use one of {', '.join(ALIKE)}")
+        if schedule != "auto" and stages_per_rank != "auto":
+            _check_stages_per_rank(schedule, stages_per_rank)
         check_training_options(lr, grad_clip, bucket_cap_mb)
         self.name = name
         self.modes = ("real", "sim")
@@ -119,6 +190,10 @@ class PipelineParallel:
         self.num_micro_batches = num_micro_batches
         self.stage_level = stage_level
         self.num_stages = num_stages
+        self.stages_per_rank = stages_per_rank
+        self.shares = shares
+        self.alike = alike
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.bucket_cap_mb = bucket_cap_mb
         self.lr = lr
         self.grad_clip = grad_clip
@@ -129,22 +204,20 @@ class PipelineParallel:
         graph = capture_config(workload.model_cfg, workload.global_batch)
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))
-        found, layouts_, refusals = [], *layouts(cluster, self.stage_level, self.num_stages, table.num_groups)
-        oom: list[str] = []
+        layouts_, refusals = layouts(cluster, self.stage_level, self.num_stages, table.num_groups, self.alike)
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
-        if profiled:  # the layer groups on this host, at every micro-batch a layout may use
-            sizes = sorted({mb for layout in layouts_ for mb in self._micro_batches(layout, table, workload)})
-            costs = _Costs(
-                graph,
-                table,
-                cluster,
-                0.0,
-                {mb: group_profile(workload, mb) for mb in sizes},
-                workload.flops_per_sample,
-                self.bucket_cap_mb * 2**20,
-            )
-        else:
-            costs = _Costs(graph, table, cluster, model_launches, bucket_bytes=self.bucket_cap_mb * 2**20)
+        costs = _Costs(
+            graph,
+            table,
+            cluster,
+            0.0 if profiled else model_launches,
+            (lambda mb: group_profile(workload, mb)) if profiled else None,
+            workload.flops_per_sample,
+            self.bucket_cap_mb * 2**20,
+            self.activation_checkpointing,
+        )
+        found: list[_Candidate] = []
+        oom: list[tuple[float, str]] = []
         for layout in layouts_:
             found += self._candidates(layout, table, costs, workload, cluster, refusals, oom)
         if not found:
@@ -153,28 +226,63 @@ class PipelineParallel:
             raise ConfigError(
                 refusals[0] if refusals else f"{workload.name} cannot be pipelined on cluster={cluster.name}"
             )
-        found.sort(key=lambda c: c[0])
-        best = None
-        for _, layout, order, m, cuts in found[:SIMULATED]:
-            program = self._program(layout, order, m, cuts, table, costs, workload, cluster, costs.model_launches)
-            t = simulate_pipeline(program, cluster).iter_time_s
-            if best is None or t < best[0]:
-                best = (t, layout, order, m, cuts, program)
-        _, layout, order, m, cuts, program = best
-        return self._plan(layout, order, m, cuts, program, table, workload)
+        best, over, refused = None, [], []
+        for schedule in dict.fromkeys(c.schedule for c in found):
+            ranked = sorted((c for c in found if c.schedule == schedule), key=lambda c: c.estimate_s)
+            priced = 0
+            for c in ranked[: 3 * SIMULATED]:  # past those that do not fit, SIMULATED that do
+                try:  # torch's own lowering of the schedule, which may refuse it (its last check)
+                    traces = tuple(
+                        trace_schedule(c.schedule, c.layout.num_stages, c.m, r, c.stages_per_rank)
+                        for r in range(c.layout.num_stages)
+                    )
+                except ScheduleRefused as exc:
+                    refused.append(
+                        f"method.schedule={c.schedule} does not run {c.m} micro-batches on {c.layout.num_stages} "
+                        f"ranks a pipeline, {c.stages_per_rank} stage(s) each (torch: {exc}); try another "
+                        "method.num_micro_batches or method.schedule"
+                    )
+                    continue
+                program = self._program(c, traces, table, costs, workload, cluster, model_launches)
+                sim = simulate_pipeline(program, cluster)
+                if sim.oom:  # a rank of several stages checked whole
+                    over.append((max(sim.peak_mem_gib), c, sim))
+                    continue
+                if best is None or sim.iter_time_s < best[0]:
+                    best = (sim.iter_time_s, c, program)
+                priced += 1
+                if priced == SIMULATED:
+                    break
+        if best is None and not over:
+            raise ConfigError(refused[0])
+        if best is None:
+            _, c, sim = min(over, key=lambda x: x[0])
+            rank = sim.oom_devices[0]
+            dev = cluster.devices[rank]
+            raise StageOOM(
+                f"no plan of {workload.name} under method.schedule={self.schedule} fits device memory: "
+                f"rank {rank} needs {sim.peak_mem_gib[rank]:.1f} GiB at method.num_micro_batches={c.m} "
+                f"({c.schedule}, {c.stages_per_rank} stage(s) per rank), more than a {dev.type.name}'s "
+                f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
+            )
+        _, c, program = best
+        return self._plan(c, program, workload)
 
-    def _micro_batches(self, layout: Layout, table: GroupTable, workload: Workload) -> list[int]:
-        """The micro-batch sizes a layout may run at (none where it cannot run)."""
-        S, D = layout.num_stages, layout.num_pipelines
-        if table.num_groups < S or workload.global_batch % D:
-            return []
-        per_pipeline = workload.global_batch // D
-        try:
-            return [
-                per_pipeline // m for m in micro_batch_choices(per_pipeline, S, self.schedule, self.num_micro_batches)
-            ]
-        except ConfigError:
-            return []
+    def _schedules(self, ranks: int, num_groups: int) -> list[tuple[str, int]]:
+        """(schedule, stages per rank) pairs to price for pipelines of `ranks` ranks."""
+        names = SCHEDULES if self.schedule == "auto" else (self.schedule,)
+        out = []
+        for name in names:
+            if not is_multi_stage(name):
+                choices = [1]
+            elif name in V_SHAPED:
+                choices = [2]
+            else:
+                choices = list(range(2, num_groups // ranks + 1))
+            if self.stages_per_rank != "auto":
+                choices = [v for v in choices if v == self.stages_per_rank]
+            out += [(name, v) for v in choices]
+        return out
 
     def _candidates(
         self,
@@ -185,52 +293,83 @@ class PipelineParallel:
         cluster: ClusterSpec,
         refusals: list,
         oom: list,
-    ) -> list:
-        S, D = layout.num_stages, layout.num_pipelines
-        where = f"{S} stages of {len(layout.slots[0])} device(s), method.stage_level={layout.level}"
-        if workload.global_batch % D:
+    ) -> list[_Candidate]:
+        R, D = layout.num_stages, layout.num_pipelines
+        B = workload.global_batch
+        where = f"{R} ranks a pipeline of {len(layout.slots[0])} device(s) each, method.stage_level={layout.level}"
+        if B < D or (self.shares == "equal" and B % D):
             refusals.append(
-                f"global_batch={workload.global_batch} must be a multiple of the {D} pipelines of "
-                f"{where}; e.g. global_batch={D * max(1, workload.global_batch // D)}"
+                f"global_batch={B} must be a multiple of the {D} pipelines of {where} "
+                f"(method.shares={self.shares}); e.g. global_batch={D * max(1, B // D)}"
             )
             return []
-        per_pipeline = workload.global_batch // D
-        choices = micro_batch_choices(per_pipeline, S, self.schedule, self.num_micro_batches)
-        if not choices:
+        counts = micro_batch_counts(B, D, self.shares, self.num_micro_batches)
+        pairs = self._schedules(R, table.num_groups)
+        if not pairs:
             refusals.append(
-                f"the pipeline's batch of {per_pipeline} samples is smaller than its {S} stages "
-                f"({where}); use a larger batch (preset.batch_per_device) or method.schedule=gpipe"
+                f"method.schedule={self.schedule} needs at least 2 stages per rank, 2 x {R} = {2 * R} "
+                f"stages ({where}), but {workload.name} has {table.num_groups} layer groups; use "
+                f"method.num_stages<={table.num_groups // 2} or method.schedule=1f1b"
             )
             return []
-        found = []
+        found: list[_Candidate] = []
         orders = slot_orders(cluster, layout)
-        for m in choices:
-            mb = per_pipeline // m
-            flights = [in_flight(trace_schedule(self.schedule, S, m, s)) for s in range(S)]
-            for order in orders:
-                best = best_cuts(costs, order, mb, m, flights, D > 1)
-                if best is None:
+        balanced: dict = {}
+        runnable = False
+        for schedule, V in pairs:
+            K = R * V
+            if table.num_groups < K:
+                refusals.append(
+                    f"method.schedule={schedule} with {V} stages per rank needs {K} stages ({where}), "
+                    f"more than the {table.num_groups} layer groups of {workload.name}; use a smaller "
+                    "method.num_stages or method.stages_per_rank"
+                )
+                continue
+            for m in counts:
+                if V > 1 and m * V > MAX_MULTI_FORWARDS:
                     continue
-                slowest, total, cuts = best
-                # The makespan of a balanced pipeline: one micro-batch through every stage, then
-                # the slowest stage for each of the others.
-                found.append((total + (m - 1) * slowest, layout, order, m, cuts))
-        if not found:
-            oom.append(self._oom_message(layout, costs, table, per_pipeline, choices, cluster, workload, where))
+                try:
+                    orders_, stage_rank = compute_order(schedule, R, m, V)
+                except ScheduleRefused as exc:
+                    refusals.append(
+                        f"method.num_micro_batches={m} does not run under method.schedule={schedule} "
+                        f"with {R} ranks a pipeline, {V} stage(s) each (torch: {exc}); try another "
+                        "method.num_micro_batches or method.schedule"
+                    )
+                    continue
+                runnable = True
+                flights = tuple(in_flight(orders_[stage_rank[k]], k) for k in range(K))
+                for order in orders:
+                    slots = tuple(order[stage_rank[k]] for k in range(K))
+                    key = (slots, stage_rank, m, flights)
+                    if key not in balanced:
+                        balanced[key] = balance_shares(
+                            costs, slots, stage_rank, m, B // m, flights, self.shares == "equal"
+                        )
+                    got = balanced[key]
+                    if got is None:
+                        continue
+                    estimate, mbs, cuts = got
+                    estimate += sync_seconds(costs, order, stage_rank, cuts, self.bucket_cap_mb)
+                    found.append(
+                        _Candidate(estimate, schedule, layout, tuple(order), V, m, tuple(mbs), tuple(cuts), stage_rank)
+                    )
+        if not found and runnable:
+            oom.append(self._oom_message(layout, costs, table, counts, cluster, workload, where))
         return found
 
     def _oom_message(
-        self, layout, costs: _Costs, table: GroupTable, per_pipeline: int, choices, cluster, workload, where: str
+        self, layout: Layout, costs: _Costs, table: GroupTable, counts, cluster, workload, where: str
     ) -> tuple[float, str]:
-        """(bytes, one line): an even split of the groups, what its fullest stage needs and the fix."""
-        m = min(choices)
-        mb = per_pipeline // m
-        S = layout.num_stages
-        flights = [in_flight(trace_schedule(self.schedule, S, m, s)) for s in range(S)]
-        cuts = [round(i * table.num_groups / S) for i in range(S + 1)]
+        """(bytes, one line): an even split of the groups over one stage per rank, GPipe's most
+        micro-batches in flight, what its fullest stage needs and the fix."""
+        m = min(counts)
+        R, D = layout.num_stages, layout.num_pipelines
+        mb = max(1, workload.global_batch // m // D)
+        cuts = [round(i * table.num_groups / R) for i in range(R + 1)]
         worst, need = 0, 0.0
-        for s in range(S):
-            peak = costs.peak(cuts[s], cuts[s + 1], mb, flights[s], m, layout.num_pipelines > 1, s == S - 1)
+        for s in range(R):
+            peak = costs.peak(cuts[s], cuts[s + 1], mb, R - s, m, D > 1)
             if peak > need:
                 worst, need = s, peak
         dev = cluster.devices[layout.slots[0][0]]
@@ -243,91 +382,137 @@ class PipelineParallel:
 
     def _program(
         self,
-        layout: Layout,
-        order,
-        m: int,
-        cuts: list[int],
+        c: _Candidate,
+        traces: tuple[Trace, ...],
         table: GroupTable,
         costs: _Costs,
         workload: Workload,
         cluster: ClusterSpec,
         model_launches: float,
     ) -> PipelineProgram:
-        S, D = layout.num_stages, layout.num_pipelines
-        mb = workload.global_batch // D // m
-        actions = tuple(trace_schedule(self.schedule, S, m, s) for s in range(S))
+        D, R = c.layout.num_pipelines, c.layout.num_stages
+        stage_rank = c.stage_rank
+        assert traces[0].stage_rank == stage_rank, "torch placed the stages other than its compute-only order"
+        K = len(stage_rank)
         stages = []
-        for s in range(S):
-            first, end = cuts[s], cuts[s + 1]
-            fwd, bwd, fk, bk = costs.passes(first, end, mb)
+        for k in range(K):
+            first, end = c.cuts[k], c.cuts[k + 1]
             groups = table.span(first, end)
-            buckets: tuple = ()
-            if D > 1:  # the buckets the replicas all-reduce, as the runtime makes them
-                sizes = [b for g in groups for b in g.param_sizes]
-                buckets = tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, self.bucket_cap_mb))
+            work = []
+            for mb in c.micro_batches:
+                fwd, bwd, fk, bk = costs.passes(first, end, mb)
+                work.append(
+                    StageWork(
+                        forward=fwd,
+                        backward=bwd,
+                        launches=(fk, bk),
+                        send_bytes=0.0 if k == K - 1 else mb * groups[-1].out_bytes,
+                        measured=costs.measured(first, end, mb),
+                        weight_share=costs.weight_share(first, end),
+                        measured_split=costs.measured_split(first, end, mb),
+                    )
+                )
             stages.append(
                 PipeStage(
                     groups=(first, end),
-                    ranks=tuple(order[s]),
-                    forward=fwd,
-                    backward=bwd,
-                    launches=(fk, bk),
-                    send_bytes=0.0 if s == S - 1 else mb * groups[-1].out_bytes,
+                    ranks=tuple(c.order[stage_rank[k]]),
+                    work=tuple(work),
                     param_bytes=sum(g.param_bytes for g in groups),
-                    memory=costs.memory(first, end, mb, in_flight(actions[s]), m, D > 1, s == S - 1),
-                    grad_buckets=buckets,
-                    measured=costs.measured(first, end, mb),
                 )
             )
+        memory, buckets = [], []
+        for r in range(R):
+            mine = traces[r].stages
+            params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
+            bucket = min(params, costs.bucket_bytes) if D > 1 else 0.0
+            memory.append(
+                tuple(
+                    rank_memory(
+                        traces[r].actions,
+                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb) for k in mine},
+                        c.m,
+                        bucket,
+                    )
+                    for mb in c.micro_batches
+                )
+            )
+            buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 else ())
+        profiles = [costs.profile_at(mb) for mb in c.micro_batches]
         return PipelineProgram(
-            tuple(stages),
-            actions,
-            m,
-            mb,
-            D,
-            cluster.num_devices,
-            self.schedule,
-            model_launches,
-            workload.global_batch,
+            stages=tuple(stages),
+            actions=tuple(t.actions for t in traces),
+            num_micro_batches=c.m,
+            micro_batches=c.micro_batches,
+            num_devices=cluster.num_devices,
+            memory=tuple(memory),
+            grad_buckets=tuple(buckets),
+            schedule=c.schedule,
+            stage_rank=stage_rank,
+            model_launches=0.0 if costs.profile is not None else model_launches,
+            batch=workload.global_batch,
             meta={"method": self.name, "model": workload.name},
-            profile_step_s=costs.profiles[mb]["step_s"] if costs.profiles else 0.0,
+            profile_step_s=tuple(p["step_s"] for p in profiles) if all(profiles) else (),
             flops_per_sample=workload.flops_per_sample,
         )
 
-    def _plan(
-        self,
-        layout: Layout,
-        order,
-        m: int,
-        cuts: list[int],
-        program: PipelineProgram,
-        table: GroupTable,
-        workload: Workload,
-    ) -> Plan:
-        S, D = layout.num_stages, layout.num_pipelines
-        per_pipeline = workload.global_batch // D
-        stage_of, slices = {}, {}
-        for s, slot in enumerate(order):
-            for p, r in enumerate(slot):
-                stage_of[r] = (p, s)
-                slices[r] = (p * per_pipeline, (p + 1) * per_pipeline)
-        n = len(stage_of)
+    def _plan(self, c: _Candidate, program: PipelineProgram, workload: Workload) -> Plan:
+        R, D = c.layout.num_stages, c.layout.num_pipelines
+        batches = program.pipeline_batches()
+        slices = offsets(batches)
+        shares, data = {}, {}
+        for slot in c.order:
+            for p, rank in enumerate(slot):
+                shares[rank] = c.micro_batches[p]
+                data[rank] = slices[p]
+        n = len(shares)
         details = {
-            "schedule": self.schedule,
-            "stage_level": layout.level,
-            "num_stages": S,
+            "schedule": c.schedule,
+            "stage_level": c.layout.level,
+            "num_stages": R,
+            "stages_per_rank": c.stages_per_rank,
             "num_pipelines": D,
-            "num_micro_batches": m,
-            "micro_batch": per_pipeline // m,
-            "stages": [{"groups": [cuts[s], cuts[s + 1] - 1], "ranks": list(order[s])} for s in range(S)],
-            "pipelines": [[order[s][p] for s in range(S)] for p in range(D)],
-            "layer_groups": table.num_groups,
+            "num_micro_batches": c.m,
+            "shares": self.shares,
+            "activation_checkpointing": self.activation_checkpointing,
+            "micro_batches": list(c.micro_batches),
+            "pipeline_batches": batches,
+            "stages": [
+                {"groups": [c.cuts[k], c.cuts[k + 1] - 1], "ranks": list(program.stages[k].ranks)}
+                for k in range(program.num_stages)
+            ],
+            "stage_rank": list(program.stage_rank),
+            "pipelines": [[c.order[r][p] for r in range(R)] for p in range(D)],
+            "layer_groups": c.cuts[-1],
             "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
         }
         return Plan(
-            self.name, [per_pipeline // m] * n, details, program, None, data_slices=[slices[r] for r in range(n)]
+            self.name, [shares[r] for r in range(n)], details, program, None, data_slices=[data[r] for r in range(n)]
         )
 
     # -- run ---------------------------------------------------------------------------------------
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> PipelineTrainer:
         return PipelineTrainer(self, plan, model, ctx)
+
+
+V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V
+
+
+def _check_stages_per_rank(schedule: str, v: int) -> None:
+    """One line where `method.stages_per_rank` is one `method.schedule` cannot run."""
+    multi = is_multi_stage(schedule)
+    if not multi and v != 1:
+        raise ConfigError(
+            f"method.stages_per_rank={v} needs a schedule that runs several stages per rank, but "
+            f"method.schedule={schedule} runs one; use method.stages_per_rank=1 or one of "
+            f"{', '.join(s for s in SCHEDULES if is_multi_stage(s))}"
+        )
+    if schedule in V_SHAPED and v != 2:
+        raise ConfigError(
+            f"method.stages_per_rank={v} does not run under method.schedule={schedule}, which places "
+            "exactly 2 stages per rank (a V); use method.stages_per_rank=2"
+        )
+    if multi and v < 2:
+        raise ConfigError(
+            f"method.stages_per_rank={v} does not run under method.schedule={schedule}, which loops "
+            "several stages per rank; use method.stages_per_rank>=2 or method.schedule=1f1b"
+        )

@@ -1,6 +1,7 @@
 """A captured model cut into pipeline stages at layer-group borders: each stage's nodes as an fx
-GraphModule with the values that cross its borders as inputs and outputs, and the loss's nodes
-as the last stage's loss module. It plans nothing and runs no schedule."""
+GraphModule with the values that cross its borders as inputs and outputs (or, with activation
+checkpointing, its layer groups' modules in a row, each checkpointed), and the loss's nodes as
+the last stage's loss module. It plans nothing and runs no schedule."""
 
 from __future__ import annotations
 
@@ -106,6 +107,33 @@ def cut_graph(
         g.output(env[out.all_input_nodes[0]])
         loss = fx.GraphModule(gm, g)
     return module, loss
+
+
+class CheckpointedStage(nn.Module):
+    """A stage as its layer groups' modules in a row, each under torch.utils.checkpoint: a group
+    keeps only its inputs for backward and recomputes its activations there (non-reentrant, the
+    random state of its forward restored, so dropout draws the same masks)."""
+
+    def __init__(self, groups: list[fx.GraphModule]):
+        super().__init__()
+        self.groups = nn.ModuleList(groups)
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        out = None
+        for group in self.groups:
+            out = checkpoint(group, *args, use_reentrant=False)
+            args = out if isinstance(out, tuple) else (out,)
+        return out
+
+
+def checkpointed_stage(gm: fx.GraphModule, table: GroupTable, tensors: set[str], first: int, end: int):
+    """Layer groups [first, end) as a CheckpointedStage: each group cut on its own (cut_graph at
+    every group border), so a group's inputs are what crosses into it and its outputs what
+    crosses out: at the stage's ends, the stage's own."""
+    cuts = list(range(table.num_groups + 1))
+    return CheckpointedStage([cut_graph(gm, table, tensors, cuts, g)[0] for g in range(first, end)])
 
 
 def model_graph(model: nn.Module, model_cfg, batch_size: int, seed: int = 0) -> fx.GraphModule:

@@ -1,26 +1,24 @@
 """The pipeline's planning pieces: the stage slots a cluster offers and their orders, the
 numbers of micro-batches to price, the priced cost of a run of layer groups on a slot (time,
-memory, sends), and the dynamic program that cuts the groups into stages. It traces no
-schedule and runs nothing."""
+memory, sends), the dynamic program that cuts the groups into stages, and the pipelines' shares
+of the batch. It traces no schedule and runs nothing."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.core.program import Affine, Stage
+from bench.core.shares import round_shares
 from bench.cost import FloatAlgebra, virtual_devices
-from bench.cost.pipeline import (
-    stage_memory,
-    stage_peak_bytes,
-    transfer_s,
-)
+from bench.cost.pipeline import StageBytes, grad_sync_s, stage_peak_bytes, transfer_s
 from bench.cost.price import device_compute
 from methods.capture import Graph
-from methods.common import GroupTable, StageActivations
+from methods.common import GroupTable, StageActivations, gradient_buckets
 
 MAX_ORDERS = 2000  # device orders tried per layout; past it, a few heuristic ones
 
@@ -42,12 +40,20 @@ class Layout:
         return len(self.slots[0])
 
 
-def layouts(cluster: ClusterSpec, level: str, num_stages, num_groups: int) -> tuple[list[Layout], list[str]]:
+ALIKE = ("auto", "stage", "pipeline")
+
+
+def layouts(
+    cluster: ClusterSpec, level: str, num_stages, num_groups: int, alike: str = "auto"
+) -> tuple[list[Layout], list[str]]:
     """The stage slots a cluster offers (and why others are refused): at `level` "device" the
     devices, at "machine" the machines (all of one size), cut into `num_stages` slots of equal
-    size ("auto": every number of slots from 2 to the layer groups that divides them), alike
-    hardware together (a slot's devices are a stage's replicas, which run in step). A slot of
-    k units of g devices gives k * g pipelines."""
+    size ("auto": every number of slots from 2 to the layer groups that divides them). The
+    units sorted by hardware are cut two ways (`alike`, "auto": both): "stage", a slot of
+    consecutive units (a stage's replicas alike, pipelines across the kinds), and "pipeline",
+    each pipeline of consecutive units (a pipeline's ranks alike, e.g. a machine's devices; its
+    replicas, in the other pipelines, unlike), which the pipelines' shares of the batch balance.
+    A slot of k units of g devices gives k * g pipelines."""
     units: dict[str, list[tuple[int, ...]]] = {}
     refusals = []
     if level in ("auto", "device"):
@@ -94,11 +100,15 @@ def layouts(cluster: ClusterSpec, level: str, num_stages, num_groups: int) -> tu
         ordered = sorted(us, key=lambda u: (_hardware(cluster, u), u))
         for k in choices:
             size = count // k
-            slots = tuple(tuple(r for u in ordered[i * size : (i + 1) * size] for r in u) for i in range(k))
-            key = frozenset(slots)
-            if key not in seen:
-                seen.add(key)
-                out.append(Layout(lvl, slots))
+            ways = {
+                "stage": tuple(tuple(r for u in ordered[i * size : (i + 1) * size] for r in u) for i in range(k)),
+                "pipeline": tuple(tuple(r for u in ordered[i::k] for r in u) for i in range(k)),
+            }
+            for slots in (ways[a] for a in ways if alike in ("auto", a)):
+                key = frozenset(slots)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(Layout(lvl, slots))
     return out, refusals
 
 
@@ -170,61 +180,106 @@ def _multiset_permutations(items: list, limit: int):
     return out
 
 
-def micro_batch_choices(batch: int, num_stages: int, schedule: str, requested) -> list[int]:
-    """The numbers of micro-batches to price: the requested one (checked), or (auto) the
-    divisors of the pipeline's batch from the stages (1F1B needs one per stage; GPipe from 1)
-    to four times them."""
-    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-    least = num_stages if schedule == "1f1b" else 1
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batch_counts(global_batch: int, num_pipelines: int, shares: str, requested) -> list[int]:
+    """The numbers of micro-batches (per pipeline, the same in every pipeline) to price: the
+    requested one (checked), or (auto) every one that gives each pipeline a micro-batch of at
+    least one sample. With priced shares each pipeline's batch is a multiple of the count (its
+    micro-batches equal, as torch's receive buffers need), so the count divides the global
+    batch; with equal shares it divides a pipeline's batch. Which of them a schedule runs is
+    torch's to say (methods.pipeline.schedule)."""
+    if shares == "equal":
+        batch, what = global_batch // num_pipelines, "the pipeline's batch"
+    else:
+        batch, what = global_batch, "the global batch"
+    choices = [d for d in divisors(batch) if batch // d >= (1 if shares == "equal" else num_pipelines)]
     if requested != "auto":
-        if requested not in divisors:
+        if requested not in choices:
             raise ConfigError(
-                f"method.num_micro_batches={requested} must divide the pipeline's batch of {batch} "
-                f"samples; try {', '.join(map(str, divisors))}"
-            )
-        if requested < least:
-            raise ConfigError(
-                f"method.num_micro_batches={requested} is fewer than the {num_stages} stages: "
-                "1F1B needs a micro-batch per stage; try "
-                f"{', '.join(str(d) for d in divisors if d >= least) or 'a larger batch'} "
-                "(or method.schedule=gpipe)"
+                f"method.num_micro_batches={requested} must divide {what} of {batch} samples"
+                + (
+                    ""
+                    if shares == "equal" or num_pipelines == 1
+                    else f" into micro-batches for {num_pipelines} pipelines"
+                )
+                + f"; try {', '.join(map(str, choices)) or 'a larger batch'}"
             )
         return [requested]
-    return [d for d in divisors if least <= d <= max(least, 4 * num_stages)]
+    return choices
 
 
 @dataclass
 class _Costs:
     """Per slot hardware and micro-batch size, the priced costs of runs of layer groups.
 
-    `profiles`: per micro-batch size, the layer groups' measured seconds (group_profile) on an
-    emulated CPU cluster; a stage is then priced at those, scaled by the host's plain step now
-    over the profile's (bench.cost.pipeline.measured_scale)."""
+    `profile`: on an emulated CPU cluster, the layer groups' measured seconds at a micro-batch
+    size (group_profile, measured on first use); a stage is then priced at those, scaled by the
+    host's plain step now over the profile's (bench.cost.pipeline.measured_scale).
+
+    `checkpointing`: each layer group under activation checkpointing (cut.CheckpointedStage): a
+    stage's backward also runs its forward again (the recompute: its FLOPs and kernels, or its
+    measured forward, in the backward's price and in zero-bubble's input pass, the first to
+    reach the saved tensors), and it keeps only its groups' inputs between its passes."""
 
     graph: Graph
     table: GroupTable
     cluster: ClusterSpec
     model_launches: float
-    profiles: dict | None = None
+    profile: Callable[[int], dict] | None = None
     flops_per_sample: float = 0.0
     bucket_bytes: float = 25 * 2**20  # the gradient bucket replicas all-reduce at a time
+    checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
         self._prefix_params = [0.0]
         for g in self.table.groups:
             self._prefix_params.append(self._prefix_params[-1] + g.param_bytes)
-        self._slot: dict = {}
-        self._reps: dict = {}
+        self._profiles: dict[int, dict] = {}
+        self._hw = {d.rank: _hardware(self.cluster, (d.rank,)) for d in self.cluster.devices}
         self._peaks: dict = {}
         self._send: dict = {}
+        self._matrix: dict = {}
+        self._slowest: dict = {}
+        self._sends: dict = {}
+        self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
+        self._weight = self._weight_flops()
+
+    def _weight_flops(self) -> list[float]:
+        """Per layer group and sample, the backward FLOPs that make the weights' gradients: half
+        the backward of each op that reads a parameter (x @ w: dx and dw alike)."""
+        out = [0.0] * self.table.num_groups
+        batch = max(self.graph.batch_size, 1)
+        for n in self.graph.nodes:
+            g = self.table.node_group.get(n.name)
+            if g is not None and n.flops and any(self.graph[i].is_param for i in n.inputs):
+                out[g] += n.flops * n.backward_factor / 2 / batch
+        return out
+
+    def weight_share(self, first: int, end: int) -> float:
+        """The part of groups [first, end)'s backward (the recompute included) that makes the
+        weights' gradients."""
+        groups = self.table.span(first, end)
+        total = sum(g.bwd_flops + (g.fwd_flops if self.checkpointing else 0.0) for g in groups)
+        return sum(self._weight[first:end]) / total if total else 0.5
+
+    def profile_at(self, mb: int) -> dict | None:
+        if self.profile is None:
+            return None
+        if mb not in self._profiles:
+            self._profiles[mb] = self.profile(mb)
+        return self._profiles[mb]
 
     def passes(self, first: int, end: int, mb: int) -> tuple[tuple[Stage, ...], tuple[Stage, ...], float, float]:
         """(forward Stages, backward Stages, forward kernels, backward kernels) of groups
-        [first, end) at `mb` samples: a Stage per op class, as Programs price compute."""
+        [first, end) at `mb` samples: a Stage per op class, as Programs price compute; with
+        checkpointing the backward also holds the forward's Stages and kernels (the recompute)."""
         groups = self.table.span(first, end)
         label = f"groups {first}-{end - 1}"
         out = []
@@ -243,76 +298,101 @@ class _Costs:
             )
         fwd_k = sum(sum(g.forward_launches.values()) for g in groups)
         bwd_k = sum(sum(g.backward_launches.values()) for g in groups)
+        if self.checkpointing:
+            return out[0], out[1] + out[0], float(fwd_k), float(bwd_k + fwd_k)
         return out[0], out[1], float(fwd_k), float(bwd_k)
 
     def measured(self, first: int, end: int, mb: int) -> tuple[float, float, float] | None:
         """(forward, backward, Adam) seconds of groups [first, end) at `mb` samples where the
         groups were timed on this host (group_profile), else None."""
-        if self.profiles is None:
+        prof = self.profile_at(mb)
+        if prof is None:
             return None
-        prof = self.profiles[mb]
-        return tuple(float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
+        fwd, bwd, adam = (float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
+        return fwd, bwd + (fwd if self.checkpointing else 0.0), adam
+
+    def measured_split(self, first: int, end: int, mb: int) -> tuple[float, float] | None:
+        """(input, weights) seconds of torch's zero-bubble backward of groups [first, end) at `mb`
+        samples, summed over the groups, where timed on this host (group_profile), else None."""
+        prof = self.profile_at(mb)
+        if prof is None:
+            return None
+        recompute = float(sum(prof["forward"][first:end])) if self.checkpointing else 0.0
+        return float(sum(prof["input_backward"][first:end])) + recompute, float(sum(prof["weight_backward"][first:end]))
 
     def scale(self, mb: int) -> float:
         """The host's plain step at `mb` as the cluster's speed prices it over the profile's."""
-        if self.profiles is None:
+        prof = self.profile_at(mb)
+        if prof is None:
             return 1.0
         now = self.flops_per_sample * mb / self.cluster.host_flops + self.cluster.host_step_overhead_s
-        return now / self.profiles[mb]["step_s"]
-
-    def slot_seconds(self, slot: tuple[int, ...], first: int, end: int, mb: int) -> float:
-        """Forward and backward of groups [first, end) at `mb` samples on a slot's slowest rank."""
-        key = (slot, first, end, mb)
-        if key not in self._slot:
-            self._slot[key] = max(self.seconds(r, first, end, mb) for r in self._distinct(slot))
-        return self._slot[key]
-
-    def _distinct(self, slot: tuple[int, ...]) -> list[int]:
-        if slot not in self._reps:
-            reps: dict = {}
-            for r in slot:
-                reps.setdefault(_hardware(self.cluster, (r,)), r)
-            self._reps[slot] = list(reps.values())
-        return self._reps[slot]
+        return now / prof["step_s"]
 
     def seconds(self, rank: int, first: int, end: int, mb: int) -> float:
-        """Forward and backward of groups [first, end) on `rank` at `mb` samples."""
-        key = (_hardware(self.cluster, (rank,)), first, end, mb)
+        """Forward and backward of groups [first, end) on `rank` at `mb` samples: the sum of
+        the groups' own (every term of the price adds up over groups: FLOPs by op class over
+        their rates, kernels' fixed costs, measured seconds)."""
+        prefix = self._prefix(rank, mb)
+        return prefix[end] - prefix[first]
+
+    def _prefix(self, rank: int, mb: int) -> list[float]:
+        key = (self._hw[rank], mb)
         if key not in self._cache:
             v, dev = self.vdevs[rank], self.cluster.devices[rank]
-            measured = self.measured(first, end, mb)
-            if measured is not None:
-                self._cache[key] = (measured[0] + measured[1]) * self.scale(mb) / dev.speed
-            else:
-                fwd, bwd, fk, bk = self.passes(first, end, mb)
-                per_kernel = dev.step_overhead_s / self.model_launches if self.model_launches else 0.0
-                self._cache[key] = float(
-                    sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd) + per_kernel * (fk + bk)
-                )
+            out = [0.0]
+            for g in range(self.table.num_groups):
+                measured = self.measured(g, g + 1, mb)
+                if measured is not None:  # the recompute is in the measured backward
+                    t = (measured[0] + measured[1]) * self.scale(mb) / dev.speed
+                else:
+                    fwd, bwd, fk, bk = self.passes(g, g + 1, mb)
+                    per_kernel = dev.step_overhead_s / self.model_launches if self.model_launches else 0.0
+                    t = float(
+                        sum(device_compute(s, self.cluster, v, self.alg) for s in fwd + bwd) + per_kernel * (fk + bk)
+                    )
+                out.append(out[-1] + t)
+            self._cache[key] = out
         return self._cache[key]
 
-    def memory(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool):
-        kept, backward = self._acts(first, end)
+    def activations(self, first: int, end: int) -> tuple[float, float]:
+        """Per sample, (what stage [first, end) keeps of a micro-batch between its passes, the
+        most it holds of one in its backward): methods.common.StageActivations, or under
+        checkpointing what crosses into each of its groups but the first (its receive buffer,
+        counted as such) and its output, and in backward that plus the most one group holds
+        of its own recomputed activations and their gradients."""
+        if not self.checkpointing:
+            return self._acts(first, end)
+        last = self.table.num_groups - 1
+
+        def out(g: int) -> float:
+            return self._acts.tail_inputs if g == last else self.table.groups[g].out_bytes
+
+        kept = sum(self.table.groups[g - 1].out_bytes for g in range(first + 1, end)) + out(end - 1)
+        inner = max(self._acts(g, g + 1)[1] - out(g) for g in range(first, end))
+        return kept, kept + inner
+
+    def stage_bytes(self, first: int, end: int, mb: int) -> StageBytes:
+        """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory)."""
+        kept, backward = self.activations(first, end)
         groups = self.table.span(first, end)
-        return stage_memory(
+        last = end == self.table.num_groups
+        return StageBytes(
             param_bytes=sum(g.param_bytes for g in groups),
             largest_param_bytes=max((g.largest_param_bytes for g in groups), default=0.0),
             kept_bytes=mb * kept,
             backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
-            in_flight=flight,
-            num_micro_batches=m,
-            bucket_bytes=min(sum(g.param_bytes for g in groups), self.bucket_bytes) if replicated else 0.0,
         )
 
-    def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, last: bool) -> float:
-        """Bytes a rank of the stage holds at its peak (stage_memory's backward or Adam's step)."""
-        key = (first, end, mb, flight, m, replicated, last)
+    def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool) -> float:
+        """Bytes a rank holding only stage [first, end) holds at its peak (backward or Adam's step)."""
+        key = (first, end, mb, flight, m, replicated)
         if key in self._peaks:
             return self._peaks[key]
-        kept, backward = self._acts(first, end)
+        kept, backward = self.activations(first, end)
         params = self._prefix_params[end] - self._prefix_params[first]
+        last = end == self.table.num_groups
         self._peaks[key] = stage_peak_bytes(
             param_bytes=params,
             largest_param_bytes=max(g.largest_param_bytes for g in self.table.span(first, end)),
@@ -327,60 +407,99 @@ class _Costs:
         )
         return self._peaks[key]
 
-    def fits(self, slot: tuple[int, ...], peak: float) -> bool:
-        """Whether every device of the slot holds `peak` bytes (and its libraries' own)."""
-        return all(
-            peak + (self.vdevs[r].compute.workspace_bytes if self.vdevs[r].compute is not None else 0.0)
-            <= self.vdevs[r].memory_bytes
-            for r in self._distinct(slot)
-        )
+    def fits(self, rank: int, peak: float) -> bool:
+        """Whether the device holds `peak` bytes (and its libraries' own)."""
+        v = self.vdevs[rank]
+        return peak + (v.compute.workspace_bytes if v.compute is not None else 0.0) <= v.memory_bytes
 
-    def send(self, a: tuple[int, ...], b: tuple[int, ...], end: int, mb: int) -> float:
-        """Sending the output of groups [., end) from slot a to slot b and its gradient back."""
-        key = (a[0], b[0], end, mb)
+    def send(self, a: int, b: int, end: int, mb: int) -> float:
+        """Sending the output of groups [., end) from rank a to rank b and its gradient back."""
+        key = (a, b, end, mb)
         if key not in self._send:
-            self._send[key] = 2.0 * transfer_s(mb * self.table.groups[end - 1].out_bytes, self.cluster, a[0], b[0])
+            self._send[key] = 2.0 * transfer_s(mb * self.table.groups[end - 1].out_bytes, self.cluster, a, b)
         return self._send[key]
 
-    def seconds_matrix(self, slot: tuple[int, ...], mb: int) -> list[list[float]]:
-        """slot_seconds(slot, i, j, mb) for every run [i, j) of groups, as [i][j]."""
-        key = ("sec", tuple(_hardware(self.cluster, (r,)) for r in self._distinct(slot)), mb)
-        if key not in self._send:
-            G = self.table.num_groups
-            self._send[key] = [
-                [self.slot_seconds(slot, i, j, mb) if j > i else 0.0 for j in range(G + 1)] for i in range(G)
+    def sends(self, a: tuple[int, ...], b: tuple[int, ...], mbs: Sequence[int]) -> list[float]:
+        """Per cut point j, the slowest of the pipelines' send(a[p], b[p], j, mbs[p])."""
+        key = (a, b, tuple(mbs))
+        if key not in self._sends:
+            # transfer_s depends on the ranks only through the link they span (one machine or two)
+            machine = {d.rank: d.machine for d in self.cluster.devices}
+            pairs = {(machine[x] == machine[y], mb): (x, y, mb) for x, y, mb in zip(a, b, mbs)}.values()
+            self._sends[key] = [0.0] + [
+                max(self.send(x, y, j, mb) for x, y, mb in pairs) for j in range(1, self.table.num_groups + 1)
             ]
-        return self._send[key]
+        return self._sends[key]
+
+    def seconds_matrix(self, rank: int, mb: int) -> list[list[float]]:
+        """seconds(rank, i, j, mb) for every run [i, j) of groups, as [i][j]."""
+        key = (self._hw[rank], mb)
+        if key not in self._matrix:
+            G = self.table.num_groups
+            self._matrix[key] = [
+                [self.seconds(rank, i, j, mb) if j > i else 0.0 for j in range(G + 1)] for i in range(G)
+            ]
+        return self._matrix[key]
+
+    def slowest_matrix(self, reps: Sequence[tuple[int, int]]) -> list[list[float]]:
+        """The slowest of (rank, micro-batch) replicas on every run [i, j) of groups, as [i][j]."""
+        key = tuple(sorted({(self._hw[r], mb) for r, mb in reps}))
+        if key not in self._slowest:
+            self._slowest[key] = _elementwise_max([self.seconds_matrix(r, mb) for r, mb in reps])
+        return self._slowest[key]
+
+
+def _elementwise_max(matrices: list[list[list[float]]]) -> list[list[float]]:
+    if len(matrices) == 1:
+        return matrices[0]
+    return [[max(row) for row in zip(*rows)] for rows in zip(*matrices)]
 
 
 def best_cuts(
-    costs: _Costs, order, mb: int, m: int, flights: list[int], replicated: bool
+    costs: _Costs,
+    slots: Sequence[tuple[int, ...]],
+    mbs: Sequence[int],
+    m: int,
+    flights: Sequence[int] | None,
+    replicated: bool,
+    local: Sequence[bool] = (),
 ) -> tuple[float, float, list[int]] | None:
-    """The cuts of the layer groups into len(order) non-empty runs, run s on slot order[s], whose
-    slowest stage (forward + backward of a micro-batch, plus sending its output) is fastest,
-    ties broken by the sum, among those whose every stage fits its devices' memory (dynamic
-    program over the groups). (slowest, sum, cut points) or None when nothing fits."""
-    num_groups, num_stages = costs.table.num_groups, len(order)
+    """The cuts of the layer groups into len(slots) non-empty runs, run k on slot slots[k] (a
+    rank per pipeline, pipeline p at `mbs[p]` samples a micro-batch), whose slowest stage
+    (forward + backward of a micro-batch on its slowest replica, plus sending its output) is
+    fastest, ties broken by the sum, among those whose every stage fits its devices' memory
+    with `flights[k]` micro-batches in flight (None: memory unchecked) (dynamic program over
+    the groups; a rank holding several stages is checked stage by stage here, and whole by the
+    simulator). `local[k]`: stage k + 1 is on the same rank (no send). (slowest, sum, cut
+    points) or None when nothing fits."""
+    num_groups, num_stages = costs.table.num_groups, len(slots)
     if num_stages > num_groups:
         return None
     inf = (math.inf, math.inf)
     best = [[inf] * (num_groups + 1) for _ in range(num_stages + 1)]
     back = [[0] * (num_groups + 1) for _ in range(num_stages + 1)]
     best[0][0] = (0.0, 0.0)
+    D = len(mbs)
     for s in range(1, num_stages + 1):
-        slot = order[s - 1]
+        slot = slots[s - 1]
         last = s == num_stages
-        sec = costs.seconds_matrix(slot, mb)
+        # Replicas alike in hardware and micro-batch price alike: one of each.
+        reps = [(slot[p], mbs[p]) for p in {(costs._hw[slot[p]], mbs[p]): p for p in range(D)}.values()]
+        sec = costs.slowest_matrix(reps)
         prev_row, row, links = best[s - 1], best[s], back[s]
+        sends = None if last or (local and local[s - 1]) else costs.sends(slot, slots[s], mbs)
         for j in range(s, num_groups - (num_stages - s) + 1) if not last else (num_groups,):
-            send = 0.0 if last else costs.send(slot, order[s], j, mb)
+            send = sends[j] if sends else 0.0
             for i in range(s - 1, j):
                 prev = prev_row[i]
                 if prev[0] == math.inf:
                     continue
                 c = sec[i][j] + send
                 cand = (prev[0] if prev[0] > c else c, prev[1] + c)
-                if cand < row[j] and costs.fits(slot, costs.peak(i, j, mb, flights[s - 1], m, replicated, last)):
+                if cand < row[j] and (
+                    flights is None
+                    or all(costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated)) for r, mb in reps)
+                ):
                     row[j], links[j] = cand, i
     if best[num_stages][num_groups][0] == math.inf:
         return None
@@ -388,3 +507,115 @@ def best_cuts(
     for s in range(num_stages, 0, -1):
         cuts.append(back[s][cuts[-1]])
     return (*best[num_stages][num_groups], cuts[::-1])
+
+
+def fits(
+    costs: _Costs,
+    slots: Sequence[tuple[int, ...]],
+    mbs: Sequence[int],
+    cuts: Sequence[int],
+    m: int,
+    flights: Sequence[int],
+    replicated: bool,
+) -> bool:
+    """Whether every stage of `cuts` fits each of its devices, as best_cuts checks them."""
+    return all(
+        costs.fits(r, costs.peak(cuts[k], cuts[k + 1], mb, flights[k], m, replicated))
+        for k, slot in enumerate(slots)
+        for r, mb in {(costs._hw[r], mb): (r, mb) for r, mb in zip(slot, mbs)}.values()
+    )
+
+
+def pipeline_seconds(
+    costs: _Costs,
+    slots: Sequence[tuple[int, ...]],
+    stage_rank: Sequence[int],
+    cuts: Sequence[int],
+    mb: int,
+    p: int,
+    m: int,
+) -> float:
+    """A pipeline's iteration as a balanced pipeline runs it: one micro-batch through every
+    stage (forward, backward and sends), then its busiest rank for each of the others."""
+    K = len(slots)
+    load: dict[int, float] = {}
+    total = 0.0
+    for k in range(K):
+        c = costs.seconds(slots[k][p], cuts[k], cuts[k + 1], mb)
+        if k + 1 < K and stage_rank[k] != stage_rank[k + 1]:
+            c += costs.send(slots[k][p], slots[k + 1][p], cuts[k + 1], mb)
+        total += c
+        load[stage_rank[k]] = load.get(stage_rank[k], 0.0) + c
+    return total + (m - 1) * max(load.values())
+
+
+def balance_shares(
+    costs: _Costs,
+    slots: Sequence[tuple[int, ...]],
+    stage_rank: Sequence[int],
+    m: int,
+    units: int,
+    flights: Sequence[int],
+    equal: bool,
+    rounds: int = 4,
+) -> tuple[float, list[int], list[int]] | None:
+    """The pipelines' micro-batches (samples; `units` in all) and the cuts for them: from even
+    ones, each round cuts the groups for the current micro-batches (best_cuts) and gives each
+    pipeline a share of `units` in proportion to its priced speed at those cuts (its samples
+    over pipeline_seconds; whole samples by largest remainder, at least one each), until the
+    shares settle. `equal`: even shares only. Returns (the slowest pipeline's seconds,
+    micro-batches, cuts) of the best round, or None where no cut fits."""
+    D = len(slots[0])
+    if equal and units % D:
+        return None
+    mbs = round_shares(units, [1.0] * D, min_share=1)
+    replicated = D > 1
+    local = [stage_rank[k] == stage_rank[k + 1] for k in range(len(slots) - 1)]
+    best = None
+    seen = set()
+    for _ in range(1 if equal else rounds):
+        seen.add(tuple(mbs))
+        # The fastest cuts with memory unchecked (the same for every schedule and number of
+        # micro-batches at these micro-batches), where they fit; else the fastest that fit.
+        key = (tuple(slots), tuple(mbs), tuple(local))
+        if key not in costs.free_cuts:
+            costs.free_cuts[key] = best_cuts(costs, slots, mbs, m, None, replicated, local)
+        found = costs.free_cuts[key]
+        if found is None or not fits(costs, slots, mbs, found[2], m, flights, replicated):
+            found = best_cuts(costs, slots, mbs, m, flights, replicated, local)
+        if found is None:
+            break
+        cuts = found[2]
+        times = [pipeline_seconds(costs, slots, stage_rank, cuts, mbs[p], p, m) for p in range(D)]
+        slowest = max(times)
+        if best is None or slowest < best[0]:
+            best = (slowest, list(mbs), cuts)
+        if D == 1:
+            break
+        mbs = round_shares(units, [mbs[p] / times[p] for p in range(D)], min_share=1)
+        if tuple(mbs) in seen:
+            break
+    return best
+
+
+def replica_buckets(table: GroupTable, cuts: Sequence[int], stages: Sequence[int], cap_mb: float) -> tuple[float, ...]:
+    """The gradient buckets (bytes) a rank holding `stages` all-reduces among its replicas, as
+    the runtime makes them (its stages' parameters in order)."""
+    sizes = [b for k in stages for g in table.span(cuts[k], cuts[k + 1]) for b in g.param_sizes]
+    return tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, cap_mb))
+
+
+def sync_seconds(
+    costs: _Costs, order: Sequence[tuple[int, ...]], stage_rank: Sequence[int], cuts: Sequence[int], cap_mb: float
+) -> float:
+    """The slowest position's gradient all-reduce among its replicas (grad_sync_s)."""
+    if len(order[0]) < 2:
+        return 0.0
+    return max(
+        grad_sync_s(
+            replica_buckets(costs.table, cuts, [k for k, x in enumerate(stage_rank) if x == r], cap_mb),
+            order[r],
+            costs.cluster,
+        )
+        for r in range(len(order))
+    )

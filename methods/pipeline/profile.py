@@ -14,17 +14,21 @@ from methods.common import group_table
 from methods.pipeline.cut import cut_graph, model_graph
 
 # -- the layer groups on this host ---------------------------------------------------------------
-PROFILE_VERSION = 4  # the groups run as ATen graphs (torch.export)
+PROFILE_VERSION = 5  # the groups run as ATen graphs (torch.export); zero-bubble's split backward timed
 PROFILE_REPEATS = 9
 
 
 def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: int = PROFILE_REPEATS) -> dict:
     """What each layer group takes on one host worker at `micro_batch` samples: {"forward",
-    "backward", "optimizer": seconds per group, "step_s": a plain training step of the whole
-    model at the micro-batch}, each the fastest of `repeats` in thread CPU time (as the
-    emulator's reference and the workers' yardstick are timed). Each group runs as a stage
-    would: its fx module on its inputs, its backward from its output's gradient, then Adam over
-    its parameters. Every round times the groups and then plain steps at the micro-batch and at
+    "backward", "optimizer", "input_backward", "weight_backward": seconds per group, "step_s": a
+    plain training step of the whole model at the micro-batch}, each the fastest of `repeats` in
+    thread CPU time (as the emulator's reference and the workers' yardstick are timed). Each
+    group runs as a stage would: its fx module on its inputs, its backward from its output's
+    gradient, then Adam over its parameters; and again, its backward as a zero-bubble schedule
+    runs it, in torch's two passes (torch.distributed.pipelining's stage_backward_input, then
+    stage_backward_weight), which together cost more than one backward on a CPU (each walks
+    the graph; the first group, whose input needs no gradient, is left at 0: torch runs its
+    whole backward as the weights' pass). Every round times the groups and then plain steps at the micro-batch and at
     twice it, taking turns as the workers' yardstick does (bench.runtime.hostspeed.yardstick),
     so that a change of the host's speed during the profile hits both alike: timed one after
     the other, a profile's groups and its plain step once came out 30% apart in their ratio.
@@ -60,10 +64,14 @@ def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: in
             workload.model_cfg.synthetic_batch(b, torch.Generator().manual_seed(seed))
             for b in (micro_batch, 2 * micro_batch)
         ]
-        times = [[[], [], []] for _ in range(G)]
+        times = [[[], [], [], [], []] for _ in range(G)]
         steps: list[float] = []
         for rep in range(repeats + 2):
             _time_groups(mods, opts, batch, times)
+            _time_split_backward(mods, batch, times)
+            for opt in opts:
+                if opt is not None:
+                    opt.zero_grad(set_to_none=True)
             for i, inputs in enumerate(sizes):
                 start = time.thread_time()
                 plain_opt.zero_grad(set_to_none=True)
@@ -71,7 +79,8 @@ def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: in
                 plain_opt.step()
                 if i == 0 and rep >= 2:  # the first rounds allocate
                     steps.append(time.thread_time() - start)
-    out = {kind: [min(t[k][2:]) for t in times] for k, kind in enumerate(("forward", "backward", "optimizer"))}
+    kinds = ("forward", "backward", "optimizer", "input_backward", "weight_backward")
+    out = {kind: [min(t[k][2:]) for t in times] for k, kind in enumerate(kinds)}
     out["step_s"] = min(steps)
     return {**out, "workload": workload.name, "micro_batch": micro_batch}
 
@@ -105,3 +114,34 @@ def _time_groups(mods, opts, batch, times) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         times[s][2].append(time.thread_time() - start)
+
+
+def _time_split_backward(mods, batch, times) -> None:
+    """One round of group_profile's zero-bubble backward: every group's forward (untimed), then
+    from the last group down torch's input pass and its weights' pass, timed apart."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x, kept = batch[:-1], []
+    for s, (mod, loss) in enumerate(mods):
+        ins = x if s == 0 else tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+        y = mod(*ins)
+        if loss is not None:
+            y = loss(*(y if isinstance(y, tuple) else (y,)), batch[-1])
+        kept.append((ins, y))
+        x = y if isinstance(y, tuple) else (y,)
+    grads = None
+    for s in reversed(range(len(mods))):
+        ins, y = kept[s]
+        if s == 0:  # torch's first stage: no input pass, its whole backward as the weights'
+            times[s][3].append(0.0)
+            times[s][4].append(0.0)
+            break
+        outs = list(y) if isinstance(y, tuple) else [y]
+        params = list(mods[s][0].parameters())
+        start = time.thread_time()
+        dinputs, groups = stage_backward_input(outs, grads, list(ins), iter(params))
+        mid = time.thread_time()
+        stage_backward_weight(iter(params), groups)
+        times[s][3].append(mid - start)
+        times[s][4].append(time.thread_time() - mid)
+        grads = list(dinputs)

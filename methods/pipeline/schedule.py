@@ -1,81 +1,160 @@
 """torch.distributed.pipelining's schedules traced: the actions (bench.cost.pipeline.ACTIONS) a
-schedule makes each stage run in one step, recorded from torch's own `_step_microbatches` on a
-stand-in stage, so the planner prices the calls the runtime makes, in their order. It runs no
-model and sends nothing."""
+schedule makes each position of a pipeline run in one step, recorded from torch's own
+`_step_microbatches` on stand-in stages, so the planner prices the calls the runtime makes, in
+their order, and where torch places each stage (its stage-to-rank map: looped for the
+interleaved schedules, a V for ZBV and DualPipeV). It runs no model and sends nothing."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
+
+from bench.core.errors import ConfigError
+from bench.cost.pipeline import COMPUTE, SCHEDULES
+
+
+def schedule_class(name: str):
+    """torch's class for a schedule name (torch's get_schedule_class, which ignores case)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    return get_schedule_class(name)
+
+
+def is_multi_stage(name: str) -> bool:
+    """Whether torch's schedule runs several stages per rank (a PipelineScheduleMulti)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(schedule_class(name), PipelineScheduleMulti)
+
+
+def check_schedule(name: str) -> None:
+    """`name` is "auto" or a schedule this method runs; else one line naming the known ones."""
+    if name == "auto" or name in SCHEDULES:
+        return
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        get_schedule_class(name)
+        what = "is torch's, but not one this method runs"
+    except ValueError:
+        what = "is not a schedule torch.distributed.pipelining has"
+    raise ConfigError(f"method.schedule={name!r} {what}; use auto or one of {', '.join(SCHEDULES)}")
 
 
 # -- the schedule, traced ------------------------------------------------------------------------
 class _Op:
-    """Stands in for a dist.P2POp: what it moves and which way."""
+    """Stands in for a dist.P2POp: what it moves, which way, for which stage."""
 
-    def __init__(self, direction: str, what: str, mb: int):
-        self.direction, self.what, self.mb = direction, what, mb
+    def __init__(self, direction: str, what: str, stage: int, mb: int):
+        self.direction, self.what, self.stage, self.mb = direction, what, stage, mb
         self.op, self.peer, self.group, self.tag, self.group_peer, self.tensor = None, 0, None, 0, 0, None
 
 
 class _TracedStage:
     """Stands in for a PipelineStage: records what the schedule asks of it."""
 
-    def __init__(self, index: int, num_stages: int, log_: list):
+    def __init__(self, index: int, num_stages: int, group_size: int, group_rank: int, log_: list):
         self.stage_index, self.num_stages = index, num_stages
+        self.group_size, self.group_rank = group_size, group_rank
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.has_backward = True
         self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
         self.log = log_
 
     def clear_runtime_states(self) -> None:
         pass
 
     def get_fwd_recv_ops(self, mb: int) -> list:
-        return [] if self.is_first else [_Op("recv", "act", mb)]
+        return [] if self.is_first else [_Op("recv", "act", self.stage_index, mb)]
 
     def get_fwd_send_ops(self, mb: int) -> list:
-        return [] if self.is_last else [_Op("send", "act", mb)]
+        return [] if self.is_last else [_Op("send", "act", self.stage_index, mb)]
 
     def get_bwd_recv_ops(self, mb: int) -> list:
-        return [] if self.is_last else [_Op("recv", "grad", mb)]
+        return [] if self.is_last else [_Op("recv", "grad", self.stage_index, mb)]
 
     def get_bwd_send_ops(self, mb: int) -> list:
-        return [] if self.is_first else [_Op("send", "grad", mb)]
+        return [] if self.is_first else [_Op("send", "grad", self.stage_index, mb)]
 
     def forward_one_chunk(self, mb: int, *args, **kwargs):
-        self.log.append(("F", mb))
+        self.log.append(("F", self.stage_index, mb))
 
     def backward_one_chunk(self, mb: int, loss=None, full_backward: bool = True, last_backward: bool = False):
-        self.log.append(("B", mb))
+        self.log.append(("B" if full_backward else "I", self.stage_index, mb))
+
+    def backward_weight_one_chunk(self, mb: int, last_backward: bool = False):
+        self.log.append(("W", self.stage_index, mb))
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         pass
 
+    def set_local_fwd_input(self, output, mb: int) -> None:
+        pass
 
-_traces: dict[tuple[str, int, int, int], tuple[tuple, ...]] = {}
+    def set_local_bwd_input(self, grads, mb: int) -> None:
+        pass
+
+    def get_local_bwd_output(self, mb: int):
+        return None
 
 
-def trace_schedule(schedule: str, num_stages: int, num_micro_batches: int, stage: int) -> tuple[tuple, ...]:
-    """The actions (bench.cost.pipeline.ACTIONS) torch's schedule makes stage `stage` of
-    `num_stages` run in one step of `num_micro_batches`: its `_step_microbatches` run on a
-    stand-in stage, with the module's batching of point-to-point calls recorded instead of
-    made. Cached per argument."""
-    key = (schedule, num_stages, num_micro_batches, stage)
-    if key in _traces:
-        return _traces[key]
+@dataclass(frozen=True)
+class Trace:
+    """One position's actions in one step, and where torch places every stage."""
+
+    actions: tuple[tuple, ...]
+    stage_rank: tuple[int, ...]  # the position of each stage (torch's stage_index_to_group_rank)
+    stages: tuple[int, ...]  # the stages this position holds, in order
+
+
+class ScheduleRefused(ValueError):
+    """torch's schedule does not run this shape (its own check's message)."""
+
+
+_traces: dict[tuple, tuple[Trace, ...]] = {}
+
+
+def trace_schedule(schedule: str, num_ranks: int, num_micro_batches: int, position: int, stages_per_rank: int = 1):
+    """What torch's `schedule` makes position `position` of a pipeline of `num_ranks` ranks
+    (`stages_per_rank` stages each) run in one step of `num_micro_batches` (a Trace): its
+    `_step_microbatches` run on stand-in stages, with the module's batching of point-to-point
+    calls recorded instead of made. Cached per argument.
+
+    Raises:
+        ScheduleRefused: where torch refuses the shape (its message).
+    """
+    key = (schedule, num_ranks, num_micro_batches, stages_per_rank)
+    if key not in _traces:
+        try:
+            _traces[key] = _trace(*key)
+        except ScheduleRefused as exc:
+            _traces[key] = exc
+    found = _traces[key]
+    if isinstance(found, ScheduleRefused):
+        raise found
+    return found[position]
+
+
+def _trace(schedule: str, R: int, m: int, V: int) -> tuple[Trace, ...]:
+    """Every position's Trace (trace_schedule). A schedule lowers every rank's actions when
+    made; each position's step then runs on its own stand-ins."""
+    import contextlib
     from unittest import mock
 
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
     from torch.distributed.pipelining import schedules as torch_schedules
 
+    multi = is_multi_stage(schedule)
+    if multi != (V > 1):
+        raise ScheduleRefused(f"{schedule} runs {'several stages' if multi else 'one stage'} per rank, not {V}")
     events: list[tuple] = []
-    ids = itertools.count()
+    ids = [itertools.count()]  # per position
 
     def batch_p2p(ops, desc=None):
         works = []
         for op in ops:
-            ident = next(ids)
-            events.append((op.direction, ident, op.what, op.mb))
+            ident = next(ids[0])
+            events.append((op.direction, ident, op.what, op.stage, op.mb))
             works.append(ident)
         return works
 
@@ -86,16 +165,97 @@ def trace_schedule(schedule: str, num_stages: int, num_micro_batches: int, stage
         if works:
             events.append(("wait", tuple(works)))
 
-    fake = _TracedStage(stage, num_stages, events)
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    cls = schedule_class(schedule)
+    K = R * V
+    out = []
     with (
         mock.patch.object(torch_schedules, "_batch_p2p", batch_p2p),
         mock.patch.object(torch_schedules, "_sorted_batch_p2p", sorted_batch_p2p),
         mock.patch.object(torch_schedules, "_wait_batch_p2p", wait_batch_p2p),
+        # the profiler's labels around each action record nothing here
+        mock.patch.object(torch_schedules, "record_function", lambda *args: contextlib.nullcontext()),
     ):
-        sched = cls(fake, num_micro_batches, loss_fn=lambda out, target: None, scale_grads=False)
-        sched._initialize_stage = lambda *args, **kwargs: None
-        m = num_micro_batches
-        sched._step_microbatches([()] * m, [{}] * m, [None] * m, None, return_outputs=False)
-    _traces[key] = tuple(events)
-    return _traces[key]
+        try:
+            if multi:
+                # Which stages a position holds is torch's to say (the V schedules move them).
+                sched = cls(
+                    [_TracedStage(R * v, K, R, 0, []) for v in range(V)], m, loss_fn=_no_loss, scale_grads=False
+                )
+                sched._initialize_stages = lambda *args, **kwargs: None
+                placed = dict(sched.stage_index_to_group_rank)
+            else:
+                placed = {k: k for k in range(K)}
+            for r in range(R):
+                events.clear()
+                ids[0] = itertools.count()
+                mine = [k for k in range(K) if placed[k] == r]
+                if multi:
+                    sched._stages = [_TracedStage(k, K, R, r, events) for k in mine]
+                    sched.rank = r
+                else:
+                    sched = cls(_TracedStage(r, R, R, r, events), m, loss_fn=_no_loss, scale_grads=False)
+                    sched._initialize_stage = lambda *args, **kwargs: None
+                sched._step_microbatches([()] * m, [{}] * m, [None] * m, None, return_outputs=False)
+                out.append(Trace(tuple(events), tuple(placed[k] for k in range(K)), tuple(mine)))
+        except (ValueError, AssertionError, RuntimeError, KeyError, IndexError) as exc:
+            raise ScheduleRefused(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    return tuple(out)
+
+
+_orders: dict[tuple, tuple[tuple[tuple, ...], ...] | ScheduleRefused] = {}
+
+
+def compute_order(schedule: str, num_ranks: int, num_micro_batches: int, stages_per_rank: int = 1):
+    """Per position, the forwards and backwards alone (("F" | "B" | "I" | "W", stage, mb), in
+    the order trace_schedule records them), and the position of each stage: for the planner's
+    memory check of many shapes. A multi-stage schedule's order is torch's compute-only
+    pipeline_order (the one its lowering to communication keeps, read here without lowering
+    it: that lowering is the trace's cost); a single-stage one's is its trace's. Cached.
+
+    Raises:
+        ScheduleRefused: where torch refuses the shape when it makes the schedule.
+    """
+    key = (schedule, num_ranks, num_micro_batches, stages_per_rank)
+    if key not in _orders:
+        try:
+            _orders[key] = _compute_order(*key)
+        except ScheduleRefused as exc:
+            _orders[key] = exc
+    found = _orders[key]
+    if isinstance(found, ScheduleRefused):
+        raise found
+    return found
+
+
+def _compute_order(schedule: str, R: int, m: int, V: int):
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if not is_multi_stage(schedule):
+        traces = [trace_schedule(schedule, R, m, r, V) for r in range(R)]
+        return tuple(tuple(a for a in t.actions if a[0] in COMPUTE) for t in traces), traces[0].stage_rank
+    if V < 2:
+        raise ScheduleRefused(f"{schedule} runs several stages per rank, not {V}")
+    cls = schedule_class(schedule)
+    K = R * V
+    runtime = torch_schedules._PipelineScheduleRuntime
+    with mock.patch.object(runtime, "_prepare_schedule_with_comms", lambda self, actions, format="compute_only": None):
+        try:
+            sched = cls([_TracedStage(R * v, K, R, 0, []) for v in range(V)], m, loss_fn=_no_loss, scale_grads=False)
+        except (ValueError, AssertionError, RuntimeError, KeyError, IndexError) as exc:
+            raise ScheduleRefused(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    orders, placed = [], {}
+    for r in range(R):
+        mine = []
+        for a in sched.pipeline_order[r]:
+            for sub in (a.sub_actions or ()) if a is not None and a.sub_actions else (a,):
+                if sub is not None and sub.computation_type.value in COMPUTE:
+                    mine.append((sub.computation_type.value, sub.stage_index, sub.microbatch_index))
+                    placed[sub.stage_index] = r
+        orders.append(tuple(mine))
+    return tuple(orders), tuple(placed[k] for k in range(K))
+
+
+def _no_loss(output, target):
+    return None

@@ -1,4 +1,4 @@
-"""One rank of a pipeline at run time: its stage of the traced model as a torch PipelineStage,
+"""One rank of a pipeline at run time: its stages of the traced model as torch PipelineStages,
 torch's schedule, its replicas' gradients summed in buckets, Adam over its parameters."""
 
 from __future__ import annotations
@@ -12,46 +12,59 @@ from torch import nn
 from bench.core.interfaces import Plan, RankContext
 from methods.capture import capture_config
 from methods.common import gradient_buckets, group_table
-from methods.pipeline.cut import cut_graph, model_graph
+from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
+from methods.pipeline.schedule import is_multi_stage, schedule_class
 
 
 class PipelineTrainer:
-    """One rank's stage: its GraphModule as a PipelineStage, the schedule, the gradients summed
-    over its replicas, Adam over its parameters."""
+    """One rank of a pipeline: its stages' GraphModules as PipelineStages, torch's schedule, the
+    gradients summed over its replicas, Adam over its parameters."""
 
     def __init__(self, method, plan: Plan, model: nn.Module, ctx: RankContext):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
         from bench.runtime.p2p import install_p2p
 
         d = plan.details
         self.rank, self.emulator = ctx.rank, ctx.emulator
         pipelines = d["pipelines"]
-        S, D, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
+        R, D, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
+        stage_rank = d["stage_rank"]
+        K = len(stage_rank)
         self.pipeline = next(p for p, ranks in enumerate(pipelines) if ctx.rank in ranks)
-        self.stage_index = pipelines[self.pipeline].index(ctx.rank)
-        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == S - 1
+        self.position = pipelines[self.pipeline].index(ctx.rank)
+        mine = [k for k in range(K) if stage_rank[k] == self.position]
+        self.is_first, self.is_last = 0 in mine, K - 1 in mine
         if ctx.emulator.enabled:
             install_p2p(ctx.emulator)  # activations' sends go over the emulated links
-        # Every rank makes every group, in the same order (torch.distributed.new_group).
-        groups = [dist.new_group(sorted(ranks)) for ranks in pipelines] if D > 1 else [None]
-        replicas = [dist.new_group([pipelines[p][s] for p in range(D)]) for s in range(S)] if D > 1 else None
+        # Every rank makes every group, in the same order (torch.distributed.new_group). A
+        # pipeline's group ranks its members by position, the rank torch's schedules place
+        # stages by.
+        groups = [dist.new_group(ranks, sort_ranks=False) for ranks in pipelines]
+        replicas = [dist.new_group(sorted(p[r] for p in pipelines)) for r in range(R)] if D > 1 else None
         group = groups[self.pipeline]
-        members = sorted(pipelines[self.pipeline]) if D > 1 else list(range(ctx.world_size))
         # The planner's graph of the model, for its layer groups; the model's own graph, captured
         # the same way at the same batch, has the same node names.
-        graph = capture_config(ctx.workload.model_cfg, max(d["micro_batch"], 1))
+        micro_batch = max(d["micro_batches"][self.pipeline], 1)
+        graph = capture_config(ctx.workload.model_cfg, micro_batch)
         table = group_table(graph)
-        gm = model_graph(model, ctx.workload.model_cfg, max(d["micro_batch"], 1))
+        gm = model_graph(model, ctx.workload.model_cfg, micro_batch)
         cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
         tensors = {n.name for n in graph.nodes if n.is_tensor}
-        module, loss_module = cut_graph(gm, table, tensors, cuts, self.stage_index)
-        self.module = module
-        self.params = list(module.parameters())
+        stages, loss_module, params = [], None, {}
+        for k in mine:
+            module, loss = cut_graph(gm, table, tensors, cuts, k)
+            if method.activation_checkpointing:
+                module = checkpointed_stage(gm, table, tensors, cuts[k], cuts[k + 1])
+            loss_module = loss or loss_module
+            for p in module.parameters():  # a parameter two of its stages read is one tensor
+                params.setdefault(id(p), p)
+            stages.append(PipelineStage(module, k, K, ctx.device, group=group))
+        self.params = list(params.values())
         self.model = model if method.mirror_full_state else None
-        # Replicas of this stage (data parallel across pipelines) sum their gradients once the
+        # Replicas of this rank (data parallel across pipelines) sum their gradients once the
         # schedule is through, in buckets (gradient_buckets, as the plan prices them).
-        self.replica_group = replicas[self.stage_index] if D > 1 else None
+        self.replica_group = replicas[self.position] if D > 1 else None
         self.buckets = (
             [
                 [self.params[i] for i in run]
@@ -67,17 +80,18 @@ class PipelineTrainer:
             outs = output if isinstance(output, tuple) else (output,)
             return loss_module(*outs, target) * self.loss_scale
 
-        stage = PipelineStage(module, self.stage_index, S, ctx.device, group=group)
-        stage.stage_index_to_group_rank = {s: members.index(pipelines[self.pipeline][s]) for s in range(S)}
-        schedule = Schedule1F1B if d["schedule"] == "1f1b" else ScheduleGPipe
         # Every stage gets the loss function (the schedule runs backward where there is one);
         # only the last calls it.
-        self.schedule = schedule(stage, m, loss_fn=loss_fn, scale_grads=False)
+        schedule = schedule_class(d["schedule"])
+        if is_multi_stage(d["schedule"]):
+            self.schedule = schedule(stages, m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule(stages[0], m, loss_fn=loss_fn, scale_grads=False)
         self.optimizer = torch.optim.Adam(self.params, lr=method.lr)
         self.grad_clip = method.grad_clip
         self.world = ctx.world_size
         # The captured graph module holds every parameter of the model (its get_attr targets), and
-        # capturing leaves reference cycles: dropped and collected now, a rank holds its stage alone.
+        # capturing leaves reference cycles: dropped and collected now, a rank holds its stages alone.
         del gm
         gc.collect()
 
@@ -100,7 +114,7 @@ class PipelineTrainer:
         return torch.zeros(())
 
     def sync_replicas(self) -> None:
-        """Sum the stage's gradients over its replicas, bucket by bucket (a flat copy each)."""
+        """Sum this rank's gradients over its replicas, bucket by bucket (a flat copy each)."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for bucket in self.buckets:

@@ -2,13 +2,15 @@
 
 As tests/e2e/test_dp_equivalence.py checks DDP: the summed loss, every gradient and every
 parameter after Adam's step, against the single-device model on the global batch, for the plans
-really made (the pipeline's stage cuts, device order and micro-batches; FSDP's units and shares).
+really made (the pipeline's stage cuts, device order, schedule, micro-batches and pipelines' shares;
+FSDP's units and shares).
 """
 
 import numpy as np
 import pytest
 import torch
 
+from bench.cost.pipeline import SCHEDULES
 from bench.runner.case import new_record, prepare_case
 from bench.runtime.launch import launch
 
@@ -52,8 +54,26 @@ def _check_one_step(cfg_factory, *overrides, ranks=2):
 
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
 def test_one_pipeline_step_equals_single_device_training(cfg_factory, model):
+    """The planner's own choice of schedule, stages per rank and micro-batches."""
     case = _check_one_step(cfg_factory, f"model={model}", "method=pipeline", "method.profile=false", "global_batch=8")
-    assert case.plan.details["num_stages"] == 2 and case.plan.details["num_micro_batches"] >= 2
+    assert case.plan.details["num_stages"] == 2
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_the_planner_can_choose_equals_single_device_training(cfg_factory, schedule):
+    """torch's single-stage, looped, interleaved and zero-bubble schedules, several stages per
+    rank where the schedule runs them (tiny BERT's four layer groups on two ranks)."""
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "method=pipeline",
+        f"method.schedule={schedule}",
+        "method.profile=false",
+        "global_batch=8",
+    )
+    d = case.plan.details
+    assert d["schedule"] == schedule and d["num_stages"] == 2
+    assert d["stages_per_rank"] == (1 if schedule in ("1f1b", "gpipe") else 2)
 
 
 def test_a_gpipe_pipeline_over_four_devices_in_a_priced_order_equals_single_device_training(cfg_factory):
@@ -93,11 +113,55 @@ def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_
         "method=pipeline",
         "method.stage_level=device",
         "method.num_stages=2",
+        "method.schedule=1f1b",
         "method.profile=false",
         "global_batch=16",
         ranks=4,
     )
     assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbvzerobubble"])
+def test_checkpointed_stages_equal_single_device_training(cfg_factory, schedule):
+    """Every layer group under torch.utils.checkpoint (recomputed in backward), with a whole
+    backward and with zero-bubble's two passes."""
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "method=pipeline",
+        f"method.schedule={schedule}",
+        "method.activation_checkpointing=true",
+        "method.profile=false",
+        "global_batch=8",
+    )
+    assert case.plan.details["activation_checkpointing"] is True
+
+
+@pytest.mark.parametrize(
+    "model,cluster,extra",
+    [
+        # two pipelines, one per machine (0.5x and 1x devices): a 5 / 11 split of 16 samples
+        ("bert", "local_2x2", ("method.stage_level=device", "global_batch=16")),
+        # pipelines of the 0.25x and 0.5x devices and of the two 1x ones
+        ("bert", "local_hetero4", ("method.num_stages=2",)),
+    ],
+)
+def test_pipelines_with_uneven_batches_equal_single_device_training(cfg_factory, model, cluster, extra):
+    """Each pipeline's share in proportion to its priced speed, as the planner makes them for
+    pipelines of alike devices whose replicas are unlike (method.alike=pipeline)."""
+    case = _check_one_step(
+        cfg_factory,
+        f"model={model}",
+        f"cluster={cluster}",
+        "method=pipeline",
+        "method.alike=pipeline",
+        "method.profile=false",
+        *extra,
+        ranks=4,
+    )
+    d = case.plan.details
+    assert d["num_pipelines"] == 2 and len(set(d["pipeline_batches"])) == 2, d
+    assert sum(d["pipeline_batches"]) == case.workload.global_batch
 
 
 @pytest.mark.parametrize("model", ["vgg19", "bert_moe"])  # convolutions, experts; bert below

@@ -1,6 +1,7 @@
 """What the new methods' programs price is what their runtimes do: FSDP2's collectives (kind,
 bytes per rank, order) and the pipeline's transfers (which micro-batch, which way, bytes, in
-each stage's order) recorded on real ranks, against the Program / PipelineProgram of the plan."""
+each rank's order, under single-stage and multi-stage schedules, pipelines at their own
+micro-batch) recorded on real ranks, against the Program / PipelineProgram of the plan."""
 
 from __future__ import annotations
 
@@ -89,17 +90,40 @@ def test_fsdp_runs_the_collectives_its_program_prices(cfg_factory, model, method
         assert ran == priced, f"rank {rank}: ran {ran} priced {priced}"
 
 
-@pytest.mark.parametrize("overrides,world", [(("cluster=local_hetero2",), 2)])
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (("cluster=local_hetero2", "method.schedule=1f1b"), 2),
+        # two stages per rank: the stages a rank holds pass their tensors in memory
+        (("cluster=local_hetero2", "method.schedule=zbvzerobubble"), 2),
+        # pipelines at their own micro-batch: each sends its own bytes
+        (
+            (
+                "cluster=local_2x2",
+                "method.stage_level=device",
+                "method.alike=pipeline",
+                "method.schedule=interleaved1f1b",
+                "global_batch=16",
+            ),
+            4,
+        ),
+    ],
+)
 def test_the_pipeline_sends_what_its_program_prices_in_the_traced_order(cfg_factory, overrides, world):
     cfg = cfg_factory("model=bert", "method=pipeline", "method.profile=false", "mode=sim", *overrides)
     case = prepare_case(cfg, new_record(cfg))
     program = case.plan.program
     got = _record(case, "pipeline", world)
-    for s, st in enumerate(program.stages):
-        expected = []
-        for a in program.actions[s]:
-            if a[0] in ("send", "recv"):
-                to = s + 1 if (a[0] == "send") == (a[2] == "act") else s - 1
-                nbytes = st.send_bytes if (a[2] == "act") == (a[0] == "send") else program.stages[to].send_bytes
-                expected.append(("isend" if a[0] == "send" else "irecv", nbytes))
-        assert got[st.ranks[0]] == expected, f"stage {s}"
+    for p in range(program.num_pipelines):
+        for r, actions in enumerate(program.actions):
+            expected = []
+            for a in actions:
+                if a[0] in ("send", "recv"):
+                    _, _, what, k, _ = a
+                    # the tensor is stage j's output: what k sends forward or receives back
+                    j = k if (a[0] == "send") == (what == "act") else k - 1
+                    nbytes = program.stages[j].work[p].send_bytes
+                    expected.append(("isend" if a[0] == "send" else "irecv", nbytes))
+            rank = program.position_ranks(r)[p]
+            assert got[rank] == expected, f"pipeline {p}, position {r} (rank {rank})"
+    assert len({w.send_bytes for w in program.stages[0].work}) == program.num_pipelines

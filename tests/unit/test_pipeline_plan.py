@@ -1,6 +1,6 @@
-"""The pipeline's plan and price (methods/pipeline/, bench/cost/pipeline.py): torch's schedule
-as traced, the replay of a schedule, the stage cuts and device order the planner picks, the
-memory it checks against the memory the simulator prices, and bad input."""
+"""The pipeline's plan and price (methods/pipeline/, bench/cost/pipeline.py): torch's schedules
+as traced, the replay of a schedule, the stage cuts, device order, schedule and shares the
+planner picks, the memory it checks against the memory the simulator prices, and bad input."""
 
 from __future__ import annotations
 
@@ -15,28 +15,81 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Workload
 from bench.core.program import Affine, Memory, Stage
 from bench.cost import simulate
-from bench.cost.pipeline import PipelineProgram, PipeStage, in_flight, replay
+from bench.cost.pipeline import (
+    SCHEDULES,
+    PipelineProgram,
+    PipeStage,
+    StageBytes,
+    StageWork,
+    activation_peak,
+    in_flight,
+    rank_memory,
+    replay,
+    stage_peak,
+    stage_peak_bytes,
+)
 from bench.records.rows import load_records
 from bench.runner.execute import run_case
-from methods.pipeline import PipelineParallel, StageOOM, micro_batch_choices, trace_schedule
+from methods.pipeline import PipelineParallel, StageOOM, micro_batch_counts, trace_schedule
+from methods.pipeline.schedule import ScheduleRefused, schedule_class
 from tests.conftest import compose_config
 
+SHAPES = [  # (schedule, ranks, stages per rank, micro-batches)
+    ("1f1b", 2, 1, 2),
+    ("1f1b", 3, 1, 4),
+    ("1f1b", 4, 1, 8),
+    ("gpipe", 2, 1, 2),
+    ("gpipe", 4, 1, 8),
+    ("interleaved1f1b", 2, 2, 4),
+    ("interleaved1f1b", 2, 3, 6),
+    ("loopedbfs", 2, 2, 4),
+    ("interleavedzerobubble", 2, 2, 4),
+    ("interleavedzerobubble", 4, 2, 8),
+    ("zbvzerobubble", 2, 2, 4),
+    ("zbvzerobubble", 3, 2, 6),
+    ("dualpipev", 2, 2, 4),
+]
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("stages,micro", [(2, 2), (3, 4), (4, 8)])
-def test_traced_schedule_runs_every_micro_batch_once_and_matches_sends_with_receives(schedule, stages, micro):
-    traces = [trace_schedule(schedule, stages, micro, s) for s in range(stages)]
-    for s, actions in enumerate(traces):
-        assert sorted(a[1] for a in actions if a[0] == "F") == list(range(micro))
-        assert sorted(a[1] for a in actions if a[0] == "B") == list(range(micro))
-        # torch's 1F1B holds a micro-batch per later stage in flight; GPipe all of them
-        assert in_flight(actions) == (min(micro, stages - s) if schedule == "1f1b" else micro)
-        if s + 1 < stages:  # what a stage sends the next receives, in the same order
-            sent = [a[3] for a in actions if a[0] == "send" and a[2] == "act"]
-            received = [a[3] for a in traces[s + 1] if a[0] == "recv" and a[2] == "act"]
+
+def test_every_schedule_the_simulator_knows_is_torchs():
+    for name in SCHEDULES:
+        assert schedule_class(name).__module__ == "torch.distributed.pipelining.schedules", name
+
+
+@pytest.mark.parametrize("schedule,ranks,per_rank,micro", SHAPES)
+def test_traced_schedule_runs_every_micro_batch_once_and_matches_sends_with_receives(schedule, ranks, per_rank, micro):
+    traces = [trace_schedule(schedule, ranks, micro, r, per_rank) for r in range(ranks)]
+    where = traces[0].stage_rank
+    K = ranks * per_rank
+    assert sorted(k for t in traces for k in t.stages) == list(range(K))
+    for r, t in enumerate(traces):
+        assert t.stage_rank == where and all(where[k] == r for k in t.stages)
+    for k in range(K):
+        actions = [a for a in traces[where[k]].actions if a[0] in ("F", "B", "I", "W") and a[1] == k]
+        assert sorted(a[2] for a in actions if a[0] == "F") == list(range(micro))
+        # every micro-batch's backward once: whole, or split into the input's and the weights'
+        assert sorted(a[2] for a in actions if a[0] in ("B", "W")) == list(range(micro))
+        assert sorted(a[2] for a in actions if a[0] in ("B", "I")) == list(range(micro))
+        if k + 1 < K and where[k] != where[k + 1]:  # what a stage sends the next receives, in order
+            mine, theirs = traces[where[k]].actions, traces[where[k + 1]].actions
+            sent = [a[4] for a in mine if a[0] == "send" and a[2] == "act" and a[3] == k]
+            received = [a[4] for a in theirs if a[0] == "recv" and a[2] == "act" and a[3] == k + 1]
             assert sent == received == list(range(micro))
-            back = [a[3] for a in traces[s + 1] if a[0] == "send" and a[2] == "grad"]
-            assert back == [a[3] for a in actions if a[0] == "recv" and a[2] == "grad"]
+            back = [a[4] for a in theirs if a[0] == "send" and a[2] == "grad" and a[3] == k + 1]
+            assert back == [a[4] for a in mine if a[0] == "recv" and a[2] == "grad" and a[3] == k]
+            assert sorted(back) == list(range(micro))
+    if per_rank == 1:  # torch's 1F1B holds a micro-batch per later stage in flight; GPipe all of them
+        for s, t in enumerate(traces):
+            assert in_flight(t.actions) == (min(micro, ranks - s) if schedule == "1f1b" else micro)
+
+
+def test_torch_refuses_what_its_schedule_cannot_run():
+    with pytest.raises(ScheduleRefused, match=r"microbatches \(2\) must be greater than or equal"):
+        trace_schedule("1f1b", 4, 2, 0)
+    with pytest.raises(ScheduleRefused, match="ZBV requires exactly 2 stages per rank"):
+        trace_schedule("zbvzerobubble", 2, 4, 0, 3)
+    with pytest.raises(ScheduleRefused, match="several stages per rank, not 1"):
+        trace_schedule("interleaved1f1b", 2, 4, 0, 1)
 
 
 def _cluster(num: int, speeds=None, gbps: float = 1e6) -> ClusterSpec:
@@ -55,16 +108,25 @@ def _cluster(num: int, speeds=None, gbps: float = 1e6) -> ClusterSpec:
     ).with_host_speed(1e9)
 
 
-def _uniform_program(schedule: str, stages: int, micro: int, seconds: float) -> PipelineProgram:
-    flops = Affine(seconds * 1e9)  # at the host's 1e9 FLOP/s
-    st = [
-        PipeStage(
-            (s, s + 1), (s,), (Stage(flops=flops),), (Stage(flops=flops.scale(2.0)),), (0.0, 0.0), 0.0, 0.0, Memory()
-        )
-        for s in range(stages)
-    ]
-    actions = tuple(trace_schedule(schedule, stages, micro, s) for s in range(stages))
-    return PipelineProgram(tuple(st), actions, micro, 1, 1, stages, schedule)
+def _uniform_program(
+    schedule: str, ranks: int, micro: int, seconds: float, per_rank: int = 1, nbytes: float = 0.0
+) -> PipelineProgram:
+    """Stages of `seconds` forward and twice that backward each (at the host's 1e9 FLOP/s)."""
+    traces = [trace_schedule(schedule, ranks, micro, r, per_rank) for r in range(ranks)]
+    where = traces[0].stage_rank
+    flops = Affine(seconds * 1e9)
+    work = StageWork((Stage(flops=flops),), (Stage(flops=flops.scale(2.0)),), (0.0, 0.0), nbytes)
+    stages = tuple(PipeStage((k, k + 1), (where[k],), (work,), 0.0) for k in range(ranks * per_rank))
+    return PipelineProgram(
+        stages,
+        tuple(t.actions for t in traces),
+        micro,
+        (1,),
+        ranks,
+        tuple((Memory(),) for _ in range(ranks)),
+        schedule=schedule,
+        stage_rank=where,
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -73,31 +135,61 @@ def test_balanced_pipeline_without_links_takes_micro_batches_plus_stages_minus_o
     stages, micro, f = 4, 8, 0.01
     program = _uniform_program(schedule, stages, micro, f)
     cluster = _cluster(stages)
-    lines = replay(program, cluster, 0, [(f, 2 * f)] * stages)
+    lines = replay(program, cluster, 0, [(f, 2 * f, 0.0, 2 * f)] * stages, [0.0] * stages)
     assert max(t.end_s for t in lines) == pytest.approx((micro + stages - 1) * 3 * f)
     assert simulate(program, cluster, None).iter_time_s == pytest.approx((micro + stages - 1) * 3 * f)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"])
+def test_several_stages_per_rank_shrink_the_bubble_of_the_same_work(schedule):
+    """The same model on the same ranks: cut into two stages per rank (each half the work),
+    torch's interleaved and zero-bubble schedules idle less than 1F1B's one stage per rank,
+    and never beat the work itself."""
+    ranks, micro, f = 4, 8, 0.01
+    cluster = _cluster(ranks)
+    one = simulate(_uniform_program("1f1b", ranks, micro, f), cluster, None).iter_time_s
+    two = simulate(_uniform_program(schedule, ranks, micro, f / 2, per_rank=2), cluster, None).iter_time_s
+    work = micro * 3 * f
+    assert work < two < one
+
+
 def test_a_slow_link_delays_every_hop_it_carries():
     stages, micro, f = 2, 2, 0.01
-    program = _uniform_program("1f1b", stages, micro, f)
-    base = simulate(program, _cluster(stages), None).iter_time_s
-    nbytes = 1e6
-    program = PipelineProgram(
-        tuple(
-            PipeStage(st.groups, st.ranks, st.forward, st.backward, st.launches, nbytes, 0.0, st.memory)
-            for st in program.stages
-        ),
-        program.actions,
-        micro,
-        1,
-        1,
-        stages,
-        "1f1b",
-    )
+    base = simulate(_uniform_program("1f1b", stages, micro, f), _cluster(stages), None).iter_time_s
+    program = _uniform_program("1f1b", stages, micro, f, nbytes=1e6)
     slow = simulate(program, _cluster(stages, gbps=8.0), None).iter_time_s  # 1 ms per MB
     # The critical path crosses the link 2 x m times: each micro-batch's activation and gradient.
     assert slow == pytest.approx(base + 2 * micro * 1e-3, rel=0.02)
+
+
+def test_a_rank_of_one_stage_holds_what_the_planners_arithmetic_says():
+    parts = StageBytes(100.0, 10.0, kept_bytes=7.0, backward_bytes=11.0, received_bytes=3.0, sent_bytes=2.0)
+    for schedule, micro in (("1f1b", 4), ("gpipe", 4)):
+        actions = trace_schedule(schedule, 3, micro, 1).actions
+        memory = rank_memory(actions, {1: parts}, micro, bucket_bytes=5.0)
+        expected = stage_peak_bytes(
+            param_bytes=100.0,
+            largest_param_bytes=10.0,
+            kept_bytes=7.0,
+            backward_bytes=11.0,
+            received_bytes=3.0,
+            sent_bytes=2.0,
+            in_flight=in_flight(actions),
+            num_micro_batches=micro,
+            bucket_bytes=5.0,
+            foreach=False,
+        )
+        assert stage_peak(memory, foreach=False) == pytest.approx(expected)
+
+
+def test_a_rank_of_two_stages_holds_both_stages_micro_batches_in_flight():
+    """ZBV's first rank holds stages 0 and 3: at its peak, micro-batches of both are in flight."""
+    actions = trace_schedule("zbvzerobubble", 2, 4, 0, 2).actions
+    a = StageBytes(0.0, 0.0, kept_bytes=1.0, backward_bytes=1.0, received_bytes=0.0, sent_bytes=0.0)
+    b = StageBytes(0.0, 0.0, kept_bytes=100.0, backward_bytes=100.0, received_bytes=0.0, sent_bytes=0.0)
+    peak = activation_peak(actions, {0: a, 3: b})
+    alone = max(activation_peak(actions, {0: a, 3: StageBytes(0, 0, 0, 0, 0, 0)}), 1.0)
+    assert peak > 100.0 and peak >= 100.0 * in_flight(actions, 3) and alone >= in_flight(actions, 0) * 1.0
 
 
 @functools.cache
@@ -114,7 +206,9 @@ def _paper_cluster(**changes) -> ClusterSpec:
 
 def test_the_slowest_device_gets_the_cheapest_layer_group():
     cluster = _cluster(4, [1.0, 1.0, 0.5, 0.25])
-    plan = PipelineParallel(profile=False, stage_level="device", num_stages=4).plan(_workload("bert", 32), cluster)
+    plan = PipelineParallel(profile=False, stage_level="device", num_stages=4, schedule="1f1b").plan(
+        _workload("bert", 32), cluster
+    )
     stages = plan.details["stages"]
     assert [st["groups"] for st in stages] == [[0, 0], [1, 1], [2, 2], [3, 3]]
     # tiny BERT's embedding costs almost nothing: the 0.25 device holds it
@@ -122,9 +216,52 @@ def test_the_slowest_device_gets_the_cheapest_layer_group():
     assert sorted(r for st in stages for r in st["ranks"]) == [0, 1, 2, 3]
 
 
+def _two_speed_plan(shares: str):
+    """Two pipelines of two ranks on a machine each (alike="pipeline"): one at full speed, one at half."""
+    cluster = _cluster(4, [1.0, 1.0, 0.5, 0.5], gbps=100.0)
+    method = PipelineParallel(
+        profile=False, num_stages=2, alike="pipeline", schedule="1f1b", num_micro_batches=2, shares=shares
+    )
+    return method.plan(_workload("bert", 32), cluster), cluster
+
+
+def test_pipelines_at_unlike_speeds_get_batches_in_proportion_and_finish_sooner():
+    plan, cluster = _two_speed_plan("priced")
+    equal, _ = _two_speed_plan("equal")
+    d = plan.details
+    fast = next(p for p, ranks in enumerate(d["pipelines"]) if set(ranks) == {0, 1})
+    slow = 1 - fast
+    batches = d["pipeline_batches"]
+    assert sum(batches) == 32 and equal.details["pipeline_batches"] == [16, 16]
+    assert 1.6 <= batches[fast] / batches[slow] <= 2.5  # speeds 1 and 0.5: twice the samples
+    assert all(b % d["num_micro_batches"] == 0 for b in batches)
+    # each rank loads its pipeline's samples and computes its micro-batch at a time
+    starts = {}
+    for r, (start, stop) in enumerate(plan.data_slices):
+        p = next(p for p, ranks in enumerate(d["pipelines"]) if r in ranks)
+        assert stop - start == batches[p] and plan.batch_shares[r] == d["micro_batches"][p]
+        starts.setdefault(p, start)
+    assert sorted(starts.values()) == [0, min(batches)] if starts[fast] else [0, batches[slow]]
+    t_priced = simulate(plan.program, cluster, None).iter_time_s
+    t_equal = simulate(equal.program, cluster, None).iter_time_s
+    assert t_priced < 0.85 * t_equal
+
+
+def test_the_program_prices_each_pipeline_at_its_own_batch():
+    plan, _ = _two_speed_plan("priced")
+    program = plan.program
+    mbs = program.micro_batches
+    assert len(set(mbs)) == 2 and list(mbs) == plan.details["micro_batches"]
+    for st in program.stages:  # FLOPs and sends scale with each pipeline's micro-batch
+        flops = [sum(s.flops.const for s in w.forward) for w in st.work]
+        assert flops[0] / mbs[0] == pytest.approx(flops[1] / mbs[1])
+        sends = [w.send_bytes for w in st.work]
+        assert sends[0] * mbs[1] == pytest.approx(sends[1] * mbs[0])
+
+
 def test_stages_over_machines_replicate_each_stage_on_a_machines_gpus():
     cluster = _paper_cluster(**{"cluster.gpus_per_machine": 2})
-    plan = PipelineParallel(stage_level="machine", num_stages=8).plan(
+    plan = PipelineParallel(stage_level="machine", num_stages=8, schedule="1f1b").plan(
         _workload("bert", 16 * 64, "preset=paper"), cluster
     )
     d = plan.details
@@ -134,15 +271,48 @@ def test_stages_over_machines_replicate_each_stage_on_a_machines_gpus():
     assert plan.data_slices[0] != plan.data_slices[1] and sum(plan.batch_shares) > 0
 
 
+def test_auto_prices_every_schedule_and_keeps_the_fastest():
+    cluster = _cluster(4, [1.0, 1.0, 0.5, 0.25], gbps=10.0)
+    workload = _workload("bert", 32)
+    auto = PipelineParallel(profile=False, num_stages=2)
+    best = simulate(auto.plan(workload, cluster).program, cluster, None).iter_time_s
+    for schedule in SCHEDULES:
+        try:
+            plan = PipelineParallel(profile=False, num_stages=2, schedule=schedule).plan(workload, cluster)
+        except ConfigError:
+            continue
+        assert plan.details["schedule"] == schedule
+        assert best <= simulate(plan.program, cluster, None).iter_time_s + 1e-12, schedule
+
+
+def test_micro_batches_past_four_per_stage_are_priced():
+    cluster = _cluster(2, [1.0, 0.5])
+    counts = micro_batch_counts(32, 1, "priced", "auto")
+    assert counts == [1, 2, 4, 8, 16, 32]
+    plan = PipelineParallel(profile=False, schedule="1f1b", num_micro_batches=16).plan(_workload("bert", 32), cluster)
+    assert plan.details["num_micro_batches"] == 16 and plan.program.micro_batches == (2,)
+
+
+def test_interleaved_schedules_hold_several_stages_per_rank_where_torch_places_them():
+    cluster = _cluster(2, [1.0, 0.5])
+    workload = _workload("bert", 16)
+    for schedule, where in (("interleaved1f1b", [0, 1, 0, 1]), ("zbvzerobubble", [0, 1, 1, 0])):
+        plan = PipelineParallel(profile=False, schedule=schedule, stages_per_rank=2).plan(workload, cluster)
+        d = plan.details
+        assert d["stages_per_rank"] == 2 and len(d["stages"]) == 4 and d["stage_rank"] == where
+        pipeline = d["pipelines"][0]
+        assert [st["ranks"] for st in d["stages"]] == [[pipeline[r]] for r in where]
+
+
 def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
     cluster = _paper_cluster(**{"cluster.gpus_per_machine": 1})
-    method = PipelineParallel(stage_level="machine")
+    method = PipelineParallel(stage_level="machine", schedule="1f1b")
     workload = _workload("bert", 8 * 64, "preset=paper")
     plan = method.plan(workload, cluster)
     sim = simulate(plan.program, cluster, None)
     from methods.capture import capture_config
     from methods.common import group_table
-    from methods.pipeline import _Costs
+    from methods.pipeline.planning import _Costs
 
     graph = capture_config(workload.model_cfg, workload.global_batch)
     costs = _Costs(graph, group_table(graph), cluster, 0.0)
@@ -151,30 +321,94 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
         peak = costs.peak(
             st.groups[0],
             st.groups[1],
-            program.micro_batch,
+            program.micro_batches[0],
             in_flight(program.actions[s]),
             program.num_micro_batches,
             program.num_pipelines > 1,
-            s == program.num_stages - 1,
         )
         assert sim.peak_mem_gib[st.ranks[0]] == pytest.approx(peak / 2**30)
 
 
-def test_micro_batches_must_divide_the_pipelines_batch_and_feed_every_stage():
-    assert micro_batch_choices(16, 2, "1f1b", "auto") == [2, 4, 8]
-    assert micro_batch_choices(16, 2, "gpipe", "auto") == [1, 2, 4, 8]
+def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups_inputs():
+    from methods.capture import capture_config
+    from methods.common import group_table
+    from methods.pipeline.planning import _Costs
+
+    cluster = _cluster(2, [1.0, 0.5])
+    workload = _workload("bert", 16)
+    graph = capture_config(workload.model_cfg, 16)
+    table = group_table(graph)
+    plain, ckpt = (_Costs(graph, table, cluster, 0.0, checkpointing=c) for c in (False, True))
+    first, end, mb = 1, 3, 4  # two transformer blocks
+
+    def flops(stages) -> float:
+        return sum(s.flops.const for s in stages)
+
+    fwd, bwd, fk, bk = plain.passes(first, end, mb)
+    _, bwd_ckpt, _, bk_ckpt = ckpt.passes(first, end, mb)
+    assert flops(bwd_ckpt) == pytest.approx(flops(bwd) + flops(fwd)) and bk_ckpt == bk + fk
+    assert ckpt.seconds(0, first, end, mb) > plain.seconds(0, first, end, mb)
+    (kept, held), (kept_ckpt, held_ckpt) = plain.activations(first, end), ckpt.activations(first, end)
+    assert kept_ckpt < kept / 4 and held_ckpt < held
+    assert 0 < ckpt.weight_share(first, end) < plain.weight_share(first, end)
+    # the plan: a smaller activation peak on every rank, a slower iteration
+    kw = dict(profile=False, schedule="gpipe", num_stages=2, num_micro_batches=4)
+    programs = [PipelineParallel(activation_checkpointing=c, **kw).plan(workload, cluster).program for c in (0, 1)]
+    sims = [simulate(p, cluster, None) for p in programs]
+    assert [st.groups for st in programs[0].stages] == [st.groups for st in programs[1].stages]
+    for r in range(2):
+        assert sims[1].memory_gib[r]["activations"] < sims[0].memory_gib[r]["activations"]
+    assert sims[1].iter_time_s > sims[0].iter_time_s
+
+
+def test_a_checkpointed_stage_computes_the_same_and_runs_each_group_again_in_backward():
+    import torch
+
+    from methods.capture import capture_config
+    from methods.common import group_table
+    from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
+
+    workload = _workload("bert", 4)
+    graph = capture_config(workload.model_cfg, 4)
+    table = group_table(graph)
+    tensors = {n.name for n in graph.nodes if n.is_tensor}
+    gm = model_graph(workload.build(0), workload.model_cfg, 4)
+    cuts = [0, 1, 3, 4]
+    first, _ = cut_graph(gm, table, tensors, cuts, 0)
+    plain, _ = cut_graph(gm, table, tensors, cuts, 1)
+    ckpt = checkpointed_stage(gm, table, tensors, 1, 3)
+    calls = []
+    for g in ckpt.groups:  # counted around forward itself (module hooks do not see the recompute)
+        g.forward = (lambda f: lambda *args: calls.append(1) or f(*args))(g.forward)
+    x = first(*workload.model_cfg.synthetic_batch(4, torch.Generator().manual_seed(0))[:-1])
+    outs = []
+    for stage in (plain, ckpt):
+        inp = x.detach().requires_grad_()
+        y = stage(inp)
+        y.square().sum().backward()
+        outs.append((y.detach(), inp.grad, [p.grad.clone() for p in stage.parameters()]))
+        for p in stage.parameters():
+            p.grad = None
+    assert torch.allclose(outs[0][0], outs[1][0]) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(outs[0][2], outs[1][2]))
+    assert len(calls) == 2 * len(ckpt.groups)  # forward, and again in backward
+
+
+def test_micro_batches_must_divide_the_batch_and_feed_every_pipeline():
+    assert micro_batch_counts(16, 1, "equal", "auto") == [1, 2, 4, 8, 16]
+    assert micro_batch_counts(16, 2, "equal", "auto") == [1, 2, 4, 8]
+    assert micro_batch_counts(16, 2, "priced", "auto") == [1, 2, 4, 8]
+    assert micro_batch_counts(24, 2, "priced", "auto") == [1, 2, 3, 4, 6, 8, 12]
+    with pytest.raises(
+        ConfigError, match=r"method.num_micro_batches=3 must divide the pipeline's batch of 8 samples; try 1, 2, 4, 8"
+    ):
+        micro_batch_counts(16, 2, "equal", 3)
     with pytest.raises(
         ConfigError,
-        match=r"method.num_micro_batches=3 must divide the pipeline's batch of 16 "
-        r"samples; try 1, 2, 4, 8, 16",
+        match=r"method.num_micro_batches=16 must divide the global batch of 16 samples into "
+        r"micro-batches for 2 pipelines; try 1, 2, 4, 8",
     ):
-        micro_batch_choices(16, 2, "1f1b", 3)
-    with pytest.raises(
-        ConfigError,
-        match=r"method.num_micro_batches=2 is fewer than the 4 stages: 1F1B needs a "
-        r"micro-batch per stage; try 4, 8, 16 \(or method.schedule=gpipe\)",
-    ):
-        micro_batch_choices(16, 4, "1f1b", 2)
+        micro_batch_counts(16, 2, "priced", 16)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +417,7 @@ def test_micro_batches_must_divide_the_pipelines_batch_and_feed_every_stage():
         (
             ["method.num_micro_batches=3"],
             "failed",
-            "method.num_micro_batches=3 must divide the pipeline's batch of 16 samples; try 1, 2, 4, 8, 16",
+            "method.num_micro_batches=3 must divide the global batch of 16 samples; try 1, 2, 4, 8, 16",
         ),
         (
             ["cluster=local_hetero4", "+model.spec.num_layers=1", "method.num_stages=4"],
@@ -195,24 +429,56 @@ def test_micro_batches_must_divide_the_pipelines_batch_and_feed_every_stage():
             "failed",
             "method.num_stages=3 does not divide the 2 devices of cluster=local_hetero2",
         ),
-        (["method.schedule=zigzag"], "failed", "method.schedule='zigzag' is unknown; use one of 1f1b, gpipe"),
+        (
+            ["method.schedule=zigzag"],
+            "failed",
+            "method.schedule='zigzag' is not a schedule torch.distributed.pipelining has; use auto or one of 1f1b",
+        ),
+        (
+            ["method.schedule=PipelineScheduleMulti"],
+            "failed",
+            "method.schedule='PipelineScheduleMulti' is torch's, but not one this method runs; use auto or one of",
+        ),
+        (
+            ["method.schedule=1f1b", "method.num_micro_batches=1"],
+            "failed",
+            "method.num_micro_batches=1 does not run under method.schedule=1f1b with 2 ranks a pipeline",
+        ),
+        (
+            ["method.schedule=1f1b", "method.stages_per_rank=2"],
+            "failed",
+            "method.stages_per_rank=2 needs a schedule that runs several stages per rank, but "
+            "method.schedule=1f1b runs one",
+        ),
+        (
+            ["method.schedule=zbvzerobubble", "method.stages_per_rank=3"],
+            "failed",
+            "method.stages_per_rank=3 does not run under method.schedule=zbvzerobubble",
+        ),
+        (
+            ["cluster=local_hetero4", "+model.spec.num_layers=1", "method.schedule=interleaved1f1b"],
+            "failed",
+            "method.schedule=interleaved1f1b needs at least 2 stages per rank",
+        ),
+        (["method.shares=uneven"], "failed", "method.shares='uneven' is unknown; use one of priced, equal"),
+        (["method.alike=devices"], "failed", "method.alike='devices' is unknown; use one of auto, stage, pipeline"),
         (
             [
                 "preset=paper",
                 "cluster=paper_hetero",
                 "cluster.gpus_per_machine=1",
-                "+cluster.machines.0.memory_gib=1",
-                "+cluster.machines.1.memory_gib=1",
+                "+cluster.machines.0.memory_gib=0.1",
+                "+cluster.machines.1.memory_gib=0.1",
             ],
             "oom",
-            "fits device memory: stage",
+            "fits device memory: ",
         ),
     ],
 )
 def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, status, needle):
     cfg = cfg_factory("method=pipeline", "mode=sim", "method.profile=false", *overrides)
     record = run_case(cfg)
-    assert record.status == status
+    assert record.status == status, record.error
     assert needle in record.error and "\n" not in record.error.strip()
     rows = load_records(f"{cfg.results_dir}/records.jsonl")
     assert [r["status"] for r in rows] == [status] and rows[0]["iter_time_s_mean"] is None
@@ -220,11 +486,13 @@ def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, st
 
 def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned():
     cluster = _paper_cluster(
-        **{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 1, "+cluster.machines.1.memory_gib": 1}
+        **{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 0.1, "+cluster.machines.1.memory_gib": 0.1}
     )
     with pytest.raises(
         StageOOM,
         match=r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
-        r"method.num_micro_batches=\d+, more than a [PV]100-16's 1 GiB; use",
+        r"method.num_micro_batches=\d+, more than a [PV]100-16's 0.1 GiB; use",
     ):
-        PipelineParallel(stage_level="machine").plan(_workload("bert", 8 * 64, "preset=paper"), cluster)
+        PipelineParallel(stage_level="machine", schedule="1f1b").plan(
+            _workload("bert", 8 * 64, "preset=paper"), cluster
+        )

@@ -109,8 +109,9 @@ def test_every_method_prices_the_same_flops_per_iteration(model, preset):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("model", MODELS)
 def test_the_pipeline_prices_the_same_flops_per_iteration(model, preset):
-    """Its stages' forward and backward FLOPs at a micro-batch, times the micro-batches and the
-    pipelines, are the iteration's: every layer group in exactly one stage. (At a paper preset
+    """Its stages' forward and backward FLOPs at each pipeline's micro-batch, summed over the
+    pipelines and times the micro-batches, are the iteration's: every layer group in exactly
+    one stage. (At a paper preset
     the stages are priced by FLOPs; an emulated CPU cluster would time them.)"""
     from methods.pipeline import PipelineParallel
 
@@ -118,8 +119,9 @@ def test_the_pipeline_prices_the_same_flops_per_iteration(model, preset):
     program = planned.program
     groups = sorted(st.groups for st in program.stages)
     assert groups[0][0] == 0 and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    flops = sum(s.flops.const for st in program.stages for s in (*st.forward, *st.backward))
-    assert flops * program.num_micro_batches * program.num_pipelines == pytest.approx(
+    # each pipeline's stages at its own micro-batch
+    flops = sum(s.flops.const for st in program.stages for w in st.work for s in (*w.forward, *w.backward))
+    assert flops * program.num_micro_batches == pytest.approx(
         work_flops(plan(model, preset, "dp_ev").program), rel=1e-9
     )
 
