@@ -4,6 +4,8 @@ as the last stage's loss module. It plans nothing and runs no schedule."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -112,8 +114,14 @@ def cut_graph(
 def model_graph(model: nn.Module, model_cfg, batch_size: int, seed: int = 0) -> fx.GraphModule:
     """`model` (its own parameters) as the planner's ATen graph (methods.aten_capture.export_model)
     at `batch_size` samples: the nodes and their names are those of
-    methods.capture.capture_config(model_cfg, batch_size), so the planner's layer groups name them."""
+    methods.capture.capture_config(model_cfg, batch_size), so the planner's layer groups name them.
+
+    The sample batch is drawn on the CPU (the data's generator) and moved to the device the
+    model lives on: export traces one device, and the ops that make tensors from nothing
+    (positions, masks) take the capture's device, which must be the one the stage runs on."""
     from methods.aten_capture import export_model
 
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     sample = model_cfg.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
+    sample = tuple(t.to(device) for t in sample)
     return export_model(model, sample, what=f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}")

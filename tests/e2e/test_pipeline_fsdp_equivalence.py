@@ -23,6 +23,9 @@ def _single_device_step(case):
     optimizer = torch.optim.Adam(model.parameters(), lr=case.method.lr)
     loss = model(*batch) / workload.targets_per_iter
     loss.backward()
+    if case.method.grad_clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.method.grad_clip)
+        assert norm > case.method.grad_clip, "the test clips nothing: lower method.grad_clip"
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     optimizer.step()
     return loss.item(), grads, dict(model.named_parameters())
@@ -98,6 +101,22 @@ def test_two_stage_pipelines_replicated_over_unlike_devices_equal_single_device_
         ranks=4,
     )
     assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_micro_batches"] >= 2
+
+
+def test_clipped_pipelines_replicated_over_machines_equal_clipped_single_device_training(cfg_factory):
+    # The global norm: every stage of one pipeline counted once, its replicas not again.
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "cluster=local_2x2",
+        "method=pipeline",
+        "method.stage_level=machine",
+        "method.profile=false",
+        "method.grad_clip=0.05",
+        "global_batch=8",
+        ranks=4,
+    )
+    assert case.plan.details["num_pipelines"] == 2 and case.plan.details["num_stages"] == 2
 
 
 @pytest.mark.parametrize("model", ["vgg19", "bert_moe"])  # convolutions, experts; bert below
