@@ -398,7 +398,7 @@ class HapPlanner:
             )
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
-            res = synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=dp)
+            res = self._synthesize(theory, cost, dp)
             stats["search_s"] += time.perf_counter() - t1
             _count(stats, res)
             found = [res] if dp is None or dp.steps == res.steps else [res, dp]
@@ -471,11 +471,22 @@ class HapPlanner:
             dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
         )
         try:
-            res = synthesize(dp_theory, cost, self.max_expansions, self.beam_width)
+            res = self._synthesize(dp_theory, cost)
         except NoProgramError:
             return None
         _count(stats, res)
         return res
+
+    def _synthesize(self, theory, cost: CostModel, incumbent: SearchResult | None = None) -> SearchResult:
+        """A* with the beam; where the beam kept only prefixes that no program completes (a
+        model whose ops leave few ways through, e.g. a relative-position bucket that runs
+        replicated), the exact search, bounded by max_expansions alike."""
+        try:
+            return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=incumbent)
+        except NoProgramError:
+            if self.beam_width is None:
+                raise
+            return synthesize(theory, cost, self.max_expansions, None, incumbent=incumbent)
 
     def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
         """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the
