@@ -219,7 +219,23 @@ def planner_module(
             n.meta["nn_module_stack"] = {path: (path, cls) for path, cls in stack.values() if path}
     gm = fx.GraphModule(attrs, graph)
     gm.meta["dropped_buffer_updates"] = dropped
+    gm.meta["param_aliases"] = _aliases(model, {name for name, _ in gm.named_parameters()})
     return gm
+
+
+def _aliases(model: nn.Module, kept: set[str]) -> dict[str, str]:
+    """Other names of the graph's parameters: {alias: the name the graph module keeps} (a tied
+    embedding and head is one parameter with two names; the graph may read it by both, but
+    holds it once)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = {}
+    for group in names.values():
+        canonical = next((n for n in group if n in kept), None)
+        if canonical is not None:
+            out.update({n: canonical for n in group if n != canonical})
+    return out
 
 
 def _updates_buffer(n: fx.Node, buffers: dict) -> bool:
