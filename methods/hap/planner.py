@@ -103,6 +103,9 @@ class Candidate:
         return (self.oom, self.iter_time_s)  # fitting in memory first, then speed
 
 
+EXACT_RETRY_EXPANSIONS = 200_000  # the exact search after the beam found no program (HapPlanner._synthesize)
+
+
 @dataclass
 class HapPlanner:
     """Options of the planner (each part can be switched off for ablations).
@@ -480,13 +483,20 @@ class HapPlanner:
     def _synthesize(self, theory, cost: CostModel, incumbent: SearchResult | None = None) -> SearchResult:
         """A* with the beam; where the beam kept only prefixes that no program completes (a
         model whose ops leave few ways through, e.g. a relative-position bucket that runs
-        replicated), the exact search, bounded by max_expansions alike."""
+        replicated), the exact search, with at most EXACT_RETRY_EXPANSIONS states (the models
+        that needed it took about 5,000; one that needs more has no plan in reach)."""
         try:
             return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=incumbent)
-        except NoProgramError:
+        except NoProgramError as beam:
             if self.beam_width is None:
                 raise
-            return synthesize(theory, cost, self.max_expansions, None, incumbent=incumbent)
+            budget = min(self.max_expansions, EXACT_RETRY_EXPANSIONS)
+            try:
+                return synthesize(theory, cost, budget, None, incumbent=incumbent)
+            except NoProgramError:
+                raise NoProgramError(
+                    f"{beam}; the exact search found none in {budget} expanded states either"
+                ) from None
 
     def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
         """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the
