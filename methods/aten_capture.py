@@ -122,7 +122,16 @@ def export_model(
         ) from exc
     finally:
         quiet.setLevel(level)
-    return planner_module(ep, model, what, batch_norm)
+    try:
+        return planner_module(ep, model, what, batch_norm)
+    except CaptureError as exc:
+        if not isinstance(exc.__cause__, _NotPlannerForm):
+            raise
+    # An in-place write into a tensor read again (a slice assigned, x[:, 1:] = y), or a region
+    # exported as a submodule: the same program functionalised by torch.export (scatters into
+    # copies instead of writes, regions inlined), which keeps what each op computes; only the
+    # models that need it get its other op names.
+    return planner_module(ep.run_decompositions({}), model, what, batch_norm)
 
 
 def _first_refused(exc: BaseException) -> str:
@@ -177,6 +186,11 @@ def planner_module(
         if n.op == "output":
             graph.output(env[_find(ep.graph, user_out[0])])
             continue
+        if n.op == "get_attr":
+            raise CaptureError(
+                f"{what}: forward holds a region exported as a submodule ({n.target}: torch.no_grad() or "
+                "another context inside forward), which the planner cannot split"
+            ) from _NotPlannerForm()
         target = n.target
         if target in _DROP:
             continue
@@ -205,7 +219,23 @@ def planner_module(
             n.meta["nn_module_stack"] = {path: (path, cls) for path, cls in stack.values() if path}
     gm = fx.GraphModule(attrs, graph)
     gm.meta["dropped_buffer_updates"] = dropped
+    gm.meta["param_aliases"] = _aliases(model, {name for name, _ in gm.named_parameters()})
     return gm
+
+
+def _aliases(model: nn.Module, kept: set[str]) -> dict[str, str]:
+    """Other names of the graph's parameters: {alias: the name the graph module keeps} (a tied
+    embedding and head is one parameter with two names; the graph may read it by both, but
+    holds it once)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = {}
+    for group in names.values():
+        canonical = next((n for n in group if n in kept), None)
+        if canonical is not None:
+            out.update({n: canonical for n in group if n != canonical})
+    return out
 
 
 def _updates_buffer(n: fx.Node, buffers: dict) -> bool:
@@ -281,8 +311,14 @@ def _functional(target: torch._ops.OpOverload, n: fx.Node, last_read: dict, orde
         raise CaptureError(
             f"{what}: op {target} at node {n.name!r} {reason}; the planner needs a forward without "
             "in-place writes there (write x = x + y, not x += y), or model=custom with such a forward"
-        )
+        ) from _NotPlannerForm()
     return twin
+
+
+class _NotPlannerForm(Exception):
+    """The cause of a CaptureError export_model answers with the functionalised program: an
+    in-place write into a tensor read again, or a region of forward exported as a submodule
+    (torch.no_grad() inside forward: a higher-order op), which functionalising inlines."""
 
 
 def _batch_norm(graph: fx.Graph, n: fx.Node, args: tuple) -> fx.Node:

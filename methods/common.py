@@ -143,6 +143,9 @@ class GroupTable:
     tail: list[str]
     targets: list[str]
     batch: int
+    # parameters read by ops of several groups (a tied embedding and head), listed with the
+    # group of their first user like any other
+    shared_params: list[str] = field(default_factory=list)
 
     @property
     def num_groups(self) -> int:
@@ -228,7 +231,17 @@ def group_table(graph) -> GroupTable:
         readers += [last for u in users.get(n.name, []) if u in tail]
         for b in range(made, max(readers, default=made)):
             table[b].out_bytes += n.nbytes / batch
-    return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch)
+    gm = getattr(graph, "gm", None)
+    aliases = gm.meta.get("param_aliases", {}) if gm is not None else {}
+    readers: dict[str, set[int]] = {}  # a parameter, by the name the graph keeps, and its readers' groups
+    for n in nodes:
+        if n.kind == "get_attr":
+            target = str(n.fx_node.target)
+            readers.setdefault(aliases.get(target, target), set()).update(
+                node_group[u] for u in users.get(n.name, []) if u in node_group
+            )
+    shared = [str(n.fx_node.target) for n in nodes if n.is_param and len(readers.get(str(n.fx_node.target), ())) > 1]
+    return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch, shared)
 
 
 def _all_inputs(node) -> list[str]:

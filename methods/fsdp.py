@@ -46,12 +46,21 @@ SPLITS = ("even", "compute")
 WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
 
 
-def fsdp_units(table: GroupTable, param_names: list[str]) -> tuple[list[tuple[int, list[str]]], list[str]]:
+def fsdp_units(
+    table: GroupTable, param_names: list[str], aliases: dict[str, str] | None = None
+) -> tuple[list[tuple[int, list[str]]], list[str]]:
     """(units, root's parameters): per layer group that has parameters, the group and the
     modules that cover exactly its parameters (the largest module all of whose parameters are
     the group's), in forward order; the parameters no such module covers stay with the root
-    (the model's own, and those of a module read by several groups)."""
-    owner_group = {p: g.index for g in table.groups for p in g.params}
+    (the model's own, and those of a module read by several groups: a tied embedding and head
+    is one parameter read first by the embeddings' group and last by the head's, which FSDP2
+    cannot gather as two units). `aliases`: the parameters' other names ({alias: name}, the
+    capture's `param_aliases`): a module holding a parameter under another name holds it too."""
+    aliases = aliases or {}
+    shared = set(table.shared_params)
+    owner_group = {p: g.index for g in table.groups for p in g.params if p not in shared}
+    owner_group.update({a: owner_group[c] for a, c in aliases.items() if c in owner_group})
+    param_names = list(param_names) + [a for a in aliases if a not in param_names]
     covered: set[str] = set()
     units = []
     for g in table.groups:
@@ -74,7 +83,7 @@ def fsdp_units(table: GroupTable, param_names: list[str]) -> tuple[list[tuple[in
         if mods:
             units.append((g.index, mods))
             covered |= {q for m in mods for q in param_names if q.startswith(m + ".")}
-    root = [p for p in param_names if p not in covered]
+    root = [p for p in param_names if p not in covered and p not in aliases]
     return units, root
 
 
@@ -153,7 +162,7 @@ class FullyShardedDP:
             meta={"method": self.name, "model": workload.name},
         )
         params = [str(p.fx_node.target) for p in graph.nodes if p.is_param]
-        units, root = fsdp_units(table, params)
+        units, root = fsdp_units(table, params, graph.gm.meta.get("param_aliases"))
         details = {
             "split": self.split,
             "batch_shares": shares,
@@ -224,7 +233,7 @@ def fsdp_program(
     included); activations as data parallelism keeps them (its share of the batch)."""
     n = num_devices
     shapes = {str(p.fx_node.target): (tuple(p.shape or ()), p.dtype.itemsize) for p in graph.nodes if p.is_param}
-    units, root = fsdp_units(table, list(shapes))
+    units, root = fsdp_units(table, list(shapes), graph.gm.meta.get("param_aliases"))
     unit_of_group = dict(units)
 
     def unit_params(mods: list[str]) -> list[str]:

@@ -107,16 +107,22 @@ def save_module(key: str, gm: fx.GraphModule) -> Path | None:
 
 
 def with_tensors(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
-    """`gm`'s graph over `model`'s own parameters and buffers (the get_attr targets are their
-    module paths); gm's constants (tensors forward makes from data) copied to the model's device."""
+    """A copy of `gm`'s graph over `model`'s own parameters and buffers (the get_attr targets are
+    their module paths); gm's constants (tensors forward makes from data) copied to the model's
+    device, and the ops that make tensors from nothing (arange, ones) retargeted to it."""
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     device = next(iter(named.values())).device if named else torch.device("cpu")
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = gm.graph._codegen
     attrs = {}
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if n.op == "get_attr":
             attrs[n.target] = named[n.target] if n.target in named else _attr(gm, n.target).to(device)
-    out = fx.GraphModule(attrs, gm.graph)
+        elif n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
+            n.update_kwarg("device", device)  # made from nothing: on the model's device, not the capture's
+    out = fx.GraphModule(attrs, graph)
     out.meta.update(gm.meta)
     return out
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from models.common import ModelConfig
-from models.tasks import TASKS, Task, TaskLoss, check_export, plain
+from models.tasks import TASKS, Task, TaskLoss, check_export, describe_export_error, plain
 
 # The Auto class of each task and the keyword its models take their inputs by.
 _AUTO = {
@@ -48,7 +48,11 @@ _AUTO = {
 _DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate)")
 
 # tiny: a few small layers. Per model type where its fields differ from the common names;
-# otherwise the common transformer fields the config has are set.
+# otherwise the common transformer fields the config has are set ("small"). A model that does
+# not build or export with those keeps its own widths at two layers ("shallow"): its fields
+# agree with each other in ways a fixed list of sizes cannot know (rotary and latent head
+# dims, per-stage lists, layer patterns).
+TINY_LEVELS = ("small", "shallow")
 _TINY_COMMON = {
     "num_hidden_layers": 2,
     "hidden_size": 64,
@@ -59,14 +63,54 @@ _TINY_COMMON = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
+# Parts of a layer, set where the config has them on (not None): a head's rotary part (GPT-J's
+# rotary_dim), latent attention's (DeepSeek's MLA: query and key-value ranks, the rotary and
+# plain parts of a query-key head, a value head), an expert's width.
+_TINY_PARTS = {
+    "rotary_dim": 8,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "moe_intermediate_size": 64,
+}
+_SWIN = {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 2}
 _TINY_BY_TYPE = {
     "resnet": {"embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1], "layer_type": "basic"},
     "convnext": {"hidden_sizes": [16, 32], "depths": [1, 1]},
-    "swin": {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 2},
+    "swin": _SWIN,
+    "donut-swin": _SWIN,
+    "swinv2": _SWIN,
+    "maskformer-swin": _SWIN,
     "vit": {"patch_size": 4},
+    "reformer": {"axial_pos_shape": [4, 8], "axial_pos_embds_dim": [16, 48]},
+}
+# At every tiny level: fields whose defaults leave the model unbuildable (None where a number
+# is read) or tied to the default depth or sequence length.
+_TINY_FIXES = {
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "esm": {"pad_token_id": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "reformer": {"axial_pos_shape": [4, 8]},
 }
 # Model types whose sizes are all in their own entry (their configs derive hidden_size).
-_TINY_ONLY_OWN = ("resnet", "convnext", "swin")
+_TINY_ONLY_OWN = ("resnet", "convnext", "swin", "donut-swin", "swinv2", "maskformer-swin")
+_SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# Fields that count layers (tiny: 2 of each) and per-stage block counts (tiny: 1 per stage).
+_LAYER_COUNTS = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "decoder_layers",
+    "encoder_layers",
+)
+_TINY_LAYERS = 2
 _TINY_SEQ_LEN, _TINY_IMAGE, _TINY_LABELS = 32, 32, 10
 ATTENTION = "hetbench_sdpa"  # module docstring
 _PAPER_SEQ_LEN, _PAPER_IMAGE, _PAPER_LABELS = 128, 224, 1000
@@ -210,6 +254,27 @@ class HFModelConfig(ModelConfig):
                 if v is not None
             }
         )
+        # The first (tiny level, attention) the model builds and exports with: a pure function
+        # of the fields above, so workers, which get this object, build the same. Attention:
+        # ours (module docstring), else transformers' SDPA (a model that reads the mask it
+        # makes), else its eager one (softcaps, position biases).
+        # Where none does, the last one's error is raised: the architecture's own widths and
+        # its reference attention, whose refusal is the model's, not the preset's.
+        levels = TINY_LEVELS if self.preset == "tiny" else TINY_LEVELS[:1]
+        tries = [(level, attention, False) for level in levels for attention in (ATTENTION, "sdpa", "eager")]
+        if self.preset == "tiny" and self.task == "image_cls" and self.image_size is None:
+            # a vision model that downsamples 32 pixels to nothing: its own image size
+            tries += [(TINY_LEVELS[-1], attention, True) for attention in (ATTENTION, "eager")]
+        for i, (self._tiny_level, self._attention, self._own_pixels) in enumerate(tries):
+            try:
+                self._check_builds()
+                break
+            except ValueError:
+                if i == len(tries) - 1:
+                    raise
+
+    def _check_builds(self) -> None:
+        """ValueError in one line unless the config is valid and the model builds and exports."""
         self.hf_config()  # the config's own checks (sizes that do not divide) fail here, in one line
         with torch.device("meta"):  # export can capture it (a meta forward exports, shared with the FLOP count)
             check_export(
@@ -244,7 +309,14 @@ class HFModelConfig(ModelConfig):
                 f"model.arch={arch!r} is not a transformers model type or a config.json; {hint}"
                 "list the known ones with: python -m models.hf"
             )
-        return T.AutoConfig.for_model(arch)
+        try:
+            return T.AutoConfig.for_model(arch)
+        except Exception as exc:  # a default config that fails its own checks
+            raise ValueError(
+                f"model.arch={arch}: transformers' own default config of {arch} does not validate "
+                f"({describe_export_error(exc)}); give the config.json of a real checkpoint: "
+                "model.arch=path/to/config.json"
+            ) from None
 
     def _default_task(self, served: list[str]) -> str:
         declared = (self._from_file or {}).get("architectures") or []
@@ -271,16 +343,11 @@ class HFModelConfig(ModelConfig):
         T = _transformers()
         values: dict[str, Any] = dict(self._from_file or {})
         values.pop("model_type", None)
+        pixels = self.pixels if self.task == "image_cls" else None
         if self.preset == "tiny":
-            tiny = dict(_TINY_BY_TYPE.get(self.model_type, {}))
-            for key, value in _TINY_COMMON.items():
-                if self.model_type not in _TINY_ONLY_OWN and _has_field(self._base, key) and key not in tiny:
-                    tiny[key] = value
-            if self.task == "image_cls":
-                tiny["image_size"] = self.pixels
-            values.update({k: v for k, v in tiny.items() if _has_field(self._base, k)})
-        elif self.task == "image_cls" and _has_field(self._base, "image_size"):
-            values["image_size"] = self.pixels
+            values.update(_tiny_fields(self._base, getattr(self, "_tiny_level", TINY_LEVELS[0]), pixels))
+        elif pixels is not None and _has_field(self._base, "image_size"):
+            values["image_size"] = pixels
         for key, value in self._base.to_dict().items():
             if _DROPOUT.search(key) and isinstance(value, float):
                 values[key] = 0.0
@@ -289,26 +356,37 @@ class HFModelConfig(ModelConfig):
         if _has_field(self._base, "use_cache"):
             values["use_cache"] = False
         values.update(self.config)
-        vocab = values.get("vocab_size", getattr(self._base, "vocab_size", None))
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-            token = values.get(key, getattr(self._base, key, None))
-            if isinstance(vocab, int) and isinstance(token, int) and token >= vocab:
-                values[key] = None  # a special token of the full vocabulary, past a smaller one
+        values.update(_tokens_in_vocab(self._base, values))
         if self.task == "seq_cls" and getattr(self._base, "pad_token_id", None) is None:
             values.setdefault("pad_token_id", 0)  # decoders pool the last token before the first pad
+        encoder_decoder = self.task == "seq_cls" and getattr(self._base, "is_encoder_decoder", False)
+        if encoder_decoder and getattr(self._base, "decoder_start_token_id", None) is None:
+            # the decoder starts from the pad token (T5's convention)
+            values.setdefault("decoder_start_token_id", values.get("pad_token_id", self._base.pad_token_id) or 0)
+        if getattr(self._base, "languages", None) and getattr(self._base, "default_language", "") is None:
+            values.setdefault("default_language", self._base.languages[0])  # X-MOD's adapters pick one
         try:
             return T.AutoConfig.for_model(self.model_type, **values)
-        except (ValueError, TypeError, AssertionError) as exc:
-            raise ValueError(f"model.config for {self.model_type}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # a config's own checks raise many types; each becomes one line
+            raise ValueError(
+                f"model.config for {self.model_type}{self._preset_words()}: the config refused its fields: "
+                f"{describe_export_error(exc)}; set the field it names with model.config.<field>=..."
+            ) from None
+
+    def _preset_words(self) -> str:
+        if self.preset != "tiny":
+            return ""
+        return f" (preset=tiny, {getattr(self, '_tiny_level', TINY_LEVELS[0])} sizes)"
 
     # -- sizes -----------------------------------------------------------------------------
     @property
     def pixels(self) -> int:
         if self.image_size is not None:
             return self.image_size
-        if self.preset == "tiny":
+        if self.preset == "tiny" and not getattr(self, "_own_pixels", False):
             return _TINY_IMAGE
-        return int(getattr(self._base, "image_size", _PAPER_IMAGE) or _PAPER_IMAGE)
+        own = getattr(self._base, "image_size", _PAPER_IMAGE) or _PAPER_IMAGE
+        return int(own[0] if isinstance(own, (list, tuple)) else own)
 
     @property
     def labels(self) -> int:
@@ -323,24 +401,44 @@ class HFModelConfig(ModelConfig):
         )
 
     def task_spec(self) -> Task:
-        cfg = self.hf_config()
+        cfg = _for_model_class(self.hf_config(), self._model_class())
         if self.task == "image_cls":
+            vision = getattr(cfg, "vision_config", None) or cfg
             return Task(
                 "image_cls",
                 num_labels=self.labels,
                 image_size=self.pixels,
-                channels=int(getattr(cfg, "num_channels", 3)),
+                channels=int(getattr(vision, "num_channels", getattr(cfg, "num_channels", 3))),
             )
-        return Task(self.task, seq_len=self.tokens, vocab_size=int(cfg.vocab_size), num_labels=self.labels)
+        return Task(self.task, seq_len=self.tokens, vocab_size=_vocab_size(cfg), num_labels=self.labels)
+
+    def _model_class(self):
+        """The model class of the task's Auto class for this config: where it maps the config
+        to several, the one the config's `architectures` names, else the first."""
+        mapped = getattr(_transformers(), _AUTO[self.task][0])._model_mapping[type(self._base)]
+        if not isinstance(mapped, (tuple, list)):
+            return mapped
+        names = {m.__name__: m for m in mapped}
+        declared = [a for a in (self._from_file or {}).get("architectures") or [] if a in names]
+        return names[declared[0]] if declared else mapped[0]
 
     # -- the harness's contract ------------------------------------------------------------
     def build(self) -> nn.Module:
-        T = _transformers()
-        auto, _, keyword = _AUTO[self.task]
+        _, _, keyword = _AUTO[self.task]
         config = self.hf_config()
-        model_cls = getattr(T, auto)._model_mapping[type(config)]
-        extra = {"attn_implementation": ATTENTION} if getattr(model_cls, "_supports_sdpa", False) else {}
-        backbone = getattr(T, auto).from_config(config, **extra)
+        model_cls = self._model_class()
+        config = _for_model_class(config, model_cls)
+        attention = getattr(self, "_attention", ATTENTION)
+        supported = attention != ATTENTION or getattr(model_cls, "_supports_sdpa", False)
+        extra = {"attn_implementation": attention} if supported else {}
+        try:
+            backbone = model_cls._from_config(config, **extra)
+        except Exception as exc:  # transformers' models fail to build in many ways; each becomes one line
+            raise ValueError(
+                f"model.arch={self.arch}{self._preset_words()}: transformers could not build "
+                f"{model_cls.__name__} from its config: {describe_export_error(exc)}; a config field "
+                "disagrees with another: set it with model.config.<field>=..."
+            ) from None
         model = TaskLoss(backbone, self.task, keyword, export_key=repr(self))
         model.train()
         return model
@@ -375,7 +473,144 @@ class HFModelConfig(ModelConfig):
 
 
 def _has_field(config, key: str) -> bool:
-    return key in config.to_dict() or key in getattr(config, "attribute_map", {}) or hasattr(config, key)
+    if key in config.to_dict() or key in getattr(config, "attribute_map", {}):
+        return True
+    try:
+        return hasattr(config, key)
+    except Exception:  # a field the config keeps per layer and refuses to read globally
+        return True
+
+
+def _settable(config, key: str) -> bool:
+    """A field the config takes: one it stores or maps to a stored one, not a property it
+    derives from others (falcon's head_dim, funnel's layer count from its block sizes)."""
+    if key in config.to_dict() or key in getattr(config, "attribute_map", {}):
+        return True
+    return hasattr(config, key) and not isinstance(getattr(type(config), key, None), property)
+
+
+def _tiny_fields(config, level: str, pixels: int | None) -> dict[str, Any]:
+    """The tiny preset's fields of `config` at `level` (TINY_LEVELS), its sub-configs' (text,
+    vision, ...) as whole dicts with theirs; `pixels`: the image size of an image task."""
+    model_type = getattr(config, "model_type", "")
+    out: dict[str, Any] = {}
+    if level == "small":
+        out = dict(_TINY_BY_TYPE.get(model_type, {}))
+        if model_type not in _TINY_ONLY_OWN:
+            out.update({k: v for k, v in _TINY_COMMON.items() if k not in out and _has_field(config, k)})
+            out.update({k: v for k, v in _TINY_PARTS.items() if k not in out and _value(config, k) is not None})
+    else:  # shallow: the architecture's own widths, two layers, a small vocabulary
+        out = {k: _TINY_LAYERS for k in _LAYER_COUNTS if isinstance(_value(config, k), int)}
+        if isinstance(_value(config, "depths"), list):
+            out["depths"] = [1] * len(config.depths)
+        if isinstance(_value(config, "vocab_size"), int):
+            out["vocab_size"] = _TINY_COMMON["vocab_size"]
+    out.update({k: v for k, v in _TINY_FIXES.get(model_type, {}).items() if k not in out})
+    if isinstance(out.get("depths"), list) and isinstance(_value(config, "num_stages"), int):
+        out["num_stages"] = len(out["depths"])  # stage lists and their count agree
+    if pixels is not None:
+        own = _value(config, "image_size")
+        out["image_size"] = [pixels] * len(own) if isinstance(own, (list, tuple)) else pixels
+    out = {k: v for k, v in out.items() if _settable(config, k)}
+    if level != "small":  # small keeps what the config derives from its layer count itself
+        out.update(_per_layer_fields(config, out))
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        fields = _tiny_fields(sub, level, pixels if "vision" in name else None)
+        fields.update(_tokens_in_vocab(sub, fields))
+        zeroed = {k: 0.0 for k, v in sub.to_dict().items() if _DROPOUT.search(k) and isinstance(v, float)}
+        if fields or zeroed:
+            out[name] = {**sub.to_dict(), **zeroed, **fields}
+    return out
+
+
+def _per_layer_fields(config, fields: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer fields of `config` cut to the layer counts `fields` sets: a list of layer
+    indices keeps those below the new count; a list with an entry per layer its first and last
+    (a pattern's kinds, e.g. sliding then full attention); a mapping by layer index its layers
+    below the new count."""
+    out: dict[str, Any] = {}
+    for key in _LAYER_COUNTS:
+        old, new = _value(config, key), fields.get(key)
+        if not isinstance(old, int) or not isinstance(new, int) or new >= old:
+            continue
+        for name, value in config.to_dict().items():
+            if name in fields or name in out or name in ("id2label", "label2id"):
+                continue
+            if _layer_indices(value, old):
+                out[name] = [i for i in value if i < new]
+            elif isinstance(value, list) and len(value) == old and old > 1:
+                out[name] = [value[0], value[-1]][:new] if new <= 2 else value[:new]
+            elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                out[name] = {k: v for k, v in value.items() if int(k) < new}
+    return {k: v for k, v in out.items() if _settable(config, k)}
+
+
+def _layer_indices(value, count: int) -> bool:
+    """Whether `value` lists layers by index (distinct, increasing, below `count`)."""
+    if not isinstance(value, list) or not value or not all(type(i) is int for i in value):
+        return False
+    return all(0 <= a < b < count for a, b in zip(value, value[1:])) and value[-1] < count
+
+
+def _value(config, key: str):
+    """config.<key>, or None where the config has none or refuses to give one global value
+    (a field it keeps per layer)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
+def _for_model_class(config, model_cls):
+    """The config `model_cls` takes: `config`, or its sub-config of that class (a composite
+    config whose causal LM is its decoder's: MusicGen)."""
+    wanted = getattr(model_cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if isinstance(sub, wanted):
+            return sub
+    return config
+
+
+def _tokens_in_vocab(config, values: dict[str, Any]) -> dict[str, Any]:
+    """Special token ids of `config` past the vocabulary `values` gives it (a token of the full
+    vocabulary, past a smaller one): None where the config allows it, else the id modulo the
+    vocabulary (a field typed `int`)."""
+    vocab = values.get("vocab_size", _value(config, "vocab_size"))
+    out = {}
+    for key in _SPECIAL_TOKENS:
+        token = values.get(key, _value(config, key))
+        if isinstance(vocab, int) and vocab > 0 and isinstance(token, int) and token >= vocab:
+            out[key] = token % vocab if _annotation(config, key) is int else None
+    return out
+
+
+def _annotation(config, key: str):
+    """The type a config class declares for a field (None where it declares none)."""
+    for klass in type(config).__mro__:
+        hints = getattr(klass, "__annotations__", {})
+        if key in hints:
+            return hints[key]
+    return None
+
+
+def _vocab_size(config) -> int:
+    """Token ids of a language task are below it: the config's (or its text config's)
+    vocabulary; a byte range for models of characters without one (canine)."""
+    try:
+        text = config.get_text_config()
+    except Exception:  # several text configs (an encoder's and a decoder's): the top one's
+        text = None
+    for cfg in (config, text):
+        vocab = _value(cfg, "vocab_size")
+        if isinstance(vocab, int) and vocab > 1:
+            return vocab
+    return 256
 
 
 def main() -> None:

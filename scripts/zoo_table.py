@@ -2,16 +2,19 @@
 a cluster (default paper_hetero, k=8), and the zoo's tiny models trained for real.
 
 What it does: `sim` composes each zoo case as `bench.run` would (preset=paper, mode=sim), plans
-it with dp_ev, dp_cp, deepspeed, sfb and hap in this process and prints one row per model:
-parameters, hap's capture time, rule coverage (share of ops and of FLOPs), hap's plan in a few
-words, every method's simulated iteration time and hap's speedup over the best baseline; with
---repeat N, hap is planned N times and the planner's seconds are given as median [min, max].
-`real` runs `bench.run` per model for every method on a small emulated cluster (tiny preset,
-mode=real) into one results folder and prints the rows' status and throughput.
+it with every column's method in this process and prints one row per model: parameters, hap's
+capture time, rule coverage (share of ops and of FLOPs), hap's plan in a few words, every
+column's simulated iteration time and hap's speedup over the best other method that fits (sfb,
+hap's own synthesis without its LP, aside); with --repeat N, hap is planned N times and the
+planner's seconds are given as median [min, max]. `real` runs `bench.run` per model for every
+column on a small emulated cluster (tiny preset, mode=real) into one results folder and prints
+the rows' status and throughput. A column is a method with options (COLUMNS): deepspeed at
+ZeRO-3 is `deepspeed` with `method.zero_stage=3`, recorded under its column's name.
 
 What it doesn't do: no plot and no record of its own; the real rows are bench.run's.
 
     python scripts/zoo_table.py sim --repeat 3
+    python scripts/zoo_table.py sim --only "GPT-2" --columns hap fsdp
     python scripts/zoo_table.py real --results results/zoo/real
 """
 
@@ -22,13 +25,40 @@ import json
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("dp_ev", "dp_cp", "deepspeed", "sfb", "hap")
-BASELINES = ("dp_ev", "dp_cp", "deepspeed")
+
+@dataclass(frozen=True)
+class Column:
+    """A method of the table: a conf/method option with its options (method.<field>=V); rows of
+    a column with options are recorded under the column's name (method.name=<name>)."""
+
+    name: str
+    method: str
+    options: tuple[str, ...] = ()
+
+    def overrides(self) -> tuple[str, ...]:
+        named = () if self.name == self.method else (f"method.name={self.name}",)
+        return (f"method={self.method}", *named, *self.options)
+
+
+COLUMNS = (
+    Column("dp_ev", "dp_ev"),
+    Column("dp_cp", "dp_cp"),
+    Column("deepspeed", "deepspeed"),  # ZeRO-1, the method's default
+    Column("deepspeed_z3", "deepspeed", ("method.zero_stage=3",)),
+    Column("fsdp", "fsdp"),
+    Column("fsdp_cp", "fsdp_cp"),
+    Column("pipeline", "pipeline"),
+    Column("sfb", "sfb"),
+    Column("hap", "hap"),
+)
+# Not baselines of hap's speedup: hap itself, and sfb (hap's synthesis without its LP).
+NOT_BASELINES = ("hap", "sfb")
 CUSTOM = ("model=custom", "model.factory=tests.zoo_custom:build_decoder", "model.task=causal_lm")
 # (label, source, overrides at the realistic size[, hap's and sfb's own overrides]). Batch norm: hap
 # and sfb compute its statistics over the whole batch by default (exact, all-reduced), DDP and
@@ -90,7 +120,18 @@ def _plan_words(plan: dict) -> str:
     shape = "data parallel" if not sharded else f"{len(sharded)}/{total} params sharded"
     if 0 < len(sharded) <= 2:
         shape += " (" + ", ".join(f"{n[2:]} {layouts[n]}" for n in sharded) + ")"
-    return f"{plan['chosen']} @{plan['granularity']}: {shape}" + (f", {sfb} SFB ops" if sfb else "")
+    head = f"{plan['chosen']} @{plan['granularity']}"
+    return (head if shape == plan["chosen"] else f"{head}: {shape}") + (f", {sfb} SFB ops" if sfb else "")
+
+
+def _columns(args) -> tuple[Column, ...]:
+    """The columns asked for (--columns), hap always among them (its plan fills the row)."""
+    if not args.columns:
+        return COLUMNS
+    unknown = sorted(set(args.columns) - {c.name for c in COLUMNS})
+    if unknown:
+        raise SystemExit(f"--columns {' '.join(unknown)}: unknown; known: {', '.join(c.name for c in COLUMNS)}")
+    return tuple(c for c in COLUMNS if c.name in args.columns or c.name == "hap")
 
 
 def sim(args) -> None:
@@ -98,36 +139,39 @@ def sim(args) -> None:
     from bench.studies.regression import _compose
     from methods.capture import _captured
 
+    columns = _columns(args)
     case = ("preset=paper", f"cluster={args.cluster}", "mode=sim")
     print(
         "| model | source | parameters | capture s | rule coverage ops / FLOPs | hap's plan (k=8) "
-        "| " + " | ".join(f"{m} s" for m in METHODS) + " | hap vs best baseline | planner s (hap) |"
+        "| " + " | ".join(f"{c.name} s" for c in columns) + " | hap vs best other method | planner s (hap) |"
     )
-    print("|" + "---|" * (10 + len(METHODS) - 4))
+    print("|" + "---|" * (8 + len(columns)))
+    hap = next(c for c in columns if c.name == "hap")
     for label, source, overrides, *own in ZOO:
         if args.only and not any(o == label or (o in label and "," not in label) for o in args.only):
             continue
-        times, hap_records = {}, []
-        for method in ("hap",) + METHODS[:-1]:  # hap first, each time capturing afresh (no process cache)
-            for _ in range(args.repeat if method == "hap" else 1):
-                if method == "hap":
+        times, ooms, hap_records, refused = {}, {}, [], {}
+        for column in (hap,) + tuple(c for c in columns if c is not hap):  # hap first, capturing afresh
+            for _ in range(args.repeat if column is hap else 1):
+                if column is hap:
                     _captured.clear()
-                extra = own[0] if own and method in ("hap", "sfb") else ()
-                cfg = _compose(*case, *overrides, f"method={method}", *extra)
+                extra = own[0] if own and column.method in ("hap", "sfb") else ()
+                cfg = _compose(*case, *overrides, *column.overrides(), *extra)
                 record = new_record(cfg)
                 try:
                     prepared = prepare_case(cfg, record)
                 except Exception as exc:  # reported as measured: a case that does not plan
-                    print(f"note: {label}/{method}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    print(f"note: {label}/{column.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    if getattr(exc, "status", None) == "oom":  # no plan fits (the pipeline's stages)
+                        refused[column.name] = "OOM (no plan fits)"
                     break
-                times[method] = record.predicted_iter_time_s
-                oom = " OOM" if record.predicted_oom else ""
-                times[method + "_oom"] = oom
-                if method == "hap":
+                times[column.name] = record.predicted_iter_time_s
+                ooms[column.name] = " OOM" if record.predicted_oom else ""
+                if column is hap:
                     hap_records.append(record)
                     model_cfg = prepared.workload.model_cfg
         if not hap_records:
-            print(f"| {label} | {source} | - | - | - | hap failed | " + " | ".join("-" for _ in METHODS) + " |")
+            print(f"| {label} | {source} | - | - | - | hap failed | " + " | ".join("-" for _ in columns) + " | - | - |")
             continue
         rec = hap_records[0]
         plan, cov = rec.plan, rec.plan["rule_coverage"]
@@ -135,48 +179,64 @@ def sim(args) -> None:
         spread = (
             f"{statistics.median(secs):.1f} [{min(secs):.1f}, {max(secs):.1f}]" if len(secs) > 1 else f"{secs[0]:.1f}"
         )
-        # the best baseline that fits in memory (the simulator's verdict); an OOM one is shown, not counted
-        fits = [(times[m], m) for m in BASELINES if m in times and not times[m + "_oom"]]
-        best = min(fits) if fits else min((times[m], m + ", every baseline OOM") for m in BASELINES if m in times)
+        # the best other method that fits in memory (the simulator's verdict); an OOM one is shown, not counted
+        others = [c.name for c in columns if c.name not in NOT_BASELINES and c.name in times]
+        fits = [(times[m], m) for m in others if not ooms[m]]
+        best = min(fits) if fits else min(((times[m], m + ", every other method OOM") for m in others), default=None)
         words = _plan_words(plan)
         params = _params(model_cfg, 2) / 1e6 if args.params else float("nan")
-        cells = [f"{times[m]:.4f}{times[m + '_oom']}" if m in times else "failed" for m in METHODS]
+        cells = [
+            f"{times[c.name]:.4f}{ooms[c.name]}" if c.name in times else refused.get(c.name, "failed") for c in columns
+        ]
+        speedup = "-" if best is None else f"{best[0] / times['hap']:.3f}x ({best[1]}){ooms['hap']}"
         print(
             f"| {label} | {source} | {params:.1f}M | {plan['capture_time_s']:.1f} | "
             f"{cov['ops_covered']}/{cov['ops']} ({cov['ops_share']:.1%}) / {cov['flops_share']:.2%} | {words} | "
             + " | ".join(cells)
-            + f" | {best[0] / times['hap']:.3f}x ({best[1]}){times['hap_oom']} | {spread} |",
+            + f" | {speedup} | {spread} |",
             flush=True,
         )
+
+
+def _runs(columns: tuple[Column, ...]) -> list[tuple[str, ...]]:
+    """The bench.run sweeps that train `columns`: the columns without options in one
+    (method=a,b,...), each other column alone (its options are its method's fields)."""
+    plain = [c.method for c in columns if not c.options and c.name == c.method]
+    runs = [(f"method={','.join(plain)}",)] if plain else []
+    return runs + [c.overrides() for c in columns if c.options or c.name != c.method]
 
 
 def real(args) -> None:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
+    columns = _columns(args)
     for name, overrides in REAL:
         if args.only and name not in args.only:
             continue
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.run",
-            "-m",
-            f"method={','.join(METHODS)}",
-            *overrides,
-            "preset=tiny",
-            f"cluster={args.cluster}",
-            "mode=real",
-            f"warmup_iters={args.warmup}",
-            f"measured_iters={args.iters}",
-            "wandb.mode=disabled",
-            "logger=none",
-            f"results_dir={out}",
-        ]
-        print("$", " ".join(cmd[1:]), flush=True)
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            print(done.stderr[-2000:], flush=True)
+        for methods in _runs(columns):
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.run",
+                "-m",
+                *methods,
+                *overrides,
+                "preset=tiny",
+                f"cluster={args.cluster}",
+                "mode=real",
+                f"warmup_iters={args.warmup}",
+                f"measured_iters={args.iters}",
+                "wandb.mode=disabled",
+                "logger=none",
+                f"results_dir={out}",
+            ]
+            print("$", " ".join(cmd[1:]), flush=True)
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode:
+                print(done.stderr[-2000:], flush=True)
     rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    latest = {(r["model"], r["method"]): r for r in rows}  # a case run again replaces its earlier row
+    rows = [r for r in rows if latest[(r["model"], r["method"])] is r]
     print("| model | method | status | samples/s: median [min, max] over iterations | iter ms: median (n) |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -187,8 +247,14 @@ def real(args) -> None:
             it = f"{1e3 * statistics.median(ts):.1f} ({len(ts)})"
         else:
             cell, it = "-", "-"
-        error = f" ({r['error'][:80]})" if r.get("error") else ""
+        error = f" ({_last_line(r['error'])[:160]})" if r.get("error") else ""
         print(f"| {r['model']} | {r['method']} | {r['status']}{error} | {cell} | {it} |")
+
+
+def _last_line(text: str) -> str:
+    """An error's last line (a traceback's names the exception)."""
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def main() -> None:
@@ -199,12 +265,14 @@ def main() -> None:
     s.add_argument("--repeat", type=int, default=1)
     s.add_argument("--only", nargs="*")
     s.add_argument("--no-params", dest="params", action="store_false")
+    s.add_argument("--columns", nargs="*", help="these columns only (hap always)")
     r = sub.add_parser("real")
     r.add_argument("--cluster", default="local_hetero2")
     r.add_argument("--results", default="/tmp/zoo-real")
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--only", nargs="*")
+    r.add_argument("--columns", nargs="*", help="these columns only (hap always)")
     args = parser.parse_args()
     sim(args) if args.cmd == "sim" else real(args)
 

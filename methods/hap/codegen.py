@@ -617,12 +617,12 @@ class RankProgram:
         """What an op over an empty shard contributes: zeros of the plan's local shape (plus a
         conv2d's bias for a Reduce output), connected to the inputs with zero gradients, so
         every rank's backward reaches the same collectives and no kernel sees an empty grad."""
-        anchor = torch.zeros(())
+        device = tensors[0].device if tensors else self.device
+        anchor = torch.zeros((), device=device)
         for t in tensors:
             if t.is_floating_point() and t.requires_grad:
                 anchor = anchor + t.sum() * 0
         dtype = ins.node.dtype or torch.float32
-        device = tensors[0].device if tensors else None
 
         def zeros(shape):
             z = torch.zeros(shape, dtype=dtype, device=device)

@@ -104,6 +104,9 @@ class Candidate:
         return (self.oom, self.iter_time_s)  # fitting in memory first, then speed
 
 
+EXACT_RETRY_EXPANSIONS = 200_000  # the exact search after the beam found no program (HapPlanner._synthesize)
+
+
 @dataclass
 class HapPlanner:
     """Options of the planner (each part can be switched off for ablations).
@@ -423,7 +426,7 @@ class HapPlanner:
             )
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
-            res = synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=dp)
+            res = self._synthesize(theory, cost, dp)
             stats["search_s"] += time.perf_counter() - t1
             _count(stats, res)
             found = [res] if dp is None or dp.steps == res.steps else [res, dp]
@@ -498,11 +501,29 @@ class HapPlanner:
             dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
         )
         try:
-            res = synthesize(dp_theory, cost, self.max_expansions, self.beam_width)
+            res = self._synthesize(dp_theory, cost)
         except NoProgramError:
             return None
         _count(stats, res)
         return res
+
+    def _synthesize(self, theory, cost: CostModel, incumbent: SearchResult | None = None) -> SearchResult:
+        """A* with the beam; where the beam kept only prefixes that no program completes (a
+        model whose ops leave few ways through, e.g. a relative-position bucket that runs
+        replicated), the exact search, with at most EXACT_RETRY_EXPANSIONS states (the models
+        that needed it took about 5,000; one that needs more has no plan in reach)."""
+        try:
+            return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=incumbent)
+        except NoProgramError as beam:
+            if self.beam_width is None:
+                raise
+            budget = min(self.max_expansions, EXACT_RETRY_EXPANSIONS)
+            try:
+                return synthesize(theory, cost, budget, None, incumbent=incumbent)
+            except NoProgramError:
+                raise NoProgramError(
+                    f"{beam}; the exact search found none in {budget} expanded states either"
+                ) from None
 
     def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
         """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the

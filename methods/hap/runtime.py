@@ -227,6 +227,7 @@ class HapTrainer:
             raise ValueError(f"lr={lr!r} must be > 0 and grad_clip={grad_clip!r} >= 0")
         self.program = program
         self.rank = ctx.rank
+        self.device = ctx.device
         self.emulator = ctx.emulator
         self.loss_scale = 1.0 / ctx.workload.targets_per_iter  # gradients of the mean loss
         self.params = [program.params[n] for n in sorted(program.params)]
@@ -295,8 +296,7 @@ class HapTrainer:
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's gradient: shards summed over ranks, replicated
         (Identity) parameters counted once (their full gradient is on every rank)."""
-        device = self.params[0].device if self.params else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float64, device=device)  # NCCL reduces device tensors
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         leader = self.program.machines is None or self.program.machines.is_leader
         for name, p in self.program.params.items():
             if p.grad is None:
@@ -308,13 +308,14 @@ class HapTrainer:
 
     def clip_global_norm(self, max_norm: float) -> torch.Tensor:
         """Scale every shard's gradient by the same factor (the authors clipped per shard,
-        which lets replicated parameters drift apart across ranks)."""
+        which lets replicated parameters drift apart across ranks). The factor stays a tensor
+        on the rank's device, as torch.nn.utils.clip_grad_norm_ keeps it: no read on the host,
+        and a factor of 1 leaves the gradients as they are."""
         norm = self.global_grad_norm()
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
         return norm
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -516,7 +516,7 @@ def tensor_parallel_theory(theory: Theory) -> Theory:
 _CONTRACTIONS = ("linear", "matmul", "bmm", "einsum", "conv2d", "embedding", "cross_entropy")
 
 
-def routing_region(graph: Graph) -> tuple[set[str], set[str]]:
+def routing_region(graph: Graph, outside: frozenset[str] = frozenset()) -> tuple[set[str], set[str]]:
     """The MoE routers of `graph`: (nodes inside, exit tensors).
 
     A router is what a `topk` over gate scores feeds through non-contraction ops: one-hot,
@@ -525,6 +525,8 @@ def routing_region(graph: Graph) -> tuple[set[str], set[str]]:
     (every live tensor x every layout) without changing the cost, so the search keeps the
     inside of a router in one layout family: no collective on a tensor whose consumers are
     all inside (the exits may still be re-laid out, e.g. all-to-all to expert parallel).
+    `outside`: ops the region stops at as at a contraction (those without a rule of their own:
+    they run replicated, so what they read must be gathered first).
     """
     inside: set[str] = set()
     stack = [n.name for n in graph.nodes if n.op == "topk"]
@@ -535,7 +537,7 @@ def routing_region(graph: Graph) -> tuple[set[str], set[str]]:
         inside.add(name)
         for u in graph.users[name]:
             node = graph[u]
-            if node.kind in ("call_function", "call_method") and node.op not in _CONTRACTIONS:
+            if node.kind in ("call_function", "call_method") and node.op not in _CONTRACTIONS and u not in outside:
                 stack.append(u)
     exits = {t for t in inside if any(u not in inside for u in graph.users[t])}
     return inside, exits
@@ -577,7 +579,7 @@ def derive_theory(graph: Graph, sfb: bool = True, grouped: bool = True, fuse_rou
                 uncovered[n.name] = n.op
     no_comm: frozenset = frozenset()
     if fuse_routing:
-        inside, exits = routing_region(graph)
+        inside, exits = routing_region(graph, frozenset(uncovered))
         no_comm = frozenset(inside - exits)
     dtensor_rules.save_derivations()
     return Theory(graph, rules, sources, sfb, grouped, no_comm, uncovered=uncovered, origins=origins)

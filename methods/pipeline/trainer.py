@@ -26,7 +26,7 @@ class PipelineTrainer:
         from bench.runtime.p2p import install_p2p
 
         d = plan.details
-        self.rank, self.emulator = ctx.rank, ctx.emulator
+        self.rank, self.emulator, self.device = ctx.rank, ctx.emulator, ctx.device
         pipelines = d["pipelines"]
         R, D, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
         stage_rank = d["stage_rank"]
@@ -124,20 +124,25 @@ class PipelineTrainer:
             for p, value in zip(bucket, _unflatten_dense_tensors(flat, grads)):
                 p.grad = value if p.grad is None else p.grad.copy_(value)
 
-    def clip_global_norm(self, max_norm: float) -> None:
+    def clip_global_norm(self, max_norm: float) -> torch.Tensor:
         """Every stage's gradients scaled by one factor: the norm over the whole model (a
-        stage's replicas hold the same gradients once summed, so one pipeline's stages count)."""
-        sq = torch.zeros((), dtype=torch.float64)
+        stage's replicas hold the same gradients once summed, so one pipeline's stages count).
+
+        The sum of squares lives on the stage's device (NCCL reduces device tensors only) and
+        the factor stays a tensor there, as torch.nn.utils.clip_grad_norm_ keeps it: no read
+        on the host, and a factor of 1 leaves the gradients as they are. Returns the norm."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pipeline == 0:
             for p in self.params:
                 if p.grad is not None:
                     sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq)
-        coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
-        if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
 
     def write_full_state(self) -> None:
         """Tests: every stage's parameters and gradients written into this rank's full model."""

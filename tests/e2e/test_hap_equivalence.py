@@ -475,7 +475,11 @@ def test_nan_loss_stops_the_step_naming_step_and_rank_before_the_update():
             return (weight * x).sum() * float("nan")
 
     ctx = SimpleNamespace(
-        rank=1, world_size=2, emulator=Emulator(make_cluster(2), 1, enabled=False), workload=make_workload("bert", 2, 7)
+        rank=1,
+        world_size=2,
+        device=torch.device("cpu"),
+        emulator=Emulator(make_cluster(2), 1, enabled=False),
+        workload=make_workload("bert", 2, 7),
     )
     trainer = HapTrainer(NanProgram(), ctx)
     with pytest.raises(FloatingPointError, match="loss is nan at step 0 on rank 1"):

@@ -1,5 +1,6 @@
-"""On one CUDA GPU: every method on a real one-GPU cluster and on two MPS ranks, out-of-memory
-rows, MPS speed shares, and HAP under MPS training exactly like one device.
+"""On one CUDA GPU: every method on a real one-GPU cluster and on two MPS ranks, every method
+clipping its gradients under NCCL, out-of-memory rows, MPS speed shares, and HAP under MPS
+training exactly like one device.
 
 Marked gpu: tests/conftest.py skips them where torch sees no CUDA device. scripts/gpu-check
 runs them and the main job on local_gpu_hetero2.
@@ -15,6 +16,7 @@ import torch
 
 from bench.core.cluster import ClusterSpec
 from bench.records.rows import load_records
+from bench.runner.configs import group_options
 from bench.runtime.launch import launch
 from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
@@ -23,7 +25,7 @@ from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_worklo
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["warmup_iters=1", "measured_iters=3", "wandb.mode=disabled"]
-METHODS = "dp_ev,dp_cp,deepspeed,sfb,hap"
+METHODS = ",".join(group_options("method"))  # every method conf/method has, a new one included
 MAIN_JOB_TABLE = "main_local_gpu_hetero2.txt"
 
 
@@ -140,7 +142,7 @@ def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
         results_dir=tmp_path,
     )
     got = rows(tmp_path)
-    assert len(got) == 20, out.stderr[-3000:]
+    assert len(got) == 4 * len(METHODS.split(",")), out.stderr[-3000:]
     failed = [(r["model"], r["method"], (r["error"] or "")[-500:]) for r in got if r["status"] != "ok"]
     assert not failed, failed
     name = torch.cuda.get_device_name(0)
@@ -149,6 +151,28 @@ def test_every_method_and_model_trains_on_one_real_gpu(tmp_path):
         assert hw["device"] == "cuda" and hw["name"] == name and hw["memory_gib"] > 1
         assert hw["cuda"] == torch.version.cuda and hw["nccl"]
         assert r["precision"]["matmul_allow_tf32"] is False and r["emulation"] is None
+
+
+def test_every_method_clips_its_gradients_with_nccl_on_one_real_gpu(tmp_path):
+    # NCCL reduces CUDA tensors only, even on one rank: a global norm summed into a CPU tensor
+    # fails here (the pipeline's and hap's clipping; tests/e2e/test_methods_on_meta.py catches
+    # it on a CPU with the meta device). One stage for the pipeline, whose model is exported
+    # with its sample moved to the GPU.
+    out = run(
+        "bench.run",
+        "-m",
+        "cluster=h100x1",
+        "model=bert",
+        f"method={METHODS}",
+        "method.grad_clip=0.05",
+        *QUICK,
+        results_dir=tmp_path,
+    )
+    got = {r["method"]: r for r in rows(tmp_path)}
+    assert set(got) == set(METHODS.split(",")), out.stderr[-3000:]
+    failed = {m: (r["error"] or "")[-500:] for m, r in got.items() if r["status"] != "ok"}
+    assert not failed, failed
+    assert all(r["config"]["method"]["grad_clip"] == 0.05 for r in got.values())
 
 
 def test_every_method_runs_its_forward_matmuls_in_bf16_on_a_gpu_when_asked(tmp_path):

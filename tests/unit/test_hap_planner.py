@@ -254,6 +254,42 @@ def test_moe_router_is_one_layout_family_and_plans_fast():
     assert not router_comms
 
 
+def test_a_router_ends_at_an_op_without_a_rule_so_what_it_reads_may_be_gathered():
+    wl = bert_workload("bert_moe", batch=12, num_devices=3)
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    inside, _ = routing_region(graph)
+    cumsum = next(n for n in inside if graph[n].op == "cumsum")  # an op inside, as if it had no rule
+    fenced, exits = routing_region(graph, frozenset({cumsum}))
+    assert cumsum not in fenced and fenced < inside
+    assert any(cumsum in graph.users[t] for t in exits)  # its inputs leave the region: gatherable
+
+
+def test_where_the_beam_finds_no_program_the_exact_search_is_asked(monkeypatch):
+    from methods.hap import planner as planner_module
+    from methods.hap.search import NoProgramError
+
+    asked = []
+
+    def fake(theory, cost, max_expansions, beam_width, incumbent=None):
+        asked.append(beam_width)
+        if beam_width is not None:
+            raise NoProgramError("the beam kept only prefixes no program completes")
+        return "exact"
+
+    monkeypatch.setattr(planner_module, "synthesize", fake)
+    assert HapPlanner(beam_width=40)._synthesize(None, None) == "exact" and asked == [40, None]
+
+    def none_found(theory, cost, max_expansions, beam_width, incumbent=None):
+        asked.append(beam_width)
+        raise NoProgramError("no program")
+
+    asked.clear()
+    monkeypatch.setattr(planner_module, "synthesize", none_found)
+    with pytest.raises(NoProgramError):
+        HapPlanner(beam_width=None)._synthesize(None, None)
+    assert asked == [None]  # an exact search is not asked twice
+
+
 def test_format_plan_prints_ratios_time_and_collectives():
     cl = cluster(inter_gbps=1.0)
     plan = HapPlanner(max_rounds=2).plan(bert_workload(), cl)

@@ -104,6 +104,48 @@ def test_bad_hf_input_is_one_line_naming_the_field_and_the_fix(kwargs, line):
     assert "\n" not in str(err.value)
 
 
+def test_tiny_shrinks_every_stage_list_with_its_count():
+    # convnext's stage count stayed 4 beside 2 stages of sizes: "model.spec: list index out of range"
+    hf = _hf()
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="convnext")
+    assert cfg.hf_config().num_stages == 2 and cfg.hf_config().depths == [1, 1]
+
+
+def test_tiny_keeps_the_architectures_own_widths_where_the_small_sizes_do_not_build():
+    hf = _hf()
+    from transformers import AutoConfig
+
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="squeezebert")  # its groups do not divide 64
+    own = AutoConfig.for_model("squeezebert")
+    assert cfg.hf_config().hidden_size == own.hidden_size and cfg.hf_config().num_hidden_layers == 2
+    assert cfg.hf_config().vocab_size == 512
+    small = hf.HFModelConfig.from_preset("tiny", arch="llama")  # the zoo's models keep the small sizes
+    assert small.hf_config().hidden_size == 64
+
+
+@pytest.mark.parametrize(
+    "kwargs,line",
+    [
+        (
+            dict(arch="convnext", config={"hidden_sizes": [16]}),  # fewer sizes than stages
+            r"model.arch=convnext \(preset=tiny, shallow sizes\): transformers could not build "
+            r"ConvNextForImageClassification from its config: IndexError at modeling_convnext.py:\d+ "
+            r"\(out_chs = config.hidden_sizes\[i\]\): list index out of range; a config field disagrees",
+        ),
+        (
+            dict(arch="gemma4_assistant"),
+            r"model.arch=gemma4_assistant: transformers' own default config of gemma4_assistant does not "
+            r"validate .*; give the config.json of a real checkpoint",
+        ),
+    ],
+)
+def test_a_model_transformers_cannot_build_is_one_line_naming_where(kwargs, line):
+    hf = _hf()
+    with pytest.raises(ValueError, match=line) as err:
+        hf.HFModelConfig.from_preset("tiny", **kwargs)
+    assert "\n" not in str(err.value)
+
+
 def test_the_known_architectures_are_listed_with_their_tasks(capsys):
     hf = _hf()
     hf.main()
