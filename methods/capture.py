@@ -414,7 +414,7 @@ class Graph:
         compute, backward FLOPs per sample, of those ops the ones a checkpointed unit runs again
         in backward) per parameter-holding op in forward order; parameter-free ops are counted
         with the next op that holds parameters. Backward FLOPs are backward_flops', as the
-        planner prices them. The input of bench.core.data_parallel.data_parallel_program."""
+        planner prices them. The input of methods.dp_program.data_parallel_program."""
         out: list[tuple[float, float, str, int, float, int]] = []
         classes: dict[str, float] = {}
         ops = again = 0

@@ -15,7 +15,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.core.cluster import ClusterSpec
-from bench.core.data_parallel import data_parallel_program
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import round_shares
@@ -28,6 +27,7 @@ from methods.common import (
     micro_batches,
     refuse_global_batch_norm,
 )
+from methods.dp_program import data_parallel_program
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (
