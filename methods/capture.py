@@ -157,7 +157,7 @@ class Graph:
         keeps its output keeps that input, and there is no mask. A product or quotient with a
         number keeps nothing (only the number; each tensor operand is kept for the other's
         gradient); counted per tensor it priced tiny ViT's ranks over what they hold
-        (results/cost-model/20261128-cpu-tensor-memory.md).
+        (docs/cost-model.md, "Memory").
 
         A layer norm keeps its mean and reciprocal deviation beside (two floats a row), a
         max-pool where each maximum was (an int64 per output element); a slice

@@ -285,7 +285,7 @@ class HapPlanner:
         if self.collective_choice and any(r.get("grouped") for r in rounds):
             # The search picks padded or grouped per collective by its serial price; with
             # gradient syncs overlapping backward the simulator can rank whole programs
-            # otherwise (VGG19, 8 GPUs per machine: results/planner/20261125-planner-time.md).
+            # otherwise (VGG19, 8 GPUs per machine; docs/planner.md, "Planner").
             # The padded-only search is the planner with collective choice off; keeping the
             # better makes the option never cost time. When no round used a grouped collective
             # both searches agree.
@@ -717,7 +717,7 @@ def _no_cyclic_gc():
     sets, LP terms), and the cyclic collector kept walking them: with it off until the plan is
     made (reference counting still frees what dies; cycles made meanwhile are collected once it
     is back on), the largest plans take about half the time, with the same plans
-    (tests/benchmarks/test_planner_bench.py; results/planner/20261125-planner-time.md)."""
+    (tests/benchmarks/test_planner_bench.py; docs/planner.md, "Planner")."""
     enabled = gc.isenabled()
     gc.disable()
     try:
