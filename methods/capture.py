@@ -650,11 +650,23 @@ def capture_config(
         gm = _export_config(model_cfg, batch_size, seed, batch_norm, what, model)
         if stored is not None:
             graph_cache.save_module(stored, gm)
+            if not module_has_batch_norm(gm):  # both captures of batch norm are this graph
+                for other in {"sync", "local"} - {batch_norm}:
+                    graph_cache.save_module(graph_cache.graph_key(model_cfg, batch_size, other), gm)
     graph = graph_of(gm, int(batch_size), what)
     _captured[key] = graph
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)
     return graph
+
+
+def module_has_batch_norm(gm: fx.GraphModule) -> bool:
+    """Whether a captured model ran a batch norm module (under either capture of it)."""
+    for n in gm.graph.nodes:
+        for _path, kind in (n.meta.get("nn_module_stack") or {}).values():
+            if "BatchNorm" in str(kind):
+                return True
+    return False
 
 
 def _export_config(

@@ -36,19 +36,12 @@ def capture_batch_norm(workload) -> str:
     return "sync" if workload.batch_norm == "global" else "local"
 
 
-def has_batch_norm(graph) -> bool:
-    """Whether the captured model runs a batch norm module (in either capture of it)."""
-    for n in graph.gm.graph.nodes:
-        for _path, kind in (n.meta.get("nn_module_stack") or {}).values():
-            if "BatchNorm" in str(kind):
-                return True
-    return False
-
-
 def refuse_global_batch_norm(workload, graph, method: str, how: str) -> None:
     """A ConfigError of one line where the workload asks batch norm over the whole batch of a
     model that has one, and `method` normalises `how` (each rank's share, each micro-batch)."""
-    if workload.batch_norm == "global" and has_batch_norm(graph):
+    from methods.capture import module_has_batch_norm
+
+    if workload.batch_norm == "global" and module_has_batch_norm(graph.gm):
         raise ConfigError(
             f"batch_norm=global: method {method} normalises {how}, not the whole batch (torch's "
             "SyncBatchNorm runs on GPUs only and is not priced); use batch_norm=local (as DDP trains) "
