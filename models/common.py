@@ -321,8 +321,14 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size)
         # Non-persistent: derived from seq_len, so it is not part of checkpoints.
         self.register_buffer("causal_mask", causal_mask(seq_len), persistent=False)
-        self.apply(init_transformer_weights)
-        nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
+        self.apply(self.init_module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """The model's initialiser of `module`'s own parameters (bench.core.weights runs it one
+        parameter at a time; an expert layer's are its reset_parameters')."""
+        init_transformer_weights(module)
+        if module is self:
+            nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb_dropout(self.tok_embedding(tokens) + self.pos_embedding)

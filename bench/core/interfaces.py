@@ -64,9 +64,11 @@ class Workload:
         return self.flops_per_sample * self.global_batch
 
     def build(self, seed: int) -> nn.Module:
-        """The single-device model, initialised identically wherever it is built."""
-        torch.manual_seed(seed)
-        return self.model_cfg.build()
+        """The single-device model at its canonical initial values (bench.core.weights: any
+        part of it materialised alone has the same values); torch is left seeded with `seed`."""
+        from bench.core.weights import build_model
+
+        return build_model(self.model_cfg, seed)
 
 
 @dataclass

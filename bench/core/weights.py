@@ -1,0 +1,159 @@
+"""Canonical initial weights: a model built with its parameters on the meta device, and any subset
+of them materialised alone, each with the value the whole model's materialisation gives it.
+
+A parameter's initial value is a pure function of (seed, its fully-qualified name, the model's
+initialiser of the module that owns it): torch's generator is seeded from (seed, name), and the
+initialiser runs on that one module with fresh tensors in place of its own parameters (on a
+meta copy of the model, so that an initialiser which also writes a child's tensors writes
+nothing real). The initialiser is the model's `init_module(module)` where the model's root has
+one (the zoo's models; models.tasks.TaskLoss hands it to a Hugging Face model's
+`_init_weights`), then torch's `reset_parameters` for what that left unset. So the single-device
+model (bench.core.interfaces.Workload.build), a pipeline stage and an FSDP shard start from the
+same values, whichever subset a rank holds (docs/emulation.md, "What a rank holds").
+
+Buffers (masks, position ids, rotary frequencies, normalisation statistics) keep the values the
+model's constructor computes: `build_meta` puts only parameters on meta and leaves buffers on
+the CPU (every rank holds them; they are small). It does not place or shard anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.core.meta import _SkipRandomFills
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers goes to the meta device at once (its constructor's
+    storage, never written, is dropped there); buffers stay where they are made."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_meta(model_cfg: Any, seed: int) -> nn.Module:
+    """`model_cfg.build()` with every parameter on the meta device and the buffers the
+    constructor computes on the CPU; torch seeded with `seed` first, and left so (the random
+    initialisers, skipped on meta, draw nothing)."""
+    torch.manual_seed(seed)
+    with _parameters_on_meta(), _SkipRandomFills():
+        model = model_cfg.build()
+    for name, p in model.named_parameters():
+        assert p.is_meta, f"parameter {name} was not registered through register_parameter"
+    return model
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+class Weights:
+    """The canonical initial values of one model's parameters at one seed.
+
+    Args:
+        model: the model as build_meta made it (parameters on meta); kept only as names.
+        seed: the case's seed.
+    """
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.seed = seed
+        self.shadow = copy.deepcopy(model)  # parameters on meta: costs the buffers alone
+        root_init = getattr(self.shadow, "init_module", None)
+        self._init = root_init if callable(root_init) else _default_init
+        # A parameter reached by several names (tied weights) takes the first one's value.
+        self.names = {id(p): n for n, p in model.named_parameters()}
+
+    def name_of(self, param: torch.Tensor) -> str:
+        """The canonical name of one of the model's parameters."""
+        return self.names[id(param)]
+
+    def value(self, name: str) -> torch.Tensor:
+        """The initial value of parameter `name` (a canonical name), on the CPU."""
+        path, _, attr = name.rpartition(".")
+        module = self.shadow.get_submodule(path)
+        saved = dict(module._parameters)
+        fresh = {k: nn.Parameter(_unset(p), requires_grad=p.requires_grad) for k, p in saved.items() if p is not None}
+        try:
+            module._parameters.update(fresh)
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _SkipRandomFills():
+                torch.manual_seed(_param_seed(self.seed, name))
+                self._init(module)
+                if _is_unset(fresh[attr]):  # the model's initialiser leaves it to torch's default
+                    torch.manual_seed(_param_seed(self.seed, name))
+                    _default_init(module)
+        finally:
+            module._parameters.update(saved)
+        out = fresh[attr].detach()
+        if (out.dtype.is_floating_point or out.dtype.is_complex) and bool(out.isnan().any()):
+            raise ValueError(
+                f"parameter {name} of {type(self.shadow).__name__} is set by no initialiser: give the "
+                f"model an init_module(module) that sets it (or its module a reset_parameters())"
+            )
+        return out
+
+    def materialize(self, module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+        """Every parameter of `module` (the model or a part whose parameters are the model's own
+        objects) still on meta gets its initial value on `device`, in place: the same Parameter
+        objects, so ties and references to them hold. Parameters already materialised are kept."""
+        for p in _unique(module.parameters()):
+            if p.is_meta:
+                _fill(p, self.value(self.name_of(p)).to(device))
+        for m in module.modules():  # buffers the constructor made (on the CPU) follow to the device
+            for k, b in m._buffers.items():
+                if b is not None and b.device != torch.device(device):
+                    m._buffers[k] = b.to(device)
+        return module
+
+
+def _fill(p: nn.Parameter, value: torch.Tensor) -> None:
+    """`p` (a meta Parameter) becomes `value`, the same Python object (a meta tensor's data
+    cannot be set to another device's: the two are swapped whole)."""
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+
+
+def _unset(p: torch.Tensor) -> torch.Tensor:
+    """A fresh CPU tensor shaped as `p`, marked unset (NaN; integer parameters: no mark)."""
+    if p.dtype.is_floating_point or p.dtype.is_complex:
+        return torch.full(p.shape, float("nan"), dtype=p.dtype)
+    return torch.zeros(p.shape, dtype=p.dtype)
+
+
+def _is_unset(t: torch.Tensor) -> bool:
+    return (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0 and bool(t.isnan().all())
+
+
+def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def build_model(model_cfg: Any, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model with its canonical initial values (the single-device model)."""
+    model = build_meta(model_cfg, seed)
+    return Weights(model, seed).materialize(model, device)
