@@ -96,6 +96,9 @@ class RankContext:
     cluster: ClusterSpec
     workload: Workload
     emulator: Any  # bench.runtime.emulation.Emulator: stretch() at compute boundaries, mark() after waits
+    # bench.core.weights.Weights: the canonical initial values, for a method that materialises
+    # what its rank holds (Method.materializes); None where the model arrives materialised
+    weights: Any = None
 
 
 class Trainer(Protocol):
@@ -111,7 +114,9 @@ class Method(Protocol):
     """A training method. `modes` lists what it supports: "sim" needs plan() to return a
     Program and ratios, "real" needs setup(). bench.compare runs the methods that support the
     requested mode. Optionally `worker_modules`: modules setup() imports that the server CPU
-    workers fork from should import once instead (bench.runtime.launch.method_modules)."""
+    workers fork from should import once instead (bench.runtime.launch.method_modules); and
+    `materializes = True`: setup() takes the model with its parameters on the meta device and
+    materialises only what the rank holds (RankContext.weights), instead of the whole model."""
 
     name: str
     modes: tuple[str, ...]

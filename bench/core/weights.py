@@ -21,13 +21,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from bench.core.meta import _SkipRandomFills
+from bench.core.meta import SkipRandomFills
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -53,7 +56,7 @@ def build_meta(model_cfg: Any, seed: int) -> nn.Module:
     constructor computes on the CPU; torch seeded with `seed` first, and left so (the random
     initialisers, skipped on meta, draw nothing)."""
     torch.manual_seed(seed)
-    with _parameters_on_meta(), _SkipRandomFills():
+    with _parameters_on_meta(), SkipRandomFills():
         model = model_cfg.build()
     for name, p in model.named_parameters():
         assert p.is_meta, f"parameter {name} was not registered through register_parameter"
@@ -77,10 +80,17 @@ class Weights:
     Args:
         model: the model as build_meta made it (parameters on meta); kept only as names.
         seed: the case's seed.
+        model_cfg: the config it was built from, for parameters no initialiser sets (below).
+
+    A parameter that neither the model's initialiser nor torch's default sets (a user's module
+    that fills a raw nn.Parameter in its constructor) takes the value the constructor gives it:
+    the whole model built once on the CPU with torch seeded by `seed`, on every rank that needs
+    such a parameter (a warning says so: those ranks hold the whole model for a moment).
     """
 
-    def __init__(self, model: nn.Module, seed: int):
-        self.seed = seed
+    def __init__(self, model: nn.Module, seed: int, model_cfg: Any = None):
+        self.seed, self.model_cfg = seed, model_cfg
+        self._built: nn.Module | None = None
         self.shadow = copy.deepcopy(model)  # parameters on meta: costs the buffers alone
         root_init = getattr(self.shadow, "init_module", None)
         self._init = root_init if callable(root_init) else _default_init
@@ -99,7 +109,7 @@ class Weights:
         fresh = {k: nn.Parameter(_unset(p), requires_grad=p.requires_grad) for k, p in saved.items() if p is not None}
         try:
             module._parameters.update(fresh)
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), _SkipRandomFills():
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), SkipRandomFills():
                 torch.manual_seed(_param_seed(self.seed, name))
                 self._init(module)
                 if _is_unset(fresh[attr]):  # the model's initialiser leaves it to torch's default
@@ -108,20 +118,42 @@ class Weights:
         finally:
             module._parameters.update(saved)
         out = fresh[attr].detach()
+        if _is_unset(out):
+            out = self._constructed(name)
         if (out.dtype.is_floating_point or out.dtype.is_complex) and bool(out.isnan().any()):
             raise ValueError(
-                f"parameter {name} of {type(self.shadow).__name__} is set by no initialiser: give the "
-                f"model an init_module(module) that sets it (or its module a reset_parameters())"
+                f"parameter {name} of {type(self.shadow).__name__} is partly set by its initialiser "
+                "(NaN left): give the model an init_module(module) that sets all of it"
             )
         return out
 
+    def _constructed(self, name: str) -> torch.Tensor:
+        """Parameter `name` as the model's constructor sets it (class docstring)."""
+        if self.model_cfg is None:
+            raise ValueError(
+                f"parameter {name} of {type(self.shadow).__name__} is set by no initialiser: give the "
+                "model an init_module(module) that sets it (or its module a reset_parameters())"
+            )
+        if self._built is None:
+            log.warning(
+                "parameter %s of %s is set by no initialiser (init_module, reset_parameters): its "
+                "value is the constructor's, from the whole model built once on the CPU",
+                name,
+                type(self.shadow).__name__,
+            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                self._built = self.model_cfg.build()
+        return self._built.get_parameter(name).detach().clone()
+
     def materialize(self, module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
-        """Every parameter of `module` (the model or a part whose parameters are the model's own
-        objects) still on meta gets its initial value on `device`, in place: the same Parameter
-        objects, so ties and references to them hold. Parameters already materialised are kept."""
-        for p in _unique(module.parameters()):
+        """Every parameter of `module` still on meta gets its initial value on `device`, in place
+        (the same Parameter objects, so ties and references to them hold); parameters already
+        materialised are kept. `module` is the model, a part whose parameters are the model's
+        own objects (a pipeline stage), or a copy of the model (parameters found by name)."""
+        for name, p in module.named_parameters():
             if p.is_meta:
-                _fill(p, self.value(self.name_of(p)).to(device))
+                _fill(p, self.value(self.names.get(id(p), name)).to(device))
         for m in module.modules():  # buffers the constructor made (on the CPU) follow to the device
             for k, b in m._buffers.items():
                 if b is not None and b.device != torch.device(device):
@@ -146,14 +178,7 @@ def _is_unset(t: torch.Tensor) -> bool:
     return (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0 and bool(t.isnan().all())
 
 
-def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
 def build_model(model_cfg: Any, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """The whole model with its canonical initial values (the single-device model)."""
     model = build_meta(model_cfg, seed)
-    return Weights(model, seed).materialize(model, device)
+    return Weights(model, seed, model_cfg).materialize(model, device)
