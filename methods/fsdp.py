@@ -394,7 +394,7 @@ def materialize_shards(model: nn.Module, weights, device: torch.device) -> None:
         m._buffers[k] = b.to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            value = weights.value(name)
+            value = weights.value(name).to(device)
             if isinstance(p, DTensor):  # the canonical value split as the shard is, locally
                 value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
                 p.to_local().copy_(value)

@@ -204,9 +204,10 @@ def init_transformer_weights(module: nn.Module) -> None:
 
     Apply with ``model.apply(init_transformer_weights)``; parameters owned directly by a
     module (class token, position embeddings, expert weights) are initialised by it. A module
-    on the meta device (the planner's capture: shapes only) has no values to set.
+    wholly on the meta device (the planner's capture: shapes only) has no values to set; one
+    whose other parameters are (bench.core.weights sets one at a time) sets its real one.
     """
-    if any(p.is_meta for p in module.parameters(recurse=False)):
+    if all(p.is_meta for p in module.parameters(recurse=False)):
         return
     if isinstance(module, (nn.Linear, nn.Conv2d)):
         nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)

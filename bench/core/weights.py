@@ -3,7 +3,7 @@ of them materialised alone, each with the value the whole model's materialisatio
 
 A parameter's initial value is a pure function of (seed, its fully-qualified name, the model's
 initialiser of the module that owns it): torch's generator is seeded from (seed, name), and the
-initialiser runs on that one module with fresh tensors in place of its own parameters (on a
+initialiser runs on that one module with a fresh tensor in place of that parameter (on a
 meta copy of the model, so that an initialiser which also writes a child's tensors writes
 nothing real). The initialiser is the model's `init_module(module)` where the model's root has
 one (the zoo's models; models.tasks.TaskLoss hands it to a Hugging Face model's
@@ -106,21 +106,25 @@ class Weights:
         path, _, attr = name.rpartition(".")
         module = self.shadow.get_submodule(path)
         saved = dict(module._parameters)
-        fresh = {k: nn.Parameter(_unset(p), requires_grad=p.requires_grad) for k, p in saved.items() if p is not None}
+        # Only this parameter is real: the initialiser's fills of its siblings (still on meta)
+        # are skipped, so each parameter costs its own initialisation alone.
+        fresh = {attr: nn.Parameter(_unset(saved[attr]), requires_grad=saved[attr].requires_grad)}
         try:
             module._parameters.update(fresh)
             with torch.random.fork_rng(devices=[]), torch.no_grad(), SkipRandomFills():
                 torch.manual_seed(_param_seed(self.seed, name))
                 self._init(module)
-                if _is_unset(fresh[attr]):  # the model's initialiser leaves it to torch's default
+                state = _state(module._parameters[attr])
+                if state == "unset":  # the model's initialiser leaves it to torch's default
                     torch.manual_seed(_param_seed(self.seed, name))
                     _default_init(module)
+                    state = _state(module._parameters[attr])
+            out = module._parameters[attr].detach()
         finally:
             module._parameters.update(saved)
-        out = fresh[attr].detach()
-        if _is_unset(out):
+        if state == "unset":
             out = self._constructed(name)
-        if (out.dtype.is_floating_point or out.dtype.is_complex) and bool(out.isnan().any()):
+        elif state == "partial":
             raise ValueError(
                 f"parameter {name} of {type(self.shadow).__name__} is partly set by its initialiser "
                 "(NaN left): give the model an init_module(module) that sets all of it"
@@ -174,8 +178,13 @@ def _unset(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=p.dtype)
 
 
-def _is_unset(t: torch.Tensor) -> bool:
-    return (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() > 0 and bool(t.isnan().all())
+def _state(t: torch.Tensor) -> str:
+    """set, unset (NaN throughout, as _unset made it) or partial (NaN left in places)."""
+    if not (t.dtype.is_floating_point or t.dtype.is_complex) or t.is_meta or t.numel() == 0:
+        return "set"
+    if not bool(t.sum().isnan()):  # a NaN anywhere makes the sum NaN: one fast pass
+        return "set"
+    return "unset" if bool(t.isnan().all()) else "partial"
 
 
 def build_model(model_cfg: Any, seed: int, device: torch.device | str = "cpu") -> nn.Module:
