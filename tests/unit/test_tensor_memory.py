@@ -102,3 +102,28 @@ def test_live_tensors_past_the_limit_raise_out_of_memory_in_forward_and_in_backw
     with TensorBytes(limit_bytes=MIB) as small, pytest.raises(EmulatedOutOfMemory):
         torch.zeros(2 * MIB // 4)
     assert small.peak == 2 * MIB
+
+
+def test_a_ranks_device_memory_is_its_machine_groups_or_its_device_types_named_by_the_setting():
+    from bench.core.cluster import ClusterSpec
+    from bench.runtime.pacing import device_memory
+
+    cluster = ClusterSpec.from_config(
+        {
+            "name": "three",
+            "emulated": True,
+            "machines": [
+                {"count": 2, "device": "cpu", "num_devices": 1, "speed": 1.0},
+                {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5, "memory_gib": 0.5},
+            ],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+            },
+        }
+    )
+    assert device_memory(cluster, 2) == (2**29, "rank 2 (cluster.machines[1].memory_gib=0.5)")
+    limit, what = device_memory(cluster, 1)
+    assert limit == int(cluster.devices[1].type.memory_gib * 2**30) and what.startswith(
+        "rank 1 (device cpu's memory_gib="
+    )
