@@ -116,6 +116,7 @@ class FullyShardedDP:
     """
 
     worker_modules = ("torch.distributed.fsdp",)
+    materializes = True  # a rank materialises its shards alone (FSDPTrainer)
     mirror_full_state = False  # tests: write the gathered parameters and gradients into the full model
 
     def __init__(
@@ -380,6 +381,27 @@ class _ShardAdam:
             t.grad = None
 
 
+def materialize_shards(model: nn.Module, weights, device: torch.device) -> None:
+    """A model sharded by fully_shard on the meta device gets storage for its shards (to_empty,
+    which FSDP2 follows) and each shard its slice of the parameter's canonical value
+    (bench.core.weights.Weights; the whole parameter exists one at a time, on the CPU). Buffers
+    keep the values the model's constructor gave them (to_empty would drop them)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for m, k, b in buffers:
+        m._buffers[k] = b.to(device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = weights.value(name).to(device)
+            if isinstance(p, DTensor):  # the canonical value split as the shard is, locally
+                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(value)
+            else:
+                p.copy_(value)
+
+
 class FSDPTrainer:
     def __init__(self, method: FullyShardedDP, plan: Plan, model: nn.Module, ctx: RankContext):
         from torch.distributed.device_mesh import init_device_mesh
@@ -390,8 +412,11 @@ class FSDPTrainer:
         # the equivalence tests check every gradient.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.emulator = ctx.emulator
+        on_meta = any(p.is_meta for p in model.parameters())
         self.full_model = model if method.mirror_full_state else None
         sharded = copy.deepcopy(model) if method.mirror_full_state else model
+        if self.full_model is not None and on_meta:
+            ctx.weights.materialize(self.full_model, ctx.device)
         units, self.micro_steps = memory_tools_of(plan.details)
         apply_checkpointing(sharded, units)  # before fully_shard, so FSDP2's hooks see the recompute
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
@@ -401,6 +426,8 @@ class FSDPTrainer:
             )
         # The root keeps FSDP2's own rule: its parameters stay gathered from forward to backward.
         fully_shard(sharded, mesh=mesh)
+        if on_meta:  # fully_shard on meta, then each rank's shards alone (torchtitan's order)
+            materialize_shards(sharded, ctx.weights, ctx.device)
         self.model = sharded
         self.params = list(sharded.parameters())
         self.optimizer = _ShardAdam(self.params, method.lr)

@@ -106,13 +106,15 @@ def save_module(key: str, gm: fx.GraphModule) -> Path | None:
     return folder / f"{key}.pt"
 
 
-def with_tensors(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+def with_tensors(gm: fx.GraphModule, model: nn.Module, device: torch.device | None = None) -> fx.GraphModule:
     """A copy of `gm`'s graph over `model`'s own parameters and buffers (the get_attr targets are
-    their module paths); gm's constants (tensors forward makes from data) copied to the model's
-    device, and the ops that make tensors from nothing (arange, ones) retargeted to it."""
+    their module paths); gm's constants (tensors forward makes from data) copied to `device`
+    (default: the model's), and the ops that make tensors from nothing (arange, ones) retargeted
+    to it. `device` names it for a model whose parameters are still on meta."""
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
-    device = next(iter(named.values())).device if named else torch.device("cpu")
+    if device is None:
+        device = next(iter(named.values())).device if named else torch.device("cpu")
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = gm.graph._codegen

@@ -204,9 +204,10 @@ def init_transformer_weights(module: nn.Module) -> None:
 
     Apply with ``model.apply(init_transformer_weights)``; parameters owned directly by a
     module (class token, position embeddings, expert weights) are initialised by it. A module
-    on the meta device (the planner's capture: shapes only) has no values to set.
+    wholly on the meta device (the planner's capture: shapes only) has no values to set; one
+    whose other parameters are (bench.core.weights sets one at a time) sets its real one.
     """
-    if any(p.is_meta for p in module.parameters(recurse=False)):
+    if all(p.is_meta for p in module.parameters(recurse=False)):
         return
     if isinstance(module, (nn.Linear, nn.Conv2d)):
         nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
@@ -321,8 +322,14 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size)
         # Non-persistent: derived from seq_len, so it is not part of checkpoints.
         self.register_buffer("causal_mask", causal_mask(seq_len), persistent=False)
-        self.apply(init_transformer_weights)
-        nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
+        self.apply(self.init_module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """The model's initialiser of `module`'s own parameters (bench.core.weights runs it one
+        parameter at a time; an expert layer's are its reset_parameters')."""
+        init_transformer_weights(module)
+        if module is self:
+            nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb_dropout(self.tok_embedding(tokens) + self.pos_embedding)

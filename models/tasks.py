@@ -75,6 +75,13 @@ class TaskLoss(nn.Module):
         self.keyword = keyword
         self.export_key = export_key  # the model config's repr: meta forwards share one export
 
+    def init_module(self, module: nn.Module) -> None:
+        """The backbone's initialiser of `module`'s own parameters: its `init_module`, or a Hugging
+        Face model's `_init_weights` (bench.core.weights runs it one parameter at a time)."""
+        init = getattr(self.m, "init_module", None) or getattr(self.m, "_init_weights", None)
+        if callable(init):
+            init(module)
+
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.device.type == "meta" and not _fake(inputs):
             return self._on_meta(inputs, targets)

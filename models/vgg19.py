@@ -135,17 +135,18 @@ class VGG(nn.Module):
             nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
-        self._init_weights()
+        self.apply(self.init_module)
 
-    def _init_weights(self) -> None:
-        # He init for the ReLU convs (fan_out, as torchvision's VGG); small normal for Linear.
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.01)
-                nn.init.zeros_(module.bias)
+    def init_module(self, module: nn.Module) -> None:
+        """The model's initialiser of `module`'s own parameters (bench.core.weights runs it one
+        parameter at a time): He init for the ReLU convs (fan_out, as torchvision's VGG), a small
+        normal for Linear."""
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.01)
+            nn.init.zeros_(module.bias)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.avgpool(self.features(images))

@@ -90,9 +90,15 @@ class ViT(nn.Module):
         )
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
-        self.apply(init_transformer_weights)
-        nn.init.normal_(self.cls, mean=0.0, std=INIT_STD)
-        nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
+        self.apply(self.init_module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """The model's initialiser of `module`'s own parameters (bench.core.weights runs it one
+        parameter at a time)."""
+        init_transformer_weights(module)
+        if module is self:
+            nn.init.normal_(self.cls, mean=0.0, std=INIT_STD)
+            nn.init.normal_(self.pos_embedding, mean=0.0, std=INIT_STD)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # (B,d,8,8) -> (B,64,d): one token per patch, row-major.

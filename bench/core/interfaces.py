@@ -64,9 +64,11 @@ class Workload:
         return self.flops_per_sample * self.global_batch
 
     def build(self, seed: int) -> nn.Module:
-        """The single-device model, initialised identically wherever it is built."""
-        torch.manual_seed(seed)
-        return self.model_cfg.build()
+        """The single-device model at its canonical initial values (bench.core.weights: any
+        part of it materialised alone has the same values); torch is left seeded with `seed`."""
+        from bench.core.weights import build_model
+
+        return build_model(self.model_cfg, seed)
 
 
 @dataclass
@@ -94,6 +96,9 @@ class RankContext:
     cluster: ClusterSpec
     workload: Workload
     emulator: Any  # bench.runtime.emulation.Emulator: stretch() at compute boundaries, mark() after waits
+    # bench.core.weights.Weights: the canonical initial values, for a method that materialises
+    # what its rank holds (Method.materializes); None where the model arrives materialised
+    weights: Any = None
 
 
 class Trainer(Protocol):
@@ -109,7 +114,9 @@ class Method(Protocol):
     """A training method. `modes` lists what it supports: "sim" needs plan() to return a
     Program and ratios, "real" needs setup(). bench.compare runs the methods that support the
     requested mode. Optionally `worker_modules`: modules setup() imports that the server CPU
-    workers fork from should import once instead (bench.runtime.launch.method_modules)."""
+    workers fork from should import once instead (bench.runtime.launch.method_modules); and
+    `materializes = True`: setup() takes the model with its parameters on the meta device and
+    materialises only what the rank holds (RankContext.weights), instead of the whole model."""
 
     name: str
     modes: tuple[str, ...]

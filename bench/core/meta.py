@@ -31,7 +31,7 @@ _RANDOM_FILLS = frozenset(
 )
 
 
-class _SkipRandomFills(TorchFunctionMode):
+class SkipRandomFills(TorchFunctionMode):
     """A random fill of a meta tensor returns the tensor as it is (there is nothing to fill)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -45,5 +45,5 @@ class _SkipRandomFills(TorchFunctionMode):
 
 def build_on_meta(model_cfg: Any) -> nn.Module:
     """`model_cfg.build()` on the meta device, its random initialisers skipped."""
-    with torch.device("meta"), _SkipRandomFills():
+    with torch.device("meta"), SkipRandomFills():
         return model_cfg.build()

@@ -72,7 +72,8 @@ class Pacing:
         )
         # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
         # iterations, which no clock times; its peak is that of the last of them (bench.runtime.tensor_memory).
-        self.tensors = TensorBytes() if self.untimed else None
+        # ... and fails as out of memory when they pass its emulated device's memory.
+        self.tensors = TensorBytes(*device_memory(case.cluster, rank)) if self.untimed else None
         self.yardstick = None
         self.peak = 0.0  # on a GPU, the peaks before each reset (the last one is read at the end)
         self.realtime = None  # gloo's threads at real-time priority: how many (None: off or refused)
@@ -83,6 +84,12 @@ class Pacing:
     def total_iters(self) -> int:
         """Iterations the rank runs: the untimed ones, then warm-up and measured."""
         return self.untimed + self.case.warmup_iters + self.case.measured_iters
+
+    def count(self, tensors) -> None:
+        """Tensors made before the count started (the model's buffers) count from now on."""
+        if self.tensors is not None:
+            for t in tensors:
+                self.tensors.count(t)
 
     def counting_tensors(self):
         """Around the model's build and the method's set-up: their tensors count (CPU ranks)."""
@@ -179,6 +186,24 @@ class Pacing:
             dist.barrier()
         if step is not None:  # a rank with no reference (no compute interval) has nothing to discount
             emulator.discount_reference(probe, apply=due)
+
+
+def device_memory(cluster, rank: int) -> tuple[int | None, str]:
+    """(bytes, how an error names them) of rank `rank`'s emulated device: its machine group's
+    memory_gib, else its device type's (None: the type gives none)."""
+    device = cluster.devices[rank]
+    first, index = 0, 0
+    while rank >= first + cluster.machines[index].count * cluster.machines[index].num_devices:
+        first += cluster.machines[index].count * cluster.machines[index].num_devices
+        index += 1
+    group = cluster.machines[index]
+    gib = device.type.memory_gib
+    where = (
+        f"cluster.machines[{index}].memory_gib={group.memory_gib}"
+        if group.memory_gib is not None
+        else f"device {group.device}'s memory_gib={gib}"
+    )
+    return (None if gib is None else int(gib * 2**30)), f"rank {rank} ({where})"
 
 
 def peak_mem_gib(device: torch.device) -> float:

@@ -46,13 +46,27 @@ def _track_resizes() -> None:
     torch.UntypedStorage.resize_ = resize_
 
 
-class TensorBytes(TorchDispatchMode):
-    """`live`: bytes of the counted storages alive now; `peak`: the most since `reset_peak`."""
+class EmulatedOutOfMemory(MemoryError):
+    """A CPU rank's live tensors passed its emulated device's memory (TensorBytes' limit)."""
 
-    def __init__(self):
+    def __init__(self, message: str, peak_bytes: int):
+        super().__init__(message)
+        self.peak_gib = peak_bytes / 2**30
+
+
+class TensorBytes(TorchDispatchMode):
+    """`live`: bytes of the counted storages alive now; `peak`: the most since `reset_peak`.
+
+    limit_bytes: the emulated device's memory; the op (or resize) whose storage takes `live`
+    past it raises EmulatedOutOfMemory, as a GPU's allocator refuses (None: no limit).
+    what: how the error names the device (its rank, type and where its memory is set)."""
+
+    def __init__(self, limit_bytes: int | None = None, what: str = "this rank's device"):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.limit_bytes, self.what = limit_bytes, what
+        self.peak_total = 0  # the most over the whole count (reset_peak keeps it)
         self._held: dict[int, list] = {}  # storage key -> [finalizer, bytes counted]
         self._lock = threading.Lock()  # a storage may be freed on another thread
         _track_resizes()
@@ -64,10 +78,29 @@ class TensorBytes(TorchDispatchMode):
             if held is not None and held[1] != storage.nbytes():
                 self.live += storage.nbytes() - held[1]
                 held[1] = storage.nbytes()
-                self.peak = max(self.peak, self.live)
+                self._new_peak()
+        self._check()
+
+    def _new_peak(self) -> None:
+        self.peak = max(self.peak, self.live)
+        self.peak_total = max(self.peak_total, self.live)
+
+    def _check(self) -> None:
+        if self.limit_bytes is not None and self.live > self.limit_bytes:
+            raise EmulatedOutOfMemory(
+                f"{self.what}: live tensors {self.live / 2**30:.3f} GiB pass its memory "
+                f"{self.limit_bytes / 2**30:.3f} GiB (out of memory, as on a GPU): give the device "
+                "more memory, or train a smaller batch, a smaller model or a method that shards",
+                self.peak_total,
+            )
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """Count a tensor made while no mode was entered (once per storage, as an op's output)."""
+        if tensor.device.type == "cpu" and not tensor.is_meta and not is_traceable_wrapper_subclass(tensor):
+            self._count(tensor.untyped_storage())
 
     def _freed(self, key: int) -> None:
         with self._lock:
@@ -84,7 +117,8 @@ class TensorBytes(TorchDispatchMode):
             elif held[1] != nbytes:  # resized in place
                 self.live += nbytes - held[1]
                 held[1] = nbytes
-            self.peak = max(self.peak, self.live)
+            self._new_peak()
+        self._check()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

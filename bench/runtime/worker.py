@@ -25,6 +25,7 @@ import torch.distributed as dist
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import offsets
+from bench.core.weights import Weights, build_meta
 from bench.runtime import hostcpu
 from bench.runtime.emulation import EmulationSettings
 from bench.runtime.pacing import Pacing, peak_mem_gib
@@ -218,7 +219,10 @@ def _out_of_memory_as(rank: int, device: torch.device):
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        raise RankOutOfMemory(rank, peak_mem_gib(device), traceback.format_exc()) from None
+        # An emulated device's limit carries the tensors' peak; elsewhere the allocator's (CUDA)
+        # or the process's (CPU) peak.
+        peak = getattr(exc, "peak_gib", None)
+        raise RankOutOfMemory(rank, peak_mem_gib(device) if peak is None else peak, traceback.format_exc()) from None
 
 
 class TrainingRank:
@@ -245,14 +249,22 @@ class TrainingRank:
         self.case, self.rank, self.world_size, self.device = case, rank, world_size, device
         self.pacing = pacing = Pacing(case, rank, device, emulated, pace_compute, core)
         workload = case.workload
+        # Parameters on meta, the constructor's buffers on the CPU (bench.core.weights): counted
+        # from here, the storages a parameter's constructor made and dropped at once not counted.
+        model = build_meta(workload.model_cfg, case.seed)
+        pacing.count(model.buffers())
         with pacing.counting_tensors():
-            model = workload.build(case.seed).to(device)
-            ctx = RankContext(rank, world_size, device, case.cluster, workload, pacing.emulator)
+            weights = Weights(model, case.seed, workload.model_cfg)
+            if not getattr(case.method, "materializes", False):  # the method replicates the model
+                weights.materialize(model, device)
+            ctx = RankContext(rank, world_size, device, case.cluster, workload, pacing.emulator, weights)
             with pacing.emulator.paused():  # set-up is not part of an iteration: not emulated
                 self.trainer = case.method.setup(case.plan, model, ctx)
-        # What the trainer does not hold (hap's unsharded copies) is freed.
-        self.model = model if case.return_state else None
-        del model
+        # What the trainer does not hold (hap's unsharded copies) is freed. A method that
+        # materialises its part keeps the full model its state is mirrored into (tests) itself.
+        mirror = getattr(self.trainer, "full_model", None)
+        self.model = (model if mirror is None else mirror) if case.return_state else None
+        del model, weights, ctx
         self.data = workload.model_cfg.dataset(
             workload.data["source"],
             workload.data.get("path"),

@@ -148,6 +148,7 @@ class PipelineParallel:
     """
 
     worker_modules = ("torch.distributed.pipelining",)
+    materializes = True  # a rank materialises its stages' parameters alone (PipelineTrainer)
     mirror_full_state = False  # tests: write every stage's parameters and gradients into the full model
 
     def __init__(

@@ -3,6 +3,7 @@ torch's schedule, its replicas' gradients summed in buckets, Adam over its param
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
@@ -48,7 +49,7 @@ class PipelineTrainer:
         micro_batch = max(d["micro_batches"][self.pipeline], 1)
         graph = capture_config(ctx.workload.model_cfg, micro_batch)
         table = group_table(graph)
-        gm = model_graph(model, ctx.workload.model_cfg, micro_batch)
+        gm = model_graph(model, ctx.workload.model_cfg, micro_batch, device=ctx.device)
         cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
         tensors = {n.name for n in graph.nodes if n.is_tensor}
         stages, loss_module, params = [], None, {}
@@ -57,11 +58,20 @@ class PipelineTrainer:
             if method.activation_checkpointing:
                 module = checkpointed_stage(gm, table, tensors, cuts[k], cuts[k + 1])
             loss_module = loss or loss_module
+            for part in (module, loss):  # the stage's own parameters alone get values (on meta: the rest)
+                if part is not None and ctx.weights is not None:
+                    ctx.weights.materialize(part, ctx.device)
             for p in module.parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
             stages.append(PipelineStage(module, k, K, ctx.device, group=group))
         self.params = list(params.values())
-        self.model = model if method.mirror_full_state else None
+        # Tests: the full model every stage's state is written into, a materialised copy.
+        self.full_model = None
+        if method.mirror_full_state:
+            self.names = {id(p): n for n, p in model.named_parameters()}
+            self.full_model = copy.deepcopy(model)
+            if ctx.weights is not None:
+                ctx.weights.materialize(self.full_model, ctx.device)
         # Replicas of this rank (data parallel across pipelines) sum their gradients once the
         # schedule is through, in buckets (gradient_buckets, as the plan prices them).
         self.replica_group = replicas[self.position] if D > 1 else None
@@ -107,7 +117,7 @@ class PipelineTrainer:
             self.clip_global_norm(self.grad_clip)
         self.optimizer.step()
         self.emulator.stretch()  # the optimizer's compute (and what followed the last wait)
-        if self.model is not None:
+        if self.full_model is not None:
             self.write_full_state()
         if losses:  # the micro-batches' scaled losses, back to the summed loss
             return (torch.stack([x.detach() for x in losses]).sum() / self.loss_scale).detach()
@@ -146,10 +156,9 @@ class PipelineTrainer:
 
     def write_full_state(self) -> None:
         """Tests: every stage's parameters and gradients written into this rank's full model."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
         mine = (
             {
-                names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+                self.names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
                 for p in self.params
             }
             if self.pipeline == 0
@@ -160,6 +169,6 @@ class PipelineTrainer:
         with torch.no_grad():
             for part in everyone:
                 for name, (value, grad) in part.items():
-                    p = self.model.get_parameter(name)
+                    p = self.full_model.get_parameter(name)
                     p.copy_(value)
                     p.grad = grad

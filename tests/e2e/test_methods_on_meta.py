@@ -24,6 +24,7 @@ import traceback
 import pytest
 import torch
 
+from bench.core.meta import build_on_meta
 from bench.core.shares import offsets
 from bench.runner.case import new_record, prepare_case
 from methods.hap.runtime import FixedPlanMethod
@@ -47,8 +48,7 @@ def _rank(rank: int, world: int, store: str, case, steps: bool, answers) -> None
 
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
         workload = case.workload
-        with torch.device("meta"):
-            model = workload.build(case.seed)
+        model = build_on_meta(workload.model_cfg)  # parameters and buffers: shapes, no values
         ctx = RankContext(rank, world, META, case.cluster, workload, Emulator(case.cluster, rank, enabled=False))
         start, stop = (case.plan.data_slices or offsets(case.plan.batch_shares))[rank]
         data = workload.model_cfg.dataset("synthetic", None, "train", case.seed)

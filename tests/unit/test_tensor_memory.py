@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from bench.runtime.tensor_memory import TensorBytes
+from bench.runtime.tensor_memory import EmulatedOutOfMemory, TensorBytes
 
 MIB = 2**20
 
@@ -83,3 +84,46 @@ def test_a_storage_resized_in_place_and_one_freed_on_another_thread_are_counted_
     worker.start()
     worker.join()
     assert tensors.live == 0 and tensors.peak == MIB
+
+
+def test_live_tensors_past_the_limit_raise_out_of_memory_in_forward_and_in_backward():
+    """The emulated device's memory: the op whose output takes the live bytes past the limit
+    raises a MemoryError carrying the peak, whether it runs in forward or in autograd's backward."""
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB, made before the count
+    x = torch.randn(64, 1024, requires_grad=True)
+    tensors = TensorBytes(limit_bytes=5 * MIB, what="rank 3 (a test)")
+    tensors.count(model.weight)
+    with tensors:
+        loss = model(x).sum()  # 4 MiB + 0.25 MiB of output
+        with pytest.raises(MemoryError, match=r"rank 3 \(a test\): live tensors .* pass its memory 0.005 GiB") as exc:
+            loss.backward()  # the weight's 4 MiB gradient
+    assert isinstance(exc.value, EmulatedOutOfMemory)
+    assert exc.value.peak_gib * 2**30 > 5 * MIB
+    with TensorBytes(limit_bytes=MIB) as small, pytest.raises(EmulatedOutOfMemory):
+        torch.zeros(2 * MIB // 4)
+    assert small.peak == 2 * MIB
+
+
+def test_a_ranks_device_memory_is_its_machine_groups_or_its_device_types_named_by_the_setting():
+    from bench.core.cluster import ClusterSpec
+    from bench.runtime.pacing import device_memory
+
+    cluster = ClusterSpec.from_config(
+        {
+            "name": "three",
+            "emulated": True,
+            "machines": [
+                {"count": 2, "device": "cpu", "num_devices": 1, "speed": 1.0},
+                {"count": 1, "device": "cpu", "num_devices": 1, "speed": 0.5, "memory_gib": 0.5},
+            ],
+            "links": {
+                "intra_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+                "inter_machine": {"bandwidth_gbps": 1.0, "latency_s": 0.0},
+            },
+        }
+    )
+    assert device_memory(cluster, 2) == (2**29, "rank 2 (cluster.machines[1].memory_gib=0.5)")
+    limit, what = device_memory(cluster, 1)
+    assert limit == int(cluster.devices[1].type.memory_gib * 2**30) and what.startswith(
+        "rank 1 (device cpu's memory_gib="
+    )
