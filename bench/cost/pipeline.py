@@ -600,7 +600,9 @@ def replay_all(
         if all(pc[lane] == len(program.actions[lane[0]]) for lane in lanes):
             break
         if not moved:
-            stuck = {lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])}
+            stuck = {
+                lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])
+            }
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
     return {lane: RankTimeline(compute_s=compute[lane], end_s=clock[lane]) for lane in lanes}
 

@@ -503,9 +503,7 @@ def best_cuts(
                 cand = (prev[0] if prev[0] > c else c, prev[1] + c)
                 if cand < row[j] and (
                     flights is None
-                    or all(
-                        costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards)) for r, mb in reps
-                    )
+                    or all(costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards)) for r, mb in reps)
                 ):
                     row[j], links[j] = cand, i
     if best[num_stages][num_groups][0] == math.inf:
