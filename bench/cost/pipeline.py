@@ -31,7 +31,7 @@ replays the actions rank by rank, as the ranks would run them:
   - the positions replicated over several pipelines (data parallel across pipelines) all-reduce
     their gradients among the replicas once every replica is through its schedule, bucket by
     bucket (grad_sync_s); with sharded state (`sharded_state`, FSDP2 over a stage's replicas)
-    a stage's replicas instead all-gather its parameters before its first forward ("gather")
+    a stage's replicas instead all-gather its parameters before the schedule ("gather")
     and reduce-scatter its gradients once the schedule is through ("scatter"): both are
     actions of the position's list, collectives that start when the last replica reaches them,
     so the pipelines are replayed together (replay_all);
@@ -78,7 +78,7 @@ SCHEDULES = (
 #       "act" (the forward's output, to stage k + 1) or "grad" (the input's gradient, to k - 1)
 #   ("wait", (id, ...)): wait until those transfers are done
 #   ("gather", k) / ("scatter", k): sharded state only: stage k's parameters all-gathered among
-#       its replicas (FSDP2's unshard before its first forward) / its gradients reduce-scattered
+#       its replicas (FSDP2's unshard, before the schedule) / its gradients reduce-scattered
 #       among them (torch's perform_reduce_grad once the schedule is through)
 ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait", "gather", "scatter")
 COLLECTIVES = ("gather", "scatter")

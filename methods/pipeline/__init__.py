@@ -27,8 +27,10 @@ the last stage. It does not mix tensor parallelism into a stage.
 
 Sharded state (`sharded_state`): the replicas of a stage (its ranks in the other pipelines)
 shard its parameters, gradients and Adam state with FSDP2's fully_shard over a mesh of just
-them, the stage's module one unit, as torch's pipelining drives it: the parameters gathered at
-the stage's first forward and kept through the schedule (no reshard after forward), the
+them, the stage's module one unit, as torch's pipelining drives it: the parameters gathered
+before the schedule starts (every stage at once, not each at its first forward, where the
+pipeline's stages would wait for each other's in turn) and kept through it (no reshard after
+forward), the
 gradients accumulated unsharded over the micro-batches and reduce-scattered (summed, not
 averaged: each pipeline's loss is already its part of the global one) once the schedule is
 through (torch's perform_reduce_grad); Adam steps the rank's shard. It replaces the replicas'
@@ -543,16 +545,10 @@ V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two st
 
 def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) -> tuple[tuple, ...]:
     """A position's actions with sharded state (bench.cost.pipeline.ACTIONS): each of its
-    stages' parameters gathered just before the stage's first forward (FSDP2's pre-forward
-    unshard; kept gathered through the schedule) and its gradients reduce-scattered after the
-    last action (torch's perform_reduce_grad, after the schedule's last waits)."""
-    out, gathered = [], set()
-    for a in actions:
-        if a[0] == "F" and a[1] not in gathered:
-            gathered.add(a[1])
-            out.append(("gather", a[1]))
-        out.append(a)
-    return tuple(out) + tuple(("scatter", k) for k in stages)
+    stages' parameters gathered before the schedule (the trainer's unshard; kept gathered
+    through it) and its gradients reduce-scattered after the last action (torch's
+    perform_reduce_grad, after the schedule's last waits)."""
+    return tuple(("gather", k) for k in stages) + tuple(actions) + tuple(("scatter", k) for k in stages)
 
 
 def _check_stages_per_rank(schedule: str, v: int) -> None:

@@ -56,6 +56,7 @@ class PipelineTrainer:
         self.sharded = bool(d.get("sharded_state")) and D > 1
         model_names = {id(p): n for n, p in model.named_parameters()}
         stages, loss_module, params, self.names = [], None, {}, {}
+        self.sharded_modules: list[nn.Module] = []
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
             if method.activation_checkpointing:
@@ -64,6 +65,7 @@ class PipelineTrainer:
             names = {n: model_names.get(id(p), n) for n, p in module.named_parameters()}
             if self.sharded:
                 shard_stage(module, self.replica_group, ctx.device)
+                self.sharded_modules.append(module)
             for n, p in module.named_parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
                 self.names[id(p)] = names[n]
@@ -109,6 +111,8 @@ class PipelineTrainer:
         losses: list[torch.Tensor] = []
         args = inputs if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        for module in self.sharded_modules:  # every stage gathered at once, before the schedule
+            module.unshard()
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self.sync_replicas()
         if self.grad_clip:
@@ -175,8 +179,8 @@ class PipelineTrainer:
 
 def shard_stage(module: nn.Module, group, device: torch.device) -> None:
     """FSDP2's fully_shard of a stage's module over its replicas' process group, one unit, as
-    torch's pipelining drives it (methods.pipeline's docstring): gathered at the first forward
-    and kept through the schedule, its gradients reduce-scattered summed (a divide factor of
+    torch's pipelining drives it (methods.pipeline's docstring): gathered before the schedule
+    (PipelineTrainer.step) and kept through it, its gradients reduce-scattered summed (a divide factor of
     one: each pipeline's loss is already its part of the global loss)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
