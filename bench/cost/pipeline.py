@@ -114,6 +114,9 @@ class PipeStage:
     ranks: tuple[int, ...]  # its rank in each pipeline (replicas of the stage)
     work: tuple[StageWork, ...]  # per pipeline, at that pipeline's micro-batch
     param_bytes: float
+    # With sharded state: one replica's shard of its parameters (FSDP2 pads each parameter's dim
+    # 0 to a multiple of the replicas); 0: param_bytes over the replicas
+    shard_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,7 @@ class StageBytes:
     backward_bytes: float  # the most of one micro-batch during its backward
     received_bytes: float  # its input's receive buffer per micro-batch (0 on the first stage)
     sent_bytes: float  # its output's gradient's receive buffer per micro-batch (0 on the last)
+    shard_bytes: float = 0.0  # with sharded state, as PipeStage.shard_bytes
 
 
 def activation_peak(actions: Sequence[tuple], parts: dict[int, StageBytes]) -> float:
@@ -295,23 +299,28 @@ def rank_memory(
 
     `shards` > 1: sharded state over that many replicas (FSDP2, as torch's pipelining drives
     it): the rank keeps 1/shards of its parameters, gradients and moments; during the schedule
-    it also holds the gathered parameters and their unsharded gradients, accumulated over the
-    micro-batches (two points of Memory.backward: beside the activations, and at the
-    reduce-scatter, the gathered parameters freed and the gradients copied into its flat
-    input, the shard of its output beside them)."""
+    it also holds the gathered parameters (the all-gather's padded output, shards x its shard)
+    and their unsharded gradients, accumulated over the micro-batches (two points of
+    Memory.backward: beside the activations, and at the reduce-scatter, the gathered
+    parameters freed and the gradients copied into its padded flat input, the shard of its
+    output beside them)."""
     params = sum(p.param_bytes for p in parts.values())
     buffers = num_micro_batches * sum(p.received_bytes + p.sent_bytes for p in parts.values())
     largest = max((p.largest_param_bytes for p in parts.values()), default=0.0)
     activations = activation_peak(actions, parts)
     if shards > 1:
-        shard = params / shards
+        shard = sum(p.shard_bytes or p.param_bytes / shards for p in parts.values())
+        gathered = shards * shard
         return Memory(
             params=Affine(shard),
             grads=Affine(shard),
             optimizer=Affine(2.0 * shard),
             activations=Affine(activations),
             buckets=Affine(buffers),
-            backward=((Affine(2.0 * params), Affine(activations)), (Affine(2.0 * params + shard), Affine())),
+            backward=(
+                (Affine(gathered + params), Affine(activations)),
+                (Affine(params + gathered + shard), Affine()),
+            ),
             largest_param=Affine(largest / shards),
         )
     return Memory(
@@ -343,16 +352,20 @@ def stage_peak_bytes(
     bucket_bytes: float,
     foreach: bool,
     shards: int = 1,
+    shard_bytes: float = 0.0,
 ) -> float:
     """stage_peak(rank_memory(...)) of a rank that holds one stage with `in_flight` micro-batches
     at its peak, in plain arithmetic, for a planner that checks many cuts."""
     buffers = num_micro_batches * (received_bytes + sent_bytes)
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
     if shards > 1:  # rank_memory's sharded state: no bucket
-        shard = param_bytes / shards
+        shard = shard_bytes or param_bytes / shards
         step = shard if foreach else 2.0 * largest_param_bytes / shards
         held = 3.0 * shard + buffers
-        return max(held + 2.0 * param_bytes + activations, held + 2.0 * param_bytes + shard, held + shard + step)
+        gathered = shards * shard
+        return max(
+            held + gathered + param_bytes + activations, held + gathered + param_bytes + shard, held + shard + step
+        )
     resident = 4.0 * param_bytes + bucket_bytes + buffers
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
     return resident + max(activations, step)
@@ -537,7 +550,7 @@ def replay_all(
     arrived: dict[tuple, float] = {}  # (pipeline, what, mb, receiving stage) -> when it arrived
     posted: dict[tuple[int, int], dict[int, tuple]] = {lane: {} for lane in lanes}
     coll_s = {
-        (kind, k): shard_collective_s(kind, st.param_bytes, st.ranks, cluster)
+        (kind, k): shard_collective_s(kind, (st.shard_bytes or st.param_bytes / D) * D, st.ranks, cluster)
         for kind in COLLECTIVES
         for k, st in enumerate(program.stages)
     }
@@ -629,12 +642,18 @@ def optimizer_s(
     mine = [st for k, st in enumerate(program.stages) if program.stage_rank[k] == position]
     rank = mine[0].ranks[pipeline]
     dev = cluster.devices[rank]
-    share = 1.0 / program.num_pipelines if program.sharded_state else 1.0
-    param_bytes = share * sum(st.param_bytes for st in mine)
+    D = program.num_pipelines
+
+    def share(st: PipeStage) -> float:
+        if not program.sharded_state:
+            return 1.0
+        return st.shard_bytes / st.param_bytes if st.shard_bytes and st.param_bytes else 1.0 / D
+
+    param_bytes = sum(share(st) * st.param_bytes for st in mine)
     t = 0.0
     for st in mine:
         w = st.work[pipeline]
-        t += share * (
+        t += share(st) * (
             w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
         )
     if v.compute is not None and v.compute.optimizer is not None:

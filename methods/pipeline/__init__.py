@@ -460,6 +460,7 @@ class PipelineParallel:
                     ranks=tuple(c.order[stage_rank[k]]),
                     work=tuple(work),
                     param_bytes=sum(g.param_bytes for g in groups),
+                    shard_bytes=costs.shard_bytes(first, end, D) if c.sharded else 0.0,
                 )
             )
         memory, buckets = [], []
@@ -471,7 +472,7 @@ class PipelineParallel:
                 tuple(
                     rank_memory(
                         traces[r].actions,
-                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb) for k in mine},
+                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
                         c.m,
                         bucket,
                         D if c.sharded else 1,

@@ -250,6 +250,10 @@ class _Costs:
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
         self._weight = self._weight_flops()
+        self._shapes = {
+            str(n.fx_node.target): (tuple(n.shape or ()), n.dtype.itemsize) for n in self.graph.nodes if n.is_param
+        }
+        self._shards: dict[int, list[float]] = {}
 
     def _weight_flops(self) -> list[float]:
         """Per layer group and sample, the backward FLOPs that make the weights' gradients: half
@@ -371,8 +375,9 @@ class _Costs:
         inner = max(self._acts(g, g + 1)[1] - out(g) for g in range(first, end))
         return kept, kept + inner
 
-    def stage_bytes(self, first: int, end: int, mb: int) -> StageBytes:
-        """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory)."""
+    def stage_bytes(self, first: int, end: int, mb: int, shards: int = 1) -> StageBytes:
+        """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory),
+        its state sharded over `shards` replicas."""
         kept, backward = self.activations(first, end)
         groups = self.table.span(first, end)
         last = end == self.table.num_groups
@@ -383,7 +388,25 @@ class _Costs:
             backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
+            shard_bytes=self.shard_bytes(first, end, shards),
         )
+
+    def shard_prefix(self, shards: int) -> list[float]:
+        """Prefix sums over the layer groups of one replica's shard of their parameters over
+        `shards` replicas, as FSDP2 pads them (each parameter's dim 0 to a multiple of them)."""
+        if shards not in self._shards:
+            out = [0.0]
+            for g in self.table.groups:
+                out.append(out[-1] + sum(_padded_shard(*self._shapes[p], shards) for p in g.params))
+            self._shards[shards] = out
+        return self._shards[shards]
+
+    def shard_bytes(self, first: int, end: int, shards: int) -> float:
+        """One replica's shard of groups [first, end)'s parameters (0 for one replica)."""
+        if shards < 2:
+            return 0.0
+        prefix = self.shard_prefix(shards)
+        return prefix[end] - prefix[first]
 
     def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, shards: int = 1) -> float:
         """Bytes a rank holding only stage [first, end) holds at its peak (backward or Adam's
@@ -406,6 +429,7 @@ class _Costs:
             bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
             foreach=self.cluster.device == "cuda",
             shards=shards,
+            shard_bytes=self.shard_bytes(first, end, shards),
         )
         return self._peaks[key]
 
@@ -449,6 +473,13 @@ class _Costs:
         if key not in self._slowest:
             self._slowest[key] = _elementwise_max([self.seconds_matrix(r, mb) for r, mb in reps])
         return self._slowest[key]
+
+
+def _padded_shard(shape: tuple[int, ...], itemsize: int, shards: int) -> float:
+    """A replica's shard of a parameter under FSDP2: dim 0 padded to a multiple of the shards."""
+    if not shape:
+        return float(itemsize)
+    return float(math.ceil(shape[0] / shards) * math.prod(shape[1:]) * itemsize)
 
 
 def _elementwise_max(matrices: list[list[list[float]]]) -> list[list[float]]:
@@ -627,10 +658,10 @@ def sync_seconds(
     if len(order[0]) < 2:
         return 0.0
     if sharded:
-        prefix = costs._prefix_params
+        D = len(order[0])
         return max(
             sum(
-                shard_collective_s(kind, prefix[cuts[k + 1]] - prefix[cuts[k]], order[r], costs.cluster)
+                shard_collective_s(kind, D * costs.shard_bytes(cuts[k], cuts[k + 1], D), order[r], costs.cluster)
                 for k, x in enumerate(stage_rank)
                 if x == r
                 for kind in ("gather", "scatter")

@@ -90,9 +90,10 @@ def test_a_sharded_plan_gathers_before_the_schedule_and_scatters_after_it():
         ]
     sim = simulate(program, cluster, None)
     plain = simulate(plans[False].program, cluster, None)
-    for rank in range(cluster.num_devices):  # a quarter of the state, no bucket
+    for rank in range(cluster.num_devices):  # a quarter of the state (FSDP2's padding aside), no bucket
         for part in ("params", "grads", "optimizer"):
-            assert sim.memory_gib[rank][part] == pytest.approx(plain.memory_gib[rank][part] / 4)
+            quarter = plain.memory_gib[rank][part] / 4
+            assert quarter <= sim.memory_gib[rank][part] <= 1.01 * quarter
         assert sim.memory_gib[rank]["buckets"] < plain.memory_gib[rank]["buckets"]
 
 
@@ -103,17 +104,17 @@ def test_the_sharded_iteration_pays_its_collectives_where_the_schedule_runs_them
     plans, cluster = _machine_plans()
     program = plans[True].program
     empty = dataclasses.replace(
-        program, stages=tuple(dataclasses.replace(st, param_bytes=0.0) for st in program.stages)
+        program, stages=tuple(dataclasses.replace(st, param_bytes=0.0, shard_bytes=0.0) for st in program.stages)
     )
     first = program.stages[0]
     collectives = sum(  # their bytes' time (the empty program's pay the latency alone)
-        shard_collective_s(kind, first.param_bytes, first.ranks, cluster)
+        shard_collective_s(kind, 4 * first.shard_bytes, first.ranks, cluster)
         - shard_collective_s(kind, 0.0, first.ranks, cluster)
         for kind in ("gather", "scatter")
     )
     assert collectives > 0.01
     gap = simulate(program, cluster, None).iter_time_s - simulate(empty, cluster, None).iter_time_s
-    assert gap >= collectives
+    assert gap >= collectives * (1 - 1e-9)
 
 
 def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices_when_sharded():
