@@ -30,10 +30,9 @@ shard its parameters, gradients and Adam state with FSDP2's fully_shard over a m
 them, the stage's module one unit, as torch's pipelining drives it: the parameters gathered
 before the schedule starts (every stage at once, not each at its first forward, where the
 pipeline's stages would wait for each other's in turn) and kept through it (no reshard after
-forward), the
-gradients accumulated unsharded over the micro-batches and reduce-scattered (summed, not
-averaged: each pipeline's loss is already its part of the global one) once the schedule is
-through (torch's perform_reduce_grad); Adam steps the rank's shard. It replaces the replicas'
+forward), the gradients accumulated unsharded over the micro-batches and reduce-scattered
+(summed, not averaged: each pipeline's loss is already its part of the global one) once the
+schedule is through (torch's perform_reduce_grad); Adam steps the rank's shard. It replaces the replicas'
 all-reduce; a rank holds 1/r of its stage's state, plus the gathered parameters and the
 unsharded gradients while the schedule runs (bench.cost.pipeline.rank_memory). It runs under
 the single-stage schedules (1f1b, gpipe); with one pipeline there are no replicas and it

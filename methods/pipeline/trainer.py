@@ -180,8 +180,8 @@ class PipelineTrainer:
 def shard_stage(module: nn.Module, group, device: torch.device) -> None:
     """FSDP2's fully_shard of a stage's module over its replicas' process group, one unit, as
     torch's pipelining drives it (methods.pipeline's docstring): gathered before the schedule
-    (PipelineTrainer.step) and kept through it, its gradients reduce-scattered summed (a divide factor of
-    one: each pipeline's loss is already its part of the global loss)."""
+    (PipelineTrainer.step) and kept through it, its gradients reduce-scattered summed (a
+    divide factor of one: each pipeline's loss is already its part of the global loss)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
