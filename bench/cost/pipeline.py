@@ -30,13 +30,19 @@ replays the actions rank by rank, as the ranks would run them:
     pass their tensors in memory (torch sends nothing between them);
   - the positions replicated over several pipelines (data parallel across pipelines) all-reduce
     their gradients among the replicas once every replica is through its schedule, bucket by
-    bucket (grad_sync_s);
+    bucket (grad_sync_s); with sharded state (`sharded_state`, FSDP2 over a stage's replicas)
+    a stage's replicas instead all-gather its parameters before the schedule ("gather")
+    and reduce-scatter its gradients once the schedule is through ("scatter"): both are
+    actions of the position's list, collectives that start when the last replica reaches them,
+    so the pipelines are replayed together (replay_all);
   - then each rank's optimizer step: Adam's per-byte cost over its stages' parameters on an
     emulated worker, a profile's optimizer time on a GPU, and the method's own host work.
 
 The iteration lasts until the last rank is done. Memory is per rank (rank_memory): its stages'
-parameters, gradients and Adam state, a gradient bucket's flat copy, the receive buffers of
-every micro-batch, and the activations of the micro-batches its action list holds at once.
+parameters, gradients and Adam state (with sharded state its 1/r share of each, and during
+the schedule the gathered parameters and the unsharded gradients they accumulate), a gradient
+bucket's flat copy, the receive buffers of every micro-batch, and the activations of the
+micro-batches its action list holds at once.
 It runs no model and touches no process group.
 """
 
@@ -71,7 +77,11 @@ SCHEDULES = (
 #   ("send", id, what, k, mb) / ("recv", id, what, k, mb): a transfer posted by stage k; what is
 #       "act" (the forward's output, to stage k + 1) or "grad" (the input's gradient, to k - 1)
 #   ("wait", (id, ...)): wait until those transfers are done
-ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait")
+#   ("gather", k) / ("scatter", k): sharded state only: stage k's parameters all-gathered among
+#       its replicas (FSDP2's unshard, before the schedule) / its gradients reduce-scattered
+#       among them (torch's perform_reduce_grad once the schedule is through)
+ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait", "gather", "scatter")
+COLLECTIVES = ("gather", "scatter")
 COMPUTE = ("F", "B", "I", "W")
 
 
@@ -104,6 +114,9 @@ class PipeStage:
     ranks: tuple[int, ...]  # its rank in each pipeline (replicas of the stage)
     work: tuple[StageWork, ...]  # per pipeline, at that pipeline's micro-batch
     param_bytes: float
+    # With sharded state: one replica's shard of its parameters (FSDP2 pads each parameter's dim
+    # 0 to a multiple of the replicas); 0: param_bytes over the replicas
+    shard_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,9 @@ class PipelineProgram:
     # from which the cluster's host speed gives the same step now
     profile_step_s: tuple[float, ...] = ()
     flops_per_sample: float = 0.0
+    # Each stage's parameters, gradients and Adam state sharded over its replicas (FSDP2): its
+    # actions gather and scatter (ACTIONS), the replicas all-reduce nothing after the schedule
+    sharded_state: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -190,6 +206,7 @@ class PipelineProgram:
             "micro_batches": list(self.micro_batches),
             "num_pipelines": self.num_pipelines,
             "stage_rank": list(self.stage_rank),
+            **({"sharded_state": True} if self.sharded_state else {}),
             "stages": [
                 {
                     "groups": list(st.groups),
@@ -235,6 +252,7 @@ class StageBytes:
     backward_bytes: float  # the most of one micro-batch during its backward
     received_bytes: float  # its input's receive buffer per micro-batch (0 on the first stage)
     sent_bytes: float  # its output's gradient's receive buffer per micro-batch (0 on the last)
+    shard_bytes: float = 0.0  # with sharded state, as PipeStage.shard_bytes
 
 
 def activation_peak(actions: Sequence[tuple], parts: dict[int, StageBytes]) -> float:
@@ -262,7 +280,11 @@ def activation_peak(actions: Sequence[tuple], parts: dict[int, StageBytes]) -> f
 
 
 def rank_memory(
-    actions: Sequence[tuple], parts: dict[int, StageBytes], num_micro_batches: int, bucket_bytes: float
+    actions: Sequence[tuple],
+    parts: dict[int, StageBytes],
+    num_micro_batches: int,
+    bucket_bytes: float,
+    shards: int = 1,
 ) -> Memory:
     """What one rank holds at its peak (bench.core.program.Memory, constants), from its stages'
     bytes at its pipeline's micro-batch:
@@ -273,16 +295,41 @@ def rank_memory(
     - a receive buffer per micro-batch of the iteration for each stage's input (not on the
       first stage) and for its output's gradient (not on the last), which
       torch.distributed.pipelining allocates once for every micro-batch (held, as buckets are);
-    - the activations of the micro-batches in flight at once (activation_peak)."""
+    - the activations of the micro-batches in flight at once (activation_peak).
+
+    `shards` > 1: sharded state over that many replicas (FSDP2, as torch's pipelining drives
+    it): the rank keeps 1/shards of its parameters, gradients and moments; during the schedule
+    it also holds the gathered parameters (the all-gather's padded output, shards x its shard)
+    and their unsharded gradients, accumulated over the micro-batches (two points of
+    Memory.backward: beside the activations, and at the reduce-scatter, the gathered
+    parameters freed and the gradients copied into its padded flat input, the shard of its
+    output beside them)."""
     params = sum(p.param_bytes for p in parts.values())
     buffers = num_micro_batches * sum(p.received_bytes + p.sent_bytes for p in parts.values())
+    largest = max((p.largest_param_bytes for p in parts.values()), default=0.0)
+    activations = activation_peak(actions, parts)
+    if shards > 1:
+        shard = sum(p.shard_bytes or p.param_bytes / shards for p in parts.values())
+        gathered = shards * shard
+        return Memory(
+            params=Affine(shard),
+            grads=Affine(shard),
+            optimizer=Affine(2.0 * shard),
+            activations=Affine(activations),
+            buckets=Affine(buffers),
+            backward=(
+                (Affine(gathered + params), Affine(activations)),
+                (Affine(params + gathered + shard), Affine()),
+            ),
+            largest_param=Affine(largest / shards),
+        )
     return Memory(
         params=Affine(params),
         grads=Affine(params),
         optimizer=Affine(2.0 * params),
-        activations=Affine(activation_peak(actions, parts)),
+        activations=Affine(activations),
         buckets=Affine(bucket_bytes + buffers),
-        largest_param=Affine(max((p.largest_param_bytes for p in parts.values()), default=0.0)),
+        largest_param=Affine(largest),
     )
 
 
@@ -304,11 +351,22 @@ def stage_peak_bytes(
     num_micro_batches: int,
     bucket_bytes: float,
     foreach: bool,
+    shards: int = 1,
+    shard_bytes: float = 0.0,
 ) -> float:
     """stage_peak(rank_memory(...)) of a rank that holds one stage with `in_flight` micro-batches
     at its peak, in plain arithmetic, for a planner that checks many cuts."""
-    resident = 4.0 * param_bytes + bucket_bytes + num_micro_batches * (received_bytes + sent_bytes)
+    buffers = num_micro_batches * (received_bytes + sent_bytes)
     activations = max(in_flight - 1, 0) * kept_bytes + backward_bytes
+    if shards > 1:  # rank_memory's sharded state: no bucket
+        shard = shard_bytes or param_bytes / shards
+        step = shard if foreach else 2.0 * largest_param_bytes / shards
+        held = 3.0 * shard + buffers
+        gathered = shards * shard
+        return max(
+            held + gathered + param_bytes + activations, held + gathered + param_bytes + shard, held + shard + step
+        )
+    resident = 4.0 * param_bytes + bucket_bytes + buffers
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
     return resident + max(activations, step)
 
@@ -461,6 +519,107 @@ def replay(
     return [RankTimeline(compute_s=compute[r], end_s=clock[r]) for r in range(n)]
 
 
+def shard_collective_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
+    """Seconds of one all-gather ("gather") or reduce-scatter ("scatter") of a stage's `nbytes`
+    (the whole parameters) among its replicas `ranks`, over the link they span (sharded state)."""
+    if len(ranks) < 2:
+        return 0.0
+    name = "all_gather" if kind == "gather" else "reduce_scatter"
+    link = cluster.link_between(list(ranks))
+    return max(collective_time_s(name, nbytes, len(ranks), link), cluster.floor_s(name))
+
+
+def replay_all(
+    program: PipelineProgram,
+    cluster: ClusterSpec,
+    times: list[list[StageTimes]],
+    sends: list[list[float]],
+) -> dict[tuple[int, int], RankTimeline]:
+    """Every pipeline's action lists replayed together (replay's rules), for a program whose
+    lists hold collectives among a stage's replicas (COLLECTIVES): one starts when the last of
+    the stage's replicas reaches it, and all of them leave it together, its time later.
+    `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Returns (position, pipeline) ->
+    RankTimeline."""
+    n, D = program.num_ranks, program.num_pipelines
+    where = program.stage_rank
+    lanes = [(r, p) for p in range(D) for r in range(n)]
+    clock = dict.fromkeys(lanes, 0.0)
+    pc = dict.fromkeys(lanes, 0)
+    link_free = dict.fromkeys(lanes, 0.0)
+    compute = dict.fromkeys(lanes, 0.0)
+    arrived: dict[tuple, float] = {}  # (pipeline, what, mb, receiving stage) -> when it arrived
+    posted: dict[tuple[int, int], dict[int, tuple]] = {lane: {} for lane in lanes}
+    coll_s = {
+        (kind, k): shard_collective_s(kind, (st.shard_bytes or st.param_bytes / D) * D, st.ranks, cluster)
+        for kind in COLLECTIVES
+        for k, st in enumerate(program.stages)
+    }
+    while True:
+        moved = False
+        for r, p in lanes:
+            lane = (r, p)
+            acts = program.actions[r]
+            while pc[lane] < len(acts):
+                a = acts[pc[lane]]
+                kind = a[0]
+                if kind in COMPUTE:
+                    d = times[p][a[1]][_PASS[kind]]
+                    clock[lane] += d
+                    compute[lane] += d
+                elif kind in COLLECTIVES:
+                    # every replica at this same action (their lists are one position's)
+                    if any(pc[(r, q)] < pc[lane] for q in range(D)):
+                        break
+                    if all(pc[(r, q)] == pc[lane] for q in range(D)):
+                        done = max(clock[(r, q)] for q in range(D)) + coll_s[(kind, a[1])]
+                        for q in range(D):
+                            clock[(r, q)] = done
+                            pc[(r, q)] += 1
+                        moved = True
+                        continue
+                    break
+                elif kind == "send":
+                    _, ident, what, k, mb = a
+                    to = k + 1 if what == "act" else k - 1
+                    assert where[to] != r, f"stage {k} sends to stage {to} on its own rank"
+                    begin = max(clock[lane], link_free[lane])
+                    done = begin + sends[p][k if what == "act" else to]
+                    link_free[lane] = done
+                    arrived[(p, what, mb, to)] = done
+                    posted[lane][ident] = ("done", done)
+                elif kind == "recv":
+                    _, ident, what, k, mb = a
+                    posted[lane][ident] = ("recv", (p, what, mb, k))
+                elif kind == "wait":
+                    ends = []
+                    for ident in a[1]:
+                        state, value = posted[lane][ident]
+                        if state == "recv":
+                            if value not in arrived:
+                                break
+                            ends.append(arrived[value])
+                        else:
+                            ends.append(value)
+                    else:
+                        clock[lane] = max([clock[lane], *ends])
+                        pc[lane] += 1
+                        moved = True
+                        continue
+                    break
+                else:
+                    raise ValueError(f"position {r}: unknown action {a!r}")
+                pc[lane] += 1
+                moved = True
+        if all(pc[lane] == len(program.actions[lane[0]]) for lane in lanes):
+            break
+        if not moved:
+            stuck = {
+                lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])
+            }
+            raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
+    return {lane: RankTimeline(compute_s=compute[lane], end_s=clock[lane]) for lane in lanes}
+
+
 def grad_sync_s(buckets: Sequence[float], ranks: Sequence[int], cluster: ClusterSpec) -> float:
     """Seconds of the all-reduces of a position's gradient buckets among its replicas (`ranks`),
     one after another (what the runtime does once its schedule is through)."""
@@ -478,15 +637,25 @@ def optimizer_s(
 ) -> float:
     """A rank's per-step part after its last action: Adam's step over its stages' parameters
     (emulated workers: as measured, times `scale`, else Adam's per-byte cost), a profile's
-    optimizer step (GPUs), the method's host work."""
+    optimizer step (GPUs), the method's host work. With sharded state Adam steps the rank's
+    share: 1/r of the bytes (and of the measured step)."""
     mine = [st for k, st in enumerate(program.stages) if program.stage_rank[k] == position]
     rank = mine[0].ranks[pipeline]
     dev = cluster.devices[rank]
-    param_bytes = sum(st.param_bytes for st in mine)
+    D = program.num_pipelines
+
+    def share(st: PipeStage) -> float:
+        if not program.sharded_state:
+            return 1.0
+        return st.shard_bytes / st.param_bytes if st.shard_bytes and st.param_bytes else 1.0 / D
+
+    param_bytes = sum(share(st) * st.param_bytes for st in mine)
     t = 0.0
     for st in mine:
         w = st.work[pipeline]
-        t += w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
+        t += share(st) * (
+            w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
+        )
     if v.compute is not None and v.compute.optimizer is not None:
         fixed, rate = v.compute.optimizer
         t += fixed + param_bytes / rate
@@ -508,7 +677,9 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     lines: dict[tuple[int, int], RankTimeline] = {}  # (position, pipeline)
     seen: dict[tuple, list[RankTimeline]] = {}
     sends = [transfer_times(program, cluster, p) for p in range(D)]
-    for p in range(D):
+    if program.sharded_state:  # collectives among replicas inside the schedule: all at once
+        lines = replay_all(program, cluster, [[times[k][p] for k in range(K)] for p in range(D)], sends)
+    for p in range(D if not program.sharded_state else 0):
         key = (tuple(times[k][p] for k in range(K)), tuple(sends[p]))  # pipelines alike price alike
         if key not in seen:
             seen[key] = replay(program, cluster, p, [times[k][p] for k in range(K)], sends[p])

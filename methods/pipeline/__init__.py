@@ -25,6 +25,19 @@ reads, the values that cross its borders as inputs and outputs), and runs them a
 PipelineStages. The ops that read the targets (the loss) run as the schedule's loss function on
 the last stage. It does not mix tensor parallelism into a stage.
 
+Sharded state (`sharded_state`): the replicas of a stage (its ranks in the other pipelines)
+shard its parameters, gradients and Adam state with FSDP2's fully_shard over a mesh of just
+them, the stage's module one unit, as torch's pipelining drives it: the parameters gathered
+before the schedule starts (every stage at once, not each at its first forward, where the
+pipeline's stages would wait for each other's in turn) and kept through it (no reshard after
+forward), the gradients accumulated unsharded over the micro-batches and reduce-scattered
+(summed, not averaged: each pipeline's loss is already its part of the global one) once the
+schedule is through (torch's perform_reduce_grad); Adam steps the rank's shard. It replaces the replicas'
+all-reduce; a rank holds 1/r of its stage's state, plus the gathered parameters and the
+unsharded gradients while the schedule runs (bench.cost.pipeline.rank_memory). It runs under
+the single-stage schedules (1f1b, gpipe); with one pipeline there are no replicas and it
+changes nothing.
+
 The method (PipelineParallel) is here; its parts: schedule (torch's schedules traced),
 planning (slots, orders, micro-batches, shares, priced costs, the cuts' dynamic program),
 profile (the layer groups timed on this host), cut (a stage of the traced model), trainer (a
@@ -95,6 +108,7 @@ log = logging.getLogger(__name__)
 
 STAGE_LEVELS = ("auto", "device", "machine")
 SHARES = ("priced", "equal")
+SHARDED_STATE = (False, True, "auto")
 SIMULATED = 4  # candidates per schedule replayed exactly, the best priced first
 # The most forwards (micro-batches x stages) a rank of a multi-stage schedule is searched at:
 # torch lowers those schedules to communication in time quadratic in a rank's actions (0.1-0.4 s
@@ -119,6 +133,7 @@ class _Candidate:
     micro_batches: tuple[int, ...]  # per pipeline
     cuts: tuple[int, ...]
     stage_rank: tuple[int, ...]  # the position of each stage
+    sharded: bool = False  # each stage's state sharded over its replicas
 
 
 class PipelineParallel:
@@ -140,6 +155,9 @@ class PipelineParallel:
             replicas), "pipeline" (a pipeline's ranks, its replicas unlike) or "auto" (both).
         activation_checkpointing: each layer group of a stage under torch.utils.checkpoint (its
             activations recomputed in backward: more compute, a smaller activation peak).
+        sharded_state: false, true (a stage's state sharded over its replicas, module
+            docstring; single-stage schedules only) or "auto" (both priced, the faster that
+            fits kept).
         bucket_cap_mb: the gradient bucket a rank's replicas all-reduce at a time (MiB).
         lr: Adam's learning rate (the paper: 5e-4).
         grad_clip: max global gradient norm; 0 disables clipping.
@@ -166,8 +184,16 @@ class PipelineParallel:
         lr: float = 5e-4,
         grad_clip: float = 0.0,
         profile: bool = True,
+        sharded_state=False,
     ):
         check_schedule(schedule)
+        if sharded_state not in SHARDED_STATE:
+            raise ConfigError(f"method.sharded_state={sharded_state!r} is unknown; use false, true or auto")
+        if sharded_state is True and schedule != "auto" and is_multi_stage(schedule):
+            raise ConfigError(
+                f"method.sharded_state=true runs under the single-stage schedules (1f1b, gpipe), not "
+                f"method.schedule={schedule}; use method.schedule=1f1b, gpipe or auto"
+            )
         for field_, value in (
             ("num_micro_batches", num_micro_batches),
             ("num_stages", num_stages),
@@ -199,6 +225,7 @@ class PipelineParallel:
         self.lr = lr
         self.grad_clip = grad_clip
         self.profile = profile
+        self.sharded_state = sharded_state
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
@@ -318,7 +345,7 @@ class PipelineParallel:
         orders = slot_orders(cluster, layout)
         balanced: dict = {}
         runnable = False
-        for schedule, V in pairs:
+        for schedule, V, sharded in self._state_choices(pairs, D):
             K = R * V
             if table.num_groups < K:
                 refusals.append(
@@ -343,22 +370,35 @@ class PipelineParallel:
                 flights = tuple(in_flight(orders_[stage_rank[k]], k) for k in range(K))
                 for order in orders:
                     slots = tuple(order[stage_rank[k]] for k in range(K))
-                    key = (slots, stage_rank, m, flights)
+                    key = (slots, stage_rank, m, flights, sharded)
                     if key not in balanced:
                         balanced[key] = balance_shares(
-                            costs, slots, stage_rank, m, B // m, flights, self.shares == "equal"
+                            costs, slots, stage_rank, m, B // m, flights, self.shares == "equal", sharded=sharded
                         )
                     got = balanced[key]
                     if got is None:
                         continue
                     estimate, mbs, cuts = got
-                    estimate += sync_seconds(costs, order, stage_rank, cuts, self.bucket_cap_mb)
+                    estimate += sync_seconds(costs, order, stage_rank, cuts, self.bucket_cap_mb, sharded)
                     found.append(
-                        _Candidate(estimate, schedule, layout, tuple(order), V, m, tuple(mbs), tuple(cuts), stage_rank)
+                        _Candidate(
+                            estimate, schedule, layout, tuple(order), V, m, tuple(mbs), tuple(cuts), stage_rank, sharded
+                        )
                     )
         if not found and runnable:
             oom.append(self._oom_message(layout, costs, table, counts, cluster, workload, where))
         return found
+
+    def _state_choices(self, pairs: list[tuple[str, int]], pipelines: int) -> list[tuple[str, int, bool]]:
+        """(schedule, stages per rank, sharded state) to price: sharded state where the slots
+        have replicas (several pipelines), under a schedule of one stage per rank (true: only
+        those schedules there; auto: beside the replicated state)."""
+        if pipelines < 2 or self.sharded_state is False:
+            return [(schedule, V, False) for schedule, V in pairs]
+        out = [(schedule, V, True) for schedule, V in pairs if V == 1]
+        if self.sharded_state == "auto":
+            out += [(schedule, V, False) for schedule, V in pairs]
+        return out
 
     def _oom_message(
         self, layout: Layout, costs: _Costs, table: GroupTable, counts, cluster, workload, where: str
@@ -370,8 +410,9 @@ class PipelineParallel:
         mb = max(1, workload.global_batch // m // D)
         cuts = [round(i * table.num_groups / R) for i in range(R + 1)]
         worst, need = 0, 0.0
+        shards = D if self.sharded_state and D > 1 else 1
         for s in range(R):
-            peak = costs.peak(cuts[s], cuts[s + 1], mb, R - s, m, D > 1)
+            peak = costs.peak(cuts[s], cuts[s + 1], mb, R - s, m, D > 1, shards)
             if peak > need:
                 worst, need = s, peak
         dev = cluster.devices[layout.slots[0][0]]
@@ -420,29 +461,32 @@ class PipelineParallel:
                     ranks=tuple(c.order[stage_rank[k]]),
                     work=tuple(work),
                     param_bytes=sum(g.param_bytes for g in groups),
+                    shard_bytes=costs.shard_bytes(first, end, D) if c.sharded else 0.0,
                 )
             )
         memory, buckets = [], []
         for r in range(R):
             mine = traces[r].stages
             params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
-            bucket = min(params, costs.bucket_bytes) if D > 1 else 0.0
+            bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
             memory.append(
                 tuple(
                     rank_memory(
                         traces[r].actions,
-                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb) for k in mine},
+                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
                         c.m,
                         bucket,
+                        D if c.sharded else 1,
                     )
                     for mb in c.micro_batches
                 )
             )
-            buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 else ())
+            buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 and not c.sharded else ())
         profiles = [costs.profile_at(mb) for mb in c.micro_batches]
+        actions = tuple(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions for t in traces)
         return PipelineProgram(
             stages=tuple(stages),
-            actions=tuple(t.actions for t in traces),
+            actions=actions,
             num_micro_batches=c.m,
             micro_batches=c.micro_batches,
             num_devices=cluster.num_devices,
@@ -455,6 +499,7 @@ class PipelineParallel:
             meta={"method": self.name, "model": workload.name},
             profile_step_s=tuple(p["step_s"] for p in profiles) if all(profiles) else (),
             flops_per_sample=workload.flops_per_sample,
+            sharded_state=c.sharded,
         )
 
     def _plan(self, c: _Candidate, program: PipelineProgram, workload: Workload) -> Plan:
@@ -476,6 +521,7 @@ class PipelineParallel:
             "num_micro_batches": c.m,
             "shares": self.shares,
             "activation_checkpointing": self.activation_checkpointing,
+            "sharded_state": c.sharded,
             "micro_batches": list(c.micro_batches),
             "pipeline_batches": batches,
             "stages": [
@@ -497,6 +543,14 @@ class PipelineParallel:
 
 
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V
+
+
+def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) -> tuple[tuple, ...]:
+    """A position's actions with sharded state (bench.cost.pipeline.ACTIONS): each of its
+    stages' parameters gathered before the schedule (the trainer's unshard; kept gathered
+    through it) and its gradients reduce-scattered after the last action (torch's
+    perform_reduce_grad, after the schedule's last waits)."""
+    return tuple(("gather", k) for k in stages) + tuple(actions) + tuple(("scatter", k) for k in stages)
 
 
 def _check_stages_per_rank(schedule: str, v: int) -> None:

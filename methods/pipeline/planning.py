@@ -15,7 +15,7 @@ from bench.core.errors import ConfigError
 from bench.core.program import Affine, Stage
 from bench.core.shares import round_shares
 from bench.cost import FloatAlgebra, virtual_devices
-from bench.cost.pipeline import StageBytes, grad_sync_s, stage_peak_bytes, transfer_s
+from bench.cost.pipeline import StageBytes, grad_sync_s, shard_collective_s, stage_peak_bytes, transfer_s
 from bench.cost.price import device_compute
 from methods.capture import Graph
 from methods.common import GroupTable, StageActivations, gradient_buckets
@@ -250,6 +250,10 @@ class _Costs:
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
         self._weight = self._weight_flops()
+        self._shapes = {
+            str(n.fx_node.target): (tuple(n.shape or ()), n.dtype.itemsize) for n in self.graph.nodes if n.is_param
+        }
+        self._shards: dict[int, list[float]] = {}
 
     def _weight_flops(self) -> list[float]:
         """Per layer group and sample, the backward FLOPs that make the weights' gradients: half
@@ -371,8 +375,9 @@ class _Costs:
         inner = max(self._acts(g, g + 1)[1] - out(g) for g in range(first, end))
         return kept, kept + inner
 
-    def stage_bytes(self, first: int, end: int, mb: int) -> StageBytes:
-        """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory)."""
+    def stage_bytes(self, first: int, end: int, mb: int, shards: int = 1) -> StageBytes:
+        """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory),
+        its state sharded over `shards` replicas."""
         kept, backward = self.activations(first, end)
         groups = self.table.span(first, end)
         last = end == self.table.num_groups
@@ -383,11 +388,30 @@ class _Costs:
             backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
+            shard_bytes=self.shard_bytes(first, end, shards),
         )
 
-    def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool) -> float:
-        """Bytes a rank holding only stage [first, end) holds at its peak (backward or Adam's step)."""
-        key = (first, end, mb, flight, m, replicated)
+    def shard_prefix(self, shards: int) -> list[float]:
+        """Prefix sums over the layer groups of one replica's shard of their parameters over
+        `shards` replicas, as FSDP2 pads them (each parameter's dim 0 to a multiple of them)."""
+        if shards not in self._shards:
+            out = [0.0]
+            for g in self.table.groups:
+                out.append(out[-1] + sum(_padded_shard(*self._shapes[p], shards) for p in g.params))
+            self._shards[shards] = out
+        return self._shards[shards]
+
+    def shard_bytes(self, first: int, end: int, shards: int) -> float:
+        """One replica's shard of groups [first, end)'s parameters (0 for one replica)."""
+        if shards < 2:
+            return 0.0
+        prefix = self.shard_prefix(shards)
+        return prefix[end] - prefix[first]
+
+    def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, shards: int = 1) -> float:
+        """Bytes a rank holding only stage [first, end) holds at its peak (backward or Adam's
+        step); `shards` > 1: its state sharded over that many replicas (rank_memory)."""
+        key = (first, end, mb, flight, m, replicated, shards)
         if key in self._peaks:
             return self._peaks[key]
         kept, backward = self.activations(first, end)
@@ -404,6 +428,8 @@ class _Costs:
             num_micro_batches=m,
             bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
             foreach=self.cluster.device == "cuda",
+            shards=shards,
+            shard_bytes=self.shard_bytes(first, end, shards),
         )
         return self._peaks[key]
 
@@ -449,6 +475,13 @@ class _Costs:
         return self._slowest[key]
 
 
+def _padded_shard(shape: tuple[int, ...], itemsize: int, shards: int) -> float:
+    """A replica's shard of a parameter under FSDP2: dim 0 padded to a multiple of the shards."""
+    if not shape:
+        return float(itemsize)
+    return float(math.ceil(shape[0] / shards) * math.prod(shape[1:]) * itemsize)
+
+
 def _elementwise_max(matrices: list[list[list[float]]]) -> list[list[float]]:
     if len(matrices) == 1:
         return matrices[0]
@@ -463,6 +496,7 @@ def best_cuts(
     flights: Sequence[int] | None,
     replicated: bool,
     local: Sequence[bool] = (),
+    sharded: bool = False,
 ) -> tuple[float, float, list[int]] | None:
     """The cuts of the layer groups into len(slots) non-empty runs, run k on slot slots[k] (a
     rank per pipeline, pipeline p at `mbs[p]` samples a micro-batch), whose slowest stage
@@ -470,8 +504,9 @@ def best_cuts(
     fastest, ties broken by the sum, among those whose every stage fits its devices' memory
     with `flights[k]` micro-batches in flight (None: memory unchecked) (dynamic program over
     the groups; a rank holding several stages is checked stage by stage here, and whole by the
-    simulator). `local[k]`: stage k + 1 is on the same rank (no send). (slowest, sum, cut
-    points) or None when nothing fits."""
+    simulator). `local[k]`: stage k + 1 is on the same rank (no send). `sharded`: each stage's
+    state sharded over its len(mbs) replicas (memory as rank_memory prices it). (slowest, sum,
+    cut points) or None when nothing fits."""
     num_groups, num_stages = costs.table.num_groups, len(slots)
     if num_stages > num_groups:
         return None
@@ -480,6 +515,7 @@ def best_cuts(
     back = [[0] * (num_groups + 1) for _ in range(num_stages + 1)]
     best[0][0] = (0.0, 0.0)
     D = len(mbs)
+    shards = D if sharded else 1
     for s in range(1, num_stages + 1):
         slot = slots[s - 1]
         last = s == num_stages
@@ -498,7 +534,7 @@ def best_cuts(
                 cand = (prev[0] if prev[0] > c else c, prev[1] + c)
                 if cand < row[j] and (
                     flights is None
-                    or all(costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated)) for r, mb in reps)
+                    or all(costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards)) for r, mb in reps)
                 ):
                     row[j], links[j] = cand, i
     if best[num_stages][num_groups][0] == math.inf:
@@ -517,10 +553,12 @@ def fits(
     m: int,
     flights: Sequence[int],
     replicated: bool,
+    sharded: bool = False,
 ) -> bool:
     """Whether every stage of `cuts` fits each of its devices, as best_cuts checks them."""
+    shards = len(mbs) if sharded else 1
     return all(
-        costs.fits(r, costs.peak(cuts[k], cuts[k + 1], mb, flights[k], m, replicated))
+        costs.fits(r, costs.peak(cuts[k], cuts[k + 1], mb, flights[k], m, replicated, shards))
         for k, slot in enumerate(slots)
         for r, mb in {(costs._hw[r], mb): (r, mb) for r, mb in zip(slot, mbs)}.values()
     )
@@ -558,12 +596,14 @@ def balance_shares(
     flights: Sequence[int],
     equal: bool,
     rounds: int = 4,
+    sharded: bool = False,
 ) -> tuple[float, list[int], list[int]] | None:
     """The pipelines' micro-batches (samples; `units` in all) and the cuts for them: from even
     ones, each round cuts the groups for the current micro-batches (best_cuts) and gives each
     pipeline a share of `units` in proportion to its priced speed at those cuts (its samples
     over pipeline_seconds; whole samples by largest remainder, at least one each), until the
-    shares settle. `equal`: even shares only. Returns (the slowest pipeline's seconds,
+    shares settle. `equal`: even shares only; `sharded`: the stages' state sharded over their
+    replicas (best_cuts). Returns (the slowest pipeline's seconds,
     micro-batches, cuts) of the best round, or None where no cut fits."""
     D = len(slots[0])
     if equal and units % D:
@@ -581,8 +621,8 @@ def balance_shares(
         if key not in costs.free_cuts:
             costs.free_cuts[key] = best_cuts(costs, slots, mbs, m, None, replicated, local)
         found = costs.free_cuts[key]
-        if found is None or not fits(costs, slots, mbs, found[2], m, flights, replicated):
-            found = best_cuts(costs, slots, mbs, m, flights, replicated, local)
+        if found is None or not fits(costs, slots, mbs, found[2], m, flights, replicated, sharded):
+            found = best_cuts(costs, slots, mbs, m, flights, replicated, local, sharded)
         if found is None:
             break
         cuts = found[2]
@@ -606,11 +646,28 @@ def replica_buckets(table: GroupTable, cuts: Sequence[int], stages: Sequence[int
 
 
 def sync_seconds(
-    costs: _Costs, order: Sequence[tuple[int, ...]], stage_rank: Sequence[int], cuts: Sequence[int], cap_mb: float
+    costs: _Costs,
+    order: Sequence[tuple[int, ...]],
+    stage_rank: Sequence[int],
+    cuts: Sequence[int],
+    cap_mb: float,
+    sharded: bool = False,
 ) -> float:
-    """The slowest position's gradient all-reduce among its replicas (grad_sync_s)."""
+    """The slowest position's gradient all-reduce among its replicas (grad_sync_s), or with
+    sharded state its stages' all-gathers and reduce-scatters (shard_collective_s)."""
     if len(order[0]) < 2:
         return 0.0
+    if sharded:
+        D = len(order[0])
+        return max(
+            sum(
+                shard_collective_s(kind, D * costs.shard_bytes(cuts[k], cuts[k + 1], D), order[r], costs.cluster)
+                for k, x in enumerate(stage_rank)
+                if x == r
+                for kind in ("gather", "scatter")
+            )
+            for r in range(len(order))
+        )
     return max(
         grad_sync_s(
             replica_buckets(costs.table, cuts, [k for k, x in enumerate(stage_rank) if x == r], cap_mb),

@@ -1,5 +1,6 @@
 """One rank of a pipeline at run time: its stages of the traced model as torch PipelineStages,
-torch's schedule, its replicas' gradients summed in buckets, Adam over its parameters."""
+torch's schedule, its replicas' gradients summed in buckets (or, with sharded state, each stage
+fully_shard-ed over its replicas), Adam over its parameters."""
 
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ class PipelineTrainer:
         gm = model_graph(model, ctx.workload.model_cfg, micro_batch, device=ctx.device)
         cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
         tensors = {n.name for n in graph.nodes if n.is_tensor}
-        stages, loss_module, params = [], None, {}
+        self.replica_group = replicas[self.position] if D > 1 else None
+        self.sharded = bool(d.get("sharded_state")) and D > 1
+        model_names = {id(p): n for n, p in model.named_parameters()}
+        stages, loss_module, params, self.names = [], None, {}, {}
+        self.sharded_modules: list[nn.Module] = []
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
             if method.activation_checkpointing:
@@ -61,26 +66,30 @@ class PipelineTrainer:
             for part in (module, loss):  # the stage's own parameters alone get values (on meta: the rest)
                 if part is not None and ctx.weights is not None:
                     ctx.weights.materialize(part, ctx.device)
-            for p in module.parameters():  # a parameter two of its stages read is one tensor
+            names = {n: model_names.get(id(p), n) for n, p in module.named_parameters()}
+            if self.sharded:
+                shard_stage(module, self.replica_group, ctx.device)
+                self.sharded_modules.append(module)
+            for n, p in module.named_parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
+                self.names[id(p)] = names[n]
             stages.append(PipelineStage(module, k, K, ctx.device, group=group))
         self.params = list(params.values())
         # Tests: the full model every stage's state is written into, a materialised copy.
         self.full_model = None
         if method.mirror_full_state:
-            self.names = {id(p): n for n, p in model.named_parameters()}
             self.full_model = copy.deepcopy(model)
             if ctx.weights is not None:
                 ctx.weights.materialize(self.full_model, ctx.device)
         # Replicas of this rank (data parallel across pipelines) sum their gradients once the
-        # schedule is through, in buckets (gradient_buckets, as the plan prices them).
-        self.replica_group = replicas[self.position] if D > 1 else None
+        # schedule is through, in buckets (gradient_buckets, as the plan prices them); sharded,
+        # FSDP2 reduce-scatters them at the schedule's end instead.
         self.buckets = (
             [
                 [self.params[i] for i in run]
                 for run in gradient_buckets([p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)
             ]
-            if D > 1
+            if D > 1 and not self.sharded
             else []
         )
         # Each pipeline's summed loss over the global targets; the replicas' gradients add up.
@@ -111,6 +120,8 @@ class PipelineTrainer:
         losses: list[torch.Tensor] = []
         args = inputs if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        for module in self.sharded_modules:  # every stage gathered at once, before the schedule
+            module.unshard()
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self.sync_replicas()
         if self.grad_clip:
@@ -136,34 +147,35 @@ class PipelineTrainer:
 
     def clip_global_norm(self, max_norm: float) -> torch.Tensor:
         """Every stage's gradients scaled by one factor: the norm over the whole model (a
-        stage's replicas hold the same gradients once summed, so one pipeline's stages count).
+        stage's replicas hold the same gradients once summed, so one pipeline's stages count;
+        sharded, each replica holds its own part of them, and every rank counts its shards).
 
         The sum of squares lives on the stage's device (NCCL reduces device tensors only) and
         the factor stays a tensor there, as torch.nn.utils.clip_grad_norm_ keeps it: no read
         on the host, and a factor of 1 leaves the gradients as they are. Returns the norm."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.pipeline == 0:
+        if self.pipeline == 0 or self.sharded:
             for p in self.params:
                 if p.grad is not None:
-                    sq += p.grad.detach().double().pow(2).sum()
+                    sq += _local(p.grad).detach().double().pow(2).sum()
         dist.all_reduce(sq)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in self.params:
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                grad = _local(p.grad)
+                grad.mul_(coef.to(grad.dtype))
         return norm
 
     def write_full_state(self) -> None:
-        """Tests: every stage's parameters and gradients written into this rank's full model."""
-        mine = (
-            {
-                self.names[id(p)]: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
-                for p in self.params
-            }
-            if self.pipeline == 0
-            else {}
-        )
+        """Tests: every stage's parameters and gradients written into this rank's full model
+        (sharded: gathered among the replicas first, each of them calling)."""
+        mine = {}
+        for p in self.params:
+            value = _full(p).detach().clone()
+            grad = None if p.grad is None else _full(p.grad).detach().clone()
+            if self.pipeline == 0:
+                mine[self.names[id(p)]] = (value, grad)
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         with torch.no_grad():
@@ -172,3 +184,27 @@ class PipelineTrainer:
                     p = self.full_model.get_parameter(name)
                     p.copy_(value)
                     p.grad = grad
+
+
+def shard_stage(module: nn.Module, group, device: torch.device) -> None:
+    """FSDP2's fully_shard of a stage's module over its replicas' process group, one unit, as
+    torch's pipelining drives it (methods.pipeline's docstring): gathered before the schedule
+    (PipelineTrainer.step) and kept through it, its gradients reduce-scattered summed (a
+    divide factor of one: each pipeline's loss is already its part of the global loss)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a tensor: a sharded DTensor's local shard, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded DTensor gathered (collective among its mesh), else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -236,3 +236,34 @@ def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_tra
     _check_one_step(
         cfg_factory, "model=hf", "model.arch=gpt2", "method=pipeline", "method.profile=false", "global_batch=8"
     )
+
+
+# Sharded state: each stage's parameters, gradients and Adam state sharded over its replicas
+# (FSDP2 over the ranks that hold it in the other pipelines), with equal and priced shares,
+# checkpointed stages and a clipped global norm.
+SHARDED = [
+    ("vit", "local_2x2", ("method.stage_level=machine", "global_batch=8")),
+    ("bert", "local_2x2", ("method.stage_level=device", "method.alike=pipeline", "global_batch=16")),
+    ("bert_moe", "local_2x2", ("method.stage_level=machine", "method.shares=equal", "global_batch=8")),
+    ("bert", "local_2x2", ("method.stage_level=machine", "method.activation_checkpointing=true", "global_batch=8")),
+    ("bert", "local_2x2", ("method.stage_level=device", "method.grad_clip=0.05", "global_batch=16")),
+]
+
+
+@pytest.mark.parametrize("model,cluster,extra", SHARDED)
+def test_pipelines_with_sharded_state_equal_single_device_training(cfg_factory, model, cluster, extra):
+    case = _check_one_step(
+        cfg_factory,
+        f"model={model}",
+        f"cluster={cluster}",
+        "method=pipeline",
+        "method.sharded_state=true",
+        "method.profile=false",
+        *extra,
+        ranks=4,
+    )
+    d = case.plan.details
+    assert d["sharded_state"] is True and d["num_pipelines"] == 2, d
+    assert case.plan.program.sharded_state
+    if "method.alike=pipeline" in extra:
+        assert len(set(d["pipeline_batches"])) == 2, d  # uneven shares

@@ -33,7 +33,11 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
         from bench.runtime.emulation import Emulator
 
         calls: list = []
-        names = ("all_gather_single", "reduce_scatter_single") if kind == "fsdp" else ("isend", "irecv")
+        names = {
+            "fsdp": ("all_gather_single", "reduce_scatter_single"),
+            "pipeline": ("isend", "irecv"),
+            "sharded": ("isend", "irecv", "all_gather_single", "reduce_scatter_single"),
+        }[kind]
         for name in names:
             original = getattr(dist, name)
 
@@ -54,7 +58,7 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
             calls.clear()
             start, stop = (
                 (case.plan.data_slices or [(0, 0)] * world)[rank]
-                if kind == "pipeline"
+                if kind != "fsdp"
                 else (sum(case.plan.batch_shares[:rank]), sum(case.plan.batch_shares[: rank + 1]))
             )
             trainer.step(data.batch(step, start, stop, case.workload.global_batch))
@@ -127,3 +131,34 @@ def test_the_pipeline_sends_what_its_program_prices_in_the_traced_order(cfg_fact
             rank = program.position_ranks(r)[p]
             assert got[rank] == expected, f"pipeline {p}, position {r} (rank {rank})"
     assert len({w.send_bytes for w in program.stages[0].work}) == program.num_pipelines
+
+
+def test_sharded_pipeline_stages_gather_and_scatter_where_their_program_prices_them(cfg_factory):
+    """Each stage's replicas (two pipelines over local_2x2's machines) all-gather its parameters
+    before the schedule and reduce-scatter its gradients after it, each rank its priced shard
+    of the stage's bytes (FSDP2 pads each parameter's dim 0 to a multiple of the replicas),
+    between the sends in the traced order."""
+    cfg = cfg_factory(
+        "model=bert",
+        "cluster=local_2x2",
+        "method=pipeline",
+        "method.stage_level=machine",
+        "method.schedule=1f1b",
+        "method.sharded_state=true",
+        "method.profile=false",
+        "mode=sim",
+        "global_batch=8",
+    )
+    case = prepare_case(cfg, new_record(cfg))
+    program = case.plan.program
+    assert program.sharded_state and program.num_pipelines == 2
+    got = _record(case, "sharded", 4)
+    kinds = {"send": "isend", "recv": "irecv", "gather": "all_gather_single", "scatter": "reduce_scatter_single"}
+    for p in range(program.num_pipelines):
+        for r, actions in enumerate(program.actions):
+            rank = program.position_ranks(r)[p]
+            ran = got[rank]
+            assert [name for name, _ in ran] == [kinds[a[0]] for a in actions if a[0] in kinds], f"rank {rank}"
+            for a, (_, nbytes) in zip([a for a in actions if a[0] in kinds], ran):
+                if a[0] in ("gather", "scatter"):
+                    assert nbytes == program.stages[a[1]].shard_bytes, (rank, a, nbytes)
