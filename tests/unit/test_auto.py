@@ -120,7 +120,7 @@ def test_a_budget_no_plan_meets_is_oom_with_the_smallest_peak(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_and_a_failed_row(config_factory, capsys, overrides, needle):
-    cfg = config_factory("method=auto", "mode=sim", *overrides)
+    cfg = config_factory("method=auto", "mode=sim", "cluster=paper_hetero", *overrides)
     record = run_config(cfg)
     err = capsys.readouterr().err.strip()
     assert record.status == "failed" and needle in record.error
@@ -133,6 +133,7 @@ def test_a_memory_budget_no_plan_meets_is_an_oom_row(config_factory, capsys):
     cfg = config_factory(
         "method=auto",
         "mode=sim",
+        "cluster=paper_hetero",
         "method.memory_budget_gib=0.0001",
         "method.max_grad_accumulation=2",
         "method.fsdp.work_probe=false",
