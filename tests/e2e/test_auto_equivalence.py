@@ -37,9 +37,7 @@ def test_auto_on_local_hetero2_equals_single_device_training(cfg_factory, model)
 @pytest.mark.parametrize("model", MODELS)
 def test_auto_on_local_2x2_equals_single_device_training(cfg_factory, model):
     """Whatever auto chooses on two machines of two devices each."""
-    case = _check_one_step(
-        cfg_factory, f"model={model}", "cluster=local_2x2", "method=auto", "global_batch=8", ranks=4
-    )
+    case = _check_one_step(cfg_factory, f"model={model}", "cluster=local_2x2", "method=auto", "global_batch=8", ranks=4)
     _auto(case)
 
 
