@@ -6,12 +6,18 @@ against the single-device model, for the plans auto really makes on local_hetero
 local_2x2 (the paper's models, tiny), and for each composition forced through its options.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from bench.records.rows import load_records
 from tests.e2e.test_pipeline_fsdp_equivalence import _check_one_step
 
 pytestmark = pytest.mark.e2e
 
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["vgg19", "vit", "bert", "bert_moe"]
 
 
@@ -60,3 +66,37 @@ def test_each_composition_auto_can_choose_equals_single_device_training(cfg_fact
         assert chosen["checkpointing"] and case.plan.details["memory_tools"]["checkpointed_groups"]
     if "method.grad_accumulation=2" in forced:
         assert chosen["grad_accumulation"] == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, status, needle",
+    [
+        (("method.stage_level=rack",), "failed", "method.stage_level='rack' names no stage level"),
+        (("method.stages=9",), "failed", "method.stages=9 is more than the 4 layer groups"),
+        (("method.memory_budget_gib=0.0001", "method.max_grad_accumulation=2"), "oom", "smallest peak found"),
+    ],
+)
+def test_bad_input_to_auto_exits_non_zero_with_one_line_and_a_row_never_ok(tmp_path, overrides, status, needle):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "model=bert",
+            "cluster=paper_hetero",
+            "mode=sim",
+            "method=auto",
+            "wandb.mode=disabled",
+            f"results_dir={tmp_path}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], out.stderr[-2000:]
+    rows = load_records(tmp_path / "records.jsonl")
+    assert [r["status"] for r in rows] == [status] and rows[0]["samples_per_s"] is None
