@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.records.rows import load_records
+from methods.auto.space import PIPELINE_SHARDS_STATE
 from tests.e2e.test_pipeline_fsdp_equivalence import _check_one_step
 
 pytestmark = pytest.mark.e2e
@@ -66,6 +67,23 @@ def test_each_composition_auto_can_choose_equals_single_device_training(cfg_fact
         assert chosen["checkpointing"] and case.plan.details["memory_tools"]["checkpointed_groups"]
     if "method.grad_accumulation=2" in forced:
         assert chosen["grad_accumulation"] == 2
+
+
+@pytest.mark.skipif(not PIPELINE_SHARDS_STATE, reason="the pipeline method has no sharded_state option yet")
+def test_pipelines_with_sharded_state_auto_chooses_equal_single_device_training(cfg_factory):
+    """The pipeline's sharded state (FSDP2 over a stage's replicas) as auto passes it through."""
+    case = _check_one_step(
+        cfg_factory,
+        "model=bert",
+        "cluster=local_2x2",
+        "method=auto",
+        "method.stages=2",
+        "method.state=sharded",
+        "method.stage_level=machine",
+        "global_batch=8",
+        ranks=4,
+    )
+    assert _auto(case)["chosen"]["state"] == "sharded" and case.plan.details["sharded_state"] is True
 
 
 @pytest.mark.parametrize(
