@@ -158,6 +158,8 @@ def sim(args) -> None:
                 if column is hap:
                     _captured.clear()
                 extra = own[0] if own and column.method in ("hap", "sfb") else ()
+                if own and column.method == "auto":  # hap's options go to auto's hap part
+                    extra = tuple(o.replace("method.", "method.hap.", 1) for o in own[0])
                 cfg = _compose(*case, *overrides, *column.overrides(), *extra)
                 record = new_record(cfg)
                 try:
