@@ -157,7 +157,7 @@ class Graph:
         keeps its output keeps that input, and there is no mask. A product or quotient with a
         number keeps nothing (only the number; each tensor operand is kept for the other's
         gradient); counted per tensor it priced tiny ViT's ranks over what they hold
-        (results/cost-model/20261128-cpu-tensor-memory.md).
+        (docs/cost-model.md, "Memory").
 
         A layer norm keeps its mean and reciprocal deviation beside (two floats a row), a
         max-pool where each maximum was (an int64 per output element); a slice
@@ -414,7 +414,7 @@ class Graph:
         compute, backward FLOPs per sample, of those ops the ones a checkpointed unit runs again
         in backward) per parameter-holding op in forward order; parameter-free ops are counted
         with the next op that holds parameters. Backward FLOPs are backward_flops', as the
-        planner prices them. The input of bench.core.data_parallel.data_parallel_program."""
+        planner prices them. The input of methods.dp_program.data_parallel_program."""
         out: list[tuple[float, float, str, int, float, int]] = []
         classes: dict[str, float] = {}
         ops = again = 0
@@ -650,11 +650,23 @@ def capture_config(
         gm = _export_config(model_cfg, batch_size, seed, batch_norm, what, model)
         if stored is not None:
             graph_cache.save_module(stored, gm)
+            if not module_has_batch_norm(gm):  # both captures of batch norm are this graph
+                for other in {"sync", "local"} - {batch_norm}:
+                    graph_cache.save_module(graph_cache.graph_key(model_cfg, batch_size, other), gm)
     graph = graph_of(gm, int(batch_size), what)
     _captured[key] = graph
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)
     return graph
+
+
+def module_has_batch_norm(gm: fx.GraphModule) -> bool:
+    """Whether a captured model ran a batch norm module (under either capture of it)."""
+    for n in gm.graph.nodes:
+        for _path, kind in (n.meta.get("nn_module_stack") or {}).values():
+            if "BatchNorm" in str(kind):
+                return True
+    return False
 
 
 def _export_config(

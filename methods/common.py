@@ -25,6 +25,30 @@ from bench.core.program import op_class
 POOLING_OPS = ("max_pool2d", "avg_pool2d")
 
 
+# -- batch norm (the workload's batch_norm) ------------------------------------------------------
+
+
+def capture_batch_norm(workload) -> str:
+    """How a program split by samples captures training-mode batch norm for the workload's
+    choice: "sync" (its statistics as sums over the whole batch, which a batch split
+    all-reduces, so the program normalises as one device does) for `global`, "local" (batch
+    norm kept whole, each shard normalised by its own statistics) for `local`."""
+    return "sync" if workload.batch_norm == "global" else "local"
+
+
+def refuse_global_batch_norm(workload, graph, method: str, how: str) -> None:
+    """A ConfigError of one line where the workload asks batch norm over the whole batch of a
+    model that has one, and `method` normalises `how` (each rank's share, each micro-batch)."""
+    from methods.capture import module_has_batch_norm
+
+    if workload.batch_norm == "global" and module_has_batch_norm(graph.gm):
+        raise ConfigError(
+            f"batch_norm=global: method {method} normalises {how}, not the whole batch (torch's "
+            "SyncBatchNorm runs on GPUs only and is not priced); use batch_norm=local (as DDP trains) "
+            "or method=hap or sfb, whose programs all-reduce the statistics"
+        )
+
+
 def _stack(node) -> list[str]:
     """Paths of the modules the op runs inside, outermost first (torch.fx's nn_module_stack)."""
     return list(node.fx_node.meta.get("nn_module_stack") or {})

@@ -15,12 +15,19 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.core.cluster import ClusterSpec
-from bench.core.data_parallel import data_parallel_program
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import round_shares
 from methods.capture import capture_config
-from methods.common import MemoryTools, apply_checkpointing, check_training_options, memory_tools_of, micro_batches
+from methods.common import (
+    MemoryTools,
+    apply_checkpointing,
+    check_training_options,
+    memory_tools_of,
+    micro_batches,
+    refuse_global_batch_norm,
+)
+from methods.dp_program import data_parallel_program
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (
@@ -76,6 +83,7 @@ class DataParallel:
         # The simulator's view: every GPU is a rank, DDP's bucketed all-reduce overlaps backward.
         # DDP's ranks normalise their own samples (batch norm with local statistics)
         graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm="local")
+        refuse_global_batch_norm(workload, graph, self.name, "each rank's share")
         units = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in units])
         program = data_parallel_program(

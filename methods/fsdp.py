@@ -40,6 +40,7 @@ from methods.common import (
     group_table,
     memory_tools_of,
     micro_batches,
+    refuse_global_batch_norm,
 )
 
 SPLITS = ("even", "compute")
@@ -148,6 +149,7 @@ class FullyShardedDP:
         shares = round_shares(workload.global_batch, weights, min_share=1)
         self.tools.check_shares(shares)
         graph = capture_config(workload.model_cfg, workload.global_batch)
+        refuse_global_batch_norm(workload, graph, self.name, "each rank's share")
         checkpoints = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in checkpoints])
         table = group_table(graph)

@@ -1,5 +1,6 @@
-"""A user's own models for `model=custom` in the tests (models/custom.py): one whose forward
-returns the summed loss, one that returns logits for a task adapter, and broken factories."""
+"""A user's own models for `model=custom` in the tests (models/custom.py): ones whose forward
+returns the summed loss (one with batch norm), one that returns logits for a task adapter, and
+broken factories."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ class TinyConvNet(nn.Module):
 
 def build(width: int = 8, classes: int = 10) -> nn.Module:
     return TinyConvNet(width, classes)
+
+
+class TinyBatchNormNet(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> pooled features -> classifier; forward returns the summed loss."""
+
+    def __init__(self, width: int = 8, classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv(images)))
+        return F.cross_entropy(self.head(F.adaptive_avg_pool2d(x, 1).flatten(1)), labels, reduction="sum")
+
+
+def build_bn(width: int = 8, classes: int = 10) -> nn.Module:
+    return TinyBatchNormNet(width, classes)
 
 
 class TinyDecoder(nn.Module):

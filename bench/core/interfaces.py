@@ -34,6 +34,9 @@ class ModelConfig(Protocol):
     def dataset(self, source: str, path: str | None, split: str, seed: int) -> Any: ...
 
 
+BATCH_NORMS = ("local", "global")
+
+
 @dataclass
 class Workload:
     """One model at one preset and global batch, with what the metrics need to know of it."""
@@ -47,6 +50,9 @@ class Workload:
     # fp32 (TF32 off), tf32 or bf16 (autocast): the worker applies it around every step, and a
     # method whose engine has precision settings of its own sets them to the same (DeepSpeed)
     precision: str = "fp32"
+    # Training-mode batch norm's statistics: "local", each device's share of the batch (as DDP's
+    # ranks normalise), or "global", the whole batch (as one device trains it).
+    batch_norm: str = "local"
 
     @property
     def targets_per_iter(self) -> int:

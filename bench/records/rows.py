@@ -135,8 +135,9 @@ class RunRecord:
 def case_key(config: dict) -> str:
     """Identity of a case: a hash of the resolved config minus keys that don't affect it."""
     body = {k: v for k, v in config.items() if k not in _NON_CASE_KEYS}
-    if body.get("precision") == "fp32":
-        del body["precision"]  # the default is left out, so rows recorded without the key match
+    for key, default in (("precision", "fp32"), ("batch_norm", "local")):
+        if body.get(key) == default:
+            del body[key]  # a default is left out, so rows recorded without the key match
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -78,6 +78,7 @@ def workload_from(settings: Settings, model_cfg, batch: int, data: dict) -> Work
         flops_per_sample=train_flops_per_sample(model_cfg),
         data=data,
         precision=settings.precision,
+        batch_norm=settings.batch_norm,
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bench.core.errors import ConfigError
+from bench.core.interfaces import BATCH_NORMS
 from bench.core.paths import CONF_DIR
 from bench.core.schema import MISSING, check_choice, internal, option, parse, plain, require
 from bench.records.tracking import WANDB_MODES
@@ -104,6 +105,9 @@ class Settings:
     # fp32 (the paper's; TF32 off) | tf32 (TF32 matmuls and convolutions) | bf16 (autocast)
     precision: str = option("fp32", choices=PRECISIONS, note=" (fp32 as in the paper; e.g. precision=bf16)")
     seed: int = 0  # model initialisation and synthetic data
+    # Batch norm's training statistics: local (each device's share, as DDP trains) | global (the
+    # whole batch, as one device trains); a method that cannot train the choice refuses the case.
+    batch_norm: str = option("local", choices=BATCH_NORMS, note=" (e.g. batch_norm=global)")
     # Samples per iteration; null: preset.batch_per_device x devices (weak scaling).
     global_batch: int | None = option(None, rule="an integer (every device needs a sample) or null")
     warmup_iters: int = option("${preset.warmup_iters}", rule="an integer >= 0", example="10")  # run, not measured
@@ -142,6 +146,7 @@ class Settings:
         check_choice(self.wandb, f"{at}wandb.", "mode")
         check_choice(self.data, f"{at}data.", "source")
         check_choice(self, at, "precision")
+        check_choice(self, at, "batch_norm")
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:

@@ -85,8 +85,9 @@ def measure_host_speed(
     that holds a shard of a parameter updates that shard only.
 
     Measured once per host and workload: kept in this process and in `host_cache_file()`, and
-    re-validated on each new process by a quick timing at `batch_size` (re-measured if it moved
-    more than 10%). So efficiencies and the plans that depend on the host speed stay comparable
+    re-validated on each new process by a quick timing at `batch_size` of forward and backward
+    alone (re-measured if it moved more than 10%): constructing an optimizer imports torch's
+    compiler, seconds of a process that has no other use for it. So efficiencies and the plans that depend on the host speed stay comparable
     across the cases of a sweep and across sweeps.
     """
     b = max(batch_size, 1)
@@ -95,17 +96,24 @@ def measure_host_speed(
         return _host_speed_cache[key]
     path, disk_key = host_cache_file(), host_key(workload, b, seed)
     cached = read_cache(path).get(disk_key) if use_disk_cache else None
-    if cached and abs(reference_step_s(workload, b, seed, repeats=7) / cached["t1"] - 1) <= REVALIDATE_TOLERANCE:
+    if (
+        cached
+        and cached.get("t1_fb")
+        and abs(reference_step_s(workload, b, seed, repeats=7, optimizer=False) / cached["t1_fb"] - 1)
+        <= REVALIDATE_TOLERANCE
+    ):
         _host_speed_cache[key] = HostSpeed(
             cached["flops_per_s"], cached["step_overhead_s"], cached["optimizer_s_per_byte"], cached["param_bytes"]
         )
         return _host_speed_cache[key]
     t1, t2 = reference_steps_s(workload, (b, 2 * b), seed, repeats)
+    t1_fb = reference_step_s(workload, b, seed, repeats=7, optimizer=False)  # what a later process re-times
     param_bytes = float(sum(p.numel() * p.element_size() for p in workload.build(seed).parameters()))
     speed = HostSpeed(*split_step(workload, (b, 2 * b), (t1, t2)), optimizer_s_per_byte(param_bytes), param_bytes)
     _host_speed_cache[key] = speed
     if use_disk_cache:
-        write_cache(path, disk_key, {"t1": t1, **speed._asdict(), "workload": workload.name, "batch_size": b})
+        entry = {"t1": t1, "t1_fb": t1_fb, **speed._asdict(), "workload": workload.name, "batch_size": b}
+        write_cache(path, disk_key, entry)
     return speed
 
 
@@ -176,29 +184,36 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     return {"batch": list(batches), "seconds": [min(timed) for timed in times]}
 
 
-def _turns(workload: Workload, batches: Sequence[int], seed: int, repeats: int, clock) -> list[list[float]]:
-    """Seconds by `clock` of `repeats` plain training steps (forward, backward, Adam) at each of
-    `batches` samples, one model, the sizes taking turns one step each, so that a slow stretch
-    of the host hits every size alike; the first two rounds (they allocate) are dropped."""
+def _turns(
+    workload: Workload, batches: Sequence[int], seed: int, repeats: int, clock, optimizer: bool = True
+) -> list[list[float]]:
+    """Seconds by `clock` of `repeats` plain training steps (forward, backward, Adam; without
+    `optimizer` forward and backward alone) at each of `batches` samples, one model, the sizes
+    taking turns one step each, so that a slow stretch of the host hits every size alike; the
+    first two rounds (they allocate) are dropped."""
     model = workload.build(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-6) if optimizer else None
     inputs = [workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed)) for n in batches]
     times: list[list[float]] = [[] for _ in batches]
     with emulated_device():
         for i in range(repeats + 2):
             for batch, timed in zip(inputs, times):
-                seconds = _timed_step(model, optimizer, batch, clock)
+                seconds = _timed_step(model, adam, batch, clock)
                 if i >= 2:
                     timed.append(seconds)
     return times
 
 
-def _timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, clock) -> float:
-    """One plain training step (forward, backward, Adam), in seconds of `clock`."""
+def _timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch: tuple, clock) -> float:
+    """One plain training step (forward, backward, Adam if there is an optimizer), in seconds of `clock`."""
     start = clock()
-    optimizer.zero_grad(set_to_none=True)
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
+    else:
+        optimizer.zero_grad(set_to_none=True)
     model(*batch).backward()
-    optimizer.step()
+    if optimizer is not None:
+        optimizer.step()
     return clock() - start
 
 
@@ -252,19 +267,26 @@ def write_cache(path: Path, key: str, entry: dict) -> None:
         log.warning("host speed cache %s not written: %s", path, exc)
 
 
-def reference_step_s(workload: Workload, batch_size: int, seed: int, repeats: int = 21) -> float:
-    """Median time of one plain training step (forward, backward, Adam) on one thread, measured
-    when called: a yardstick that no part of the harness (workers, emulator, methods) touches. It
-    computes as a worker does (bench.runtime.hostcpu: one thread, denormals flushed, a steady malloc)."""
-    return reference_steps_s(workload, (max(batch_size, 1),), seed, repeats)[0]
+def reference_step_s(
+    workload: Workload, batch_size: int, seed: int, repeats: int = 21, optimizer: bool = True
+) -> float:
+    """Median time of one plain training step (forward, backward, Adam; without `optimizer`
+    forward and backward alone) on one thread, measured when called: a yardstick that no part of
+    the harness (workers, emulator, methods) touches. It computes as a worker does
+    (bench.runtime.hostcpu: one thread, denormals flushed, a steady malloc)."""
+    return reference_steps_s(workload, (max(batch_size, 1),), seed, repeats, optimizer)[0]
 
 
-def reference_steps_s(workload: Workload, batches: Sequence[int], seed: int, repeats: int = 21) -> list[float]:
+def reference_steps_s(
+    workload: Workload, batches: Sequence[int], seed: int, repeats: int = 21, optimizer: bool = True
+) -> list[float]:
     """reference_step_s at each of `batches` samples, the sizes taking turns (_turns). Timed
     one size after the other, a slow stretch of the host could fall on one size alone and skew
     the per-sample split, which is cached for every later run on the host
     (results/emulation/20261125-yardstick-sizes.md)."""
-    return [statistics.median(timed) for timed in _turns(workload, batches, seed, repeats, time.perf_counter)]
+    return [
+        statistics.median(timed) for timed in _turns(workload, batches, seed, repeats, time.perf_counter, optimizer)
+    ]
 
 
 def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:

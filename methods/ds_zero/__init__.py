@@ -76,9 +76,8 @@ class DeepSpeedZeRO:
     # What setup imports in each worker, for the server CPU workers fork from to import once
     # (bench.runtime.launch.method_modules): DeepSpeed, its MoE layer, and the Muon optimizer
     # module that deepspeed.initialize imports to check the optimizer, which compiles a function
-    # with torch's compiler at import (seconds of each worker's set-up:
-    # results/harness/20261127-preparation-costs.md). The server skips a name that another
-    # DeepSpeed version lacks.
+    # with torch's compiler at import (seconds of each worker's set-up; docs/runtime.md). The
+    # server skips a name that another DeepSpeed version lacks.
     worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
 
     def __init__(
@@ -321,7 +320,7 @@ def engine_work(
     plain step (forward, backward, Adam on the whole model) and in the method's own step
     (setup()'s trainer: engine, hooks, buckets, ZeRO partitions, MoE layers), at the plan's
     micro-batch (bench.runtime.method_step). On CPU ranks the engine adds a sizeable share to the
-    tiny models' steps (results/methods/20261126-deepspeed-engine-probe.md; docs/methods.md, "DeepSpeed").
+    tiny models' steps (docs/methods.md, "DeepSpeed").
 
     Measured once per host, workload, devices and config, then cached. None, with a warning,
     where it cannot be measured (deepspeed missing or failing): the plan then prices the model's

@@ -57,9 +57,10 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpoin
     gives DeepSpeed other slots changes the all-to-all bytes here, not the FLOPs.
     """
     from methods.capture import capture_config
-    from methods.common import checkpoint_units
+    from methods.common import checkpoint_units, refuse_global_batch_norm
 
     graph = capture_config(workload.model_cfg, batch, batch_norm="local")
+    refuse_global_batch_norm(workload, graph, "deepspeed", "each rank's share")
     units = tuple(checkpoint_units(graph)) if checkpointing else ()
     graph = graph.with_recompute([u.nodes for u in units])
     expert_prefixes: dict[str, int] = {}

@@ -517,7 +517,7 @@ class RankProgram:
         if c.kind == "reshard" and lengths(c.src) == lengths(c.src, c.to_segment):
             # Rows that cut this dim alike: nothing changes owner, and the cost model charges
             # nothing, so the program holds no call (not even an autograd node, which costs time
-            # every step: results/runtime/20261128-collectives-in-place.md).
+            # every step; docs/hap-runtime.md, "Codegen").
             return src, dst, _named(lambda x: x, c.kind)
         if self.machines is not None:
             return src, dst, _named(self._machine_comm(c, lengths), c.kind)

@@ -37,7 +37,7 @@ def _padded(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     """t padded with zeros along `dim` to `width`, contiguous, in t's own dim order (zeros, not
     garbage: the pad is sent). Never moved to a leading dim first: for an inner dim that is an
     element-by-element transpose, where a copy in place of dims keeps whole rows together
-    (several times faster on a CPU worker: results/runtime/20261128-collectives-in-place.md)."""
+    (several times faster on a CPU worker; docs/hap-runtime.md, "Collectives")."""
     if t.shape[dim] == width:
         return t.contiguous()
     shape = list(t.shape)

@@ -35,7 +35,7 @@ from bench.cost import (
     virtual_devices,
 )
 from methods.capture import Graph, capture_config
-from methods.common import MemoryTools
+from methods.common import MemoryTools, capture_batch_norm
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
 from methods.hap.lowering import build_program
@@ -128,10 +128,6 @@ class HapPlanner:
             backward in buckets (as DDP does) when the program is scored.
         bucket_cap_mb: gradient bucket size (MiB) for that overlap; 0 = one per parameter.
         fuse_routing: search MoE routers in one layout family (methods.hap.theory.routing_region).
-        batch_norm: "sync": training-mode batch norm is planned as its statistics over the
-            whole batch (a batch split all-reduces them; the program trains exactly as one
-            device); "local": each device normalises its shard by its own statistics, as the
-            ranks of DDP and DeepSpeed do (methods.aten_capture.export_model).
         levels: "both": on a cluster with a machine of several GPUs, synthesize over machines
             (DP inside each) and over GPUs, and keep the faster by the simulator
             (details["levels"]); "cluster": only the cluster's virtual_device.
@@ -162,7 +158,6 @@ class HapPlanner:
     grad_overlap: bool = True
     bucket_cap_mb: float = 25.0
     fuse_routing: bool = True
-    batch_norm: str = "sync"
     levels: str = "both"
     max_expansions: int = 2_000_000
     beam_width: int | None = 40
@@ -196,11 +191,6 @@ class HapPlanner:
             raise ValueError(f"method.beam_width={self.beam_width} must be >= 1, or null for an exact search")
         if self.max_expansions < 1:
             raise ValueError(f"method.max_expansions={self.max_expansions} must be >= 1")
-        if self.batch_norm not in ("sync", "local"):
-            raise ValueError(
-                f"method.batch_norm={self.batch_norm!r} is invalid; use 'sync' (statistics over the whole "
-                "batch: the program trains exactly as one device) or 'local' (each device's own, as DDP)"
-            )
         if self.levels not in ("both", "cluster"):
             raise ValueError(
                 f"method.levels={self.levels!r} is invalid; use 'both' (machines and GPUs, "
@@ -264,6 +254,7 @@ class HapPlanner:
             "host_step": [cluster.host_step_overhead_s, cluster.host_optimizer_s_per_byte, cluster.host_param_bytes],
             "link_floor": cluster.link_floor,  # the host transport's, under emulated links
             "global_batch": workload.global_batch,
+            "batch_norm": workload.batch_norm,
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,
             "code": _code_version(),
@@ -276,7 +267,8 @@ class HapPlanner:
         self.tools.check_batch(workload.global_batch)
         full_batch = workload.global_batch
         workload = dataclasses.replace(workload, global_batch=full_batch // k)  # one micro-step
-        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=self.batch_norm)
+        batch_norm = capture_batch_norm(workload)
+        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm)
         t_capture = time.perf_counter() - t0
         units = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in units])
@@ -293,7 +285,7 @@ class HapPlanner:
         if self.collective_choice and any(r.get("grouped") for r in rounds):
             # The search picks padded or grouped per collective by its serial price; with
             # gradient syncs overlapping backward the simulator can rank whole programs
-            # otherwise (VGG19, 8 GPUs per machine: results/planner/20261125-planner-time.md).
+            # otherwise (VGG19, 8 GPUs per machine; docs/planner.md, "Planner").
             # The padded-only search is the planner with collective choice off; keeping the
             # better makes the option never cost time. When no round used a grouped collective
             # both searches agree.
@@ -315,7 +307,7 @@ class HapPlanner:
         shares = [s * k for s in micro_shares]
         details = {
             "granularity": gran,
-            "batch_norm": self.batch_norm,  # how the graph the steps name captured batch norm
+            "batch_norm": batch_norm,  # how the graph the steps name captured batch norm
             # GPUs of each machine the plan was made for (a machine-level plan runs only there)
             "machine_gpus": [v.num_gpus for v in virtual_devices(cluster, "machine")],
             "ratios": best.ratios,
@@ -725,7 +717,7 @@ def _no_cyclic_gc():
     sets, LP terms), and the cyclic collector kept walking them: with it off until the plan is
     made (reference counting still frees what dies; cycles made meanwhile are collected once it
     is back on), the largest plans take about half the time, with the same plans
-    (tests/benchmarks/test_planner_bench.py; results/planner/20261125-planner-time.md)."""
+    (tests/benchmarks/test_planner_bench.py; docs/planner.md, "Planner")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

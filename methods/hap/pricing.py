@@ -437,7 +437,7 @@ class CostModel:
         its cap by less than its last gradient (bucket_runs), is charged a little more, the last
         and partial one less. One all-reduce per parameter, each paying the latency, would price
         what the runtime runs plus that latency per parameter, and the search would trade data
-        parallelism for fewer all-reduces (results/planner/20261128-data-parallel-incumbent.md)."""
+        parallelism for fewer all-reduces (docs/planner.md, "Search")."""
         cap = self.grad_bucket_bytes
         if nbytes >= cap:
             return self.collective_time(Collective("all_reduce", Affine(nbytes), grad=True))

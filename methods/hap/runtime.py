@@ -237,7 +237,7 @@ class HapTrainer:
             # Nothing to sum over: gradients as autograd makes them, as the plain model's step
             # (bucket views cost a zeroing and an accumulating add per gradient, and the
             # all-reduce of one rank a copy; with them and the loss read below, hap ran behind
-            # the plain model on one GPU: results/gpu/20261126-h200-first-run.md).
+            # the plain model on one GPU; docs/hap-runtime.md, "Runtime").
             self.grad_sync = None
         elif program.machines is None:
             self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
@@ -253,7 +253,7 @@ class HapTrainer:
         self.mirror_full_state = mirror_full_state
         # Kept only to mirror into: the full model's copy of each sharded parameter is not the
         # rank's, and held it would double what the cost model counts for it (measured on tiny
-        # VGG19's classifier: results/cost-model/20261128-cpu-tensor-memory.md).
+        # VGG19's classifier; docs/cost-model.md, "Memory").
         self.model = model if mirror_full_state else None
         self.micro_steps = micro_steps
         self.steps_done = 0

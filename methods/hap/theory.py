@@ -203,9 +203,9 @@ HAND_RULES = {
     "to its own shard's length (DTensor keeps such outputs whole)",
     "sfb": "sufficient factor broadcasting of a linear layer with a replicated weight (HAP Sec. 4)",
     "tuple-item": "an item of a tuple output (split, topk) is laid out as the tuple",
-    "local-statistics": "batch norm kept whole (method.batch_norm=local) splits the batch, each device "
-    "normalising its shard by its own statistics, as DDP's ranks do (not the one-device "
-    "result; method.batch_norm=sync captures it as statistics DTensor's rules split exactly)",
+    "local-statistics": "batch norm kept whole (the workload's batch_norm=local) splits the batch, each "
+    "device normalising its shard by its own statistics, as DDP's ranks do (batch_norm=global "
+    "captures it as statistics DTensor's rules split exactly)",
     "conv-channels": "a convolution also splits its output channels (the weight along dim 0) or its input "
     "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
     "only the batch",

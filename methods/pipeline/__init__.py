@@ -52,7 +52,7 @@ from bench.cost.pipeline import (
     simulate_pipeline,
 )
 from methods.capture import capture_config
-from methods.common import GroupTable, check_training_options, group_table
+from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.planning import (
     ALIKE,
@@ -202,6 +202,7 @@ class PipelineParallel:
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         graph = capture_config(workload.model_cfg, workload.global_batch)
+        refuse_global_batch_norm(workload, graph, "pipeline", "each micro-batch")
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))
         layouts_, refusals = layouts(cluster, self.stage_level, self.num_stages, table.num_groups, self.alike)

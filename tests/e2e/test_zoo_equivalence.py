@@ -33,7 +33,8 @@ def zoo_workload(arch: str, global_batch: int) -> Workload:
         from models.hf import HFModelConfig
 
         cfg = HFModelConfig.from_preset("tiny", arch=arch, seq_len=16)
-    return Workload(cfg.name, "tiny", cfg, global_batch, train_flops_per_sample(cfg))
+    # batch norm over the whole batch, as the one device these programs are checked against
+    return Workload(cfg.name, "tiny", cfg, global_batch, train_flops_per_sample(cfg), batch_norm="global")
 
 
 def check(workload: Workload, results: list[dict], what: str) -> None:

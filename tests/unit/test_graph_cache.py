@@ -69,8 +69,8 @@ def fresh(model_cfg, batch: int, monkeypatch):
 )
 def test_a_kept_graph_is_the_capture_and_gives_the_same_triples(cache, monkeypatch, overrides):
     cfg = model_config(*overrides)
-    made = capture.capture_config(cfg, 6)  # captured, then written
-    assert len(list(cache.glob("*.pt"))) == 1
+    made = capture.capture_config(cfg, 6)  # captured, then written (under both batch norm keys: it has none)
+    assert len(list(cache.glob("*.pt"))) == 2
     capture._captured.clear()
     kept = capture.capture_config(cfg, 6)  # read back
     assert kept is not made
@@ -96,7 +96,7 @@ def test_each_thing_a_capture_reads_has_its_own_entry(cache):
 def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
     cfg = model_config("model=bert")
     good = signature(capture.capture_config(cfg, 4))
-    (path,) = cache.glob("*.pt")
+    path = cache / f"{graph_cache.graph_key(cfg, 4, 'sync')}.pt"
     body = path.read_bytes()
     if damage == "cut short":  # what a process killed mid-write would leave without the rename
         path.write_bytes(body[: len(body) // 2])
@@ -114,6 +114,26 @@ def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
     assert signature(again) == good
     assert "unreadable" in caplog.text
     assert graph_cache.load_module(path.stem) is not None  # rewritten whole
+
+
+def test_a_model_without_batch_norm_is_captured_once_for_both_captures_of_it(cache, monkeypatch):
+    cfg = model_config("model=bert")
+    local = capture.capture_config(cfg, 4, batch_norm="local")
+    capture._captured.clear()
+    monkeypatch.setattr(capture, "_export_config", lambda *a: pytest.fail("exported again"))
+    assert signature(capture.capture_config(cfg, 4, batch_norm="sync")) == signature(local)
+
+
+def test_a_model_with_batch_norm_keeps_each_capture_apart(cache):
+    cfg = model_config(
+        "model=custom",
+        "model.factory=tests.zoo_custom:build_bn",
+        "model.inputs=[{shape:[3,8,8],dtype:float32},{shape:[],dtype:int64,high:10}]",
+    )
+    sync = capture.capture_config(cfg, 4)
+    assert capture.module_has_batch_norm(sync.gm) and len(list(cache.glob("*.pt"))) == 1
+    local = capture.capture_config(cfg, 4, batch_norm="local")
+    assert "batch_norm" in {n.op for n in local.ops} and "batch_norm" not in {n.op for n in sync.ops}
 
 
 def test_a_half_written_file_is_never_read(cache):

@@ -33,14 +33,15 @@ class _Built:
 
 @pytest.fixture
 def timings(monkeypatch, tmp_path):
-    """reference_steps_s answers from a table the test sets: {batch: seconds}, and counts calls."""
+    """reference_steps_s answers from a table the test sets: {batch: seconds} of whole steps,
+    0.8 of that without the optimizer, and counts calls."""
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(flops, "_host_speed_cache", {})
     table, calls = {4: 0.010, 8: 0.018}, []
 
-    def fake(workload, batches, seed, repeats=21):
-        calls.append((tuple(batches), repeats))
-        return [table[b] for b in batches]
+    def fake(workload, batches, seed, repeats=21, optimizer=True):
+        calls.append((tuple(batches), repeats, optimizer))
+        return [table[b] * (1.0 if optimizer else 0.8) for b in batches]
 
     monkeypatch.setattr(flops, "reference_steps_s", fake)
     monkeypatch.setattr(flops, "optimizer_s_per_byte", lambda nbytes: 1e-9)
@@ -51,12 +52,13 @@ def test_a_new_process_reuses_the_cached_speed_after_a_quick_check(timings, monk
     table, calls = timings
     first = flops.measure_host_speed(_Workload(), 4, 0)
     assert first == pytest.approx((1e9 / 0.002, 0.002, 1e-9, 80))  # 2 ms per sample, 2 ms per step
-    assert calls == [((4, 8), 21)]  # both sizes in one probe: they take turns
+    # both sizes in one probe (they take turns), then forward and backward alone for later checks
+    assert calls == [((4, 8), 21, True), ((4,), 7, False)]
     monkeypatch.setattr(flops, "_host_speed_cache", {})  # a new process
     table[4] = 0.0105  # 5% off: within the tolerance
     calls.clear()
     assert flops.measure_host_speed(_Workload(), 4, 0) == first
-    assert calls == [((4,), 7)]  # the quick check only
+    assert calls == [((4,), 7, False)]  # the quick check only, without an optimizer (no compiler import)
 
 
 def test_a_host_that_changed_is_measured_again(timings, monkeypatch):
@@ -69,6 +71,20 @@ def test_a_host_that_changed_is_measured_again(timings, monkeypatch):
     assert flops.read_cache(flops.host_cache_file())  # and the cache holds the new numbers
     monkeypatch.setattr(flops, "_host_speed_cache", {})
     assert flops.measure_host_speed(_Workload(), 4, 0) == pytest.approx(again)
+
+
+def test_an_entry_without_a_forward_backward_time_is_measured_again(timings, monkeypatch):
+    _table, calls = timings
+    flops.measure_host_speed(_Workload(), 4, 0)
+    path = flops.host_cache_file()
+    body = flops.read_cache(path)
+    (key,) = body
+    del body[key]["t1_fb"]  # an entry that a quick check cannot compare with
+    flops.write_cache(path, key, body[key])
+    monkeypatch.setattr(flops, "_host_speed_cache", {})
+    calls.clear()
+    flops.measure_host_speed(_Workload(), 4, 0)
+    assert calls == [((4, 8), 21, True), ((4,), 7, False)]
 
 
 def test_a_corrupt_cache_is_only_a_lost_shortcut(timings, monkeypatch):

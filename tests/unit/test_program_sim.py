@@ -7,7 +7,6 @@ import math
 import pytest
 
 from bench.core.cluster import ClusterSpec
-from bench.core.data_parallel import data_parallel_program
 from bench.core.program import Affine, Collective, Memory, Program, Stage
 from bench.cost import (
     compute_proportional_ratios,
@@ -15,6 +14,7 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
+from methods.dp_program import data_parallel_program
 
 GIB = 2**30
 

@@ -1,5 +1,5 @@
 """The Program of data-parallel training (DDP's buckets, its overlap, its memory), built from a
-model's per-layer costs: what dp_ev and dp_cp run and what every data-parallel plan is priced as."""
+model's per-layer costs: what dp_ev and dp_cp run and what their plans are priced as."""
 
 from __future__ import annotations
 
