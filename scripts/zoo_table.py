@@ -56,9 +56,11 @@ COLUMNS = (
     Column("pipeline", "pipeline"),
     Column("sfb", "sfb"),
     Column("hap", "hap"),
+    Column("auto", "auto"),  # composes the others: their best, or a composition none of them is
 )
-# Not baselines of hap's speedup: hap itself, and sfb (hap's synthesis without its LP).
-NOT_BASELINES = ("hap", "sfb")
+# Not baselines of hap's speedup: hap itself, sfb (hap's synthesis without its LP) and auto (which
+# searches over hap and the others).
+NOT_BASELINES = ("hap", "sfb", "auto")
 CUSTOM = ("model=custom", "model.factory=tests.zoo_custom:build_decoder", "model.task=causal_lm")
 # (label, source, overrides at the realistic size). Batch norm is the workload's: each device's
 # statistics by default, as DDP trains; "BN over the batch" asks the whole batch's (batch_norm=global),

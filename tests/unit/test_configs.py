@@ -201,7 +201,7 @@ def test_real_time_gloo_threads_need_a_core_per_rank(cfg_factory, monkeypatch):
         ),
         (
             ["method=nosuch"],
-            "method=nosuch is unknown; known: deepspeed, dp_cp, dp_ev, fsdp, fsdp_cp, hap, pipeline, sfb",
+            "method=nosuch is unknown; known: auto, deepspeed, dp_cp, dp_ev, fsdp, fsdp_cp, hap, pipeline, sfb",
         ),
         (["+preset.extra=1"], None),  # a key of one's own, with +: composes
     ],

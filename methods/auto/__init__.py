@@ -1,0 +1,202 @@
+"""auto: one planner over the space the other methods cover apart; docs/methods.md, "Whole-space planner (auto)".
+
+A candidate is a composition of the other methods' parts: how many stages (one over the whole
+cluster, or pipelines of several), how the state of a stage's data-parallel devices is held
+(replicated, or sharded as FSDP2 shards it) and which memory tools run (activation
+checkpointing, gradient accumulation). One stage with replicated state is hap's synthesis
+(sharding, LP ratios, collective choice, SFB); one stage with sharded state is FSDP2's data
+parallel; several stages are the pipeline's planner. Each candidate is planned by its part and
+priced by the one simulator, and the search returns the fastest that fits. The plan records the
+composition it chose (`details["auto"]`), and at run time each rank runs that part's runtime
+(hap's, FSDP2's, the pipeline trainer) with the chosen options. Not in the space: hap's
+synthesis inside a stage of several devices (a pipeline stage's replicas are data parallel),
+sharded state inside hap's programs, pipelines with sharded state until the pipeline method
+takes `sharded_state` (space.PIPELINE_SHARDS_STATE), tensor parallelism across a pipeline stage.
+
+This method composes the others, so it imports them; none of them imports it.
+
+    space   the candidates (stages, state, memory tools) and the part that plans and runs each
+    search  the best-first loop: price each candidate once by its part, bound, prune, memory
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError
+from bench.core.interfaces import Plan, RankContext, Workload
+from methods.auto.search import NoPlanFits, search, with_memory
+from methods.auto.space import (
+    PIPELINE_SHARDS_STATE,
+    STATES,
+    Candidate,
+    accumulation_steps,
+    candidates,
+    make_part,
+    stage_counts,
+)
+from methods.capture import capture_config
+from methods.common import check_training_options, group_table
+
+__all__ = ["Auto", "Candidate", "NoPlanFits"]
+
+STAGE_LEVELS = ("auto", "device", "machine")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Auto:
+    """The whole-space planner (module docstring).
+
+    Args:
+        hap, pipeline, fsdp: the parts, configured as their own methods (conf/method/auto.yaml
+            composes conf/method/hap.yaml, pipeline.yaml and fsdp_cp.yaml); each candidate
+            takes its part's options with its own over them.
+        name: the method's name in records.
+        stages: "auto", 1 (one stage over the whole cluster) or the ranks of a pipeline (2 or
+            more: pipelines only).
+        stage_level: what a pipeline rank's slot is cut from: "device", "machine" or "auto".
+        state: "auto", "replicated" or "sharded" (a stage's data-parallel state).
+        activation_checkpointing: "auto" (searched), true or false.
+        grad_accumulation: "auto" (searched, single stages) or the micro-steps of every single
+            stage; pipelines are left out when it is forced above 1.
+        max_grad_accumulation: the most micro-steps "auto" tries (divisors of the batch that
+            leave a sample per device).
+        memory_budget_gib: each device's memory for the plan is at most this (GiB); null: the
+            devices' own.
+        prune: stop at the bound (methods.auto.search); false prices every candidate.
+        lr, grad_clip: Adam's learning rate and the max global gradient norm (0 = off), for
+            every part.
+    """
+
+    mirror_full_state = False  # tests: the part writes the full parameters and gradients into the model
+    worker_modules = ("methods.hap.runtime", "methods.fsdp", "methods.pipeline", "torch.distributed.pipelining")
+
+    def __init__(
+        self,
+        hap,
+        pipeline,
+        fsdp,
+        name: str = "auto",
+        stages="auto",
+        stage_level: str = "auto",
+        state: str = "auto",
+        activation_checkpointing="auto",
+        grad_accumulation="auto",
+        max_grad_accumulation: int = 8,
+        memory_budget_gib: float | None = None,
+        prune: bool = True,
+        lr: float = 5e-4,
+        grad_clip: float = 0.0,
+    ):
+        if stages != "auto" and (not _whole(stages) or stages < 1):
+            raise ConfigError(
+                f"method.stages={stages!r} is invalid; use auto, 1 (one stage over the cluster) or the ranks "
+                "of a pipeline, e.g. method.stages=2"
+            )
+        if stage_level not in STAGE_LEVELS:
+            raise ConfigError(
+                f"method.stage_level={stage_level!r} names no stage level; use one of {', '.join(STAGE_LEVELS)}"
+            )
+        if state not in ("auto", *STATES):
+            raise ConfigError(f"method.state={state!r} is unknown; use one of auto, {', '.join(STATES)}")
+        if activation_checkpointing != "auto" and not isinstance(activation_checkpointing, bool):
+            raise ConfigError(
+                f"method.activation_checkpointing={activation_checkpointing!r} is invalid; use auto, true or false"
+            )
+        if grad_accumulation != "auto" and (not _whole(grad_accumulation) or grad_accumulation < 1):
+            raise ConfigError(
+                f"method.grad_accumulation={grad_accumulation!r} is invalid; use auto or an integer >= 1, "
+                "e.g. method.grad_accumulation=2"
+            )
+        if not _whole(max_grad_accumulation) or max_grad_accumulation < 1:
+            raise ConfigError(f"method.max_grad_accumulation={max_grad_accumulation!r} must be an integer >= 1")
+        if _whole(stages) and stages > 1 and grad_accumulation not in ("auto", 1):
+            raise ConfigError(
+                f"method.grad_accumulation={grad_accumulation} applies to one stage, but method.stages={stages} "
+                "runs pipelines (their micro-batches are the schedule's); use method.grad_accumulation=auto or "
+                "method.stages=1"
+            )
+        if _whole(stages) and stages > 1 and state == "sharded" and not PIPELINE_SHARDS_STATE:
+            raise ConfigError(
+                f"method.state=sharded with method.stages={stages} needs pipelines whose stages shard their "
+                "state, which the pipeline method does not offer yet; use method.state=replicated or method.stages=1"
+            )
+        if memory_budget_gib is not None and (isinstance(memory_budget_gib, bool) or not memory_budget_gib > 0):
+            raise ConfigError(
+                f"method.memory_budget_gib={memory_budget_gib!r} must be a number of GiB > 0, or null (the "
+                "devices' own memory)"
+            )
+        check_training_options(lr, grad_clip)
+        self.hap, self.pipeline, self.fsdp = hap, pipeline, fsdp
+        self.name = name
+        self.modes = ("real", "sim")
+        self.stages = stages
+        self.stage_level = stage_level
+        self.state = state
+        self.activation_checkpointing = activation_checkpointing
+        self.grad_accumulation = grad_accumulation
+        self.max_grad_accumulation = max_grad_accumulation
+        self.memory_budget_gib = None if memory_budget_gib is None else float(memory_budget_gib)
+        self.prune = bool(prune)
+        self.lr = lr
+        self.grad_clip = grad_clip
+
+    def space(self, workload: Workload, cluster: ClusterSpec) -> list[Candidate]:
+        """The candidates these options admit on `cluster` (one line where none can exist)."""
+        table = group_table(capture_config(workload.model_cfg, workload.global_batch))
+        groups = table.num_groups
+        if _whole(self.stages) and self.stages > groups:
+            raise ConfigError(
+                f"method.stages={self.stages} is more than the {groups} layer groups {workload.name} can be cut "
+                f"at; use method.stages<={groups} or method.stages=auto"
+            )
+        offered = stage_counts(cluster, self.stage_level, groups)
+        if _whole(self.stages) and self.stages > 1 and self.stages not in offered:
+            raise ConfigError(
+                f"method.stages={self.stages} is no pipeline cluster={cluster.name} can be cut into at "
+                f"method.stage_level={self.stage_level} (ranks a pipeline: "
+                f"{', '.join(map(str, offered)) or 'none'}); use one of those, 1, or auto"
+            )
+        accumulation = accumulation_steps(workload.global_batch, cluster.num_devices, self.max_grad_accumulation)
+        found = candidates(
+            self.stages, self.state, self.activation_checkpointing, self.grad_accumulation, offered, accumulation
+        )
+        if not found:
+            raise ConfigError(
+                f"method.stages={self.stages}, method.state={self.state} leave auto nothing to plan on "
+                f"cluster={cluster.name}; use method.stages=auto"
+            )
+        return found
+
+    def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+        t0 = time.perf_counter()
+        cands = self.space(workload, cluster)
+        found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
+        plan = found.best.plan
+        assert plan is not None
+        plan.method = self.name
+        plan.details = {
+            **plan.details,
+            "auto": {
+                **found.details(),
+                "memory_budget_gib": self.memory_budget_gib,
+                "pipeline_sharded_state": PIPELINE_SHARDS_STATE,
+                "planned_in_s": time.perf_counter() - t0,
+            },
+        }
+        return plan
+
+    def part_of(self, plan: Plan):
+        """The component method that made `plan` and runs it."""
+        return make_part(self, Candidate.from_json(plan.details["auto"]["chosen"]))
+
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext):
+        part = self.part_of(plan)
+        part.mirror_full_state = self.mirror_full_state
+        return part.setup(plan, model, ctx)

@@ -1,0 +1,186 @@
+"""auto's search: one best-first loop over the candidates, each priced once, pruned by a bound.
+
+Every candidate (methods.auto.space) is priced by its part's own plan (hap's planner, FSDP2's
+program, the pipeline's planner) and the simulator, exactly as the runner prices that method's
+plan, so auto's price of a candidate is the composed method's. The loop pops the candidate of
+least lower bound; it stops when that bound reaches the fastest candidate that fits. A
+candidate's bound is the larger of
+  - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, and
+  - the priced time of the same composition with a subset of its memory tools (a tool adds
+    recompute, launches or collectives to a plan and never removes any).
+The second is exact where the lighter plan's part was not held back by memory (hap's LP memory
+rows, the pipeline's fitting cuts); where it was, a tool could free a faster plan, which this
+prunes (`prune=false` prices every candidate, to check). Memory is in the search: a candidate
+whose per-device peak passes its device's memory (or the budget) is never returned while any
+fits; where none fits, the plan is refused as `oom` with the smallest peak found. It does not
+build parts (methods.auto.space) or run them (the part's runtime).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from dataclasses import dataclass
+
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import PlanningError
+from bench.core.interfaces import Plan, Workload
+from bench.cost import simulate
+from methods.auto.space import Candidate, make_part
+
+
+class NoPlanFits(PlanningError):
+    """Every candidate that planned passes some device's memory."""
+
+    status = "oom"
+
+
+@dataclass
+class Priced:
+    """A candidate as its part planned and the simulator priced it."""
+
+    cand: Candidate
+    status: str  # "fits" | "oom" (planned, some device over its memory, or refused so) | "refused"
+    bound_s: float
+    iter_time_s: float | None = None
+    peak_gib: tuple[float, ...] = ()
+    over: float = float("inf")  # the worst device's peak over its memory (oom only)
+    plan: Plan | None = None
+    part: object = None
+    reason: str | None = None
+    planning_s: float = 0.0
+
+    def row(self) -> dict:
+        return {
+            "candidate": self.cand.describe(),
+            "status": self.status,
+            "iter_time_s": self.iter_time_s,
+            "peak_gib": max(self.peak_gib) if self.peak_gib else None,
+            "bound_s": self.bound_s,
+            "planning_s": round(self.planning_s, 3),
+            **({"reason": self.reason} if self.reason else {}),
+        }
+
+
+@dataclass
+class Found:
+    """What the search found: the chosen candidate, and every one priced or pruned."""
+
+    best: Priced
+    priced: list[Priced]
+    pruned: list[tuple[Candidate, float]]  # with the bound it was pruned at
+    ideal_s: float
+
+    def details(self) -> dict:
+        return {
+            "chosen": self.best.cand.to_json(),
+            "chosen_as": self.best.cand.describe(),
+            "part": self.best.cand.part,
+            "compute_only_s": self.ideal_s,
+            "candidates": [p.row() for p in self.priced],
+            "pruned": [{"candidate": c.describe(), "bound_s": b} for c, b in self.pruned],
+            "num_priced": len(self.priced),
+            "num_pruned": len(self.pruned),
+        }
+
+
+def with_memory(cluster: ClusterSpec, budget_gib: float | None) -> ClusterSpec:
+    """`cluster` with every device's memory at most `budget_gib` (itself without a budget)."""
+    if budget_gib is None:
+        return cluster
+    groups = tuple(
+        dataclasses.replace(g, memory_gib=min(budget_gib, cluster.device_type(g.device).memory_gib))
+        if g.memory_gib is None
+        else dataclasses.replace(g, memory_gib=min(budget_gib, g.memory_gib))
+        for g in cluster.machines
+    )
+    return dataclasses.replace(cluster, machines=groups)
+
+
+def price(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec, bound_s: float) -> Priced:
+    """`cand` planned by its part on `cluster` (memory as budgeted) and priced by the simulator."""
+    t0 = time.perf_counter()
+    part = make_part(auto, cand)
+    try:
+        plan = part.plan(workload, cluster)
+    except ValueError as exc:  # ConfigError, PlanningError (StageOOM: status oom)
+        status = "oom" if getattr(exc, "status", None) == "oom" else "refused"
+        return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0)
+    sim = simulate(plan.program, cluster, plan.ratios)
+    limits = [d.type.memory_gib for d in cluster.devices]
+    peaks = tuple(sim.peak_mem_gib)
+    over = max(p / m for p, m in zip(peaks, limits))
+    return Priced(
+        cand,
+        "fits" if over <= 1.0 else "oom",
+        bound_s,
+        sim.iter_time_s,
+        peaks,
+        over,
+        plan,
+        part,
+        planning_s=time.perf_counter() - t0,
+    )
+
+
+def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpec) -> Found:
+    """The fastest candidate that fits (module docstring).
+
+    Raises:
+        NoPlanFits: candidates planned, none fits; the smallest peak found in one line.
+        PlanningError: no candidate planned at all (the first part's reason).
+    """
+    ideal = workload.flops_per_iter / cluster.total_effective_flops()
+    priced: dict[Candidate, Priced] = {}
+
+    def bound(c: Candidate) -> float:
+        lighter = [p.iter_time_s for d, p in priced.items() if p.iter_time_s is not None and d.lighter_than(c)]
+        return max([ideal, *lighter])
+
+    heap = [(ideal, i, c) for i, c in enumerate(cands)]
+    heapq.heapify(heap)
+    best: Priced | None = None
+    pruned: list[tuple[Candidate, float]] = []
+    while heap:
+        was, i, c = heapq.heappop(heap)
+        now = bound(c)
+        if now > was:
+            heapq.heappush(heap, (now, i, c))
+            continue
+        if auto.prune and best is not None and now >= best.iter_time_s:
+            pruned = [(c, now)] + [(x[2], bound(x[2])) for x in sorted(heap)]
+            break
+        p = priced[c] = price(auto, c, workload, cluster, now)
+        if p.status == "fits" and (best is None or p.iter_time_s < best.iter_time_s):
+            best = p
+    tried = list(priced.values())
+    if best is None:
+        raise _refusal(tried, cluster, auto.memory_budget_gib)
+    return Found(best, tried, pruned, ideal)
+
+
+def _refusal(tried: list[Priced], cluster: ClusterSpec, budget_gib: float | None) -> PlanningError:
+    """Why nothing fits, in one line: the candidate whose worst device is least over."""
+    planned = [p for p in tried if p.status == "oom" and p.peak_gib]
+    budget = f" (method.memory_budget_gib={budget_gib:g})" if budget_gib is not None else ""
+    fix = (
+        "raise method.memory_budget_gib or set it to null"
+        if budget_gib is not None
+        else "use a smaller batch (preset.batch_per_device) or more devices"
+    )
+    if planned:
+        p = min(planned, key=lambda x: x.over)
+        rank = max(range(len(p.peak_gib)), key=lambda r: p.peak_gib[r] / cluster.devices[r].type.memory_gib)
+        dev = cluster.devices[rank].type
+        return NoPlanFits(
+            f"no plan of the {len(tried)} auto priced fits device memory{budget}: the smallest peak found "
+            f"is {p.peak_gib[rank]:.1f} GiB on rank {rank}, a {dev.name} of {dev.memory_gib:g} GiB, with "
+            f"{p.cand.describe()}; {fix}"
+        )
+    oom = [p for p in tried if p.status == "oom"]
+    if oom:
+        return NoPlanFits(f"no plan auto priced fits device memory{budget}: {oom[0].reason}")
+    if tried:
+        return PlanningError(f"no candidate of auto planned: {tried[0].cand.describe()}: {tried[0].reason}")
+    return PlanningError("auto's options leave no candidate to price")

@@ -1,0 +1,154 @@
+"""auto: its space, its search (each candidate priced as its part prices it, the bound, memory),
+and its bad input as one line and a row that is never ok."""
+
+import pytest
+from hydra.utils import instantiate
+
+from bench.core.errors import ConfigError
+from bench.cost import simulate
+from bench.records.rows import load_records
+from bench.runner.execute import run_config
+from methods.auto import Auto, NoPlanFits
+from methods.auto.space import Candidate, accumulation_steps, candidates
+from tests.conftest import compose_config
+from tests.unit.test_hap_planner import bert_workload, cluster
+
+
+def _method(tmp_path, *overrides):
+    cfg = compose_config("method=auto", *overrides, results_dir=str(tmp_path))
+    return instantiate(cfg.method)
+
+
+def _part(tmp_path, name, *overrides):
+    return instantiate(compose_config(f"method={name}", *overrides, results_dir=str(tmp_path)).method)
+
+
+def test_the_space_prices_compositions_before_their_memory_tools():
+    found = candidates("auto", "auto", "auto", "auto", [2, 4], [1, 2, 4])
+    parts = [c.part for c in found]
+    assert parts[:5] == ["hap", "fsdp", "fsdp", "pipeline", "pipeline"]
+    assert all(not c.checkpointing and c.grad_accumulation == 1 for c in found[:5])
+    assert all(c.grad_accumulation == 1 for c in found if c.part == "pipeline")  # their schedule's
+    assert len(set(found)) == len(found)
+    forced = candidates(1, "sharded", False, 2, [2, 4], [1, 2, 4])
+    assert forced == [Candidate(1, "sharded", "compute", False, 2), Candidate(1, "sharded", "even", False, 2)]
+    assert [c.part for c in candidates(2, "replicated", "auto", "auto", [2, 4], [1, 2])] == ["pipeline"] * 2
+
+
+def test_a_candidate_is_lighter_only_than_its_own_composition_with_more_tools():
+    base = Candidate(1, "replicated")
+    assert base.lighter_than(Candidate(1, "replicated", "", True, 2))
+    assert not base.lighter_than(base)
+    assert not base.lighter_than(Candidate(1, "sharded", "even", True, 2))
+    assert not Candidate(1, "replicated", "", True, 1).lighter_than(Candidate(1, "replicated", "", False, 2))
+
+
+def test_micro_steps_leave_a_sample_per_device():
+    assert accumulation_steps(16, 3, 8) == [1, 2, 4]
+    assert accumulation_steps(12, 2, 8) == [1, 2, 3, 4, 6]
+    assert accumulation_steps(12, 4, 8) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "forced, part, alone",
+    [
+        (("method.stages=1", "method.state=replicated", "method.activation_checkpointing=false"), "hap", "hap"),
+        (("method.stages=1", "method.state=sharded", "method.activation_checkpointing=false"), "fsdp", "fsdp_cp"),
+        (("method.stages=2", "method.activation_checkpointing=false"), "pipeline", "pipeline"),
+    ],
+)
+def test_auto_prices_a_composition_as_the_method_alone_does(tmp_path, forced, part, alone):
+    """One truth per quantity: auto's candidate and the composed method give the same plan's price."""
+    wl, cl = bert_workload(), cluster(k=2)
+    auto = _method(tmp_path, *forced)
+    plan = auto.plan(wl, cl)
+    d = plan.details["auto"]
+    assert d["part"] == part and plan.method == "auto"
+    extra = ("method.num_stages=2",) if part == "pipeline" else ()
+    own = _part(tmp_path, alone, *extra).plan(wl, cl)
+    ours, theirs = simulate(plan.program, cl, plan.ratios), simulate(own.program, cl, own.ratios)
+    chosen = [c for c in d["candidates"] if c["candidate"] == d["chosen_as"]]
+    if not d["chosen"]["checkpointing"] and d["chosen"]["grad_accumulation"] == 1:
+        assert ours.iter_time_s == pytest.approx(theirs.iter_time_s, rel=1e-9)
+    assert chosen[0]["iter_time_s"] == pytest.approx(ours.iter_time_s, rel=1e-9)
+
+
+def test_auto_is_the_fastest_candidate_that_fits_and_pruning_keeps_it(tmp_path):
+    wl, cl = bert_workload(), cluster(k=2)
+    pruned = _method(tmp_path).plan(wl, cl).details["auto"]
+    full = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
+    assert full["num_pruned"] == 0 and full["num_priced"] > pruned["num_priced"]
+    assert pruned["num_pruned"] > 0
+    assert pruned["chosen"] == full["chosen"]
+    fits = [c for c in full["candidates"] if c["status"] == "fits"]
+    best = min(fits, key=lambda c: c["iter_time_s"])
+    assert best["candidate"] == full["chosen_as"]
+    for c in full["candidates"]:  # the bound never passed a price
+        if c["iter_time_s"] is not None:
+            assert c["iter_time_s"] >= full["compute_only_s"]
+
+
+def test_a_plan_over_the_memory_budget_is_never_returned_while_one_fits(tmp_path):
+    wl, cl = bert_workload(), cluster(k=2)
+    free = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
+    fits = [c for c in free["candidates"] if c["status"] == "fits"]
+    chosen = next(c for c in fits if c["candidate"] == free["chosen_as"])
+    smallest = min(c["peak_gib"] for c in fits)
+    assert smallest < chosen["peak_gib"], "the test needs a candidate of smaller peak"
+    budget = (smallest + chosen["peak_gib"]) / 2
+    plan = _method(tmp_path, f"method.memory_budget_gib={budget}").plan(wl, cl)
+    sim = simulate(plan.program, cl, plan.ratios)
+    assert max(sim.peak_mem_gib) <= budget  # another candidate, or its part's plan under the budget
+    assert sim.iter_time_s >= chosen["iter_time_s"] * (1 - 1e-9)
+
+
+def test_a_budget_no_plan_meets_is_oom_with_the_smallest_peak(tmp_path):
+    with pytest.raises(NoPlanFits, match=r"smallest peak found is [0-9.]+ GiB on rank \d.*memory_budget_gib"):
+        _method(tmp_path, "method.memory_budget_gib=0.0001").plan(bert_workload(), cluster(k=2))
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["method.stage_level=rack"], "method.stage_level='rack' names no stage level; use one of auto, device"),
+        (["method.stages=0"], "method.stages=0 is invalid; use auto, 1"),
+        (
+            ["method.stages=9"],
+            "method.stages=9 is more than the 4 layer groups bert can be cut at; use method.stages<=4",
+        ),
+        (["method.state=partly"], "method.state='partly' is unknown; use one of auto, replicated, sharded"),
+        (["method.stages=2", "method.state=sharded"], "method.state=sharded with method.stages=2 needs pipelines"),
+        (["method.memory_budget_gib=-1"], "method.memory_budget_gib=-1 must be a number of GiB > 0"),
+        (["method.stages=2", "method.grad_accumulation=2"], "method.grad_accumulation=2 applies to one stage"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_failed_row(config_factory, capsys, overrides, needle):
+    cfg = config_factory("method=auto", "mode=sim", "cluster=paper_hetero", *overrides)
+    record = run_config(cfg)
+    err = capsys.readouterr().err.strip()
+    assert record.status == "failed" and needle in record.error
+    assert err.startswith("error: ") and "\n" not in err and needle in err
+    rows = load_records(f"{cfg.results_dir}/records.jsonl")
+    assert [r["status"] for r in rows] == ["failed"] and rows[0]["samples_per_s"] is None
+
+
+def test_a_memory_budget_no_plan_meets_is_an_oom_row(config_factory, capsys):
+    cfg = config_factory(
+        "method=auto",
+        "mode=sim",
+        "cluster=paper_hetero",
+        "method.memory_budget_gib=0.0001",
+        "method.max_grad_accumulation=2",
+        "method.fsdp.work_probe=false",
+    )
+    record = run_config(cfg)
+    err = capsys.readouterr().err.strip()
+    assert record.status == "oom" and "smallest peak found" in record.error
+    assert "\n" not in err and "memory_budget_gib" in err
+    rows = load_records(f"{cfg.results_dir}/records.jsonl")
+    assert [r["status"] for r in rows] == ["oom"] and rows[0]["samples_per_s"] is None
+
+
+def test_auto_refuses_bad_options_at_construction():
+    with pytest.raises(ConfigError, match="method.activation_checkpointing='maybe'"):
+        Auto(None, None, None, activation_checkpointing="maybe")
