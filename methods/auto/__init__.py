@@ -10,8 +10,7 @@ priced by the one simulator, and the search returns the fastest that fits. The p
 composition it chose (`details["auto"]`), and at run time each rank runs that part's runtime
 (hap's, FSDP2's, the pipeline trainer) with the chosen options. Not in the space: hap's
 synthesis inside a stage of several devices (a pipeline stage's replicas are data parallel),
-sharded state inside hap's programs, pipelines with sharded state until the pipeline method
-takes `sharded_state` (space.PIPELINE_SHARDS_STATE), tensor parallelism across a pipeline stage.
+sharded state inside hap's programs, tensor parallelism across a pipeline stage.
 
 This method composes the others, so it imports them; none of them imports it.
 
@@ -30,7 +29,6 @@ from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from methods.auto.search import NoPlanFits, search, with_memory
 from methods.auto.space import (
-    PIPELINE_SHARDS_STATE,
     STATES,
     Candidate,
     accumulation_steps,
@@ -122,11 +120,6 @@ class Auto:
                 "runs pipelines (their micro-batches are the schedule's); use method.grad_accumulation=auto or "
                 "method.stages=1"
             )
-        if _whole(stages) and stages > 1 and state == "sharded" and not PIPELINE_SHARDS_STATE:
-            raise ConfigError(
-                f"method.state=sharded with method.stages={stages} needs pipelines whose stages shard their "
-                "state, which the pipeline method does not offer yet; use method.state=replicated or method.stages=1"
-            )
         if memory_budget_gib is not None and (isinstance(memory_budget_gib, bool) or not memory_budget_gib > 0):
             raise ConfigError(
                 f"method.memory_budget_gib={memory_budget_gib!r} must be a number of GiB > 0, or null (the "
@@ -186,7 +179,6 @@ class Auto:
             "auto": {
                 **found.details(),
                 "memory_budget_gib": self.memory_budget_gib,
-                "pipeline_sharded_state": PIPELINE_SHARDS_STATE,
                 "planned_in_s": time.perf_counter() - t0,
             },
         }

@@ -17,15 +17,10 @@ from dataclasses import dataclass
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
-from methods.pipeline import PipelineParallel
 from methods.pipeline.planning import layouts
 
 STATES = ("replicated", "sharded")
 SPLITS = ("compute", "even")  # a sharded stage's batch split: fsdp_cp's, fsdp's
-
-# Pipelines whose stage replicas shard their state (FSDP2 over a stage's replicas) are in the
-# space as soon as the pipeline method takes the option `sharded_state`: make_part passes it.
-PIPELINE_SHARDS_STATE = "sharded_state" in inspect.signature(PipelineParallel.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -136,8 +131,7 @@ def candidates(
     counts = pipeline_stages if stages == "auto" else [s for s in pipeline_stages if s == stages]
     for n in counts:
         for st in states:
-            if st == "replicated" or PIPELINE_SHARDS_STATE:
-                comps.append(Candidate(n, st))
+            comps.append(Candidate(n, st))
     out = []
     for comp in comps:
         for c in ckpt:
@@ -170,7 +164,7 @@ def make_part(auto, cand: Candidate):
     if cand.part == "fsdp":
         name = "fsdp_cp" if cand.split == "compute" else "fsdp"
         return _rebuild(auto.fsdp, name, split=cand.split, grad_accumulation=cand.grad_accumulation, **common)
-    extra = {}
-    if PIPELINE_SHARDS_STATE:  # the pipeline's sharded state (FSDP2 over each stage's replicas)
-        extra["sharded_state"] = cand.state == "sharded"
-    return _rebuild(auto.pipeline, "pipeline", num_stages=cand.stages, stage_level=auto.stage_level, **common, **extra)
+    sharded = cand.state == "sharded"  # the pipeline's sharded state: FSDP2 over each stage's replicas
+    return _rebuild(
+        auto.pipeline, "pipeline", num_stages=cand.stages, stage_level=auto.stage_level, sharded_state=sharded, **common
+    )

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from bench.records.rows import load_records
-from methods.auto.space import PIPELINE_SHARDS_STATE
 from tests.e2e.test_pipeline_fsdp_equivalence import _check_one_step
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +68,6 @@ def test_each_composition_auto_can_choose_equals_single_device_training(cfg_fact
         assert chosen["grad_accumulation"] == 2
 
 
-@pytest.mark.skipif(not PIPELINE_SHARDS_STATE, reason="the pipeline method has no sharded_state option yet")
 def test_pipelines_with_sharded_state_auto_chooses_equal_single_device_training(cfg_factory):
     """The pipeline's sharded state (FSDP2 over a stage's replicas) as auto passes it through."""
     case = _check_one_step(

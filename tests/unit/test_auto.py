@@ -117,7 +117,6 @@ def test_a_budget_no_plan_meets_is_oom_with_the_smallest_peak(tmp_path):
             "method.stages=9 is more than the 4 layer groups bert can be cut at; use method.stages<=4",
         ),
         (["method.state=partly"], "method.state='partly' is unknown; use one of auto, replicated, sharded"),
-        (["method.stages=2", "method.state=sharded"], "method.state=sharded with method.stages=2 needs pipelines"),
         (["method.memory_budget_gib=-1"], "method.memory_budget_gib=-1 must be a number of GiB > 0"),
         (["method.stages=2", "method.grad_accumulation=2"], "method.grad_accumulation=2 applies to one stage"),
     ],
