@@ -54,6 +54,10 @@ COLUMNS = (
     Column("fsdp", "fsdp"),
     Column("fsdp_cp", "fsdp_cp"),
     Column("pipeline", "pipeline"),
+    # the memory tools where sharding alone leaves activations that do not fit (docs/methods.md)
+    Column("fsdp_ckpt", "fsdp", ("method.activation_checkpointing=true",)),
+    Column("fsdp_cp_ckpt", "fsdp_cp", ("method.activation_checkpointing=true",)),
+    Column("deepspeed_z3_ckpt", "deepspeed", ("method.zero_stage=3", "method.activation_checkpointing=true")),
     Column("sfb", "sfb"),
     Column("hap", "hap"),
     Column("auto", "auto"),  # composes the others: their best, or a composition none of them is
