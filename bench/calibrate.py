@@ -4,7 +4,7 @@
     python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
     python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
-    python -m bench.calibrate --reprice results/calibration/20261126-H200-steps.json   # no GPU needed
+    python -m bench.calibrate --reprice results/calibration/FILE.json              # no GPU needed
     python -m bench.calibrate --rows results/runs method=pipeline,fsdp   # summarise rows recorded
                                                                           # by earlier runs
 

@@ -60,7 +60,7 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
     """Forward + backward FLOPs per sample, counted on the meta device (nothing is allocated),
     once per process for equal model configs: a paper-size model takes most of a second to
     count, and a comparison, a calibration or the regression check prepares the same model once
-    for each method (and round) (results/harness/20261127-preparation-costs.md)."""
+    for each method (and round) (docs/cost-model.md, "Capture, FLOPs and activations")."""
     key = (type(model_cfg), repr(model_cfg), samples)
     if key not in _counted:
         model = build_on_meta(model_cfg)
