@@ -55,3 +55,16 @@ def test_the_rule_catches_a_dated_note_and_a_missing_section():
         ("docs/emulation.md", "The pause discount")
     ]
     assert DOCS_SECTION.findall('as docs/records.md ("Metrics") defines') == [("docs/records.md", "Metrics")]
+
+
+def test_each_command_module_has_a_name_no_other_module_of_bench_has():
+    from bench.cli import COMMANDS
+
+    commands = {module.rpartition(".")[2] for module, _ in COMMANDS.values()}
+    assert all((ROOT / "bench" / f"{name}.py").is_file() for name in commands)
+    clashes = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "bench").rglob("*")
+        if path.parent != ROOT / "bench" and (path.stem if path.suffix == ".py" else path.name) in commands
+    )
+    assert not clashes, f"modules named as a command (python -m bench.<command>) elsewhere in bench: {clashes}"
