@@ -35,3 +35,12 @@ def test_rows_of_several_runs_are_the_last_aggregate_else_the_last_case(tmp_path
     assert rows == {("bert", "pipeline"): "agg1", ("bert", "fsdp"): "c3", ("vit", "fsdp"): "c4"}
     assert [r["run_id"] for r in recorded_rows([a, b], models=["vit"])] == ["c4"]
     assert {r["run_id"] for r in recorded_rows([a, b], methods=["pipeline"])} == {"agg1"}
+
+
+def test_rows_with_no_real_row_there_are_one_line_and_exit_2(tmp_path, capsys):
+    from bench.calibrate import main
+
+    (tmp_path / "records.jsonl").write_text("")
+    assert main(["model=bert", "--rows", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --rows {tmp_path}: no real rows there")
