@@ -120,6 +120,9 @@ def main(argv: list[str]) -> int:
         return merge_files(args)
     if args.reprice is not None:
         return reprice(args)
+    if args.rows:  # nargs="+" also takes the overrides after the paths (--rows DIR method=a,b)
+        args.overrides += [str(p) for p in args.rows if "=" in str(p) and not p.exists()]
+        args.rows = [p for p in args.rows if str(p) not in args.overrides]
     if args.device is not None:
         if not (args.device_type and args.profile):
             parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")
