@@ -4,7 +4,7 @@
     python -m bench.calibrate model=bert cluster=local_hetero2 method=dp_ev,hap measured_iters=10
     python -m bench.calibrate cluster=local_hetero2,local_hetero4 repeats=3   # medians and intervals
     python -m bench.calibrate --device cuda --device-type H100-80 --profile results/profiles/H100-80.json
-    python -m bench.calibrate --reprice results/calibration/20261126-H200-steps.json   # no GPU needed
+    python -m bench.calibrate --reprice results/calibration/FILE.json              # no GPU needed
     python -m bench.calibrate --rows results/runs method=pipeline,fsdp   # summarise rows recorded
                                                                           # by earlier runs
 
@@ -56,7 +56,8 @@ from bench.studies.calibration import (
 )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: --merge, --reprice, --device and --rows pick a mode, else emulated cases run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="with --device: the models to step")
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default results/calibration/)")
@@ -106,93 +107,121 @@ def main(argv: list[str]) -> int:
         f"comma lists (default: model={','.join(MODELS)} cluster={','.join(CLUSTERS)} "
         "method=every method that runs for real), as in compare and -m sweeps",
     )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
     argv = command_argv(argv)
     if argv is None:
         return 2
     args = parser.parse_args(argv)
     if args.merge is not None:
-        try:
-            rows = merged_rows([json.loads(path.read_text()) for path in args.merge])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"error: --merge: {exc!r}; give files written by bench.calibrate (emulated cases)", file=sys.stderr)
-            return 2
-        summary = {
-            **summarize(rows),
-            "merged": [str(p) for p in args.merge],
-            "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        print_summary(summary)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(summary, indent=1) + "\n")
-            print(f"wrote {args.out}")
-        return 0
+        return merge_files(args)
     if args.reprice is not None:
-        try:
-            earlier = json.loads(args.reprice.read_text())
-            cluster = single_device_cluster(earlier["device_type"], args.profile or earlier["profile"])
-            precision = earlier.get("precision", "fp32")  # files before it was recorded ran at fp32's switches
-            check_profile_precision(cluster, precision)
-        except (OSError, ValueError, KeyError, ConfigError) as exc:
-            print(
-                f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
-                file=sys.stderr,
-            )
-            return 2
-        print_single_device(
-            repriced_rows(earlier["rows"], cluster, args.preset, precision),
-            f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
-            + (f" with {args.profile}" if args.profile else ""),
-        )
-        return 0
+        return reprice(args)
+    if args.rows:  # nargs="+" also takes the overrides after the paths (--rows DIR method=a,b)
+        args.overrides += [str(p) for p in args.rows if "=" in str(p) and not p.exists()]
+        args.rows = [p for p in args.rows if str(p) not in args.overrides]
     if args.device is not None:
         if not (args.device_type and args.profile):
             parser.error("--device needs --device-type NAME and --profile PATH (python -m bench.profile --compute-out)")
-        try:
-            cluster = single_device_cluster(args.device_type, args.profile)
-            check_profile_precision(cluster, args.precision)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        out = args.out or (
-            PROJECT_DIR / "results" / "calibration" / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json"
-        )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        about = {
-            "device_type": args.device_type,
-            "profile": args.profile,
-            "precision": args.precision,
-            "hardware": rank_hardware(torch.device(args.device)),
-            **fingerprint(),
-        }
+        return calibrate_device(args)
+    return calibrate_emulated(args)
 
-        def write(rows: list[dict], summary: dict | None = None) -> None:
-            # after every step, so a run cut short leaves what it measured (--reprice reads it)
-            out.write_text(
-                json.dumps(
-                    {
-                        **(summary or {"partial": True}),
-                        **about,
-                        "rows": rows,
-                        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                    },
-                    indent=1,
-                )
-                + "\n"
+
+def merge_files(args: argparse.Namespace) -> int:
+    """--merge: one summary over the emulated cases of several calibration files."""
+    try:
+        rows = merged_rows([json.loads(path.read_text()) for path in args.merge])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"error: --merge: {exc!r}; give files written by bench.calibrate (emulated cases)", file=sys.stderr)
+        return 2
+    summary = {
+        **summarize(rows),
+        "merged": [str(p) for p in args.merge],
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    print_summary(summary)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def reprice(args: argparse.Namespace) -> int:
+    """--reprice: the steps an earlier --device calibration measured, priced by today's cost model."""
+    try:
+        earlier = json.loads(args.reprice.read_text())
+        cluster = single_device_cluster(earlier["device_type"], args.profile or earlier["profile"])
+        precision = earlier.get("precision", "fp32")  # files before it was recorded ran at fp32's switches
+        check_profile_precision(cluster, precision)
+    except (OSError, ValueError, KeyError, ConfigError) as exc:
+        print(
+            f"error: --reprice={args.reprice}: {exc}; give a file written by bench.calibrate --device",
+            file=sys.stderr,
+        )
+        return 2
+    print_single_device(
+        repriced_rows(earlier["rows"], cluster, args.preset, precision),
+        f"{earlier['device_type']}: the steps measured in {args.reprice.name}, priced today"
+        + (f" with {args.profile}" if args.profile else ""),
+    )
+    return 0
+
+
+def calibrate_device(args: argparse.Namespace) -> int:
+    """--device: each model's training step on one device, measured and predicted from its profile."""
+    try:
+        cluster = single_device_cluster(args.device_type, args.profile)
+        check_profile_precision(cluster, args.precision)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or (
+        PROJECT_DIR / "results" / "calibration" / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{args.device_type}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    about = {
+        "device_type": args.device_type,
+        "profile": args.profile,
+        "precision": args.precision,
+        "hardware": rank_hardware(torch.device(args.device)),
+        **fingerprint(),
+    }
+
+    def write(rows: list[dict], summary: dict | None = None) -> None:
+        # after every step, so a run cut short leaves what it measured (--reprice reads it)
+        out.write_text(
+            json.dumps(
+                {
+                    **(summary or {"partial": True}),
+                    **about,
+                    "rows": rows,
+                    "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                },
+                indent=1,
             )
-
-        rows = single_device_rows(
-            args.models.split(","),
-            [int(b) for b in args.batches.split(",")],
-            args.device,
-            cluster,
-            args.preset,
-            on_row=write,
-            precision=args.precision,
+            + "\n"
         )
-        write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
-        print(f"wrote {out}")
-        return 0
+
+    rows = single_device_rows(
+        args.models.split(","),
+        [int(b) for b in args.batches.split(",")],
+        args.device,
+        cluster,
+        args.preset,
+        on_row=write,
+        precision=args.precision,
+    )
+    write(rows, print_single_device(rows, f"{args.device_type} on {args.device}: one training step"))
+    print(f"wrote {out}")
+    return 0
+
+
+def calibrate_emulated(args: argparse.Namespace) -> int:
+    """Emulated cases (or, with --rows, the rows earlier runs recorded): errors, MAPE, Kendall's tau."""
     lists = {"model": list(MODELS), "cluster": list(CLUSTERS), "method": methods_supporting("real")}
     rest = []
     for item in args.overrides:
@@ -206,36 +235,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.rows is not None:  # a calibration split over earlier runs: summarise what they recorded
-        chosen = {k.partition("=")[0]: k.partition("=")[2].split(",") for k in args.overrides if "=" in k}
-        rows = recorded_rows(args.rows, chosen.get("model"), chosen.get("cluster"), chosen.get("method"))
-        if not rows:
-            print(
-                f"error: --rows {' '.join(map(str, args.rows))}: no real rows there (of the chosen models, "
-                "clusters and methods); give records of bench.run, bench.compare or bench.calibrate",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        try:
-            configs = [
-                compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
-                for m in lists["model"]
-                for c in lists["cluster"]
-                for meth in lists["method"]
-            ]
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        expect_cases(configs)
-        repeats = configs[0].repeats
-        if repeats == 1:
-            rows = [vars(run_case(c)) for c in track(configs, "calibration cases")]
-        else:  # per (model, cluster), interleaved rounds over the methods, as bench.compare runs them
-            rows = []
-            for i in range(0, len(configs), len(lists["method"])):
-                group = {c.method_name: c for c in configs[i : i + len(lists["method"])]}
-                rows += [vars(r) for r in run_rounds(group, repeats)]
+    rows = rows_recorded(args) if args.rows is not None else run_emulated_cases(lists, rest)
+    if rows is None:
+        return 2
     summary = {**summarize(rows), "written_at": datetime.now(UTC).isoformat(timespec="seconds")}
     print_summary(summary)
     out = args.out or (PROJECT_DIR / "results" / "calibration" / f"{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
@@ -243,6 +245,44 @@ def main(argv: list[str]) -> int:
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")
     return 0 if not summary["failed"] else 1
+
+
+def rows_recorded(args: argparse.Namespace) -> list[dict] | None:
+    """--rows: a calibration split over earlier runs, from what they recorded (None: nothing there)."""
+    chosen = {k.partition("=")[0]: k.partition("=")[2].split(",") for k in args.overrides if "=" in k}
+    rows = recorded_rows(args.rows, chosen.get("model"), chosen.get("cluster"), chosen.get("method"))
+    if not rows:
+        print(
+            f"error: --rows {' '.join(map(str, args.rows))}: no real rows there (of the chosen models, "
+            "clusters and methods); give records of bench.run, bench.compare or bench.calibrate",
+            file=sys.stderr,
+        )
+        return None
+    return rows
+
+
+def run_emulated_cases(lists: dict[str, list[str]], rest: list[str]) -> list[dict] | None:
+    """Every (model, cluster, method) of `lists` run for real (None: a case's config is bad); with
+    repeats=N, per (model, cluster), N interleaved rounds over the methods as bench.compare runs them."""
+    try:
+        configs = [
+            compose_settings("wandb.mode=disabled", *rest, f"model={m}", f"cluster={c}", f"method={meth}")
+            for m in lists["model"]
+            for c in lists["cluster"]
+            for meth in lists["method"]
+        ]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    expect_cases(configs)
+    repeats = configs[0].repeats
+    if repeats == 1:
+        return [vars(run_case(c)) for c in track(configs, "calibration cases")]
+    rows = []
+    for i in range(0, len(configs), len(lists["method"])):
+        group = {c.method_name: c for c in configs[i : i + len(lists["method"])]}
+        rows += [vars(r) for r in run_rounds(group, repeats)]
+    return rows
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from bench.records.progress import track
 from bench.runner.configs import command_argv
-from bench.studies.dilation import GOAL, SPEEDS, measure
+from bench.studies.pacing_fidelity import GOAL, SPEEDS, measure
 
 
 def main(argv: list[str]) -> int:

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 from bench.core.errors import ConfigError
 from bench.records.progress import track
 from bench.runner.configs import command_argv
-from bench.studies.figures import EXPERIMENT_FIGURES, FIGURE_DIR, FIGURES
+from bench.studies.paper_figures import EXPERIMENT_FIGURES, FIGURE_DIR, FIGURES
 
 matplotlib.use("Agg")
 

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from bench.core.errors import ConfigError
 from bench.runner.configs import command_argv, print_help_if_asked
-from bench.studies.noise import noise_floor
+from bench.studies.noise_floor import noise_floor
 
 
 def main(argv: list[str]) -> int:

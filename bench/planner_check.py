@@ -19,7 +19,7 @@ import sys
 from rich.console import Console
 
 from bench.runner.configs import command_argv
-from bench.studies.planner_check import MODELS, agreement_table, beam_vs_exact, monotonicity, print_monotonicity
+from bench.studies.planner_quality import MODELS, agreement_table, beam_vs_exact, monotonicity, print_monotonicity
 
 
 def main(argv: list[str]) -> int:

@@ -72,7 +72,8 @@ def _repo_relative(path: Path) -> str:
         return str(path.resolve())
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: --refit or --compute-out pick a mode, else this host's collectives."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="worker processes for collectives")
     parser.add_argument("--max-mb", type=float, default=64, help="largest collective (MB)")
@@ -101,52 +102,72 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a compute profile: fit its stored points again and write it to --compute-out (no device)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.refit is not None:
         if args.compute_out is None:
             parser.error("--refit needs --compute-out PATH (where the refitted profile goes)")
-        try:
-            prof = refit(json.loads(args.refit.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(
-                f"error: --refit={args.refit}: {exc!r}; give a file written by bench.profile --compute-out",
-                file=sys.stderr,
-            )
-            return 2
-        args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
-        print(f"wrote {args.compute_out}")
-        return 0
+        return refit_profile(args)
     if args.compute_out is not None:
         if not args.device_type:
             parser.error("--compute-out needs --device-type NAME (the conf/device type it describes, e.g. H100-80)")
         if args.device != "cpu" and not torch.cuda.is_available():
             parser.error(f"--device={args.device} but torch sees no CUDA device; use --device cpu")
-        prof = profile_device(args.device, args.device_type, args.repeats, args.precision)
-        host = "dispatch_s" in prof["optimizer"]
-        p = prof["precision"]
-        print(
-            f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}"
-            + (f" {'host us/kernel':>15}" if host else "")
-            + f"   ({prof['device']}; precision {p['precision']}, autocast {p['autocast_dtype']}, TF32 matmul "
-            f"{p['matmul_allow_tf32']}, cuDNN {p['cudnn_allow_tf32']})"
-        )
-        for cls, c in prof["compute"].items():
-            print(
-                f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
-                + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else "")
-            )
-        o = prof["optimizer"]
-        print(
-            f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
-            + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else "")
-        )
-        print(f"view call  {prof['views']['dispatch_s'] * 1e6:10.2f} us on the host (forward and backward; no kernel)")
-        args.compute_out.parent.mkdir(parents=True, exist_ok=True)
-        args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
-        print(f"wrote {args.compute_out}")
-        return 0
+        return profile_one_device(args)
     if args.ranks < 2:
         parser.error(f"--ranks={args.ranks} must be >= 2 (collectives need two processes)")
+    return profile_host(args)
+
+
+def refit_profile(args: argparse.Namespace) -> int:
+    """--refit: a compute profile's stored points fitted again, written to --compute-out (no device)."""
+    try:
+        prof = refit(json.loads(args.refit.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(
+            f"error: --refit={args.refit}: {exc!r}; give a file written by bench.profile --compute-out",
+            file=sys.stderr,
+        )
+        return 2
+    args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"wrote {args.compute_out}")
+    return 0
+
+
+def profile_one_device(args: argparse.Namespace) -> int:
+    """--compute-out: one device's compute profile (op classes, Adam, views) at one precision."""
+    prof = profile_device(args.device, args.device_type, args.repeats, args.precision)
+    host = "dispatch_s" in prof["optimizer"]
+    p = prof["precision"]
+    print(
+        f"{'op class':10} {'us/kernel':>10} {'GFLOP/s':>10}"
+        + (f" {'host us/kernel':>15}" if host else "")
+        + f"   ({prof['device']}; precision {p['precision']}, autocast {p['autocast_dtype']}, TF32 matmul "
+        f"{p['matmul_allow_tf32']}, cuDNN {p['cudnn_allow_tf32']})"
+    )
+    for cls, c in prof["compute"].items():
+        print(
+            f"{cls:10} {c['fixed_s'] * 1e6:10.2f} {c['flops_per_s'] / 1e9:10.2f}"
+            + (f" {c['dispatch_s'] * 1e6:15.2f}" if host else "")
+        )
+    o = prof["optimizer"]
+    print(
+        f"optimizer  {o['fixed_s'] * 1e6:10.2f} us + {o['bytes_per_s'] / 1e9:.2f} GB/s of parameters"
+        + (f"; host {o['dispatch_s'] * 1e6:.2f} us" if host else "")
+    )
+    print(f"view call  {prof['views']['dispatch_s'] * 1e6:10.2f} us on the host (forward and backward; no kernel)")
+    args.compute_out.parent.mkdir(parents=True, exist_ok=True)
+    args.compute_out.write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"wrote {args.compute_out}")
+    return 0
+
+
+def profile_host(args: argparse.Namespace) -> int:
+    """This host: compute per op class on one worker thread, and each collective kind between --ranks workers."""
     sizes = [s for s in SIZES if s <= args.max_mb * 2**20]
     compute = profile_compute()
     rows = profile_collectives(args.ranks, sizes, args.repeats)

@@ -41,7 +41,8 @@ from bench.studies.regression import (
 )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: --rebaseline writes the baseline, else the figures are checked against it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rebaseline", action="store_true", help="write new baselines")
     parser.add_argument(
@@ -70,10 +71,22 @@ def main(argv: list[str]) -> int:
         help="model=a,b and method=a,b check a subset of the figures (the cases "
         "themselves are fixed: they are what the baseline measured)",
     )
+    return parser
+
+
+def main(argv: list[str]) -> int:
     argv = command_argv(argv)
     if argv is None:
         return 2
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    chosen = chosen_subset(args)
+    if chosen is None:
+        return 2
+    return rebaseline(args, chosen) if args.rebaseline else check(args, chosen)
+
+
+def chosen_subset(args: argparse.Namespace) -> dict[str, list[str]] | None:
+    """The models and methods the overrides pick ({} for all), or None after one line on what is wrong."""
     chosen: dict[str, list[str]] = {}
     for item in args.overrides:
         key, sep, value = item.partition("=")
@@ -83,36 +96,46 @@ def main(argv: list[str]) -> int:
                 "model=a,b and method=a,b to check a subset; e.g. method=hap",
                 file=sys.stderr,
             )
-            return 2
+            return None
         chosen[key] = value.split(",")
     try:
         check_group_choices([f"{k}={','.join(v)}" for k, v in chosen.items()])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return None
     if args.rebaseline and "model" in chosen:
         print(
             "error: --rebaseline writes every model's figures; drop model= (method=a,b adds or replaces "
             "those methods' figures and keeps the rest)",
             file=sys.stderr,
         )
-        return 2
+        return None
     if args.sessions < 1 or (args.sessions > 1 and not args.rebaseline):
         print(
             f"error: --sessions={args.sessions}: it must be >= 1, and more than 1 only with --rebaseline "
             "(e.g. --rebaseline --sessions 3)",
             file=sys.stderr,
         )
-        return 2
-    start = time.perf_counter()
+        return None
+    return chosen
+
+
+def simulated(sessions: int, chosen: dict[str, list[str]]) -> dict[str, float]:
+    """The simulated and planner figures of the chosen models and sim-capable methods."""
     methods = chosen.get("method")
-    figures = sim_sessions(
-        args.sessions if args.rebaseline else 1,
+    return sim_sessions(
+        sessions,
         chosen.get("model", MODELS),
         None if methods is None else [m for m in methods if m in methods_supporting("sim")],
     )
+
+
+def rebaseline(args: argparse.Namespace, chosen: dict[str, list[str]]) -> int:
+    """--rebaseline: write every figure anew, or with method=a,b add (or replace) those methods' figures."""
+    figures = simulated(args.sessions, chosen)
+    methods = chosen.get("method")
     sessions = None
-    if args.rebaseline and methods is not None:  # add or replace these methods' figures
+    if methods is not None:
         if not args.no_measured:
             real = [m for m in methods if m in methods_supporting("real")]
             sessions = [measured_figures(args.slowdown, real) for _ in range(args.sessions)]
@@ -120,21 +143,26 @@ def main(argv: list[str]) -> int:
             figures.update({k: statistics.median(r[k] for r in sessions) for k in sorted(keys)})
         add_to_baseline(load_baseline(), figures, methods, sessions, args.note)
         return 0
-    if args.rebaseline and not args.no_measured:
+    origin = None
+    if args.no_measured:
+        measured, sessions, origin = kept_measured(load_baseline())
+    else:
         measured, sessions = measured_sessions(args.sessions, args.slowdown)
-        figures.update(measured)
+    figures.update(measured)
+    write_baseline(figures, sessions=sessions, note=args.note, measured_from=origin)
+    return 0
+
+
+def check(args: argparse.Namespace, chosen: dict[str, list[str]]) -> int:
+    """The figures now against the baseline's: a table, and 1 on a regression."""
+    start = time.perf_counter()
+    figures = simulated(1, chosen)
+    methods = chosen.get("method")
     rounds = None
-    if not args.rebaseline and not args.no_measured and chosen.get("model") in (None, ["bert"]):
+    if not args.no_measured and chosen.get("model") in (None, ["bert"]):
         real = baseline_real_methods(load_baseline())
         rounds = measured_rounds(args.slowdown, real if methods is None else [m for m in methods if m in real])
         figures.update(medians(rounds))
-    if args.rebaseline:
-        origin = None
-        if args.no_measured:
-            measured, sessions, origin = kept_measured(load_baseline())
-            figures.update(measured)
-        write_baseline(figures, sessions=sessions, note=args.note, measured_from=origin)
-        return 0
     base = load_baseline()
     expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
     if args.no_measured:

@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.records.report import METRICS, ReportError, layout, read_rows, report
+from bench.records.drawing import METRICS, ReportError, layout, read_rows, report
 
 
 def _trackers(names: str, out: Path) -> list:

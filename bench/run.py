@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,41 +31,44 @@ from bench.runner.configs import (
     record_sources,
     take_config_dirs,
 )
-from bench.runner.execute import failed_cases, record_refused, run_case
+from bench.runner.execute import record_refused, run_case
+from bench.runner.outcome import Outcome, collecting
 from bench.runner.rounds import run_rounds
 from bench.runner.settings import as_settings
 from bench.runner.torchrun import run_across_nodes, run_under_torchrun
 from bench.runtime.multinode import current_task
 
 
-@hydra.main(config_path=CONF_SOURCE, config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Outcome:
+    """The task function: one job of Hydra's (a case, or a case's rounds) to its rows, and what
+    they came to. A failed case is a row and one line, never an exception: Hydra's basic sweeper
+    would stop the sweep at one."""
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
     runtime = HydraConfig.get().runtime
     record_sources(cfg, runtime.choices, runtime.config_sources)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    since = datetime.now(UTC).isoformat()
     try:
         settings = as_settings(cfg)
     except ConfigError as refused:  # the case fails with its row and one line (rank 0's alone under torchrun)
-        if not torchrun or os.environ.get("RANK", "0") == "0":
-            try:
-                record_refused(cfg, refused)
-            except ConfigError as exc:  # a config that does not even resolve: one line, no row
-                print(f"error: {exc}", file=sys.stderr)
-                failed_cases.append("config")
-        return
+        if torchrun and os.environ.get("RANK", "0") != "0":
+            return Outcome()
+        try:
+            return Outcome.of([record_refused(cfg, refused)])
+        except ConfigError as exc:  # a config that does not even resolve: one line, no row
+            print(f"error: {exc}", file=sys.stderr)
+            return Outcome(failed=("config",))
     if torchrun:
-        run_under_torchrun(settings)
-        return
+        return run_under_torchrun(settings)
     task = current_task()
     if task is not None:  # a task of a multi-node submitit job
-        run_across_nodes(settings, task)
-        return
+        return run_across_nodes(settings, task)
     if settings.repeats > 1 and settings.mode == "real":
         record = run_rounds({settings.method_name: settings}, settings.repeats)[0]
     else:
         record = run_case(settings)
     print_table([record.__dict__])
+    return Outcome.of([record], since)
 
 
 @contextmanager
@@ -92,13 +96,19 @@ def run_cli() -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        with _hydra_errors_raised():
-            main()
-    except (*CONFIG_ERRORS, ConfigError) as exc:
-        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
-        return 2
-    return 1 if failed_cases else 0
+    # The jobs Hydra runs here return their outcomes through this task function; a sweep's
+    # callback adds those of jobs run elsewhere (bench.runner.outcome).
+    with collecting() as outcomes:
+        app = hydra.main(config_path=CONF_SOURCE, config_name="config", version_base="1.3")(
+            lambda cfg: outcomes.add(main(cfg))
+        )
+        try:
+            with _hydra_errors_raised():
+                app()
+        except (*CONFIG_ERRORS, ConfigError) as exc:
+            print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
+            return 2
+    return outcomes.total.exit_status
 
 
 if __name__ == "__main__":

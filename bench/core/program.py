@@ -243,7 +243,7 @@ class Memory:
     optimizer: Affine = Affine()  # Adam: two fp32 moments per parameter
     activations: Affine = Affine()  # everything forward keeps for backward
     # What the framework holds besides: DDP's gradient buckets, a flat copy of every gradient
-    # (gradient_as_bucket_view off, its default; measured: results/cost-model/20261128-cpu-tensor-memory.md)
+    # (gradient_as_bucket_view off, its default; docs/cost-model.md, "Memory")
     buckets: Affine = Affine()
     # (gradients made, activations still kept) at the points of backward where a device's
     # peak may fall (backward_sweep); empty: every gradient beside every activation.
@@ -260,7 +260,7 @@ class Memory:
         """(everything but activations, activations) at each point of backward where the peak
         may fall. Gradients are made as backward goes while the activations it has passed are
         freed: a transformer peaks as backward starts, before any gradient exists, well below
-        all of both together (results/cost-model/20261128-cpu-tensor-memory.md)."""
+        all of both together (docs/cost-model.md, "Memory")."""
         held = self.params + self.optimizer + self.buckets
         return tuple((held + g, a) for g, a in (self.backward or ((self.grads, self.activations),)))
 
@@ -272,7 +272,7 @@ class Memory:
         the parameter bytes above the resident state plus activations. Its per-tensor Adam (the
         default on CPU) steps one parameter at a time, with two temporaries of that parameter's
         size (the square root, then its quotient); without largest_param, the foreach price.
-        Both were measured: results/cost-model/20261128-cpu-tensor-memory.md."""
+        Both were measured (docs/cost-model.md, "Memory")."""
         if foreach or self.largest_param is None:
             return self.resident() + self.optimizer.scale(0.5)
         return self.resident() + self.largest_param.scale(2.0)

@@ -113,7 +113,7 @@ class LpAlgebra:
         """A long sum about to be copied into another expression or a max (the compute lane
         through a model's backward, at every collective stage): one variable bounded below by
         it instead, exact at the optimum as a max is. Without it the LP grows quadratically in
-        the stages (results/planner/20261125-planner-time.md)."""
+        the stages (docs/planner.md, "Load balancer")."""
         if not isinstance(x, self._pulp.LpAffineExpression) or len(x) <= 8:
             return x
         return self.max([x])

@@ -38,7 +38,7 @@ def fit_entry(points: list, units: str, per: int, host: bool) -> dict:
     kernel. Queueing a call costs the host the same at any size, but a large call can also
     make it wait for the device (a launch queue full behind the GPU sleep, or an allocation
     that synchronises: the host time can grow with the size, tracking the sleep;
-    results/gpu/20261126-0231-h200-second-run.md), so the dispatch cost is the smallest of them."""
+    docs/cost-model.md, "Device types, host speed and profiles"), so the dispatch cost is the smallest of them."""
     intercept, rate = _fit_affine([(x, t) for x, t, _ in points])
     e = {"fixed_s": intercept / per, units: rate}
     if host:

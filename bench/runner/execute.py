@@ -44,11 +44,6 @@ from bench.runtime.worker import (
 
 log = logging.getLogger(__name__)
 
-failed_cases: list[str] = []  # cases of this process that did not end "ok" (sets the exit code)
-
-
-recorded_here: set[str] = set()  # run_ids of the rows this process wrote (errors already shown)
-
 
 def make_trackers(cfg: Settings) -> list[Tracker]:
     """The loggers chosen by `logger=...` (conf/logger/), instantiated. `logger=none` (an option
@@ -73,11 +68,8 @@ def write_record(cfg: Settings, record: RunRecord, track: bool = True) -> None:
     append_record(results_file(cfg), record)
     if record.output_dir:  # the job's own copy: `report <sweep dir>` reads these
         append_record(Path(record.output_dir) / "records.jsonl", record)
-    recorded_here.add(record.run_id)
     if track:
         track_case(make_trackers(cfg), record, results_file(cfg))
-    if record.status != "ok":
-        failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
 
 
 def expect_cases(configs: Iterable[Settings]) -> None:

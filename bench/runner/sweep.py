@@ -22,12 +22,17 @@ from bench.records.rows import (
 from bench.records.table import print_table
 from bench.records.tracking import track_sweep
 from bench.runner.configs import method_target, results_file
-from bench.runner.execute import expect_methods, failed_cases, make_trackers, recorded_here
+from bench.runner.execute import expect_methods, make_trackers
+from bench.runner.outcome import Outcome, add_outcome
 
 
 class SweepSummary(Callback):
     """Hydra callback: progress of a --multirun sweep (cases done, ETA; on a terminal only),
-    then one table of every row the sweep recorded."""
+    then one table of every row the sweep recorded, and the outcome of the rows that jobs run
+    in other processes recorded (bench.runner.outcome)."""
+
+    def __init__(self) -> None:
+        self._here: set[str] = set()  # output dirs of the jobs run in this process
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._started = datetime.now(UTC).isoformat()
@@ -37,6 +42,8 @@ class SweepSummary(Callback):
         expect_methods(swept_method_targets(config))
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        # This job ran here: its errors were shown as it ran, and its outcome came back to the command.
+        self._here.add(str(OmegaConf.select(config, "hydra.runtime.output_dir", default="")))
         if not hasattr(self, "_t0") or not interactive():
             return
         self._done += 1
@@ -59,14 +66,13 @@ class SweepSummary(Callback):
         path = results_file(outputs)
         rows = [r for r in load_records(path) if r.get("timestamp", "") >= self._started]
         # Launchers that run jobs in other processes (submitit) report their failures here only:
-        # the exit status, and one line each for errors this process has not shown yet.
-        for r in rows:
-            if r.get("status") == "ok":
-                continue
-            case = f"{r['model']}/{r['cluster']}/{r['method']}"
-            failed_cases.append(case)
-            if r.get("run_id") not in recorded_here and r.get("error"):
+        # their outcome, and one line each for errors this process has not shown.
+        elsewhere = [r for r in rows if r.get("output_dir") is None or str(r["output_dir"]) not in self._here]
+        for r in elsewhere:
+            if r.get("status") != "ok" and r.get("error"):
+                case = f"{r['model']}/{r['cluster']}/{r['method']}"
                 print(f"error: {case}: {r['error'].strip().splitlines()[-1]}", file=sys.stderr)
+        add_outcome(Outcome.of(elsewhere))
         if rows:
             print_table(rows, title=f"hetbench sweep: {len(rows)} cases")
             track_sweep(make_trackers(outputs), rows, path)

@@ -16,7 +16,8 @@ from bench.records.rows import (
 from bench.records.table import print_table
 from bench.runner.case import new_record, prepare_case
 from bench.runner.configs import results_file
-from bench.runner.execute import failed_cases, fill_metrics, run_case, write_record
+from bench.runner.execute import fill_metrics, run_case, write_record
+from bench.runner.outcome import Outcome
 from bench.runner.settings import Settings
 from bench.runtime.multinode import (
     RUN_ID_ENV,
@@ -34,9 +35,10 @@ from bench.runtime.worker import (
 )
 
 
-def run_under_torchrun(cfg: Settings) -> None:
+def run_under_torchrun(cfg: Settings) -> Outcome:
     """torchrun started this process: rank 0 prepares the case once and broadcasts it; every
-    rank trains; rank 0 writes the row. torchrun itself stops all ranks if one fails."""
+    rank trains; rank 0 writes the row. torchrun itself stops all ranks if one fails. Returns
+    the case's outcome (every rank's, where the case was refused; rank 0's, where it ran)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -67,26 +69,26 @@ def run_under_torchrun(cfg: Settings) -> None:
             print(f"error: {error}", file=sys.stderr)
             write_record(cfg, record)
         dist.destroy_process_group()
-        failed_cases.append(record.method)
-        return
+        return Outcome(failed=(record.method,))
     results = run_rank(case, rank, world, local_rank, gather=True)
-    if rank == 0:
-        fill_metrics(record, results, case.workload, cfg.measured_iters)
-        write_record(cfg, record)
-        print_table([record.__dict__])
+    if rank != 0:
+        return Outcome()
+    fill_metrics(record, results, case.workload, cfg.measured_iters)
+    write_record(cfg, record)
+    print_table([record.__dict__])
+    return Outcome.of([record])
 
 
-def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
+def run_across_nodes(cfg: Settings, task: NodeTask) -> Outcome:
     """One task of a multi-node job (bench.runtime.multinode): start this node's torchrun on the same
     overrides and wait. Task 0 makes sure the case gets its row: torchrun's rank 0 writes it,
-    and task 0 writes a failed (or timeout) row if torchrun ended before that."""
+    and task 0 writes a failed (or timeout) row if torchrun ended before that. Returns task 0's
+    outcome (the other tasks answer for nothing: task 0 does for the case)."""
     from hydra.core.hydra_config import HydraConfig
 
     record = new_record(cfg)
     if cfg.mode == "sim":  # nothing to run on the other nodes
-        if task.rank == 0:
-            run_case(cfg)
-        return
+        return Outcome.of([run_case(cfg)], record.timestamp) if task.rank == 0 else Outcome()
     try:
         if cfg.repeats != 1:
             raise ConfigError(
@@ -96,11 +98,12 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
         cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
         nproc = devices_per_node(task, cluster)[task.rank]
     except ConfigError as exc:  # every task sees it; task 0 reports and records it
-        if task.rank == 0:
-            record.error = str(exc)
-            print(f"error: {exc}", file=sys.stderr)
-            write_record(cfg, record)
-        return
+        if task.rank != 0:
+            return Outcome()
+        record.error = str(exc)
+        print(f"error: {exc}", file=sys.stderr)
+        write_record(cfg, record)
+        return Outcome.of([record])
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir) / f"node{task.rank}"
     overrides = [*hydra_cfg.overrides.task, f"hydra.run.dir={run_dir}"]
@@ -108,11 +111,9 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
         overrides.append(f"hydra.searchpath=[{','.join(f'file://{d}' for d in cfg.config_dirs)}]")
     code = run_torchrun(torchrun_command(task, nproc, overrides, run_dir / "torchrun"), record.run_id, cfg.timeout_s)
     if task.rank != 0:
-        return
+        return Outcome()
     if any(row.get("run_id") == record.run_id for row in load_records(results_file(cfg))):
-        if code != 0:
-            failed_cases.append(f"{record.model}/{record.cluster}/{record.method}")
-        return
+        return Outcome() if code == 0 else Outcome(failed=(f"{record.model}/{record.cluster}/{record.method}",))
     if code is None:
         record.status, record.error = "timeout", f"case did not finish within timeout_s={cfg.timeout_s:g}"
     else:
@@ -122,3 +123,4 @@ def run_across_nodes(cfg: Settings, task: NodeTask) -> None:
         )
     print(f"error: {record.error}", file=sys.stderr)
     write_record(cfg, record)
+    return Outcome.of([record])

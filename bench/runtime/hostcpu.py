@@ -11,7 +11,7 @@ host-speed probe, bench.profile's CPU profile) computes through
   buffers between the heap and fresh mappings, and a step that unmaps and re-maps a buffer
   faults its pages in again on every step: two workers running the same program would differ
   for the whole of their lives, and the parent's probe would be a third draw from the same
-  spread (results/emulation/20261125-steady-allocator.md).
+  spread (docs/emulation.md, "Devices and compute").
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def pin_to_core(local_rank: int) -> int:
     of the same length in a lone process costs nothing. Unbound, an emulated rank's pacing
     reference, measured at full pace, charged a rank more the longer it waited, and the slow
     device of a compute-proportional split ran slower than declared
-    (results/emulation/20261125-pin-cores.md).
+    (docs/emulation.md, "One core per rank").
     """
     cores = sorted(os.sched_getaffinity(0))
     core = cores[local_rank % len(cores)]
@@ -117,7 +117,7 @@ def realtime_comm_threads() -> int | None:
     at once. But gloo's event loop spins at times, and at real-time priority nothing of normal
     priority runs on its core until the kernel's real-time throttling (95% of each second by
     default) lets it: with more ranks than cores calls take seconds, so the runner refuses that
-    (results/emulation/20261127-link-stalls-and-realtime-comm.md)."""
+    (docs/emulation.md, "gloo's threads")."""
 
     def fifo(tid: int) -> None:
         if os.sched_getscheduler(tid) != os.SCHED_FIFO:
@@ -144,7 +144,7 @@ def gloo_workers_first() -> int | None:
     At nice -10 the woken worker preempts the loop, or the rank's compute, straight away;
     workers sleep while they wait, so they hold the core only for the little work a call gives
     them. What it changes, and the alternatives that were worse (the event loop at nice 19 while
-    the rank waits; the workers at SCHED_FIFO): results/emulation/20261129-gloo-workers-first.md."""
+    the rank waits; the workers at SCHED_FIFO): docs/emulation.md, "gloo's threads"."""
 
     def first(tid: int) -> None:
         if os.getpriority(os.PRIO_PROCESS, tid) != GLOO_WORKER_NICE:

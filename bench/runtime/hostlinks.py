@@ -4,7 +4,7 @@ An emulated cluster's links are paced on top of real gloo calls between worker p
 (bench.runtime.emulation): a collective ends no sooner than its emulated time from the last member's
 arrival, and no sooner than the real call. A small gloo call between two workers can take
 several times the latency a local cluster declares, so a program of many small collectives runs
-past its emulated links (results/emulation/20261127-host-link-floor.md). The cost model prices
+past its emulated links (docs/emulation.md, "Emulated links"). The cost model prices
 an emulated collective as the longer of its link's time and this floor
 (bench.cost.price.flat_price).
 
@@ -38,7 +38,7 @@ FLOOR_VERSION = 1
 WARMUP = 5  # calls per kind first, untimed
 CALLS = 12  # timed calls per kind; each rank in turn comes last
 # How long the last rank keeps the others waiting: the longer they sleep, the slower they wake,
-# and 2 ms comes closest to the waits of a run (results/emulation/20261127-host-link-floor.md).
+# and 2 ms comes closest to the waits of a run (docs/emulation.md, "Emulated links").
 LATE_S = 0.002
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter", "p2p")
 _floors: dict[tuple[int, bool, bool], dict[str, float]] = {}  # by ranks, `realtime`, `workers_first`

@@ -124,7 +124,7 @@ def optimizer_s_per_byte(param_bytes: float, repeats: int = 21) -> float:
     tensors per parameter (it, its gradient, two moments) and writes three: memory-bound, so linear
     in the bytes past a fixed cost per tensor, which stays with the per-step part (a shard is
     still one tensor). For tiny VGG19 it is most of the Adam step and a third of the per-step
-    part (results/cost-model/20261127-host-per-step-part.md). Past ADAM_PROBE_MAX_BYTES (far
+    part (docs/cost-model.md, "Device types, host speed and profiles"). Past ADAM_PROBE_MAX_BYTES (far
     beyond any cache) it is timed at that size."""
     elements = max(int(min(param_bytes, ADAM_PROBE_MAX_BYTES)) // 4, 2)
     sizes = (elements, elements // 2)
@@ -150,7 +150,7 @@ def split_step(workload: Workload, batches: Sequence[int], seconds: Sequence[flo
     (b1, b2), (t1, t2) = batches, seconds
     # Noise must not make the per-sample part vanish or go negative. The floor is low: most of
     # a tiny model's step can be per-step part, and a floor of half the step priced tiny
-    # VGG19's samples 30% dear (results/cost-model/20261127-host-per-step-part.md).
+    # VGG19's samples 30% dear (docs/cost-model.md, "Device types, host speed and profiles").
     per_sample = max((t2 - t1) / (b2 - b1), MIN_PER_SAMPLE_SHARE * t1 / b1)
     return workload.flops_per_sample / per_sample, max(t1 - per_sample * b1, 0.0)
 
@@ -160,7 +160,7 @@ def yardstick_batches(shares: Sequence[int]) -> tuple[int, int]:
     the smallest, whichever is more. The affine step model is then exact at the smallest share
     and interpolates between: a step is not affine in the batch at a few samples, and the slow
     device of an uneven split sits there: a few-sample step lies well above the line through
-    larger ones (results/emulation/20261125-yardstick-sizes.md)."""
+    larger ones (docs/emulation.md, "What a row's prediction means: the yardstick")."""
     low = max(min(shares), 1)
     return low, max(max(shares), 2 * low)
 
@@ -179,7 +179,7 @@ def yardstick(workload: Workload, batches: Sequence[int], seed: int, repeats: in
     The batch sizes take turns, one step each, so that a slow stretch of the host (a core can
     run well below speed for a tenth of a second) hits them alike: timed one size after the
     other, the ratio of the two sizes' steps spread far wider
-    (results/emulation/20261125-yardstick-sizes.md)."""
+    (docs/emulation.md, "What a row's prediction means: the yardstick")."""
     times = _turns(workload, batches, seed, repeats, time.thread_time)
     return {"batch": list(batches), "seconds": [min(timed) for timed in times]}
 
@@ -283,7 +283,7 @@ def reference_steps_s(
     """reference_step_s at each of `batches` samples, the sizes taking turns (_turns). Timed
     one size after the other, a slow stretch of the host could fall on one size alone and skew
     the per-sample split, which is cached for every later run on the host
-    (results/emulation/20261125-yardstick-sizes.md)."""
+    (docs/emulation.md, "What a row's prediction means: the yardstick")."""
     return [
         statistics.median(timed) for timed in _turns(workload, batches, seed, repeats, time.perf_counter, optimizer)
     ]
@@ -295,7 +295,7 @@ def host_probe(device: str = "cpu", ops: int = 200, repeats: int = 7) -> float:
     queued, their kernels far shorter than their launches, so it times the host alone. The
     GPU calibration records it beside each step and the profile beside its dispatch costs,
     since the same host-bound step can take half as long again on one machine as on another of
-    the same type (results/gpu/20261126-0408-h200-third-run.md)."""
+    the same type (docs/gpu.md, "What to expect")."""
     x = torch.zeros(1, device=device)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []

@@ -122,7 +122,7 @@ def _entry(
         _release_server()
     # What exists at this point (the server's imports, the case) is never garbage: no collection
     # scans it again, the one at a rank's end (rank_session) included
-    # (results/harness/20261127-preparation-costs.md).
+    # (docs/runtime.md, "Workers").
     gc.freeze()
     try:
         report = (lambda it: messages.send(("progress", rank, it))) if rank == 0 else None
@@ -295,7 +295,7 @@ def start_server(method, model_cfg) -> None:
         os.environ.clear()
         os.environ.update(saved)
     # This process too holds torch and what the cases made: at its exit, the interpreter's last
-    # collections would walk all of it; frozen, they skip it (results/harness/20261127-preparation-costs.md).
+    # collections would walk all of it; frozen, they skip it (docs/runtime.md, "Workers").
     atexit.unregister(gc.freeze)  # once, however many cases start it
     atexit.register(gc.freeze)
 

@@ -96,7 +96,7 @@ def _class_benchmarks(device: str):
     d, side = (1024, 32) if gpu else (256, 16)
     # On a GPU the largest call takes ~10 ms (the rate); the smallest a few us per kernel
     # (the fixed cost). Rows go to 16,384: a few thousand rows still cost no more than the fixed
-    # cost on a large GPU (results/gpu/20261126-0408-h200-third-run.md).
+    # cost on a large GPU (docs/cost-model.md, "Device types, host speed and profiles").
     batches = (8, 64, 512, 4096, 16384) if gpu else (4, 16, 64, 256)
     g = torch.Generator(device=device).manual_seed(0)
     torch.manual_seed(0)  # the modules' initial weights
@@ -179,7 +179,7 @@ def _device_timer(device: str, repeats: int, burst: int = GPU_BURST):
     one call (what a step costs when its kernels are too small to keep the GPU busy): the
     fastest call of the burst, since behind the sleep the driver's launch queue can fill, and a
     call that waits for room times the GPU, not the host (timed as a whole burst, one profile's
-    host cost came out three times another's; results/gpu/20261126-0408-h200-third-run.md)."""
+    host cost came out three times another's; docs/cost-model.md, "Device types, host speed and profiles")."""
     if device == "cpu":
 
         def timed_cpu(fn):

@@ -4,7 +4,7 @@ When the launcher that started the server exits, the server leaves through Syste
 interpreter would then tear down the torch (and DeepSpeed) it imported, which takes seconds, all
 of it after the launcher itself had gone. The server holds the launcher's stdout and stderr, so
 whoever reads them (a shell pipe, subprocess.run, CI) would wait that long too
-(results/harness/20261127-preparation-costs.md). The server writes nothing of its own and its
+(docs/runtime.md, "Workers"). The server writes nothing of its own and its
 forked workers leave with os._exit already, so it ends the same way once every other exit
 handler has run.
 """

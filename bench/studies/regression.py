@@ -17,8 +17,7 @@ A measured figure regresses only when every one of its rounds is past the tolera
 p = 1/32 were its true median at the threshold), not when its median is: on an unsteady host
 single rounds swing far enough to fail a median, while a real slowdown moves every round (the
 test test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_steady_one). Why
-these normalisers and this rule, and what the ones before them did:
-results/baselines/20261128-regression-check-rules.md.
+these normalisers and this rule: docs/regression.md, "The figures".
 
 It does not decide what is fast; it says what changed since the baseline and by how much.
 """
@@ -61,7 +60,7 @@ REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real", 
 
 # Interleaved rounds of the measured case; a measured figure regresses when every round is past
 # its tolerance. 5, not 3: one slow worker process could move three rounds' figure past 10%
-# (results/baselines/20261128-regression-check-rules.md).
+# (docs/regression.md, "The figures").
 REAL_ROUNDS = 5
 
 
@@ -104,7 +103,7 @@ def python_yardstick_s(at_least_s: float = 0.0, repeats: int = 5) -> float:
     A mean over a window as long as the planning, not the fastest of a few: a VM's speed at
     Python can move 2x within a second, and a planner that takes seconds averages over those
     moves where a short yardstick does not; the figure spreads about half as much
-    (results/baselines/20261128-regression-check-rules.md)."""
+    (docs/regression.md, "The figures")."""
     runs = []
     start = time.perf_counter()
     while len(runs) < repeats or time.perf_counter() - start < at_least_s:
@@ -153,7 +152,7 @@ def planner_retries(baseline: dict[str, float], figures: dict[str, float], retri
     times: its rounds, the first value and the retries' (compare then wants every one past, as
     for a measured figure). One plan's time and its yardstick's each fill a window as short as
     the plan (0.1 s for VGG19's sfb), and a host can take a window that short from the process
-    (results/baselines/20261129-planner-figure-retries.md). A planner that got slower is slower
+    (docs/regression.md, "The figures"). A planner that got slower is slower
     every time; such a moment is not."""
     _, tol = TOLERANCE["planner_time_rel"]
     rounds = {}
@@ -170,7 +169,7 @@ def planner_retries(baseline: dict[str, float], figures: dict[str, float], retri
 def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
     """sim_figures `sessions` times over, each figure's median: the deterministic figures come
     out the same every time, planner_time_rel does not (it spreads by tens of percent:
-    results/baselines/20261128-regression-check-rules.md), and a baseline is what every later
+    docs/regression.md, "The figures"), and a baseline is what every later
     check is judged against."""
     runs = [sim_figures(models, methods) for _ in range(sessions)]
     keys = set.intersection(*(set(r) for r in runs))
@@ -290,7 +289,7 @@ def measured_sessions(sessions: int, slowdown: float = 0.0) -> tuple[dict[str, f
     """The measured figures `sessions` times over (each a full measured_figures, its own
     interleaved rounds), and per figure the median over the sessions: a baseline from one
     session carries that session's state of the host (the same code's figures move between
-    sessions an hour apart: results/baselines/20261128-regression-check-rules.md), and every
+    sessions an hour apart: docs/regression.md, "Rebaselining"), and every
     later check is judged against it."""
     runs = [measured_figures(slowdown) for _ in range(sessions)]
     keys = set.intersection(*(set(r) for r in runs)) if runs else set()

@@ -39,7 +39,7 @@ CASES: dict[str, list[str]] = {
 def prepare(case: str):
     """(planner, workload, cluster) of one case, everything but the planning itself: the
     planner is conf/method/hap.yaml's as bench.run builds it (segments, beam and all)."""
-    from bench.studies.planner_check import paper_planning
+    from bench.studies.planner_quality import paper_planning
 
     return paper_planning(*CASES[case])
 

@@ -268,3 +268,23 @@ def test_a_rebaseline_over_sessions_keeps_the_planner_figure_median_of_as_many_p
     assert next(plans, None) is None  # planned three times
     # A check plans once; more sessions than one is a rebaseline's option only.
     assert regress_cmd.main(["--sessions", "3"]) == 2
+
+
+def test_a_check_exits_1_on_a_figure_past_its_tolerance_and_0_within(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(regress, "BASELINE_FILE", tmp_path / "regression.json")
+    regress.write_baseline({"sim_iter_time_s:bert-paper/paper_hetero/hap": 1.0})
+    monkeypatch.setattr(regress, "measured_rounds", lambda *a, **k: pytest.fail("nothing is measured"))
+    for value, code in ((1.0, 0), (1.5, 1)):
+        monkeypatch.setattr(
+            regress, "sim_figures", lambda models, methods, v=value: {"sim_iter_time_s:bert-paper/paper_hetero/hap": v}
+        )
+        assert regress_cmd.main(["--no-measured"]) == code
+    assert "1 figures, 1 regressions" in capsys.readouterr().out
+
+
+def test_a_bad_subset_is_one_line_and_exit_2_before_any_figure(monkeypatch, capsys):
+    monkeypatch.setattr(regress, "sim_figures", lambda *a, **k: pytest.fail("nothing is planned"))
+    assert regress_cmd.main(["cluster=local_hetero2"]) == 2
+    assert regress_cmd.main(["--rebaseline", "model=bert"]) == 2
+    assert regress_cmd.main(["method=nosuch"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3

@@ -3,13 +3,13 @@
 import pandas as pd
 import pytest
 
-from bench.studies import figures
+from bench.studies import paper_figures
 
 pytestmark = pytest.mark.e2e
 
 
 def test_the_measured_half_runs_every_ratio_choice_on_workers(tmp_path):
-    figures.fig_cp_vs_ev(tmp_path, sim_dims=(), real_dims=(16,), warmup_iters=1, measured_iters=2)
+    paper_figures.fig_cp_vs_ev(tmp_path, sim_dims=(), real_dims=(16,), warmup_iters=1, measured_iters=2)
     data = pd.read_csv(tmp_path / "cp_vs_ev.csv")
     assert set(data.origin) == {"measured"} and list(data.ratios) == ["EV", "CP", "LP"]
     assert (data.iter_time_s > 0).all() and (data.predicted_iter_time_s > 0).all()

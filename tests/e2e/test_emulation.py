@@ -69,7 +69,7 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     (EmulationSettings, the row's emulation.ok). Each run's median over 10 measured iterations,
     not bench.dilation's 20: as tight, in two thirds of the time. The measurements behind each
     choice: results/emulation/20261127-dilation-test.md."""
-    from bench.studies.dilation import SPEEDS, measure
+    from bench.studies.pacing_fidelity import SPEEDS, measure
 
     achieved = measure(SPEEDS, ("emulation.headroom=0.4", "measured_iters=10"))
     assert set(achieved) == set(SPEEDS)

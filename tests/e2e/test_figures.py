@@ -8,16 +8,16 @@ import pytest
 
 from bench import report as report_cmd
 from bench.records.rows import load_records
-from bench.studies import figures
+from bench.studies import paper_figures
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_main_figure_runs_its_experiment_sweep_and_draws_it_from_the_records(tmp_path):
-    figures.fig_main(tmp_path, "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
+    paper_figures.fig_main(tmp_path, "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
     data = pd.read_csv(tmp_path / "main.csv")
-    assert set(data.method) == set(figures.sim_methods()) and set(data.x) == {1, 2}
+    assert set(data.method) == set(paper_figures.sim_methods()) and set(data.x) == {1, 2}
     assert (data.status == "ok").all() and (data.value > 0).all() and (data.origin == "simulated").all()
     assert (tmp_path / "main.png").stat().st_size > 0 and (tmp_path / "main.pdf").stat().st_size > 0
     rows = load_records(tmp_path / "main" / "records.jsonl.gz")
@@ -82,14 +82,14 @@ def test_sim_accuracy_plots_the_latest_calibration(tmp_path, monkeypatch):
     # later by name, but written before the field existed: older; a --device calibration has no cases
     (calibration / "20260101-machines.json").write_text(json.dumps({"cases": cases[:1]}))
     (calibration / "20260102-000000-H100-80.json").write_text(json.dumps({"rows": [], "written_at": "2026-01-02"}))
-    monkeypatch.setattr(figures, "PROJECT_DIR", tmp_path)
-    figures.fig_sim_accuracy(tmp_path / "out")
+    monkeypatch.setattr(paper_figures, "PROJECT_DIR", tmp_path)
+    paper_figures.fig_sim_accuracy(tmp_path / "out")
     assert len(pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")) == 3
     # Another set of clusters calibrated later: a panel each, the newest of each set.
     machines = [{**c, "cluster": "m"} for c in cases[:2]]
     (calibration / "20260103-old-m.json").write_text(json.dumps({"cases": machines, "written_at": "2026-01-03"}))
     (calibration / "20260104-m.json").write_text(json.dumps({"cases": machines[:1], "written_at": "2026-01-04"}))
-    figures.fig_sim_accuracy(tmp_path / "out")
+    paper_figures.fig_sim_accuracy(tmp_path / "out")
     drawn = pd.read_csv(tmp_path / "out" / "sim_accuracy.csv")
     assert drawn.groupby("calibration").size().to_dict() == {"20260101-000000": 3, "20260104-m": 1}
 

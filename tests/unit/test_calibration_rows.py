@@ -35,3 +35,23 @@ def test_rows_of_several_runs_are_the_last_aggregate_else_the_last_case(tmp_path
     assert rows == {("bert", "pipeline"): "agg1", ("bert", "fsdp"): "c3", ("vit", "fsdp"): "c4"}
     assert [r["run_id"] for r in recorded_rows([a, b], models=["vit"])] == ["c4"]
     assert {r["run_id"] for r in recorded_rows([a, b], methods=["pipeline"])} == {"agg1"}
+
+
+def test_rows_with_no_real_row_there_are_one_line_and_exit_2(tmp_path, capsys):
+    from bench.calibrate import main
+
+    (tmp_path / "records.jsonl").write_text("")
+    assert main(["model=bert", "--rows", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --rows {tmp_path}: no real rows there")
+
+
+def test_rows_take_the_overrides_written_after_the_paths(tmp_path, capsys):
+    """`--rows DIR method=a,b` (as documented): the overrides pick among the rows, not paths."""
+    from bench.calibrate import main
+
+    (tmp_path / "records.jsonl").write_text("")
+    assert main(["--rows", str(tmp_path), "model=bert", "method=dp_ev"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --rows {tmp_path}: no real rows there")
+    assert main(["--rows", str(tmp_path), "model=nosuch"]) == 2
+    assert "model=nosuch" in capsys.readouterr().err

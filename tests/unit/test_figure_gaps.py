@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.records import report
-from bench.studies import figures
+from bench.records import drawing
+from bench.studies import paper_figures
 
 
 def test_an_oom_case_is_a_marked_gap_and_an_empty_throughput_in_the_csv(tmp_path):
@@ -21,7 +21,7 @@ def test_an_oom_case_is_a_marked_gap_and_an_empty_throughput_in_the_csv(tmp_path
         {"value": 300.0, "status": "ok", "low": None, "high": None},
     ]
     fig, ax = plt.subplots()
-    report.draw_bars(ax, [0.0, 1.0, 2.0], lines, 0.4, "dp_ev")
+    drawing.draw_bars(ax, [0.0, 1.0, 2.0], lines, 0.4, "dp_ev")
 
     bars = [bar for container in ax.containers for bar in container]
     assert len(ax.patches) == len(bars) == 2  # nothing at all drawn for the OOM case
@@ -40,7 +40,7 @@ def test_a_simulated_oom_case_carries_no_throughput(monkeypatch):
         model_cfg = SimpleNamespace(tokens_per_sample=128)
         return SimpleNamespace(workload=SimpleNamespace(global_batch=16, model_cfg=model_cfg))
 
-    monkeypatch.setattr(figures, "prepare_case", plan_that_runs_out_of_memory)
-    row = figures.simulate_case("preset=paper", "cluster=paper_hetero", "model=bert", "method=dp_ev")
+    monkeypatch.setattr(paper_figures, "prepare_case", plan_that_runs_out_of_memory)
+    row = paper_figures.simulate_case("preset=paper", "cluster=paper_hetero", "model=bert", "method=dp_ev")
     assert row["status"] == "oom" and row["samples_per_s"] is None
     assert row["predicted_iter_time_s"] == 0.5  # the prediction itself is kept

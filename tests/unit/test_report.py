@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import report as report_cmd
-from bench.records import report
+from bench.records import drawing
 from bench.records.rows import RunRecord, append_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,9 +115,9 @@ def test_a_sweep_directory_is_read_through_its_job_directories(tmp_path):
 
 @pytest.mark.parametrize("name", ["main", "homogeneous", "ablation"])
 def test_the_committed_paper_figures_regenerate_byte_identical_from_their_records(tmp_path, name):
-    rows = report.read_rows(FIGURES / name)
-    spec = report.layout(rows)
-    report.report(rows, tmp_path, name, spec["x"], spec["metric"], spec.get("title"), figure=False)
+    rows = drawing.read_rows(FIGURES / name)
+    spec = drawing.layout(rows)
+    drawing.report(rows, tmp_path, name, spec["x"], spec["metric"], spec.get("title"), figure=False)
     assert (tmp_path / f"{name}.csv").read_bytes() == (FIGURES / f"{name}.csv").read_bytes()
 
 
@@ -168,7 +168,7 @@ def test_a_metric_a_row_does_not_have_is_a_gap_not_an_error(tmp_path):
 
 def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its_values():
     from bench.runner.sweep import sweep_axes
-    from bench.studies.figures import sweep_points
+    from bench.studies.paper_figures import sweep_points
 
     points = sweep_points("fig_main", "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
     assert len(points) == 16  # 8 methods x 2 k, one model
@@ -213,7 +213,7 @@ def test_a_method_keeps_its_colour_in_every_panel_and_in_the_legend_where_its_pa
             ("bert_moe", "dp_ev", "oom", None),
         ]
     ]
-    fig = report.draw(lines, "x", "samples_per_s", "t")
+    fig = drawing.draw(lines, "x", "samples_per_s", "t")
     first, last = fig.axes
     bar_colour = {c.get_label(): c.patches[0].get_facecolor() for c in first.containers}
     legend = {

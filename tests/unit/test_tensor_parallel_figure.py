@@ -14,7 +14,7 @@ from bench.core.errors import ConfigError
 from bench.cost import simulate
 from bench.runner.case import build_workload, new_record, prepare_case
 from bench.runner.configs import group_options, instantiate_plugin, methods_supporting
-from bench.studies import figures
+from bench.studies import paper_figures
 from methods.capture import capture_config
 from methods.hap import tensor_parallel as tp
 from methods.hap.runtime import FixedPlanMethod
@@ -54,7 +54,7 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
             assert layouts and IDENTITY not in layouts, t
 
     # The program the search finds: Megatron-style, every linear sharded, activations moved.
-    cluster = ClusterSpec.from_config(figures._cfg("cluster=motivation").cluster)
+    cluster = ClusterSpec.from_config(paper_figures._cfg("cluster=motivation").cluster)
     point = tp.synthesize_at(theory, cluster, [[0.25] * 4], "EV")
     linears = [s for s in point.result.steps if graph[s.node].op == "linear"]
     assert linears and all(isinstance(s.rule.pre[1], int) for s in linears)
@@ -73,26 +73,26 @@ def test_the_tensor_parallel_theory_never_splits_the_batch_and_shards_every_weig
 def tp_cases(setting: dict, d_model: int, mode: str) -> dict:
     """Each ratio choice's case of conf/experiment/cp_vs_ev.yaml, prepared by the runner."""
     cases = {}
-    for point in figures.tp_points(setting, d_model, mode):
-        cfg = figures._cfg(*point)
+    for point in paper_figures.tp_points(setting, d_model, mode):
+        cfg = paper_figures._cfg(*point)
         cases[cfg.method["ratios"]] = prepare_case(cfg, new_record(cfg))
     return cases
 
 
 def test_the_tensor_parallel_method_is_an_experiments_not_a_compared_one():
-    cfg = figures._cfg("experiment=cp_vs_ev")
+    cfg = paper_figures._cfg("experiment=cp_vs_ev")
     method = instantiate(cfg.method)
     assert type(method) is tp.TensorParallel and method.ratios == "EV" and set(method.modes) == {"sim", "real"}
     assert method.name not in group_options("method")  # bench.compare runs conf/method options only
     assert method.name not in methods_supporting("sim") and method.name not in methods_supporting("real")
-    assert [p[1] for p in figures.sweep_points("cp_vs_ev")] == [f"method.ratios={c}" for c in tp.CHOICES]
+    assert [p[1] for p in paper_figures.sweep_points("cp_vs_ev")] == [f"method.ratios={c}" for c in tp.CHOICES]
     with pytest.raises(ConfigError, match=r"^method.ratios='XY' is invalid; valid: EV, CP, LP$"):
-        instantiate_plugin(figures._cfg("experiment=cp_vs_ev", "method.ratios=XY").method, "method")
+        instantiate_plugin(paper_figures._cfg("experiment=cp_vs_ev", "method.ratios=XY").method, "method")
 
 
 @pytest.mark.parametrize("d_model,faster", [(128, "EV"), (4096, "CP")])
 def test_lp_ratios_are_never_slower_than_even_or_compute_proportional(d_model, faster):
-    cases = tp_cases({**figures.CP_VS_EV_SIM, "num_layers": 1}, d_model, "sim")
+    cases = tp_cases({**paper_figures.CP_VS_EV_SIM, "num_layers": 1}, d_model, "sim")
     times = {c: simulate(case.plan.program, case.cluster, case.plan.ratios).iter_time_s for c, case in cases.items()}
     assert times["LP"] <= min(times["EV"], times["CP"]) * (1 + 1e-6), times
     # Communication-bound: even shards win; compute-bound: compute-proportional ones.
@@ -103,7 +103,7 @@ def test_lp_ratios_are_never_slower_than_even_or_compute_proportional(d_model, f
 
 
 def test_every_ratio_choice_plans_a_plan_the_runtime_accepts():
-    cfg = figures._cfg(*figures.tp_points(figures.CP_VS_EV_REAL, 16, "real")[0])
+    cfg = paper_figures._cfg(*paper_figures.tp_points(paper_figures.CP_VS_EV_REAL, 16, "real")[0])
     cluster = ClusterSpec.from_config(cfg.cluster).with_host_speed(1e10)
     workload = build_workload(cfg, cluster)
     for choice in tp.CHOICES:
@@ -113,7 +113,7 @@ def test_every_ratio_choice_plans_a_plan_the_runtime_accepts():
 
 
 def test_a_machine_level_cluster_is_refused_in_one_line():
-    cfg = figures._cfg("experiment=cp_vs_ev", "mode=sim", "cluster=paper_hetero")
+    cfg = paper_figures._cfg("experiment=cp_vs_ev", "mode=sim", "cluster=paper_hetero")
     with pytest.raises(
         ConfigError,
         match=r"^cluster.virtual_device=machine \(cluster=paper_hetero\).*"
@@ -123,8 +123,8 @@ def test_a_machine_level_cluster_is_refused_in_one_line():
 
 
 def test_the_figure_writes_png_pdf_and_the_csv_it_plots(tmp_path, monkeypatch):
-    monkeypatch.setitem(figures.CP_VS_EV_SIM, "num_layers", 1)
-    figures.fig_cp_vs_ev(tmp_path, sim_dims=(64, 256), real_dims=())
+    monkeypatch.setitem(paper_figures.CP_VS_EV_SIM, "num_layers", 1)
+    paper_figures.fig_cp_vs_ev(tmp_path, sim_dims=(64, 256), real_dims=())
     data = pd.read_csv(tmp_path / "cp_vs_ev.csv")
     assert list(data.columns) == [
         "origin",

@@ -2,7 +2,7 @@
 
 Compute is paced against a reference, in a closed loop. A burst of compute that follows a
 pause (a sleep, a wait on a peer, even a spin) runs slower on a shared VM core than the same
-burst run back to back (docs/emulation.md; results/emulation/20261123-pacing-and-dilation.md). So
+burst run back to back (docs/emulation.md, "Pacing compute against a reference"). So
 a rank never stretches the compute it just measured; it first runs `reference_iters`
 iterations at full pace and records how long each compute interval of an iteration took (the
 k-th interval between communication points, the fastest of those iterations). From then on the

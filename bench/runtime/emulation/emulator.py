@@ -109,7 +109,7 @@ class Emulator:
             self._phase = "paced"
         # The iterations that set the reference measure compute: there, collectives take what
         # the loopback takes. Emulated links would leave the cores idle between bursts, and a
-        # burst after idling computes slower (results/emulation/20261125-reference-without-links.md).
+        # burst after idling computes slower (docs/emulation.md, "Pacing compute against a reference").
         self._links_emulated = not (self.pace_compute and self._phase == "reference")
         self.mark()
 
@@ -144,7 +144,7 @@ class Emulator:
         At full pace a rank with less work than its peers waits on them at every iteration, and
         a burst that follows a pause computes slower (docs/emulation.md, "The pause discount").
         Its reference is then cold, and pacing against it would emulate a slower device than the
-        cluster declares (results/emulation/20261126-pause-discount.md). The probe's
+        cluster declares. The probe's
         ratio of a plain step after the same pause to one run back to back divides the reference,
         clamped to [1, MAX_PAUSE_PENALTY] (a noisy probe never makes a reference slower).
         apply=False records the probe only (a rank that hardly waited: its probe is noise)."""
@@ -172,7 +172,7 @@ class Emulator:
         came to the wait (`waited_from`) after `done_at`. Carried forward instead, the debt
         would be repaid by the next interval, Adam's step, which would then run short of its
         target: hap's slow rank paces the end of backward after issuing its gradient all-reduce
-        with short sleeps, which a VM oversleeps (results/emulation/20261128-absorbed-overrun.md)."""
+        with short sleeps, which a VM oversleeps (docs/emulation.md, "Pacing compute against a reference")."""
         behind = self._debt - self._debt_at_issue
         if behind <= 0 or not self.pacing:
             return
@@ -192,7 +192,7 @@ class Emulator:
             # The reference is the interval's CPU time on this thread (where a CPU rank
             # computes: one intra-op thread, autograd on the caller): what the device itself
             # spent, not its share of a host crowded with more ranks than cores (a wall-time
-            # reference came out long: results/emulation/20261123-pacing-and-dilation.md), nor a wait on
+            # reference came out long: docs/emulation.md, "Pacing compute against a reference"), nor a wait on
             # a peer inside the interval that the emulator does not see (DDP's buffer broadcast
             # in forward).
             thread, cpu_start = self._last_cpu

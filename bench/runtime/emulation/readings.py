@@ -38,7 +38,6 @@ def pooled_compute_s(emulation: dict | None) -> float | None:
     Each rank's reference is the fastest of a dozen iterations of one process, and an iteration
     need not follow the slowest rank's: hap's and sfb's on local_hetero2 follow the fast rank's
     more, so over the slow rank's compute alone (emulated_compute_s) their figure moves several
-    times as much as over this (results/baselines/20261128-regression-check-rules.md, from
-    results/baselines/20261126-normaliser-rounds.json)."""
+    times as much as over this (docs/regression.md, "The figures")."""
     refs = _references(emulation)
     return None if refs is None else sum(ref for ref, _ in refs) / sum(speed for _, speed in refs)

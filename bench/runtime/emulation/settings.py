@@ -13,7 +13,7 @@ DILATION_TOLERANCE = 0.05
 # A rank whose full-pace reference iterations waited at least this share of their compute is
 # probed for the pause penalty (Emulator.discount_reference); below it the probe's noise would
 # exceed the penalty, a few percent after a pause of half a step
-# (results/emulation/20261123-pacing-and-dilation.md).
+# (docs/emulation.md, "The pause discount").
 PAUSE_PROBE_MIN_SHARE = 0.25
 MAX_PAUSE_PENALTY = 1.5
 
@@ -46,6 +46,6 @@ class EmulationSettings:
         """0.6 while every rank has a core; less when ranks share cores, so that the busiest
         moment (every rank computing) still fits the cores at the emulated speeds. A rank that
         waited on a slower peer computes slower right after, and 0.6 leaves it 67% of slack to
-        absorb that (results/emulation/20261123-pacing-and-dilation.md)."""
+        absorb that (docs/emulation.md, "Pacing compute against a reference")."""
         cores = cores or host_cores()
         return round(0.6 * min(1.0, cores / max(num_ranks, 1)), 3)

@@ -26,8 +26,8 @@ from matplotlib import ticker
 from bench.core.cluster import ClusterSpec
 from bench.core.paths import PROJECT_DIR
 from bench.cost import collective_linear_cost, simulate
+from bench.records.drawing import layout, read_rows, report
 from bench.records.progress import track
-from bench.records.report import layout, read_rows, report
 from bench.runner.case import new_record, prepare_case
 from bench.runner.configs import compose_settings, experiment_sweep, methods_supporting
 from bench.runner.execute import fill_predicted_metrics, run_case
