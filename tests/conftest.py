@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 
 import pytest
@@ -28,6 +29,28 @@ def hetbench_cache(tmp_path_factory):
         os.environ.pop("HETBENCH_CACHE_DIR", None)
     else:
         os.environ["HETBENCH_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """A test that runs a command in this process lets Hydra configure logging (handlers on the
+    stderr pytest captured for that test, loggers disabled); the next test gets the logging it had."""
+    root = logging.getLogger()
+    before = (root.handlers[:], root.level)
+    loggers = {
+        name: (lg.handlers[:], lg.level, lg.disabled, lg.propagate)
+        for name, lg in logging.Logger.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+    }
+    yield
+    root.handlers[:], root.level = before[0], before[1]
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):
+        if not isinstance(lg, logging.Logger):
+            continue
+        if name in loggers:
+            lg.handlers[:], lg.level, lg.disabled, lg.propagate = loggers[name]
+        else:  # made by the test: as a new logger is
+            lg.handlers[:], lg.disabled = [], False
 
 
 @pytest.fixture(autouse=True)

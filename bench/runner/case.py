@@ -38,6 +38,7 @@ from bench.runtime.launch import (
     start_server,
     wait_for_server,
 )
+from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import (
     Case,
 )
@@ -256,11 +257,9 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
         cfg.seed,
         cfg.warmup_iters,
         cfg.measured_iters,
-        fail_rank=cfg.test.fail_rank,
         emulation=emulation,
-        slowdown=cfg.test.slowdown,
         precision=cfg.precision,
-        oom_rank=cfg.test.oom_rank,
+        hooks=RankHooks(fail_rank=cfg.test.fail_rank, oom_rank=cfg.test.oom_rank, slowdown=cfg.test.slowdown),
     )
 
 

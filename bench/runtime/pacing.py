@@ -29,6 +29,17 @@ from bench.runtime.tensor_memory import TensorBytes
 _IMPOSSIBLE_BYTES = 2**50
 
 
+@dataclass(frozen=True)
+class RankHooks:
+    """What tests (and the regression check's demonstration of a slower loop) ask of the ranks
+    beside training; a plain case asks none of it."""
+
+    return_state: bool = False  # rank 0 sends back its gradients and parameters (no untimed iterations)
+    fail_rank: int | None = None  # this rank raises at its first iteration
+    oom_rank: int | None = None  # this rank asks for more memory than exists, at its first iteration
+    slowdown: float = 0.0  # every rank spins this fraction of each iteration longer
+
+
 @dataclass
 class StepTime:
     """One step's time as Pacing.step measured it."""
@@ -67,7 +78,7 @@ class Pacing:
         shared = settings.reference is not None
         self.untimed = (
             settings.SKIPPED + self.references
-            if pace_compute and (self.references or shared) and not case.return_state
+            if pace_compute and (self.references or shared) and not case.hooks.return_state
             else 0
         )
         # A CPU rank counts its tensors' bytes from the model's build through the lazy set-up
@@ -121,9 +132,9 @@ class Pacing:
                 )
         if it == self.untimed + case.warmup_iters:
             emulator.reset_stats()
-        if case.fail_rank == self.rank:
+        if case.hooks.fail_rank == self.rank:
             raise RuntimeError(f"deliberate failure of rank {self.rank} (fail_rank, a test option)")
-        if case.oom_rank == self.rank:
+        if case.hooks.oom_rank == self.rank:
             torch.empty(_IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -141,8 +152,8 @@ class Pacing:
         t0 = time.perf_counter()
         with self.tensors if counted else contextlib.nullcontext():
             yield timed
-        if case.slowdown:
-            _busy(case.slowdown * (time.perf_counter() - t0))
+        if case.hooks.slowdown:
+            _busy(case.hooks.slowdown * (time.perf_counter() - t0))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if it >= self.untimed:  # emulated time: wall time x headroom (1 when not emulated)

@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from bench.core.shares import offsets
 from bench.core.weights import Weights, build_meta
 from bench.runtime import hostcpu
 from bench.runtime.emulation import EmulationSettings
-from bench.runtime.pacing import Pacing, peak_mem_gib
+from bench.runtime.pacing import Pacing, RankHooks, peak_mem_gib
 from bench.runtime.precision import ForwardDtypes, precision_in_force, set_precision, step_context
 
 
@@ -43,12 +43,9 @@ class Case:
     seed: int
     warmup_iters: int
     measured_iters: int
-    return_state: bool = False  # tests: send back rank 0's gradients and parameters
-    fail_rank: int | None = None  # tests: this rank raises at its first iteration
     emulation: EmulationSettings | None = None  # emulated clusters: how they are paced (None: defaults)
-    slowdown: float = 0.0  # tests and the regression demo: stretch each iteration by this fraction
     precision: str = "fp32"  # one of bench.runtime.precision.PRECISIONS
-    oom_rank: int | None = None  # tests: this rank asks for more memory than exists, first iteration
+    hooks: RankHooks = field(default_factory=RankHooks)  # tests' asks (bench.runtime.pacing.RankHooks)
 
 
 class RankOutOfMemory(RuntimeError):
@@ -263,7 +260,7 @@ class TrainingRank:
         # What the trainer does not hold (hap's unsharded copies) is freed. A method that
         # materialises its part keeps the full model its state is mirrored into (tests) itself.
         mirror = getattr(self.trainer, "full_model", None)
-        self.model = (model if mirror is None else mirror) if case.return_state else None
+        self.model = (model if mirror is None else mirror) if case.hooks.return_state else None
         del model, weights, ctx
         self.data = workload.model_cfg.dataset(
             workload.data["source"],
@@ -334,7 +331,7 @@ class TrainingRank:
                 "iterations_s": end - timed_from,
             },
         }
-        if case.return_state and self.rank == 0:
+        if case.hooks.return_state and self.rank == 0:
             model = self.model
             result["grads"] = {
                 n: p.grad.detach().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None

@@ -176,6 +176,13 @@ def sim_sessions(sessions: int, models=MODELS, methods: list[str] | None = None)
     return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}
 
 
+def baseline_sim_methods(baseline: dict) -> list[str]:
+    """The sim-capable methods the baseline has a simulated figure of: the ones a check plans
+    (a method without one has nothing to be compared with until a rebaseline adds it)."""
+    have = {k.rpartition("/")[2] for k in baseline["figures"] if k.startswith("sim_iter_time_s:")}
+    return [m for m in methods_supporting("sim") if m in have]
+
+
 def baseline_real_methods(baseline: dict) -> list[str]:
     """The real-capable methods the baseline has a measured figure of: the ones a check measures
     (a method without one has nothing to be compared with until a rebaseline adds it)."""

@@ -32,7 +32,7 @@ def test_no_simulated_regression_against_the_committed_baseline():
     speed (which cancel a host shared with other tests, docs/regression.md)."""
     base = regress.load_baseline()
     expected = _kind(base["figures"], measured=False)
-    figures = regress.sim_figures()
+    figures = regress.sim_figures(methods=regress.baseline_sim_methods(base))
     rounds = regress.planner_retries(expected, figures)
     changes = regress.compare(expected, figures, rounds)
     bad = [c for c in changes if c.regressed]

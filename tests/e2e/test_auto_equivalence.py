@@ -19,6 +19,9 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["vgg19", "vit", "bert", "bert_moe"]
+# Priced without timing probes on this host (FSDP2's CPU work, the pipeline's layer-group
+# profile): the plans auto makes from the cost model alone, planned in seconds.
+PRICED = ("method.fsdp.work_probe=false", "method.pipeline.profile=false")
 
 
 def _auto(case) -> dict:
@@ -36,14 +39,16 @@ def _auto(case) -> dict:
 @pytest.mark.parametrize("model", MODELS)
 def test_auto_on_local_hetero2_equals_single_device_training(cfg_factory, model):
     """Whatever auto chooses for the model on two unlike devices."""
-    case = _check_one_step(cfg_factory, f"model={model}", "method=auto", "global_batch=8")
+    case = _check_one_step(cfg_factory, f"model={model}", "method=auto", "global_batch=8", *PRICED)
     _auto(case)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_auto_on_local_2x2_equals_single_device_training(cfg_factory, model):
     """Whatever auto chooses on two machines of two devices each."""
-    case = _check_one_step(cfg_factory, f"model={model}", "cluster=local_2x2", "method=auto", "global_batch=8", ranks=4)
+    case = _check_one_step(
+        cfg_factory, f"model={model}", "cluster=local_2x2", "method=auto", "global_batch=8", *PRICED, ranks=4
+    )
     _auto(case)
 
 
@@ -58,7 +63,7 @@ def test_auto_on_local_2x2_equals_single_device_training(cfg_factory, model):
     ],
 )
 def test_each_composition_auto_can_choose_equals_single_device_training(cfg_factory, forced, part):
-    case = _check_one_step(cfg_factory, "model=bert", "method=auto", "global_batch=8", *forced)
+    case = _check_one_step(cfg_factory, "model=bert", "method=auto", "global_batch=8", *PRICED, *forced)
     d = _auto(case)
     assert d["part"] == part
     chosen = d["chosen"]
@@ -79,6 +84,7 @@ def test_pipelines_with_sharded_state_auto_chooses_equal_single_device_training(
         "method.state=sharded",
         "method.stage_level=machine",
         "global_batch=8",
+        *PRICED,
         ranks=4,
     )
     assert _auto(case)["chosen"]["state"] == "sharded" and case.plan.details["sharded_state"] is True

@@ -7,6 +7,7 @@ import torch
 
 from bench.runner.case import new_record, prepare_case
 from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +63,7 @@ def test_one_dp_step_with_memory_tools_equals_single_device_training(cfg_factory
 def _check_one_step(cfg_factory, *overrides):
     cfg = cfg_factory(*overrides, "warmup_iters=0", "measured_iters=1")
     case = prepare_case(cfg, new_record(cfg))
-    case.return_state = True
+    case.hooks = RankHooks(return_state=True)
     results = launch(case, 2, timeout_s=120)
 
     loss, grads, params = _single_device_step(case)

@@ -18,6 +18,7 @@ from bench.core.shares import round_shares
 from bench.cost import virtual_devices
 from bench.cost.flops import train_flops_per_sample
 from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
 from methods.capture import capture_config
 from methods.hap.balance import batch_shares
@@ -133,7 +134,7 @@ def run_case(
         seed=0,
         warmup_iters=0,
         measured_iters=STEPS,
-        return_state=True,
+        hooks=RankHooks(return_state=True),
     )
     results = launch(case, n, timeout_s=120)
     return workload, plan, results
@@ -312,7 +313,7 @@ def test_planned_machine_level_program_trains_exactly_like_one_device(model, clu
         seed=0,
         warmup_iters=0,
         measured_iters=STEPS,
-        return_state=True,
+        hooks=RankHooks(return_state=True),
     )
     results = launch(case, cluster.num_devices, timeout_s=120)
     check_equivalence(workload, results)
@@ -555,7 +556,7 @@ def test_planned_program_with_memory_tools_trains_exactly_like_one_device(model,
         seed=0,
         warmup_iters=0,
         measured_iters=TOOL_STEPS,
-        return_state=True,
+        hooks=RankHooks(return_state=True),
     )
     results = launch(case, cluster.num_devices, timeout_s=180)
     check_equivalence(workload, results, steps=TOOL_STEPS)

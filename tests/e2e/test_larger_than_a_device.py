@@ -56,7 +56,9 @@ def _single_device_losses(case, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("method,extra", [("fsdp", []), ("pipeline", ["method.profile=false"])])
+@pytest.mark.parametrize(
+    "method,extra", [("fsdp", ["method.work_probe=false"]), ("pipeline", ["method.profile=false"])]
+)
 def test_a_model_twice_a_devices_memory_trains_sharded_under_it_and_equals_the_single_device(
     cfg_factory, method, extra
 ):

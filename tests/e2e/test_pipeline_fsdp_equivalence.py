@@ -13,6 +13,7 @@ import torch
 from bench.cost.pipeline import SCHEDULES
 from bench.runner.case import new_record, prepare_case
 from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +37,7 @@ def _single_device_step(case):
 def _check_one_step(cfg_factory, *overrides, ranks=2):
     cfg = cfg_factory(*overrides, "warmup_iters=0", "measured_iters=1")
     case = prepare_case(cfg, new_record(cfg))
-    case.return_state = True
+    case.hooks = RankHooks(return_state=True)
     case.method.mirror_full_state = True
     results = launch(case, ranks, timeout_s=180)
     loss, grads, params = _single_device_step(case)

@@ -13,6 +13,7 @@ import pytest
 from bench.core.interfaces import Workload
 from bench.cost.flops import train_flops_per_sample
 from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e import test_hap_equivalence as H
@@ -63,7 +64,7 @@ def run(workload: Workload, cluster, plan, **options) -> list[dict]:
         seed=0,
         warmup_iters=0,
         measured_iters=STEPS,
-        return_state=True,
+        hooks=RankHooks(return_state=True),
     )
     return launch(case, cluster.num_devices, timeout_s=180)
 

@@ -18,6 +18,7 @@ from bench.core.cluster import ClusterSpec
 from bench.records.rows import load_records
 from bench.runner.configs import group_options
 from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
 from methods.hap.runtime import FixedPlanMethod
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_workload, plan_at_ratios
@@ -124,7 +125,7 @@ def test_hap_on_two_mps_ranks_trains_exactly_like_one_device():
         seed=0,
         warmup_iters=0,
         measured_iters=STEPS,
-        return_state=True,
+        hooks=RankHooks(return_state=True),
     )
     results = launch(case, 2, timeout_s=300)
     assert all(r["hardware"]["device"] == "cuda" for r in results)

@@ -171,7 +171,7 @@ def test_an_experiment_sweep_expands_as_hydra_would_with_overrides_replacing_its
     from bench.studies.paper_figures import sweep_points
 
     points = sweep_points("fig_main", "model=bert", "cluster.gpus_per_machine=1,2", "preset=tiny")
-    assert len(points) == 16  # 8 methods x 2 k, one model
+    assert len(points) == 18  # 9 methods x 2 k, one model
     assert all(p[0] == "experiment=fig_main" and p[-1] == "preset=tiny" for p in points)
     assert [len(axis) for axis in sweep_axes({"a": "1,2", "b": "range(3)", "c": "x"})] == [2, 3, 1]
 
