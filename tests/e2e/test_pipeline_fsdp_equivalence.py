@@ -244,10 +244,19 @@ def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_tra
 # checkpointed stages and a clipped global norm.
 SHARDED = [
     ("vit", "local_2x2", ("method.stage_level=machine", "global_batch=8")),
-    ("bert", "local_2x2", ("method.stage_level=device", "method.alike=pipeline", "global_batch=16")),
+    # two stages a pipeline, so that each stage has a replica whatever the host's measured speed prices
+    (
+        "bert",
+        "local_2x2",
+        ("method.stage_level=device", "method.num_stages=2", "method.alike=pipeline", "global_batch=16"),
+    ),
     ("bert_moe", "local_2x2", ("method.stage_level=machine", "method.shares=equal", "global_batch=8")),
     ("bert", "local_2x2", ("method.stage_level=machine", "method.activation_checkpointing=true", "global_batch=8")),
-    ("bert", "local_2x2", ("method.stage_level=device", "method.grad_clip=0.05", "global_batch=16")),
+    (
+        "bert",
+        "local_2x2",
+        ("method.stage_level=device", "method.num_stages=2", "method.grad_clip=0.05", "global_batch=16"),
+    ),
 ]
 
 
