@@ -18,10 +18,10 @@ and a markdown table with the counts per reason.
 What it doesn't do: no other method than hap, no paper sizes, no equivalence check (the zoo
 table's tests do that for its models).
 
-    python scripts/zoo_census.py --jobs 2 --out results/zoo/20261202-census   # every architecture
+    python scripts/zoo_census.py --jobs 2 --out results/zoo/YYYYmmdd-census   # every architecture
     python scripts/zoo_census.py --only gpt2 bert --out /tmp/census    # a few
-    python scripts/zoo_census.py --real 14 --out results/zoo/20261202-census
-    python scripts/zoo_census.py --table --out results/zoo/20261202-census  # the table from the json
+    python scripts/zoo_census.py --real 14 --out results/zoo/YYYYmmdd-census
+    python scripts/zoo_census.py --table --out results/zoo/YYYYmmdd-census  # the table from the json
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def test_a_planner_figure_past_its_tolerance_is_planned_again_and_regresses_only
 def test_a_measured_figure_regresses_when_every_round_is_past_its_tolerance():
     """A sign test, not the median: on an unsteady host single rounds of the same code spread
     far enough to fail a median of five, while a slower worker loop lifts every round
-    (results/baselines/20261128-regression-check-rules.md)."""
+    (docs/regression.md, "The figures")."""
     base = {"iter_over_compute:noisy": 1.5, "iter_over_compute:slower": 1.5, "iter_over_compute:faster": 1.5}
     rounds = {
         "iter_over_compute:noisy": [1.29, 1.78, 1.36, 1.75, 1.72],  # median +14.7%, 3 of 5 past
@@ -203,7 +203,7 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     Three plain and three slowed plans, interleaved, judged by their medians, as a baseline is
     made: the plain plan takes 0.1 s, so its yardstick's window is as short, and a host that
     takes the core from this process for a moment reads one pair many times off
-    (results/baselines/20261129-planner-figure-retries.md)."""
+    (docs/regression.md, "The figures")."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
     sticks, windows = [], []
     yardstick = regress.python_yardstick_s

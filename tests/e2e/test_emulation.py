@@ -67,8 +67,8 @@ def test_a_slow_device_takes_one_over_its_speed_through_the_worker():
     host, not 1.67x, and a VM core can run well below speed for a tenth of a second. The pacing
     under test is the same at any headroom; rows whose ranks miss their target say so
     (EmulationSettings, the row's emulation.ok). Each run's median over 10 measured iterations,
-    not bench.dilation's 20: as tight, in two thirds of the time. The measurements behind each
-    choice: results/emulation/20261127-dilation-test.md."""
+    not bench.dilation's 20: as tight, in two thirds of the time (docs/emulation.md, "How far to
+    trust it")."""
     from bench.studies.pacing_fidelity import SPEEDS, measure
 
     achieved = measure(SPEEDS, ("emulation.headroom=0.4", "measured_iters=10"))

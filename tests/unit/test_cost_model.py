@@ -175,8 +175,8 @@ def test_memory_proportional_ratios_follow_each_machines_memory():
 
 
 # The paper-scale cases (paper preset: 64 samples per GPU, 32 for BERT-MoE, on paper_hetero):
-# every model at k = 1 and 8, as `python -m bench.planner_check` plans them
-# (results/planner/20261129-planner-check.md), and VGG19 at 32 per GPU. Each case is planned
+# every model at k = 1 and 8, as `python -m bench.planner_check` plans them (docs/planner.md,
+# "Plans, the cache and the tools"), and VGG19 at 32 per GPU. Each case is planned
 # once per session (paper_plan) and shared by the tests below; they are simulation only.
 PAPER_MODELS = ("vgg19", "vit", "bert", "bert_moe")
 MONOTONE_CASES = [(m, k, ()) for m in PAPER_MODELS for k in (1, 8)] + [("vgg19", 8, ("global_batch=2048",))]
@@ -485,8 +485,8 @@ def test_the_cpu_profiler_fits_every_class_and_the_optimizer():
     for c in prof["compute"].values():
         assert c["fixed_s"] >= 0 and c["flops_per_s"] > 1e7
     assert prof["optimizer"]["bytes_per_s"] > 1e6
-    # A view call and its backward node: a few us on a CPU, no kernel
-    # (results/gpu/20261126-host-dispatch-without-gpu.md); an upper bound 30x that still tells a
+    # A view call and its backward node: a few us on a CPU, no kernel (docs/cost-model.md,
+    # "Device types, host speed and profiles"); an upper bound 30x that still tells a
     # chain of views from one that copies (a kernel per link).
     assert 0 < prof["views"]["dispatch_s"] < 1e-4
     assert [n for n, _, _ in prof["views"]["points"]] == [64, 256]

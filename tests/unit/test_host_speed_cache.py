@@ -182,6 +182,6 @@ def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, mea
 
 def test_adams_cost_per_byte_is_measured_between_two_sizes():
     """One Adam step over 2 MB of fp32 parameters, less one over 1 MB, per byte: memory-bound
-    work on a CPU thread lies between 0.01 and 100 ns a byte (under 1 ns measured:
-    results/cost-model/20261127-host-per-step-part.md)."""
+    work on a CPU thread lies between 0.01 and 100 ns a byte (docs/cost-model.md, "Device types,
+    host speed and profiles")."""
     assert 1e-11 < flops.optimizer_s_per_byte(2 << 20, repeats=5) < 1e-7
