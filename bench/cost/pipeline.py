@@ -492,21 +492,13 @@ def replay(
                     _, ident, what, k, mb = a
                     posted[r][ident] = ("recv", (what, mb, k))
                 elif kind == "wait":
-                    ends = []
-                    for ident in a[1]:
-                        state, value = posted[r][ident]
-                        if state == "recv":
-                            if value not in arrived:
-                                break
-                            ends.append(arrived[value])
-                        else:
-                            ends.append(value)
-                    else:
-                        clock[r] = max([clock[r], *ends])
-                        pc[r] += 1
-                        moved = True
-                        continue
-                    break  # a transfer it waits on was not sent yet
+                    ends = _waited(posted[r], a[1], arrived)
+                    if ends is None:
+                        break  # a transfer it waits on was not sent yet
+                    clock[r] = max([clock[r], *ends])
+                    pc[r] += 1
+                    moved = True
+                    continue
                 else:
                     raise ValueError(f"position {r}: unknown action {a!r}")
                 pc[r] += 1
@@ -591,21 +583,13 @@ def replay_all(
                     _, ident, what, k, mb = a
                     posted[lane][ident] = ("recv", (p, what, mb, k))
                 elif kind == "wait":
-                    ends = []
-                    for ident in a[1]:
-                        state, value = posted[lane][ident]
-                        if state == "recv":
-                            if value not in arrived:
-                                break
-                            ends.append(arrived[value])
-                        else:
-                            ends.append(value)
-                    else:
-                        clock[lane] = max([clock[lane], *ends])
-                        pc[lane] += 1
-                        moved = True
-                        continue
-                    break
+                    ends = _waited(posted[lane], a[1], arrived)
+                    if ends is None:
+                        break
+                    clock[lane] = max([clock[lane], *ends])
+                    pc[lane] += 1
+                    moved = True
+                    continue
                 else:
                     raise ValueError(f"position {r}: unknown action {a!r}")
                 pc[lane] += 1
@@ -730,3 +714,17 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
         oom=bool(oom_devices),
         oom_devices=oom_devices,
     )
+
+
+def _waited(posted: dict, idents, arrived: dict) -> list[float] | None:
+    """When each transfer a wait names is done (a send: when it left; a receive: when its data
+    arrived), or None while one it waits on was not sent yet."""
+    ends = []
+    for ident in idents:
+        state, value = posted[ident]
+        if state == "recv":
+            if value not in arrived:
+                return None
+            value = arrived[value]
+        ends.append(value)
+    return ends
