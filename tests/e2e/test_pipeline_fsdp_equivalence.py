@@ -234,9 +234,18 @@ def test_one_fsdp_step_of_a_model_with_tied_weights_equals_single_device_trainin
 )
 def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_training(cfg_factory):
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
-    _check_one_step(
-        cfg_factory, "model=hf", "model.arch=gpt2", "method=pipeline", "method.profile=false", "global_batch=8"
+    # two stages at device level, whatever the host's measured speed prices: the embedding and the head apart
+    case = _check_one_step(
+        cfg_factory,
+        "model=hf",
+        "model.arch=gpt2",
+        "method=pipeline",
+        "method.profile=false",
+        "method.stage_level=device",
+        "method.num_stages=2",
+        "global_batch=8",
     )
+    assert case.plan.details["num_pipelines"] == 1
 
 
 # Sharded state: each stage's parameters, gradients and Adam state sharded over its replicas
