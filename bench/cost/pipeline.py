@@ -530,11 +530,15 @@ def replay_all(
     """Every pipeline's action lists replayed together (replay's rules), for a program whose
     lists hold collectives among a stage's replicas (COLLECTIVES): one starts when the last of
     the stage's replicas reaches it, and all of them leave it together, its time later.
-    `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Returns (position, pipeline) ->
-    RankTimeline."""
+    `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Pipelines of equal times and sends
+    run in step, so one of each kind is replayed and stands for the others (a collective waits
+    for the latest of the kinds). Returns (position, pipeline) -> RankTimeline."""
     n, D = program.num_ranks, program.num_pipelines
     where = program.stage_rank
-    lanes = [(r, p) for p in range(D) for r in range(n)]
+    kind_of: dict[tuple, int] = {}
+    alike = [kind_of.setdefault((tuple(times[p]), tuple(sends[p])), p) for p in range(D)]
+    kinds = list(kind_of.values())  # a pipeline of each kind, the first
+    lanes = [(r, p) for p in kinds for r in range(n)]
     clock = dict.fromkeys(lanes, 0.0)
     pc = dict.fromkeys(lanes, 0)
     link_free = dict.fromkeys(lanes, 0.0)
@@ -560,11 +564,11 @@ def replay_all(
                     compute[lane] += d
                 elif kind in COLLECTIVES:
                     # every replica at this same action (their lists are one position's)
-                    if any(pc[(r, q)] < pc[lane] for q in range(D)):
+                    if any(pc[(r, q)] < pc[lane] for q in kinds):
                         break
-                    if all(pc[(r, q)] == pc[lane] for q in range(D)):
-                        done = max(clock[(r, q)] for q in range(D)) + coll_s[(kind, a[1])]
-                        for q in range(D):
+                    if all(pc[(r, q)] == pc[lane] for q in kinds):
+                        done = max(clock[(r, q)] for q in kinds) + coll_s[(kind, a[1])]
+                        for q in kinds:
                             clock[(r, q)] = done
                             pc[(r, q)] += 1
                         moved = True
@@ -601,7 +605,11 @@ def replay_all(
                 lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])
             }
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
-    return {lane: RankTimeline(compute_s=compute[lane], end_s=clock[lane]) for lane in lanes}
+    return {
+        (r, p): RankTimeline(compute_s=compute[(r, alike[p])], end_s=clock[(r, alike[p])])
+        for p in range(D)
+        for r in range(n)
+    }
 
 
 def grad_sync_s(buckets: Sequence[float], ranks: Sequence[int], cluster: ClusterSpec) -> float:

@@ -93,6 +93,7 @@ from methods.pipeline.trainer import PipelineTrainer
 __all__ = [
     "PipelineParallel",
     "PipelineTrainer",
+    "SharedCosts",
     "StageOOM",
     "balance_shares",
     "best_cuts",
@@ -228,22 +229,20 @@ class PipelineParallel:
         self.sharded_state = sharded_state
 
     # -- plan ------------------------------------------------------------------------------------
-    def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+    def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
+        """The fastest pipelines that fit (module docstring). `shared`: the priced costs of
+        `workload` on `cluster` kept across plans (SharedCosts; a caller planning several stage
+        counts or states of one case), the same plan as without it."""
+        shared = shared or SharedCosts(workload, cluster)
+        shared.check(workload, cluster)
         graph = capture_config(workload.model_cfg, workload.global_batch)
         refuse_global_batch_norm(workload, graph, "pipeline", "each micro-batch")
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))
         layouts_, refusals = layouts(cluster, self.stage_level, self.num_stages, table.num_groups, self.alike)
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
-        costs = _Costs(
-            graph,
-            table,
-            cluster,
-            0.0 if profiled else model_launches,
-            (lambda mb: group_profile(workload, mb)) if profiled else None,
-            workload.flops_per_sample,
-            self.bucket_cap_mb * 2**20,
-            self.activation_checkpointing,
+        costs = shared.costs(
+            graph, table, profiled, 0.0 if profiled else model_launches, self.bucket_cap_mb, self.activation_checkpointing
         )
         found: list[_Candidate] = []
         oom: list[tuple[float, str]] = []
@@ -343,7 +342,8 @@ class PipelineParallel:
             return []
         found: list[_Candidate] = []
         orders = slot_orders(cluster, layout)
-        balanced: dict = {}
+        balanced = costs.balanced
+        equal = self.shares == "equal"
         runnable = False
         for schedule, V, sharded in self._state_choices(pairs, D):
             K = R * V
@@ -370,10 +370,10 @@ class PipelineParallel:
                 flights = tuple(in_flight(orders_[stage_rank[k]], k) for k in range(K))
                 for order in orders:
                     slots = tuple(order[stage_rank[k]] for k in range(K))
-                    key = (slots, stage_rank, m, flights, sharded)
+                    key = (slots, stage_rank, m, B // m, flights, equal, sharded)
                     if key not in balanced:
                         balanced[key] = balance_shares(
-                            costs, slots, stage_rank, m, B // m, flights, self.shares == "equal", sharded=sharded
+                            costs, slots, stage_rank, m, B // m, flights, equal, sharded=sharded
                         )
                     got = balanced[key]
                     if got is None:
@@ -469,18 +469,17 @@ class PipelineParallel:
             mine = traces[r].stages
             params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
             bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
-            memory.append(
-                tuple(
-                    rank_memory(
-                        traces[r].actions,
-                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
-                        c.m,
-                        bucket,
-                        D if c.sharded else 1,
-                    )
-                    for mb in c.micro_batches
+            held = {  # pipelines at equal micro-batches hold alike
+                mb: rank_memory(
+                    traces[r].actions,
+                    {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
+                    c.m,
+                    bucket,
+                    D if c.sharded else 1,
                 )
-            )
+                for mb in set(c.micro_batches)
+            }
+            memory.append(tuple(held[mb] for mb in c.micro_batches))
             buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 and not c.sharded else ())
         profiles = [costs.profile_at(mb) for mb in c.micro_batches]
         actions = tuple(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions for t in traces)
@@ -540,6 +539,42 @@ class PipelineParallel:
     # -- run ---------------------------------------------------------------------------------------
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext) -> PipelineTrainer:
         return PipelineTrainer(self, plan, model, ctx)
+
+
+class SharedCosts:
+    """The priced costs of one workload on one cluster (planning._Costs: the layer groups'
+    seconds, peaks, sends, cuts and balanced shares), kept across the pipeline plans of one
+    caller, e.g. auto's candidates at each stage count and state: a plan reads the costs of
+    its options (checkpointing, gradient bucket, profiled or priced) from here, so plans that
+    share them price each run of groups once. It holds nothing of another workload or cluster
+    (`check`), and lives as long as its caller keeps it."""
+
+    def __init__(self, workload: Workload, cluster: ClusterSpec):
+        self.workload, self.cluster = workload, cluster
+        self._costs: dict[tuple, _Costs] = {}
+
+    def check(self, workload: Workload, cluster: ClusterSpec) -> None:
+        assert workload is self.workload and cluster is self.cluster, "costs shared across workloads or clusters"
+
+    def costs(
+        self, graph, table: GroupTable, profiled: bool, model_launches: float, bucket_cap_mb: float, checkpointing: bool
+    ) -> _Costs:
+        """The costs at these options, made on first use (`graph`, `table`: the workload's
+        capture and its layer groups, the same at every use)."""
+        key = (profiled, model_launches, bucket_cap_mb, checkpointing)
+        if key not in self._costs:
+            workload = self.workload
+            self._costs[key] = _Costs(
+                graph,
+                table,
+                self.cluster,
+                model_launches,
+                (lambda mb: group_profile(workload, mb)) if profiled else None,
+                workload.flops_per_sample,
+                bucket_cap_mb * 2**20,
+                checkpointing,
+            )
+        return self._costs[key]
 
 
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V

@@ -246,6 +246,7 @@ class _Costs:
         self._slowest: dict = {}
         self._sends: dict = {}
         self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
+        self.balanced: dict = {}  # balance_shares, by its arguments (PipelineParallel._candidates)
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
