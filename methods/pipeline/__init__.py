@@ -242,7 +242,12 @@ class PipelineParallel:
         layouts_, refusals = layouts(cluster, self.stage_level, self.num_stages, table.num_groups, self.alike)
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
         costs = shared.costs(
-            graph, table, profiled, 0.0 if profiled else model_launches, self.bucket_cap_mb, self.activation_checkpointing
+            graph,
+            table,
+            profiled,
+            0.0 if profiled else model_launches,
+            self.bucket_cap_mb,
+            self.activation_checkpointing,
         )
         found: list[_Candidate] = []
         oom: list[tuple[float, str]] = []
@@ -345,7 +350,24 @@ class PipelineParallel:
         balanced = costs.balanced
         equal = self.shares == "equal"
         runnable = False
-        for schedule, V, sharded in self._state_choices(pairs, D):
+        choices = self._state_choices(pairs, D)
+        floor = _replicated_state_floor(layout, table, costs)
+        if floor is not None:  # no replicated rank can fit: sharded state alone is planned
+            choices = [c for c in choices if c[2]]
+            if not choices:
+                roomiest = max((cluster.devices[r] for slot in layout.slots for r in slot), key=costs.room)
+                oom.append(
+                    (
+                        floor,
+                        f"no split of {workload.name}'s {table.num_groups} layer groups into {where} fits device "
+                        f"memory: with replicated state some rank holds at least 1/{R} of the parameters, their "
+                        f"gradients and Adam's two moments, {floor / 2**30:.1f} GiB, more than the roomiest of "
+                        f"them, a {roomiest.type.name} of {roomiest.type.memory_gib:g} GiB; use more stages "
+                        "(method.num_stages), method.sharded_state or more devices",
+                    )
+                )
+                return []
+        for schedule, V, sharded in choices:
             K = R * V
             if table.num_groups < K:
                 refusals.append(
@@ -578,6 +600,18 @@ class SharedCosts:
 
 
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V
+
+
+def _replicated_state_floor(layout: Layout, table: GroupTable, costs: _Costs) -> float | None:
+    """Bytes no rank of `layout` with replicated state can fit in, or None where one might: the
+    positions' parameters add up to the model's, so some position holds at least 1/R of them,
+    and a rank keeps its parameters, their gradients and Adam's two moments (rank_memory's
+    resident state, below every peak it prices); None unless that is more than every device of
+    the layout holds."""
+    floor = 4.0 * sum(g.param_bytes for g in table.groups) / layout.num_stages
+    if any(costs.fits(r, floor) for slot in layout.slots for r in slot):
+        return None
+    return floor
 
 
 def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) -> tuple[tuple, ...]:

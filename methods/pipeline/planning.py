@@ -247,6 +247,7 @@ class _Costs:
         self._sends: dict = {}
         self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
         self.balanced: dict = {}  # balance_shares, by its arguments (PipelineParallel._candidates)
+        self.syncs: dict = {}  # sync_seconds, by its arguments
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
@@ -438,6 +439,11 @@ class _Costs:
         """Whether the device holds `peak` bytes (and its libraries' own)."""
         v = self.vdevs[rank]
         return peak + (v.compute.workspace_bytes if v.compute is not None else 0.0) <= v.memory_bytes
+
+    def room(self, device) -> float:
+        """Bytes a device holds for a plan: its memory less its libraries' own."""
+        v = self.vdevs[device.rank]
+        return v.memory_bytes - (v.compute.workspace_bytes if v.compute is not None else 0.0)
 
     def send(self, a: int, b: int, end: int, mb: int) -> float:
         """Sending the output of groups [., end) from rank a to rank b and its gradient back."""
@@ -655,9 +661,24 @@ def sync_seconds(
     sharded: bool = False,
 ) -> float:
     """The slowest position's gradient all-reduce among its replicas (grad_sync_s), or with
-    sharded state its stages' all-gathers and reduce-scatters (shard_collective_s)."""
+    sharded state its stages' all-gathers and reduce-scatters (shard_collective_s). Kept in
+    `costs` per argument."""
     if len(order[0]) < 2:
         return 0.0
+    key = (tuple(order), tuple(stage_rank), tuple(cuts), cap_mb, sharded)
+    if key not in costs.syncs:
+        costs.syncs[key] = _sync_seconds(costs, order, stage_rank, cuts, cap_mb, sharded)
+    return costs.syncs[key]
+
+
+def _sync_seconds(
+    costs: _Costs,
+    order: Sequence[tuple[int, ...]],
+    stage_rank: Sequence[int],
+    cuts: Sequence[int],
+    cap_mb: float,
+    sharded: bool,
+) -> float:
     if sharded:
         D = len(order[0])
         return max(

@@ -484,15 +484,33 @@ def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, st
     assert [r["status"] for r in rows] == [status] and rows[0]["iter_time_s_mean"] is None
 
 
-def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned():
+@pytest.mark.parametrize(
+    "memory_gib, num_stages, needle",
+    [
+        (
+            0.5,
+            8,
+            r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
+            r"method.num_micro_batches=\d+, more than a [PV]100-16's MEMORY GiB; use",
+        ),
+        # the state alone (parameters, gradients, Adam) of 1/8 of BERT's passes every device
+        (
+            0.1,
+            "auto",
+            r"fits device memory: with replicated state some rank holds at least 1/8 of the parameters, their "
+            r"gradients and Adam's two moments, 0.3 GiB, more than the roomiest of them, a [PV]100-16 of 0.1 GiB; use",
+        ),
+    ],
+)
+def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned(memory_gib, num_stages, needle):
     cluster = _paper_cluster(
-        **{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 0.1, "+cluster.machines.1.memory_gib": 0.1}
+        **{
+            "cluster.gpus_per_machine": 1,
+            "+cluster.machines.0.memory_gib": memory_gib,
+            "+cluster.machines.1.memory_gib": memory_gib,
+        }
     )
-    with pytest.raises(
-        StageOOM,
-        match=r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
-        r"method.num_micro_batches=\d+, more than a [PV]100-16's 0.1 GiB; use",
-    ):
-        PipelineParallel(stage_level="machine", schedule="1f1b").plan(
+    with pytest.raises(StageOOM, match=needle.replace("MEMORY", f"{memory_gib:g}")):
+        PipelineParallel(stage_level="machine", schedule="1f1b", num_stages=num_stages).plan(
             _workload("bert", 8 * 64, "preset=paper"), cluster
         )
