@@ -185,9 +185,10 @@ def _trace(schedule: str, R: int, m: int, V: int) -> tuple[Trace, ...]:
                 placed = dict(sched.stage_index_to_group_rank)
             else:
                 placed = {k: k for k in range(K)}
-                # Made once for every position: torch's single-stage __init__ lays out all the
-                # ranks' actions (R x m of them), which their own steps do not read.
-                sched = cls(_TracedStage(0, R, R, 0, events), m, loss_fn=_no_loss, scale_grads=False)
+                # Made once for every position, without the table of all the ranks' actions
+                # (R x m of them) torch's single-stage __init__ lays out: their steps never read it.
+                with mock.patch.object(cls, "_get_pipeline_order", lambda self: None):
+                    sched = cls(_TracedStage(0, R, R, 0, events), m, loss_fn=_no_loss, scale_grads=False)
                 sched._initialize_stage = lambda *args, **kwargs: None
             for r in range(R):
                 events.clear()
