@@ -514,3 +514,30 @@ def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned(memory_gib, num_st
         PipelineParallel(stage_level="machine", schedule="1f1b", num_stages=num_stages).plan(
             _workload("bert", 8 * 64, "preset=paper"), cluster
         )
+
+
+@pytest.mark.parametrize("memory_gib", [0.1, 0.3])
+def test_the_state_floor_refuses_only_what_planning_finds_oom(monkeypatch, memory_gib):
+    """Where no device holds 1/R of the parameters, gradients and Adam moments, planning each
+    replicated layout without the floor finds nothing that fits either."""
+    from methods import pipeline as pipeline_module
+
+    cluster = _paper_cluster(
+        **{
+            "cluster.gpus_per_machine": 1,
+            "+cluster.machines.0.memory_gib": memory_gib,
+            "+cluster.machines.1.memory_gib": memory_gib,
+        }
+    )
+    wl = _workload("bert", 8 * 64, "preset=paper")
+    floored = []
+    for stages in (2, 4, 8):
+        method = PipelineParallel(stage_level="machine", schedule="1f1b", num_stages=stages)
+        with pytest.raises(StageOOM) as got:
+            method.plan(wl, cluster)
+        floored.append("Adam's two moments" in str(got.value))
+        with monkeypatch.context() as m:
+            m.setattr(pipeline_module, "_replicated_state_floor", lambda *args: None)
+            with pytest.raises(StageOOM):
+                method.plan(wl, cluster)
+    assert any(floored)
