@@ -656,6 +656,37 @@ def optimizer_s(
     return t
 
 
+class PipelineMemory(NamedTuple):
+    """Per device, what a pipeline's rank holds (simulate_pipeline's memory fields)."""
+
+    memory_gib: list[dict]  # its parts: params, grads, optimizer, buckets, activations
+    peak_mem_gib: list[float]
+    oom_devices: list[int]  # the devices whose peak passes their memory (less the reserve)
+
+
+def pipeline_memory(
+    program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0, vdevs=None
+) -> PipelineMemory:
+    """What each rank of a pipeline holds at its peak, and which pass their memory: the memory
+    simulate_pipeline reports, without replaying the schedule (a planner checks it first)."""
+    vdevs = vdevs or virtual_devices(cluster, "gpu")
+    R, D = program.num_ranks, program.num_pipelines
+    memory, peaks, oom_devices = [], [], []
+    foreach = cluster.device == "cuda"
+    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
+    for v in vdevs:
+        mem = mem_of[v.index]
+        parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
+        peak = stage_peak(mem, foreach) / GIB
+        if v.compute is not None:
+            peak += v.compute.workspace_bytes / GIB
+        memory.append(parts)
+        peaks.append(peak)
+        if peak > v.memory_bytes / GIB - memory_reserve_gib:
+            oom_devices.append(v.index)
+    return PipelineMemory(memory, peaks, oom_devices)
+
+
 def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0):
     """Predicted iteration time and per-rank memory of a pipeline (bench.cost.SimResult)."""
     vdevs = virtual_devices(cluster, "gpu")
@@ -698,19 +729,7 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     for k in range(K):  # pipeline 0's: each stage's sends and compute over the iteration
         t = times[k][0]
         stage_times.append((sends[0][k] * m, (t.forward + t.backward) * m))
-    memory, peaks, oom_devices = [], [], []
-    foreach = cluster.device == "cuda"
-    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
-    for v in vdevs:
-        mem = mem_of[v.index]
-        parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
-        peak = stage_peak(mem, foreach) / GIB
-        if v.compute is not None:
-            peak += v.compute.workspace_bytes / GIB
-        memory.append(parts)
-        peaks.append(peak)
-        if peak > v.memory_bytes / GIB - memory_reserve_gib:
-            oom_devices.append(v.index)
+    memory, peaks, oom_devices = pipeline_memory(program, cluster, memory_reserve_gib, vdevs)
     return SimResult(
         iter_time_s=iter_time,
         stage_times=stage_times,

@@ -61,6 +61,7 @@ from bench.cost.pipeline import (
     PipeStage,
     StageWork,
     in_flight,
+    pipeline_memory,
     rank_memory,
     simulate_pipeline,
 )
@@ -277,10 +278,11 @@ class PipelineParallel:
                     )
                     continue
                 program = self._program(c, traces, table, costs, workload, cluster, model_launches)
-                sim = simulate_pipeline(program, cluster)
-                if sim.oom:  # a rank of several stages checked whole
-                    over.append((max(sim.peak_mem_gib), c, sim))
+                held = pipeline_memory(program, cluster)
+                if held.oom_devices:  # a rank of several stages checked whole, before its replay
+                    over.append((max(held.peak_mem_gib), c, held))
                     continue
+                sim = simulate_pipeline(program, cluster)
                 if best is None or sim.iter_time_s < best[0]:
                     best = (sim.iter_time_s, c, program)
                 priced += 1
@@ -289,12 +291,12 @@ class PipelineParallel:
         if best is None and not over:
             raise ConfigError(refused[0])
         if best is None:
-            _, c, sim = min(over, key=lambda x: x[0])
-            rank = sim.oom_devices[0]
+            _, c, held = min(over, key=lambda x: x[0])
+            rank = held.oom_devices[0]
             dev = cluster.devices[rank]
             raise StageOOM(
                 f"no plan of {workload.name} under method.schedule={self.schedule} fits device memory: "
-                f"rank {rank} needs {sim.peak_mem_gib[rank]:.1f} GiB at method.num_micro_batches={c.m} "
+                f"rank {rank} needs {held.peak_mem_gib[rank]:.1f} GiB at method.num_micro_batches={c.m} "
                 f"({c.schedule}, {c.stages_per_rank} stage(s) per rank), more than a {dev.type.name}'s "
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
             )
