@@ -2,7 +2,7 @@
 collectives held to the emulated links (link_clock.py keeps their clocks).
 
 The package's docstring says how pacing works and why; this module does not start processes or
-wrap collectives itself (links.install_wrappers does, at install).
+wrap collectives itself (link_clock.install_wrappers does, at install).
 """
 
 from __future__ import annotations
