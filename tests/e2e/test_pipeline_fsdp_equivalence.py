@@ -243,7 +243,11 @@ TIED = [
 ]
 
 
-@pytest.mark.parametrize("extra,ranks,positions", TIED)
+@pytest.mark.parametrize(
+    "extra,ranks,positions",
+    TIED,
+    ids=["1f1b", "v_one_position", "interleaved", "clipped", "replicated", "sharded", "sharded_clipped"],
+)
 def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_training(
     cfg_factory, extra, ranks, positions
 ):
