@@ -170,6 +170,8 @@ class GroupTable:
     # parameters read by ops of several groups (a tied embedding and head), listed with the
     # group of their first user like any other
     shared_params: list[str] = field(default_factory=list)
+    # each of those: the layer groups whose ops read it, in order
+    shared_groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:
@@ -265,7 +267,9 @@ def group_table(graph) -> GroupTable:
                 node_group[u] for u in users.get(n.name, []) if u in node_group
             )
     shared = [str(n.fx_node.target) for n in nodes if n.is_param and len(readers.get(str(n.fx_node.target), ())) > 1]
-    return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch, shared)
+    tail_order = sorted(tail, key=list(graph.by_name).index)
+    groups = {name: tuple(sorted(readers[name])) for name in shared}
+    return GroupTable(table, node_group, tail_order, targets, batch, shared, groups)
 
 
 def _all_inputs(node) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from hydra import compose
@@ -121,10 +123,80 @@ class InfeasibleMethod:
 
 
 def pytest_collection_modifyitems(config, items):
-    """gpu tests skip, never fail, where torch sees no CUDA device (CPU-only CI)."""
+    """gpu tests skip, never fail, where torch sees no CUDA device (CPU-only CI). Under
+    pytest-xdist, a worker names the tests marked `alone` to the scheduler (AloneLast)."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if item.get_closest_marker("gpu") and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    listing = os.environ.get(ALONE_LIST)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if listing and worker:
+        part = Path(f"{listing}.{worker}")
+        part.write_text("".join(f"{i.nodeid}\n" for i in items if i.get_closest_marker("alone")))
+        part.replace(listing)  # whole, whichever worker writes it last: they collect the same tests
+
+
+ALONE_LIST = "HETBENCH_TEST_ALONE_LIST"
+
+
+def pytest_configure(config):
+    """The xdist controller names the file its workers list the `alone` tests in."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        fd, path = tempfile.mkstemp(prefix="hetbench-alone-")
+        os.close(fd)
+        os.environ[ALONE_LIST] = path
+        config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """The `alone` tests after the others (AloneLast), so that their turns never stop a worker
+    halfway through the shared tests."""
+    if config.getvalue("dist") == "worksteal":
+        from xdist.scheduler.worksteal import WorkStealingScheduling
+
+        return _alone_last(WorkStealingScheduling)(config, log)
+    return None
+
+
+def _alone_last(base):
+    """pytest-xdist's work-stealing scheduler holding the tests marked `alone` back until every
+    other test has been handed out and no worker has more than the one it runs left: then they
+    go, to one worker (host_share still gives each the host to itself). Mixed in, each alone test
+    stops the other worker from starting anything until it is through: the host idles for a
+    worker's share of every such test and of the shared test it waits for."""
+    from xdist.scheduler.worksteal import MIN_PENDING
+
+    class AloneLast(base):
+        held: list[int] = []
+
+        def schedule(self):
+            if self.collection is not None or not self.collection_is_completed:
+                return super().schedule()
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return None
+            self.collection = next(iter(self.node2collection.values()))
+            listing = Path(os.environ.get(ALONE_LIST, ""))
+            named = set(listing.read_text().split()) if listing.is_file() else set()
+            self.held = [i for i, nodeid in enumerate(self.collection) if nodeid in named]
+            self.pending[:] = [i for i in range(len(self.collection)) if i not in set(self.held)]
+            self.check_schedule()
+            return None
+
+        @property
+        def tests_finished(self):
+            return not self.held and super().tests_finished
+
+        def check_schedule(self):
+            if self.held and not self.pending and self.steal_requested_from_node is None:
+                up = {n: p for n, p in self.node2pending.items() if not n.shutting_down}
+                if up and all(len(p) < MIN_PENDING for p in up.values()):
+                    self.pending[:], self.held = self.held, []
+                    self._send_tests(min(up, key=lambda n: len(up[n])), len(self.pending))
+            super().check_schedule()
+
+    return AloneLast

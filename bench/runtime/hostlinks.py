@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def _calls(rank: int, n: int) -> dict:
-    """One call per collective kind, as the runtime makes it (bench.runtime.emulation.links._COLLECTIVES),
+    """One call per collective kind, as the runtime makes it (bench.runtime.emulation.link_clock._COLLECTIVES),
     and a point-to-point transfer as a pipeline makes them (bench.runtime.p2p): each rank sends to
     the next and receives from the one before, then waits on both."""
     one, many = torch.zeros(1), torch.zeros(n)

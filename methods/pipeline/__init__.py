@@ -25,6 +25,15 @@ reads, the values that cross its borders as inputs and outputs), and runs them a
 PipelineStages. The ops that read the targets (the loss) run as the schedule's loss function on
 the last stage. It does not mix tensor parallelism into a stage.
 
+Tied parameters (a Hugging Face model's embedding and head, one tensor read by the first layer
+group and the last): stages on one position read one tensor, whose gradient autograd sums; where
+stages on several positions read it (planning.tied_params), each of those ranks holds a copy,
+and once the schedule is through (after the reduce-scatter, with sharded state: the shards line
+up, each replica's at its pipeline's index) they sum the copies' gradients with an all-reduce
+among the pipeline's holders, before the replicas' sync and the clipping norm (which counts the
+parameter once). Every copy then takes the whole gradient and the same Adam step. The
+PipelineProgram prices that all-reduce where it runs ("tie" actions, bench.cost.pipeline).
+
 Sharded state (`sharded_state`): the replicas of a stage (its ranks in the other pipelines)
 shard its parameters, gradients and Adam state with FSDP2's fully_shard over a mesh of just
 them, the stage's module one unit, as torch's pipelining drives it: the parameters gathered
@@ -60,6 +69,7 @@ from bench.cost.pipeline import (
     PipelineProgram,
     PipeStage,
     StageWork,
+    TiedParam,
     in_flight,
     pipeline_memory,
     rank_memory,
@@ -79,6 +89,7 @@ from methods.pipeline.planning import (
     replica_buckets,
     slot_orders,
     sync_seconds,
+    tied_params,
 )
 from methods.pipeline.profile import group_profile
 from methods.pipeline.schedule import (
@@ -506,7 +517,14 @@ class PipelineParallel:
             memory.append(tuple(held[mb] for mb in c.micro_batches))
             buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 and not c.sharded else ())
         profiles = [costs.profile_at(mb) for mb in c.micro_batches]
-        actions = tuple(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions for t in traces)
+        tied = tuple(
+            TiedParam(name, positions, costs.tied_bytes(name, D) if c.sharded else costs.tied_bytes(name, 1) * D)
+            for name, positions in tied_params(table, c.cuts, stage_rank)
+        )
+        actions = tuple(
+            with_tied_collectives(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions, r, tied)
+            for r, t in enumerate(traces)
+        )
         return PipelineProgram(
             stages=tuple(stages),
             actions=actions,
@@ -523,6 +541,7 @@ class PipelineParallel:
             profile_step_s=tuple(p["step_s"] for p in profiles) if all(profiles) else (),
             flops_per_sample=workload.flops_per_sample,
             sharded_state=c.sharded,
+            tied=tied,
         )
 
     def _plan(self, c: _Candidate, program: PipelineProgram, workload: Workload) -> Plan:
@@ -554,6 +573,7 @@ class PipelineParallel:
             "stage_rank": list(program.stage_rank),
             "pipelines": [[c.order[r][p] for r in range(R)] for p in range(D)],
             "layer_groups": c.cuts[-1],
+            "tied_params": [{"name": t.name, "positions": list(t.positions)} for t in program.tied],
             "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
         }
         return Plan(
@@ -622,6 +642,13 @@ def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) 
     through it) and its gradients reduce-scattered after the last action (torch's
     perform_reduce_grad, after the schedule's last waits)."""
     return tuple(("gather", k) for k in stages) + tuple(actions) + tuple(("scatter", k) for k in stages)
+
+
+def with_tied_collectives(actions: tuple[tuple, ...], position: int, tied: tuple[TiedParam, ...]) -> tuple[tuple, ...]:
+    """A position's actions with the all-reduce of each tied parameter it holds a copy of
+    ("tie", bench.cost.pipeline.ACTIONS) after its last action, in the order of `tied` (the
+    trainer's, before the replicas' sync)."""
+    return tuple(actions) + tuple(("tie", i) for i, t in enumerate(tied) if position in t.positions)
 
 
 def _check_stages_per_rank(schedule: str, v: int) -> None:

@@ -17,7 +17,13 @@ pytestmark = pytest.mark.e2e
 
 SIZE = {"num_layers": 16, "d_model": 128, "d_ff": 512, "seq_len": 16}
 # Two lazy set-up iterations (counted and limited), one reference, one measured: four steps.
-STEPS = ["warmup_iters=0", "measured_iters=1", "emulation.reference_iters=1", "global_batch=8"]
+STEPS = [
+    "warmup_iters=0",
+    "measured_iters=1",
+    "emulation.reference_iters=1",
+    "emulation.pause_discount=false",
+    "global_batch=8",
+]
 
 
 def _params() -> int:

@@ -10,11 +10,11 @@ import pytest
 
 from bench.core.cluster import ClusterSpec
 from bench.runtime import emulation
-from bench.runtime.emulation import EmulationSettings, Emulator, emulator, links
+from bench.runtime.emulation import EmulationSettings, Emulator, emulator, link_clock
 
 
 class FakeClock:
-    """Stands in for the `time` module inside bench.runtime.emulation's emulator and links:
+    """Stands in for the `time` module inside bench.runtime.emulation's emulator and link_clock:
     compute advances the wall and the thread's CPU clock, a sleep or a preemption only the wall."""
 
     def __init__(self):
@@ -44,7 +44,7 @@ class FakeClock:
 def clock(monkeypatch):
     fake = FakeClock()
     monkeypatch.setattr(emulator, "time", fake)
-    monkeypatch.setattr(links, "time", fake)
+    monkeypatch.setattr(link_clock, "time", fake)
     return fake
 
 

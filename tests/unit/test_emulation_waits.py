@@ -11,7 +11,7 @@ import torch
 
 from bench.core.cluster import ClusterSpec
 from bench.runtime import emulation
-from bench.runtime.emulation import links
+from bench.runtime.emulation import link_clock
 
 pytestmark = pytest.mark.alone  # millisecond waits and intervals, timed
 
@@ -47,23 +47,23 @@ def _cluster() -> ClusterSpec:
 def test_time_blocked_in_a_wait_is_not_a_compute_interval():
     cluster = _cluster()
     emu = emulation.Emulator(cluster, 1, enabled=True)
-    saved = list(links._installed)
-    links._installed[:] = [emu]
+    saved = list(link_clock._installed)
+    link_clock._installed[:] = [emu]
     try:
         emu.mark()
         end = time.thread_time() + 0.005
         while time.thread_time() < end:  # 5 ms of compute
             pass
         emu.stretch()  # the trainer ends backward's interval
-        links._DelayedWork(SlowWork(), time.perf_counter).wait()  # 50 ms blocked
+        link_clock._DelayedWork(SlowWork(), time.perf_counter).wait()  # 50 ms blocked
         emu.stretch()  # the next collective's issue ends whatever interval is open
         intervals = len(emu._iteration_wall)
-        waiter = threading.Thread(target=links._DelayedWork(SlowWork(), time.perf_counter).wait)
+        waiter = threading.Thread(target=link_clock._DelayedWork(SlowWork(), time.perf_counter).wait)
         waiter.start()  # a wait on another thread (a callback) is not the rank's compute
         waiter.join()
         assert len(emu._iteration_wall) == intervals
     finally:
-        links._installed[:] = saved
+        link_clock._installed[:] = saved
     walls = emu._iteration_wall
     assert walls[0] >= 0.005
     assert max(walls[1:]) < 0.01, f"a wait was counted as compute: intervals {walls}"
@@ -90,7 +90,7 @@ def test_an_emulated_link_counts_from_the_real_completion_not_from_the_wait():
     """A gradient bucket completes during backward and is waited for at its end: its link time
     ran beside backward, so the wait owes nothing once that time has passed."""
     work = DoneWork()
-    handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.02)  # 20 ms on the link
+    handle = link_clock._DelayedWork(work, lambda: time.perf_counter() + 0.02)  # 20 ms on the link
     work.future.set_result(None)  # the real transfer completes now
     assert not handle.is_completed()  # ... the emulated link has not delivered yet
     time.sleep(0.05)  # backward goes on
@@ -147,15 +147,15 @@ def test_compute_that_overruns_under_an_async_collectives_link_is_not_repaid_aft
     slow device's step came out short of its speed."""
     # Intervals: up to the issue, after it, the wait's (none), Adam: 2, 2, 0, 8 ms at speed 0.5
     emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
-    saved = list(links._installed)
-    links._installed[:] = [emu]
+    saved = list(link_clock._installed)
+    link_clock._installed[:] = [emu]
     try:
         emu.mark()
         emu.stretch()  # up to the issue: slept to its 2 ms
         emu.issued()
         at_issue = emu._debt
         work = DoneWork()
-        handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.2)  # 200 ms link
+        handle = link_clock._DelayedWork(work, lambda: time.perf_counter() + 0.2)  # 200 ms link
         work.future.set_result(None)
         _busy(0.006)  # the rest of backward overruns its 2 ms target by 4 ms or more
         emu.stretch()
@@ -168,22 +168,22 @@ def test_compute_that_overruns_under_an_async_collectives_link_is_not_repaid_aft
         emu.stretch()  # Adam's interval (nothing computed): sleeps its whole 8 ms target
         assert time.perf_counter() - start >= 0.008 - at_issue - 0.0005
     finally:
-        links._installed[:] = saved
+        link_clock._installed[:] = saved
 
 
 def test_compute_that_overruns_past_the_links_delivery_is_still_repaid():
     """An overrun that made the rank come to the wait after the link had delivered delayed it:
     it is repaid as before."""
     emu = _paced_emulator((0.001, 0.001, 0.0, 0.004))
-    saved = list(links._installed)
-    links._installed[:] = [emu]
+    saved = list(link_clock._installed)
+    link_clock._installed[:] = [emu]
     try:
         emu.mark()
         emu.stretch()
         emu.issued()
         at_issue = emu._debt
         work = DoneWork()
-        handle = links._DelayedWork(work, lambda: time.perf_counter() + 0.001)  # 1 ms link
+        handle = link_clock._DelayedWork(work, lambda: time.perf_counter() + 0.001)  # 1 ms link
         work.future.set_result(None)
         _busy(0.006)  # comes to the wait the overrun plus 1 ms after the link delivered
         emu.stretch()
@@ -193,4 +193,4 @@ def test_compute_that_overruns_past_the_links_delivery_is_still_repaid():
         assert emu._debt == pytest.approx(at_issue + behind, abs=1e-4)
         assert emu.report()["absorbed_s"] == 0.0
     finally:
-        links._installed[:] = saved
+        link_clock._installed[:] = saved

@@ -3,7 +3,7 @@
 import pytest
 
 from bench.runtime import hostlinks
-from bench.runtime.emulation.links import _COLLECTIVES
+from bench.runtime.emulation.link_clock import _COLLECTIVES
 
 
 def test_the_probe_times_every_kind_the_emulator_paces():

@@ -68,3 +68,13 @@ def test_each_command_module_has_a_name_no_other_module_of_bench_has():
         if path.parent != ROOT / "bench" and (path.stem if path.suffix == ".py" else path.name) in commands
     )
     assert not clashes, f"modules named as a command (python -m bench.<command>) elsewhere in bench: {clashes}"
+
+
+def test_no_two_modules_of_bench_share_a_name():
+    """One name, one module: `settings` or `links` means one thing anywhere in bench/."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "bench").rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"modules of bench/ that share a name: {shared}"

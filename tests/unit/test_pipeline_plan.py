@@ -4,6 +4,7 @@ planner picks, the memory it checks against the memory the simulator prices, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -27,6 +28,7 @@ from bench.cost.pipeline import (
     replay,
     stage_peak,
     stage_peak_bytes,
+    tied_seconds,
 )
 from bench.records.rows import load_records
 from bench.runner.execute import run_case
@@ -541,3 +543,30 @@ def test_the_state_floor_refuses_only_what_planning_finds_oom(monkeypatch, memor
             with pytest.raises(StageOOM):
                 method.plan(wl, cluster)
     assert any(floored)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_tied_parameter_on_two_positions_is_all_reduced_after_the_schedule_where_priced(sharded):
+    """Tiny GPT-2's embedding and head (one tensor) on a pipeline's two positions: each holder's
+    list ends with the all-reduce of its copy's gradient (sharded over two pipelines: the
+    rank's chunk of it, the chunks adding up to the whole), and the simulator charges it."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    from methods.capture import capture_config
+    from methods.common import group_table
+
+    cluster = _cluster(4 if sharded else 2, gbps=1.0)
+    workload = _workload("hf", 16, "model.arch=gpt2")
+    method = PipelineParallel(profile=False, stage_level="device", num_stages=2, schedule="1f1b", sharded_state=sharded)
+    program = method.plan(workload, cluster).program
+    assert program.sharded_state == sharded and program.num_pipelines == (2 if sharded else 1)
+    (tied,) = program.tied
+    table = group_table(capture_config(workload.model_cfg, 16))
+    whole = dict(zip(table.groups[0].params, table.groups[0].param_sizes))[tied.name]
+    assert tied.positions == (0, 1) and tied.name in table.shared_params
+    assert sum(tied.nbytes) == whole if sharded else tied.nbytes == (whole,)
+    assert all(actions[-1] == ("tie", 0) for actions in program.actions)
+    untied = dataclasses.replace(program, tied=(), actions=tuple(actions[:-1] for actions in program.actions))
+    tie_s = max(tied_seconds(program, cluster, p)[0] for p in range(program.num_pipelines))
+    assert tie_s > 0
+    # both holders leave the all-reduce together, after the later one is through
+    assert simulate(program, cluster, None).iter_time_s - simulate(untied, cluster, None).iter_time_s >= tie_s * 0.999

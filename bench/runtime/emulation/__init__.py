@@ -22,8 +22,8 @@ Real GPUs run with emulation off. An emulated cluster on a GPU (`cluster.device:
 links only (`pace_compute=False`): its ranks' compute runs real kernels at their MPS share of the
 GPU (bench.runtime.mps), at headroom 1, and `measure_matmul_flops` checks the speed each rank achieved.
 
-The package by concern: settings.py (the `emulation` options), emulator.py (the Emulator: compute
-paced against its reference), links.py (the emulated links and the wrapped collectives), board.py
+The package by concern: options.py (the `emulation` options), emulator.py (the Emulator: compute
+paced against its reference), link_clock.py (the emulated links and the wrapped collectives), board.py
 (the arrival board in shared memory), gpu.py (ranks sharing one GPU under MPS: their matmul probe
 and achieved speeds) and readings.py (what a row's emulation record says). Its public names are
 importable from here.
@@ -32,13 +32,13 @@ importable from here.
 from bench.runtime.emulation.board import ArrivalBoard
 from bench.runtime.emulation.emulator import Emulator
 from bench.runtime.emulation.gpu import achieved_speeds, measure_matmul_flops
-from bench.runtime.emulation.readings import emulated_compute_s, links_ok, pooled_compute_s
-from bench.runtime.emulation.settings import (
+from bench.runtime.emulation.options import (
     DILATION_TOLERANCE,
     MAX_PAUSE_PENALTY,
     PAUSE_PROBE_MIN_SHARE,
     EmulationSettings,
 )
+from bench.runtime.emulation.readings import emulated_compute_s, links_ok, pooled_compute_s
 
 __all__ = [
     "DILATION_TOLERANCE",

@@ -1,6 +1,6 @@
 """The arrival board: when each rank of this host issued each collective, in a file in shared
 memory that every rank maps, so that an emulated link's time counts from the last member's arrival.
-It times nothing itself (links.LinkClock reads it).
+It times nothing itself (link_clock.LinkClock reads it).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """One rank's Emulator: its compute paced against a full-pace reference, in a closed loop, and its
-collectives held to the emulated links (links.py keeps their clocks).
+collectives held to the emulated links (link_clock.py keeps their clocks).
 
 The package's docstring says how pacing works and why; this module does not start processes or
-wrap collectives itself (links.install_wrappers does, at install).
+wrap collectives itself (link_clock.install_wrappers does, at install).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from bench.core.cluster import ClusterSpec
-from bench.runtime.emulation.links import LinkClock, install_wrappers
-from bench.runtime.emulation.settings import MAX_PAUSE_PENALTY, EmulationSettings
+from bench.runtime.emulation.link_clock import LinkClock, install_wrappers
+from bench.runtime.emulation.options import MAX_PAUSE_PENALTY, EmulationSettings
 
 
 class Emulator:
@@ -264,7 +264,7 @@ class Emulator:
             "absorbed_s": self.absorbed_s,  # wall seconds of debt waits absorbed (absorb_debt)
         }
 
-    # -- links (bench.runtime.emulation.links) ----------------------------------------------
+    # -- links (bench.runtime.emulation.link_clock) ----------------------------------------------
     @property
     def links(self) -> list[int]:
         """Emulated collectives since reset_stats: all, and those timed from the last arrival."""

@@ -5,7 +5,7 @@ It reads records; it runs nothing.
 
 from __future__ import annotations
 
-from bench.runtime.emulation.settings import DILATION_TOLERANCE
+from bench.runtime.emulation.options import DILATION_TOLERANCE
 
 
 def _references(emulation: dict | None) -> list[tuple[float, float]] | None:
