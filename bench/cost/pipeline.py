@@ -586,8 +586,8 @@ def replay_all(
     lists hold collectives among a stage's replicas (COLLECTIVES): one starts when the last of
     the stage's replicas reaches it, and all of them leave it together, its time later.
     `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Pipelines of equal times, sends and
-    tied all-reduces run in step, so one of each kind is replayed and stands for the others (a collective waits
-    for the latest of the kinds). Returns (position, pipeline) -> RankTimeline."""
+    tied all-reduces run in step, so one of each kind is replayed and stands for the others (a
+    collective waits for the latest of the kinds). Returns (position, pipeline) -> RankTimeline."""
     n, D = program.num_ranks, program.num_pipelines
     where = program.stage_rank
     tie_s = [tuple(tied_seconds(program, cluster, p)) for p in range(D)]
@@ -731,7 +731,10 @@ class PipelineMemory(NamedTuple):
 
 
 def pipeline_memory(
-    program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0, vdevs=None
+    program: PipelineProgram,
+    cluster: ClusterSpec,
+    memory_reserve_gib: float = 0.0,
+    vdevs: list[VirtualDevice] | None = None,
 ) -> PipelineMemory:
     """What each rank of a pipeline holds at its peak, and which pass their memory: the memory
     simulate_pipeline reports, without replaying the schedule (a planner checks it first)."""
