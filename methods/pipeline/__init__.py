@@ -19,7 +19,7 @@ their devices' memory, and the pipelines' shares are balanced for them; the simu
 schedule is torch's own: the planner traces it with stand-in stages, so the actions it prices
 are the ones the runtime calls, in the same order, with the stages where torch places them.
 
-At run time each rank captures the model with torch.export (methods.aten_capture, the graph the
+At run time each rank captures the model with torch.export (methods.export, the graph the
 planner priced), keeps the nodes of each of its stages as a GraphModule (the parameters it
 reads, the values that cross its borders as inputs and outputs), and runs them as
 PipelineStages. The ops that read the targets (the loss) run as the schedule's loss function on
@@ -75,8 +75,8 @@ from bench.cost.pipeline import (
     rank_memory,
     simulate_pipeline,
 )
-from methods.capture import capture_config
 from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
+from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.planning import (
     ALIKE,

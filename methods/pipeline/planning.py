@@ -17,8 +17,8 @@ from bench.core.shares import round_shares
 from bench.cost import FloatAlgebra, virtual_devices
 from bench.cost.pipeline import StageBytes, grad_sync_s, shard_collective_s, stage_peak_bytes, transfer_s
 from bench.cost.price import device_compute
-from methods.capture import Graph
 from methods.common import GroupTable, StageActivations, gradient_buckets
+from methods.graph import Graph
 
 MAX_ORDERS = 2000  # device orders tried per layout; past it, a few heuristic ones
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
-from methods.capture import capture_config
 from methods.common import gradient_buckets, group_table
+from methods.graph import capture_config
 from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
 from methods.pipeline.planning import tied_params
 from methods.pipeline.schedule import is_multi_stage, schedule_class

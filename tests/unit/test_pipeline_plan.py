@@ -312,8 +312,8 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
     workload = _workload("bert", 8 * 64, "preset=paper")
     plan = method.plan(workload, cluster)
     sim = simulate(plan.program, cluster, None)
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.planning import _Costs
 
     graph = capture_config(workload.model_cfg, workload.global_batch)
@@ -332,8 +332,8 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
 
 
 def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups_inputs():
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.planning import _Costs
 
     cluster = _cluster(2, [1.0, 0.5])
@@ -366,8 +366,8 @@ def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups
 def test_a_checkpointed_stage_computes_the_same_and_runs_each_group_again_in_backward():
     import torch
 
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
 
     workload = _workload("bert", 4)
@@ -551,8 +551,8 @@ def test_a_tied_parameter_on_two_positions_is_all_reduced_after_the_schedule_whe
     list ends with the all-reduce of its copy's gradient (sharded over two pipelines: the
     rank's chunk of it, the chunks adding up to the whole), and the simulator charges it."""
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
 
     cluster = _cluster(4 if sharded else 2, gbps=1.0)
     workload = _workload("hf", 16, "model.arch=gpt2")
