@@ -42,12 +42,17 @@ def plain(x):
 
 
 def logits_of(out) -> torch.Tensor:
-    """A backbone's logits: a tensor, an output object's `.logits`, or a tuple's first item."""
+    """A backbone's logits: a tensor, an output object's `.logits`, its `.last_hidden_state`
+    where that is one vector per sample (PP-LCNet's classifier returns its head's scores so),
+    or a tuple's first item."""
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    scores = getattr(out, "last_hidden_state", None)
+    if isinstance(scores, torch.Tensor) and scores.dim() == 2:
+        return scores
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(

@@ -262,3 +262,16 @@ def test_a_model_built_on_meta_holds_no_tensor_a_legacy_constructor_left_on_the_
     with torch.device("meta"):
         model = cfg.build()
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_logits_are_a_classifiers_per_sample_last_state_but_not_a_sequence_of_states():
+    """PP-LCNet's image classifier returns its head's scores as `last_hidden_state`, (B, labels);
+    a backbone's (B, S, H) states are no logits."""
+    from types import SimpleNamespace
+
+    from models.tasks import logits_of
+
+    scores = torch.zeros(2, 5)
+    assert logits_of(SimpleNamespace(last_hidden_state=scores)) is scores
+    with pytest.raises(TypeError, match="a task adapter needs logits"):
+        logits_of(SimpleNamespace(last_hidden_state=torch.zeros(2, 3, 4)))
