@@ -83,6 +83,8 @@ REASONS = (
     (r"found at least two devices", "forward makes tensors on a fixed device"),
     (r"more than the \d+ layer groups", "hap's default ratio rows outnumber the model's layer groups"),
     (r"no distributed program leaves the loss", "no program found by hap's search"),
+    (r"captures it has no gradient", "a custom autograd.Function's backward, which export does not keep"),
+    (r"escaped from inside a function being vmapped", "export keeps vmap's internals, which cannot run again"),
     (r"torch\.export \(non-strict\) refused", "export: refused"),
 )
 
