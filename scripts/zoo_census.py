@@ -160,7 +160,10 @@ def census_one(arch: str, cluster: str, gpus_per_machine: int) -> dict:
         row["plan_s"] = round(time.perf_counter() - start, 2)
         coverage = plan.details.get("rule_coverage") or {}
         row["flops_share"] = coverage.get("flops_share")
-        row["plan"] = f"{plan.details.get('chosen')} @{plan.details.get('granularity')}"
+        chosen = plan.details.get("chosen")
+        if chosen == "data parallel" and plan.details.get("data_parallel") == "gathers":
+            chosen += " (gathers)"  # replicated where no batch shard can run an op
+        row["plan"] = f"{chosen} @{plan.details.get('granularity')}"
         stage, start = "simulate", time.perf_counter()
         sim = simulate(plan.program, spec, plan.ratios)
         row["simulate_s"] = round(time.perf_counter() - start, 2)

@@ -317,6 +317,9 @@ class HapPlanner:
             "predicted_iter_time_s": best.iter_time_s,
             "oom": best.oom,
             "chosen": best.kind,  # "data parallel" when the data-parallel incumbent won
+            # the incumbent's theory: "batch split" (data_parallel_theory), "gathers" where no op
+            # may stop the batch split (gathers=True), None where neither has a program
+            "data_parallel": stats.get("data_parallel"),
             "levels": level_rows,  # the best synthesized program over machines and over GPUs
             "rounds": rounds,
             "states_expanded": expanded,
@@ -520,6 +523,7 @@ class HapPlanner:
             except NoProgramError:
                 continue
             _count(stats, res)
+            stats["data_parallel"] = "gathers" if gathers else "batch split"
             return res
         return None
 

@@ -372,4 +372,5 @@ def test_a_model_no_batch_shard_can_run_gets_data_parallelism_that_gathers_for_t
     stats = {"expanded": 0, "pruned": 0, "beam_pruned": 0}
     incumbent = HapPlanner(levels="cluster")._data_parallel(theory, cl, "gpu", ratios, stats)
     assert incumbent is not None and "all_gather" in {c.kind for s in incumbent.steps for c in s.comms}
+    assert stats["data_parallel"] == "gathers"
     assert theory.search_cache[("data_parallel", False)] is False  # known to have none: not searched again
