@@ -436,7 +436,12 @@ class HapPlanner:
             )
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
-            res = self._synthesize(theory, cost, dp)
+            if dp is not None and stats["data_parallel"] == "gathers":
+                # not the search's incumbent (its bound would prune the beam's prefixes
+                # otherwise): a candidate beside the search's program, and its fallback
+                res = self._synthesize(theory, cost, fallback=dp)
+            else:
+                res = self._synthesize(theory, cost, dp)
             stats["search_s"] += time.perf_counter() - t1
             _count(stats, res)
             found = [res] if dp is None or dp.steps == res.steps else [res, dp]
@@ -527,14 +532,24 @@ class HapPlanner:
             return res
         return None
 
-    def _synthesize(self, theory, cost: CostModel, incumbent: SearchResult | None = None) -> SearchResult:
+    def _synthesize(
+        self,
+        theory,
+        cost: CostModel,
+        incumbent: SearchResult | None = None,
+        fallback: SearchResult | None = None,
+    ) -> SearchResult:
         """A* with the beam; where the beam kept only prefixes that no program completes (a
         model whose ops leave few ways through, e.g. a relative-position bucket that runs
         replicated), the exact search, with at most EXACT_RETRY_EXPANSIONS states (the models
-        that needed it took about 5,000; one that needs more has no plan in reach)."""
+        that needed it took about 5,000; one that needs more has no plan in reach). Given a
+        `fallback` (the data-parallel program that gathers, _data_parallel), the beam again
+        with it as the incumbent instead: at least that program, at once."""
         try:
             return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=incumbent)
         except NoProgramError as beam:
+            if fallback is not None:
+                return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=fallback)
             if self.beam_width is None:
                 raise
             budget = min(self.max_expansions, EXACT_RETRY_EXPANSIONS)
