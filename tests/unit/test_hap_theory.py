@@ -345,8 +345,8 @@ class ShiftRight(nn.Module):
 
 def test_a_functional_copy_has_its_in_place_twins_triples_and_data_parallelism_runs_through_it():
     """DTensor registers copy_ but not the functional copy torch.export's functionalisation
-    makes of it: without the twin's strategy the copy ran replicated only, and a batch split
-    could not reach it without an all-gather (mBART had no data-parallel program)."""
+    makes of it: the copy takes its in-place twin's triples, so a batch split runs through it
+    without an all-gather (a data-parallel program exists), and every triple holds."""
     from methods.hap.search import dead_end
     from methods.hap.theory import data_parallel_theory
 

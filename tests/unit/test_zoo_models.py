@@ -254,7 +254,7 @@ def test_a_forward_that_checks_a_value_runs_on_meta_without_its_check():
 
 def test_a_model_built_on_meta_holds_no_tensor_a_legacy_constructor_left_on_the_cpu():
     """XLNet makes its attention weights with torch.FloatTensor(...), which ignores the default
-    device: on the meta device they stayed on the CPU and export met two devices."""
+    device: a model built on the meta device holds every tensor there all the same."""
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
     from models.hf import HFModelConfig
 
