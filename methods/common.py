@@ -5,7 +5,7 @@ accumulation over micro-batches).
 A layer group is the unit at which methods cut a model: hap's ratio rows (segmentation
 `layers`), the stages of the pipeline, FSDP's `fully_shard` units and the activation
 checkpoints all cut at group borders. This module reads the planner's traced graph
-(methods.capture); it decides no parallelism.
+(methods.graph); it decides no parallelism.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def capture_batch_norm(workload) -> str:
 def refuse_global_batch_norm(workload, graph, method: str, how: str) -> None:
     """A ConfigError of one line where the workload asks batch norm over the whole batch of a
     model that has one, and `method` normalises `how` (each rank's share, each micro-batch)."""
-    from methods.capture import module_has_batch_norm
+    from methods.graph import module_has_batch_norm
 
     if workload.batch_norm == "global" and module_has_batch_norm(graph.gm):
         raise ConfigError(
@@ -170,6 +170,8 @@ class GroupTable:
     # parameters read by ops of several groups (a tied embedding and head), listed with the
     # group of their first user like any other
     shared_params: list[str] = field(default_factory=list)
+    # each of those: the layer groups whose ops read it, in order
+    shared_groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:
@@ -196,7 +198,7 @@ def gradient_buckets(sizes: Sequence[float], cap_mb: float) -> list[list[int]]:
 
 
 def group_table(graph) -> GroupTable:
-    """The layer groups of a captured graph (methods.capture.Graph) with their costs.
+    """The layer groups of a captured graph (methods.graph.Graph) with their costs.
 
     Parameters (get_attr) and model inputs belong to the group of their first user; a tensor
     crossing a border is counted at every border it crosses (a pipeline passes it stage by
@@ -265,7 +267,9 @@ def group_table(graph) -> GroupTable:
                 node_group[u] for u in users.get(n.name, []) if u in node_group
             )
     shared = [str(n.fx_node.target) for n in nodes if n.is_param and len(readers.get(str(n.fx_node.target), ())) > 1]
-    return GroupTable(table, node_group, sorted(tail, key=list(graph.by_name).index), targets, batch, shared)
+    tail_order = sorted(tail, key=list(graph.by_name).index)
+    groups = {name: tuple(sorted(readers[name])) for name in shared}
+    return GroupTable(table, node_group, tail_order, targets, batch, shared, groups)
 
 
 def _all_inputs(node) -> list[str]:
@@ -275,7 +279,7 @@ def _all_inputs(node) -> list[str]:
 class StageActivations:
     """Per sample, (what a pipeline stage of layer groups [first, end) keeps of one micro-batch
     between its forward and its backward, the most it holds of one micro-batch during that
-    backward): autograd's saved tensors of its ops (methods.capture.Graph.kept_until) made
+    backward): autograd's saved tensors of its ops (methods.graph.Graph.kept_until) made
     inside the stage (a tensor made before it is its receive buffer, counted as such), its
     output (the stage keeps it to run backward from), and during backward the activation
     gradients it holds (Graph.grads_in_flight, clipped to the stage), walked backward as
@@ -361,7 +365,7 @@ def check_training_options(lr: float, grad_clip: float, bucket_cap_mb: float | N
 @dataclass(frozen=True)
 class CheckpointUnit:
     """One activation checkpoint: the modules a layer group's ops run inside, which the runtime
-    runs under torch.utils.checkpoint (methods.capture.Graph.recompute prices it).
+    runs under torch.utils.checkpoint (methods.graph.Graph.recompute prices it).
 
     `modules` is one module (a transformer block), or consecutive children of the nn.Sequential
     `sequential` (a VGG conv stage: convolutions, activations and the pool); `nodes` are the

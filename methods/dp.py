@@ -18,7 +18,6 @@ from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import round_shares
-from methods.capture import capture_config
 from methods.common import (
     MemoryTools,
     apply_checkpointing,
@@ -28,6 +27,7 @@ from methods.common import (
     refuse_global_batch_norm,
 )
 from methods.dp_program import data_parallel_program
+from methods.graph import capture_config
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (

@@ -43,7 +43,7 @@ def data_parallel_program(
         global_batch: samples per iteration; device d computes ratio[d] of them.
         layers: (forward FLOPs per sample, parameter bytes[, op class, forward ops[, backward
             FLOPs per sample[, forward ops run again in backward]]]) per layer in forward order
-            (methods.capture.Graph.layer_profile); FLOPs of parameter-free ops belong to some
+            (methods.graph.Graph.layer_profile); FLOPs of parameter-free ops belong to some
             neighbouring layer. Without class and ops a layer is one "other" op; without
             backward FLOPs its backward is backward_factor x forward; the ops an activation
             checkpoint runs again add their kernels to backward's.
@@ -56,7 +56,7 @@ def data_parallel_program(
         bucket_copies: the gradients' buckets are a copy of them (torch's DDP), not the
             gradients' own storage (hap's runtime: methods.hap.runtime.GradBuckets).
         backward_memory: (gradients, activations[, gradients in flight]) as
-            methods.capture.Graph.backward_memory gives them, activations at the whole batch:
+            methods.graph.Graph.backward_memory gives them, activations at the whole batch:
             where the peak of backward is (backward_sweep); None: every gradient beside every
             activation.
         grads_before_backward: the gradients' storage exists before backward (hap's buckets

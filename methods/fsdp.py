@@ -31,7 +31,6 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import Affine, Collective, Memory, Program, Stage, backward_sweep, micro_step_stages
 from bench.core.shares import round_shares
 from bench.runtime.method_step import added_host_work_flops, time_method_step
-from methods.capture import Graph, capture_config
 from methods.common import (
     GroupTable,
     MemoryTools,
@@ -42,6 +41,7 @@ from methods.common import (
     micro_batches,
     refuse_global_batch_norm,
 )
+from methods.graph import Graph, capture_config
 
 SPLITS = ("even", "compute")
 WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
@@ -217,7 +217,7 @@ def fsdp_program(
 ) -> Program:
     """The Program of one FSDP2 iteration (module docstring), per rank, at batch ratios.
 
-    `graph` may hold activation checkpoints (methods.capture.Graph.recompute): their groups'
+    `graph` may hold activation checkpoints (methods.graph.Graph.recompute): their groups'
     backward runs their forward again (the group table's FLOPs), without collectives of its own
     (FSDP2 leaves the unit gathered from its pre-backward hook through the recompute).
     `micro_steps` > 1 accumulates gradients: that many micro-steps at global_batch / micro_steps

@@ -1,7 +1,7 @@
 """The planner's graph module of a model kept on disk: a sweep, a second plan and a case's workers
 pay its capture (torch.export, seconds) once.
 
-What it does: writes the fx module methods.capture makes (its nodes with their targets and
+What it does: writes the fx module methods.graph makes (its nodes with their targets and
 arguments, each node's shape, stride and dtype and its module path, the module's parameters
 as meta tensors, its buffers as captured and its constants with their values) to a file under the user's
 cache folder (bench.core.paths.user_cache_dir), keyed by everything the capture reads: the
@@ -10,7 +10,7 @@ transformers and of the code that builds and captures models; and reads it back 
 fx.GraphModule whose nodes carry meta tensors where the capture left fake ones. A file that
 does not load (cut short by a killed process, corrupt, of another format) is a miss: the model
 is captured afresh and the file rewritten; files are written whole and renamed into place.
-What it does not do: decide anything about the graph (methods.capture reads it).
+What it does not do: decide anything about the graph (methods.graph reads it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # bump when what a file holds changes shape
 _ROOT = Path(__file__).resolve().parents[1]
 # The code a graph comes from: the models' (their configs build them) and the capture's.
-_CODE = ("models/*.py", "methods/aten_capture.py", "methods/capture.py", "methods/graph_cache.py")
+_CODE = ("models/*.py", "methods/export.py", "methods/graph.py", "methods/graph_cache.py")
 _PY_TARGETS = {"operator.getitem": operator.getitem}
 
 

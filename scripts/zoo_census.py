@@ -127,7 +127,7 @@ def census_one(arch: str, cluster: str, gpus_per_machine: int) -> dict:
     from bench.cost import simulate
     from bench.runner.case import check_workload, workload_from
     from bench.runner.configs import compose_settings
-    from methods.capture import capture_config
+    from methods.graph import capture_config
 
     row: dict = {"arch": arch, "status": "ok", "stage": "done"}
     stage = "build"

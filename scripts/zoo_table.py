@@ -111,7 +111,7 @@ REAL = [
 
 
 def _params(cfg, batch: int) -> int:
-    from methods.capture import capture_config
+    from methods.graph import capture_config
 
     graph = capture_config(cfg, batch)
     return sum(n.numel for n in graph.nodes if n.is_param)
@@ -143,7 +143,7 @@ def _columns(args) -> tuple[Column, ...]:
 def sim(args) -> None:
     from bench.runner.case import new_record, prepare_case
     from bench.studies.regression import _compose
-    from methods.capture import _captured
+    from methods.graph import _captured
 
     columns = _columns(args)
     case = ("preset=paper", f"cluster={args.cluster}", "mode=sim")

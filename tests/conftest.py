@@ -123,9 +123,12 @@ class InfeasibleMethod:
 
 
 def pytest_collection_modifyitems(config, items):
-    """gpu tests skip, never fail, where torch sees no CUDA device (CPU-only CI). Under
-    pytest-xdist, a worker names the tests marked `alone` to the scheduler (AloneLast)."""
+    """gpu tests skip, never fail, where torch sees no CUDA device (CPU-only CI). The e2e tests,
+    the long ones, go first, so that the suite ends on short tests that even out the workers.
+    Under pytest-xdist, a worker names the tests marked `alone` to the scheduler (AloneLast)."""
     import torch
+
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable: in file order otherwise
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:

@@ -311,7 +311,7 @@ def backward_sweep(
         made_before: gradient storage that exists before backward starts (buckets the
             gradients accumulate into).
         in_flight: (from, to, bytes) per activation gradient: held while backward is at a
-            position from `from` to `to` (methods.capture.Graph.grads_in_flight).
+            position from `from` to `to` (methods.graph.Graph.grads_in_flight).
 
     A point is left out when, coefficient by coefficient, it is at most a mixture of two points
     kept: with ratios >= 0 it is then below one of them for every ratio (the points go on a chain

@@ -23,7 +23,7 @@ from bench.core.meta import build_on_meta
 from bench.core.paths import user_cache_dir
 
 # FLOPs per element of element-wise and normalising ops, as the planner's graph counts them
-# (methods.capture; docs/cost-model.md "FLOPs and activations"), backward factor 1.
+# (methods.graph; docs/cost-model.md "FLOPs and activations"), backward factor 1.
 # bench.profile times the "other" op class with the same counts, so its rates price the
 # planner's FLOPs.
 ELEMENTWISE_FLOPS = {

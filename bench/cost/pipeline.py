@@ -35,6 +35,10 @@ replays the actions rank by rank, as the ranks would run them:
     and reduce-scatter its gradients once the schedule is through ("scatter"): both are
     actions of the position's list, collectives that start when the last replica reaches them,
     so the pipelines are replayed together (replay_all);
+  - a parameter that stages on several positions read (a tied embedding and head: `tied`)
+    has a copy on each; once through its schedule (and its scatter) each of those positions
+    all-reduces the copy's gradient among the pipeline's holders ("tie"), a collective that
+    starts when the last holder reaches it, before the replicas' all-reduce;
   - then each rank's optimizer step: Adam's per-byte cost over its stages' parameters on an
     emulated worker, a profile's optimizer time on a GPU, and the method's own host work.
 
@@ -80,7 +84,9 @@ SCHEDULES = (
 #   ("gather", k) / ("scatter", k): sharded state only: stage k's parameters all-gathered among
 #       its replicas (FSDP2's unshard, before the schedule) / its gradients reduce-scattered
 #       among them (torch's perform_reduce_grad once the schedule is through)
-ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait", "gather", "scatter")
+#   ("tie", i): tied parameter i's gradient (PipelineProgram.tied[i]) all-reduced among the
+#       positions of the rank's pipeline that hold a copy, after the schedule (and the scatter)
+ACTIONS = ("F", "B", "I", "W", "send", "recv", "wait", "gather", "scatter", "tie")
 COLLECTIVES = ("gather", "scatter")
 COMPUTE = ("F", "B", "I", "W")
 
@@ -104,6 +110,20 @@ class StageWork:
     # Where timed on the host: (input, weights) seconds of torch's two zero-bubble passes
     # (they cost more than one backward on a CPU), scaled as `measured`
     measured_split: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class TiedParam:
+    """A parameter that stages on several positions of a pipeline read (a tied embedding and
+    head): each of those positions holds a copy, and once its schedule is through sums the
+    copies' gradients with an all-reduce among them (the "tie" action), so that every copy
+    takes the whole gradient and the same optimizer step."""
+
+    name: str  # the parameter, as the traced graph names it
+    positions: tuple[int, ...]  # the positions holding a copy, in order
+    # per pipeline, the bytes each holder all-reduces: the gradient at its dtype, or with sharded
+    # state the rank's own shard of it (FSDP2's chunk of dim 0 at its index among the replicas)
+    nbytes: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,9 @@ class PipelineProgram:
     # Each stage's parameters, gradients and Adam state sharded over its replicas (FSDP2): its
     # actions gather and scatter (ACTIONS), the replicas all-reduce nothing after the schedule
     sharded_state: bool = False
+    # Parameters held on several positions of a pipeline (TiedParam), each position's "tie"
+    # actions in this order
+    tied: tuple[TiedParam, ...] = ()
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -170,6 +193,17 @@ class PipelineProgram:
                 raise ValueError(f"stage {k}'s ranks {st.ranks} are not its position's {ranks[self.stage_rank[k]]}")
         if len(self.memory) != self.num_ranks or any(len(row) != D for row in self.memory):
             raise ValueError(f"memory needs one entry per position ({self.num_ranks}) and pipeline ({D})")
+        for i, t in enumerate(self.tied):
+            if len(set(t.positions)) < 2 or not set(t.positions) <= set(range(self.num_ranks)) or len(t.nbytes) != D:
+                raise ValueError(
+                    f"tied parameter {t.name!r} needs two or more of the {self.num_ranks} positions "
+                    f"(got {t.positions}) and its bytes in each of the {D} pipelines (got {len(t.nbytes)})"
+                )
+            for r, actions in enumerate(self.actions):
+                if actions.count(("tie", i)) != (r in t.positions):
+                    raise ValueError(
+                        f"position {r} must tie {t.name!r} once if it holds it ({t.positions}), else never"
+                    )
 
     @property
     def num_pipelines(self) -> int:
@@ -207,6 +241,7 @@ class PipelineProgram:
             "num_pipelines": self.num_pipelines,
             "stage_rank": list(self.stage_rank),
             **({"sharded_state": True} if self.sharded_state else {}),
+            **({"tied": [{"name": t.name, "positions": list(t.positions)} for t in self.tied]} if self.tied else {}),
             "stages": [
                 {
                     "groups": list(st.groups),
@@ -468,6 +503,7 @@ def replay(
     arrived: dict[tuple[str, int, int], float] = {}  # (what, mb, receiving stage) -> when it arrived
     posted: list[dict[int, tuple]] = [{} for _ in range(n)]  # id -> ("done", t) or ("recv", key)
     compute = [0.0] * n
+    tie_s = tied_seconds(program, cluster, pipeline)
     while True:
         moved = False
         for r in range(n):
@@ -479,6 +515,16 @@ def replay(
                     d = times[a[1]][_PASS[kind]]
                     clock[r] += d
                     compute[r] += d
+                elif kind == "tie":
+                    holders = program.tied[a[1]].positions
+                    if any(pc[q] == len(program.actions[q]) or program.actions[q][pc[q]] != a for q in holders):
+                        break  # a holder is not through its schedule yet
+                    done = max(clock[q] for q in holders) + tie_s[a[1]]
+                    for q in holders:
+                        clock[q] = done
+                        pc[q] += 1
+                    moved = True
+                    continue
                 elif kind == "send":
                     _, ident, what, k, mb = a
                     to = k + 1 if what == "act" else k - 1
@@ -511,6 +557,15 @@ def replay(
     return [RankTimeline(compute_s=compute[r], end_s=clock[r]) for r in range(n)]
 
 
+def tied_seconds(program: PipelineProgram, cluster: ClusterSpec, pipeline: int) -> list[float]:
+    """Per tied parameter (PipelineProgram.tied), seconds of its gradient's all-reduce among the
+    ranks of pipeline `pipeline` that hold it (grad_sync_s of one bucket of its bytes)."""
+    return [
+        grad_sync_s((t.nbytes[pipeline],), [program.position_ranks(r)[pipeline] for r in t.positions], cluster)
+        for t in program.tied
+    ]
+
+
 def shard_collective_s(kind: str, nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
     """Seconds of one all-gather ("gather") or reduce-scatter ("scatter") of a stage's `nbytes`
     (the whole parameters) among its replicas `ranks`, over the link they span (sharded state)."""
@@ -530,11 +585,16 @@ def replay_all(
     """Every pipeline's action lists replayed together (replay's rules), for a program whose
     lists hold collectives among a stage's replicas (COLLECTIVES): one starts when the last of
     the stage's replicas reaches it, and all of them leave it together, its time later.
-    `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Returns (position, pipeline) ->
-    RankTimeline."""
+    `times[p][k]`, `sends[p][k]`: pipeline p's (replay). Pipelines of equal times, sends and
+    tied all-reduces run in step, so one of each kind is replayed and stands for the others (a
+    collective waits for the latest of the kinds). Returns (position, pipeline) -> RankTimeline."""
     n, D = program.num_ranks, program.num_pipelines
     where = program.stage_rank
-    lanes = [(r, p) for p in range(D) for r in range(n)]
+    tie_s = [tuple(tied_seconds(program, cluster, p)) for p in range(D)]
+    kind_of: dict[tuple, int] = {}
+    alike = [kind_of.setdefault((tuple(times[p]), tuple(sends[p]), tie_s[p]), p) for p in range(D)]
+    kinds = list(kind_of.values())  # a pipeline of each kind, the first
+    lanes = [(r, p) for p in kinds for r in range(n)]
     clock = dict.fromkeys(lanes, 0.0)
     pc = dict.fromkeys(lanes, 0)
     link_free = dict.fromkeys(lanes, 0.0)
@@ -560,16 +620,26 @@ def replay_all(
                     compute[lane] += d
                 elif kind in COLLECTIVES:
                     # every replica at this same action (their lists are one position's)
-                    if any(pc[(r, q)] < pc[lane] for q in range(D)):
+                    if any(pc[(r, q)] < pc[lane] for q in kinds):
                         break
-                    if all(pc[(r, q)] == pc[lane] for q in range(D)):
-                        done = max(clock[(r, q)] for q in range(D)) + coll_s[(kind, a[1])]
-                        for q in range(D):
+                    if all(pc[(r, q)] == pc[lane] for q in kinds):
+                        done = max(clock[(r, q)] for q in kinds) + coll_s[(kind, a[1])]
+                        for q in kinds:
                             clock[(r, q)] = done
                             pc[(r, q)] += 1
                         moved = True
                         continue
                     break
+                elif kind == "tie":  # among the holders of this pipeline, as replay
+                    holders = [(q, p) for q in program.tied[a[1]].positions]
+                    if any(pc[h] == len(program.actions[h[0]]) or program.actions[h[0]][pc[h]] != a for h in holders):
+                        break
+                    done = max(clock[h] for h in holders) + tie_s[p][a[1]]
+                    for h in holders:
+                        clock[h] = done
+                        pc[h] += 1
+                    moved = True
+                    continue
                 elif kind == "send":
                     _, ident, what, k, mb = a
                     to = k + 1 if what == "act" else k - 1
@@ -601,7 +671,11 @@ def replay_all(
                 lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])
             }
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
-    return {lane: RankTimeline(compute_s=compute[lane], end_s=clock[lane]) for lane in lanes}
+    return {
+        (r, p): RankTimeline(compute_s=compute[(r, alike[p])], end_s=clock[(r, alike[p])])
+        for p in range(D)
+        for r in range(n)
+    }
 
 
 def grad_sync_s(buckets: Sequence[float], ranks: Sequence[int], cluster: ClusterSpec) -> float:
@@ -648,6 +722,40 @@ def optimizer_s(
     return t
 
 
+class PipelineMemory(NamedTuple):
+    """Per device, what a pipeline's rank holds (simulate_pipeline's memory fields)."""
+
+    memory_gib: list[dict]  # its parts: params, grads, optimizer, buckets, activations
+    peak_mem_gib: list[float]
+    oom_devices: list[int]  # the devices whose peak passes their memory (less the reserve)
+
+
+def pipeline_memory(
+    program: PipelineProgram,
+    cluster: ClusterSpec,
+    memory_reserve_gib: float = 0.0,
+    vdevs: list[VirtualDevice] | None = None,
+) -> PipelineMemory:
+    """What each rank of a pipeline holds at its peak, and which pass their memory: the memory
+    simulate_pipeline reports, without replaying the schedule (a planner checks it first)."""
+    vdevs = vdevs or virtual_devices(cluster, "gpu")
+    R, D = program.num_ranks, program.num_pipelines
+    memory, peaks, oom_devices = [], [], []
+    foreach = cluster.device == "cuda"
+    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
+    for v in vdevs:
+        mem = mem_of[v.index]
+        parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
+        peak = stage_peak(mem, foreach) / GIB
+        if v.compute is not None:
+            peak += v.compute.workspace_bytes / GIB
+        memory.append(parts)
+        peaks.append(peak)
+        if peak > v.memory_bytes / GIB - memory_reserve_gib:
+            oom_devices.append(v.index)
+    return PipelineMemory(memory, peaks, oom_devices)
+
+
 def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0):
     """Predicted iteration time and per-rank memory of a pipeline (bench.cost.SimResult)."""
     vdevs = virtual_devices(cluster, "gpu")
@@ -664,7 +772,8 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     if program.sharded_state:  # collectives among replicas inside the schedule: all at once
         lines = replay_all(program, cluster, [[times[k][p] for k in range(K)] for p in range(D)], sends)
     for p in range(D if not program.sharded_state else 0):
-        key = (tuple(times[k][p] for k in range(K)), tuple(sends[p]))  # pipelines alike price alike
+        # pipelines alike price alike
+        key = (tuple(times[k][p] for k in range(K)), tuple(sends[p]), tuple(tied_seconds(program, cluster, p)))
         if key not in seen:
             seen[key] = replay(program, cluster, p, [times[k][p] for k in range(K)], sends[p])
         for r, line in enumerate(seen[key]):
@@ -690,19 +799,7 @@ def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_res
     for k in range(K):  # pipeline 0's: each stage's sends and compute over the iteration
         t = times[k][0]
         stage_times.append((sends[0][k] * m, (t.forward + t.backward) * m))
-    memory, peaks, oom_devices = [], [], []
-    foreach = cluster.device == "cuda"
-    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
-    for v in vdevs:
-        mem = mem_of[v.index]
-        parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
-        peak = stage_peak(mem, foreach) / GIB
-        if v.compute is not None:
-            peak += v.compute.workspace_bytes / GIB
-        memory.append(parts)
-        peaks.append(peak)
-        if peak > v.memory_bytes / GIB - memory_reserve_gib:
-            oom_devices.append(v.index)
+    memory, peaks, oom_devices = pipeline_memory(program, cluster, memory_reserve_gib, vdevs)
     return SimResult(
         iter_time_s=iter_time,
         stage_times=stage_times,

@@ -36,8 +36,8 @@ from methods.auto.space import (
     make_part,
     stage_counts,
 )
-from methods.capture import capture_config
 from methods.common import check_training_options, group_table
+from methods.graph import capture_config
 
 __all__ = ["Auto", "Candidate", "NoPlanFits"]
 

@@ -28,6 +28,7 @@ from bench.core.errors import PlanningError
 from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
 from methods.auto.space import Candidate, make_part
+from methods.pipeline import SharedCosts
 
 
 class NoPlanFits(PlanningError):
@@ -98,12 +99,16 @@ def with_memory(cluster: ClusterSpec, budget_gib: float | None) -> ClusterSpec:
     return dataclasses.replace(cluster, machines=groups)
 
 
-def price(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec, bound_s: float) -> Priced:
-    """`cand` planned by its part on `cluster` (memory as budgeted) and priced by the simulator."""
+def price(
+    auto, cand: Candidate, workload: Workload, cluster: ClusterSpec, bound_s: float, shared: SharedCosts | None = None
+) -> Priced:
+    """`cand` planned by its part on `cluster` (memory as budgeted) and priced by the simulator.
+    `shared`: the pipeline's costs of this workload and cluster, kept across candidates (the
+    same plan as the part's alone)."""
     t0 = time.perf_counter()
     part = make_part(auto, cand)
     try:
-        plan = part.plan(workload, cluster)
+        plan = part.plan(workload, cluster, shared) if cand.part == "pipeline" else part.plan(workload, cluster)
     except ValueError as exc:  # ConfigError, PlanningError (StageOOM: status oom)
         status = "oom" if getattr(exc, "status", None) == "oom" else "refused"
         return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0)
@@ -133,6 +138,7 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     """
     ideal = workload.flops_per_iter / cluster.total_effective_flops()
     priced: dict[Candidate, Priced] = {}
+    shared = SharedCosts(workload, cluster)  # the pipelines' costs, priced once for every stage count and state
 
     def bound(c: Candidate) -> float:
         lighter = [p.iter_time_s for d, p in priced.items() if p.iter_time_s is not None and d.lighter_than(c)]
@@ -151,7 +157,7 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         if auto.prune and best is not None and now >= best.iter_time_s:
             pruned = [(c, now)] + [(x[2], bound(x[2])) for x in sorted(heap)]
             break
-        p = priced[c] = price(auto, c, workload, cluster, now)
+        p = priced[c] = price(auto, c, workload, cluster, now, shared)
         if p.status == "fits" and (best is None or p.iter_time_s < best.iter_time_s):
             best = p
     tried = list(priced.values())

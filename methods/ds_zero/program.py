@@ -56,8 +56,8 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpoin
     dispatch does not spend. An explicit method.moe_capacity_factor or moe_min_capacity that
     gives DeepSpeed other slots changes the all-to-all bytes here, not the FLOPs.
     """
-    from methods.capture import capture_config
     from methods.common import checkpoint_units, refuse_global_batch_norm
+    from methods.graph import capture_config
 
     graph = capture_config(workload.model_cfg, batch, batch_norm="local")
     refuse_global_batch_norm(workload, graph, "deepspeed", "each rank's share")

@@ -35,7 +35,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from bench.core.shares import offsets
-from methods.capture import Graph, Node
+from methods.graph import Graph, Node
 from methods.hap import collectives as C
 from methods.hap import hierarchy as H
 from methods.hap.balance import shard_lengths
@@ -164,7 +164,7 @@ class RankProgram:
     """The synthesized program as rank `rank` of `world_size` runs it.
 
     Args:
-        graph: the reference graph (methods.capture.capture of the model at the global batch).
+        graph: the reference graph (methods.graph.capture of the model at the global batch).
         details: plan.details of a HAP plan (steps, final_comms, loss, shard_units).
         ratios: plan.ratios (one row per segment; a step's Gather shards follow its segment's
             row, inputs are loaded by row 0).

@@ -39,7 +39,7 @@ def build_program(
     """The bench Program of a synthesized program: forward stages in order, then backward
     stages in reverse, with the memory each device holds.
 
-    Where the graph holds activation checkpoints (methods.capture.Graph.recompute), a
+    Where the graph holds activation checkpoints (methods.graph.Graph.recompute), a
     checkpointed op's backward stage runs its forward again first (its forward collectives
     and FLOPs: methods.hap.pricing), it keeps nothing from forward but the unit's inputs, which
     the checkpoint keeps in the layout they are made in, and what it would have kept lives
@@ -105,7 +105,7 @@ def build_program(
                     grads_before = grads_before + nbytes
                 else:
                     grads_made.append((position.get(ready[t], i), nbytes))
-        # What autograd keeps for backward (methods.capture.Graph.saved_bytes_factor), in the
+        # What autograd keeps for backward (methods.graph.Graph.saved_bytes_factor), in the
         # layout it exists in, each until backward has passed the first op that keeps it; a
         # checkpointed op's saves (the plain graph's) are a window of its unit's recompute.
         if step.node in unit_end:

@@ -34,8 +34,8 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
-from methods.capture import Graph, capture_config
 from methods.common import MemoryTools, capture_batch_norm, layer_groups
+from methods.graph import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
 from methods.hap.lowering import build_program
@@ -51,8 +51,8 @@ PLAN_FORMAT_VERSION = 1  # bump when details["steps"] changes shape (docs/planne
 
 # Code whose content decides a plan: a change to any of these files invalidates cached plans.
 _CODE_GLOBS = (
-    "methods/capture.py",
-    "methods/aten_capture.py",
+    "methods/graph.py",
+    "methods/export.py",
     "methods/common.py",
     "methods/hap/*.py",
     "bench/core/program.py",

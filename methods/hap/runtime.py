@@ -22,8 +22,8 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import bucket_runs
 from bench.core.shares import round_shares
 from bench.cost import virtual_devices
-from methods.capture import Graph, capture_config
 from methods.common import memory_tools_of, micro_batches, unit_nodes
+from methods.graph import Graph, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.codegen import (
     CodegenOptions,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from bench.core.errors import PlanningError
 from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
-from methods.capture import Graph
+from methods.graph import Graph
 from methods.hap.bounds import remaining_bound
 from methods.hap.pricing import CostModel
 from methods.hap.steps import Step

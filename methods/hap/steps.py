@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from methods.capture import Graph
+from methods.graph import Graph
 from methods.hap.theory import CommRule, Layout, Rule
 
 

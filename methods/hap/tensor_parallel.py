@@ -30,7 +30,7 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
-from methods.capture import Graph, capture_config
+from methods.graph import Graph, capture_config
 from methods.hap.balance import balance_ratios, batch_shares
 from methods.hap.lowering import build_program
 from methods.hap.planner import step_fields

@@ -1,6 +1,6 @@
 """The background theory of HAP (Sec. 4.2): Hoare triples over per-tensor sharding properties.
 
-For every node of the reference graph (ATen ops, methods.capture), the triples list the ways
+For every node of the reference graph (ATen ops, methods.graph), the triples list the ways
 the op can run SPMD: {pre-condition: a layout per input} op {post-condition: a layout of the
 output}. Communication triples turn one layout of a tensor into another. This module says what
 is *valid*; what it costs is methods.hap.search's business, and nothing here runs on devices.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.core.errors import PlanningError
-from methods.capture import VIEW_OPS, Graph, Node
+from methods.graph import VIEW_OPS, Graph, Node
 from methods.hap import dtensor_rules
 
 Layout = str | int

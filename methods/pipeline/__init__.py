@@ -19,11 +19,20 @@ their devices' memory, and the pipelines' shares are balanced for them; the simu
 schedule is torch's own: the planner traces it with stand-in stages, so the actions it prices
 are the ones the runtime calls, in the same order, with the stages where torch places them.
 
-At run time each rank captures the model with torch.export (methods.aten_capture, the graph the
+At run time each rank captures the model with torch.export (methods.export, the graph the
 planner priced), keeps the nodes of each of its stages as a GraphModule (the parameters it
 reads, the values that cross its borders as inputs and outputs), and runs them as
 PipelineStages. The ops that read the targets (the loss) run as the schedule's loss function on
 the last stage. It does not mix tensor parallelism into a stage.
+
+Tied parameters (a Hugging Face model's embedding and head, one tensor read by the first layer
+group and the last): stages on one position read one tensor, whose gradient autograd sums; where
+stages on several positions read it (planning.tied_params), each of those ranks holds a copy,
+and once the schedule is through (after the reduce-scatter, with sharded state: the shards line
+up, each replica's at its pipeline's index) they sum the copies' gradients with an all-reduce
+among the pipeline's holders, before the replicas' sync and the clipping norm (which counts the
+parameter once). Every copy then takes the whole gradient and the same Adam step. The
+PipelineProgram prices that all-reduce where it runs ("tie" actions, bench.cost.pipeline).
 
 Sharded state (`sharded_state`): the replicas of a stage (its ranks in the other pipelines)
 shard its parameters, gradients and Adam state with FSDP2's fully_shard over a mesh of just
@@ -60,12 +69,14 @@ from bench.cost.pipeline import (
     PipelineProgram,
     PipeStage,
     StageWork,
+    TiedParam,
     in_flight,
+    pipeline_memory,
     rank_memory,
     simulate_pipeline,
 )
-from methods.capture import capture_config
 from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
+from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.planning import (
     ALIKE,
@@ -78,6 +89,7 @@ from methods.pipeline.planning import (
     replica_buckets,
     slot_orders,
     sync_seconds,
+    tied_params,
 )
 from methods.pipeline.profile import group_profile
 from methods.pipeline.schedule import (
@@ -93,6 +105,7 @@ from methods.pipeline.trainer import PipelineTrainer
 __all__ = [
     "PipelineParallel",
     "PipelineTrainer",
+    "SharedCosts",
     "StageOOM",
     "balance_shares",
     "best_cuts",
@@ -228,21 +241,24 @@ class PipelineParallel:
         self.sharded_state = sharded_state
 
     # -- plan ------------------------------------------------------------------------------------
-    def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
+    def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
+        """The fastest pipelines that fit (module docstring). `shared`: the priced costs of
+        `workload` on `cluster` kept across plans (SharedCosts; a caller planning several stage
+        counts or states of one case), the same plan as without it."""
+        shared = shared or SharedCosts(workload, cluster)
+        shared.check(workload, cluster)
         graph = capture_config(workload.model_cfg, workload.global_batch)
         refuse_global_batch_norm(workload, graph, "pipeline", "each micro-batch")
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))
         layouts_, refusals = layouts(cluster, self.stage_level, self.num_stages, table.num_groups, self.alike)
         profiled = self.profile and cluster.emulated and cluster.device == "cpu" and cluster.host_flops is not None
-        costs = _Costs(
+        costs = shared.costs(
             graph,
             table,
-            cluster,
+            profiled,
             0.0 if profiled else model_launches,
-            (lambda mb: group_profile(workload, mb)) if profiled else None,
-            workload.flops_per_sample,
-            self.bucket_cap_mb * 2**20,
+            self.bucket_cap_mb,
             self.activation_checkpointing,
         )
         found: list[_Candidate] = []
@@ -273,10 +289,11 @@ class PipelineParallel:
                     )
                     continue
                 program = self._program(c, traces, table, costs, workload, cluster, model_launches)
-                sim = simulate_pipeline(program, cluster)
-                if sim.oom:  # a rank of several stages checked whole
-                    over.append((max(sim.peak_mem_gib), c, sim))
+                held = pipeline_memory(program, cluster)
+                if held.oom_devices:  # a rank of several stages checked whole, before its replay
+                    over.append((max(held.peak_mem_gib), c, held))
                     continue
+                sim = simulate_pipeline(program, cluster)
                 if best is None or sim.iter_time_s < best[0]:
                     best = (sim.iter_time_s, c, program)
                 priced += 1
@@ -285,12 +302,12 @@ class PipelineParallel:
         if best is None and not over:
             raise ConfigError(refused[0])
         if best is None:
-            _, c, sim = min(over, key=lambda x: x[0])
-            rank = sim.oom_devices[0]
+            _, c, held = min(over, key=lambda x: x[0])
+            rank = held.oom_devices[0]
             dev = cluster.devices[rank]
             raise StageOOM(
                 f"no plan of {workload.name} under method.schedule={self.schedule} fits device memory: "
-                f"rank {rank} needs {sim.peak_mem_gib[rank]:.1f} GiB at method.num_micro_batches={c.m} "
+                f"rank {rank} needs {held.peak_mem_gib[rank]:.1f} GiB at method.num_micro_batches={c.m} "
                 f"({c.schedule}, {c.stages_per_rank} stage(s) per rank), more than a {dev.type.name}'s "
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
             )
@@ -343,9 +360,27 @@ class PipelineParallel:
             return []
         found: list[_Candidate] = []
         orders = slot_orders(cluster, layout)
-        balanced: dict = {}
+        balanced = costs.balanced
+        equal = self.shares == "equal"
         runnable = False
-        for schedule, V, sharded in self._state_choices(pairs, D):
+        choices = self._state_choices(pairs, D)
+        floor = _replicated_state_floor(layout, table, costs)
+        if floor is not None:  # no replicated rank can fit: sharded state alone is planned
+            choices = [c for c in choices if c[2]]
+            if not choices:
+                roomiest = max((cluster.devices[r] for slot in layout.slots for r in slot), key=costs.room)
+                oom.append(
+                    (
+                        floor,
+                        f"no split of {workload.name}'s {table.num_groups} layer groups into {where} fits device "
+                        f"memory: with replicated state some rank holds at least 1/{R} of the parameters, their "
+                        f"gradients and Adam's two moments, {floor / 2**30:.1f} GiB, more than the roomiest of "
+                        f"them, a {roomiest.type.name} of {roomiest.type.memory_gib:g} GiB; use more stages "
+                        "(method.num_stages), method.sharded_state or more devices",
+                    )
+                )
+                return []
+        for schedule, V, sharded in choices:
             K = R * V
             if table.num_groups < K:
                 refusals.append(
@@ -370,10 +405,10 @@ class PipelineParallel:
                 flights = tuple(in_flight(orders_[stage_rank[k]], k) for k in range(K))
                 for order in orders:
                     slots = tuple(order[stage_rank[k]] for k in range(K))
-                    key = (slots, stage_rank, m, flights, sharded)
+                    key = (slots, stage_rank, m, B // m, flights, equal, sharded)
                     if key not in balanced:
                         balanced[key] = balance_shares(
-                            costs, slots, stage_rank, m, B // m, flights, self.shares == "equal", sharded=sharded
+                            costs, slots, stage_rank, m, B // m, flights, equal, sharded=sharded
                         )
                     got = balanced[key]
                     if got is None:
@@ -469,21 +504,27 @@ class PipelineParallel:
             mine = traces[r].stages
             params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
             bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
-            memory.append(
-                tuple(
-                    rank_memory(
-                        traces[r].actions,
-                        {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
-                        c.m,
-                        bucket,
-                        D if c.sharded else 1,
-                    )
-                    for mb in c.micro_batches
+            held = {  # pipelines at equal micro-batches hold alike
+                mb: rank_memory(
+                    traces[r].actions,
+                    {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
+                    c.m,
+                    bucket,
+                    D if c.sharded else 1,
                 )
-            )
+                for mb in set(c.micro_batches)
+            }
+            memory.append(tuple(held[mb] for mb in c.micro_batches))
             buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 and not c.sharded else ())
         profiles = [costs.profile_at(mb) for mb in c.micro_batches]
-        actions = tuple(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions for t in traces)
+        tied = tuple(
+            TiedParam(name, positions, costs.tied_bytes(name, D) if c.sharded else costs.tied_bytes(name, 1) * D)
+            for name, positions in tied_params(table, c.cuts, stage_rank)
+        )
+        actions = tuple(
+            with_tied_collectives(with_shard_collectives(t.actions, t.stages) if c.sharded else t.actions, r, tied)
+            for r, t in enumerate(traces)
+        )
         return PipelineProgram(
             stages=tuple(stages),
             actions=actions,
@@ -500,6 +541,7 @@ class PipelineParallel:
             profile_step_s=tuple(p["step_s"] for p in profiles) if all(profiles) else (),
             flops_per_sample=workload.flops_per_sample,
             sharded_state=c.sharded,
+            tied=tied,
         )
 
     def _plan(self, c: _Candidate, program: PipelineProgram, workload: Workload) -> Plan:
@@ -531,6 +573,7 @@ class PipelineParallel:
             "stage_rank": list(program.stage_rank),
             "pipelines": [[c.order[r][p] for r in range(R)] for p in range(D)],
             "layer_groups": c.cuts[-1],
+            "tied_params": [{"name": t.name, "positions": list(t.positions)} for t in program.tied],
             "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
         }
         return Plan(
@@ -542,7 +585,55 @@ class PipelineParallel:
         return PipelineTrainer(self, plan, model, ctx)
 
 
+class SharedCosts:
+    """The priced costs of one workload on one cluster (planning._Costs: the layer groups'
+    seconds, peaks, sends, cuts and balanced shares), kept across the pipeline plans of one
+    caller, e.g. auto's candidates at each stage count and state: a plan reads the costs of
+    its options (checkpointing, gradient bucket, profiled or priced) from here, so plans that
+    share them price each run of groups once. It holds nothing of another workload or cluster
+    (`check`), and lives as long as its caller keeps it."""
+
+    def __init__(self, workload: Workload, cluster: ClusterSpec):
+        self.workload, self.cluster = workload, cluster
+        self._costs: dict[tuple, _Costs] = {}
+
+    def check(self, workload: Workload, cluster: ClusterSpec) -> None:
+        assert workload is self.workload and cluster is self.cluster, "costs shared across workloads or clusters"
+
+    def costs(
+        self, graph, table: GroupTable, profiled: bool, model_launches: float, bucket_cap_mb: float, checkpointing: bool
+    ) -> _Costs:
+        """The costs at these options, made on first use (`graph`, `table`: the workload's
+        capture and its layer groups, the same at every use)."""
+        key = (profiled, model_launches, bucket_cap_mb, checkpointing)
+        if key not in self._costs:
+            workload = self.workload
+            self._costs[key] = _Costs(
+                graph,
+                table,
+                self.cluster,
+                model_launches,
+                (lambda mb: group_profile(workload, mb)) if profiled else None,
+                workload.flops_per_sample,
+                bucket_cap_mb * 2**20,
+                checkpointing,
+            )
+        return self._costs[key]
+
+
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V
+
+
+def _replicated_state_floor(layout: Layout, table: GroupTable, costs: _Costs) -> float | None:
+    """Bytes no rank of `layout` with replicated state can fit in, or None where one might: the
+    positions' parameters add up to the model's, so some position holds at least 1/R of them,
+    and a rank keeps its parameters, their gradients and Adam's two moments (rank_memory's
+    resident state, below every peak it prices); None unless that is more than every device of
+    the layout holds."""
+    floor = 4.0 * sum(g.param_bytes for g in table.groups) / layout.num_stages
+    if any(costs.fits(r, floor) for slot in layout.slots for r in slot):
+        return None
+    return floor
 
 
 def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) -> tuple[tuple, ...]:
@@ -551,6 +642,13 @@ def with_shard_collectives(actions: tuple[tuple, ...], stages: tuple[int, ...]) 
     through it) and its gradients reduce-scattered after the last action (torch's
     perform_reduce_grad, after the schedule's last waits)."""
     return tuple(("gather", k) for k in stages) + tuple(actions) + tuple(("scatter", k) for k in stages)
+
+
+def with_tied_collectives(actions: tuple[tuple, ...], position: int, tied: tuple[TiedParam, ...]) -> tuple[tuple, ...]:
+    """A position's actions with the all-reduce of each tied parameter it holds a copy of
+    ("tie", bench.cost.pipeline.ACTIONS) after its last action, in the order of `tied` (the
+    trainer's, before the replicas' sync)."""
+    return tuple(actions) + tuple(("tie", i) for i, t in enumerate(tied) if position in t.positions)
 
 
 def _check_stages_per_rank(schedule: str, v: int) -> None:

@@ -138,10 +138,10 @@ def checkpointed_stage(gm: fx.GraphModule, table: GroupTable, tensors: set[str],
 
 def model_graph(model: nn.Module, model_cfg, batch_size: int, seed: int = 0, device=None) -> fx.GraphModule:
     """`model` (its own parameters and buffers, on meta where not materialised yet) as the
-    planner's ATen graph at `batch_size` samples: the graph of methods.capture.capture_config(
+    planner's ATen graph at `batch_size` samples: the graph of methods.graph.capture_config(
     model_cfg, batch_size) (kept on disk, or traced from the model), so its nodes are the ones
     the planner's layer groups name; its constants on `device` (default: the model's)."""
-    from methods.capture import capture_config
+    from methods.graph import capture_config
     from methods.graph_cache import with_tensors
 
     return with_tensors(capture_config(model_cfg, batch_size, seed, model=model).gm, model, device)

@@ -17,8 +17,8 @@ from bench.core.shares import round_shares
 from bench.cost import FloatAlgebra, virtual_devices
 from bench.cost.pipeline import StageBytes, grad_sync_s, shard_collective_s, stage_peak_bytes, transfer_s
 from bench.cost.price import device_compute
-from methods.capture import Graph
 from methods.common import GroupTable, StageActivations, gradient_buckets
+from methods.graph import Graph
 
 MAX_ORDERS = 2000  # device orders tried per layout; past it, a few heuristic ones
 
@@ -246,6 +246,8 @@ class _Costs:
         self._slowest: dict = {}
         self._sends: dict = {}
         self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
+        self.balanced: dict = {}  # balance_shares, by its arguments (PipelineParallel._candidates)
+        self.syncs: dict = {}  # sync_seconds, by its arguments
         self.vdevs = virtual_devices(self.cluster, "gpu")
         self.alg = FloatAlgebra([[1.0 / len(self.vdevs)] * len(self.vdevs)])
         self._cache: dict = {}
@@ -401,6 +403,18 @@ class _Costs:
             self._shards[shards] = out
         return self._shards[shards]
 
+    def tied_bytes(self, name: str, shards: int) -> tuple[float, ...]:
+        """What each of `shards` replicas all-reduces of tied parameter `name`'s gradient: the
+        whole gradient (one replica, or replicated state), or its FSDP2 shard at each index
+        (torch.chunk of dim 0: equal chunks rounded up, the last ones shorter or empty)."""
+        shape, itemsize = self._shapes[name]
+        whole = float(math.prod(shape) * itemsize)
+        if shards < 2 or not shape:
+            return (whole,) * max(shards, 1)
+        rows = math.ceil(shape[0] / shards)
+        row_bytes = whole / shape[0] if shape[0] else 0.0
+        return tuple(max(0, min(rows, shape[0] - i * rows)) * row_bytes for i in range(shards))
+
     def shard_bytes(self, first: int, end: int, shards: int) -> float:
         """One replica's shard of groups [first, end)'s parameters (0 for one replica)."""
         if shards < 2:
@@ -437,6 +451,11 @@ class _Costs:
         """Whether the device holds `peak` bytes (and its libraries' own)."""
         v = self.vdevs[rank]
         return peak + (v.compute.workspace_bytes if v.compute is not None else 0.0) <= v.memory_bytes
+
+    def room(self, device) -> float:
+        """Bytes a device holds for a plan: its memory less its libraries' own."""
+        v = self.vdevs[device.rank]
+        return v.memory_bytes - (v.compute.workspace_bytes if v.compute is not None else 0.0)
 
     def send(self, a: int, b: int, end: int, mb: int) -> float:
         """Sending the output of groups [., end) from rank a to rank b and its gradient back."""
@@ -645,6 +664,19 @@ def replica_buckets(table: GroupTable, cuts: Sequence[int], stages: Sequence[int
     return tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, cap_mb))
 
 
+def tied_params(table: GroupTable, cuts: Sequence[int], stage_rank: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters that stages on several positions read (a tied embedding and head), each
+    with those positions in order: (name as the traced graph keeps it, positions). Two stages
+    of one position read one tensor and need nothing."""
+    group_stage = {g: k for k in range(len(cuts) - 1) for g in range(cuts[k], cuts[k + 1])}
+    out = []
+    for name in table.shared_params:
+        positions = tuple(sorted({stage_rank[group_stage[g]] for g in table.shared_groups[name]}))
+        if len(positions) > 1:
+            out.append((name, positions))
+    return out
+
+
 def sync_seconds(
     costs: _Costs,
     order: Sequence[tuple[int, ...]],
@@ -654,7 +686,41 @@ def sync_seconds(
     sharded: bool = False,
 ) -> float:
     """The slowest position's gradient all-reduce among its replicas (grad_sync_s), or with
-    sharded state its stages' all-gathers and reduce-scatters (shard_collective_s)."""
+    sharded state its stages' all-gathers and reduce-scatters (shard_collective_s), after the
+    all-reduces of its tied parameters' gradients among a pipeline's holders (tied_params).
+    Kept in `costs` per argument."""
+    key = (tuple(order), tuple(stage_rank), tuple(cuts), cap_mb, sharded)
+    if key not in costs.syncs:
+        costs.syncs[key] = _tied_sync_seconds(costs, order, stage_rank, cuts, sharded) + _replica_sync_seconds(
+            costs, order, stage_rank, cuts, cap_mb, sharded
+        )
+    return costs.syncs[key]
+
+
+def _tied_sync_seconds(
+    costs: _Costs, order: Sequence[tuple[int, ...]], stage_rank: Sequence[int], cuts: Sequence[int], sharded: bool
+) -> float:
+    """sync_seconds' part among a pipeline's holders of each tied parameter."""
+    D = len(order[0])
+    tied = 0.0
+    for name, positions in tied_params(costs.table, cuts, stage_rank):
+        nbytes = costs.tied_bytes(name, D if sharded else 1)
+        tied += max(
+            grad_sync_s((nbytes[p if sharded else 0],), [order[r][p] for r in positions], costs.cluster)
+            for p in range(D)
+        )
+    return tied
+
+
+def _replica_sync_seconds(
+    costs: _Costs,
+    order: Sequence[tuple[int, ...]],
+    stage_rank: Sequence[int],
+    cuts: Sequence[int],
+    cap_mb: float,
+    sharded: bool,
+) -> float:
+    """sync_seconds' part among the replicas: the bucket all-reduces or the shard collectives."""
     if len(order[0]) < 2:
         return 0.0
     if sharded:

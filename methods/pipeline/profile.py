@@ -9,8 +9,8 @@ import time
 import torch
 
 from bench.core.interfaces import Workload
-from methods.capture import capture_config
 from methods.common import group_table
+from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph, model_graph
 
 # -- the layer groups on this host ---------------------------------------------------------------

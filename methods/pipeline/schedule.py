@@ -185,6 +185,11 @@ def _trace(schedule: str, R: int, m: int, V: int) -> tuple[Trace, ...]:
                 placed = dict(sched.stage_index_to_group_rank)
             else:
                 placed = {k: k for k in range(K)}
+                # Made once for every position, without the table of all the ranks' actions
+                # (R x m of them) torch's single-stage __init__ lays out: their steps never read it.
+                with mock.patch.object(cls, "_get_pipeline_order", lambda self: None):
+                    sched = cls(_TracedStage(0, R, R, 0, events), m, loss_fn=_no_loss, scale_grads=False)
+                sched._initialize_stage = lambda *args, **kwargs: None
             for r in range(R):
                 events.clear()
                 ids[0] = itertools.count()
@@ -193,8 +198,7 @@ def _trace(schedule: str, R: int, m: int, V: int) -> tuple[Trace, ...]:
                     sched._stages = [_TracedStage(k, K, R, r, events) for k in mine]
                     sched.rank = r
                 else:
-                    sched = cls(_TracedStage(r, R, R, r, events), m, loss_fn=_no_loss, scale_grads=False)
-                    sched._initialize_stage = lambda *args, **kwargs: None
+                    sched._stage = _TracedStage(r, R, R, r, events)
                 sched._step_microbatches([()] * m, [{}] * m, [None] * m, None, return_outputs=False)
                 out.append(Trace(tuple(events), tuple(placed[k] for k in range(K)), tuple(mine)))
         except (ValueError, AssertionError, RuntimeError, KeyError, IndexError) as exc:

@@ -1,5 +1,6 @@
 """One rank of a pipeline at run time: its stages of the traced model as torch PipelineStages,
-torch's schedule, its replicas' gradients summed in buckets (or, with sharded state, each stage
+torch's schedule, the gradients of its copies of tied parameters summed with the pipeline's
+other holders, its replicas' gradients summed in buckets (or, with sharded state, each stage
 fully_shard-ed over its replicas), Adam over its parameters."""
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
-from methods.capture import capture_config
 from methods.common import gradient_buckets, group_table
+from methods.graph import capture_config
 from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
+from methods.pipeline.planning import tied_params
 from methods.pipeline.schedule import is_multi_stage, schedule_class
 
 
 class PipelineTrainer:
     """One rank of a pipeline: its stages' GraphModules as PipelineStages, torch's schedule, the
-    gradients summed over its replicas, Adam over its parameters."""
+    gradients of tied parameters summed among the pipeline's holders and then every gradient
+    over its replicas, Adam over its parameters."""
 
     def __init__(self, method, plan: Plan, model: nn.Module, ctx: RankContext):
         from torch.distributed.pipelining import PipelineStage
@@ -39,12 +42,6 @@ class PipelineTrainer:
         self.is_first, self.is_last = 0 in mine, K - 1 in mine
         if ctx.emulator.enabled:
             install_p2p(ctx.emulator)  # activations' sends go over the emulated links
-        # Every rank makes every group, in the same order (torch.distributed.new_group). A
-        # pipeline's group ranks its members by position, the rank torch's schedules place
-        # stages by.
-        groups = [dist.new_group(ranks, sort_ranks=False) for ranks in pipelines]
-        replicas = [dist.new_group(sorted(p[r] for p in pipelines)) for r in range(R)] if D > 1 else None
-        group = groups[self.pipeline]
         # The planner's graph of the model, for its layer groups; the model's own graph, captured
         # the same way at the same batch, has the same node names.
         micro_batch = max(d["micro_batches"][self.pipeline], 1)
@@ -53,10 +50,24 @@ class PipelineTrainer:
         gm = model_graph(model, ctx.workload.model_cfg, micro_batch, device=ctx.device)
         cuts = [st["groups"][0] for st in d["stages"]] + [d["stages"][-1]["groups"][1] + 1]
         tensors = {n.name for n in graph.nodes if n.is_tensor}
+        tied = tied_params(table, cuts, stage_rank)
+        # Every rank makes every group, in the same order (torch.distributed.new_group). A
+        # pipeline's group ranks its members by position, the rank torch's schedules place
+        # stages by; a position's replicas by pipeline, so that with sharded state a rank's
+        # shard index is its pipeline's and the shards of a tied parameter's copies line up.
+        groups = [dist.new_group(ranks, sort_ranks=False) for ranks in pipelines]
+        replicas = [dist.new_group([p[r] for p in pipelines], sort_ranks=False) for r in range(R)] if D > 1 else None
+        tie_groups = {
+            positions: [dist.new_group([p[r] for r in positions], sort_ranks=False) for p in pipelines]
+            for positions in dict.fromkeys(positions for _, positions in tied)
+        }
+        group = groups[self.pipeline]
         self.replica_group = replicas[self.position] if D > 1 else None
         self.sharded = bool(d.get("sharded_state")) and D > 1
         model_names = {id(p): n for n, p in model.named_parameters()}
+        tied_ids = {id(gm.get_parameter(name)): i for i, (name, _) in enumerate(tied)}
         stages, loss_module, params, self.names = [], None, {}, {}
+        held: dict[int, nn.Parameter] = {}  # tied parameter -> this rank's copy
         self.sharded_modules: list[nn.Module] = []
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
@@ -67,14 +78,25 @@ class PipelineTrainer:
                 if part is not None and ctx.weights is not None:
                     ctx.weights.materialize(part, ctx.device)
             names = {n: model_names.get(id(p), n) for n, p in module.named_parameters()}
+            copies = {n: tied_ids[id(p)] for n, p in module.named_parameters() if id(p) in tied_ids}
             if self.sharded:
                 shard_stage(module, self.replica_group, ctx.device)
                 self.sharded_modules.append(module)
             for n, p in module.named_parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
                 self.names[id(p)] = names[n]
+                if n in copies:
+                    held.setdefault(copies[n], params[id(p)])
             stages.append(PipelineStage(module, k, K, ctx.device, group=group))
         self.params = list(params.values())
+        # This rank's copies of tied parameters, each with its holders' group in this pipeline;
+        # the clipping norm counts a copy on the first holder only.
+        self.tied = [
+            (held[i], tie_groups[positions][self.pipeline]) for i, (_, positions) in enumerate(tied) if i in held
+        ]
+        self.uncounted = {
+            id(held[i]) for i, (_, positions) in enumerate(tied) if i in held and self.position != positions[0]
+        }
         # Tests: the full model every stage's state is written into, a materialised copy.
         self.full_model = None
         if method.mirror_full_state:
@@ -123,6 +145,7 @@ class PipelineTrainer:
         for module in self.sharded_modules:  # every stage gathered at once, before the schedule
             module.unshard()
         self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.sum_tied()
         self.sync_replicas()
         if self.grad_clip:
             self.clip_global_norm(self.grad_clip)
@@ -133,6 +156,15 @@ class PipelineTrainer:
         if losses:  # the micro-batches' scaled losses, back to the summed loss
             return (torch.stack([x.detach() for x in losses]).sum() / self.loss_scale).detach()
         return torch.zeros(())
+
+    def sum_tied(self) -> None:
+        """Sum the gradients of this rank's copies of tied parameters with the pipeline's other
+        holders, one all-reduce each (sharded: of the local shards, which hold the same
+        elements on every holder)."""
+        for p, group in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(_local(p.grad), group=group)
 
     def sync_replicas(self) -> None:
         """Sum this rank's gradients over its replicas, bucket by bucket (a flat copy each)."""
@@ -148,7 +180,8 @@ class PipelineTrainer:
     def clip_global_norm(self, max_norm: float) -> torch.Tensor:
         """Every stage's gradients scaled by one factor: the norm over the whole model (a
         stage's replicas hold the same gradients once summed, so one pipeline's stages count;
-        sharded, each replica holds its own part of them, and every rank counts its shards).
+        sharded, each replica holds its own part of them, and every rank counts its shards; a
+        tied parameter's copies hold the same gradient once summed, and its first holder counts).
 
         The sum of squares lives on the stage's device (NCCL reduces device tensors only) and
         the factor stays a tensor there, as torch.nn.utils.clip_grad_norm_ keeps it: no read
@@ -156,7 +189,7 @@ class PipelineTrainer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pipeline == 0 or self.sharded:
             for p in self.params:
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in self.uncounted:
                     sq += _local(p.grad).detach().double().pow(2).sum()
         dist.all_reduce(sq)
         norm = sq.sqrt()

@@ -20,7 +20,7 @@ from bench.cost.flops import train_flops_per_sample
 from bench.runtime.launch import launch
 from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
-from methods.capture import capture_config
+from methods.graph import capture_config
 from methods.hap.balance import batch_shares
 from methods.hap.planner import PLAN_FORMAT_VERSION
 from methods.hap.pricing import CostModel
@@ -567,7 +567,7 @@ def test_a_checkpointed_program_runs_what_the_plain_program_runs_and_keeps_less(
     """With activation checkpoints the recorded module runs each unit as a checkpointed
     sub-module from the first step on: three Adam steps give bit-identical losses and
     parameters to the plain program, and forward leaves alive for backward what the
-    checkpointed graph counts less (methods.capture.Graph.recompute)."""
+    checkpointed graph counts less (methods.graph.Graph.recompute)."""
     from bench.runtime.tensor_memory import TensorBytes
     from methods.common import checkpoint_units
     from methods.hap.codegen import CodegenOptions, RankProgram, _Checkpointed

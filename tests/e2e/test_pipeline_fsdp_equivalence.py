@@ -227,14 +227,26 @@ def test_one_fsdp_step_of_a_model_with_tied_weights_equals_single_device_trainin
     assert case.plan.details["root_params"]  # the tied parameter
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each pipeline stage updates its own copy of a tied parameter: the trainer does not sum "
-    "the gradient of a parameter its first and last stages share (methods/pipeline/trainer.py)",
+# (extra overrides, ranks, the positions holding the tied parameter): two stages at device
+# level and the schedule fixed, whatever the host's measured speed prices: the embedding and the
+# head on one position of a V (one tensor, no all-reduce), or on two positions with several stages
+# per rank; a clipped global norm that counts the parameter once; two pipelines with sharded state.
+TIED = [
+    (("method.schedule=zbvzerobubble",), 2, []),
+    (("method.schedule=interleaved1f1b", "method.stages_per_rank=2", "method.grad_clip=0.05"), 2, [0, 1]),
+    (("cluster=local_2x2", "method.sharded_state=true", "method.grad_clip=0.05", "global_batch=16"), 4, [0, 1]),
+]
+
+
+@pytest.mark.parametrize(
+    "extra,ranks,positions",
+    TIED,
+    ids=["v_one_position", "interleaved_clipped", "sharded_clipped"],
 )
-def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_training(cfg_factory):
+def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_training(
+    cfg_factory, extra, ranks, positions
+):
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
-    # two stages at device level, whatever the host's measured speed prices: the embedding and the head apart
     case = _check_one_step(
         cfg_factory,
         "model=hf",
@@ -244,8 +256,14 @@ def test_one_pipeline_step_of_a_model_with_tied_weights_equals_single_device_tra
         "method.stage_level=device",
         "method.num_stages=2",
         "global_batch=8",
+        *extra,
+        ranks=ranks,
     )
-    assert case.plan.details["num_pipelines"] == 1
+    d = case.plan.details
+    assert d["num_pipelines"] == ranks // 2 and d["sharded_state"] == ("method.sharded_state=true" in extra), d
+    assert [t["positions"] for t in d["tied_params"]] == ([positions] if positions else []), d
+    tie = [a for actions in case.plan.program.actions for a in actions if a[0] == "tie"]
+    assert len(tie) == len(positions)
 
 
 # Sharded state: each stage's parameters, gradients and Adam state sharded over its replicas

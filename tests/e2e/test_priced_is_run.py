@@ -1,7 +1,8 @@
 """What the new methods' programs price is what their runtimes do: FSDP2's collectives (kind,
 bytes per rank, order) and the pipeline's transfers (which micro-batch, which way, bytes, in
 each rank's order, under single-stage and multi-stage schedules, pipelines at their own
-micro-batch) recorded on real ranks, against the Program / PipelineProgram of the plan."""
+micro-batch), its sharded state's collectives and its tied parameters' all-reduces, recorded
+on real ranks, against the Program / PipelineProgram of the plan."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
             "fsdp": ("all_gather_single", "reduce_scatter_single"),
             "pipeline": ("isend", "irecv"),
             "sharded": ("isend", "irecv", "all_gather_single", "reduce_scatter_single"),
+            "tied": ("isend", "irecv", "all_gather_single", "reduce_scatter_single", "all_reduce"),
         }[kind]
         for name in names:
             original = getattr(dist, name)
@@ -162,3 +164,49 @@ def test_sharded_pipeline_stages_gather_and_scatter_where_their_program_prices_t
             for a, (_, nbytes) in zip([a for a in actions if a[0] in kinds], ran):
                 if a[0] in ("gather", "scatter"):
                     assert nbytes == program.stages[a[1]].shard_bytes, (rank, a, nbytes)
+
+
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (("cluster=local_hetero2",), 2),
+        # two pipelines, each stage's state sharded over its replicas: a copy's shard at its index
+        (("cluster=local_2x2", "method.sharded_state=true", "global_batch=16"), 4),
+    ],
+)
+def test_the_pipeline_all_reduces_a_tied_parameter_where_its_program_prices_it(cfg_factory, overrides, world):
+    """GPT-2's embedding and head (one tensor) on a pipeline's first and last positions: each
+    all-reduces its copy's gradient (its shard, with sharded state) with the other holder after
+    the schedule, as many bytes as priced, in the traced order."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    cfg = cfg_factory(
+        "model=hf",
+        "model.arch=gpt2",
+        "method=pipeline",
+        "method.stage_level=device",
+        "method.num_stages=2",
+        "method.schedule=1f1b",
+        "method.profile=false",
+        "mode=sim",
+        "global_batch=8",
+        *overrides,
+    )
+    case = prepare_case(cfg, new_record(cfg))
+    program = case.plan.program
+    assert [t.positions for t in program.tied] == [(0, 1)]
+    got = _record(case, "tied", world)
+    kinds = {
+        "send": "isend",
+        "recv": "irecv",
+        "gather": "all_gather_single",
+        "scatter": "reduce_scatter_single",
+        "tie": "all_reduce",
+    }
+    for p in range(program.num_pipelines):
+        for r, actions in enumerate(program.actions):
+            rank = program.position_ranks(r)[p]
+            priced = [a for a in actions if a[0] in kinds]
+            assert [name for name, _ in got[rank]] == [kinds[a[0]] for a in priced], f"rank {rank}"
+            for a, (_, nbytes) in zip(priced, got[rank]):
+                if a[0] == "tie":
+                    assert nbytes == program.tied[a[1]].nbytes[p], (rank, a, nbytes)

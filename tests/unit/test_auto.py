@@ -9,7 +9,9 @@ from bench.cost import simulate
 from bench.records.rows import load_records
 from bench.runner.execute import run_config
 from methods.auto import Auto, NoPlanFits
-from methods.auto.space import Candidate, accumulation_steps, candidates
+from methods.auto.search import with_memory
+from methods.auto.space import Candidate, accumulation_steps, candidates, make_part
+from methods.pipeline import SharedCosts
 from tests.conftest import compose_config
 from tests.unit.test_hap_planner import bert_workload, cluster
 
@@ -71,6 +73,32 @@ def test_auto_prices_a_composition_as_the_method_alone_does(tmp_path, forced, pa
     if not d["chosen"]["checkpointing"] and d["chosen"]["grad_accumulation"] == 1:
         assert ours.iter_time_s == pytest.approx(theirs.iter_time_s, rel=1e-9)
     assert chosen[0]["iter_time_s"] == pytest.approx(ours.iter_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("budget_gib", [None, 0.0035])  # 0.0035: memory picks the cuts and counts
+def test_pipelines_planned_with_shared_costs_equal_each_planned_alone(tmp_path, budget_gib):
+    """The costs auto keeps across its pipeline candidates change no plan: each stage count,
+    state and checkpointing planned in turn on one SharedCosts gives the plan and price of the
+    same candidate planned alone in a fresh planner."""
+    wl, cl = bert_workload(), with_memory(cluster(k=2), budget_gib)
+    auto = _method(tmp_path)
+    pipes = [c for c in auto.space(wl, cl) if c.part == "pipeline"]
+    assert {c.stages for c in pipes} >= {2, 3} and {c.state for c in pipes} == {"replicated", "sharded"}
+    shared = SharedCosts(wl, cl)
+    for cand in pipes:
+        try:
+            alone = make_part(auto, cand).plan(wl, cl)
+        except ValueError as exc:
+            with pytest.raises(type(exc)) as got:
+                make_part(auto, cand).plan(wl, cl, shared)
+            assert str(got.value) == str(exc)
+            continue
+        with_shared = make_part(auto, cand).plan(wl, cl, shared)
+        assert with_shared.details == alone.details and with_shared.batch_shares == alone.batch_shares
+        assert with_shared.program == alone.program
+        ours, theirs = simulate(with_shared.program, cl, None), simulate(alone.program, cl, None)
+        assert ours.iter_time_s == theirs.iter_time_s and ours.peak_mem_gib == theirs.peak_mem_gib
+    assert len(shared._costs) == 2  # with and without checkpointing, each priced once
 
 
 def test_auto_is_the_fastest_candidate_that_fits_and_pruning_keeps_it(tmp_path):

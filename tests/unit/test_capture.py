@@ -1,4 +1,4 @@
-"""methods.capture: torch.export's ATen graph, rewritten for the planner, computes what the model
+"""methods.graph: torch.export's ATen graph, rewritten for the planner, computes what the model
 computes; its FLOPs are torch's for the contractions; what it cannot capture fails in one line."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.core.program import op_class
-from methods import capture as C
+from methods import graph as C
 from tests.conftest import compose_config
 
 PAPER_MODELS = ["vgg19", "vit", "bert", "bert_moe"]

@@ -43,7 +43,7 @@ def test_the_guard_refuses_a_cpu_tensor_where_the_ranks_compute_on_another_devic
 
 
 def test_the_pipeline_clips_with_a_norm_summed_on_the_stages_device():
-    stage = SimpleNamespace(pipeline=0, device=META, params=_params_with_grads(META, (2, 3), (4,)))
+    stage = SimpleNamespace(pipeline=0, device=META, params=_params_with_grads(META, (2, 3), (4,)), uncounted=set())
     with collectives_on(META) as calls:
         norm = PipelineTrainer.clip_global_norm(stage, 1.0)
     assert calls == ["all_reduce"] and norm.device == META
@@ -51,7 +51,9 @@ def test_the_pipeline_clips_with_a_norm_summed_on_the_stages_device():
 
 
 def test_the_pipelines_clip_scales_by_the_global_norm_and_leaves_small_gradients_alone():
-    stage = SimpleNamespace(pipeline=0, device=torch.device("cpu"), params=_params_with_grads("cpu", (2, 3), (4,)))
+    stage = SimpleNamespace(
+        pipeline=0, device=torch.device("cpu"), params=_params_with_grads("cpu", (2, 3), (4,)), uncounted=set()
+    )
     with collectives_on("cpu") as calls, _one_rank():
         norm = PipelineTrainer.clip_global_norm(stage, 1.0)
         assert float(norm) == pytest.approx(3.0 * 10**0.5)

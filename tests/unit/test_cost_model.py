@@ -11,8 +11,8 @@ import pytest
 from bench.core.program import Affine, Collective, Program, Stage
 from bench.cost import compute_proportional_ratios, even_ratios, memory_proportional_ratios, simulate, virtual_devices
 from bench.studies.planner_quality import PARTS_OFF, plan_case
-from methods.capture import capture_config
 from methods.dp_program import data_parallel_program
+from methods.graph import capture_config
 from methods.hap.balance import balance_ratios
 from methods.hap.planner import HapPlanner
 from tests.unit.test_hap_planner import bert_workload, cluster

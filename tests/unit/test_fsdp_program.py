@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
 from bench.cost import simulate
-from methods.capture import capture_config
 from methods.common import group_table
 from methods.fsdp import FullyShardedDP, fsdp_program, fsdp_units, shard_bytes
+from methods.graph import capture_config
 from tests.conftest import compose_config
 
 

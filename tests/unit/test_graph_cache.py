@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-import methods.capture as capture
+import methods.graph as graph_module
 from bench.runner.configs import instantiate_plugin
 from bench.runner.settings import as_settings
 from methods import graph_cache
@@ -26,9 +26,9 @@ def cache(tmp_path, monkeypatch):
     """An empty cache folder of this test's, and no graph kept in this process."""
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("HETBENCH_GRAPH_CACHE", raising=False)
-    capture._captured.clear()
+    graph_module._captured.clear()
     yield tmp_path / "graphs"
-    capture._captured.clear()
+    graph_module._captured.clear()
 
 
 def signature(graph) -> list:
@@ -54,12 +54,12 @@ def signature(graph) -> list:
 
 def fresh(model_cfg, batch: int, monkeypatch):
     monkeypatch.setenv("HETBENCH_GRAPH_CACHE", "0")
-    capture._captured.clear()
+    graph_module._captured.clear()
     try:
-        return capture.capture_config(model_cfg, batch)
+        return graph_module.capture_config(model_cfg, batch)
     finally:
         monkeypatch.delenv("HETBENCH_GRAPH_CACHE")
-        capture._captured.clear()
+        graph_module._captured.clear()
 
 
 @pytest.mark.parametrize(
@@ -69,10 +69,10 @@ def fresh(model_cfg, batch: int, monkeypatch):
 )
 def test_a_kept_graph_is_the_capture_and_gives_the_same_triples(cache, monkeypatch, overrides):
     cfg = model_config(*overrides)
-    made = capture.capture_config(cfg, 6)  # captured, then written (under both batch norm keys: it has none)
+    made = graph_module.capture_config(cfg, 6)  # captured, then written (under both batch norm keys: it has none)
     assert len(list(cache.glob("*.pt"))) == 2
-    capture._captured.clear()
-    kept = capture.capture_config(cfg, 6)  # read back
+    graph_module._captured.clear()
+    kept = graph_module.capture_config(cfg, 6)  # read back
     assert kept is not made
     assert signature(kept) == signature(made) == signature(fresh(cfg, 6, monkeypatch))
     assert all(isinstance(n.fx_node.meta["val"], torch.Tensor) for n in kept.nodes if n.shape is not None)
@@ -95,7 +95,7 @@ def test_each_thing_a_capture_reads_has_its_own_entry(cache):
 @pytest.mark.parametrize("damage", ["cut short", "garbage", "another format", "another key", "empty"])
 def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
     cfg = model_config("model=bert")
-    good = signature(capture.capture_config(cfg, 4))
+    good = signature(graph_module.capture_config(cfg, 4))
     path = cache / f"{graph_cache.graph_key(cfg, 4, 'sync')}.pt"
     body = path.read_bytes()
     if damage == "cut short":  # what a process killed mid-write would leave without the rename
@@ -108,9 +108,9 @@ def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
         data = torch.load(path, weights_only=True)
         data["format" if damage == "another format" else "key"] += 1 if damage == "another format" else "x"
         torch.save(data, path)
-    capture._captured.clear()
+    graph_module._captured.clear()
     with caplog.at_level("WARNING", logger="methods.graph_cache"):
-        again = capture.capture_config(cfg, 4)
+        again = graph_module.capture_config(cfg, 4)
     assert signature(again) == good
     assert "unreadable" in caplog.text
     assert graph_cache.load_module(path.stem) is not None  # rewritten whole
@@ -118,10 +118,10 @@ def test_a_damaged_entry_is_captured_again_and_rewritten(cache, damage, caplog):
 
 def test_a_model_without_batch_norm_is_captured_once_for_both_captures_of_it(cache, monkeypatch):
     cfg = model_config("model=bert")
-    local = capture.capture_config(cfg, 4, batch_norm="local")
-    capture._captured.clear()
-    monkeypatch.setattr(capture, "_export_config", lambda *a: pytest.fail("exported again"))
-    assert signature(capture.capture_config(cfg, 4, batch_norm="sync")) == signature(local)
+    local = graph_module.capture_config(cfg, 4, batch_norm="local")
+    graph_module._captured.clear()
+    monkeypatch.setattr(graph_module, "_export_config", lambda *a: pytest.fail("exported again"))
+    assert signature(graph_module.capture_config(cfg, 4, batch_norm="sync")) == signature(local)
 
 
 def test_a_model_with_batch_norm_keeps_each_capture_apart(cache):
@@ -130,9 +130,9 @@ def test_a_model_with_batch_norm_keeps_each_capture_apart(cache):
         "model.factory=tests.zoo_custom:build_bn",
         "model.inputs=[{shape:[3,8,8],dtype:float32},{shape:[],dtype:int64,high:10}]",
     )
-    sync = capture.capture_config(cfg, 4)
-    assert capture.module_has_batch_norm(sync.gm) and len(list(cache.glob("*.pt"))) == 1
-    local = capture.capture_config(cfg, 4, batch_norm="local")
+    sync = graph_module.capture_config(cfg, 4)
+    assert graph_module.module_has_batch_norm(sync.gm) and len(list(cache.glob("*.pt"))) == 1
+    local = graph_module.capture_config(cfg, 4, batch_norm="local")
     assert "batch_norm" in {n.op for n in local.ops} and "batch_norm" not in {n.op for n in sync.ops}
 
 
@@ -142,12 +142,12 @@ def test_a_half_written_file_is_never_read(cache):
     cache.mkdir(parents=True)
     (cache / f".{key}.abc.tmp").write_bytes(b"partial")  # a writer killed before its rename
     assert graph_cache.load_module(key) is None
-    capture.capture_config(cfg, 4)
+    graph_module.capture_config(cfg, 4)
     assert graph_cache.load_module(key) is not None
 
 
 def test_kept_derivations_give_the_same_triples_and_damage_is_derived_again(cache, monkeypatch):
-    graph = capture.capture_config(model_config("model=bert_moe"), 4)
+    graph = graph_module.capture_config(model_config("model=bert_moe"), 4)
     monkeypatch.setattr(dtensor_rules, "_cache", {})
     monkeypatch.setattr(dtensor_rules, "_stored", None)
     derived = derive_theory(graph).rules  # derived, then kept on disk

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from bench.core.program import bucket_runs
 from bench.runtime.launch import _free_port
-from methods.capture import capture_config
+from methods.graph import capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.hap.hierarchy import Machines
 from methods.hap.planner import HapPlanner

@@ -17,8 +17,8 @@ from bench.core.plan_cache import plan_from_json, plan_to_json
 from bench.core.program import Affine, Collective
 from bench.cost import compute_proportional_ratios, even_ratios, simulate, virtual_devices
 from bench.plan import format_plan
-from methods.capture import capture, capture_config
 from methods.dp_program import data_parallel_program
+from methods.graph import capture, capture_config
 from methods.hap.balance import batch_shares, shard_lengths
 from methods.hap.lowering import build_program
 from methods.hap.planner import HapPlanner, SfbPlanner, _as_run

@@ -12,7 +12,7 @@ from torch import nn
 from bench.core.cluster import ClusterSpec
 from bench.cost import compute_proportional_ratios, simulate
 from bench.studies.planner_quality import paper_planning
-from methods.capture import capture, capture_config
+from methods.graph import capture, capture_config
 from methods.hap.lowering import build_program
 from methods.hap.pricing import CostModel
 from methods.hap.search import brute_force, synthesize

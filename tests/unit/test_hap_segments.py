@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from methods.capture import capture_config
+from methods.graph import capture_config
 from methods.hap.segments import (
     SegmentationError,
     balanced_cuts,
@@ -144,7 +144,7 @@ def test_blocks_are_indexed_modules_with_modules_inside_whatever_their_class():
     import torch.nn.functional as F
     from torch import nn
 
-    from methods.capture import capture
+    from methods.graph import capture
 
     class Stack(nn.Module):  # blocks of torch.nn classes: nn.Sequential(Linear, ReLU) in a ModuleList
         def __init__(self):
@@ -178,7 +178,7 @@ def test_hap_left_at_its_default_takes_four_rows_or_one_per_layer_group_where_fe
     import torch.nn.functional as F
     from torch import nn
 
-    from methods.capture import capture
+    from methods.graph import capture
     from methods.hap.planner import DEFAULT_SEGMENTS, HapPlanner
 
     class Flat(nn.Module):

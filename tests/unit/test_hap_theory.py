@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.core.shares import offsets, round_shares
-from methods.capture import capture
+from methods.graph import capture
 from methods.hap.theory import IDENTITY, REDUCE, NoRuleError, comm_rules, derive_theory, local_size_args
 
 # Uneven shards, one of them empty.

@@ -1,6 +1,6 @@
 """The memory model against what torch really holds, on one CPU process.
 
-methods.capture.Graph counts what autograd keeps from forward (kept_until), the gradients of
+methods.graph.Graph counts what autograd keeps from forward (kept_until), the gradients of
 activations backward holds (grads_in_flight) and where each parameter's gradient is made
 (grad_ready); bench.core.program.backward_sweep turns them into backward's points. Here each zoo
 model (tiny preset) runs forward and backward for real: autograd's saved tensors (each storage
@@ -19,7 +19,7 @@ from bench.core.program import Affine, backward_sweep
 from bench.runner.case import build_workload
 from bench.runner.settings import as_settings
 from bench.runtime.tensor_memory import TensorBytes
-from methods.capture import capture
+from methods.graph import capture
 from tests.conftest import compose_config
 
 BATCH = 6

@@ -10,8 +10,8 @@ import pytest
 
 from bench.cost import simulate
 from bench.runner.case import new_record, prepare_case
-from methods.capture import capture_config
 from methods.common import checkpoint_units
+from methods.graph import capture_config
 from tests.conftest import compose_settings
 
 METHODS = {

@@ -4,6 +4,7 @@ planner picks, the memory it checks against the memory the simulator prices, and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -27,6 +28,7 @@ from bench.cost.pipeline import (
     replay,
     stage_peak,
     stage_peak_bytes,
+    tied_seconds,
 )
 from bench.records.rows import load_records
 from bench.runner.execute import run_case
@@ -310,8 +312,8 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
     workload = _workload("bert", 8 * 64, "preset=paper")
     plan = method.plan(workload, cluster)
     sim = simulate(plan.program, cluster, None)
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.planning import _Costs
 
     graph = capture_config(workload.model_cfg, workload.global_batch)
@@ -330,8 +332,8 @@ def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices():
 
 
 def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups_inputs():
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.planning import _Costs
 
     cluster = _cluster(2, [1.0, 0.5])
@@ -364,8 +366,8 @@ def test_activation_checkpointing_prices_the_recompute_and_keeps_only_the_groups
 def test_a_checkpointed_stage_computes_the_same_and_runs_each_group_again_in_backward():
     import torch
 
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
 
     workload = _workload("bert", 4)
@@ -484,15 +486,87 @@ def test_bad_pipeline_input_is_one_line_and_no_ok_row(cfg_factory, overrides, st
     assert [r["status"] for r in rows] == [status] and rows[0]["iter_time_s_mean"] is None
 
 
-def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned():
+@pytest.mark.parametrize(
+    "memory_gib, num_stages, needle",
+    [
+        (
+            0.5,
+            8,
+            r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
+            r"method.num_micro_batches=\d+, more than a [PV]100-16's MEMORY GiB; use",
+        ),
+        # the state alone (parameters, gradients, Adam) of 1/8 of BERT's passes every device
+        (
+            0.1,
+            "auto",
+            r"fits device memory: with replicated state some rank holds at least 1/8 of the parameters, their "
+            r"gradients and Adam's two moments, 0.3 GiB, more than the roomiest of them, a [PV]100-16 of 0.1 GiB; use",
+        ),
+    ],
+)
+def test_a_stage_that_cannot_fit_is_predicted_oom_not_planned(memory_gib, num_stages, needle):
     cluster = _paper_cluster(
-        **{"cluster.gpus_per_machine": 1, "+cluster.machines.0.memory_gib": 0.1, "+cluster.machines.1.memory_gib": 0.1}
+        **{
+            "cluster.gpus_per_machine": 1,
+            "+cluster.machines.0.memory_gib": memory_gib,
+            "+cluster.machines.1.memory_gib": memory_gib,
+        }
     )
-    with pytest.raises(
-        StageOOM,
-        match=r"fits device memory: stage \d+ \(groups \d+-\d+\) needs .* GiB at "
-        r"method.num_micro_batches=\d+, more than a [PV]100-16's 0.1 GiB; use",
-    ):
-        PipelineParallel(stage_level="machine", schedule="1f1b").plan(
+    with pytest.raises(StageOOM, match=needle.replace("MEMORY", f"{memory_gib:g}")):
+        PipelineParallel(stage_level="machine", schedule="1f1b", num_stages=num_stages).plan(
             _workload("bert", 8 * 64, "preset=paper"), cluster
         )
+
+
+@pytest.mark.parametrize("memory_gib", [0.1, 0.3])
+def test_the_state_floor_refuses_only_what_planning_finds_oom(monkeypatch, memory_gib):
+    """Where no device holds 1/R of the parameters, gradients and Adam moments, planning each
+    replicated layout without the floor finds nothing that fits either."""
+    from methods import pipeline as pipeline_module
+
+    cluster = _paper_cluster(
+        **{
+            "cluster.gpus_per_machine": 1,
+            "+cluster.machines.0.memory_gib": memory_gib,
+            "+cluster.machines.1.memory_gib": memory_gib,
+        }
+    )
+    wl = _workload("bert", 8 * 64, "preset=paper")
+    floored = []
+    for stages in (2, 4, 8):
+        method = PipelineParallel(stage_level="machine", schedule="1f1b", num_stages=stages)
+        with pytest.raises(StageOOM) as got:
+            method.plan(wl, cluster)
+        floored.append("Adam's two moments" in str(got.value))
+        with monkeypatch.context() as m:
+            m.setattr(pipeline_module, "_replicated_state_floor", lambda *args: None)
+            with pytest.raises(StageOOM):
+                method.plan(wl, cluster)
+    assert any(floored)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_tied_parameter_on_two_positions_is_all_reduced_after_the_schedule_where_priced(sharded):
+    """Tiny GPT-2's embedding and head (one tensor) on a pipeline's two positions: each holder's
+    list ends with the all-reduce of its copy's gradient (sharded over two pipelines: the
+    rank's chunk of it, the chunks adding up to the whole), and the simulator charges it."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    from methods.common import group_table
+    from methods.graph import capture_config
+
+    cluster = _cluster(4 if sharded else 2, gbps=1.0)
+    workload = _workload("hf", 16, "model.arch=gpt2")
+    method = PipelineParallel(profile=False, stage_level="device", num_stages=2, schedule="1f1b", sharded_state=sharded)
+    program = method.plan(workload, cluster).program
+    assert program.sharded_state == sharded and program.num_pipelines == (2 if sharded else 1)
+    (tied,) = program.tied
+    table = group_table(capture_config(workload.model_cfg, 16))
+    whole = dict(zip(table.groups[0].params, table.groups[0].param_sizes))[tied.name]
+    assert tied.positions == (0, 1) and tied.name in table.shared_params
+    assert sum(tied.nbytes) == whole if sharded else tied.nbytes == (whole,)
+    assert all(actions[-1] == ("tie", 0) for actions in program.actions)
+    untied = dataclasses.replace(program, tied=(), actions=tuple(actions[:-1] for actions in program.actions))
+    tie_s = max(tied_seconds(program, cluster, p)[0] for p in range(program.num_pipelines))
+    assert tie_s > 0
+    # both holders leave the all-reduce together, after the later one is through
+    assert simulate(program, cluster, None).iter_time_s - simulate(untied, cluster, None).iter_time_s >= tie_s * 0.999

@@ -118,8 +118,8 @@ def test_the_sharded_iteration_pays_its_collectives_where_the_schedule_runs_them
 
 
 def test_the_memory_the_planner_checks_is_the_memory_the_simulator_prices_when_sharded():
-    from methods.capture import capture_config
     from methods.common import group_table
+    from methods.graph import capture_config
     from methods.pipeline.planning import _Costs
 
     plans, cluster = _machine_plans()

@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
 from bench.core.program import Program
-from methods.capture import capture_config
 from methods.ds_zero import DeepSpeedZeRO, deepspeed_capacity, matching_capacity_factor, swap_moe_layers
+from methods.graph import capture_config
 from models.bert_moe import BertMoEConfig, moe_capacity
 from tests.conftest import compose_config
 

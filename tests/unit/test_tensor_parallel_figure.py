@@ -15,7 +15,7 @@ from bench.cost import simulate
 from bench.runner.case import build_workload, new_record, prepare_case
 from bench.runner.configs import group_options, instantiate_plugin, methods_supporting
 from bench.studies import paper_figures
-from methods.capture import capture_config
+from methods.graph import capture_config
 from methods.hap import tensor_parallel as tp
 from methods.hap.runtime import FixedPlanMethod
 from methods.hap.theory import IDENTITY, REDUCE, derive_theory, tensor_parallel_theory

@@ -203,7 +203,7 @@ def test_a_custom_module_with_its_input_spec_or_a_task_adapter_meets_the_contrac
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "vit", "resnet", "swin"])
 def test_every_zoo_architecture_is_covered_by_sharding_rules(arch):
     hf = _hf()
-    from methods.capture import capture_config
+    from methods.graph import capture_config
     from methods.hap.theory import derive_theory
 
     graph = capture_config(hf.HFModelConfig.from_preset("tiny", arch=arch), 4)
@@ -213,7 +213,7 @@ def test_every_zoo_architecture_is_covered_by_sharding_rules(arch):
 
 def test_batch_norm_is_planned_as_whole_batch_statistics_or_as_each_shards_own():
     hf = _hf()
-    from methods.capture import capture_config
+    from methods.graph import capture_config
     from methods.hap.theory import derive_theory
 
     cfg = hf.HFModelConfig.from_preset("tiny", arch="resnet")

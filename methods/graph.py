@@ -1,11 +1,11 @@
 """The planner's reference graph of a single-device model: ATen ops, shapes, FLOPs per node.
 
-The model is exported with torch.export (non-strict, methods.aten_capture) on the device its
+The model is exported with torch.export (non-strict, methods.export) on the device its
 parameters live on, the meta device for paper-size models, so nothing is allocated; every node
 gets its shape and dtype from export's fake values, and its FLOPs from a table over ATen ops. It
 does not decide any sharding (methods.hap.theory does); FLOP conventions are in docs/cost-model.md.
 Most of its length is `Graph`, the one structure every planner, pricer and code generator reads
-(nodes, layer groups, per-layer costs, memory); the export itself is methods.aten_capture.
+(nodes, layer groups, per-layer costs, memory); the export itself is methods.export.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bench.core.meta import build_on_meta
 from bench.core.program import op_class
 from bench.cost.flops import ELEMENTWISE_FLOPS
 from methods import graph_cache
-from methods.aten_capture import CaptureError, count_flops, export_model, op_name
+from methods.export import CaptureError, count_flops, export_model, op_name
 
 __all__ = ["VIEW_OPS", "CaptureError", "Graph", "Node", "capture", "capture_config", "graph_of", "op_name"]
 
@@ -563,7 +563,7 @@ def capture(
         batch_size: samples in the inputs (default: dim 0 of the first input).
         what: how error messages name the model.
         batch_norm: "sync" (statistics over the whole batch) or "local" (each shard's own),
-            methods.aten_capture.export_model.
+            methods.export.export_model.
 
     Raises:
         CaptureError: export refused the model, or its forward is not one summed loss.
@@ -576,7 +576,7 @@ def capture(
 
 
 def graph_of(gm: fx.GraphModule, batch_size: int, what: str = "the model") -> Graph:
-    """The Graph of a planner's module (methods.aten_capture.export_model's, or the cache's):
+    """The Graph of a planner's module (methods.export.export_model's, or the cache's):
     every node with its shape, dtype and FLOPs."""
     params = {name for name, _ in gm.named_parameters()}
     nodes = []

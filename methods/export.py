@@ -10,7 +10,7 @@ becomes its statistics (two sums over the batch) and an element-wise normalisati
 split all-reduces the statistics instead of normalising each shard alone. Buffer updates that
 forward does not read (batch norm's running statistics and counter) are left out: the planner's
 programs train as the model does, but do not keep those statistics for evaluation. What it does not do:
-sharding (methods.hap.theory) or memory accounting (methods.capture.Graph).
+sharding (methods.hap.theory) or memory accounting (methods.graph.Graph).
 """
 
 from __future__ import annotations
