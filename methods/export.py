@@ -213,6 +213,7 @@ def planner_module(
         new.meta = dict(n.meta)
         env[n] = new
     graph.eliminate_dead_code()
+    _check_shapes_known(graph, what)
     for n in graph.nodes:
         stack = n.meta.get("nn_module_stack")
         if stack:  # module paths as keys, outermost first (what torch.fx's tracer records)
@@ -221,6 +222,24 @@ def planner_module(
     gm.meta["dropped_buffer_updates"] = dropped
     gm.meta["param_aliases"] = _aliases(model, {name for name, _ in gm.named_parameters()})
     return gm
+
+
+def _check_shapes_known(graph: fx.Graph, what: str) -> None:
+    """CaptureError unless every tensor's shape is known before a step: a length torch.export
+    leaves as a symbol (x[mask], nonzero: as many rows as the mask has true values) depends on
+    the values, and the planner splits and prices tensors by their lengths."""
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        for v in vals:
+            if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+                frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+                line = f" ({frame[-1].strip()})" if frame else ""
+                raise CaptureError(
+                    f"{what}: the shape {tuple(v.shape)} of {n.name} ({op_name(n)}){line} is data-dependent "
+                    "(it depends on tensor values); the planner needs every length before a step: use another "
+                    "task adapter (model.task=...) or wrap the model in model=custom without it"
+                )
 
 
 def _aliases(model: nn.Module, kept: set[str]) -> dict[str, str]:

@@ -439,6 +439,10 @@ class HFModelConfig(ModelConfig):
                 f"{model_cls.__name__} from its config: {describe_export_error(exc)}; a config field "
                 "disagrees with another: set it with model.config.<field>=..."
             ) from None
+        if torch.get_default_device().type == "meta":
+            # built for counting and capturing: a tensor made by a legacy constructor
+            # (XLNet's torch.FloatTensor(...) parameters) ignores the default device
+            backbone.to("meta")
         model = TaskLoss(backbone, self.task, keyword, export_key=repr(self))
         model.train()
         return model

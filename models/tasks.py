@@ -42,12 +42,17 @@ def plain(x):
 
 
 def logits_of(out) -> torch.Tensor:
-    """A backbone's logits: a tensor, an output object's `.logits`, or a tuple's first item."""
+    """A backbone's logits: a tensor, an output object's `.logits`, its `.last_hidden_state`
+    where that is one vector per sample (PP-LCNet's classifier returns its head's scores so),
+    or a tuple's first item."""
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    scores = getattr(out, "last_hidden_state", None)
+    if isinstance(scores, torch.Tensor) and scores.dim() == 2:
+        return scores
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(
@@ -97,17 +102,35 @@ class TaskLoss(nn.Module):
         that checks values when it is not being traced (transformers' masks ask whether a mask
         is all ones) cannot run there, so forward runs as torch.export captures it."""
         key = None if self.export_key is None else (self.export_key, tuple(inputs.shape), tuple(targets.shape))
-        program = _exported.get(key) if key is not None else None
-        if program is None:
-            program = export(self, (inputs, targets))
+        module = _exported.get(key) if key is not None else None
+        if module is None:
+            module = without_value_checks(export(self, (inputs, targets)).module())
             if key is not None:
-                _exported[key] = program
+                _exported[key] = module
                 while len(_exported) > 4:
                     _exported.popitem(last=False)
-        return program.module()(inputs, targets)
+        # A boolean mask's selection (x[mask]: T5's end-of-sequence tokens, X-MOD's rows of one
+        # language) has as many rows as the mask has true values, which meta tensors do not
+        # hold: it is counted as if every value were true (an upper bound of its rows).
+        with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+            return module(inputs, targets)
 
 
 _exported: OrderedDict = OrderedDict()
+
+
+def without_value_checks(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` without the checks torch.export keeps of values read from tensors (an assert
+    on `lengths.max().item()`, on how many distinct counts `unique_consecutive` finds) and the
+    reads that only they use: a check computes nothing the loss needs, and on meta tensors
+    there is no value to read (the planner's capture drops them as well)."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+    return module
 
 
 def export(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:

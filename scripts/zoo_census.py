@@ -83,6 +83,8 @@ REASONS = (
     (r"found at least two devices", "forward makes tensors on a fixed device"),
     (r"more than the \d+ layer groups", "hap's default ratio rows outnumber the model's layer groups"),
     (r"no distributed program leaves the loss", "no program found by hap's search"),
+    (r"captures it has no gradient", "a custom autograd.Function's backward, which export does not keep"),
+    (r"escaped from inside a function being vmapped", "export keeps vmap's internals, which cannot run again"),
     (r"torch\.export \(non-strict\) refused", "export: refused"),
 )
 
@@ -158,7 +160,10 @@ def census_one(arch: str, cluster: str, gpus_per_machine: int) -> dict:
         row["plan_s"] = round(time.perf_counter() - start, 2)
         coverage = plan.details.get("rule_coverage") or {}
         row["flops_share"] = coverage.get("flops_share")
-        row["plan"] = f"{plan.details.get('chosen')} @{plan.details.get('granularity')}"
+        chosen = plan.details.get("chosen")
+        if chosen == "data parallel" and plan.details.get("data_parallel") == "gathers":
+            chosen += " (gathers)"  # replicated where no batch shard can run an op
+        row["plan"] = f"{chosen} @{plan.details.get('granularity')}"
         stage, start = "simulate", time.perf_counter()
         sim = simulate(plan.program, spec, plan.ratios)
         row["simulate_s"] = round(time.perf_counter() - start, 2)

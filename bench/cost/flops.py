@@ -80,7 +80,15 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
             with torch.device("meta"):
                 batch = model_cfg.synthetic_batch(samples, None)
             with FlopCounterMode(display=False) as counter:
-                model(*batch).backward()
+                loss = model(*batch)
+                if not loss.requires_grad:
+                    raise ValueError(
+                        f"model {getattr(model_cfg, 'name', type(model_cfg).__name__)}: its loss as torch.export "
+                        "captures it has no gradient: forward runs part of the model under torch.no_grad() "
+                        "and trains it by a custom autograd.Function's backward (reversible "
+                        "layers), which export does not keep; bring the model as model=custom without it"
+                    )
+                loss.backward()
             flops = counter.get_total_flops() / samples
             _store(path, flops)
         _counted[key] = flops

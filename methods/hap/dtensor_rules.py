@@ -264,9 +264,14 @@ def _whole_on_one_device():
         module.compute_local_shape_and_global_offset = original
 
 
+# Functional ops DTensor registers only in their in-place form, whose strategy is the same (the
+# in-place op's output is its first argument, as the functional op's output is the new tensor).
+IN_PLACE_TWINS = {aten.copy.default: aten.copy_.default}
+
+
 def _derive(node: fx.Node, args: list[fx.Node]):
     d = _dtensor()
-    prop, op = d["prop"], node.target
+    prop, op = d["prop"], IN_PLACE_TWINS.get(node.target, node.target)
     if op is aten.scaled_dot_product_attention.default:
         return _attention(node, args)
     n_out = _num_outputs(node)

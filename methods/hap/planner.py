@@ -34,13 +34,13 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
-from methods.common import MemoryTools, capture_batch_norm
+from methods.common import MemoryTools, capture_batch_norm, layer_groups
 from methods.graph import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
 from methods.hap.lowering import build_program
 from methods.hap.pricing import CostModel
-from methods.hap.search import NoProgramError, SearchResult, synthesize
+from methods.hap.search import NoProgramError, SearchResult, dead_end, synthesize
 from methods.hap.segments import check_segmentation
 from methods.hap.steps import comm_to_json, describe_steps, shard_units
 from methods.hap.theory import data_parallel_theory, derive_theory
@@ -104,6 +104,7 @@ class Candidate:
         return (self.oom, self.iter_time_s)  # fitting in memory first, then speed
 
 
+DEFAULT_SEGMENTS = 4  # ratio rows where method.num_segments is null (HapPlanner)
 EXACT_RETRY_EXPANSIONS = 200_000  # the exact search after the beam found no program (HapPlanner._synthesize)
 
 
@@ -118,7 +119,9 @@ class HapPlanner:
         collective_choice: offer grouped broadcast / reduce besides padded collectives.
         num_segments: ratio rows: ops are cut into this many groups (see segmentation), each
             sharded by its own row; a Gather'd tensor read in another group is resharded (an
-            all-to-all of what changes owner). 1 = one ratio vector.
+            all-to-all of what changes owner). 1 = one ratio vector. None: DEFAULT_SEGMENTS
+            rows, or one per layer group where a model has fewer (segmentation "layers"); a
+            number given is kept, and refused where the model has fewer layer groups.
         segmentation: how the ops are cut (methods.hap.segments): "layers" at layer-group
             borders (transformer blocks, conv stages) balancing FLOPs, "flops" at equal FLOPs
             anywhere, "metis" by METIS graph partitioning (needs pymetis).
@@ -151,7 +154,7 @@ class HapPlanner:
     sfb: bool = True
     lp: bool = True
     collective_choice: bool = True
-    num_segments: int = 1
+    num_segments: int | None = 1
     segmentation: str = "layers"
     max_rounds: int = 6
     memory_limit: bool = False
@@ -175,10 +178,10 @@ class HapPlanner:
                 "method.activation_checkpointing=true needs the recorded program (its checkpoints are "
                 "sub-modules of it); set method.interpret=false"
             )
-        if not isinstance(self.num_segments, int) or self.num_segments < 1:
+        if self.num_segments is not None and (not isinstance(self.num_segments, int) or self.num_segments < 1):
             raise ValueError(
-                f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows), "
-                "e.g. method.num_segments=4"
+                f"method.num_segments={self.num_segments!r} must be an integer >= 1 (ratio rows) or null "
+                f"({DEFAULT_SEGMENTS}, fewer for a model with fewer layer groups), e.g. method.num_segments=4"
             )
         check_segmentation(self.segmentation)
         if self.max_rounds < 1:
@@ -314,6 +317,9 @@ class HapPlanner:
             "predicted_iter_time_s": best.iter_time_s,
             "oom": best.oom,
             "chosen": best.kind,  # "data parallel" when the data-parallel incumbent won
+            # the incumbent's theory: "batch split" (data_parallel_theory), "gathers" where no op
+            # may stop the batch split (gathers=True), None where neither has a program
+            "data_parallel": stats.get("data_parallel"),
             "levels": level_rows,  # the best synthesized program over machines and over GPUs
             "rounds": rounds,
             "states_expanded": expanded,
@@ -358,12 +364,13 @@ class HapPlanner:
         level_rows: list[dict] = []
         balanced: dict = {}  # (granularity, steps) -> the LP's candidate: starts often meet one program
         built: dict = {}  # (granularity, steps) -> its Program
+        segments = self.segment_count(theory)
         for granularity in levels:
-            starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, self.num_segments))]
+            starts = [("compute-proportional", compute_proportional_ratios(cluster, granularity, segments))]
             if self.lp:
                 starts += [
-                    ("even", even_ratios(len(virtual_devices(cluster, granularity)), self.num_segments)),
-                    ("memory-proportional", memory_proportional_ratios(cluster, granularity, self.num_segments)),
+                    ("even", even_ratios(len(virtual_devices(cluster, granularity)), segments)),
+                    ("memory-proportional", memory_proportional_ratios(cluster, granularity, segments)),
                 ]
             seen: set = set()
             level_best: Candidate | None = None
@@ -389,6 +396,17 @@ class HapPlanner:
             if not unsplit and (best is None or _better(level_best, best)):
                 best = level_best
         return best, level_rows
+
+    def segment_count(self, theory) -> int:
+        """The ratio rows: num_segments, or where it is None, DEFAULT_SEGMENTS capped at the
+        model's layer groups (segmentation "layers")."""
+        if self.num_segments is not None:
+            return self.num_segments
+        if self.segmentation != "layers":
+            return DEFAULT_SEGMENTS
+        order = [n.name for n in theory.graph.nodes if n.name in theory.rules]
+        groups = layer_groups(theory.graph, order)
+        return max(1, min(DEFAULT_SEGMENTS, groups[-1] + 1 if groups else 1))
 
     def _alternate(
         self,
@@ -418,7 +436,12 @@ class HapPlanner:
             )
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
-            res = self._synthesize(theory, cost, dp)
+            if dp is not None and stats["data_parallel"] == "gathers":
+                # not the search's incumbent (its bound would prune the beam's prefixes
+                # otherwise): a candidate beside the search's program, and its fallback
+                res = self._synthesize(theory, cost, fallback=dp)
+            else:
+                res = self._synthesize(theory, cost, dp)
             stats["search_s"] += time.perf_counter() - t1
             _count(stats, res)
             found = [res] if dp is None or dp.steps == res.steps else [res, dp]
@@ -485,28 +508,48 @@ class HapPlanner:
         self, theory, cluster: ClusterSpec, granularity: str, ratios, stats: dict
     ) -> SearchResult | None:
         """The cheapest data-parallel program of `theory` at these ratios, priced as the full
-        search prices (the incumbent its search must beat); None if there is none."""
-        dp_theory = theory.search_cache.get("data_parallel")
-        if dp_theory is None:
-            dp_theory = theory.search_cache["data_parallel"] = data_parallel_theory(theory)
-        cost = CostModel(
-            dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
-        )
-        try:
-            res = self._synthesize(dp_theory, cost)
-        except NoProgramError:
-            return None
-        _count(stats, res)
-        return res
+        search prices (the incumbent its search must beat). A model with an op that no batch
+        shard can run (a sort over every token of the batch) has none: then the cheapest that
+        gathers such an op's inputs and runs it replicated (data_parallel_theory, gathers=True).
+        None if there is neither."""
+        for gathers in (False, True):
+            key = ("data_parallel", gathers)
+            dp_theory = theory.search_cache.get(key)
+            if dp_theory is None:
+                dp_theory = data_parallel_theory(theory, gathers=gathers)
+                theory.search_cache[key] = dp_theory if dead_end(dp_theory) is None else False
+            if dp_theory is False:  # no program: not searched again at other ratios
+                continue
+            cost = CostModel(
+                dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+            )
+            try:
+                res = self._synthesize(dp_theory, cost)
+            except NoProgramError:
+                continue
+            _count(stats, res)
+            stats["data_parallel"] = "gathers" if gathers else "batch split"
+            return res
+        return None
 
-    def _synthesize(self, theory, cost: CostModel, incumbent: SearchResult | None = None) -> SearchResult:
+    def _synthesize(
+        self,
+        theory,
+        cost: CostModel,
+        incumbent: SearchResult | None = None,
+        fallback: SearchResult | None = None,
+    ) -> SearchResult:
         """A* with the beam; where the beam kept only prefixes that no program completes (a
         model whose ops leave few ways through, e.g. a relative-position bucket that runs
         replicated), the exact search, with at most EXACT_RETRY_EXPANSIONS states (the models
-        that needed it took about 5,000; one that needs more has no plan in reach)."""
+        that needed it took about 5,000; one that needs more has no plan in reach). Given a
+        `fallback` (the data-parallel program that gathers, _data_parallel), the beam again
+        with it as the incumbent instead: at least that program, at once."""
         try:
             return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=incumbent)
         except NoProgramError as beam:
+            if fallback is not None:
+                return synthesize(theory, cost, self.max_expansions, self.beam_width, incumbent=fallback)
             if self.beam_width is None:
                 raise
             budget = min(self.max_expansions, EXACT_RETRY_EXPANSIONS)

@@ -207,6 +207,38 @@ def synthesize(
     return SearchResult(_steps(labels, best_label), best_cost, stats, best_final)
 
 
+def dead_end(theory: Theory) -> str | None:
+    """Where every program of `theory` stops, or None when the layouts reach the goal: the
+    first op that no layouts of its inputs let run (each tensor in any layout its source or
+    producer can give, or one collective away), or the loss if it cannot end as Reduce. The
+    layouts are a superset of those of any one program, so a dead end means there is none,
+    found without a search; None does not promise a program (the search decides)."""
+    graph = theory.graph
+    have: dict[str, set[Layout]] = {t: set(layouts) for t, layouts in theory.sources.items()}
+
+    def reach(t: str) -> set[Layout]:
+        out = set(have.get(t, ()))
+        if t not in theory.no_comm:
+            out |= {c.dst for src in list(out) for c in theory.comm(t, src)}
+        return out
+
+    order, _ = _order(graph, theory)
+    for name in order:
+        node = graph[name]
+        ins = [reach(t) for t in node.inputs]
+        posts = {
+            r.post
+            for r in theory.rules[name]
+            if all(p in lays for p, lays in zip(r.pre, ins)) and all(p in reach(t) for t, p in r.shape_pre)
+        }
+        if not posts:
+            return f"op {name} ({node.op}) at {node.where}: no triple takes its inputs in any layout they can have"
+        have[name] = posts
+    if REDUCE not in reach(graph.loss):
+        return f"the loss {graph.loss!r} cannot end as partial sums (Reduce)"
+    return None
+
+
 def _score(row: tuple, forward: float, rest: float, host: float, after: float) -> float:
     """A lower bound of the price of every program that extends a prefix whose backward has
     the end row `row` and whose forward takes `forward` seconds: the lanes as they end now (the

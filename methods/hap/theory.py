@@ -412,6 +412,10 @@ class Theory:
     no_comm: frozenset = frozenset()
     # Only free re-layouts (slice, keep_first): the space of data-parallel programs.
     free_comms_only: bool = False
+    # With free_comms_only, also the collectives that make a tensor whole (all-gather,
+    # all-reduce): data parallelism that runs replicated the ops no batch shard can run
+    # (data_parallel_theory, gathers=True).
+    whole_comms: bool = False
     _comm_cache: dict = field(default_factory=dict, repr=False)
     # What methods.hap.search derives from the graph and the rules alone, not from the ratios
     # (the op order, where tensors die, its bound's trees, the segments, each move without its
@@ -444,14 +448,23 @@ class Theory:
         key = (tensor, src)
         if key not in self._comm_cache:
             rules = comm_rules(self.graph[tensor], src, self.grouped)
-            self._comm_cache[key] = [c for c in rules if c.free] if self.free_comms_only else rules
+            if self.free_comms_only:
+                rules = [c for c in rules if c.free or (self.whole_comms and c.dst == IDENTITY)]
+            self._comm_cache[key] = rules
         return self._comm_cache[key]
 
 
-def data_parallel_theory(theory: Theory) -> Theory:
+def data_parallel_theory(theory: Theory, gathers: bool = False) -> Theory:
     """The same graph restricted to data parallelism: parameters and buffers replicated,
     inputs split along the batch (dim 0), no SFB, no collective but the free ones; the
-    replicated gradients are all-reduced. The incumbent of methods.hap.planner's every search."""
+    replicated gradients are all-reduced. The incumbent of methods.hap.planner's every search.
+
+    gathers: also the collectives that make a tensor whole (all-gather, all-reduce), so that
+    an op no batch shard can run (a sort over every token of the batch, an unfold without a
+    rule) runs replicated on the gathered tensor and the rest stays data parallel: the
+    incumbent of a model with such an op, which has no data-parallel program otherwise. The
+    inside of an MoE router may then be gathered as well (no `no_comm`).
+    """
     g = theory.graph
     sources: dict[str, list[Layout]] = {}
     for t in theory.sources:
@@ -459,7 +472,9 @@ def data_parallel_theory(theory: Theory) -> Theory:
         batch_like = node.kind == "placeholder" and node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1
         sources[t] = [0] if batch_like else [IDENTITY]
     rules = {name: [r for r in rs if not r.sfb] for name, rs in theory.rules.items()}
-    return Theory(g, rules, sources, False, theory.grouped, theory.no_comm, free_comms_only=True)
+    # With gathers, a router's tensors may be gathered too: its sort may be the op to run whole.
+    no_comm = frozenset() if gathers else theory.no_comm
+    return Theory(g, rules, sources, False, theory.grouped, no_comm, free_comms_only=True, whole_comms=gathers)
 
 
 def tensor_parallel_theory(theory: Theory) -> Theory:
@@ -597,6 +612,10 @@ def sharded_numel(node: Node) -> float:
     return float(math.prod(node.shape)) if node.shape is not None else float(node.numel)
 
 
+# Ops that make a tensor of a size given in their args, like their input (x.new_zeros(size)).
+_NEW_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full")
+
+
 def local_size_args(node: Node, rule: Rule, args: tuple, local_shape: Sequence[int] | None = None) -> tuple:
     """The positional args of `node` as a device runs it under `rule`: a size argument at a
     sharded output dim becomes -1 (inferred from the local shard), the others the global sizes,
@@ -605,6 +624,9 @@ def local_size_args(node: Node, rule: Rule, args: tuple, local_shape: Sequence[i
     local output shape (codegen knows it). Codegen and the numeric tests both use it."""
     if local_shape is not None and node.op in ("view", "reshape", "expand", "unflatten"):
         return explicit_size_args(node, tuple(local_shape), args)
+    if node.op in _NEW_FACTORIES and isinstance(rule.post, int):
+        # split only where the size is its input's (DTensor's new_factory_strategy): the local input's
+        return (args[0], list(local_shape if local_shape is not None else args[0].shape), *args[2:])
     if not isinstance(rule.post, int) or node.op not in ("view", "reshape", "unflatten", "expand"):
         return args
     args = list(args)
@@ -623,9 +645,12 @@ def local_size_args(node: Node, rule: Rule, args: tuple, local_shape: Sequence[i
 
 
 def explicit_size_args(node: Node, out_shape: tuple, args: tuple) -> tuple:
-    """The positional args of a view, reshape, expand or unflatten with every size given as
-    this device's local output shape (a machine-level plan splits two dims: the machine's and,
-    inside the machine, the batch dim, which one -1 cannot both express)."""
+    """The positional args of a view, reshape, expand, unflatten or new-tensor op (new_zeros,
+    ...) with every size given as this device's local output shape (a machine-level plan
+    splits two dims: the machine's and, inside the machine, the batch dim, which one -1
+    cannot both express)."""
+    if node.op in _NEW_FACTORIES:
+        return (args[0], list(out_shape), *args[2:])
     if node.op in ("view", "reshape", "expand"):
         if len(args) > 1 and isinstance(args[1], torch.dtype):
             return args  # x.view(dtype)

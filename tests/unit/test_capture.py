@@ -126,3 +126,15 @@ def test_an_equal_config_is_captured_once_per_process():
     model_cfg = _tiny("vgg19")
     assert C.capture_config(model_cfg, 4) is C.capture_config(model_cfg, 4)
     assert C.capture_config(model_cfg, 4) is not C.capture_config(model_cfg, 6)
+
+
+def test_a_shape_that_depends_on_values_is_refused_in_one_line_naming_it():
+    class Selects(nn.Module):
+        def forward(self, x, keep):
+            return x[keep].sum()  # as many rows as `keep` has true values
+
+    with pytest.raises(C.CaptureError) as err:
+        C.capture(Selects(), (torch.randn(4, 3), torch.tensor([True, False, True, True])), what="model custom")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("model custom: the shape (u")
+    assert "x[keep]" in msg and "data-dependent" in msg and "model.task=" in msg

@@ -60,3 +60,24 @@ def test_another_torch_or_config_is_another_entry(fresh, monkeypatch):
     assert flops._flops_file(cfg, 2) != path
     monkeypatch.setenv("HETBENCH_FLOPS_CACHE", "0")
     assert flops._flops_file(cfg, 2) is None
+
+
+def test_a_loss_without_a_gradient_is_one_line_naming_the_cause(fresh, monkeypatch):
+    """A forward that trains part of the model by a custom autograd.Function under no_grad
+    (reversible layers) loses that backward in torch.export: its meta loss has no gradient."""
+    import torch
+
+    cfg = BertConfig.from_preset("tiny")
+    real_build = flops.build_on_meta
+
+    def no_grad_loss(model_cfg):
+        model = real_build(model_cfg)
+        return lambda *batch: model(*batch).detach()
+
+    monkeypatch.setattr(flops, "build_on_meta", no_grad_loss)
+    monkeypatch.setenv("HETBENCH_FLOPS_CACHE", "0")
+    with pytest.raises(ValueError) as err:
+        flops.train_flops_per_sample(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "has no gradient" in msg and "custom autograd.Function" in msg
+    assert torch.is_grad_enabled()

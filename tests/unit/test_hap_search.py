@@ -268,7 +268,7 @@ def test_a_tensor_several_ops_read_is_charged_its_one_re_layout_once(granularity
         theory,
         cl,
         granularity,
-        compute_proportional_ratios(cl, granularity, planner.num_segments),
+        compute_proportional_ratios(cl, granularity, planner.segment_count(theory)),
         planner.segmentation,
     )
     bound = remaining_bound(theory, cost, _order(graph, theory)[0])
@@ -323,7 +323,7 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     planner, wl, cl = paper_planning("model=vit", "+model.spec.num_layers=48", "cluster.gpus_per_machine=8")
     theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
     dp_theory = data_parallel_theory(theory)
-    ratios = compute_proportional_ratios(cl, "machine", planner.num_segments)
+    ratios = compute_proportional_ratios(cl, "machine", planner.segment_count(theory))
     bucket = planner.bucket_cap_mb * 2**20
     cost, dp_cost = (
         CostModel(t, cl, "machine", ratios, planner.segmentation, bucket, grad_overlap=True)
@@ -333,3 +333,44 @@ def test_a_search_whose_bound_meets_its_incumbent_stops_at_once():
     seeded = synthesize(theory, cost, beam_width=planner.beam_width, incumbent=dp)
     assert seeded.steps == dp.steps
     assert seeded.stats.expanded < len(dp.steps) / 10
+
+
+class SortsTheBatch(nn.Module):
+    """A sort over every value of the batch (an MoE dispatch sorts all tokens by expert): no
+    batch shard can run it, so data parallelism alone has no program."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = torch.sort(h.flatten()).values.view_as(h)
+        return F.cross_entropy(self.fc2(torch.relu(h)), y, reduction="sum")
+
+
+def test_a_model_no_batch_shard_can_run_gets_data_parallelism_that_gathers_for_that_op():
+    from methods.hap.planner import HapPlanner
+    from methods.hap.search import dead_end
+
+    batch = 6
+    with torch.device("meta"):
+        model = SortsTheBatch()
+    graph = capture(model, (torch.empty(batch, 8, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")))
+    theory = derive_theory(graph)
+    strict, gathering = data_parallel_theory(theory), data_parallel_theory(theory, gathers=True)
+    where = dead_end(strict)
+    assert where is not None and "(sort)" in where and "\n" not in where
+    assert dead_end(gathering) is None and dead_end(theory) is None
+    cl = cluster(10.0)
+    ratios = compute_proportional_ratios(cl, "gpu")
+    found = synthesize(gathering, CostModel(gathering, cl, "gpu", ratios))
+    kinds = {c.kind for s in found.steps for c in s.comms}
+    assert "all_gather" in kinds  # the sort's input, gathered: the sort runs replicated
+    assert any(s.rule.sharded for s in found.steps)  # the rest stays split by the batch
+    stats = {"expanded": 0, "pruned": 0, "beam_pruned": 0}
+    incumbent = HapPlanner(levels="cluster")._data_parallel(theory, cl, "gpu", ratios, stats)
+    assert incumbent is not None and "all_gather" in {c.kind for s in incumbent.steps for c in s.comms}
+    assert stats["data_parallel"] == "gathers"
+    assert theory.search_cache[("data_parallel", False)] is False  # known to have none: not searched again

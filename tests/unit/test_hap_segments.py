@@ -168,3 +168,30 @@ def test_blocks_are_indexed_modules_with_modules_inside_whatever_their_class():
     assert groups[-1] + 1 == 5  # input layer, 3 blocks, output layer and loss
     linears = [g for n, g in zip(order, groups) if graph[n].op == "linear"]
     assert linears == [0, 1, 2, 3, 4]  # one Linear of a Sequential is not a block of its own
+
+
+def test_hap_left_at_its_default_takes_four_rows_or_one_per_layer_group_where_fewer(bert):
+    """conf/method/hap.yaml leaves num_segments null: tiny BERT's 4 layer groups get 4 rows, a
+    model of one layer group (SqueezeBERT's blocks are not indexed modules) gets 1, where a
+    number given would be refused (test_more_segments_than_layer_groups_is_one_clear_error)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from methods.graph import capture
+    from methods.hap.planner import DEFAULT_SEGMENTS, HapPlanner
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.fc(x), y, reduction="sum")
+
+    graph, _ = bert
+    assert HapPlanner(num_segments=None).segment_count(derive_theory(graph)) == DEFAULT_SEGMENTS == 4
+    flat = derive_theory(capture(Flat(), (torch.randn(4, 8), torch.randint(0, 4, (4,)))))
+    assert HapPlanner(num_segments=None).segment_count(flat) == 1
+    assert HapPlanner(num_segments=None, segmentation="flops").segment_count(flat) == DEFAULT_SEGMENTS
+    assert HapPlanner(num_segments=3).segment_count(flat) == 3  # given: kept (and refused when planned)

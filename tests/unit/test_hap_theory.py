@@ -326,3 +326,37 @@ def test_every_triple_of_each_tiny_zoo_model_holds_numerically(module, cls):
     model = cfg.build()
     batch = cfg.synthetic_batch(3, torch.Generator().manual_seed(0))
     assert check_all_triples(model, batch, device_counts=(3,)) > 100
+
+
+class ShiftRight(nn.Module):
+    """Tokens shifted one place right behind a start token (mBART's and ProphetNet's decoder
+    inputs): a slice assigned into a tensor read later, captured functionalised as aten.copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.fc = nn.Linear(6, 11)
+
+    def forward(self, tokens, labels):
+        shifted = tokens.new_zeros(tokens.shape)
+        shifted[:, 1:] = tokens[:, :-1].clone()
+        return F.cross_entropy(self.fc(self.emb(shifted)).flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def test_a_functional_copy_has_its_in_place_twins_triples_and_data_parallelism_runs_through_it():
+    """DTensor registers copy_ but not the functional copy torch.export's functionalisation
+    makes of it: the copy takes its in-place twin's triples, so a batch split runs through it
+    without an all-gather (a data-parallel program exists), and every triple holds."""
+    from methods.hap.search import dead_end
+    from methods.hap.theory import data_parallel_theory
+
+    model = ShiftRight()
+    inputs = (torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5)))
+    graph = capture(model, inputs)
+    theory = derive_theory(graph)
+    copies = [n.name for n in graph.nodes if n.op == "copy"]
+    assert copies
+    for name in copies:
+        assert (0, 0) in {r.pre for r in theory.rules[name] if r.post == 0}, theory.rules[name]
+    assert dead_end(data_parallel_theory(theory)) is None
+    assert check_all_triples(model, inputs) > 20

@@ -224,3 +224,54 @@ def test_batch_norm_is_planned_as_whole_batch_statistics_or_as_each_shards_own()
     assert norms and all(
         any(r.name == "local-statistics" and r.pre[0] == 0 for r in local.rules[n.name]) for n in norms
     )
+
+
+def test_a_forward_that_checks_a_value_runs_on_meta_without_its_check():
+    """XLM and FlauBERT assert `lengths.max().item() <= slen`: export keeps the read and an
+    assert on it, which a meta forward cannot evaluate; both are left out of the meta forward
+    (its loss and shapes are the same), as the planner's capture leaves them out."""
+    from torch import nn
+
+    from models.tasks import TaskLoss
+
+    class Checks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 10)
+
+        def forward(self, input_ids):
+            lengths = (input_ids != 0).sum(dim=1)
+            torch._check(lengths.max().item() <= input_ids.shape[1])  # kept as an assert on the read value
+            return self.fc(self.emb(input_ids))
+
+    with torch.device("meta"):
+        model = TaskLoss(Checks(), "causal_lm", "input_ids")
+    ids = torch.empty(2, 5, dtype=torch.long, device="meta")
+    loss = model(ids, torch.empty(2, 5, dtype=torch.long, device="meta"))
+    assert loss.shape == () and loss.device.type == "meta"
+
+
+def test_a_model_built_on_meta_holds_no_tensor_a_legacy_constructor_left_on_the_cpu():
+    """XLNet makes its attention weights with torch.FloatTensor(...), which ignores the default
+    device: a model built on the meta device holds every tensor there all the same."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    from models.hf import HFModelConfig
+
+    cfg = HFModelConfig.from_preset("tiny", arch="xlnet")
+    with torch.device("meta"):
+        model = cfg.build()
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_logits_are_a_classifiers_per_sample_last_state_but_not_a_sequence_of_states():
+    """PP-LCNet's image classifier returns its head's scores as `last_hidden_state`, (B, labels);
+    a backbone's (B, S, H) states are no logits."""
+    from types import SimpleNamespace
+
+    from models.tasks import logits_of
+
+    scores = torch.zeros(2, 5)
+    assert logits_of(SimpleNamespace(last_hidden_state=scores)) is scores
+    with pytest.raises(TypeError, match="a task adapter needs logits"):
+        logits_of(SimpleNamespace(last_hidden_state=torch.zeros(2, 3, 4)))
