@@ -184,9 +184,9 @@ def _alone_last(base):
                 return None
             self.collection = next(iter(self.node2collection.values()))
             listing = Path(os.environ.get(ALONE_LIST, ""))
-            named = set(listing.read_text().split()) if listing.is_file() else set()
+            named = set(listing.read_text().splitlines()) if listing.is_file() else set()  # ids hold spaces
             self.held = [i for i, nodeid in enumerate(self.collection) if nodeid in named]
-            self.pending[:] = [i for i in range(len(self.collection)) if i not in set(self.held)]
+            self.pending[:] = [i for i, nodeid in enumerate(self.collection) if nodeid not in named]
             self.check_schedule()
             return None
 
