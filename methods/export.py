@@ -20,8 +20,6 @@ import io
 import logging
 import math
 import operator
-import os
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from bench.core.errors import PlanningError
+from models.tasks import describe_export_error
 
 aten = torch.ops.aten
 
@@ -116,7 +115,7 @@ def export_model(
             ep = torch.export.export(model, inputs, strict=False)
     except Exception as exc:  # export raises many types; each becomes one line
         raise CaptureError(
-            f"{what}: torch.export (non-strict) refused {_first_refused(exc)}; use another task "
+            f"{what}: torch.export (non-strict) refused {describe_export_error(exc)}; use another task "
             "adapter (model.task=...) or wrap the model in model=custom with a forward export can "
             "trace"
         ) from exc
@@ -132,16 +131,6 @@ def export_model(
     # copies instead of writes, regions inlined), which keeps what each op computes; only the
     # models that need it get its other op names.
     return planner_module(ep.run_decompositions({}), model, what, batch_norm)
-
-
-def _first_refused(exc: BaseException) -> str:
-    """The construct export stopped at: the innermost frame outside torch, and the error's first line."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    torch_dir = os.path.dirname(torch.__file__)
-    where = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)), None)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    place = f" at {os.path.basename(where.filename)}:{where.lineno} ({(where.line or '').strip()})" if where else ""
-    return f"{type(exc).__name__}{place}: {first[:300]}"
 
 
 def planner_module(
