@@ -32,7 +32,8 @@ and once the schedule is through (after the reduce-scatter, with sharded state: 
 up, each replica's at its pipeline's index) they sum the copies' gradients with an all-reduce
 among the pipeline's holders, before the replicas' sync and the clipping norm (which counts the
 parameter once). Every copy then takes the whole gradient and the same Adam step. The
-PipelineProgram prices that all-reduce where it runs ("tie" actions, bench.cost.pipeline).
+PipelineProgram prices that all-reduce where it runs ("tie" actions, bench.cost.pipeline), and
+each holder's memory its copy's weights, gradient and Adam state (planning._Costs.tied_copies).
 
 Sharded state (`sharded_state`): the replicas of a stage (its ranks in the other pipelines)
 shard its parameters, gradients and Adam state with FSDP2's fully_shard over a mesh of just
@@ -502,12 +503,17 @@ class PipelineParallel:
         memory, buckets = [], []
         for r in range(R):
             mine = traces[r].stages
+            copies = dict(zip(mine, costs.tied_copies([(c.cuts[k], c.cuts[k + 1]) for k in mine])))
             params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
+            params += costs.copy_bytes([name for k in mine for name in copies[k]], 1)
             bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
             held = {  # pipelines at equal micro-batches hold alike
                 mb: rank_memory(
                     traces[r].actions,
-                    {k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1) for k in mine},
+                    {
+                        k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1, copies[k])
+                        for k in mine
+                    },
                     c.m,
                     bucket,
                     D if c.sharded else 1,

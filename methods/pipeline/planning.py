@@ -238,6 +238,10 @@ class _Costs:
         self._prefix_params = [0.0]
         for g in self.table.groups:
             self._prefix_params.append(self._prefix_params[-1] + g.param_bytes)
+        # each tied parameter's group in the table (its first reader's)
+        self._owner = {
+            name: g.index for g in self.table.groups for name in g.params if name in self.table.shared_groups
+        }
         self._profiles: dict[int, dict] = {}
         self._hw = {d.rank: _hardware(self.cluster, (d.rank,)) for d in self.cluster.devices}
         self._peaks: dict = {}
@@ -377,21 +381,49 @@ class _Costs:
         inner = max(self._acts(g, g + 1)[1] - out(g) for g in range(first, end))
         return kept, kept + inner
 
-    def stage_bytes(self, first: int, end: int, mb: int, shards: int = 1) -> StageBytes:
+    def stage_bytes(
+        self, first: int, end: int, mb: int, shards: int = 1, copies: Sequence[str] | None = None
+    ) -> StageBytes:
         """What a rank holds for stage [first, end) at `mb` samples (bench.cost.pipeline.rank_memory),
-        its state sharded over `shards` replicas."""
+        its state sharded over `shards` replicas: its layer groups' parameters and its copies of
+        tied parameters (`copies`; None: those of a rank holding this stage alone, tied_copies)."""
         kept, backward = self.activations(first, end)
         groups = self.table.span(first, end)
         last = end == self.table.num_groups
+        if copies is None:
+            (copies,) = self.tied_copies([(first, end)])
+        whole = [self.copy_bytes((name,), 1) for name in copies]
         return StageBytes(
-            param_bytes=sum(g.param_bytes for g in groups),
-            largest_param_bytes=max((g.largest_param_bytes for g in groups), default=0.0),
+            param_bytes=self._prefix_params[end] - self._prefix_params[first] + sum(whole),
+            largest_param_bytes=max([g.largest_param_bytes for g in groups] + whole, default=0.0),
             kept_bytes=mb * kept,
             backward_bytes=mb * backward,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
-            shard_bytes=self.shard_bytes(first, end, shards),
+            shard_bytes=self.shard_bytes(first, end, shards) + (self.copy_bytes(copies, shards) if shards > 1 else 0.0),
         )
+
+    def tied_copies(self, spans: Sequence[tuple[int, int]]) -> list[tuple[str, ...]]:
+        """Per stage of a rank holding runs `spans` of layer groups ([first, end) each), the tied
+        parameters it keeps a copy of (tied_params): those it reads that the layer-group table
+        counts in none of the rank's stages, each on the first of them that reads it (a rank
+        holds one tensor of a parameter, however many of its stages read it)."""
+        out, held = [], set()
+        for first, end in spans:
+            mine = tuple(
+                name
+                for name in self.table.shared_params
+                if name not in held
+                and not any(a <= self._owner[name] < b for a, b in spans)
+                and any(first <= g < end for g in self.table.shared_groups[name])
+            )
+            held.update(mine)
+            out.append(mine)
+        return out
+
+    def copy_bytes(self, names: Sequence[str], shards: int) -> float:
+        """Parameters `names`' bytes, or over `shards` replicas one replica's shard of them (FSDP2's)."""
+        return sum(_padded_shard(*self._shapes[name], shards) for name in names)
 
     def shard_prefix(self, shards: int) -> list[float]:
         """Prefix sums over the layer groups of one replica's shard of their parameters over
@@ -424,27 +456,19 @@ class _Costs:
 
     def peak(self, first: int, end: int, mb: int, flight: int, m: int, replicated: bool, shards: int = 1) -> float:
         """Bytes a rank holding only stage [first, end) holds at its peak (backward or Adam's
-        step); `shards` > 1: its state sharded over that many replicas (rank_memory)."""
+        step), its copies of tied parameters included (stage_bytes); `shards` > 1: its state
+        sharded over that many replicas (rank_memory)."""
         key = (first, end, mb, flight, m, replicated, shards)
-        if key in self._peaks:
-            return self._peaks[key]
-        kept, backward = self.activations(first, end)
-        params = self._prefix_params[end] - self._prefix_params[first]
-        last = end == self.table.num_groups
-        self._peaks[key] = stage_peak_bytes(
-            param_bytes=params,
-            largest_param_bytes=max(g.largest_param_bytes for g in self.table.span(first, end)),
-            kept_bytes=mb * kept,
-            backward_bytes=mb * backward,
-            received_bytes=mb * self.table.border_bytes(first, end),
-            sent_bytes=0.0 if last else mb * self.table.groups[end - 1].out_bytes,
-            in_flight=flight,
-            num_micro_batches=m,
-            bucket_bytes=min(params, self.bucket_bytes) if replicated else 0.0,
-            foreach=self.cluster.device == "cuda",
-            shards=shards,
-            shard_bytes=self.shard_bytes(first, end, shards),
-        )
+        if key not in self._peaks:
+            parts = self.stage_bytes(first, end, mb, shards)
+            self._peaks[key] = stage_peak_bytes(
+                **vars(parts),
+                in_flight=flight,
+                num_micro_batches=m,
+                bucket_bytes=min(parts.param_bytes, self.bucket_bytes) if replicated else 0.0,
+                foreach=self.cluster.device == "cuda",
+                shards=shards,
+            )
         return self._peaks[key]
 
     def fits(self, rank: int, peak: float) -> bool:

@@ -570,3 +570,50 @@ def test_a_tied_parameter_on_two_positions_is_all_reduced_after_the_schedule_whe
     assert tie_s > 0
     # both holders leave the all-reduce together, after the later one is through
     assert simulate(program, cluster, None).iter_time_s - simulate(untied, cluster, None).iter_time_s >= tie_s * 0.999
+
+
+@pytest.mark.parametrize(
+    "schedule,per_rank,sharded", [("1f1b", 1, False), ("1f1b", 1, True), ("zbvzerobubble", 2, False)]
+)
+def test_a_later_holder_of_a_tied_parameter_holds_its_copys_state_where_priced(schedule, per_rank, sharded):
+    """Tiny GPT-2's embedding and head (one tensor, counted in the first layer group): the
+    later holder's state holds its copy beside its own groups' parameters (sharded over two
+    pipelines: its padded shard of it, the all-reduce's first chunk) and the planner checks the
+    peak the simulator prices; the V's first position holds both readers and the tensor once."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    from methods.common import group_table
+    from methods.graph import capture_config
+    from methods.pipeline.planning import _Costs
+
+    cluster = _cluster(4 if sharded else 2, gbps=1.0)
+    workload = _workload("hf", 16, "model.arch=gpt2")
+    method = PipelineParallel(
+        profile=False,
+        stage_level="device",
+        num_stages=2,
+        schedule=schedule,
+        stages_per_rank=per_rank,
+        sharded_state=sharded,
+    )
+    program = method.plan(workload, cluster).program
+    assert [t.positions for t in program.tied] == ([] if per_rank == 2 else [(0, 1)])
+    for r, row in enumerate(program.memory):
+        mine = [st for st, x in zip(program.stages, program.stage_rank) if x == r]
+        own = sum(st.shard_bytes if sharded else st.param_bytes for st in mine)
+        copies = sum(max(t.nbytes) for t in program.tied if r in t.positions[1:])
+        assert all(memory.params.const == own + copies for memory in row), (r, own, copies)
+    if per_rank == 1:
+        graph = capture_config(workload.model_cfg, workload.global_batch)
+        costs = _Costs(graph, group_table(graph), cluster, 0.0)
+        sim = simulate(program, cluster, None)
+        for s, st in enumerate(program.stages):
+            for p, rank in enumerate(st.ranks):
+                peak = costs.peak(
+                    *st.groups,
+                    program.micro_batches[p],
+                    in_flight(program.actions[s]),
+                    program.num_micro_batches,
+                    program.num_pipelines > 1,
+                    program.num_pipelines if sharded else 1,
+                )
+                assert sim.peak_mem_gib[rank] == pytest.approx(peak / 2**30)
