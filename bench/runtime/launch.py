@@ -277,14 +277,14 @@ def expect_modules(*modules: str) -> None:
     _expected.extend(m for m in modules if m not in _expected)
 
 
-def start_server(method, model_cfg) -> None:
+def start_server(method=None, model_cfg=None) -> None:
     """Start the server CPU workers fork from (see the module's docstring), preloading the
     modules of the case's method (method_modules) and model and those expected (expect_modules)
     besides torch and this module, unless it runs already. Returns at once: the server imports
     for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile). It lives
     as long as this process; a later case's modules that it did not preload are imported by
     each of that case's workers."""
-    modules = [*method_modules(type(method)), type(model_cfg).__module__]
+    modules = [*method_modules(type(method)), type(model_cfg).__module__] if method is not None else []
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["bench.runtime.server_exit", __name__, "torch._dynamo", *modules, *_expected])
     saved = dict(os.environ)
@@ -298,6 +298,15 @@ def start_server(method, model_cfg) -> None:
     # collections would walk all of it; frozen, they skip it (docs/runtime.md, "Workers").
     atexit.unregister(gc.freeze)  # once, however many cases start it
     atexit.register(gc.freeze)
+
+
+def forking_context():
+    """The multiprocessing context that forks CPU processes from the server (start_server,
+    started here if it runs not yet): a process that computes on the CPU beside the workers (a
+    probe's ranks, bench.runtime.method_step) starts in a fraction of a second, where a spawned
+    one imports torch again."""
+    start_server()
+    return mp.get_context("forkserver")
 
 
 def method_modules(method) -> list[str]:

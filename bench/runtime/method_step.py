@@ -3,12 +3,12 @@ one on this host's emulated CPU ranks, measured once per host, workload, devices
 
 A method whose trainer does work beside the model's (an engine's hooks, gradient buckets, optimizer
 partitions, swapped layers) prices that work in its Program from this measurement
-(added_host_work_flops). The ranks are child processes, one per device, each pinned to a core as
-the workers are, in a gloo world of their own. Each rank interleaves a plain step (forward,
-backward, Adam on the whole model, timed as the run's yardstick times it: the thread's CPU time of
-a whole step) with the method's step (its setup()'s trainer, timed by the run's own emulator in
-its reference phase: per interval between collectives, the fastest thread CPU time, collectives at
-loopback speed). It knows no method: it calls the Method protocol's setup() and the trainer's
+(added_host_work_flops). The ranks are child processes, one per device, forked from the workers'
+server (bench.runtime.launch) and each pinned to a core as the workers are, in a gloo world of
+their own. Each rank interleaves a plain step (forward, backward, Adam on the whole model, timed
+as the run's yardstick times it: the thread's CPU time of a whole step) with the method's step
+(its setup()'s trainer, timed by the run's own emulator in its reference phase: per interval
+between collectives, the fastest thread CPU time, collectives at loopback speed). It knows no method: it calls the Method protocol's setup() and the trainer's
 step(). It neither plans nor prices a Program.
 
 host_measurement is the same service for a measurement a method makes in its own process (the
@@ -21,7 +21,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import statistics
@@ -37,6 +36,7 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.runtime.emulation import ArrivalBoard, EmulationSettings, Emulator
 from bench.runtime.hostcpu import emulated_device, pin_to_core
 from bench.runtime.hostspeed import digest, host_cache_file, host_identity, host_key, read_cache, write_cache
+from bench.runtime.launch import forking_context
 
 DEFAULT_REPEATS = EmulationSettings.reference_iters  # the steps each rank times of either kind
 TIMEOUT_S = 300
@@ -102,7 +102,7 @@ def _run_ranks(
     """One probe rank per device (_rank): (the medians of their answers, None where any failed;
     the errors)."""
     n = cluster.num_devices
-    ctx = mp.get_context("spawn")
+    ctx = forking_context()
     with tempfile.TemporaryDirectory(prefix="hetbench-step-probe-") as folder:
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         procs = [

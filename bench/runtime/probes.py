@@ -25,7 +25,7 @@ from bench.cost.profiles import fit_entry, view_entry
 from bench.runtime.compat import all_gather_single, reduce_scatter_single
 from bench.runtime.hostcpu import emulated_device
 from bench.runtime.hostspeed import host_probe
-from bench.runtime.launch import _free_port
+from bench.runtime.launch import _free_port, forking_context
 from bench.runtime.precision import applied
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -385,9 +385,8 @@ def _collective_worker(rank: int, n: int, port: int, sizes: list[int], repeats: 
 
 
 def profile_collectives(n: int, sizes: list[int], repeats: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = forking_context().Queue()
     mp.start_processes(
-        _collective_worker, args=(n, _free_port(), sizes, repeats, queue), nprocs=n, start_method="spawn"
+        _collective_worker, args=(n, _free_port(), sizes, repeats, queue), nprocs=n, start_method="forkserver"
     )
     return queue.get(timeout=10)

@@ -4,7 +4,7 @@ Each rank builds its model on the meta device (shapes, no values) and gets its b
 GPU rank gets it on its GPU; every torch.distributed collective checks that its tensors are on
 the meta device and is then skipped (tests.device_guard). A tensor a method makes without the
 model's device lands on the CPU and fails the check, or mixes devices in an op, which fails
-too. Two ranks in a gloo world of their own (spawned processes): the process group gives
+too. Two ranks in a gloo world of their own (processes forked from the workers' server): the process group gives
 ranks, sizes and subgroups; no tensor goes through it.
 
 Which parts run: hap and sfb set up and step (the planner's plans, and a plan with an empty
@@ -17,7 +17,6 @@ accelerator); the GPU tests run them on a GPU (tests/gpu).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import tempfile
 import traceback
 
@@ -27,6 +26,7 @@ import torch
 from bench.core.meta import build_on_meta
 from bench.core.shares import offsets
 from bench.runner.case import new_record, prepare_case
+from bench.runtime.launch import forking_context
 from methods.hap.runtime import FixedPlanMethod
 from methods.pipeline.cut import model_graph
 from models.bert import BertConfig
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, store: str, case, steps: bool, answers) -> None
 def _run_on_meta(case, steps: bool = True) -> list[list[str]]:
     """Every rank's collectives (names, in call order); fails with a rank's traceback."""
     world = case.cluster.num_devices
-    ctx = mp.get_context("spawn")
+    ctx = forking_context()
     answers = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hetbench-meta-") as folder:
         procs = [

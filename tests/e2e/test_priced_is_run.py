@@ -12,9 +12,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.runner.case import new_record, prepare_case
+from bench.runtime.launch import forking_context
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, port: int, case, kind: str, out) -> None:
 
 
 def _record(case, kind: str, world: int) -> dict[int, list]:
-    ctx = mp.get_context("spawn")
+    ctx = forking_context()
     out = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, case, kind, out)) for r in range(world)]

@@ -16,7 +16,7 @@ from bench.runtime.emulation import ArrivalBoard
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["warmup_iters=1", "measured_iters=3"]
+QUICK = ["warmup_iters=1", "measured_iters=3", "emulation.reference_iters=2"]  # pacing is timed in test_emulation.py
 
 
 def run(module, *args, results_dir, env=None, timeout=600):

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from bench.runtime.launch import forking_context
 from methods.hap import collectives as C
 
 LENGTHS = {2: [3, 2], 3: [3, 0, 2]}
@@ -189,9 +190,8 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_forward_and_backward_match_single_process_with_uneven_and_empty_shards(n):
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    mp.start_processes(_entry, args=(n, _free_port(), errors), nprocs=n, join=True, start_method="spawn")
+    errors = forking_context().Queue()
+    mp.start_processes(_entry, args=(n, _free_port(), errors), nprocs=n, join=True, start_method="forkserver")
     found = []
     while not errors.empty():
         found.append(errors.get())
