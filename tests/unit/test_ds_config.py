@@ -249,7 +249,7 @@ def test_without_deepspeed_the_engine_probe_starts_nothing_and_says_so(monkeypat
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(tmp_path))  # nothing cached
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    monkeypatch.setattr(method_step.mp, "get_context", lambda *a: pytest.fail("a probe process was started"))
+    monkeypatch.setattr(method_step, "forking_context", lambda *a: pytest.fail("a probe process was started"))
     host = _cluster().with_host_speed(1e9, step_overhead_s=0.002)
     method = DeepSpeedZeRO(engine_probe=False)
     plan = method.plan(_workload(TINY_BERT), host)
