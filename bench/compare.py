@@ -28,29 +28,16 @@ from bench.runner.configs import (
     check_group_choices,
     compose_settings,
     group_options,
-    method_modes,
+    method_target,
+    plugin_modes,
     print_help_if_asked,
     results_file,
     take_config_dirs,
 )
-from bench.runner.execute import expect_cases, make_trackers, run_case
+from bench.runner.execute import expect_cases, make_trackers, run_case, start_server_early
 from bench.runner.rounds import run_rounds
 
 DEFAULT_REPEATS = 6  # measured comparisons; mode=sim is deterministic and runs once
-
-
-def _methods(overrides: list[str], mode: str) -> list[str]:
-    chosen = [o for o in overrides if o.startswith("method=")]
-    if chosen:
-        return chosen[-1].split("=", 1)[1].split(",")
-    methods = []  # every implemented method that can run in this mode: conf/method is the registry
-    for m in sorted(group_options("method"), key=lambda m: (m != BASELINE, m)):
-        modes = method_modes(m)
-        if mode in modes:
-            methods.append(m)
-        else:
-            print(f"note: {m} skipped: it supports mode={','.join(modes)} only")
-    return methods
 
 
 def compare(overrides: list[str]) -> list[RunRecord]:
@@ -63,8 +50,18 @@ def compare(overrides: list[str]) -> list[RunRecord]:
         repeats = DEFAULT_REPEATS
     if base.mode == "sim":
         repeats = 1
-    methods = _methods(overrides, base.mode)
+    chosen = [o.split("=", 1)[1].split(",") for o in overrides if o.startswith("method=")]
+    # by default every implemented method that can run in this mode: conf/method is the registry
+    methods = chosen[-1] if chosen else sorted(group_options("method"), key=lambda m: (m != BASELINE, m))
+    start_server_early(base, [method_target(m) for m in methods])
     configs = {m: compose_settings(*rest, f"method={m}", f"repeats={repeats}") for m in methods}
+    if not chosen:
+        for m, cfg in list(configs.items()):
+            modes = plugin_modes(cfg.method)
+            if base.mode not in modes:
+                print(f"note: {m} skipped: it supports mode={','.join(modes)} only")
+                del configs[m]
+        methods = list(configs)
     expect_cases(configs.values())
     if repeats == 1:
         return [run_case(configs[m]) for m in methods]

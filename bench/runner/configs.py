@@ -276,7 +276,12 @@ def hydra_job() -> tuple[str | None, str | None]:
 
 def method_modes(name: str) -> tuple[str, ...]:
     """The modes the method of conf/method/<name>.yaml supports (it is instantiated to ask)."""
-    return tuple(getattr(instantiate(compose_config(f"method={name}").method), "modes", ("real",)))
+    return plugin_modes(compose_config(f"method={name}").method)
+
+
+def plugin_modes(method_cfg) -> tuple[str, ...]:
+    """The modes a composed method config's method supports (it is instantiated to ask)."""
+    return tuple(getattr(instantiate(method_cfg), "modes", ("real",)))
 
 
 def methods_supporting(mode: str) -> list[str]:

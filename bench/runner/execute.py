@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hydra.utils import instantiate
 
+from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Workload
 from bench.records.progress import progress_bar
@@ -36,7 +37,9 @@ from bench.runtime.launch import (
     WorkerError,
     WorkerOutOfMemory,
     expect_modules,
+    forks_workers,
     method_modules,
+    start_server,
 )
 from bench.runtime.worker import (
     Case,
@@ -78,6 +81,20 @@ def expect_cases(configs: Iterable[Settings]) -> None:
     preloads what every case's method imports in its workers (bench.runtime.launch.expect_modules), not
     the first's alone. (A model's module is small: each worker imports its own.)"""
     expect_methods(cfg.method_target for cfg in configs)
+
+
+def start_server_early(cfg: Settings, targets: Iterable[str | None]) -> None:
+    """Before a series of measured cases is composed (a comparison): the server their CPU
+    workers fork from starts now, preloading the methods of `targets` (their `_target_` paths),
+    so that its imports overlap the compositions. Nothing where the cases do not fork workers or
+    the cluster cannot be read (the first case then says why)."""
+    try:
+        cluster = ClusterSpec.from_config(cfg.cluster, cfg.config_roots())
+    except Exception:
+        return
+    if cfg.mode == "real" and forks_workers(cluster):
+        expect_methods(t for t in targets if t)
+        start_server()
 
 
 def expect_methods(targets) -> None:

@@ -320,12 +320,21 @@ def _exit_at_once() -> None:
     os._exit(0)
 
 
+_answered_by: int | None = None  # the server whose first fork wait_for_server saw through
+
+
 def wait_for_server() -> None:
     """Return once the server has imported what it preloads, so that a timing taken next (the
-    host's speed, the planner's time) has both cores to itself: its first fork comes only then."""
+    host's speed, the planner's time) has both cores to itself: its first fork comes only then.
+    A server that has forked once is through its imports: later cases do not wait on it again."""
+    global _answered_by
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None and server._forkserver_pid == _answered_by:
+        return
     probe = mp.get_context("forkserver").Process(target=_exit_at_once, daemon=True)
     probe.start()
     probe.join()
+    _answered_by = server._forkserver_pid
 
 
 def forks_workers(cluster: ClusterSpec) -> bool:
