@@ -50,6 +50,9 @@ class EmulationOptions:
     reference_iters: int = option(12, rule="an integer >= 0 (0: pace the compute just measured)", example="12")
     # Bind each CPU rank to one core (local rank modulo cores; bench.runtime.hostcpu).
     pin_cores: bool = option(True, rule=_BOOL, example="false")
+    # A repeated case (bench.compare's rounds) sets the reference again at every round, so that
+    # the rounds' interval spans how a reference varies between sets of it (docs/emulation.md).
+    reference_each_round: bool = option(True, rule=_BOOL, example="false")
     # A rank that waited on its peers while referencing takes the measured slowdown after such a
     # pause out of its reference (docs/emulation.md).
     pause_discount: bool = option(True, rule=_BOOL, example="false")
@@ -205,6 +208,7 @@ def emulation_settings(cfg: Settings, num_ranks: int) -> EmulationSettings:
         headroom=float(headroom),
         reference_iters=options.reference_iters,
         pin_cores=options.pin_cores,
+        reference_each_round=options.reference_each_round,
         pause_discount=options.pause_discount,
         realtime_comm=options.realtime_comm,
         gloo_workers_first=options.gloo_workers_first,

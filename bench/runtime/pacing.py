@@ -106,10 +106,24 @@ class Pacing:
         """Around the model's build and the method's set-up: their tensors count (CPU ranks)."""
         return self.tensors or contextlib.nullcontext()
 
+    @property
+    def rereferences(self) -> bool:
+        """Whether a later round sets the reference again (EmulationSettings.reference_each_round)."""
+        return bool(self.untimed and self.references and self.emulator.settings.reference_each_round)
+
+    @property
+    def round_start(self) -> int:
+        """The iteration a later round starts at: the reference's first (the lazy set-up ones are
+        the first round's alone), or the first timed one where the reference is kept."""
+        return self.emulator.settings.SKIPPED if self.rereferences else self.untimed
+
     def begin_round(self) -> None:
-        """Before a later round of the same case (bench.runtime.worker.TrainingRank): its iterations
-        are paced against the reference the first round set, from a clean slate (nothing owed)."""
-        self.emulator.begin_round()
+        """Before a later round of the same case (bench.runtime.worker.TrainingRank), from a clean
+        slate (nothing owed): its first iterations set the reference again (rereferences) and
+        the pause discount is taken again after them; otherwise its iterations are paced against
+        the reference the first round set."""
+        self.emulator.begin_round(rereference=self.rereferences)
+        self.discounted = not self.rereferences
 
     def measure_host(self) -> None:
         """Before the references, every rank at once: the host as this run meets it (the

@@ -226,10 +226,11 @@ class TrainingRank:
     """One rank of a case, built and set up once, then trained round after round.
 
     The first round runs the untimed iterations (lazy set-up, the pacing reference: bench.runtime.pacing)
-    before its warm-up and measured ones; a later round runs only warm-up and measured
-    iterations, on the same batches as the first, its pacing against the same reference. A
-    round's result is what one run of the case reports (its `timings` say where its wall time
-    went: set-up and untimed iterations, which only the first round pays, and the timed ones).
+    before its warm-up and measured ones; a later round sets the reference again
+    (emulation.reference_each_round; or keeps the first round's) and runs the warm-up and
+    measured iterations, on the same batches as the first. A round's result is what one run of
+    the case reports (its `timings` say where its wall time went: set-up, which only the first
+    round pays, untimed iterations and the timed ones).
     """
 
     def __init__(
@@ -286,7 +287,7 @@ class TrainingRank:
         # The first iteration, where it is not measured, shows the dtypes the forward really made.
         watch = ForwardDtypes() if first and pacing.untimed + case.warmup_iters > 0 else None
         timed_from = None
-        for it in range(0 if first else pacing.untimed, pacing.total_iters):
+        for it in range(0 if first else pacing.round_start, pacing.total_iters):
             # Every round trains the same batches: iteration `it` of the first round's numbering.
             batch = tuple(t.to(device) for t in self.data.batch(it, *self.slice, workload.global_batch))
             if it == pacing.untimed:
@@ -327,7 +328,7 @@ class TrainingRank:
             },
             "timings": {
                 "setup_s": self.setup_s if first else 0.0,
-                "untimed_s": timed_from - start if first else 0.0,
+                "untimed_s": timed_from - start if first or pacing.rereferences else 0.0,
                 "iterations_s": end - timed_from,
             },
         }

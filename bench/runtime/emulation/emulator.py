@@ -113,11 +113,20 @@ class Emulator:
         self._links_emulated = not (self.pace_compute and self._phase == "reference")
         self.mark()
 
-    def begin_round(self) -> None:
+    def begin_round(self, rereference: bool = False) -> None:
         """A later round of the case starts after an idle spell: what the rank was behind or
-        ahead of its targets at the end of the last round is not carried into it."""
+        ahead of its targets at the end of the last round is not carried into it.
+        `rereference`: its first iterations set the reference again, at full pace (not with a
+        shared reference, EmulationSettings.reference)."""
         self._debt = self._debt_at_issue = 0.0
         self.slept_s = 0.0
+        if rereference and self.settings.reference is None and self.pace_compute:
+            self._phase = "reference"
+            self._reference_runs, self._reference_walls, self._reference_pauses = [], [], []
+            self._iteration, self._iteration_wall = [], []
+            self._reference = self._reference_wall = None
+            self.pause_probe = None
+            self._links_emulated = False
         self.mark()
 
     @property
