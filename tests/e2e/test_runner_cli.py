@@ -238,7 +238,8 @@ def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
         assert a["timings"]["prepare_s"] > 0 and a["timings"]["setup_s"] > 0 and a["timings"]["untimed_s"] > 0
         # each round sets its pacing reference again (emulation.reference_each_round)
         assert "prepare_s" not in b["timings"] and b["timings"]["setup_s"] == 0 and b["timings"]["untimed_s"] > 0
-        assert [r["reference_s"] for r in a["emulation"]["ranks"]] != [r["reference_s"] for r in b["emulation"]["ranks"]]
+        references = [[rank["reference_s"] for rank in r["emulation"]["ranks"]] for r in (a, b)]
+        assert references[0] != references[1]
         assert b["timings"]["iterations_s"] > 0 and a["plan_hash"] == b["plan_hash"]
     pids = [set(r["worker_pids"]) for r in first]
     assert all(not (p & q) for i, p in enumerate(pids) for q in pids[i + 1 :])
