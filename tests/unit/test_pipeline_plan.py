@@ -581,9 +581,6 @@ def test_a_later_holder_of_a_tied_parameter_holds_its_copys_state_where_priced(s
     pipelines: its padded shard of it, the all-reduce's first chunk) and the planner checks the
     peak the simulator prices; the V's first position holds both readers and the tensor once."""
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
-    from methods.common import group_table
-    from methods.graph import capture_config
-    from methods.pipeline.planning import _Costs
 
     cluster = _cluster(4 if sharded else 2, gbps=1.0)
     workload = _workload("hf", 16, "model.arch=gpt2")
@@ -603,17 +600,27 @@ def test_a_later_holder_of_a_tied_parameter_holds_its_copys_state_where_priced(s
         copies = sum(max(t.nbytes) for t in program.tied if r in t.positions[1:])
         assert all(memory.params.const == own + copies for memory in row), (r, own, copies)
     if per_rank == 1:
-        graph = capture_config(workload.model_cfg, workload.global_batch)
-        costs = _Costs(graph, group_table(graph), cluster, 0.0)
-        sim = simulate(program, cluster, None)
-        for s, st in enumerate(program.stages):
-            for p, rank in enumerate(st.ranks):
-                peak = costs.peak(
-                    *st.groups,
-                    program.micro_batches[p],
-                    in_flight(program.actions[s]),
-                    program.num_micro_batches,
-                    program.num_pipelines > 1,
-                    program.num_pipelines if sharded else 1,
-                )
-                assert sim.peak_mem_gib[rank] == pytest.approx(peak / 2**30)
+        assert_planner_peaks_are_simulated(program, workload, cluster, program.num_pipelines if sharded else 1)
+
+
+def assert_planner_peaks_are_simulated(program, workload, cluster, shards: int) -> None:
+    """Each rank of a program of one stage a rank: the peak the planner's cut search checks
+    (_Costs.peak) is the one the simulator prices."""
+    from methods.common import group_table
+    from methods.graph import capture_config
+    from methods.pipeline.planning import _Costs
+
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    costs = _Costs(graph, group_table(graph), cluster, 0.0)
+    sim = simulate(program, cluster, None)
+    for s, st in enumerate(program.stages):
+        for p, rank in enumerate(st.ranks):
+            peak = costs.peak(
+                *st.groups,
+                program.micro_batches[p],
+                in_flight(program.actions[s]),
+                program.num_micro_batches,
+                program.num_pipelines > 1,
+                shards,
+            )
+            assert sim.peak_mem_gib[rank] == pytest.approx(peak / 2**30)
