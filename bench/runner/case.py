@@ -194,26 +194,55 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
     record.flops_per_iter = workload.flops_per_iter
     if forked:
         wait_for_server()  # the host's speed and the planner's time are measured on a quiet host
-    if cluster.emulated and cluster.device == "cpu":
-        per_device = -(-workload.global_batch // cluster.num_devices)
-        speed = measure_host_speed(workload, per_device, cfg.seed)
-        record.host_flops_per_s, record.host_step_overhead_s = speed.flops_per_s, speed.step_overhead_s
-        record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
-        cluster = cluster.with_host_speed(*speed)
-        if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
-            record.host_link_floor_s = host_floor(
-                cluster.num_devices,
-                mp.get_context("forkserver") if forked else None,
-                emulation.realtime_comm,
-                emulation.gloo_workers_first,
-            )
-            cluster = cluster.with_link_floor(record.host_link_floor_s)
+    cluster = _at_host_speed(cfg, record, workload, cluster, forked, emulation)
     record.ideal_iter_time_s = workload.flops_per_iter / cluster.total_effective_flops()
     record.hardware = (
         hardware_description(cluster)
         if cfg.mode == "real"
         else (f"simulated {cluster.describe()}, planned on {platform.node()}")
     )
+    plan = _planned(record, method, workload, cluster)
+    if emulation is not None and cluster.device == "cuda":
+        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.runtime.emulation).
+        emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
+    record.emulation = None if emulation is None else _emulation_row(cluster, emulation)
+    return Case(
+        workload,
+        cluster,
+        method,
+        plan,
+        cfg.seed,
+        cfg.warmup_iters,
+        cfg.measured_iters,
+        emulation=emulation,
+        precision=cfg.precision,
+        hooks=RankHooks(fail_rank=cfg.test.fail_rank, oom_rank=cfg.test.oom_rank, slowdown=cfg.test.slowdown),
+    )
+
+
+def _at_host_speed(cfg: Settings, record: RunRecord, workload, cluster: ClusterSpec, forked: bool, emulation):
+    """An emulated CPU cluster priced at this host's measured speed and transport floor (recorded);
+    any other cluster as it is."""
+    if not (cluster.emulated and cluster.device == "cpu"):
+        return cluster
+    per_device = -(-workload.global_batch // cluster.num_devices)
+    speed = measure_host_speed(workload, per_device, cfg.seed)
+    record.host_flops_per_s, record.host_step_overhead_s = speed.flops_per_s, speed.step_overhead_s
+    record.host_optimizer_s_per_byte = speed.optimizer_s_per_byte
+    cluster = cluster.with_host_speed(*speed)
+    if cluster.num_devices > 1:  # what the host's own transport adds to the emulated links
+        record.host_link_floor_s = host_floor(
+            cluster.num_devices,
+            mp.get_context("forkserver") if forked else None,
+            emulation.realtime_comm,
+            emulation.gloo_workers_first,
+        )
+        cluster = cluster.with_link_floor(record.host_link_floor_s)
+    return cluster
+
+
+def _planned(record: RunRecord, method, workload, cluster: ClusterSpec):
+    """The method's plan, timed, and the simulator's price of its program (recorded)."""
     start = time.perf_counter()
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
@@ -233,34 +262,20 @@ def prepare_case(cfg: Settings, record: RunRecord, world_size: int | None = None
         record.predicted_compute_s = compute_s(sim)
         record.predicted_peak_mem_gib = sim.peak_mem_gib
         record.predicted_oom = sim.oom
-    if emulation is not None and cluster.device == "cuda":
-        # Real kernels at MPS shares: no slow motion, no pacing reference (bench.runtime.emulation).
-        emulation = EmulationSettings(headroom=1.0, reference_iters=0, pin_cores=False)
-    record.emulation = (
-        None
-        if emulation is None
-        else {
-            "device": cluster.device,
-            "headroom": emulation.headroom,
-            "reference_iters": emulation.reference_iters,
-            "pin_cores": emulation.pin_cores,
-            "pause_discount": emulation.pause_discount,
-            "realtime_comm": emulation.realtime_comm,
-            "gloo_workers_first": emulation.gloo_workers_first,
-        }
-    )
-    return Case(
-        workload,
-        cluster,
-        method,
-        plan,
-        cfg.seed,
-        cfg.warmup_iters,
-        cfg.measured_iters,
-        emulation=emulation,
-        precision=cfg.precision,
-        hooks=RankHooks(fail_rank=cfg.test.fail_rank, oom_rank=cfg.test.oom_rank, slowdown=cfg.test.slowdown),
-    )
+    return plan
+
+
+def _emulation_row(cluster: ClusterSpec, emulation) -> dict:
+    """The emulation settings a row records."""
+    return {
+        "device": cluster.device,
+        "headroom": emulation.headroom,
+        "reference_iters": emulation.reference_iters,
+        "pin_cores": emulation.pin_cores,
+        "pause_discount": emulation.pause_discount,
+        "realtime_comm": emulation.realtime_comm,
+        "gloo_workers_first": emulation.gloo_workers_first,
+    }
 
 
 def compute_s(sim) -> float:
