@@ -76,6 +76,7 @@ class CostModel:
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
+        self._search_moves: dict = {}  # the same moves as synthesize's loop reads them
         self._move_price: dict = {}  # what a move's price reads (_recipes) -> (its maps, its choices)
         self._rule_parts_s: dict = {}  # rule_key -> (forward compute, SFB collectives, backward compute)
         self._comm_parts: dict = {}  # comm_key -> (forward seconds, backward seconds)
