@@ -467,8 +467,8 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
     its collectives (a CommRule, or an index into the choices), what its price adds up in order
     (("source", (tensor, layout)), ("comm", CommRule), ("chosen", index)), the choices (the
     collectives that make one layout, padded and grouped), sources, segment, layouts it adds,
-    tensors it communicates, what its price reads, its Steps per choice). Reads the segments
-    of `cost`, never its prices."""
+    tensors it communicates, the number naming what its price reads (CostModel._price_ids), its
+    Steps per choice). Reads the segments of `cost`, never its prices."""
     graph = theory.graph
     node = graph[name]
     seg = cost.op_segment[name]
@@ -563,6 +563,7 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
             ),
             tuple(tuple(cost.comm_key(c) for c in options) for options in choices),
         )
+        price_key = cost._price_ids.setdefault(price_key, len(cost._price_ids))  # hashed once
         yield (
             rule,
             tuple(items),
