@@ -173,6 +173,10 @@ class HapPlanner:
 
     def __post_init__(self) -> None:
         self.tools = MemoryTools(self.activation_checkpointing, self.grad_accumulation)
+        # (theory, cluster, granularity, ratios) -> its CostModel while a plan is made
+        # (_cost_model); emptied when it is: kept in the theory, they would make a cycle
+        # that only the cyclic collector frees, walking every memo of the search.
+        self._costs: dict = {}
         if self.activation_checkpointing and self.interpret:
             raise ConfigError(
                 "method.activation_checkpointing=true needs the recorded program (its checkpoints are "
@@ -229,7 +233,10 @@ class HapPlanner:
                 return cached
         t0 = time.perf_counter()
         with _no_cyclic_gc():
-            plan = self._plan(workload, cluster)
+            try:
+                plan = self._plan(workload, cluster)
+            finally:
+                self._costs.clear()
         plan.details["planned_in_s"] = time.perf_counter() - t0
         if key_fields is not None:
             plan.details["cache"] = {"status": "miss", "key": key, "dir": str(self.cache_dir)}
@@ -431,9 +438,7 @@ class HapPlanner:
         best: Candidate | None = None
         bucket = self.bucket_cap_mb * 2**20
         for i in range(self.max_rounds):
-            cost = CostModel(
-                theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
-            )
+            cost = self._cost_model(theory, cluster, granularity, ratios)
             t1 = time.perf_counter()
             dp = self._data_parallel(theory, cluster, granularity, ratios, stats)
             if dp is not None and stats["data_parallel"] == "gathers":
@@ -520,9 +525,7 @@ class HapPlanner:
                 theory.search_cache[key] = dp_theory if dead_end(dp_theory) is None else False
             if dp_theory is False:  # no program: not searched again at other ratios
                 continue
-            cost = CostModel(
-                dp_theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
-            )
+            cost = self._cost_model(dp_theory, cluster, granularity, ratios)
             try:
                 res = self._synthesize(dp_theory, cost)
             except NoProgramError:
@@ -563,10 +566,19 @@ class HapPlanner:
     def _search_cost(self, theory, cluster: ClusterSpec, granularity: str, ratios, result: SearchResult) -> float:
         """What the search charges `result`'s program at `ratios` (CostModel.program_cost): the
         price it ranks programs by, beside the simulator's (planner_check's agreement table)."""
-        cost = CostModel(
-            theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
-        )
-        return cost.program_cost(result.steps, result.final_comms)
+        return self._cost_model(theory, cluster, granularity, ratios).program_cost(result.steps, result.final_comms)
+
+    def _cost_model(self, theory, cluster: ClusterSpec, granularity: str, ratios) -> CostModel:
+        """The cost model of `theory` at these ratios, one per plan: the search at a round's
+        ratios and the pricing of the candidates found at them (the LP's ratios are the next
+        round's) share its prices, which depend on nothing else."""
+        key = (id(theory), id(cluster), granularity, tuple(tuple(float(x) for x in row) for row in ratios))
+        cost = self._costs.get(key)
+        if cost is None or cost.theory is not theory or cost.cluster is not cluster:
+            cost = self._costs[key] = CostModel(
+                theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+            )
+        return cost
 
     def _balance(
         self, found: Candidate, theory, cluster: ClusterSpec, start: str, i: int, rounds: list

@@ -66,6 +66,9 @@ class CostModel:
         # the segments alone, so every search of this theory at this segmentation shares them.
         self.segments_key = (self.num_segments, segmentation)
         self._recipes: dict = theory.search_cache.setdefault(("moves", self.segments_key), {})
+        # what a move's price reads (_recipes) -> a number naming it, so that a price is looked
+        # up by the number (the moves of every search of this theory name them alike)
+        self._price_ids: dict = theory.search_cache.setdefault(("price ids", self.segments_key), {})
         # op -> (tensors its moves depend on, their (tensor, layout) pairs)
         self._relevant: dict = theory.search_cache.setdefault(("relevant", self.num_segments), {})
         self.granularity = granularity
@@ -76,7 +79,8 @@ class CostModel:
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
-        self._move_price: dict = {}  # what a move's price reads (_recipes) -> (its maps, its choices)
+        self._search_moves: dict = {}  # the same moves as synthesize's loop reads them
+        self._move_price: dict = {}  # what a move's price reads (its _price_ids number) -> (its maps, its choices)
         self._rule_parts_s: dict = {}  # rule_key -> (forward compute, SFB collectives, backward compute)
         self._comm_parts: dict = {}  # comm_key -> (forward seconds, backward seconds)
         self._sync_maps: dict = {}  # source_key -> the map of its gradient's sync (overlap)

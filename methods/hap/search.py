@@ -123,7 +123,8 @@ def synthesize(
     # four: a program's price only grows with each, so a label at or below another leads to a
     # program at most as dear, whatever follows.
     start = (0, frozenset(), frozenset())
-    labels: list[tuple] = [(start, ZERO_LANES, 0.0, -1, None)]
+    # A label, flat: (state, its end row's three numbers, forward seconds, parent label, step).
+    labels: list[tuple] = [(start, *ZERO_LANES, 0.0, -1, None)]
     alive = [True]
     at_state: dict = {start: [0]}
     heap = [(_score(ZERO_LANES, 0.0, min_rest[0], host, after), 0, 0)]
@@ -133,70 +134,104 @@ def synthesize(
     best_cost = inf if incumbent is None else incumbent.cost_s * (1 - 1e-9)
     best_label = None
     best_final: tuple[CommRule, ...] = ()
+    ready = cost._search_moves  # (op, layouts of its inputs) -> its moves as the loop reads them
+    # state -> its moves, each with the state it leads to: a state's labels (up to one per
+    # trade-off between its four numbers) share them, and most states are reached many times.
+    state_children: dict = {}
+    pop, push = heapq.heappop, heapq.heappush
+    expanded = generated = pruned_bound = pruned_dedup = beam_pruned = 0
+    count = 1  # labels so far
     while heap:
-        f, _, label = heapq.heappop(heap)
+        f, _, label = pop(heap)
         if not alive[label]:
-            stats.pruned_dedup += 1
+            pruned_dedup += 1
             continue
         if f >= best_cost:
-            stats.pruned_bound += 1
+            pruned_bound += 1
             continue
-        state, row, forward, _, _ = labels[label]
+        state, r0, r1, r2, forward, _, _ = labels[label]
         pos, props, communicated = state
         if pos == n:
             extra = _finish(props, communicated, graph.loss, cost)
             if extra is not None:
-                total = cost.complete(max(row[0] + forward, row[2]) + extra[0], _steps(labels, label))
+                total = cost.complete(max(r0 + forward, r2) + extra[0], _steps(labels, label))
                 if total < best_cost:
                     best_cost, best_label, best_final = total, label, extra[1]
                     stats.complete += 1
             continue
         if beam_width is not None:
             if per_pos[pos] >= beam_width:
-                stats.beam_pruned += 1
+                beam_pruned += 1
                 continue
             per_pos[pos] += 1
-        stats.expanded += 1
-        if stats.expanded > max_expansions:
+        expanded += 1
+        if expanded > max_expansions:
             raise NoProgramError(
                 f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
                 "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
             )
-        name = order[pos]
-        rest, dead_here, dead_comm = min_rest[pos + 1], dead_props[pos], dead[pos]
-        moves = _successors(theory, cost, name, props, communicated)
-        stats.generated += len(moves)
-        kept, kept_comm = props - dead_here, communicated - dead_comm  # once per state, not per child
-        r0, r1, r2 = row
-        for step, (q, p, m, comp), add_props, add_comm in moves:
+        children = state_children.get(state)
+        if children is None:  # the state's first label: its moves and the states they lead to
+            children = state_children[state] = _children(
+                theory, cost, ready, order[pos], state, dead_props[pos], dead[pos]
+            )
+        generated += len(children)
+        rest = min_rest[pos + 1]
+        depth = -pos - 1
+        for step, q, p, m, comp, child in children:
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
             # its backward stage (and its gradients' syncs) runs before the prefix's backward
-            if comp is not None:  # on the compute lane alone (bench.cost.lanes.prepend, written out)
-                row2 = (r0 + comp, r1, r2)
+            # (bench.cost.lanes.prepend written out, `x if x >= y else y` being max(x, y))
+            if comp is not None:  # on the compute lane alone
+                s0, s1, s2 = r0 + comp, r1, r2
             else:
-                row2 = (
-                    max(r0 + m[0], r1 + m[3], r2 + m[6]),
-                    max(r0 + m[1], r1 + m[4], r2 + m[7]),
-                    max(r0 + m[2], r1 + m[5], r2 + m[8]),
-                )
-            score = max(row2[0] + forward2 + rest, row2[2], host) + after  # _score, written out
-            if score >= best_cost:  # before building the child's sets
-                stats.pruned_bound += 1
+                s0, a, b = r0 + m[0], r1 + m[3], r2 + m[6]
+                s0 = s0 if s0 >= a else a
+                s0 = s0 if s0 >= b else b
+                s1, a, b = r0 + m[1], r1 + m[4], r2 + m[7]
+                s1 = s1 if s1 >= a else a
+                s1 = s1 if s1 >= b else b
+                s2, a, b = r0 + m[2], r1 + m[5], r2 + m[8]
+                s2 = s2 if s2 >= a else a
+                s2 = s2 if s2 >= b else b
+            score = s0 + forward2 + rest  # _score, written out
+            score = score if score >= s2 else s2
+            score = (score if score >= host else host) + after
+            if score >= best_cost:
+                pruned_bound += 1
                 continue
-            live = kept | (add_props - dead_here)
-            comm_live = kept_comm | (add_comm - dead_comm) if add_comm else kept_comm
-            child = (pos + 1, live, comm_live)
             others = at_state.get(child)
-            if others is not None and _dominated(labels, alive, others, row2, forward2):
-                stats.pruned_dedup += 1
-                continue
-            labels.append((child, row2, forward2, label, step))
-            alive.append(True)
-            if others is None:
-                at_state[child] = [len(labels) - 1]
+            if others is not None:
+                # Dominance (written out: it runs for most children): drop the child if a label
+                # of its state is at or below it on all four numbers, else drop the state's
+                # labels at or above it (_SAME: the iteration's scale).
+                tol = _SAME * (abs(s0) + abs(forward2))
+                f_tol, s0_tol, s1_tol, s2_tol = forward2 + tol, s0 + tol, s1 + tol, s2 + tol
+                dominated = killed = False
+                for k in others:
+                    if not alive[k]:
+                        continue
+                    _, t0, t1, t2, fk, _, _ = labels[k]
+                    if fk <= f_tol and t0 <= s0_tol and t1 <= s1_tol and t2 <= s2_tol:
+                        dominated = True
+                        break
+                    if forward2 <= fk + tol and s0 <= t0 + tol and s1 <= t1 + tol and s2 <= t2 + tol:
+                        alive[k] = False
+                        killed = True
+                if dominated:
+                    pruned_dedup += 1
+                    continue
+                if killed:
+                    others[:] = [k for k in others if alive[k]]
+                others.append(count)
             else:
-                others.append(len(labels) - 1)
-            heapq.heappush(heap, (score, -pos - 1, len(labels) - 1))
+                at_state[child] = [count]
+            push(heap, (score, depth, count))
+            labels.append((child, s0, s1, s2, forward2, label, step))
+            alive.append(True)
+            count += 1
+    stats.expanded, stats.generated, stats.beam_pruned = expanded, generated, beam_pruned
+    stats.pruned_bound, stats.pruned_dedup = pruned_bound, pruned_dedup
     if best_label is None and incumbent is not None:
         return dataclasses.replace(incumbent, stats=stats)
     if best_label is None:
@@ -254,34 +289,12 @@ def _score(row: tuple, forward: float, rest: float, host: float, after: float) -
 _SAME = 1e-12
 
 
-def _dominated(labels: list, alive: list, others: list, row: tuple, forward: float) -> bool:
-    """Whether a label of the state is at or below (row, forward) on all four numbers; if not,
-    the state's labels at or above them are dropped (marked dead, removed from `others`).
-    (Written out: this runs once per child the search keeps.)"""
-    r0, r1, r2 = row
-    tol = _SAME * (abs(r0) + abs(forward))  # the iteration's scale
-    keep = []
-    for k in others:
-        if not alive[k]:
-            continue
-        _, (s0, s1, s2), f, _, _ = labels[k]
-        if f <= forward + tol and s0 <= r0 + tol and s1 <= r1 + tol and s2 <= r2 + tol:
-            return True
-        if forward <= f + tol and r0 <= s0 + tol and r1 <= s1 + tol and r2 <= s2 + tol:
-            alive[k] = False
-        else:
-            keep.append(k)
-    if len(keep) != len(others):
-        others[:] = keep
-    return False
-
-
 def _steps(labels: list, label: int) -> list[Step]:
     """The steps of the program a label is the end of, in order."""
     steps = []
-    while labels[label][3] >= 0:
-        steps.append(labels[label][4])
-        label = labels[label][3]
+    while labels[label][5] >= 0:
+        steps.append(labels[label][6])
+        label = labels[label][5]
     steps.reverse()
     return steps
 
@@ -351,8 +364,7 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
     """
     relevant = cost._relevant.get(name)
     if relevant is None:
-        ts = _relevant(theory, name)
-        relevant = cost._relevant[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
+        relevant = _relevant_pairs(theory, cost, name)
     tensors, pairs = relevant
     key = (name, props & pairs, communicated & tensors)  # set operations in C: no loop over the state
     moves = cost._moves.get(key)
@@ -365,6 +377,62 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
             recipes = cost._recipes[key] = list(_recipes(theory, cost, name, have, key[2]))
         moves = cost._moves[key] = [_priced(cost, name, r) for r in recipes]
     return moves
+
+
+def _relevant_pairs(theory: Theory, cost: CostModel, name: str) -> tuple[frozenset, frozenset]:
+    """The tensors whose layouts decide op `name`'s moves (_relevant) and their (tensor,
+    layout) pairs, kept per op and segmentation."""
+    ts = _relevant(theory, name)
+    out = cost._relevant[name] = (frozenset(ts), _layout_pairs(theory.graph, ts, cost.num_segments))
+    return out
+
+
+def _ready_moves(
+    theory: Theory,
+    cost: CostModel,
+    name: str,
+    props: frozenset,
+    communicated: frozenset,
+    dead_props: frozenset,
+    dead: frozenset,
+) -> list[tuple]:
+    """The moves of _successors as synthesize's loop reads them: (step, seconds of its forward
+    collectives, of its forward compute, its backward map, that backward's compute when the map
+    is the compute lane's alone, the layouts it adds that live on past op `name` (those in
+    `dead_props` dropped), the tensors it communicates that do (those in `dead` dropped)).
+    Those sets depend on the op alone, so they are worked out once per move, not per child."""
+    return [
+        (step, q, p, m, comp, add_props - dead_props, add_comm - dead)
+        for step, (q, p, m, comp), add_props, add_comm in _successors(theory, cost, name, props, communicated)
+    ]
+
+
+def _children(
+    theory: Theory,
+    cost: CostModel,
+    ready: dict,
+    name: str,
+    state: tuple,
+    dead_props: frozenset,
+    dead: frozenset,
+) -> list[tuple]:
+    """The moves of op `name` from `state` (_ready_moves, memoised in `ready` per the layouts
+    of the op's inputs) with the state each leads to: (step, forward collectives' seconds,
+    forward compute, backward map, backward compute or None, the state after). The layouts
+    and communicated tensors no later op reads (`dead_props`, `dead`) are dropped."""
+    pos, props, communicated = state
+    relevant = cost._relevant.get(name)
+    if relevant is None:
+        relevant = _relevant_pairs(theory, cost, name)
+    key = (name, props & relevant[1], communicated & relevant[0])  # set operations in C
+    moves = ready.get(key)
+    if moves is None:
+        moves = ready[key] = _ready_moves(theory, cost, name, props, communicated, dead_props, dead)
+    kept, kept_comm = props - dead_props, communicated - dead
+    return [
+        (step, q, p, m, comp, (pos + 1, kept | live if live else kept, kept_comm | comm if comm else kept_comm))
+        for step, q, p, m, comp, live, comm in moves
+    ]
 
 
 def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:
@@ -399,8 +467,8 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
     its collectives (a CommRule, or an index into the choices), what its price adds up in order
     (("source", (tensor, layout)), ("comm", CommRule), ("chosen", index)), the choices (the
     collectives that make one layout, padded and grouped), sources, segment, layouts it adds,
-    tensors it communicates, what its price reads, its Steps per choice). Reads the segments
-    of `cost`, never its prices."""
+    tensors it communicates, the number naming what its price reads (CostModel._price_ids), its
+    Steps per choice). Reads the segments of `cost`, never its prices."""
     graph = theory.graph
     node = graph[name]
     seg = cost.op_segment[name]
@@ -495,6 +563,7 @@ def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicate
             ),
             tuple(tuple(cost.comm_key(c) for c in options) for options in choices),
         )
+        price_key = cost._price_ids.setdefault(price_key, len(cost._price_ids))  # hashed once
         yield (
             rule,
             tuple(items),
