@@ -7,13 +7,13 @@ memory tools run (activation checkpointing, gradient accumulation). One stage wi
 state is hap's synthesis (sharding, LP ratios, collective choice, SFB); one stage with sharded
 state is FSDP2's data parallel; one stage with ZeRO-1 or ZeRO-2 state is the DeepSpeed engine
 (optimizer state, then gradients too, sharded; parameters replicated); several stages are the
-pipeline's planner. Each candidate is planned by its part and
-priced by the one simulator, and the search returns the fastest that fits. The plan records the
-composition it chose (`details["auto"]`), and at run time each rank runs that part's runtime
-(hap's, FSDP2's, DeepSpeed's engine, the pipeline trainer) with the chosen options. Not in the
-space: hap's
+pipeline's planner. Each candidate is planned by its part and priced by the one simulator, and
+the search returns the fastest that fits. The plan records the composition it chose
+(`details["auto"]`), and at run time each rank runs that part's runtime (hap's, FSDP2's,
+DeepSpeed's engine, the pipeline trainer) with the chosen options. Not in the space: hap's
 synthesis inside a stage of several devices (a pipeline stage's replicas are data parallel),
-sharded state inside hap's programs, tensor parallelism across a pipeline stage.
+sharded state inside hap's programs, ZeRO state inside a pipeline stage, tensor parallelism
+across a pipeline stage.
 
 This method composes the others, so it imports them; none of them imports it.
 
