@@ -2,15 +2,18 @@
 
 A candidate is a composition of the other methods' parts: how many stages (one over the whole
 cluster, or pipelines of several), how the state of a stage's data-parallel devices is held
-(replicated, or sharded as FSDP2 shards it) and which memory tools run (activation
-checkpointing, gradient accumulation). One stage with replicated state is hap's synthesis
-(sharding, LP ratios, collective choice, SFB); one stage with sharded state is FSDP2's data
-parallel; several stages are the pipeline's planner. Each candidate is planned by its part and
-priced by the one simulator, and the search returns the fastest that fits. The plan records the
-composition it chose (`details["auto"]`), and at run time each rank runs that part's runtime
-(hap's, FSDP2's, the pipeline trainer) with the chosen options. Not in the space: hap's
+(replicated, sharded as FSDP2 shards it, or as DeepSpeed's ZeRO-1 and ZeRO-2 shard it) and which
+memory tools run (activation checkpointing, gradient accumulation). One stage with replicated
+state is hap's synthesis (sharding, LP ratios, collective choice, SFB); one stage with sharded
+state is FSDP2's data parallel; one stage with ZeRO-1 or ZeRO-2 state is the DeepSpeed engine
+(optimizer state, then gradients too, sharded; parameters replicated); several stages are the
+pipeline's planner. Each candidate is planned by its part and priced by the one simulator, and
+the search returns the fastest that fits. The plan records the composition it chose
+(`details["auto"]`), and at run time each rank runs that part's runtime (hap's, FSDP2's,
+DeepSpeed's engine, the pipeline trainer) with the chosen options. Not in the space: hap's
 synthesis inside a stage of several devices (a pipeline stage's replicas are data parallel),
-sharded state inside hap's programs, tensor parallelism across a pipeline stage.
+sharded state inside hap's programs, ZeRO state inside a pipeline stage, tensor parallelism
+across a pipeline stage.
 
 This method composes the others, so it imports them; none of them imports it.
 
@@ -30,6 +33,7 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from methods.auto.search import NoPlanFits, search, with_memory
 from methods.auto.space import (
     STATES,
+    ZERO_STATES,
     Candidate,
     accumulation_steps,
     candidates,
@@ -52,14 +56,15 @@ class Auto:
     """The whole-space planner (module docstring).
 
     Args:
-        hap, pipeline, fsdp: the parts, configured as their own methods (conf/method/auto.yaml
-            composes conf/method/hap.yaml, pipeline.yaml and fsdp_cp.yaml); each candidate
-            takes its part's options with its own over them.
+        hap, pipeline, fsdp, deepspeed: the parts, configured as their own methods
+            (conf/method/auto.yaml composes conf/method/hap.yaml, pipeline.yaml, fsdp_cp.yaml
+            and deepspeed.yaml); each candidate takes its part's options with its own over them.
         name: the method's name in records.
         stages: "auto", 1 (one stage over the whole cluster) or the ranks of a pipeline (2 or
             more: pipelines only).
         stage_level: what a pipeline rank's slot is cut from: "device", "machine" or "auto".
-        state: "auto", "replicated" or "sharded" (a stage's data-parallel state).
+        state: "auto", "replicated", "sharded" (FSDP2), "zero1" or "zero2" (DeepSpeed's
+            ZeRO-1 / ZeRO-2, one stage only): a stage's data-parallel state.
         activation_checkpointing: "auto" (searched), true or false.
         grad_accumulation: "auto" (searched, single stages) or the micro-steps of every single
             stage; pipelines are left out when it is forced above 1.
@@ -73,13 +78,22 @@ class Auto:
     """
 
     mirror_full_state = False  # tests: the part writes the full parameters and gradients into the model
-    worker_modules = ("methods.hap.runtime", "methods.fsdp", "methods.pipeline", "torch.distributed.pipelining")
+    # DeepSpeed itself is left to the workers of a plan that runs it (its import costs every
+    # server seconds: methods.ds_zero's worker_modules).
+    worker_modules = (
+        "methods.hap.runtime",
+        "methods.fsdp",
+        "methods.pipeline",
+        "methods.ds_zero",
+        "torch.distributed.pipelining",
+    )
 
     def __init__(
         self,
         hap,
         pipeline,
         fsdp,
+        deepspeed,
         name: str = "auto",
         stages="auto",
         stage_level: str = "auto",
@@ -103,6 +117,11 @@ class Auto:
             )
         if state not in ("auto", *STATES):
             raise ConfigError(f"method.state={state!r} is unknown; use one of auto, {', '.join(STATES)}")
+        if state in ZERO_STATES and _whole(stages) and stages > 1:
+            raise ConfigError(
+                f"method.state={state} is one stage's (DeepSpeed's ZeRO over the whole cluster), but "
+                f"method.stages={stages} runs pipelines; use method.stages=1 or auto, or method.state=sharded"
+            )
         if activation_checkpointing != "auto" and not isinstance(activation_checkpointing, bool):
             raise ConfigError(
                 f"method.activation_checkpointing={activation_checkpointing!r} is invalid; use auto, true or false"
@@ -126,7 +145,7 @@ class Auto:
                 "devices' own memory)"
             )
         check_training_options(lr, grad_clip)
-        self.hap, self.pipeline, self.fsdp = hap, pipeline, fsdp
+        self.hap, self.pipeline, self.fsdp, self.deepspeed = hap, pipeline, fsdp, deepspeed
         self.name = name
         self.modes = ("real", "sim")
         self.stages = stages

@@ -2,7 +2,9 @@
 
 A candidate names a composition of the other methods' parts: one stage over the whole cluster
 with replicated state (hap's synthesis: sharding, LP ratios, collective choice, SFB), one stage
-with sharded state (FSDP2's data parallel, its batch split by compute or evenly), or pipelines of
+with sharded state (FSDP2's data parallel, its batch split by compute or evenly), one stage with
+DeepSpeed's ZeRO-1 or ZeRO-2 state (the DeepSpeed engine: optimizer state, then gradients too,
+sharded over the devices, parameters replicated, the batch split evenly), or pipelines of
 several stages (the pipeline's planner at that many ranks a pipeline: cuts, slots, schedule,
 micro-batches, priced shares), each with the memory tools that part offers. `make_part` builds
 the configured component method of a candidate, so that the search prices it by that method's
@@ -19,7 +21,9 @@ from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from methods.pipeline.planning import layouts
 
-STATES = ("replicated", "sharded")
+STATES = ("replicated", "sharded", "zero1", "zero2")
+ZERO_STATES = {"zero1": 1, "zero2": 2}  # a single stage's DeepSpeed state: its ZeRO stage
+PIPELINE_STATES = ("replicated", "sharded")
 SPLITS = ("compute", "even")  # a sharded stage's batch split: fsdp_cp's, fsdp's
 
 
@@ -30,7 +34,9 @@ class Candidate:
     Attributes:
         stages: ranks a pipeline; 1 = one stage over the whole cluster (no pipeline).
         state: "replicated" (every data-parallel device keeps whole parameters, gradients and
-            Adam's moments) or "sharded" (FSDP2's shards over the data-parallel devices).
+            Adam's moments), "sharded" (FSDP2's shards over the data-parallel devices), or for
+            one stage "zero1" / "zero2" (DeepSpeed's ZeRO-1: Adam's state sharded; ZeRO-2:
+            gradients too; parameters replicated).
         split: a sharded single stage's batch split, "compute" or "even"; "" elsewhere.
         checkpointing: activation checkpointing per layer group.
         grad_accumulation: micro-steps per iteration (1 for pipelines: their micro-batches are
@@ -45,9 +51,11 @@ class Candidate:
 
     @property
     def part(self) -> str:
-        """The component that plans and runs it: hap, fsdp or pipeline."""
+        """The component that plans and runs it: hap, fsdp, deepspeed or pipeline."""
         if self.stages > 1:
             return "pipeline"
+        if self.state in ZERO_STATES:
+            return "deepspeed"
         return "hap" if self.state == "replicated" else "fsdp"
 
     @property
@@ -69,6 +77,7 @@ class Candidate:
         what = {
             "hap": "1 stage, hap's synthesis (replicated state)",
             "fsdp": f"1 stage, FSDP2 sharded state ({self.split} split)",
+            "deepspeed": f"1 stage, DeepSpeed ZeRO-{ZERO_STATES.get(self.state)} (even split)",
             "pipeline": f"{self.stages}-stage pipelines ({self.state} state)",
         }[self.part]
         tools = [t for t, on in (("checkpointing", self.checkpointing),) if on]
@@ -113,7 +122,7 @@ def candidates(
 
     Args:
         stages: "auto", 1 or a pipeline's ranks (the option method.stages).
-        state: "auto", "replicated" or "sharded".
+        state: "auto", "replicated", "sharded", "zero1" or "zero2".
         checkpointing: "auto", True or False.
         grad_accumulation: "auto" or an integer (the micro-steps of single stages).
         pipeline_stages: the stage counts the cluster offers (stage_counts).
@@ -128,10 +137,12 @@ def candidates(
             comps.append(Candidate(1, "replicated"))
         if "sharded" in states:
             comps += [Candidate(1, "sharded", s) for s in SPLITS]
+        comps += [Candidate(1, st) for st in ZERO_STATES if st in states]
     counts = pipeline_stages if stages == "auto" else [s for s in pipeline_stages if s == stages]
     for n in counts:
         for st in states:
-            comps.append(Candidate(n, st))
+            if st in PIPELINE_STATES:
+                comps.append(Candidate(n, st))
     out = []
     for comp in comps:
         for c in ckpt:
@@ -156,14 +167,19 @@ def _rebuild(template, name: str, **changes):
 
 def make_part(auto, cand: Candidate):
     """The component method that plans and runs `cand`, configured as auto's templates
-    (`auto.hap`, `auto.fsdp`, `auto.pipeline`: conf/method/auto.yaml composes their own files),
-    auto's optimizer and the candidate's options over them."""
+    (`auto.hap`, `auto.fsdp`, `auto.deepspeed`, `auto.pipeline`: conf/method/auto.yaml composes
+    their own files), auto's optimizer and the candidate's options over them."""
     common = {"lr": auto.lr, "grad_clip": auto.grad_clip, "activation_checkpointing": cand.checkpointing}
     if cand.part == "hap":
         return _rebuild(auto.hap, "hap", grad_accumulation=cand.grad_accumulation, **common)
     if cand.part == "fsdp":
         name = "fsdp_cp" if cand.split == "compute" else "fsdp"
         return _rebuild(auto.fsdp, name, split=cand.split, grad_accumulation=cand.grad_accumulation, **common)
+    if cand.part == "deepspeed":
+        zero = ZERO_STATES[cand.state]
+        return _rebuild(
+            auto.deepspeed, "deepspeed", zero_stage=zero, grad_accumulation=cand.grad_accumulation, **common
+        )
     sharded = cand.state == "sharded"  # the pipeline's sharded state: FSDP2 over each stage's replicas
     return _rebuild(
         auto.pipeline, "pipeline", num_stages=cand.stages, stage_level=auto.stage_level, sharded_state=sharded, **common

@@ -11,6 +11,7 @@ processes), so planning and simulating work without it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -79,6 +80,7 @@ class DeepSpeedZeRO:
     # with torch's compiler at import (seconds of each worker's set-up; docs/runtime.md). The
     # server skips a name that another DeepSpeed version lacks.
     worker_modules = ("deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.muon.muon_optimizer")
+    mirror_full_state = False  # tests: write the whole gradients and parameters into a copy of the model
 
     def __init__(
         self,
@@ -288,6 +290,7 @@ class DeepSpeedZeRO:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         if not self.shm_comm_op:
             skip_shm_comm_op(deepspeed)
+        full_model = copy.deepcopy(model) if self.mirror_full_state else None
         moe = plan.details.get("moe")
         if moe:
             swap_moe_layers(model, moe, ctx.rank, deepspeed)
@@ -304,7 +307,7 @@ class DeepSpeedZeRO:
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=plan.details["ds_config"], dist_init_required=False
         )
-        return DeepSpeedTrainer(engine, ctx, micro_steps)
+        return DeepSpeedTrainer(engine, ctx, micro_steps, full_model)
 
 
 def engine_work(

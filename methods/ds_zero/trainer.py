@@ -7,6 +7,7 @@ Only a worker (setup()) and the server workers fork from import deepspeed; plann
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from bench.core.interfaces import RankContext
 from methods.common import micro_batches
@@ -17,10 +18,15 @@ INSTALL_HINT = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
 class DeepSpeedTrainer:
     """One iteration: engine forward, backward (gradient reduction inside), step; with
     gradient accumulation, forward and backward per micro-batch and the engine's step after
-    each (DeepSpeed updates the parameters at the last)."""
+    each (DeepSpeed updates the parameters at the last).
 
-    def __init__(self, engine, ctx: RankContext, micro_steps: int = 1):
+    `full_model` (tests: the method's mirror_full_state): a copy of the model that each step
+    writes the whole reduced gradients and the updated parameters into, by name (a dense model's;
+    DeepSpeed's MoE layers have other names)."""
+
+    def __init__(self, engine, ctx: RankContext, micro_steps: int = 1, full_model: nn.Module | None = None):
         self.engine = engine
+        self.full_model = full_model
         self.emulator = ctx.emulator
         self.micro_steps = micro_steps
         # DeepSpeed averages gradients over ranks like DDP and divides each micro-step's loss by
@@ -50,8 +56,29 @@ class DeepSpeedTrainer:
 
     def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         loss = self.forward_backward(batch)
+        grads = self._full_grads() if self.full_model is not None else None
         self.optimizer_step()
+        if grads is not None:
+            self._mirror(grads)
         return loss
+
+    def _full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole reduced gradient (ZeRO-1/2 assemble it from the ranks'
+        partitions: a collective every rank calls)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().clone() for n, p in self.engine.module.named_parameters()}
+
+    def _mirror(self, grads: dict[str, torch.Tensor]) -> None:
+        import deepspeed
+
+        named = list(self.engine.module.named_parameters())
+        full = dict(self.full_model.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named]), torch.no_grad():  # ZeRO-3: whole
+            for n, p in named:
+                if n in full:
+                    full[n].copy_(p.detach())
+                    full[n].grad = grads[n].to(full[n].dtype).reshape(full[n].shape)
 
 
 def use_accelerator(device_type: str) -> None:

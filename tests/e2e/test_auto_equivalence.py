@@ -1,6 +1,6 @@
 """One step of auto's plans on emulated devices == one step on the whole batch.
 
-auto runs the part it chose (hap's runtime, FSDP2, the pipeline trainer) with the chosen
+auto runs the part it chose (hap's runtime, FSDP2, DeepSpeed's engine, the pipeline trainer) with the chosen
 options; these check the summed loss, every gradient and every parameter after Adam's step
 against the single-device model, for the plans auto really makes on local_hetero2 and
 local_2x2 (the paper's models, tiny), and for each composition forced through its options.
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["vgg19", "vit", "bert", "bert_moe"]
 # Priced without timing probes on this host (FSDP2's CPU work, the pipeline's layer-group
-# profile): the plans auto makes from the cost model alone, planned in seconds.
-PRICED = ("method.fsdp.work_probe=false", "method.pipeline.profile=false")
+# profile, DeepSpeed's engine work): the plans auto makes from the cost model alone, planned in
+# seconds.
+PRICED = ("method.fsdp.work_probe=false", "method.pipeline.profile=false", "method.deepspeed.engine_probe=false")
 
 
 def _auto(case) -> dict:
@@ -60,6 +61,9 @@ def test_auto_on_local_2x2_equals_single_device_training(cfg_factory, model):
         (("method.stages=2",), "pipeline"),
         (("method.stages=1", "method.state=replicated", "method.activation_checkpointing=true"), "hap"),
         (("method.stages=1", "method.state=sharded", "method.grad_accumulation=2"), "fsdp"),
+        (("method.state=zero1",), "deepspeed"),
+        (("method.state=zero2",), "deepspeed"),
+        (("method.state=zero2", "method.activation_checkpointing=true", "method.grad_accumulation=2"), "deepspeed"),
     ],
 )
 def test_each_composition_auto_can_choose_equals_single_device_training(cfg_factory, forced, part):
@@ -71,6 +75,9 @@ def test_each_composition_auto_can_choose_equals_single_device_training(cfg_fact
         assert chosen["checkpointing"] and case.plan.details["memory_tools"]["checkpointed_groups"]
     if "method.grad_accumulation=2" in forced:
         assert chosen["grad_accumulation"] == 2
+    if part == "deepspeed":  # the engine at the candidate's ZeRO stage
+        assert case.plan.details["zero_stage"] == int(chosen["state"][-1])
+        assert case.plan.details["ds_config"]["zero_optimization"]["stage"] == int(chosen["state"][-1])
 
 
 def test_pipelines_with_sharded_state_auto_chooses_equal_single_device_training(cfg_factory):

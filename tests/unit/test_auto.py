@@ -28,13 +28,16 @@ def _part(tmp_path, name, *overrides):
 def test_the_space_prices_compositions_before_their_memory_tools():
     found = candidates("auto", "auto", "auto", "auto", [2, 4], [1, 2, 4])
     parts = [c.part for c in found]
-    assert parts[:5] == ["hap", "fsdp", "fsdp", "pipeline", "pipeline"]
-    assert all(not c.checkpointing and c.grad_accumulation == 1 for c in found[:5])
+    assert parts[:7] == ["hap", "fsdp", "fsdp", "deepspeed", "deepspeed", "pipeline", "pipeline"]
+    assert [c.state for c in found[3:5]] == ["zero1", "zero2"]
+    assert all(not c.checkpointing and c.grad_accumulation == 1 for c in found[:7])
     assert all(c.grad_accumulation == 1 for c in found if c.part == "pipeline")  # their schedule's
+    assert {c.state for c in found if c.part == "pipeline"} == {"replicated", "sharded"}  # ZeRO: one stage
     assert len(set(found)) == len(found)
     forced = candidates(1, "sharded", False, 2, [2, 4], [1, 2, 4])
     assert forced == [Candidate(1, "sharded", "compute", False, 2), Candidate(1, "sharded", "even", False, 2)]
     assert [c.part for c in candidates(2, "replicated", "auto", "auto", [2, 4], [1, 2])] == ["pipeline"] * 2
+    assert candidates("auto", "zero2", True, 2, [2, 4], [1, 2]) == [Candidate(1, "zero2", "", True, 2)]
 
 
 def test_a_candidate_is_lighter_only_than_its_own_composition_with_more_tools():
@@ -52,27 +55,75 @@ def test_micro_steps_leave_a_sample_per_device():
 
 
 @pytest.mark.parametrize(
-    "forced, part, alone",
+    "forced, part, alone, extra",
     [
-        (("method.stages=1", "method.state=replicated", "method.activation_checkpointing=false"), "hap", "hap"),
-        (("method.stages=1", "method.state=sharded", "method.activation_checkpointing=false"), "fsdp", "fsdp_cp"),
-        (("method.stages=2", "method.activation_checkpointing=false"), "pipeline", "pipeline"),
+        (("method.stages=1", "method.state=replicated", "method.activation_checkpointing=false"), "hap", "hap", ()),
+        (("method.stages=1", "method.state=sharded", "method.activation_checkpointing=false"), "fsdp", "fsdp_cp", ()),
+        (
+            ("method.stages=2", "method.activation_checkpointing=false"),
+            "pipeline",
+            "pipeline",
+            ("method.num_stages=2",),
+        ),
+        (
+            ("method.state=zero1", "method.activation_checkpointing=false", "method.grad_accumulation=1"),
+            "deepspeed",
+            "deepspeed",
+            ("method.zero_stage=1",),
+        ),
+        (
+            ("method.state=zero2", "method.activation_checkpointing=false", "method.grad_accumulation=1"),
+            "deepspeed",
+            "deepspeed",
+            ("method.zero_stage=2",),
+        ),
     ],
 )
-def test_auto_prices_a_composition_as_the_method_alone_does(tmp_path, forced, part, alone):
+def test_auto_prices_a_composition_as_the_method_alone_does(tmp_path, forced, part, alone, extra):
     """One truth per quantity: auto's candidate and the composed method give the same plan's price."""
-    wl, cl = bert_workload(), cluster(k=2)
+    wl, cl = bert_workload(batch=12 if part == "deepspeed" else 16), cluster(k=2)  # DeepSpeed: even shares
     auto = _method(tmp_path, *forced)
     plan = auto.plan(wl, cl)
     d = plan.details["auto"]
     assert d["part"] == part and plan.method == "auto"
-    extra = ("method.num_stages=2",) if part == "pipeline" else ()
     own = _part(tmp_path, alone, *extra).plan(wl, cl)
     ours, theirs = simulate(plan.program, cl, plan.ratios), simulate(own.program, cl, own.ratios)
     chosen = [c for c in d["candidates"] if c["candidate"] == d["chosen_as"]]
     if not d["chosen"]["checkpointing"] and d["chosen"]["grad_accumulation"] == 1:
         assert ours.iter_time_s == pytest.approx(theirs.iter_time_s, rel=1e-9)
     assert chosen[0]["iter_time_s"] == pytest.approx(ours.iter_time_s, rel=1e-9)
+    if part == "deepspeed":  # the ZeRO stage and tools the DeepSpeed engine runs with
+        assert plan.details["zero_stage"] == own.details["zero_stage"]
+        assert plan.details["ds_config"] == own.details["ds_config"]
+
+
+def test_zero_candidates_are_priced_with_their_tools_and_bounded_below_their_price(tmp_path):
+    """Every ZeRO candidate plans and fits on a batch the devices share evenly; its bound (the
+    compute-only time, its lighter tools' price) never passes its price; ZeRO-2 holds less."""
+    wl, cl = bert_workload(batch=12), cluster(k=2)
+    d = _method(tmp_path, "method.prune=false", "method.stages=1").plan(wl, cl).details["auto"]
+    rows = {c["candidate"]: c for c in d["candidates"]}
+    zero = [c for c in _method(tmp_path).space(wl, cl) if c.part == "deepspeed"]
+    assert {c.state for c in zero} == {"zero1", "zero2"} and any(c.checkpointing for c in zero)
+    assert any(c.grad_accumulation > 1 for c in zero)
+    for cand in zero:
+        row = rows[cand.describe()]
+        assert row["status"] == "fits" and row["bound_s"] <= row["iter_time_s"] * (1 + 1e-9)
+        for lighter in zero:
+            if lighter.lighter_than(cand):
+                assert rows[lighter.describe()]["iter_time_s"] <= row["iter_time_s"] * (1 + 1e-9)
+    one, two = (
+        rows[describe]
+        for describe in ("1 stage, DeepSpeed ZeRO-1 (even split)", "1 stage, DeepSpeed ZeRO-2 (even split)")
+    )
+    assert two["peak_gib"] < one["peak_gib"]
+
+
+def test_zero_candidates_on_a_batch_the_devices_cannot_share_evenly_are_refused_and_another_runs(tmp_path):
+    d = _method(tmp_path, "method.stages=1").plan(bert_workload(), cluster(k=2)).details["auto"]
+    zero = [c for c in d["candidates"] if "DeepSpeed" in c["candidate"]]
+    assert zero and all(c["status"] == "refused" and "is not divisible by the 6 devices" in c["reason"] for c in zero)
+    assert d["part"] != "deepspeed"
 
 
 @pytest.mark.parametrize("budget_gib", [None, 0.0035])  # 0.0035: memory picks the cuts and counts
@@ -144,7 +195,11 @@ def test_a_budget_no_plan_meets_is_oom_with_the_smallest_peak(tmp_path):
             ["method.stages=9"],
             "method.stages=9 is more than the 4 layer groups bert can be cut at; use method.stages<=4",
         ),
-        (["method.state=partly"], "method.state='partly' is unknown; use one of auto, replicated, sharded"),
+        (
+            ["method.state=partly"],
+            "method.state='partly' is unknown; use one of auto, replicated, sharded, zero1, zero2",
+        ),
+        (["method.state=zero2", "method.stages=2"], "method.state=zero2 is one stage's"),
         (["method.memory_budget_gib=-1"], "method.memory_budget_gib=-1 must be a number of GiB > 0"),
         (["method.stages=2", "method.grad_accumulation=2"], "method.grad_accumulation=2 applies to one stage"),
     ],
@@ -178,4 +233,4 @@ def test_a_memory_budget_no_plan_meets_is_an_oom_row(config_factory, capsys):
 
 def test_auto_refuses_bad_options_at_construction():
     with pytest.raises(ConfigError, match="method.activation_checkpointing='maybe'"):
-        Auto(None, None, None, activation_checkpointing="maybe")
+        Auto(None, None, None, None, activation_checkpointing="maybe")
