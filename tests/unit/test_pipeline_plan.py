@@ -712,3 +712,20 @@ def test_a_candidate_is_replayed_only_where_its_compute_bound_is_faster_than_the
     (with_bound, fewer), (without, every) = runs[True], runs[False]
     assert fewer < every
     assert with_bound.details == without.details and with_bound.program == without.program
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_single_stage_schedules_compute_order_is_its_trace_at_every_shape(schedule):
+    """GPipe's and 1F1B's compute order, written without tracing, is the trace's at every shape
+    torch runs, and torch refuses (ScheduleRefused, as the trace) the shapes it does not."""
+    shapes = [(R, m) for R in (1, 2, 3, 4, 5, 8) for m in range(1, 13)] + [(8, 16), (16, 16), (16, 40), (32, 64)]
+    for R, m in shapes:
+        try:
+            traces = [trace_schedule(schedule, R, m, r) for r in range(R)]
+        except ScheduleRefused:
+            with pytest.raises(ScheduleRefused):
+                compute_order(schedule, R, m)
+            continue
+        orders, stage_rank = compute_order(schedule, R, m)
+        assert stage_rank == traces[0].stage_rank
+        assert orders == tuple(tuple(a for a in t.actions if a[0] in ("F", "B", "I", "W")) for t in traces), (R, m)
