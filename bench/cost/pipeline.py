@@ -738,22 +738,56 @@ def pipeline_memory(
 ) -> PipelineMemory:
     """What each rank of a pipeline holds at its peak, and which pass their memory: the memory
     simulate_pipeline reports, without replaying the schedule (a planner checks it first)."""
+    R = program.num_ranks
+    return ranks_memory(
+        [program.position_ranks(r) for r in range(R)], program.memory, cluster, memory_reserve_gib, vdevs
+    )
+
+
+def ranks_memory(
+    position_ranks: Sequence[Sequence[int]],
+    memory: Sequence[Sequence[Memory]],
+    cluster: ClusterSpec,
+    memory_reserve_gib: float = 0.0,
+    vdevs: list[VirtualDevice] | None = None,
+) -> PipelineMemory:
+    """pipeline_memory of the positions' ranks (`position_ranks[r][p]`: position r's rank in
+    pipeline p) holding `memory[r][p]` (PipelineProgram.memory), before the program is made."""
     vdevs = vdevs or virtual_devices(cluster, "gpu")
-    R, D = program.num_ranks, program.num_pipelines
-    memory, peaks, oom_devices = [], [], []
+    memory_gib, peaks, oom_devices = [], [], []
     foreach = cluster.device == "cuda"
-    mem_of = {program.position_ranks(r)[p]: program.memory[r][p] for r in range(R) for p in range(D)}
+    mem_of = {ranks[p]: memory[r][p] for r, ranks in enumerate(position_ranks) for p in range(len(ranks))}
     for v in vdevs:
         mem = mem_of[v.index]
         parts = {k: getattr(mem, k).const / GIB for k in ("params", "grads", "optimizer", "buckets", "activations")}
         peak = stage_peak(mem, foreach) / GIB
         if v.compute is not None:
             peak += v.compute.workspace_bytes / GIB
-        memory.append(parts)
+        memory_gib.append(parts)
         peaks.append(peak)
         if peak > v.memory_bytes / GIB - memory_reserve_gib:
             oom_devices.append(v.index)
-    return PipelineMemory(memory, peaks, oom_devices)
+    return PipelineMemory(memory_gib, peaks, oom_devices)
+
+
+def compute_bound(program: PipelineProgram, cluster: ClusterSpec) -> float:
+    """A lower bound of simulate_pipeline's iteration, without replaying the schedule: the
+    busiest rank's forwards and backwards back to back, then its optimizer step. A rank's
+    clock in the replay adds the same passes' seconds in the same order (replay, replay_all)
+    and only waits beside them, and its iteration ends no sooner than its clock, plus the
+    same per-step part, so no rank's end is below this sum of its own."""
+    vdevs = virtual_devices(cluster, "gpu")
+    times = action_times(program, cluster, vdevs)
+    most = 0.0
+    for r in range(program.num_ranks):
+        acts = [(a[1], _PASS[a[0]]) for a in program.actions[r] if a[0] in COMPUTE]
+        for p, rank in enumerate(program.position_ranks(r)):
+            compute = 0.0
+            for k, i in acts:
+                compute += times[k][p][i]
+            scale = measured_scale(program, cluster, p)
+            most = max(most, compute + optimizer_s(program, r, p, cluster, vdevs[rank], scale))
+    return most
 
 
 def simulate_pipeline(program: PipelineProgram, cluster: ClusterSpec, memory_reserve_gib: float = 0.0):

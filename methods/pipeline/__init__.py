@@ -57,6 +57,7 @@ rank at run time).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -64,6 +65,7 @@ from torch import nn
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.program import Memory
 from bench.core.shares import offsets
 from bench.cost.pipeline import (
     SCHEDULES,
@@ -71,9 +73,11 @@ from bench.cost.pipeline import (
     PipeStage,
     StageWork,
     TiedParam,
+    compute_bound,
     in_flight,
     pipeline_memory,
     rank_memory,
+    ranks_memory,
     simulate_pipeline,
 )
 from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
@@ -182,6 +186,8 @@ class PipelineParallel:
     worker_modules = ("torch.distributed.pipelining",)
     materializes = True  # a rank materialises its stages' parameters alone (PipelineTrainer)
     mirror_full_state = False  # tests: write every stage's parameters and gradients into the full model
+    memory_before_trace = True  # check a candidate's memory before tracing it (tests turn it off)
+    bound_before_replay = True  # skip the replay of a candidate whose compute_bound is no faster than the best
 
     def __init__(
         self,
@@ -272,38 +278,58 @@ class PipelineParallel:
             raise ConfigError(
                 refusals[0] if refusals else f"{workload.name} cannot be pipelined on cluster={cluster.name}"
             )
-        best, over, refused = None, [], []
+        # over: (peak GiB, index, candidate, memory) of those over memory; refused: (index, why)
+        best, over, refused, untraced = None, [], [], []
+        index = 0
         for schedule in dict.fromkeys(c.schedule for c in found):
             ranked = sorted((c for c in found if c.schedule == schedule), key=lambda c: c.estimate_s)
             priced = 0
             for c in ranked[: 3 * SIMULATED]:  # past those that do not fit, SIMULATED that do
+                index += 1
+                # A rank of several stages checked whole, before its trace and replay; one over
+                # memory is traced only where nothing fits (below).
+                memory = self._memory(c, table, costs, self._untraced(c)) if self.memory_before_trace else None
+                if memory is not None:
+                    held = ranks_memory(c.order, memory, cluster)
+                    if held.oom_devices:
+                        untraced.append((max(held.peak_mem_gib), index, c, held))
+                        continue
                 try:  # torch's own lowering of the schedule, which may refuse it (its last check)
-                    traces = tuple(
-                        trace_schedule(c.schedule, c.layout.num_stages, c.m, r, c.stages_per_rank)
-                        for r in range(c.layout.num_stages)
-                    )
+                    traces = self._traces(c)
                 except ScheduleRefused as exc:
-                    refused.append(
-                        f"method.schedule={c.schedule} does not run {c.m} micro-batches on {c.layout.num_stages} "
-                        f"ranks a pipeline, {c.stages_per_rank} stage(s) each (torch: {exc}); try another "
-                        "method.num_micro_batches or method.schedule"
-                    )
+                    refused.append((index, self._refused(c, exc)))
                     continue
-                program = self._program(c, traces, table, costs, workload, cluster, model_launches)
+                program = self._program(c, traces, table, costs, workload, cluster, model_launches, memory)
                 held = pipeline_memory(program, cluster)
-                if held.oom_devices:  # a rank of several stages checked whole, before its replay
-                    over.append((max(held.peak_mem_gib), c, held))
+                if held.oom_devices:
+                    over.append((max(held.peak_mem_gib), index, c, held))
                     continue
-                sim = simulate_pipeline(program, cluster)
-                if best is None or sim.iter_time_s < best[0]:
-                    best = (sim.iter_time_s, c, program)
+                # It fits: priced, replayed unless it cannot beat the best (compute_bound)
+                if best is None or not self.bound_before_replay or compute_bound(program, cluster) < best[0]:
+                    sim = simulate_pipeline(program, cluster)
+                    if best is None or sim.iter_time_s < best[0]:
+                        best = (sim.iter_time_s, c, program)
                 priced += 1
                 if priced == SIMULATED:
                     break
-        if best is None and not over:
-            raise ConfigError(refused[0])
         if best is None:
-            _, c, held = min(over, key=lambda x: x[0])
+            # Those over memory before their trace count as the trace found them, unless torch
+            # refuses their shape: traced now, the closest to fitting first, until the closest
+            # of all is known.
+            for peak, i, c, held in sorted(untraced, key=lambda x: x[:2]):
+                if over and min(x[:2] for x in over) < (peak, i):
+                    break
+                try:
+                    self._traces(c)
+                except ScheduleRefused as exc:
+                    refused.append((i, self._refused(c, exc)))
+                    continue
+                over.append((peak, i, c, held))
+                break
+        if best is None and not over:
+            raise ConfigError(min(refused)[1])
+        if best is None:
+            _, _, c, held = min(over, key=lambda x: x[:2])
             rank = held.oom_devices[0]
             dev = cluster.devices[rank]
             raise StageOOM(
@@ -314,6 +340,32 @@ class PipelineParallel:
             )
         _, c, program = best
         return self._plan(c, program, workload)
+
+    @staticmethod
+    def _traces(c: _Candidate) -> tuple[Trace, ...]:
+        """Every position's trace of `c`'s schedule (trace_schedule; ScheduleRefused where torch
+        refuses the shape)."""
+        return tuple(
+            trace_schedule(c.schedule, c.layout.num_stages, c.m, r, c.stages_per_rank)
+            for r in range(c.layout.num_stages)
+        )
+
+    @staticmethod
+    def _untraced(c: _Candidate) -> list[tuple[tuple[tuple, ...], tuple[int, ...]]]:
+        """Per position, (its forwards and backwards in the trace's order, the stages it holds in
+        order) before the schedule is traced: compute_order's, all that rank_memory reads of a
+        position's actions (tests/unit/test_pipeline_plan.py checks them against the traces)."""
+        orders, _ = compute_order(c.schedule, c.layout.num_stages, c.m, c.stages_per_rank)
+        K = len(c.stage_rank)
+        return [(orders[r], tuple(k for k in range(K) if c.stage_rank[k] == r)) for r in range(len(orders))]
+
+    @staticmethod
+    def _refused(c: _Candidate, exc: ScheduleRefused) -> str:
+        return (
+            f"method.schedule={c.schedule} does not run {c.m} micro-batches on {c.layout.num_stages} "
+            f"ranks a pipeline, {c.stages_per_rank} stage(s) each (torch: {exc}); try another "
+            "method.num_micro_batches or method.schedule"
+        )
 
     def _schedules(self, ranks: int, num_groups: int) -> list[tuple[str, int]]:
         """(schedule, stages per rank) pairs to price for pipelines of `ranks` ranks."""
@@ -468,8 +520,9 @@ class PipelineParallel:
         workload: Workload,
         cluster: ClusterSpec,
         model_launches: float,
+        memory: tuple[tuple[Memory, ...], ...] | None = None,
     ) -> PipelineProgram:
-        D, R = c.layout.num_pipelines, c.layout.num_stages
+        D = c.layout.num_pipelines
         stage_rank = c.stage_rank
         assert traces[0].stage_rank == stage_rank, "torch placed the stages other than its compute-only order"
         K = len(stage_rank)
@@ -500,28 +553,12 @@ class PipelineParallel:
                     shard_bytes=costs.shard_bytes(first, end, D) if c.sharded else 0.0,
                 )
             )
-        memory, buckets = [], []
-        for r in range(R):
-            mine = traces[r].stages
-            copies = dict(zip(mine, costs.tied_copies([(c.cuts[k], c.cuts[k + 1]) for k in mine])))
-            params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
-            params += costs.copy_bytes([name for k in mine for name in copies[k]], 1)
-            bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
-            held = {  # pipelines at equal micro-batches hold alike
-                mb: rank_memory(
-                    traces[r].actions,
-                    {
-                        k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1, copies[k])
-                        for k in mine
-                    },
-                    c.m,
-                    bucket,
-                    D if c.sharded else 1,
-                )
-                for mb in set(c.micro_batches)
-            }
-            memory.append(tuple(held[mb] for mb in c.micro_batches))
-            buckets.append(replica_buckets(table, c.cuts, mine, self.bucket_cap_mb) if D > 1 and not c.sharded else ())
+        if memory is None:  # else made before the trace, from the same computes and stages (_untraced)
+            memory = self._memory(c, table, costs, [(t.actions, t.stages) for t in traces])
+        buckets = [
+            replica_buckets(table, c.cuts, t.stages, self.bucket_cap_mb) if D > 1 and not c.sharded else ()
+            for t in traces
+        ]
         profiles = [costs.profile_at(mb) for mb in c.micro_batches]
         tied = tuple(
             TiedParam(name, positions, costs.tied_bytes(name, D) if c.sharded else costs.tied_bytes(name, 1) * D)
@@ -549,6 +586,35 @@ class PipelineParallel:
             sharded_state=c.sharded,
             tied=tied,
         )
+
+    def _memory(
+        self, c: _Candidate, table: GroupTable, costs: _Costs, ranks: Sequence[tuple[Sequence[tuple], Sequence[int]]]
+    ) -> tuple[tuple[Memory, ...], ...]:
+        """PipelineProgram.memory of `c`: per position, what its rank holds in each pipeline,
+        from `ranks[r]`, position r's actions (its computes are all rank_memory reads) and the
+        stages it holds in order."""
+        D = c.layout.num_pipelines
+        memory = []
+        for actions, mine in ranks:
+            copies = dict(zip(mine, costs.tied_copies([(c.cuts[k], c.cuts[k + 1]) for k in mine])))
+            params = sum(g.param_bytes for k in mine for g in table.span(c.cuts[k], c.cuts[k + 1]))
+            params += costs.copy_bytes([name for k in mine for name in copies[k]], 1)
+            bucket = min(params, costs.bucket_bytes) if D > 1 and not c.sharded else 0.0
+            held = {  # pipelines at equal micro-batches hold alike
+                mb: rank_memory(
+                    actions,
+                    {
+                        k: costs.stage_bytes(c.cuts[k], c.cuts[k + 1], mb, D if c.sharded else 1, copies[k])
+                        for k in mine
+                    },
+                    c.m,
+                    bucket,
+                    D if c.sharded else 1,
+                )
+                for mb in set(c.micro_batches)
+            }
+            memory.append(tuple(held[mb] for mb in c.micro_batches))
+        return tuple(memory)
 
     def _plan(self, c: _Candidate, program: PipelineProgram, workload: Workload) -> Plan:
         R, D = c.layout.num_stages, c.layout.num_pipelines

@@ -249,6 +249,7 @@ class _Costs:
         self._matrix: dict = {}
         self._slowest: dict = {}
         self._sends: dict = {}
+        self._fitting: dict = {}
         self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
         self.balanced: dict = {}  # balance_shares, by its arguments (PipelineParallel._candidates)
         self.syncs: dict = {}  # sync_seconds, by its arguments
@@ -476,6 +477,21 @@ class _Costs:
         v = self.vdevs[rank]
         return peak + (v.compute.workspace_bytes if v.compute is not None else 0.0) <= v.memory_bytes
 
+    def fitting(
+        self, reps: Sequence[tuple[int, int]], flight: int, m: int, replicated: bool, shards: int
+    ) -> dict[tuple[int, int], bool]:
+        """Whether stage [i, j) fits each of `reps` (rank, micro-batch) at these arguments (as
+        best_cuts checks it), by (i, j), filled by best_cuts as it asks; one per device memory,
+        workspace and micro-batch of the replicas, kept for every call alike."""
+        room = {}
+        for r, mb in reps:
+            v = self.vdevs[r]
+            room[(v.memory_bytes, v.compute.workspace_bytes if v.compute is not None else 0.0, mb)] = None
+        key = (tuple(sorted(room)), flight, m, replicated, shards)
+        if key not in self._fitting:
+            self._fitting[key] = {}
+        return self._fitting[key]
+
     def room(self, device) -> float:
         """Bytes a device holds for a plan: its memory less its libraries' own."""
         v = self.vdevs[device.rank]
@@ -567,6 +583,7 @@ def best_cuts(
         sec = costs.slowest_matrix(reps)
         prev_row, row, links = best[s - 1], best[s], back[s]
         sends = None if last or (local and local[s - 1]) else costs.sends(slot, slots[s], mbs)
+        fitting = None if flights is None else costs.fitting(reps, flights[s - 1], m, replicated, shards)
         for j in range(s, num_groups - (num_stages - s) + 1) if not last else (num_groups,):
             send = sends[j] if sends else 0.0
             for i in range(s - 1, j):
@@ -575,10 +592,16 @@ def best_cuts(
                     continue
                 c = sec[i][j] + send
                 cand = (prev[0] if prev[0] > c else c, prev[1] + c)
-                if cand < row[j] and (
-                    flights is None
-                    or all(costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards)) for r, mb in reps)
-                ):
+                if cand < row[j]:
+                    if fitting is not None:
+                        ok = fitting.get((i, j))
+                        if ok is None:
+                            ok = fitting[(i, j)] = all(
+                                costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards))
+                                for r, mb in reps
+                            )
+                        if not ok:
+                            continue
                     row[j], links[j] = cand, i
     if best[num_stages][num_groups][0] == math.inf:
         return None

@@ -237,6 +237,8 @@ def _compute_order(schedule: str, R: int, m: int, V: int):
     from torch.distributed.pipelining import schedules as torch_schedules
 
     if not is_multi_stage(schedule):
+        if V == 1 and (schedule == "gpipe" or (schedule == "1f1b" and m >= R)):  # shapes torch runs
+            return tuple(_single_stage_order(schedule, R, m, r) for r in range(R)), tuple(range(R))
         traces = [trace_schedule(schedule, R, m, r, V) for r in range(R)]
         return tuple(tuple(a for a in t.actions if a[0] in COMPUTE) for t in traces), traces[0].stage_rank
     if V < 2:
@@ -259,6 +261,24 @@ def _compute_order(schedule: str, R: int, m: int, V: int):
                     placed[sub.stage_index] = r
         orders.append(tuple(mine))
     return tuple(orders), tuple(placed[k] for k in range(K))
+
+
+def _single_stage_order(schedule: str, R: int, m: int, r: int) -> tuple[tuple, ...]:
+    """Position r's forwards and backwards under torch's GPipe (every forward, then every
+    backward) or 1F1B (min(m, R - r) forwards, then a backward and a forward in turn until the
+    forwards are done, then the backwards left), as its `_step_microbatches` calls them: the
+    trace's, without tracing (tests/unit/test_pipeline_plan.py checks them against it)."""
+    if schedule == "gpipe":
+        return tuple(("F", r, i) for i in range(m)) + tuple(("B", r, i) for i in range(m))
+    warmup = min(m, R - r)
+    out = [("F", r, i) for i in range(warmup)]
+    f = warmup
+    for b in range(m):
+        out.append(("B", r, b))
+        if f < m:
+            out.append(("F", r, f))
+            f += 1
+    return tuple(out)
 
 
 def _no_loss(output, target):

@@ -23,6 +23,7 @@ from bench.cost.pipeline import (
     StageBytes,
     StageWork,
     activation_peak,
+    compute_bound,
     in_flight,
     rank_memory,
     replay,
@@ -33,7 +34,7 @@ from bench.cost.pipeline import (
 from bench.records.rows import load_records
 from bench.runner.execute import run_case
 from methods.pipeline import PipelineParallel, StageOOM, micro_batch_counts, trace_schedule
-from methods.pipeline.schedule import ScheduleRefused, schedule_class
+from methods.pipeline.schedule import ScheduleRefused, compute_order, schedule_class
 from tests.conftest import compose_config
 
 SHAPES = [  # (schedule, ranks, stages per rank, micro-batches)
@@ -624,3 +625,107 @@ def assert_planner_peaks_are_simulated(program, workload, cluster, shards: int) 
                 shards,
             )
             assert sim.peak_mem_gib[rank] == pytest.approx(peak / 2**30)
+
+
+@pytest.mark.parametrize(
+    "schedule,ranks,per_rank,micro",
+    SHAPES + [("interleaved1f1b", 4, 2, 16), ("interleavedzerobubble", 4, 3, 12), ("dualpipev", 4, 2, 8)],
+)
+def test_the_compute_order_is_the_traces_forwards_and_backwards(schedule, ranks, per_rank, micro):
+    """What the planner checks a candidate's memory by before tracing it (compute_order) is
+    every position's forwards and backwards as the trace holds them, in its order, with the
+    stages where the trace places them."""
+    orders, stage_rank = compute_order(schedule, ranks, micro, per_rank)
+    traces = [trace_schedule(schedule, ranks, micro, r, per_rank) for r in range(ranks)]
+    assert stage_rank == traces[0].stage_rank
+    for r, t in enumerate(traces):
+        assert orders[r] == tuple(a for a in t.actions if a[0] in ("F", "B", "I", "W"))
+        assert t.stages == tuple(k for k in range(ranks * per_rank) if stage_rank[k] == r)
+
+
+@pytest.mark.parametrize(
+    "memory_gib,schedule",
+    [(1.0, "auto"), (2.0, "auto"), (0.8, "interleaved1f1b"), (1.0, "zbvzerobubble"), (1.0, "interleavedzerobubble")],
+)
+def test_memory_checked_before_the_trace_refuses_only_what_the_trace_finds_oom(monkeypatch, memory_gib, schedule):
+    """A candidate over memory by its compute order is not traced: traced, the same candidates
+    are over memory by the same peaks, and the plan (or the oom and its line) is the same."""
+    from methods import pipeline as pipeline_module
+
+    cluster = _paper_cluster(
+        **{
+            "cluster.gpus_per_machine": 1,
+            "+cluster.machines.0.memory_gib": memory_gib,
+            "+cluster.machines.1.memory_gib": memory_gib,
+        }
+    )
+    wl = _workload("bert", 8 * 64, "preset=paper")
+    checked, traced = [], []
+
+    def plan(before: bool, record: list, name: str):
+        method = PipelineParallel(stage_level="machine", schedule=schedule)
+        seen = getattr(pipeline_module, name)
+        with monkeypatch.context() as m:
+            m.setattr(PipelineParallel, "memory_before_trace", before)
+            m.setattr(pipeline_module, name, lambda *args: record.append(seen(*args)) or record[-1])
+            try:
+                return method.plan(wl, cluster)
+            except StageOOM as exc:
+                return str(exc)
+
+    before = plan(True, checked, "ranks_memory")
+    after = plan(False, traced, "pipeline_memory")
+    skipped = [(h.peak_mem_gib, h.oom_devices) for h in checked if h.oom_devices]
+    assert skipped  # the case checks some candidate before its trace
+    assert all(s in [(h.peak_mem_gib, h.oom_devices) for h in traced] for s in skipped)
+    if isinstance(before, str):
+        assert before == after
+    else:
+        assert before.details == after.details and before.program == after.program
+        assert simulate(before.program, cluster, None) == simulate(after.program, cluster, None)
+
+
+@pytest.mark.parametrize("sharded", [False, "auto"])
+def test_a_candidate_is_replayed_only_where_its_compute_bound_is_faster_than_the_best(monkeypatch, sharded):
+    """compute_bound is below every replayed candidate's iteration; a candidate whose bound is
+    no faster than the best replayed is not replayed, and the plan is the one replaying all."""
+    from methods import pipeline as pipeline_module
+
+    cluster = _paper_cluster(**{"cluster.gpus_per_machine": 4})
+    wl = _workload("bert", 8 * 64, "preset=paper")
+    runs = {}
+    for bound in (True, False):
+        replayed = []
+        seen = pipeline_module.simulate_pipeline
+
+        def simulate_pipeline(program, cluster, replayed=replayed, seen=seen):
+            sim = seen(program, cluster)
+            replayed.append(sim.iter_time_s)
+            assert compute_bound(program, cluster) <= sim.iter_time_s
+            return sim
+
+        with monkeypatch.context() as m:
+            m.setattr(PipelineParallel, "bound_before_replay", bound)
+            m.setattr(pipeline_module, "simulate_pipeline", simulate_pipeline)
+            plan = PipelineParallel(stage_level="auto", sharded_state=sharded).plan(wl, cluster)
+        runs[bound] = plan, len(replayed)
+    (with_bound, fewer), (without, every) = runs[True], runs[False]
+    assert fewer < every
+    assert with_bound.details == without.details and with_bound.program == without.program
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_single_stage_schedules_compute_order_is_its_trace_at_every_shape(schedule):
+    """GPipe's and 1F1B's compute order, written without tracing, is the trace's at every shape
+    torch runs, and torch refuses (ScheduleRefused, as the trace) the shapes it does not."""
+    shapes = [(R, m) for R in (1, 2, 3, 4, 5, 8) for m in range(1, 13)] + [(8, 16), (16, 16), (16, 40), (32, 64)]
+    for R, m in shapes:
+        try:
+            traces = [trace_schedule(schedule, R, m, r) for r in range(R)]
+        except ScheduleRefused:
+            with pytest.raises(ScheduleRefused):
+                compute_order(schedule, R, m)
+            continue
+        orders, stage_rank = compute_order(schedule, R, m)
+        assert stage_rank == traces[0].stage_rank
+        assert orders == tuple(tuple(a for a in t.actions if a[0] in ("F", "B", "I", "W")) for t in traces), (R, m)
