@@ -7,7 +7,12 @@ least lower bound; it stops when that bound reaches the fastest candidate that f
 candidate's bound is the larger of
   - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, and
   - the priced time of the same composition with a subset of its memory tools (a tool adds
-    recompute, launches or collectives to a plan and never removes any).
+    recompute, launches or collectives to a plan and never removes any), and
+  - on an emulated CPU cluster, for a part that times its own host work there before pricing it
+    (FSDP2's work probe, DeepSpeed's engine probe: seconds of worker processes each), the price
+    of its plan without that probe: the probe only adds host work (never less than none).
+    Such a candidate is popped after the others of its bound, and probed only where that price
+    is below the fastest found.
 The second is exact where the lighter plan's part was not held back by memory (hap's LP memory
 rows, the pipeline's fitting cuts); where it was, a tool could free a faster plan, which this
 prunes (`prune=false` prices every candidate, to check). Memory is in the search: a candidate
@@ -29,6 +34,9 @@ from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
 from methods.auto.space import Candidate, make_part
 from methods.pipeline import SharedCosts
+
+# The parts that time their own host work on an emulated CPU cluster, by the option that does it.
+PROBES = {"fsdp": "work_probe", "deepspeed": "engine_probe"}
 
 
 class NoPlanFits(PlanningError):
@@ -129,6 +137,32 @@ def price(
     )
 
 
+def probes(auto, cand: Candidate, cluster: ClusterSpec) -> bool:
+    """Whether `cand`'s part times its own host work before it prices its plan on `cluster`."""
+    flag = PROBES.get(cand.part)
+    template = getattr(auto, cand.part, None)
+    return (
+        flag is not None
+        and bool(getattr(template, flag, False))
+        and cluster.emulated
+        and cluster.device == "cpu"
+        and bool(cluster.host_flops)
+    )
+
+
+def unprobed_price(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> float | None:
+    """`cand`'s price with its part's host-work probe off: a lower bound of its price with it (the
+    probe adds host work, `bench.runtime.method_step.added_host_work_flops`, never less than none).
+    None where it does not plan."""
+    part = make_part(auto, cand)
+    setattr(part, PROBES[cand.part], False)
+    try:
+        plan = part.plan(workload, cluster)
+    except ValueError:
+        return None
+    return simulate(plan.program, cluster, plan.ratios).iter_time_s
+
+
 def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpec) -> Found:
     """The fastest candidate that fits (module docstring).
 
@@ -138,25 +172,34 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     """
     ideal = workload.flops_per_iter / cluster.total_effective_flops()
     priced: dict[Candidate, Priced] = {}
+    floors: dict[Candidate, float] = {}  # prices without a part's host-work probe
     shared = SharedCosts(workload, cluster)  # the pipelines' costs, priced once for every stage count and state
 
     def bound(c: Candidate) -> float:
         lighter = [p.iter_time_s for d, p in priced.items() if p.iter_time_s is not None and d.lighter_than(c)]
-        return max([ideal, *lighter])
+        lighter += [f for d, f in floors.items() if d.lighter_than(c)]  # a tool adds, the probe adds
+        return max([ideal, *lighter, floors.get(c, ideal)])
 
-    heap = [(ideal, i, c) for i, c in enumerate(cands)]
+    probing = {c: probes(auto, c, cluster) for c in cands}
+    heap = [(ideal, probing[c], i, c) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     best: Priced | None = None
     pruned: list[tuple[Candidate, float]] = []
     while heap:
-        was, i, c = heapq.heappop(heap)
+        was, _, i, c = heapq.heappop(heap)
         now = bound(c)
         if now > was:
-            heapq.heappush(heap, (now, i, c))
+            heapq.heappush(heap, (now, probing[c], i, c))
             continue
         if auto.prune and best is not None and now >= best.iter_time_s:
-            pruned = [(c, now)] + [(x[2], bound(x[2])) for x in sorted(heap)]
+            pruned = [(c, now)] + [(x[3], bound(x[3])) for x in sorted(heap)]
             break
+        if auto.prune and best is not None and probing[c] and c not in floors:
+            floor = unprobed_price(auto, c, workload, cluster)
+            floors[c] = ideal if floor is None else floor
+            if floors[c] > now:
+                heapq.heappush(heap, (floors[c], True, i, c))
+                continue
         p = priced[c] = price(auto, c, workload, cluster, now, shared)
         if p.status == "fits" and (best is None or p.iter_time_s < best.iter_time_s):
             best = p

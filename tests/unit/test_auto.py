@@ -4,6 +4,7 @@ and its bad input as one line and a row that is never ok."""
 import pytest
 from hydra.utils import instantiate
 
+from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
 from bench.cost import simulate
 from bench.records.rows import load_records
@@ -165,6 +166,40 @@ def test_auto_is_the_fastest_candidate_that_fits_and_pruning_keeps_it(tmp_path):
     for c in full["candidates"]:  # the bound never passed a price
         if c["iter_time_s"] is not None:
             assert c["iter_time_s"] >= full["compute_only_s"]
+
+
+@pytest.mark.parametrize("added", [0.0, 3.0])  # the probes' work over the plain step's
+def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_win(tmp_path, monkeypatch, added):
+    """On an emulated CPU cluster FSDP2 and DeepSpeed time their own work before pricing (worker
+    processes, seconds each); auto bounds such a candidate by its price without the probe, which
+    only adds host work, and probes it only where that could beat the fastest found. The choice
+    is the one pricing every candidate makes, and every bound is below its candidate's price.
+    The probe is replaced by a recorded one here (what the real probes time: their own tests)."""
+    import methods.ds_zero
+    import methods.fsdp
+
+    probed = []
+
+    def probe(method, plan, workload, cluster, **_):
+        probed.append(method.name)
+        return {"plain_s": 1.0, "method_s": 1.0 + added}
+
+    monkeypatch.setattr(methods.fsdp, "time_method_step", probe)
+    monkeypatch.setattr(methods.ds_zero, "time_method_step", probe)
+    wl = bert_workload(batch=12)
+    cl = ClusterSpec.from_config(compose_config("cluster=local_hetero2").cluster).with_host_speed(2e10, 1e-3)
+    full = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
+    every = len(probed)
+    probed.clear()
+    pruned = _method(tmp_path).plan(wl, cl).details["auto"]
+    # Here the pipelines price below FSDP2's and ZeRO's plans without their probes (4 ms against
+    # 33-44 ms): none is probed, where pricing in bound order alone probed all four.
+    assert every > 0 and probed == []
+    assert pruned["chosen"] == full["chosen"] and pruned["part"] == "pipeline"
+    prices = {c["candidate"]: c["iter_time_s"] for c in full["candidates"]}
+    for c in pruned["candidates"] + pruned["pruned"]:
+        if prices[c["candidate"]] is not None:
+            assert c["bound_s"] <= prices[c["candidate"]] * (1 + 1e-9)
 
 
 def test_a_plan_over_the_memory_budget_is_never_returned_while_one_fits(tmp_path):
