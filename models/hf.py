@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import re
@@ -43,6 +44,7 @@ _AUTO = {
     "masked_lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "input_ids"),
     "seq_cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "input_ids"),
     "image_cls": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "pixel_values"),
+    "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "input_ids"),
 }
 # Config fields of a random-dropout kind: zero unless the user sets them.
 _DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate)")
@@ -326,10 +328,12 @@ class HFModelConfig(ModelConfig):
                 ("masked_lm", "ForMaskedLM"),
                 ("seq_cls", "ForSequenceClassification"),
                 ("image_cls", "ForImageClassification"),
+                ("seq2seq_lm", "ForConditionalGeneration"),
             ):
                 if arch.endswith(suffix) and task in served:
                     return task
-        for task in ("image_cls", "masked_lm", "causal_lm", "seq_cls"):  # encoders with an MLM head: masked LM
+        # encoders with an MLM head: masked LM; encoder-decoders: their language model head
+        for task in ("image_cls", "masked_lm", "causal_lm", "seq2seq_lm", "seq_cls"):
             if task in served:
                 return task
         raise ValueError(
@@ -401,7 +405,11 @@ class HFModelConfig(ModelConfig):
         )
 
     def task_spec(self) -> Task:
-        cfg = _for_model_class(self.hf_config(), self._model_class())
+        model_cls = self._model_class()
+        cfg = _for_model_class(self.hf_config(), model_cls)
+        if _input_keyword(model_cls, self.task) == "input_ids" and self.task == "image_cls":
+            # an image head on pixel token ids (ImageGPT's colour clusters): a sequence's label
+            return Task("seq_cls", seq_len=self.tokens, vocab_size=_vocab_size(cfg), num_labels=self.labels)
         if self.task == "image_cls":
             vision = getattr(cfg, "vision_config", None) or cfg
             return Task(
@@ -410,7 +418,14 @@ class HFModelConfig(ModelConfig):
                 image_size=self.pixels,
                 channels=int(getattr(vision, "num_channels", getattr(cfg, "num_channels", 3))),
             )
-        return Task(self.task, seq_len=self.tokens, vocab_size=_vocab_size(cfg), num_labels=self.labels)
+        codebooks = _value(cfg, "num_codebooks") if self.task == "causal_lm" else None
+        return Task(
+            self.task,
+            seq_len=self.tokens,
+            vocab_size=_vocab_size(cfg),
+            num_labels=self.labels,
+            codebooks=codebooks if isinstance(codebooks, int) and codebooks > 1 else 1,
+        )
 
     def _model_class(self):
         """The model class of the task's Auto class for this config: where it maps the config
@@ -424,9 +439,9 @@ class HFModelConfig(ModelConfig):
 
     # -- the harness's contract ------------------------------------------------------------
     def build(self) -> nn.Module:
-        _, _, keyword = _AUTO[self.task]
         config = self.hf_config()
         model_cls = self._model_class()
+        keyword = _input_keyword(model_cls, self.task)
         config = _for_model_class(config, model_cls)
         attention = getattr(self, "_attention", ATTENTION)
         supported = attention != ATTENTION or getattr(model_cls, "_supports_sdpa", False)
@@ -443,7 +458,11 @@ class HFModelConfig(ModelConfig):
             # built for counting and capturing: a tensor made by a legacy constructor
             # (XLNet's torch.FloatTensor(...) parameters) ignores the default device
             backbone.to("meta")
-        model = TaskLoss(backbone, self.task, keyword, export_key=repr(self))
+        patch_size = None
+        if self.task == "image_cls" and "spatial_shapes" in _forward_params(model_cls):
+            vision = getattr(config, "vision_config", None) or config
+            patch_size = int(vision.patch_size)  # it takes flattened patches and their grid
+        model = TaskLoss(backbone, self.task, keyword, export_key=repr(self), patch_size=patch_size)
         model.train()
         return model
 
@@ -474,6 +493,23 @@ class HFModelConfig(ModelConfig):
             f"preset={self.preset!r}, seq_len={self.tokens}, image_size={self.pixels if self.task == 'image_cls' else None}, "
             f"num_labels={self.labels})"
         )
+
+
+def _input_keyword(model_cls, task: str) -> str:
+    """The keyword `model_cls` takes the task's inputs by: the task's (input_ids, pixel_values),
+    or input_ids where its forward has no such parameter and takes token ids (an image head on
+    pixel tokens: ImageGPT)."""
+    keyword = _AUTO[task][2]
+    params = _forward_params(model_cls)
+    return "input_ids" if params and keyword not in params and "input_ids" in params else keyword
+
+
+def _forward_params(model_cls) -> tuple[str, ...]:
+    """The names of `model_cls.forward`'s parameters (none where it has no signature to read)."""
+    try:
+        return tuple(inspect.signature(model_cls.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _has_field(config, key: str) -> bool:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STAGES = ("build", "capture", "plan", "simulate")
-TASK_ORDER = ("causal_lm", "masked_lm", "seq_cls", "image_cls")
+TASK_ORDER = ("causal_lm", "seq2seq_lm", "masked_lm", "seq_cls", "image_cls")
 FIELDS = (
     "arch",
     "task",

@@ -34,7 +34,18 @@ def test_causal_lm_targets_are_the_inputs_shifted_by_one():
 
 @pytest.mark.parametrize(
     "arch,task,targets",
-    [("gpt2", "causal_lm", 32), ("bert", "masked_lm", 5), ("vit", "image_cls", 1), ("resnet", "image_cls", 1)],
+    [
+        ("gpt2", "causal_lm", 32),
+        ("bert", "masked_lm", 5),
+        ("vit", "image_cls", 1),
+        ("resnet", "image_cls", 1),
+        # an encoder-decoder's language model head (T5 has no other head but a classifier
+        # that selects its end-of-sequence tokens by value)
+        ("t5", "seq2seq_lm", 32),
+        ("imagegpt", "image_cls", 1),  # an image head on pixel token ids
+        ("musicgen", "causal_lm", 4 * 32),  # 4 codebooks of 32 tokens
+        ("siglip2", "image_cls", 1),  # images as flattened patches and their grid
+    ],
 )
 def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, task, targets):
     hf = _hf()
@@ -275,3 +286,21 @@ def test_logits_are_a_classifiers_per_sample_last_state_but_not_a_sequence_of_st
     assert logits_of(SimpleNamespace(last_hidden_state=scores)) is scores
     with pytest.raises(TypeError, match="a task adapter needs logits"):
         logits_of(SimpleNamespace(last_hidden_state=torch.zeros(2, 3, 4)))
+
+
+def test_an_image_becomes_patches_row_by_row_with_its_grid():
+    """SigLIP 2 takes (B, patches, p * p * C) and each image's grid: patch (i, j) holds the
+    pixels of rows i*p.. and columns j*p.., channels last."""
+    from models.tasks import patchify
+
+    images = torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).reshape(2, 3, 4, 6)
+    patches, grid = patchify(images, 2)
+    assert patches.shape == (2, 6, 12) and grid.tolist() == [[2, 3], [2, 3]]
+    assert torch.equal(patches[1, 4].reshape(2, 2, 3), images[1, :, 2:4, 2:4].permute(1, 2, 0))
+
+
+def test_codebook_tokens_are_predicted_in_every_stream():
+    task = Task("causal_lm", seq_len=8, vocab_size=30, codebooks=4)
+    tokens, targets = task.synthetic_batch(3, torch.Generator().manual_seed(1))
+    assert tokens.shape == targets.shape == (3, 4, 8) and torch.equal(tokens[..., 1:], targets[..., :-1])
+    assert task.targets_per_sample == task.tokens_per_sample == 32
