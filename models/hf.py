@@ -46,8 +46,9 @@ _AUTO = {
     "image_cls": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "pixel_values"),
     "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "input_ids"),
 }
-# Config fields of a random-dropout kind: zero unless the user sets them.
-_DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate)")
+# Config fields of a random-dropout kind (LayerDrop skips whole layers at random): zero unless
+# the user sets them.
+_DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate|layerdrop)")
 
 # tiny: a few small layers. Per model type where its fields differ from the common names;
 # otherwise the common transformer fields the config has are set ("small"). A model that does
@@ -78,6 +79,9 @@ _TINY_PARTS = {
     "q_lora_rank": 32,
     "moe_intermediate_size": 64,
 }
+# Layers that reuse an earlier layer's key-value cache (Gemma 3n's and Gemma 4's last layers):
+# none at tiny, whose few layers keep one of each attention kind, each making its own cache.
+_TINY_NONE = ("num_kv_shared_layers",)
 _SWIN = {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 2}
 _TINY_BY_TYPE = {
     "resnet": {"embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1], "layer_type": "basic"},
@@ -545,6 +549,7 @@ def _tiny_fields(config, level: str, pixels: int | None) -> dict[str, Any]:
             out["depths"] = [1] * len(config.depths)
         if isinstance(_value(config, "vocab_size"), int):
             out["vocab_size"] = _TINY_COMMON["vocab_size"]
+    out.update({k: 0 for k in _TINY_NONE if isinstance(_value(config, k), int) and k not in out})
     out.update({k: v for k, v in _TINY_FIXES.get(model_type, {}).items() if k not in out})
     if isinstance(out.get("depths"), list) and isinstance(_value(config, "num_stages"), int):
         out["num_stages"] = len(out["depths"])  # stage lists and their count agree

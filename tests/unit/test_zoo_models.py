@@ -304,3 +304,25 @@ def test_codebook_tokens_are_predicted_in_every_stream():
     tokens, targets = task.synthetic_batch(3, torch.Generator().manual_seed(1))
     assert tokens.shape == targets.shape == (3, 4, 8) and torch.equal(tokens[..., 1:], targets[..., :-1])
     assert task.targets_per_sample == task.tokens_per_sample == 32
+
+
+def test_layerdrop_is_off_like_dropout():
+    """LayerDrop skips a layer where a random draw falls below its rate (M2M-100, NLLB-MoE,
+    SeamlessM4T): random like dropout, and a branch on a value export cannot take."""
+    hf = _hf()
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="m2m_100")
+    assert cfg.task == "seq2seq_lm"
+    hc = cfg.hf_config()
+    assert hc.encoder_layerdrop == hc.decoder_layerdrop == 0.0
+
+
+def test_tiny_keeps_no_layer_that_reuses_another_layers_cache():
+    """Gemma 3n shares the key-value cache of its last 15 of 35 layers: at two layers there is
+    none to share (each attention kind keeps a layer that makes its cache)."""
+    hf = _hf()
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model("gemma3n_text")
+    fields = hf._tiny_fields(base, "shallow", None)
+    assert fields["num_kv_shared_layers"] == 0 and fields["num_hidden_layers"] == 2
+    assert AutoConfig.for_model("gemma3n_text", **fields).kv_sharing_modes == [None, None]
