@@ -265,19 +265,25 @@ class HFModelConfig(ModelConfig):
         # ours (module docstring), else transformers' SDPA (a model that reads the mask it
         # makes), else its eager one (softcaps, position biases).
         # Where none does, the last one's error is raised: the architecture's own widths and
-        # its reference attention, whose refusal is the model's, not the preset's.
+        # its reference attention, whose refusal is the model's, not the preset's. Last, a
+        # language model whose forward takes an attention mask is tried with one of ones at each
+        # level and our attention: a model that makes its own only outside tracing (Switch
+        # Transformers, LongT5) needs it to export; its refusal, if it fails too, is not raised.
         levels = TINY_LEVELS if self.preset == "tiny" else TINY_LEVELS[:1]
-        tries = [(level, attention, False) for level in levels for attention in (ATTENTION, "sdpa", "eager")]
+        tries = [(level, attention, False, False) for level in levels for attention in (ATTENTION, "sdpa", "eager")]
         if self.preset == "tiny" and self.task == "image_cls" and self.image_size is None:
             # a vision model that downsamples 32 pixels to nothing: its own image size
-            tries += [(TINY_LEVELS[-1], attention, True) for attention in (ATTENTION, "eager")]
-        for i, (self._tiny_level, self._attention, self._own_pixels) in enumerate(tries):
+            tries += [(TINY_LEVELS[-1], attention, True, False) for attention in (ATTENTION, "eager")]
+        if self.task != "image_cls" and "attention_mask" in _forward_params(self._model_class()):
+            tries += [(level, ATTENTION, False, True) for level in levels]
+        error = None
+        for self._tiny_level, self._attention, self._own_pixels, self._ones_mask in tries:
             try:
                 self._check_builds()
-                break
-            except ValueError:
-                if i == len(tries) - 1:
-                    raise
+                return
+            except ValueError as exc:
+                error = exc if not self._ones_mask else error
+        raise error
 
     def _check_builds(self) -> None:
         """ValueError in one line unless the config is valid and the model builds and exports."""
@@ -466,7 +472,14 @@ class HFModelConfig(ModelConfig):
         if self.task == "image_cls" and "spatial_shapes" in _forward_params(model_cls):
             vision = getattr(config, "vision_config", None) or config
             patch_size = int(vision.patch_size)  # it takes flattened patches and their grid
-        model = TaskLoss(backbone, self.task, keyword, export_key=repr(self), patch_size=patch_size)
+        model = TaskLoss(
+            backbone,
+            self.task,
+            keyword,
+            export_key=repr(self),
+            patch_size=patch_size,
+            ones_mask=getattr(self, "_ones_mask", False),
+        )
         model.train()
         return model
 

@@ -75,6 +75,8 @@ class TaskLoss(nn.Module):
         export_key: the model config's repr (meta forwards of equal keys share one export).
         patch_size: for a backbone that takes images as flattened patches with their grid's
             `spatial_shapes` (SigLIP 2): the images are cut into patch_size patches here.
+        ones_mask: pass an attention mask of ones beside the token ids (a model that makes its
+            own only outside tracing: Switch Transformers, LongT5).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class TaskLoss(nn.Module):
         keyword: str | None = None,
         export_key: str | None = None,
         patch_size: int | None = None,
+        ones_mask: bool = False,
     ):
         super().__init__()
         if task not in TASKS:
@@ -93,6 +96,7 @@ class TaskLoss(nn.Module):
         self.keyword = keyword
         self.export_key = export_key  # the model config's repr: meta forwards share one export
         self.patch_size = patch_size  # image models that take patches and their grid (SigLIP 2)
+        self.ones_mask = ones_mask
 
     def init_module(self, module: nn.Module) -> None:
         """The backbone's initialiser of `module`'s own parameters: its `init_module`, or a Hugging
@@ -104,9 +108,10 @@ class TaskLoss(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.device.type == "meta" and not _fake(inputs):
             return self._on_meta(inputs, targets)
+        mask = {"attention_mask": torch.ones_like(inputs)} if self.ones_mask else {}
         if self.task == "seq2seq_lm":  # teacher forcing: the decoder reads the window too
             out = (
-                self.m(**{self.keyword: inputs, "decoder_input_ids": inputs})
+                self.m(**{self.keyword: inputs, "decoder_input_ids": inputs}, **mask)
                 if self.keyword
                 else self.m(inputs, inputs)
             )
@@ -117,7 +122,7 @@ class TaskLoss(nn.Module):
             # (B, K, S) token ids over K codebooks: the model takes them as (B * K, S)
             out = self.m(**{self.keyword: inputs.flatten(0, 1)})
         else:
-            out = self.m(**{self.keyword: inputs}) if self.keyword else self.m(inputs)
+            out = self.m(**{self.keyword: inputs}, **mask) if self.keyword else self.m(inputs)
         logits = logits_of(out)
         if self.task in _PER_TOKEN:
             # (..., V) against (...); masked_lm's unmasked positions are IGNORE_INDEX

@@ -326,3 +326,18 @@ def test_tiny_keeps_no_layer_that_reuses_another_layers_cache():
     fields = hf._tiny_fields(base, "shallow", None)
     assert fields["num_kv_shared_layers"] == 0 and fields["num_hidden_layers"] == 2
     assert AutoConfig.for_model("gemma3n_text", **fields).kv_sharing_modes == [None, None]
+
+
+def test_a_model_that_makes_its_mask_only_outside_tracing_gets_one_of_ones():
+    """Switch Transformers makes its encoder's attention mask only where it is not being traced:
+    it exports with an attention mask of ones beside its token ids, and the loss is the same."""
+    hf = _hf()
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="switch_transformers")
+    assert cfg._ones_mask
+    torch.manual_seed(0)
+    model = cfg.build()
+    assert model.ones_mask
+    batch = cfg.synthetic_batch(2, torch.Generator().manual_seed(0))
+    loss = model(*batch)
+    model.ones_mask = False  # outside tracing the model makes the same mask itself
+    assert torch.allclose(model(*batch), loss)
