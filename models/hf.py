@@ -638,10 +638,14 @@ def _for_model_class(config, model_cls):
 def _tokens_in_vocab(config, values: dict[str, Any]) -> dict[str, Any]:
     """Special token ids of `config` past the vocabulary `values` gives it (a token of the full
     vocabulary, past a smaller one): None where the config allows it, else the id modulo the
-    vocabulary (a field typed `int`)."""
+    vocabulary (a field typed `int`). Special: the common ones, and in a config with no parts
+    of its own every `*_token_id` (a CTC head's blank token) beside its vocabulary."""
     vocab = values.get("vocab_size", _value(config, "vocab_size"))
     out = {}
-    for key in _SPECIAL_TOKENS:
+    keys = list(_SPECIAL_TOKENS)
+    if not getattr(config, "sub_configs", None):
+        keys += [k for k in config.to_dict() if k.endswith("_token_id") and k not in keys]
+    for key in keys:
         token = values.get(key, _value(config, key))
         if isinstance(vocab, int) and vocab > 0 and isinstance(token, int) and token >= vocab:
             out[key] = token % vocab if _annotation(config, key) is int else None

@@ -341,3 +341,13 @@ def test_a_model_that_makes_its_mask_only_outside_tracing_gets_one_of_ones():
     loss = model(*batch)
     model.ones_mask = False  # outside tracing the model makes the same mask itself
     assert torch.allclose(model(*batch), loss)
+
+
+def test_every_token_id_of_a_config_without_parts_stays_in_its_vocabulary():
+    """Nemotron 3.5 Transcribe's word-timestamp head has its CTC blank as its last token: at the
+    tiny vocabulary it is kept inside it, as the config checks."""
+    hf = _hf()
+    from transformers import AutoConfig
+
+    head = AutoConfig.for_model("nemo_speechlm").word_timestamp_config
+    assert hf._tokens_in_vocab(head, {"vocab_size": 512}) == {"blank_token_id": head.blank_token_id % 512}
