@@ -265,24 +265,40 @@ class HFModelConfig(ModelConfig):
         # ours (module docstring), else transformers' SDPA (a model that reads the mask it
         # makes), else its eager one (softcaps, position biases).
         # Where none does, the last one's error is raised: the architecture's own widths and
-        # its reference attention, whose refusal is the model's, not the preset's. Last, a
-        # language model whose forward takes an attention mask is tried with one of ones at each
-        # level and our attention: a model that makes its own only outside tracing (Switch
-        # Transformers, LongT5) needs it to export; its refusal, if it fails too, is not raised.
+        # its reference attention, whose refusal is the model's, not the preset's. Then, with
+        # our attention at each level, the inputs another way, where the model has one (their
+        # refusal, if these fail too, is not raised): a language model whose forward takes an
+        # attention mask gets one of ones (Switch Transformers and LongT5 make theirs only
+        # outside tracing); a causal LM whose config has num_codebooks gets (codebooks, seq_len)
+        # token ids per sample, which it takes as (batch * codebooks, seq_len) (MusicGen).
         levels = TINY_LEVELS if self.preset == "tiny" else TINY_LEVELS[:1]
-        tries = [(level, attention, False, False) for level in levels for attention in (ATTENTION, "sdpa", "eager")]
+        usual = {"_own_pixels": False, "_ones_mask": False, "_codebooks": 1}
+        tries = [
+            {**usual, "_tiny_level": level, "_attention": attention}
+            for level in levels
+            for attention in (ATTENTION, "sdpa", "eager")
+        ]
         if self.preset == "tiny" and self.task == "image_cls" and self.image_size is None:
             # a vision model that downsamples 32 pixels to nothing: its own image size
-            tries += [(TINY_LEVELS[-1], attention, True, False) for attention in (ATTENTION, "eager")]
+            tries += [
+                {**usual, "_tiny_level": TINY_LEVELS[-1], "_attention": attention, "_own_pixels": True}
+                for attention in (ATTENTION, "eager")
+            ]
+        others = []
         if self.task != "image_cls" and "attention_mask" in _forward_params(self._model_class()):
-            tries += [(level, ATTENTION, False, True) for level in levels]
+            others.append({"_ones_mask": True})
+        codebooks = _value(_for_model_class(self._base, self._model_class()), "num_codebooks")
+        if self.task == "causal_lm" and isinstance(codebooks, int) and codebooks > 1:
+            others.append({"_codebooks": codebooks})
+        tries += [{**usual, "_tiny_level": level, "_attention": ATTENTION, **o} for o in others for level in levels]
         error = None
-        for self._tiny_level, self._attention, self._own_pixels, self._ones_mask in tries:
+        for i, attempt in enumerate(tries):
+            self.__dict__.update(attempt)
             try:
                 self._check_builds()
                 return
             except ValueError as exc:
-                error = exc if not self._ones_mask else error
+                error = exc if i < len(tries) - len(others) * len(levels) else error
         raise error
 
     def _check_builds(self) -> None:
@@ -428,13 +444,12 @@ class HFModelConfig(ModelConfig):
                 image_size=self.pixels,
                 channels=int(getattr(vision, "num_channels", getattr(cfg, "num_channels", 3))),
             )
-        codebooks = _value(cfg, "num_codebooks") if self.task == "causal_lm" else None
         return Task(
             self.task,
             seq_len=self.tokens,
             vocab_size=_vocab_size(cfg),
             num_labels=self.labels,
-            codebooks=codebooks if isinstance(codebooks, int) and codebooks > 1 else 1,
+            codebooks=getattr(self, "_codebooks", 1),
         )
 
     def _model_class(self):

@@ -44,6 +44,7 @@ def test_causal_lm_targets_are_the_inputs_shifted_by_one():
         ("t5", "seq2seq_lm", 32),
         ("imagegpt", "image_cls", 1),  # an image head on pixel token ids
         ("musicgen", "causal_lm", 4 * 32),  # 4 codebooks of 32 tokens
+        ("moshi", "causal_lm", 32),  # num_codebooks is its audio's: its causal LM reads text
         ("siglip2", "image_cls", 1),  # images as flattened patches and their grid
     ],
 )
