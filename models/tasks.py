@@ -158,8 +158,10 @@ def patchify(images: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tens
     b, c, h, w = images.shape
     rows, cols = h // patch, w // patch
     patches = images.reshape(b, c, rows, patch, cols, patch).permute(0, 2, 4, 3, 5, 1)
-    grid = torch.tensor([rows, cols], dtype=torch.long, device=images.device)
-    return patches.reshape(b, rows * cols, patch * patch * c), grid.expand(b, 2)
+    # made by ops, not torch.tensor: a tensor forward makes from data is a constant of the
+    # captured graph, which a capture on the meta device holds no values of
+    grid = torch.cat([images.new_full((b, 1), n, dtype=torch.long) for n in (rows, cols)], dim=1)
+    return patches.reshape(b, rows * cols, patch * patch * c), grid
 
 
 def without_value_checks(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
