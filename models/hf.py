@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import re
@@ -43,9 +44,11 @@ _AUTO = {
     "masked_lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "input_ids"),
     "seq_cls": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "input_ids"),
     "image_cls": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "pixel_values"),
+    "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "input_ids"),
 }
-# Config fields of a random-dropout kind: zero unless the user sets them.
-_DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate)")
+# Config fields of a random-dropout kind (LayerDrop skips whole layers at random): zero unless
+# the user sets them.
+_DROPOUT = re.compile(r"(dropout|drop_path|_pdrop|drop_rate|layerdrop)")
 
 # tiny: a few small layers. Per model type where its fields differ from the common names;
 # otherwise the common transformer fields the config has are set ("small"). A model that does
@@ -76,6 +79,9 @@ _TINY_PARTS = {
     "q_lora_rank": 32,
     "moe_intermediate_size": 64,
 }
+# Layers that reuse an earlier layer's key-value cache (Gemma 3n's and Gemma 4's last layers):
+# none at tiny, whose few layers keep one of each attention kind, each making its own cache.
+_TINY_NONE = ("num_kv_shared_layers",)
 _SWIN = {"embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 2}
 _TINY_BY_TYPE = {
     "resnet": {"embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1], "layer_type": "basic"},
@@ -259,19 +265,41 @@ class HFModelConfig(ModelConfig):
         # ours (module docstring), else transformers' SDPA (a model that reads the mask it
         # makes), else its eager one (softcaps, position biases).
         # Where none does, the last one's error is raised: the architecture's own widths and
-        # its reference attention, whose refusal is the model's, not the preset's.
+        # its reference attention, whose refusal is the model's, not the preset's. Then, with
+        # our attention at each level, the inputs another way, where the model has one (their
+        # refusal, if these fail too, is not raised): a language model whose forward takes an
+        # attention mask gets one of ones (Switch Transformers and LongT5 make theirs only
+        # outside tracing); a causal LM whose config has num_codebooks gets (codebooks, seq_len)
+        # token ids per sample, which it takes as (batch * codebooks, seq_len) (MusicGen).
         levels = TINY_LEVELS if self.preset == "tiny" else TINY_LEVELS[:1]
-        tries = [(level, attention, False) for level in levels for attention in (ATTENTION, "sdpa", "eager")]
+        usual = {"_own_pixels": False, "_ones_mask": False, "_codebooks": 1}
+        tries = [
+            {**usual, "_tiny_level": level, "_attention": attention}
+            for level in levels
+            for attention in (ATTENTION, "sdpa", "eager")
+        ]
         if self.preset == "tiny" and self.task == "image_cls" and self.image_size is None:
             # a vision model that downsamples 32 pixels to nothing: its own image size
-            tries += [(TINY_LEVELS[-1], attention, True) for attention in (ATTENTION, "eager")]
-        for i, (self._tiny_level, self._attention, self._own_pixels) in enumerate(tries):
+            tries += [
+                {**usual, "_tiny_level": TINY_LEVELS[-1], "_attention": attention, "_own_pixels": True}
+                for attention in (ATTENTION, "eager")
+            ]
+        others = []
+        if self.task != "image_cls" and "attention_mask" in _forward_params(self._model_class()):
+            others.append({"_ones_mask": True})
+        codebooks = _value(_for_model_class(self._base, self._model_class()), "num_codebooks")
+        if self.task == "causal_lm" and isinstance(codebooks, int) and codebooks > 1:
+            others.append({"_codebooks": codebooks})
+        tries += [{**usual, "_tiny_level": level, "_attention": ATTENTION, **o} for o in others for level in levels]
+        error = None
+        for i, attempt in enumerate(tries):
+            self.__dict__.update(attempt)
             try:
                 self._check_builds()
-                break
-            except ValueError:
-                if i == len(tries) - 1:
-                    raise
+                return
+            except ValueError as exc:
+                error = exc if i < len(tries) - len(others) * len(levels) else error
+        raise error
 
     def _check_builds(self) -> None:
         """ValueError in one line unless the config is valid and the model builds and exports."""
@@ -326,10 +354,12 @@ class HFModelConfig(ModelConfig):
                 ("masked_lm", "ForMaskedLM"),
                 ("seq_cls", "ForSequenceClassification"),
                 ("image_cls", "ForImageClassification"),
+                ("seq2seq_lm", "ForConditionalGeneration"),
             ):
                 if arch.endswith(suffix) and task in served:
                     return task
-        for task in ("image_cls", "masked_lm", "causal_lm", "seq_cls"):  # encoders with an MLM head: masked LM
+        # encoders with an MLM head: masked LM; encoder-decoders: their language model head
+        for task in ("image_cls", "masked_lm", "causal_lm", "seq2seq_lm", "seq_cls"):
             if task in served:
                 return task
         raise ValueError(
@@ -401,7 +431,11 @@ class HFModelConfig(ModelConfig):
         )
 
     def task_spec(self) -> Task:
-        cfg = _for_model_class(self.hf_config(), self._model_class())
+        model_cls = self._model_class()
+        cfg = _for_model_class(self.hf_config(), model_cls)
+        if _input_keyword(model_cls, self.task) == "input_ids" and self.task == "image_cls":
+            # an image head on pixel token ids (ImageGPT's colour clusters): a sequence's label
+            return Task("seq_cls", seq_len=self.tokens, vocab_size=_vocab_size(cfg), num_labels=self.labels)
         if self.task == "image_cls":
             vision = getattr(cfg, "vision_config", None) or cfg
             return Task(
@@ -410,7 +444,13 @@ class HFModelConfig(ModelConfig):
                 image_size=self.pixels,
                 channels=int(getattr(vision, "num_channels", getattr(cfg, "num_channels", 3))),
             )
-        return Task(self.task, seq_len=self.tokens, vocab_size=_vocab_size(cfg), num_labels=self.labels)
+        return Task(
+            self.task,
+            seq_len=self.tokens,
+            vocab_size=_vocab_size(cfg),
+            num_labels=self.labels,
+            codebooks=getattr(self, "_codebooks", 1),
+        )
 
     def _model_class(self):
         """The model class of the task's Auto class for this config: where it maps the config
@@ -424,9 +464,9 @@ class HFModelConfig(ModelConfig):
 
     # -- the harness's contract ------------------------------------------------------------
     def build(self) -> nn.Module:
-        _, _, keyword = _AUTO[self.task]
         config = self.hf_config()
         model_cls = self._model_class()
+        keyword = _input_keyword(model_cls, self.task)
         config = _for_model_class(config, model_cls)
         attention = getattr(self, "_attention", ATTENTION)
         supported = attention != ATTENTION or getattr(model_cls, "_supports_sdpa", False)
@@ -443,7 +483,18 @@ class HFModelConfig(ModelConfig):
             # built for counting and capturing: a tensor made by a legacy constructor
             # (XLNet's torch.FloatTensor(...) parameters) ignores the default device
             backbone.to("meta")
-        model = TaskLoss(backbone, self.task, keyword, export_key=repr(self))
+        patch_size = None
+        if self.task == "image_cls" and "spatial_shapes" in _forward_params(model_cls):
+            vision = getattr(config, "vision_config", None) or config
+            patch_size = int(vision.patch_size)  # it takes flattened patches and their grid
+        model = TaskLoss(
+            backbone,
+            self.task,
+            keyword,
+            export_key=repr(self),
+            patch_size=patch_size,
+            ones_mask=getattr(self, "_ones_mask", False),
+        )
         model.train()
         return model
 
@@ -474,6 +525,23 @@ class HFModelConfig(ModelConfig):
             f"preset={self.preset!r}, seq_len={self.tokens}, image_size={self.pixels if self.task == 'image_cls' else None}, "
             f"num_labels={self.labels})"
         )
+
+
+def _input_keyword(model_cls, task: str) -> str:
+    """The keyword `model_cls` takes the task's inputs by: the task's (input_ids, pixel_values),
+    or input_ids where its forward has no such parameter and takes token ids (an image head on
+    pixel tokens: ImageGPT)."""
+    keyword = _AUTO[task][2]
+    params = _forward_params(model_cls)
+    return "input_ids" if params and keyword not in params and "input_ids" in params else keyword
+
+
+def _forward_params(model_cls) -> tuple[str, ...]:
+    """The names of `model_cls.forward`'s parameters (none where it has no signature to read)."""
+    try:
+        return tuple(inspect.signature(model_cls.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _has_field(config, key: str) -> bool:
@@ -509,6 +577,7 @@ def _tiny_fields(config, level: str, pixels: int | None) -> dict[str, Any]:
             out["depths"] = [1] * len(config.depths)
         if isinstance(_value(config, "vocab_size"), int):
             out["vocab_size"] = _TINY_COMMON["vocab_size"]
+    out.update({k: 0 for k in _TINY_NONE if isinstance(_value(config, k), int) and k not in out})
     out.update({k: v for k, v in _TINY_FIXES.get(model_type, {}).items() if k not in out})
     if isinstance(out.get("depths"), list) and isinstance(_value(config, "num_stages"), int):
         out["num_stages"] = len(out["depths"])  # stage lists and their count agree
@@ -584,10 +653,14 @@ def _for_model_class(config, model_cls):
 def _tokens_in_vocab(config, values: dict[str, Any]) -> dict[str, Any]:
     """Special token ids of `config` past the vocabulary `values` gives it (a token of the full
     vocabulary, past a smaller one): None where the config allows it, else the id modulo the
-    vocabulary (a field typed `int`)."""
+    vocabulary (a field typed `int`). Special: the common ones, and in a config with no parts
+    of its own every `*_token_id` (a CTC head's blank token) beside its vocabulary."""
     vocab = values.get("vocab_size", _value(config, "vocab_size"))
     out = {}
-    for key in _SPECIAL_TOKENS:
+    keys = list(_SPECIAL_TOKENS)
+    if not getattr(config, "sub_configs", None):
+        keys += [k for k in config.to_dict() if k.endswith("_token_id") and k not in keys]
+    for key in keys:
         token = values.get(key, _value(config, key))
         if isinstance(vocab, int) and vocab > 0 and isinstance(token, int) and token >= vocab:
             out[key] = token % vocab if _annotation(config, key) is int else None

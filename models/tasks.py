@@ -3,9 +3,10 @@
 The harness trains modules whose forward takes a batch (batch dim first) and returns the loss
 summed over it, and needs synthetic batches, the loss terms and tokens per sample. A task says
 how: `TaskLoss` wraps a backbone and computes the summed cross-entropy of its logits; `Task`
-draws the batches. Tasks: causal_lm (next-token prediction), masked_lm (a fixed number of
-masked tokens per sample, so every sample adds as many loss terms), seq_cls (a label per
-sequence) and image_cls (a label per image). It does not build models (models.hf, models.custom).
+draws the batches. Tasks: causal_lm (next-token prediction), seq2seq_lm (the same, by an
+encoder-decoder: the encoder reads the window and the decoder predicts its next tokens), masked_lm
+(a fixed number of masked tokens per sample, so every sample adds as many loss terms), seq_cls (a
+label per sequence) and image_cls (a label per image). It does not build models (models.hf, models.custom).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TASKS = ("causal_lm", "masked_lm", "seq_cls", "image_cls")
+TASKS = ("causal_lm", "masked_lm", "seq_cls", "image_cls", "seq2seq_lm")
+# Tasks whose targets are one token per input token.
+_PER_TOKEN = ("causal_lm", "masked_lm", "seq2seq_lm")
 # The share of a sample's tokens masked_lm masks (BERT's 15%), at least one.
 MASK_SHARE = 0.15
 IGNORE_INDEX = -100  # cross_entropy's default: the masked LM's unmasked positions
@@ -69,9 +72,22 @@ class TaskLoss(nn.Module):
             when `keyword` is set (Hugging Face models), else positionally.
         task: one of TASKS.
         keyword: the backbone's keyword for the inputs, or None.
+        export_key: the model config's repr (meta forwards of equal keys share one export).
+        patch_size: for a backbone that takes images as flattened patches with their grid's
+            `spatial_shapes` (SigLIP 2): the images are cut into patch_size patches here.
+        ones_mask: pass an attention mask of ones beside the token ids (a model that makes its
+            own only outside tracing: Switch Transformers, LongT5).
     """
 
-    def __init__(self, backbone: nn.Module, task: str, keyword: str | None = None, export_key: str | None = None):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        task: str,
+        keyword: str | None = None,
+        export_key: str | None = None,
+        patch_size: int | None = None,
+        ones_mask: bool = False,
+    ):
         super().__init__()
         if task not in TASKS:
             raise ValueError(f"task={task!r} is unknown; known: {', '.join(TASKS)}")
@@ -79,6 +95,8 @@ class TaskLoss(nn.Module):
         self.task = task
         self.keyword = keyword
         self.export_key = export_key  # the model config's repr: meta forwards share one export
+        self.patch_size = patch_size  # image models that take patches and their grid (SigLIP 2)
+        self.ones_mask = ones_mask
 
     def init_module(self, module: nn.Module) -> None:
         """The backbone's initialiser of `module`'s own parameters: its `init_module`, or a Hugging
@@ -90,11 +108,25 @@ class TaskLoss(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.device.type == "meta" and not _fake(inputs):
             return self._on_meta(inputs, targets)
-        out = self.m(**{self.keyword: inputs}) if self.keyword else self.m(inputs)
+        mask = {"attention_mask": torch.ones_like(inputs)} if self.ones_mask else {}
+        if self.task == "seq2seq_lm":  # teacher forcing: the decoder reads the window too
+            out = (
+                self.m(**{self.keyword: inputs, "decoder_input_ids": inputs}, **mask)
+                if self.keyword
+                else self.m(inputs, inputs)
+            )
+        elif self.patch_size:
+            patches, shapes = patchify(inputs, self.patch_size)
+            out = self.m(**{self.keyword: patches, "spatial_shapes": shapes})
+        elif self.task == "causal_lm" and inputs.dim() == 3:
+            # (B, K, S) token ids over K codebooks: the model takes them as (B * K, S)
+            out = self.m(**{self.keyword: inputs.flatten(0, 1)})
+        else:
+            out = self.m(**{self.keyword: inputs}, **mask) if self.keyword else self.m(inputs)
         logits = logits_of(out)
-        if self.task in ("causal_lm", "masked_lm"):
-            # (B, S, V) against (B, S); masked_lm's unmasked positions are IGNORE_INDEX
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+        if self.task in _PER_TOKEN:
+            # (..., V) against (...); masked_lm's unmasked positions are IGNORE_INDEX
+            return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
         return F.cross_entropy(logits, targets, reduction="sum")
 
     def _on_meta(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -117,6 +149,19 @@ class TaskLoss(nn.Module):
 
 
 _exported: OrderedDict = OrderedDict()
+
+
+def patchify(images: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, H, W) images as (B, H/p * W/p, p * p * C) patches in row order, each patch's
+    pixels row by row with their channels last (SigLIP 2's image processor), and each image's
+    grid (H/p, W/p) as a (B, 2) tensor."""
+    b, c, h, w = images.shape
+    rows, cols = h // patch, w // patch
+    patches = images.reshape(b, c, rows, patch, cols, patch).permute(0, 2, 4, 3, 5, 1)
+    # made by ops, not torch.tensor: a tensor forward makes from data is a constant of the
+    # captured graph, which a capture on the meta device holds no values of
+    grid = torch.cat([images.new_full((b, 1), n, dtype=torch.long) for n in (rows, cols)], dim=1)
+    return patches.reshape(b, rows * cols, patch * patch * c), grid
 
 
 def without_value_checks(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -181,6 +226,8 @@ class Task:
         vocab_size: token ids are below it (language tasks); masked_lm's mask token is the last id.
         num_labels: classes (classification tasks).
         image_size, channels: image tasks' (channels, image_size, image_size) pixels.
+        codebooks: token streams per sample of a causal LM over parallel codebooks (MusicGen's
+            audio codes): its samples are (codebooks, seq_len) token ids, each stream predicted.
     """
 
     name: str
@@ -189,6 +236,7 @@ class Task:
     num_labels: int = 0
     image_size: int = 0
     channels: int = 3
+    codebooks: int = 1
 
     @property
     def masked_per_sample(self) -> int:
@@ -196,15 +244,15 @@ class Task:
 
     @property
     def targets_per_sample(self) -> int:
-        if self.name == "causal_lm":
-            return self.seq_len
+        if self.name in ("causal_lm", "seq2seq_lm"):
+            return self.seq_len * self.codebooks
         if self.name == "masked_lm":
             return self.masked_per_sample
         return 1
 
     @property
     def tokens_per_sample(self) -> int | None:
-        return None if self.name == "image_cls" else self.seq_len
+        return None if self.name == "image_cls" else self.seq_len * self.codebooks
 
     def synthetic_batch(self, batch_size: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Random (inputs, targets) for `batch_size` samples."""
@@ -212,10 +260,11 @@ class Task:
         if self.name == "image_cls":
             images = torch.randn((batch_size, self.channels, self.image_size, self.image_size), generator=g)
             return images, torch.randint(0, self.num_labels, (batch_size,), generator=g)
-        if self.name == "causal_lm":
+        if self.name in ("causal_lm", "seq2seq_lm"):
             # S + 1 tokens per sample: the targets are the inputs shifted by one
-            window = torch.randint(0, self.vocab_size, (batch_size, self.seq_len + 1), generator=g)
-            return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+            streams = (self.codebooks,) if self.codebooks > 1 else ()
+            window = torch.randint(0, self.vocab_size, (batch_size, *streams, self.seq_len + 1), generator=g)
+            return window[..., :-1].contiguous(), window[..., 1:].contiguous()
         tokens = torch.randint(0, self.vocab_size - 1, (batch_size, self.seq_len), generator=g)
         if self.name == "seq_cls":
             return tokens, torch.randint(0, self.num_labels, (batch_size,), generator=g)

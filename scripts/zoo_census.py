@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STAGES = ("build", "capture", "plan", "simulate")
-TASK_ORDER = ("causal_lm", "masked_lm", "seq_cls", "image_cls")
+TASK_ORDER = ("causal_lm", "seq2seq_lm", "masked_lm", "seq_cls", "image_cls")
 FIELDS = (
     "arch",
     "task",
@@ -77,9 +77,11 @@ REASONS = (
     ),
     (r"a task adapter needs logits", "the task's head returns no logits"),
     (
-        r"specify (either|exactly one of) input_ids|invalid for input of size|same reduction dim",
-        "the head takes other inputs than the task's (token ids for images, patches, codebooks, text beside images)",
+        r"specify (either|exactly one of) (input_ids|input_features)|invalid for input of size|same reduction dim",
+        "the model takes other inputs than the task's alone (text beside an image, audio features)",
     ),
+    (r"shared_kv_states cannot be None", "a draft model: it takes the main model's key-value states"),
+    (r"the config refused its fields", "the config refuses the tiny sizes (a check across its parts)"),
     (r"found at least two devices", "forward makes tensors on a fixed device"),
     (r"more than the \d+ layer groups", "hap's default ratio rows outnumber the model's layer groups"),
     (r"no distributed program leaves the loss", "no program found by hap's search"),

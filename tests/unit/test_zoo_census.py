@@ -44,6 +44,23 @@ def census():
             "does not build at its own size either (transformers)",
         ),
         (
+            {
+                "stage": "build",
+                "error": "ConfigError: model.arch=voxtral_realtime (task seq2seq_lm): torch.export (non-strict) "
+                "refused ValueError at m.py:956 (raise ValueError(...)): You must specify exactly one of "
+                "input_features or encoder_inputs_embeds",
+            },
+            "the model takes other inputs than the task's alone (text beside an image, audio features)",
+        ),
+        (
+            {
+                "stage": "build",
+                "error": "ConfigError: ... refused ValueError at m.py:173 (raise ValueError(...)): inputs_embeds "
+                "and shared_kv_states cannot be None.",
+            },
+            "a draft model: it takes the main model's key-value states",
+        ),
+        (
             {"stage": "capture", "error": "NotImplementedError: Cannot copy out of meta tensor"},
             "capture: NotImplementedError",
         ),

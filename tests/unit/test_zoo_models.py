@@ -34,7 +34,19 @@ def test_causal_lm_targets_are_the_inputs_shifted_by_one():
 
 @pytest.mark.parametrize(
     "arch,task,targets",
-    [("gpt2", "causal_lm", 32), ("bert", "masked_lm", 5), ("vit", "image_cls", 1), ("resnet", "image_cls", 1)],
+    [
+        ("gpt2", "causal_lm", 32),
+        ("bert", "masked_lm", 5),
+        ("vit", "image_cls", 1),
+        ("resnet", "image_cls", 1),
+        # an encoder-decoder's language model head (T5 has no other head but a classifier
+        # that selects its end-of-sequence tokens by value)
+        ("t5", "seq2seq_lm", 32),
+        ("imagegpt", "image_cls", 1),  # an image head on pixel token ids
+        ("musicgen", "causal_lm", 4 * 32),  # 4 codebooks of 32 tokens
+        ("moshi", "causal_lm", 32),  # num_codebooks is its audio's: its causal LM reads text
+        ("siglip2", "image_cls", 1),  # images as flattened patches and their grid
+    ],
 )
 def test_an_architecture_serves_its_own_task_with_the_harness_contract(arch, task, targets):
     hf = _hf()
@@ -275,3 +287,68 @@ def test_logits_are_a_classifiers_per_sample_last_state_but_not_a_sequence_of_st
     assert logits_of(SimpleNamespace(last_hidden_state=scores)) is scores
     with pytest.raises(TypeError, match="a task adapter needs logits"):
         logits_of(SimpleNamespace(last_hidden_state=torch.zeros(2, 3, 4)))
+
+
+def test_an_image_becomes_patches_row_by_row_with_its_grid():
+    """SigLIP 2 takes (B, patches, p * p * C) and each image's grid: patch (i, j) holds the
+    pixels of rows i*p.. and columns j*p.., channels last."""
+    from models.tasks import patchify
+
+    images = torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).reshape(2, 3, 4, 6)
+    patches, grid = patchify(images, 2)
+    assert patches.shape == (2, 6, 12) and grid.tolist() == [[2, 3], [2, 3]]
+    assert torch.equal(patches[1, 4].reshape(2, 2, 3), images[1, :, 2:4, 2:4].permute(1, 2, 0))
+
+
+def test_codebook_tokens_are_predicted_in_every_stream():
+    task = Task("causal_lm", seq_len=8, vocab_size=30, codebooks=4)
+    tokens, targets = task.synthetic_batch(3, torch.Generator().manual_seed(1))
+    assert tokens.shape == targets.shape == (3, 4, 8) and torch.equal(tokens[..., 1:], targets[..., :-1])
+    assert task.targets_per_sample == task.tokens_per_sample == 32
+
+
+def test_layerdrop_is_off_like_dropout():
+    """LayerDrop skips a layer where a random draw falls below its rate (M2M-100, NLLB-MoE,
+    SeamlessM4T): random like dropout, and a branch on a value export cannot take."""
+    hf = _hf()
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="m2m_100")
+    assert cfg.task == "seq2seq_lm"
+    hc = cfg.hf_config()
+    assert hc.encoder_layerdrop == hc.decoder_layerdrop == 0.0
+
+
+def test_tiny_keeps_no_layer_that_reuses_another_layers_cache():
+    """Gemma 3n shares the key-value cache of its last 15 of 35 layers: at two layers there is
+    none to share (each attention kind keeps a layer that makes its cache)."""
+    hf = _hf()
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model("gemma3n_text")
+    fields = hf._tiny_fields(base, "shallow", None)
+    assert fields["num_kv_shared_layers"] == 0 and fields["num_hidden_layers"] == 2
+    assert AutoConfig.for_model("gemma3n_text", **fields).kv_sharing_modes == [None, None]
+
+
+def test_a_model_that_makes_its_mask_only_outside_tracing_gets_one_of_ones():
+    """Switch Transformers makes its encoder's attention mask only where it is not being traced:
+    it exports with an attention mask of ones beside its token ids, and the loss is the same."""
+    hf = _hf()
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="switch_transformers")
+    assert cfg._ones_mask
+    torch.manual_seed(0)
+    model = cfg.build()
+    assert model.ones_mask
+    batch = cfg.synthetic_batch(2, torch.Generator().manual_seed(0))
+    loss = model(*batch)
+    model.ones_mask = False  # outside tracing the model makes the same mask itself
+    assert torch.allclose(model(*batch), loss)
+
+
+def test_every_token_id_of_a_config_without_parts_stays_in_its_vocabulary():
+    """Nemotron 3.5 Transcribe's word-timestamp head has its CTC blank as its last token: at the
+    tiny vocabulary it is kept inside it, as the config checks."""
+    hf = _hf()
+    from transformers import AutoConfig
+
+    head = AutoConfig.for_model("nemo_speechlm").word_timestamp_config
+    assert hf._tokens_in_vocab(head, {"vocab_size": 512}) == {"blank_token_id": head.blank_token_id % 512}
