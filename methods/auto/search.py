@@ -12,7 +12,12 @@ candidate's bound is the larger of
     (FSDP2's work probe, DeepSpeed's engine probe: seconds of worker processes each), the price
     of its plan without that probe: the probe only adds host work (never less than none).
     Such a candidate is popped after the others of its bound, and probed only where that price
-    is below the fastest found.
+    is below the fastest found; and
+  - on an emulated CPU cluster, for a pipeline with sharded state, the price of the same
+    pipeline with replicated state where that fits: there FSDP2's own work on the CPU ranks
+    (hooks, copies in and out of the gathered buffers), which no probe measures for a pipeline,
+    makes the sharded pipeline measure slower than the replicated one (docs/methods.md, "Whole-space
+    planner (auto)"), so it is taken only where the replicated one does not fit.
 The second is exact where the lighter plan's part was not held back by memory (hap's LP memory
 rows, the pipeline's fitting cuts); where it was, a tool could free a faster plan, which this
 prunes (`prune=false` prices every candidate, to check). Memory is in the search: a candidate
@@ -142,12 +147,13 @@ def probes(auto, cand: Candidate, cluster: ClusterSpec) -> bool:
     flag = PROBES.get(cand.part)
     template = getattr(auto, cand.part, None)
     return (
-        flag is not None
-        and bool(getattr(template, flag, False))
-        and cluster.emulated
-        and cluster.device == "cpu"
-        and bool(cluster.host_flops)
+        flag is not None and bool(getattr(template, flag, False)) and cpu_emulated(cluster) and bool(cluster.host_flops)
     )
+
+
+def cpu_emulated(cluster: ClusterSpec) -> bool:
+    """Whether `cluster`'s devices are emulated on this host's CPU cores."""
+    return cluster.emulated and cluster.device == "cpu"
 
 
 def unprobed_price(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> float | None:
@@ -172,7 +178,7 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     """
     ideal = workload.flops_per_iter / cluster.total_effective_flops()
     priced: dict[Candidate, Priced] = {}
-    floors: dict[Candidate, float] = {}  # prices without a part's host-work probe
+    floors: dict[Candidate, float] = {}  # what a candidate cannot beat, known before its price
     shared = SharedCosts(workload, cluster)  # the pipelines' costs, priced once for every stage count and state
 
     def bound(c: Candidate) -> float:
@@ -180,8 +186,18 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         lighter += [f for d, f in floors.items() if d.lighter_than(c)]  # a tool adds, the probe adds
         return max([ideal, *lighter, floors.get(c, ideal)])
 
-    probing = {c: probes(auto, c, cluster) for c in cands}
-    heap = [(ideal, probing[c], i, c) for i, c in enumerate(cands)]
+    def floor(c: Candidate) -> float:
+        # What `c` cannot beat, known before its price (module docstring): its price without its
+        # part's probe, or a sharded pipeline's replicated twin's on CPU ranks where that fits.
+        if probes(auto, c, cluster):
+            unprobed = unprobed_price(auto, c, workload, cluster)
+            return ideal if unprobed is None else unprobed
+        twin = priced.get(dataclasses.replace(c, state="replicated"))
+        return twin.iter_time_s if twin is not None and twin.status == "fits" else ideal
+
+    cpu = cpu_emulated(cluster)
+    later = {c: probes(auto, c, cluster) or (cpu and c.part == "pipeline" and c.state == "sharded") for c in cands}
+    heap = [(ideal, later[c], i, c) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     best: Priced | None = None
     pruned: list[tuple[Candidate, float]] = []
@@ -189,14 +205,13 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         was, _, i, c = heapq.heappop(heap)
         now = bound(c)
         if now > was:
-            heapq.heappush(heap, (now, probing[c], i, c))
+            heapq.heappush(heap, (now, later[c], i, c))
             continue
         if auto.prune and best is not None and now >= best.iter_time_s:
             pruned = [(c, now)] + [(x[3], bound(x[3])) for x in sorted(heap)]
             break
-        if auto.prune and best is not None and probing[c] and c not in floors:
-            floor = unprobed_price(auto, c, workload, cluster)
-            floors[c] = ideal if floor is None else floor
+        if auto.prune and best is not None and later[c] and c not in floors:
+            floors[c] = floor(c)
             if floors[c] > now:
                 heapq.heappush(heap, (floors[c], True, i, c))
                 continue

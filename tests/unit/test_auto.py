@@ -202,6 +202,23 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
             assert c["bound_s"] <= prices[c["candidate"]] * (1 + 1e-9)
 
 
+def test_on_cpu_ranks_a_sharded_pipeline_is_taken_only_where_its_replicated_twin_does_not_fit(tmp_path):
+    """On an emulated CPU cluster FSDP2's own work makes a sharded pipeline run slower than the
+    replicated one (docs/methods.md, "Whole-space planner (auto)"), which its price leaves out:
+    where the simulator prices it below its replicated twin, auto takes the twin, and lists the
+    sharded one as pruned at the twin's price."""
+    off = ("method.fsdp.work_probe=false", "method.deepspeed.engine_probe=false")
+    wl = bert_workload(batch=12)
+    cl = ClusterSpec.from_config(compose_config("cluster=local_hetero4").cluster).with_host_speed(2e10, 1e-3)
+    full = _method(tmp_path, "method.prune=false", *off).plan(wl, cl).details["auto"]
+    prices = {c["candidate"]: c["iter_time_s"] for c in full["candidates"]}
+    sharded, replicated = "2-stage pipelines (sharded state)", "2-stage pipelines (replicated state)"
+    assert prices[sharded] < prices[replicated] and full["chosen_as"] == sharded
+    chosen = _method(tmp_path, *off).plan(wl, cl).details["auto"]
+    assert chosen["chosen_as"] == replicated
+    assert {c["candidate"]: c["bound_s"] for c in chosen["pruned"]}[sharded] == prices[replicated]
+
+
 def test_a_plan_over_the_memory_budget_is_never_returned_while_one_fits(tmp_path):
     wl, cl = bert_workload(), cluster(k=2)
     free = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
