@@ -4,7 +4,7 @@ Every candidate (methods.auto.space) is priced by its part's own plan (hap's pla
 program, the pipeline's planner) and the simulator, exactly as the runner prices that method's
 plan, so auto's price of a candidate is the composed method's. The loop pops the candidate of
 least lower bound; it stops when that bound reaches the fastest candidate that fits. A
-candidate's bound is the larger of
+candidate's bound is the largest of
   - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, and
   - the priced time of the same composition with a subset of its memory tools (a tool adds
     recompute, launches or collectives to a plan and never removes any), and
