@@ -189,14 +189,15 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     def floor(c: Candidate) -> float:
         # What `c` cannot beat, known before its price (module docstring): its price without its
         # part's probe, or a sharded pipeline's replicated twin's on CPU ranks where that fits.
-        if probes(auto, c, cluster):
+        if c in probing:
             unprobed = unprobed_price(auto, c, workload, cluster)
             return ideal if unprobed is None else unprobed
         twin = priced.get(dataclasses.replace(c, state="replicated"))
         return twin.iter_time_s if twin is not None and twin.status == "fits" else ideal
 
+    probing = {c for c in cands if probes(auto, c, cluster)}
     cpu = cpu_emulated(cluster)
-    later = {c: probes(auto, c, cluster) or (cpu and c.part == "pipeline" and c.state == "sharded") for c in cands}
+    later = {c: c in probing or (cpu and c.part == "pipeline" and c.state == "sharded") for c in cands}
     heap = [(ideal, later[c], i, c) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     best: Priced | None = None

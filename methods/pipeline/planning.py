@@ -487,10 +487,7 @@ class _Costs:
         for r, mb in reps:
             v = self.vdevs[r]
             room[(v.memory_bytes, v.compute.workspace_bytes if v.compute is not None else 0.0, mb)] = None
-        key = (tuple(sorted(room)), flight, m, replicated, shards)
-        if key not in self._fitting:
-            self._fitting[key] = {}
-        return self._fitting[key]
+        return self._fitting.setdefault((tuple(sorted(room)), flight, m, replicated, shards), {})
 
     def room(self, device) -> float:
         """Bytes a device holds for a plan: its memory less its libraries' own."""
