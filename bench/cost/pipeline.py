@@ -137,6 +137,12 @@ class PipeStage:
     # With sharded state: one replica's shard of its parameters (FSDP2 pads each parameter's dim
     # 0 to a multiple of the replicas); 0: param_bytes over the replicas
     shard_bytes: float = 0.0
+    # The copies of tied parameters (TiedParam) its rank holds for it, which the layer groups of
+    # another position list: their whole bytes, and with sharded state one replica's shard. A
+    # copy is the rank's own parameter: in its buckets (PipelineProgram.grad_buckets) or shard
+    # collectives, and in its optimizer step.
+    copy_bytes: float = 0.0
+    copy_shard_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -602,7 +608,12 @@ def replay_all(
     arrived: dict[tuple, float] = {}  # (pipeline, what, mb, receiving stage) -> when it arrived
     posted: dict[tuple[int, int], dict[int, tuple]] = {lane: {} for lane in lanes}
     coll_s = {
-        (kind, k): shard_collective_s(kind, (st.shard_bytes or st.param_bytes / D) * D, st.ranks, cluster)
+        (kind, k): shard_collective_s(
+            kind,
+            ((st.shard_bytes or st.param_bytes / D) + (st.copy_shard_bytes or st.copy_bytes / D)) * D,
+            st.ranks,
+            cluster,
+        )
         for kind in COLLECTIVES
         for k, st in enumerate(program.stages)
     }
@@ -696,7 +707,8 @@ def optimizer_s(
     """A rank's per-step part after its last action: Adam's step over its stages' parameters
     (emulated workers: as measured, times `scale`, else Adam's per-byte cost), a profile's
     optimizer step (GPUs), the method's host work. With sharded state Adam steps the rank's
-    share: 1/r of the bytes (and of the measured step)."""
+    share: 1/r of the bytes (and of the measured step). Its copies of tied parameters
+    (PipeStage.copy_bytes) step at its groups' measured rate per byte, or Adam's per-byte cost."""
     mine = [st for k, st in enumerate(program.stages) if program.stage_rank[k] == position]
     rank = mine[0].ranks[pipeline]
     dev = cluster.devices[rank]
@@ -707,13 +719,18 @@ def optimizer_s(
             return 1.0
         return st.shard_bytes / st.param_bytes if st.shard_bytes and st.param_bytes else 1.0 / D
 
-    param_bytes = sum(share(st) * st.param_bytes for st in mine)
+    def copies(st: PipeStage) -> float:
+        if not program.sharded_state:
+            return st.copy_bytes
+        return st.copy_shard_bytes or st.copy_bytes / D
+
+    param_bytes = sum(share(st) * st.param_bytes + copies(st) for st in mine)
     t = 0.0
     for st in mine:
         w = st.work[pipeline]
-        t += share(st) * (
-            w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
-        )
+        own = w.measured[2] * scale / dev.speed if w.measured is not None else dev.optimizer_s_per_byte * st.param_bytes
+        per_byte = own / st.param_bytes if w.measured is not None and st.param_bytes else dev.optimizer_s_per_byte
+        t += share(st) * own + per_byte * copies(st)
     if v.compute is not None and v.compute.optimizer is not None:
         fixed, rate = v.compute.optimizer
         t += fixed + param_bytes / rate

@@ -526,6 +526,10 @@ class PipelineParallel:
         stage_rank = c.stage_rank
         assert traces[0].stage_rank == stage_rank, "torch placed the stages other than its compute-only order"
         K = len(stage_rank)
+        copies = {}  # stage -> the copies of tied parameters its rank holds for it (_Costs.tied_copies)
+        for r in sorted(set(stage_rank)):
+            mine = [k for k in range(K) if stage_rank[k] == r]
+            copies.update(zip(mine, costs.tied_copies([(c.cuts[k], c.cuts[k + 1]) for k in mine])))
         stages = []
         for k in range(K):
             first, end = c.cuts[k], c.cuts[k + 1]
@@ -551,6 +555,8 @@ class PipelineParallel:
                     work=tuple(work),
                     param_bytes=sum(g.param_bytes for g in groups),
                     shard_bytes=costs.shard_bytes(first, end, D) if c.sharded else 0.0,
+                    copy_bytes=costs.copy_bytes(copies[k], 1),
+                    copy_shard_bytes=costs.copy_bytes(copies[k], D) if c.sharded else 0.0,
                 )
             )
         if memory is None:  # else made before the trace, from the same computes and stages (_untraced)

@@ -701,10 +701,29 @@ def balance_shares(
     return best
 
 
+def rank_params(table: GroupTable, cuts: Sequence[int], stages: Sequence[int]) -> list[tuple[str, float]]:
+    """The parameters a rank holding `stages` keeps, each once with its bytes, in the order its
+    replicas' buckets take them (the trainer orders its own by this): each stage's layer groups'
+    parameters as the layer-group table lists them, then the stage's copies of tied parameters
+    that no stage of the rank lists (tied_params)."""
+    sizes = {p: b for g in table.groups for p, b in zip(g.params, g.param_sizes)}
+    spans = [(cuts[k], cuts[k + 1]) for k in stages]
+    listed = {p for first, end in spans for g in table.span(first, end) for p in g.params}
+    out: dict[str, float] = {}
+    for first, end in spans:
+        names = [p for g in table.span(first, end) for p in g.params]
+        names += [
+            n for n in table.shared_params if n not in listed and any(first <= g < end for g in table.shared_groups[n])
+        ]
+        for n in names:
+            out.setdefault(n, sizes[n])
+    return list(out.items())
+
+
 def replica_buckets(table: GroupTable, cuts: Sequence[int], stages: Sequence[int], cap_mb: float) -> tuple[float, ...]:
     """The gradient buckets (bytes) a rank holding `stages` all-reduces among its replicas, as
-    the runtime makes them (its stages' parameters in order)."""
-    sizes = [b for k in stages for g in table.span(cuts[k], cuts[k + 1]) for b in g.param_sizes]
+    the runtime makes them (rank_params: its stages' parameters and copies, in order)."""
+    sizes = [b for _, b in rank_params(table, cuts, stages)]
     return tuple(sum(sizes[i] for i in run) for run in gradient_buckets(sizes, cap_mb))
 
 
@@ -769,15 +788,20 @@ def _replica_sync_seconds(
         return 0.0
     if sharded:
         D = len(order[0])
-        return max(
-            sum(
-                shard_collective_s(kind, D * costs.shard_bytes(cuts[k], cuts[k + 1], D), order[r], costs.cluster)
-                for k, x in enumerate(stage_rank)
-                if x == r
-                for kind in ("gather", "scatter")
+        worst = 0.0
+        for r in range(len(order)):
+            mine = [k for k, x in enumerate(stage_rank) if x == r]
+            copies = costs.tied_copies([(cuts[k], cuts[k + 1]) for k in mine])
+            shards = [costs.shard_bytes(cuts[k], cuts[k + 1], D) + costs.copy_bytes(c, D) for k, c in zip(mine, copies)]
+            worst = max(
+                worst,
+                sum(
+                    shard_collective_s(kind, D * b, order[r], costs.cluster)
+                    for b in shards
+                    for kind in ("gather", "scatter")
+                ),
             )
-            for r in range(len(order))
-        )
+        return worst
     return max(
         grad_sync_s(
             replica_buckets(costs.table, cuts, [k for k, x in enumerate(stage_rank) if x == r], cap_mb),

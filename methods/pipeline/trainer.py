@@ -16,7 +16,7 @@ from bench.core.interfaces import Plan, RankContext
 from methods.common import gradient_buckets, group_table
 from methods.graph import capture_config
 from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
-from methods.pipeline.planning import tied_params
+from methods.pipeline.planning import rank_params, tied_params
 from methods.pipeline.schedule import is_multi_stage, schedule_class
 
 
@@ -68,6 +68,7 @@ class PipelineTrainer:
         tied_ids = {id(gm.get_parameter(name)): i for i, (name, _) in enumerate(tied)}
         stages, loss_module, params, self.names = [], None, {}, {}
         held: dict[int, nn.Parameter] = {}  # tied parameter -> this rank's copy
+        targets: dict[int, str] = {}  # parameter -> its name in the planner's graph
         self.sharded_modules: list[nn.Module] = []
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
@@ -84,6 +85,7 @@ class PipelineTrainer:
                 self.sharded_modules.append(module)
             for n, p in module.named_parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
+                targets.setdefault(id(p), n)
                 self.names[id(p)] = names[n]
                 if n in copies:
                     held.setdefault(copies[n], params[id(p)])
@@ -106,14 +108,19 @@ class PipelineTrainer:
         # Replicas of this rank (data parallel across pipelines) sum their gradients once the
         # schedule is through, in buckets (gradient_buckets, as the plan prices them); sharded,
         # FSDP2 reduce-scatters them at the schedule's end instead.
-        self.buckets = (
-            [
-                [self.params[i] for i in run]
-                for run in gradient_buckets([p.numel() * p.element_size() for p in self.params], method.bucket_cap_mb)
+        self.buckets = []
+        if D > 1 and not self.sharded:
+            order = {name: i for i, (name, _) in enumerate(rank_params(table, cuts, mine))}
+            if set(order) != set(targets.values()):
+                raise RuntimeError(
+                    f"rank {ctx.rank}: its stages' parameters differ from the planner's "
+                    f"({sorted(set(order) ^ set(targets.values()))}): the traced graph differs from the planner's"
+                )
+            ordered = sorted(self.params, key=lambda p: order[targets[id(p)]])
+            self.buckets = [
+                [ordered[i] for i in run]
+                for run in gradient_buckets([p.numel() * p.element_size() for p in ordered], method.bucket_cap_mb)
             ]
-            if D > 1 and not self.sharded
-            else []
-        )
         # Each pipeline's summed loss over the global targets; the replicas' gradients add up.
         self.loss_scale = 1.0 / ctx.workload.targets_per_iter
 

@@ -172,12 +172,15 @@ def test_sharded_pipeline_stages_gather_and_scatter_where_their_program_prices_t
         (("cluster=local_hetero2",), 2),
         # two pipelines, each stage's state sharded over its replicas: a copy's shard at its index
         (("cluster=local_2x2", "method.sharded_state=true", "global_batch=16"), 4),
+        # two pipelines, replicated: the later holder's copy is in its replicas' buckets
+        (("cluster=local_2x2", "global_batch=16"), 4),
     ],
 )
 def test_the_pipeline_all_reduces_a_tied_parameter_where_its_program_prices_it(cfg_factory, overrides, world):
     """GPT-2's embedding and head (one tensor) on a pipeline's first and last positions: each
     all-reduces its copy's gradient (its shard, with sharded state) with the other holder after
-    the schedule, as many bytes as priced, in the traced order."""
+    the schedule, as many bytes as priced, in the traced order; replicated, each rank then
+    all-reduces the buckets priced (the later holder's copy among its own parameters)."""
     pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
     cfg = cfg_factory(
         "model=hf",
@@ -206,7 +209,11 @@ def test_the_pipeline_all_reduces_a_tied_parameter_where_its_program_prices_it(c
         for r, actions in enumerate(program.actions):
             rank = program.position_ranks(r)[p]
             priced = [a for a in actions if a[0] in kinds]
-            assert [name for name, _ in got[rank]] == [kinds[a[0]] for a in priced], f"rank {rank}"
+            buckets = list(program.grad_buckets[r]) if program.grad_buckets else []
+            assert [name for name, _ in got[rank]] == [kinds[a[0]] for a in priced] + ["all_reduce"] * len(buckets), (
+                f"rank {rank}"
+            )
             for a, (_, nbytes) in zip(priced, got[rank]):
                 if a[0] == "tie":
                     assert nbytes == program.tied[a[1]].nbytes[p], (rank, a, nbytes)
+            assert [nbytes for _, nbytes in got[rank][len(priced) :]] == buckets, f"rank {rank}"

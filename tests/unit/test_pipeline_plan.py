@@ -604,6 +604,43 @@ def test_a_later_holder_of_a_tied_parameter_holds_its_copys_state_where_priced(s
         assert_planner_peaks_are_simulated(program, workload, cluster, program.num_pipelines if sharded else 1)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_later_holder_of_a_tied_parameter_syncs_and_steps_its_copy_where_priced(sharded):
+    """Tiny GPT-2's embedding and head over two pipelines: the later holder's copy of the
+    embedding is its own parameter beyond the all-reduce among the holders: in its replicas'
+    last bucket (or in its stage's shard collectives) and in its optimizer step, priced so."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    from bench.cost.pipeline import optimizer_s
+    from methods.common import group_table
+    from methods.graph import capture_config
+    from methods.pipeline.planning import rank_params
+
+    cluster = _cluster(4, gbps=1.0)
+    workload = _workload("hf", 16, "model.arch=gpt2")
+    method = PipelineParallel(profile=False, stage_level="device", num_stages=2, schedule="1f1b", sharded_state=sharded)
+    program = method.plan(workload, cluster).program
+    (tied,) = program.tied
+    table = group_table(capture_config(workload.model_cfg, 16))
+    cuts = [st.groups[0] for st in program.stages] + [program.stages[-1].groups[1]]
+    whole = dict(zip(table.groups[0].params, table.groups[0].param_sizes))[tied.name]
+    first, last = program.stages
+    assert first.copy_bytes == 0 and last.copy_bytes == whole
+    names = [n for n, _ in rank_params(table, cuts, [1])]
+    assert names[-1] == tied.name and [n for n, _ in rank_params(table, cuts, [0])].count(tied.name) == 1
+    if sharded:
+        assert 0 < last.copy_shard_bytes < whole and not any(program.grad_buckets)
+    else:
+        assert sum(program.grad_buckets[1]) == last.param_bytes + whole
+        assert sum(program.grad_buckets[0]) == first.param_bytes
+    bare = dataclasses.replace(program, stages=(first, dataclasses.replace(last, copy_bytes=0.0, copy_shard_bytes=0.0)))
+    from bench.cost.devices import virtual_devices
+
+    v = virtual_devices(cluster, program.granularity)[last.ranks[0]]
+    stepped = optimizer_s(program, 1, 0, cluster, v) - optimizer_s(bare, 1, 0, cluster, v)
+    copy = last.copy_shard_bytes if sharded else whole
+    assert stepped == pytest.approx(cluster.devices[last.ranks[0]].optimizer_s_per_byte * copy)
+
+
 def assert_planner_peaks_are_simulated(program, workload, cluster, shards: int) -> None:
     """Each rank of a program of one stage a rank: the peak the planner's cut search checks
     (_Costs.peak) is the one the simulator prices."""
