@@ -60,7 +60,9 @@ def time_method_step(
     timeout_s: float = TIMEOUT_S,
 ) -> dict | None:
     """{"plain_s", "method_s"}: the median over ranks of the seconds a rank computes in a plain
-    step and in `method`'s own step, at `plan`'s batch shares (see the module docstring).
+    step and in `method`'s own step, at `plan`'s batch shares (see the module docstring), and
+    {"plain_s_ranks", "method_s_ranks"}: each rank's. A rank's method step trains its
+    `plan.data_slices` samples where the plan has them (a pipeline's batch), else its share.
 
     Args:
         method: a bench.core.interfaces.Method, picklable (it travels to the ranks).
@@ -81,8 +83,8 @@ def time_method_step(
     body = [host_key(workload, batch, seed), n, *config, repeats, version]
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
     cached = read_cache(path).get(key)
-    if cached and "method_s" in cached:
-        return {"plain_s": cached["plain_s"], "method_s": cached["method_s"]}
+    if cached and "method_s_ranks" in cached:
+        return {k: cached[k] for k in ("plain_s", "method_s", "plain_s_ranks", "method_s_ranks")}
     errors = [
         f"{m} is not installed: {hint}" for m, hint in (requires or {}).items() if importlib.util.find_spec(m) is None
     ]
@@ -127,7 +129,8 @@ def _run_ranks(
                 p.kill()
     if errors:
         return None, errors
-    return {k: statistics.median(a[k] for a in answers.values()) for k in ("plain_s", "method_s")}, []
+    out = {k: statistics.median(a[k] for a in answers.values()) for k in ("plain_s", "method_s")}
+    return {**out, **{f"{k}_ranks": [answers[r][k] for r in range(n)] for k in ("plain_s", "method_s")}}, []
 
 
 def gather_answers(pending: dict, timeout_s: float) -> dict:
@@ -176,6 +179,10 @@ def _rank(
         warnings.filterwarnings("ignore", category=FutureWarning)
         with emulated_device():
             data = workload.model_cfg.synthetic_batch(plan.batch_shares[rank], torch.Generator().manual_seed(seed))
+            own = data
+            if plan.data_slices:  # the method trains its own samples (a pipeline's batch)
+                start, stop = plan.data_slices[rank]
+                own = workload.model_cfg.synthetic_batch(stop - start, torch.Generator().manual_seed(seed))
             model = workload.build(seed)
             optimizer = torch.optim.Adam(model.parameters(), lr=method.lr)
             emulator = Emulator(cluster, rank, enabled=True, settings=EmulationSettings(reference_iters=repeats))
@@ -190,7 +197,7 @@ def _rank(
                 optimizer.step()
                 plain.append(time.thread_time() - start)
                 emulator.begin_iteration(i)
-                trainer.step(data)
+                trainer.step(own)
             emulator.begin_iteration(EmulationSettings.SKIPPED + repeats)  # sets the reference
         conn.send(
             {"plain_s": min(plain[EmulationSettings.SKIPPED :]), "method_s": emulator.report()["reference_s_per_iter"]}

@@ -9,15 +9,17 @@ candidate's bound is the largest of
   - the priced time of the same composition with a subset of its memory tools (a tool adds
     recompute, launches or collectives to a plan and never removes any), and
   - on an emulated CPU cluster, for a part that times its own host work there before pricing it
-    (FSDP2's work probe, DeepSpeed's engine probe: seconds of worker processes each), the price
-    of its plan without that probe: the probe only adds host work (never less than none).
+    (FSDP2's work probe, DeepSpeed's engine probe, the pipeline's work probe: seconds of worker
+    processes each), the price of its plan without that probe: the probe only adds host work
+    (never less than none).
     Such a candidate is popped after the others of its bound, and probed only where that price
     is below the fastest found; and
-  - on an emulated CPU cluster, for a pipeline with sharded state, the price of the same
-    pipeline with replicated state where that fits: there FSDP2's own work on the CPU ranks
-    (hooks, copies in and out of the gathered buffers), which no probe measures for a pipeline,
-    makes the sharded pipeline measure slower than the replicated one (docs/methods.md, "Whole-space
-    planner (auto)"), so it is taken only where the replicated one does not fit.
+  - on an emulated CPU cluster, for a pipeline with sharded state whose work probe is off, the
+    price of the same pipeline with replicated state where that fits: there FSDP2's own work on
+    the CPU ranks (hooks, copies in and out of the gathered buffers), which then nothing
+    measures, makes the sharded pipeline measure slower than the replicated one
+    (docs/methods.md, "Whole-space planner (auto)"), so it is taken only where the replicated
+    one does not fit.
 The second is exact where the lighter plan's part was not held back by memory (hap's LP memory
 rows, the pipeline's fitting cuts); where it was, a tool could free a faster plan, which this
 prunes (`prune=false` prices every candidate, to check). Memory is in the search: a candidate
@@ -41,7 +43,7 @@ from methods.auto.space import Candidate, make_part
 from methods.pipeline import SharedCosts
 
 # The parts that time their own host work on an emulated CPU cluster, by the option that does it.
-PROBES = {"fsdp": "work_probe", "deepspeed": "engine_probe"}
+PROBES = {"fsdp": "work_probe", "deepspeed": "engine_probe", "pipeline": "work_probe"}
 
 
 class NoPlanFits(PlanningError):

@@ -57,6 +57,7 @@ rank at run time).
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import Memory
 from bench.core.shares import offsets
 from bench.cost.pipeline import (
+    COMPUTE,
     SCHEDULES,
     PipelineProgram,
     PipeStage,
@@ -80,6 +82,7 @@ from bench.cost.pipeline import (
     ranks_memory,
     simulate_pipeline,
 )
+from bench.runtime.method_step import time_method_step
 from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
 from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph
@@ -181,6 +184,9 @@ class PipelineParallel:
         grad_clip: max global gradient norm; 0 disables clipping.
         profile: emulated CPU clusters: price the stages from the layer groups' time on this
             host (group_profile, cached) instead of their FLOPs.
+        work_probe: emulated CPU clusters with a profile: time the chosen plan's trainer on
+            the cluster's ranks once per host, workload and plan (cached) and price the
+            schedule's own work beside the groups' (_probed).
     """
 
     worker_modules = ("torch.distributed.pipelining",)
@@ -205,6 +211,7 @@ class PipelineParallel:
         grad_clip: float = 0.0,
         profile: bool = True,
         sharded_state=False,
+        work_probe: bool = True,
     ):
         check_schedule(schedule)
         if sharded_state not in SHARDED_STATE:
@@ -246,6 +253,7 @@ class PipelineParallel:
         self.grad_clip = grad_clip
         self.profile = profile
         self.sharded_state = sharded_state
+        self.work_probe = bool(work_probe)
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
@@ -339,7 +347,48 @@ class PipelineParallel:
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
             )
         _, c, program = best
+        if profiled and self.work_probe and cluster.num_devices > 1:
+            return self._probed(c, program, table, costs, workload, cluster, model_launches)
         return self._plan(c, program, workload)
+
+    def _probed(
+        self,
+        c: _Candidate,
+        program: PipelineProgram,
+        table: GroupTable,
+        costs: _Costs,
+        workload: Workload,
+        cluster: ClusterSpec,
+        model_launches: float,
+    ) -> Plan:
+        """The plan of `c`, priced with the schedule's own work (docs/cost-model.md, "Pipelines"):
+        its trainer timed on the cluster's ranks (bench.runtime.method_step.time_method_step:
+        each rank's compute a step as its pacing reference counts it), less what the profile
+        prices of that rank's computes and Adam at the probe's host speed, spread over the
+        rank's compute actions; the median rank's, added to every compute action
+        (_Costs.action_s). Without a measurement, the plan as priced."""
+        plan = self._plan(c, program, workload)
+        work = time_method_step(
+            self,
+            plan,
+            workload,
+            cluster,
+            cache="pipeline_work",
+            config=[self.name, plan.details, self.lr, self.grad_clip, self.bucket_cap_mb],
+            version=WORK_PROBE_VERSION,
+            what="the pipeline schedule's own work",
+        )
+        if work is None:
+            return plan
+        action_s = schedule_work_per_action(program, work)
+        costs.action_s = action_s
+        try:
+            probed = self._program(c, self._traces(c), table, costs, workload, cluster, model_launches)
+        finally:
+            costs.action_s = 0.0
+        plan = self._plan(c, probed, workload)
+        plan.details["work"] = {**work, "action_s": action_s}
+        return plan
 
     @staticmethod
     def _traces(c: _Candidate) -> tuple[Trace, ...]:
@@ -697,6 +746,31 @@ class SharedCosts:
                 checkpointing,
             )
         return self._costs[key]
+
+
+WORK_PROBE_VERSION = 1  # what the pipeline's work probe times (PipelineParallel._probed)
+
+
+def schedule_work_per_action(program: PipelineProgram, work: dict) -> float:
+    """Profiled seconds of the schedule's own work per compute action (PipelineParallel._probed):
+    each rank's compute a step as the probe timed it (`work["method_s_ranks"]`), over the probe's
+    plain step at its micro-batch against the profile's (`plain_s_ranks` over
+    `profile_step_s`: the host then and now), less its computes' and Adam's profiled seconds,
+    over its compute actions; the median rank's, never below 0."""
+    per_action = []
+    for r, actions in enumerate(program.actions):
+        computes = [a for a in actions if a[0] in COMPUTE]
+        for p, rank in enumerate(program.position_ranks(r)):
+            scale = work["plain_s_ranks"][rank] / program.profile_step_s[p]
+            priced = sum(program.stages[k].work[p].measured[2] for k, x in enumerate(program.stage_rank) if x == r)
+            for kind, k, *_ in computes:
+                w = program.stages[k].work[p]
+                if kind in ("F", "B"):
+                    priced += w.measured[0 if kind == "F" else 1]
+                else:
+                    priced += w.measured_split[0 if kind == "I" else 1]
+            per_action.append((work["method_s_ranks"][rank] / scale - priced) / max(len(computes), 1))
+    return max(statistics.median(per_action), 0.0)
 
 
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V

@@ -232,6 +232,10 @@ class _Costs:
     flops_per_sample: float = 0.0
     bucket_bytes: float = 25 * 2**20  # the gradient bucket replicas all-reduce at a time
     checkpointing: bool = False
+    # Profiled seconds each compute action (a micro-batch's forward, backward, or one of
+    # zero-bubble's two backward passes) adds beside its groups' own: the schedule's own work
+    # (PipelineParallel's work probe; 0 while the candidates are searched)
+    action_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
@@ -320,7 +324,7 @@ class _Costs:
         if prof is None:
             return None
         fwd, bwd, adam = (float(sum(prof[k][first:end])) for k in ("forward", "backward", "optimizer"))
-        return fwd, bwd + (fwd if self.checkpointing else 0.0), adam
+        return fwd + self.action_s, bwd + (fwd if self.checkpointing else 0.0) + self.action_s, adam
 
     def measured_split(self, first: int, end: int, mb: int) -> tuple[float, float] | None:
         """(input, weights) seconds of torch's zero-bubble backward of groups [first, end) at `mb`
@@ -329,7 +333,10 @@ class _Costs:
         if prof is None:
             return None
         recompute = float(sum(prof["forward"][first:end])) if self.checkpointing else 0.0
-        return float(sum(prof["input_backward"][first:end])) + recompute, float(sum(prof["weight_backward"][first:end]))
+        return (
+            float(sum(prof["input_backward"][first:end])) + recompute + self.action_s,
+            float(sum(prof["weight_backward"][first:end])) + self.action_s,
+        )
 
     def scale(self, mb: int) -> float:
         """The host's plain step at `mb` as the cluster's speed prices it over the profile's."""

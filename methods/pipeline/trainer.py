@@ -68,7 +68,6 @@ class PipelineTrainer:
         tied_ids = {id(gm.get_parameter(name)): i for i, (name, _) in enumerate(tied)}
         stages, loss_module, params, self.names = [], None, {}, {}
         held: dict[int, nn.Parameter] = {}  # tied parameter -> this rank's copy
-        targets: dict[int, str] = {}  # parameter -> its name in the planner's graph
         self.sharded_modules: list[nn.Module] = []
         for k in mine:
             module, loss = cut_graph(gm, table, tensors, cuts, k)
@@ -85,7 +84,6 @@ class PipelineTrainer:
                 self.sharded_modules.append(module)
             for n, p in module.named_parameters():  # a parameter two of its stages read is one tensor
                 params.setdefault(id(p), p)
-                targets.setdefault(id(p), n)
                 self.names[id(p)] = names[n]
                 if n in copies:
                     held.setdefault(copies[n], params[id(p)])
@@ -111,12 +109,17 @@ class PipelineTrainer:
         self.buckets = []
         if D > 1 and not self.sharded:
             order = {name: i for i, (name, _) in enumerate(rank_params(table, cuts, mine))}
-            if set(order) != set(targets.values()):
+            # a stage's module may name a parameter otherwise (checkpointed groups): by the graph's name
+            ranked = {}
+            for name, p in gm.named_parameters(remove_duplicate=False):
+                if name in order:
+                    ranked[id(p)] = min(order[name], ranked.get(id(p), len(order)))
+            if set(ranked) != set(params):
                 raise RuntimeError(
                     f"rank {ctx.rank}: its stages' parameters differ from the planner's "
-                    f"({sorted(set(order) ^ set(targets.values()))}): the traced graph differs from the planner's"
+                    f"({len(params)} held, {len(ranked)} of them planned): the traced graph differs from the planner's"
                 )
-            ordered = sorted(self.params, key=lambda p: order[targets[id(p)]])
+            ordered = sorted(self.params, key=lambda p: ranked[id(p)])
             self.buckets = [
                 [ordered[i] for i in run]
                 for run in gradient_buckets([p.numel() * p.element_size() for p in ordered], method.bucket_cap_mb)

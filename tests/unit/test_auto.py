@@ -204,10 +204,10 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
 
 def test_on_cpu_ranks_a_sharded_pipeline_is_taken_only_where_its_replicated_twin_does_not_fit(tmp_path):
     """On an emulated CPU cluster FSDP2's own work makes a sharded pipeline run slower than the
-    replicated one (docs/methods.md, "Whole-space planner (auto)"), which its price leaves out:
-    where the simulator prices it below its replicated twin, auto takes the twin, and lists the
-    sharded one as pruned at the twin's price."""
-    off = ("method.fsdp.work_probe=false", "method.deepspeed.engine_probe=false")
+    replicated one (docs/methods.md, "Whole-space planner (auto)"), which its price leaves out
+    where the pipeline's work probe is off: where the simulator prices it below its replicated
+    twin, auto takes the twin, and lists the sharded one as pruned at the twin's price."""
+    off = ("method.fsdp.work_probe=false", "method.deepspeed.engine_probe=false", "method.pipeline.work_probe=false")
     wl = bert_workload(batch=12)
     cl = ClusterSpec.from_config(compose_config("cluster=local_hetero4").cluster).with_host_speed(2e10, 1e-3)
     full = _method(tmp_path, "method.prune=false", *off).plan(wl, cl).details["auto"]

@@ -766,3 +766,45 @@ def test_a_single_stage_schedules_compute_order_is_its_trace_at_every_shape(sche
         orders, stage_rank = compute_order(schedule, R, m)
         assert stage_rank == traces[0].stage_rank
         assert orders == tuple(tuple(a for a in t.actions if a[0] in ("F", "B", "I", "W")) for t in traces), (R, m)
+
+
+def test_the_schedules_own_work_per_action_is_what_the_probe_adds_to_the_profiled_computes(monkeypatch):
+    """The work probe's ranks each computed their profiled actions and Adam at the probe's host
+    speed plus `a` profiled seconds per compute action: schedule_work_per_action recovers `a`,
+    and the probed plan prices every action `a` longer (and keeps the probe in its details)."""
+    from bench.cost.pipeline import COMPUTE
+    from methods import pipeline as pipeline_module
+    from methods.pipeline import schedule_work_per_action
+
+    cluster = _cluster(2)
+    workload = _workload("bert", 8)
+    a, slower = 2e-4, 1.5  # the probe's host: 1.5x the profile's step
+
+    def probe(method, plan, workload, cluster, **kwargs):
+        program = plan.program
+        method_s = [0.0] * cluster.num_devices
+        for r, actions in enumerate(program.actions):
+            for p, rank in enumerate(program.position_ranks(r)):
+                mine = [k for k, x in enumerate(program.stage_rank) if x == r]
+                t = sum(program.stages[k].work[p].measured[2] for k in mine)
+                for kind, k, *_ in (x for x in actions if x[0] in COMPUTE):
+                    w = program.stages[k].work[p]
+                    t += w.measured[0 if kind == "F" else 1] if kind in "FB" else w.measured_split[kind == "W"]
+                    t += a
+                method_s[rank] = slower * t
+        plain = [slower * program.profile_step_s[p] for p in range(program.num_pipelines)] * cluster.num_devices
+        return {"plain_s": plain[0], "method_s": method_s[0], "plain_s_ranks": plain, "method_s_ranks": method_s}
+
+    monkeypatch.setattr(pipeline_module, "time_method_step", probe)
+    method = PipelineParallel(stage_level="device", num_stages=2, schedule="1f1b")
+    bare = PipelineParallel(stage_level="device", num_stages=2, schedule="1f1b", work_probe=False).plan(
+        workload, cluster
+    )
+    probed = method.plan(workload, cluster)
+    assert probed.details["work"]["action_s"] == pytest.approx(a, rel=1e-9)
+    assert schedule_work_per_action(bare.program, probe(method, bare, workload, cluster)) == pytest.approx(a, rel=1e-9)
+    for got, was in zip(probed.program.stages, bare.program.stages):
+        assert got.work[0].measured[0] == pytest.approx(was.work[0].measured[0] + a)
+        assert got.work[0].measured[1] == pytest.approx(was.work[0].measured[1] + a)
+        assert got.work[0].measured[2] == was.work[0].measured[2]
+    assert simulate(probed.program, cluster, None).iter_time_s > simulate(bare.program, cluster, None).iter_time_s
