@@ -64,6 +64,11 @@ def logits_of(out) -> torch.Tensor:
     )
 
 
+def _is_pretrained(module: nn.Module) -> bool:
+    """A Hugging Face pretrained model (a sub-model of a composite one has its own initialiser)."""
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+
+
 class TaskLoss(nn.Module):
     """`backbone` with its task's summed cross-entropy: forward(inputs, targets) -> scalar.
 
@@ -100,10 +105,39 @@ class TaskLoss(nn.Module):
 
     def init_module(self, module: nn.Module) -> None:
         """The backbone's initialiser of `module`'s own parameters: its `init_module`, or a Hugging
-        Face model's `_init_weights` (bench.core.weights runs it one parameter at a time)."""
-        init = getattr(self.m, "init_module", None) or getattr(self.m, "_init_weights", None)
-        if callable(init):
-            init(module)
+        Face model's `_init_weights` (bench.core.weights runs it one parameter at a time), run as
+        transformers runs it: on `module`, then on each module that holds it up to the backbone,
+        each by the `_init_weights` of the nearest pretrained model at or above it, so that a
+        parent's initialiser of its children's weights has the last word (docs/zoo.md, "Initial
+        weights")."""
+        own = getattr(self.m, "init_module", None)
+        if callable(own):
+            own(module)
+            return
+        for owner, init in self._hf_init_chain(module):
+            init(owner)
+
+    def _hf_init_chain(self, module: nn.Module) -> list:
+        """(module, its initialiser) for `module` and each module above it in the backbone,
+        innermost first; [] where the backbone has no `_init_weights`."""
+        if not callable(getattr(self.m, "_init_weights", None)):
+            return []
+        paths = self.__dict__.get("_module_paths")
+        entry = paths.get(id(module)) if paths else None
+        if entry is None or entry[0] is not module:  # first call, or a copy of the model (weights' shadow)
+            paths = {id(m): (m, name) for name, m in self.m.named_modules()}
+            self.__dict__["_module_paths"] = paths
+            entry = paths.get(id(module))
+        if entry is None:  # not the backbone's: its own initialiser alone
+            return [(module, self.m._init_weights)]
+        parts = entry[1].split(".") if entry[1] else []
+        chain = [self.m.get_submodule(".".join(parts[:k])) for k in range(len(parts) + 1)]  # outermost first
+        inits, init = [], self.m._init_weights
+        for m in chain:
+            if m is not self.m and _is_pretrained(m):  # a sub-model: transformers hands it its own
+                init = m._init_weights
+            inits.append((m, init))
+        return inits[::-1]
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.device.type == "meta" and not _fake(inputs):

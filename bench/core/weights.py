@@ -6,10 +6,11 @@ initialiser of the module that owns it): torch's generator is seeded from (seed,
 initialiser runs on that one module with a fresh tensor in place of that parameter (on a
 meta copy of the model, so that an initialiser which also writes a child's tensors writes
 nothing real). The initialiser is the model's `init_module(module)` where the model's root has
-one (the zoo's models; models.tasks.TaskLoss hands it to a Hugging Face model's
-`_init_weights`), then torch's `reset_parameters` for what that left unset. So the single-device
-model (bench.core.interfaces.Workload.build), a pipeline stage and an FSDP shard start from the
-same values, whichever subset a rank holds (docs/emulation.md, "What a rank holds").
+one (the zoo's models; models.tasks.TaskLoss runs a Hugging Face model's `_init_weights` on that
+module and the modules above it, as transformers does), then torch's `reset_parameters` for what
+that left unset. So the single-device model (bench.core.interfaces.Workload.build), a pipeline
+stage and an FSDP shard start from the same values, whichever subset a rank holds
+(docs/emulation.md, "What a rank holds").
 
 Buffers (masks, position ids, rotary frequencies, normalisation statistics) keep the values the
 model's constructor computes: `build_meta` puts only parameters on meta and leaves buffers on

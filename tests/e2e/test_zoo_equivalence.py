@@ -12,6 +12,7 @@ import pytest
 
 from bench.core.interfaces import Workload
 from bench.cost.flops import train_flops_per_sample
+from bench.runtime.hostcpu import emulated_device
 from bench.runtime.launch import launch
 from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
 
 
-def zoo_workload(arch: str, global_batch: int) -> Workload:
+def zoo_workload(arch: str, global_batch: int, config: dict | None = None) -> Workload:
     if arch == "custom":
         from models.custom import CustomModelConfig
 
@@ -33,14 +34,16 @@ def zoo_workload(arch: str, global_batch: int) -> Workload:
     else:
         from models.hf import HFModelConfig
 
-        cfg = HFModelConfig.from_preset("tiny", arch=arch, seq_len=16)
+        cfg = HFModelConfig.from_preset("tiny", arch=arch, seq_len=16, config=config or {})
     # batch norm over the whole batch, as the one device these programs are checked against
     return Workload(cfg.name, "tiny", cfg, global_batch, train_flops_per_sample(cfg), batch_norm="global")
 
 
 def check(workload: Workload, results: list[dict], what: str) -> None:
-    """check_equivalence against one device, then the largest differences seen (shown with -s)."""
-    ref = H.single_device(workload, 0, STEPS, 5e-4, 0.0)
+    """check_equivalence against one device, then the largest differences seen (shown with -s).
+    The device computes as the workers do, on one thread (docs/hap-runtime.md, "The equivalence test")."""
+    with emulated_device():
+        ref = H.single_device(workload, 0, STEPS, 5e-4, 0.0)
     check_equivalence(workload, results, reference=ref)
     losses, grads, params = ref[:3]
     dist = [sum(r["loss_sums"][i] for r in results) / workload.targets_per_iter for i in range(STEPS)]
@@ -71,21 +74,27 @@ def run(workload: Workload, cluster, plan, **options) -> list[dict]:
 
 # The planner's plans (LP ratios, its choice of program, its gradient buckets): a decoder LLM, a
 # CNN with batch norm (statistics all-reduced over the batch's shards), on two devices of speeds
-# 1 and 0.4, and an encoder with a masked-LM head on three machines of 1, 2 and 1 devices (data
-# parallel inside a machine); 11 samples, so every share is uneven.
+# 1 and 0.4, an encoder with a masked-LM head on three machines of 1, 2 and 1 devices (data
+# parallel inside a machine), and encoder-decoders with T5's relative position bias (made in the
+# first layer, read by every layer, passed to transformers' SDPA as the mask), RMS norm and a tied
+# head scaled by d_model**-0.5 (T5, mT5); 11 samples, so every share is uneven. T5's feed-forward
+# is gated as mT5's: its ReLU turns rounding into a gradient difference (docs/hap-runtime.md,
+# "The equivalence test").
 PLANNED = [
-    pytest.param("gpt2", "local_hetero2", id="gpt2-local_hetero2"),
-    pytest.param("resnet", "local_hetero2", id="resnet-local_hetero2"),
-    pytest.param("bert", "local_3m", id="bert-local_3m"),
+    pytest.param("gpt2", "local_hetero2", None, id="gpt2-local_hetero2"),
+    pytest.param("resnet", "local_hetero2", None, id="resnet-local_hetero2"),
+    pytest.param("bert", "local_3m", None, id="bert-local_3m"),
+    pytest.param("t5", "local_hetero2", {"feed_forward_proj": "gated-gelu"}, id="t5-local_hetero2"),
+    pytest.param("mt5", "local_hetero2", None, id="mt5-local_hetero2"),
 ]
 
 
-@pytest.mark.parametrize("arch,cluster_name", PLANNED)
-def test_the_planners_program_for_a_zoo_model_trains_exactly_like_one_device(arch, cluster_name):
+@pytest.mark.parametrize("arch,cluster_name,config", PLANNED)
+def test_the_planners_program_for_a_zoo_model_trains_exactly_like_one_device(arch, cluster_name, config):
     from methods.hap.planner import HapPlanner
 
     cluster = _conf_cluster(cluster_name)
-    workload = zoo_workload(arch, 11)
+    workload = zoo_workload(arch, 11, config)
     plan = HapPlanner(cache_dir=None).plan(workload, cluster)
     assert sum(plan.batch_shares) == 11 and len(set(plan.batch_shares)) > 1
     check(workload, run(workload, cluster, plan), f"{arch} on {cluster_name}, shares {plan.batch_shares}")

@@ -67,6 +67,28 @@ def test_a_hugging_face_model_part_equals_the_whole_with_its_init_weights_and_ti
         assert len(tied) > len(dict(full.named_parameters()))
 
 
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_a_hugging_face_model_starts_as_transformers_initialises_it_parents_last(arch):
+    """transformers initialises a module's children before it, and T5's attention, feed-forward
+    and model set their children's weights (q with std (d_model * d_kv)**-0.5, not a Linear's
+    own std 1): every parameter has the spread and mean of the model transformers builds, and a
+    part materialised alone still equals the whole."""
+    cfg = _hf(arch)
+    torch.manual_seed(0)
+    theirs = dict(cfg.build().named_parameters())
+    ours = build_model(cfg, seed=0)
+    for n, p in ours.named_parameters():
+        ref = theirs[n]
+        spread = max(ref.std().item(), 1e-3)
+        assert p.std().item() == pytest.approx(ref.std().item(), rel=0.25, abs=1e-6), n
+        assert abs(p.mean().item() - ref.mean().item()) < 0.25 * spread, n
+    part = build_meta(cfg, seed=0)
+    names = [n for n, _ in part.named_parameters()][::3]
+    Weights(part, 0, cfg).materialize(nn.ParameterList([part.get_parameter(n) for n in names]))
+    for n in names:
+        assert torch.equal(part.get_parameter(n), ours.get_parameter(n)), n
+
+
 def test_a_value_depends_on_the_seed_and_the_name_not_on_what_else_is_materialised():
     cfg = BertConfig.from_preset("tiny")
     meta = build_meta(cfg, 0)
