@@ -119,6 +119,7 @@ _LAYER_COUNTS = (
 _TINY_LAYERS = 2
 _TINY_SEQ_LEN, _TINY_IMAGE, _TINY_LABELS = 32, 32, 10
 ATTENTION = "hetbench_sdpa"  # module docstring
+_ATTENTION_CALLS = [0]  # calls of _attention in this process (HFModelConfig._check_builds)
 _PAPER_SEQ_LEN, _PAPER_IMAGE, _PAPER_LABELS = 128, 224, 1000
 
 
@@ -133,6 +134,15 @@ def _transformers():
 
     AttentionInterface.register(ATTENTION, _attention)
     return transformers
+
+
+def _has_attention(model) -> bool:
+    """Whether `model` has modules that ask transformers for their attention (an `...Attention`
+    module under a config that names one)."""
+    return any(
+        type(m).__name__.endswith("Attention") and getattr(getattr(m, "config", None), "_attn_implementation", None)
+        for m in model.modules()
+    )
 
 
 def _attention(
@@ -152,6 +162,7 @@ def _attention(
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import repeat_kv
 
+    _ATTENTION_CALLS[0] += 1
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         raise ValueError(
             f"{type(module).__name__}: attention with a softcap or position bias is not SDPA's; "
@@ -266,7 +277,7 @@ class HFModelConfig(ModelConfig):
         # makes), else its eager one (softcaps, position biases).
         # Where none does, the last one's error is raised: the architecture's own widths and
         # its reference attention, whose refusal is the model's, not the preset's. Then, with
-        # our attention at each level, the inputs another way, where the model has one (their
+        # each attention at each level, the inputs another way, where the model has one (their
         # refusal, if these fail too, is not raised): a language model whose forward takes an
         # attention mask gets one of ones (Switch Transformers and LongT5 make theirs only
         # outside tracing); a causal LM whose config has num_codebooks gets (codebooks, seq_len)
@@ -290,7 +301,13 @@ class HFModelConfig(ModelConfig):
         codebooks = _value(_for_model_class(self._base, self._model_class()), "num_codebooks")
         if self.task == "causal_lm" and isinstance(codebooks, int) and codebooks > 1:
             others.append({"_codebooks": codebooks})
-        tries += [{**usual, "_tiny_level": level, "_attention": ATTENTION, **o} for o in others for level in levels]
+        attentions = (ATTENTION, "sdpa", "eager")
+        tries += [
+            {**usual, "_tiny_level": level, "_attention": attention, **o}
+            for o in others
+            for level in levels
+            for attention in attentions
+        ]
         error = None
         for i, attempt in enumerate(tries):
             self.__dict__.update(attempt)
@@ -298,20 +315,26 @@ class HFModelConfig(ModelConfig):
                 self._check_builds()
                 return
             except ValueError as exc:
-                error = exc if i < len(tries) - len(others) * len(levels) else error
+                error = exc if i < len(tries) - len(others) * len(levels) * len(attentions) else error
         raise error
 
     def _check_builds(self) -> None:
         """ValueError in one line unless the config is valid and the model builds and exports."""
         self.hf_config()  # the config's own checks (sizes that do not divide) fail here, in one line
+        calls = _ATTENTION_CALLS[0]
         with torch.device("meta"):  # export can capture it (a meta forward exports, shared with the FLOP count)
+            model = self.build()
             check_export(
-                self.build(),
+                model,
                 self.synthetic_batch(2, None),
                 f"model.arch={self.arch} (task {self.task})",
                 "try another task adapter (model.task=...) or bring the model as model=custom with a "
                 "forward torch.export can trace",
             )
+        # A module that asks transformers for an attention it does not find takes its eager one
+        # silently: ours is taken only where the model really ran it.
+        if self._attention == ATTENTION and _ATTENTION_CALLS[0] == calls and _has_attention(model):
+            raise ValueError(f"model.arch={self.arch}: its attention did not run the harness's")
 
     # -- the transformers config -----------------------------------------------------------
     def _base_config(self):

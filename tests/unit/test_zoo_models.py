@@ -352,3 +352,18 @@ def test_every_token_id_of_a_config_without_parts_stays_in_its_vocabulary():
 
     head = AutoConfig.for_model("nemo_speechlm").word_timestamp_config
     assert hf._tokens_in_vocab(head, {"vocab_size": 512}) == {"blank_token_id": head.blank_token_id % 512}
+
+
+def test_the_attention_a_config_records_is_the_one_its_model_runs():
+    """A module asking transformers for an attention it does not find runs the eager one
+    silently; the harness's is recorded only where the model really ran it, so a config reads
+    the same in a fresh process and after a model of its kind was built (T5 once took the
+    harness's attention the second time, and its forward then refused the position bias)."""
+    hf = _hf()
+    first = hf.HFModelConfig.from_preset("tiny", arch="t5")
+    torch.manual_seed(0)
+    model = first.build()
+    again = hf.HFModelConfig.from_preset("tiny", arch="t5")
+    assert again._attention == first._attention != hf.ATTENTION
+    batch = again.synthetic_batch(2, torch.Generator().manual_seed(0))
+    assert again.build()(*batch).item() > 0 and model(*batch).item() > 0
