@@ -177,7 +177,7 @@ class HapPlanner:
         # (_cost_model); emptied when it is: kept in the theory, they would make a cycle
         # that only the cyclic collector frees, walking every memo of the search.
         self._costs: dict = {}
-        # (program, ratios as run) -> its simulation while a plan is made (docs/planner.md, "Keeping it fast")
+        # (program, ratios as run) -> its simulation while a plan is made (docs/planner.md, "Search")
         self._simulated: dict = {}
         if self.activation_checkpointing and self.interpret:
             raise ConfigError(

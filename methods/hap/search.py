@@ -109,7 +109,7 @@ def synthesize(
         theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
     order, (dead, dead_props) = theory.search_cache[key]
     n = len(order)
-    # Without an incumbent, the bound waits for a state with two moves (docs/planner.md, "Keeping it fast").
+    # Without an incumbent, the bound waits for a state with two moves (docs/planner.md, "Search").
     min_rest = None if incumbent is None else remaining_bound(theory, cost, order)
     host, after, _ = cost.goal()
     per_pos = [0] * (n + 1)
@@ -123,7 +123,7 @@ def synthesize(
     # bench.cost.price). A state keeps every label no other label of it is at or below on all
     # four: a program's price only grows with each, so a label at or below another leads to a
     # program at most as dear, whatever follows.
-    # States by number, shared by the theory's searches (docs/planner.md, "Keeping it fast").
+    # States by number, shared by the theory's searches (docs/planner.md, "Search").
     states, state_ids, state_moves = _state_graph(theory, cost)
     labels: list[tuple] = [(0, *ZERO_LANES, 0.0, -1, None)]
     alive = [True]
@@ -187,7 +187,7 @@ def synthesize(
         else:
             rest = 0.0
         depth = -pos - 1
-        # No child at an op whose beam is full is kept (docs/planner.md, "Keeping it fast").
+        # No child at an op whose beam is full is kept (docs/planner.md, "Search").
         full = beam_width is not None and pos + 1 < n and per_pos[pos + 1] >= beam_width
         for (step, (q, p, m, comp)), child in zip(moves, kids):
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
