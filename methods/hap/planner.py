@@ -177,6 +177,8 @@ class HapPlanner:
         # (_cost_model); emptied when it is: kept in the theory, they would make a cycle
         # that only the cyclic collector frees, walking every memo of the search.
         self._costs: dict = {}
+        # (program, ratios as run) -> its simulation while a plan is made (docs/planner.md, "Search")
+        self._simulated: dict = {}
         if self.activation_checkpointing and self.interpret:
             raise ConfigError(
                 "method.activation_checkpointing=true needs the recorded program (its checkpoints are "
@@ -237,6 +239,7 @@ class HapPlanner:
                 plan = self._plan(workload, cluster)
             finally:
                 self._costs.clear()
+                self._simulated.clear()
         plan.details["planned_in_s"] = time.perf_counter() - t0
         if key_fields is not None:
             plan.details["cache"] = {"status": "miss", "key": key, "dir": str(self.cache_dir)}
@@ -459,7 +462,7 @@ class HapPlanner:
                         r.steps, cost, meta, self.grad_overlap, bucket, self.grad_accumulation
                     )
                 kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
-                c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r)
+                c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r, self._simulated)
                 rounds.append(
                     {
                         "start": start,
@@ -604,14 +607,14 @@ class HapPlanner:
                     ratios, objective = lp.solve()
                 except InfeasibleError:
                     continue
-            cand = _score(program_kind, program, cluster, ratios, batch, res)
+            cand = _score(program_kind, program, cluster, ratios, batch, res, self._simulated)
             over = list(cand.oom_devices) if lp.memory_limit else []
             wider = ""
             if over:  # fits as the LP split it, not in whole samples: hold those a sample more
                 try:
                     lp.hold_one_sample_more(over, batch)
                     ratios, objective = lp.solve()
-                    cand = _score(program_kind, program, cluster, ratios, batch, res)
+                    cand = _score(program_kind, program, cluster, ratios, batch, res, self._simulated)
                     wider = f", a sample wider on devices {over}"
                 except InfeasibleError:
                     pass
@@ -676,13 +679,26 @@ def _count(stats: dict, res: SearchResult) -> None:
 
 
 def _score(
-    kind: str, program: Program, cluster: ClusterSpec, ratios, batch: int, result: SearchResult | None = None
+    kind: str,
+    program: Program,
+    cluster: ClusterSpec,
+    ratios,
+    batch: int,
+    result: SearchResult | None = None,
+    simulated: dict | None = None,
 ) -> Candidate:
     """A candidate priced by the simulator at its ratios as the runtime splits the batch (the
-    faster of the roundings _as_run offers)."""
+    faster of the roundings _as_run offers); `simulated` keeps each (program, ratios) pair's
+    simulation for the rest of the plan (the program object is the plan's one per steps)."""
     best = None
     for rounded in _as_run(ratios, batch, program.granularity, cluster):
-        sim = simulate(program, cluster, rounded)
+        key = (id(program), tuple(map(tuple, rounded)))
+        sim = None if simulated is None else simulated.get(key)
+        if sim is None or sim[0] is not program:
+            sim = (program, simulate(program, cluster, rounded))
+            if simulated is not None:
+                simulated[key] = sim
+        sim = sim[1]
         cand = Candidate(kind, program, rounded, sim.iter_time_s, tuple(sim.oom_devices), result)
         if best is None or _better(cand, best):
             best = cand

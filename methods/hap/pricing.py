@@ -66,6 +66,9 @@ class CostModel:
         # the segments alone, so every search of this theory at this segmentation shares them.
         self.segments_key = (self.num_segments, segmentation)
         self._recipes: dict = theory.search_cache.setdefault(("moves", self.segments_key), {})
+        # the same key -> per recipe, the layouts it adds and the tensors it communicates that
+        # live on past its op (the search's states keep only those)
+        self._live: dict = theory.search_cache.setdefault(("live", self.segments_key), {})
         # what a move's price reads (_recipes) -> a number naming it, so that a price is looked
         # up by the number (the moves of every search of this theory name them alike)
         self._price_ids: dict = theory.search_cache.setdefault(("price ids", self.segments_key), {})
@@ -79,11 +82,12 @@ class CostModel:
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
-        self._search_moves: dict = {}  # the same moves as synthesize's loop reads them
+        self._search_moves: dict = {}  # the same key -> per recipe (its Step, its price) as synthesize reads them
         self._move_price: dict = {}  # what a move's price reads (its _price_ids number) -> (its maps, its choices)
         self._rule_parts_s: dict = {}  # rule_key -> (forward compute, SFB collectives, backward compute)
         self._comm_parts: dict = {}  # comm_key -> (forward seconds, backward seconds)
         self._sync_maps: dict = {}  # source_key -> the map of its gradient's sync (overlap)
+        self._program_costs: dict = {}  # (steps, final collectives) -> program_cost: the planner asks again
         self._goal: tuple | None = None  # (the lower bound of the step terms, kernels per op class)
 
     # -- stage contents ----------------------------------------------------------------------
@@ -406,6 +410,13 @@ class CostModel:
         """What the search charges a complete program at these ratios (synthesize's cost_s):
         its forward stages then its backward stages (each with its gradients' syncs) on the
         lanes, the loss's last collective, then the optimizer step and the per-step terms."""
+        key = (tuple(steps), tuple(final_comms))
+        price = self._program_costs.get(key)
+        if price is None:
+            price = self._program_costs[key] = self._program_cost(steps, final_comms)
+        return price
+
+    def _program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule]) -> float:
         lanes, row = ZERO_LANES, ZERO_LANES
         for step in steps:
             q, p, m, _ = self.step_maps(step.node, step.rule, step.sources, *self.step_comms(step))

@@ -109,7 +109,8 @@ def synthesize(
         theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
     order, (dead, dead_props) = theory.search_cache[key]
     n = len(order)
-    min_rest = remaining_bound(theory, cost, order)
+    # Without an incumbent, the bound waits for a state with two moves (docs/planner.md, "Search").
+    min_rest = None if incumbent is None else remaining_bound(theory, cost, order)
     host, after, _ = cost.goal()
     per_pos = [0] * (n + 1)
     stats = SearchStats()
@@ -122,22 +123,19 @@ def synthesize(
     # bench.cost.price). A state keeps every label no other label of it is at or below on all
     # four: a program's price only grows with each, so a label at or below another leads to a
     # program at most as dear, whatever follows.
-    start = (0, frozenset(), frozenset())
-    # A label, flat: (state, its end row's three numbers, forward seconds, parent label, step).
-    labels: list[tuple] = [(start, *ZERO_LANES, 0.0, -1, None)]
+    # States by number, shared by the theory's searches (docs/planner.md, "Search").
+    states, state_ids, state_moves = _state_graph(theory, cost)
+    labels: list[tuple] = [(0, *ZERO_LANES, 0.0, -1, None)]
     alive = [True]
-    at_state: dict = {start: [0]}
-    heap = [(_score(ZERO_LANES, 0.0, min_rest[0], host, after), 0, 0)]
+    at_state: dict = {0: [0]}
+    heap = [(_score(ZERO_LANES, 0.0, 0.0 if min_rest is None else min_rest[0], host, after), 0, 0)]
     inf = float("inf")
     # Beating the incumbent means beating it beyond float noise: a prefix of the incumbent
     # itself scores its cost up to rounding, and would otherwise be walked to its end.
     best_cost = inf if incumbent is None else incumbent.cost_s * (1 - 1e-9)
     best_label = None
     best_final: tuple[CommRule, ...] = ()
-    ready = cost._search_moves  # (op, layouts of its inputs) -> its moves as the loop reads them
-    # state -> its moves, each with the state it leads to: a state's labels (up to one per
-    # trade-off between its four numbers) share them, and most states are reached many times.
-    state_children: dict = {}
+    ready = cost._search_moves  # (op, layouts of its inputs) -> its moves, priced
     pop, push = heapq.heappop, heapq.heappush
     expanded = generated = pruned_bound = pruned_dedup = beam_pruned = 0
     count = 1  # labels so far
@@ -149,8 +147,8 @@ def synthesize(
         if f >= best_cost:
             pruned_bound += 1
             continue
-        state, r0, r1, r2, forward, _, _ = labels[label]
-        pos, props, communicated = state
+        sid, r0, r1, r2, forward, _, _ = labels[label]
+        pos, props, communicated = states[sid]
         if pos == n:
             extra = _finish(props, communicated, graph.loss, cost)
             if extra is not None:
@@ -170,15 +168,28 @@ def synthesize(
                 f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
                 "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
             )
-        children = state_children.get(state)
-        if children is None:  # the state's first label: its moves and the states they lead to
-            children = state_children[state] = _children(
-                theory, cost, ready, order[pos], state, dead_props[pos], dead[pos]
+        # The state's moves and where they lead (per theory), priced once per key at these ratios.
+        moves_to = state_moves.get(sid)
+        if moves_to is None:
+            moves_to = state_moves[sid] = _state_moves(
+                theory, cost, order[pos], states[sid], dead_props[pos], dead[pos], states, state_ids
             )
-        generated += len(children)
-        rest = min_rest[pos + 1]
+        key, kids = moves_to
+        moves = ready.get(key)
+        if moves is None:
+            moves = ready[key] = [_priced(cost, key[0], r)[:2] for r in cost._recipes[key]]
+        generated += len(kids)
+        if min_rest is not None:
+            rest = min_rest[pos + 1]
+        elif len(kids) > 1:  # the heap is empty: these children are the first scores compared
+            min_rest = remaining_bound(theory, cost, order)
+            rest = min_rest[pos + 1]
+        else:
+            rest = 0.0
         depth = -pos - 1
-        for step, q, p, m, comp, child in children:
+        # No child at an op whose beam is full is kept (docs/planner.md, "Search").
+        full = beam_width is not None and pos + 1 < n and per_pos[pos + 1] >= beam_width
+        for (step, (q, p, m, comp)), child in zip(moves, kids):
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
             # its backward stage (and its gradients' syncs) runs before the prefix's backward
             # (bench.cost.lanes.prepend written out, `x if x >= y else y` being max(x, y))
@@ -199,6 +210,9 @@ def synthesize(
             score = (score if score >= host else host) + after
             if score >= best_cost:
                 pruned_bound += 1
+                continue
+            if full:
+                beam_pruned += 1
                 continue
             others = at_state.get(child)
             if others is not None:
@@ -371,12 +385,19 @@ def _successors(theory: Theory, cost: CostModel, name: str, props: frozenset, co
     if moves is None:
         recipes = cost._recipes.get(key)
         if recipes is None:
-            have: dict[str, list[Layout]] = {}
-            for t, lay in sorted(key[1], key=str):  # a fixed order: ties between moves break alike every run
-                have.setdefault(t, []).append(lay)
-            recipes = cost._recipes[key] = list(_recipes(theory, cost, name, have, key[2]))
+            recipes = cost._recipes[key] = _recipes_of(theory, cost, key)
         moves = cost._moves[key] = [_priced(cost, name, r) for r in recipes]
     return moves
+
+
+def _recipes_of(theory: Theory, cost: CostModel, key: tuple) -> list[tuple]:
+    """The recipes (_recipes) of op key[0] with its inputs in the layouts key[1] and the
+    tensors key[2] already communicated."""
+    name, pairs, communicated = key
+    have: dict[str, list[Layout]] = {}
+    for t, lay in sorted(pairs, key=str):  # a fixed order: ties between moves break alike every run
+        have.setdefault(t, []).append(lay)
+    return list(_recipes(theory, cost, name, have, communicated))
 
 
 def _relevant_pairs(theory: Theory, cost: CostModel, name: str) -> tuple[frozenset, frozenset]:
@@ -387,52 +408,54 @@ def _relevant_pairs(theory: Theory, cost: CostModel, name: str) -> tuple[frozens
     return out
 
 
-def _ready_moves(
-    theory: Theory,
-    cost: CostModel,
-    name: str,
-    props: frozenset,
-    communicated: frozenset,
-    dead_props: frozenset,
-    dead: frozenset,
-) -> list[tuple]:
-    """The moves of _successors as synthesize's loop reads them: (step, seconds of its forward
-    collectives, of its forward compute, its backward map, that backward's compute when the map
-    is the compute lane's alone, the layouts it adds that live on past op `name` (those in
-    `dead_props` dropped), the tensors it communicates that do (those in `dead` dropped)).
-    Those sets depend on the op alone, so they are worked out once per move, not per child."""
-    return [
-        (step, q, p, m, comp, add_props - dead_props, add_comm - dead)
-        for step, (q, p, m, comp), add_props, add_comm in _successors(theory, cost, name, props, communicated)
-    ]
+def _state_graph(theory: Theory, cost: CostModel) -> tuple[list, dict, dict]:
+    """The states the searches of `theory` at the cost model's segmentation have made: a list
+    (a state's number is its index), the number of each state, and per number the moves from
+    that state (_state_moves). Kept in the theory: none of it depends on the ratios."""
+    key = ("states", cost.segments_key)
+    graph = theory.search_cache.get(key)
+    if graph is None:
+        start = (0, frozenset(), frozenset())
+        graph = theory.search_cache[key] = ([start], {start: 0}, {})
+    return graph
 
 
-def _children(
+def _state_moves(
     theory: Theory,
     cost: CostModel,
-    ready: dict,
     name: str,
     state: tuple,
     dead_props: frozenset,
     dead: frozenset,
-) -> list[tuple]:
-    """The moves of op `name` from `state` (_ready_moves, memoised in `ready` per the layouts
-    of the op's inputs) with the state each leads to: (step, forward collectives' seconds,
-    forward compute, backward map, backward compute or None, the state after). The layouts
-    and communicated tensors no later op reads (`dead_props`, `dead`) are dropped."""
+    states: list,
+    state_ids: dict,
+) -> tuple[tuple, tuple[int, ...]]:
+    """The moves of op `name` from `state`: the key of its recipes in `cost._recipes` (the op
+    and the layouts of its inputs, _successors) and the number of the state each recipe
+    leads to (in `states` / `state_ids`, numbered here when new). The layouts and
+    communicated tensors no later op reads (`dead_props`, `dead`) are dropped; what a recipe
+    adds that lives on is worked out once per recipe (_live)."""
     pos, props, communicated = state
     relevant = cost._relevant.get(name)
     if relevant is None:
         relevant = _relevant_pairs(theory, cost, name)
     key = (name, props & relevant[1], communicated & relevant[0])  # set operations in C
-    moves = ready.get(key)
-    if moves is None:
-        moves = ready[key] = _ready_moves(theory, cost, name, props, communicated, dead_props, dead)
+    lives = cost._live.get(key)
+    if lives is None:
+        recipes = cost._recipes.get(key)
+        if recipes is None:
+            recipes = cost._recipes[key] = _recipes_of(theory, cost, key)
+        lives = cost._live[key] = [(r[6] - dead_props, r[7] - dead) for r in recipes]
     kept, kept_comm = props - dead_props, communicated - dead
-    return [
-        (step, q, p, m, comp, (pos + 1, kept | live if live else kept, kept_comm | comm if comm else kept_comm))
-        for step, q, p, m, comp, live, comm in moves
-    ]
+    kids = []
+    for live, comm in lives:
+        child = (pos + 1, kept | live if live else kept, kept_comm | comm if comm else kept_comm)
+        cid = state_ids.get(child)
+        if cid is None:
+            cid = state_ids[child] = len(states)
+            states.append(child)
+        kids.append(cid)
+    return key, tuple(kids)
 
 
 def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:

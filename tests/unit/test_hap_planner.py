@@ -472,3 +472,35 @@ def test_a_machine_level_plan_splits_each_machines_share_evenly_over_its_gpus_wh
     assert _as_run([[15.1 / 24, 8.9 / 24]], 24, "gpu", cl) == [per_machine]
     times = [simulate(plan.program, cl, r).iter_time_s for r in (per_machine, per_gpu)]
     assert times[1] < times[0]
+
+
+def test_the_planner_prices_and_simulates_a_program_at_its_ratios_once(monkeypatch):
+    """The rounds and the LP's tied and free rows meet the same (program, ratios) pairs: a cost
+    model keeps each program's price (program_cost), and the plan each pair's simulation
+    (_score), both giving what a fresh one gives; other ratios or another program are priced
+    and simulated afresh."""
+    import methods.hap.planner as planner
+
+    cl = cluster(inter_gbps=1.0, virtual="gpu")
+    wl = bert_workload(num_devices=3)
+    theory = derive_theory(capture_config(wl.model_cfg, wl.global_batch))
+    ratios, even = compute_proportional_ratios(cl, "gpu"), even_ratios(3, 1)
+    cost = CostModel(theory, cl, "gpu", ratios)
+    res = synthesize(theory, cost, beam_width=8)
+    variants = [(res.steps, res.final_comms), (res.steps[:-1], ())]  # a program and its prefix
+    priced = []
+    original = cost._program_cost
+    monkeypatch.setattr(cost, "_program_cost", lambda *a: priced.append(1) or original(*a))
+    for steps, final in variants + variants:
+        fresh = CostModel(theory, cl, "gpu", ratios).program_cost(steps, final)
+        assert cost.program_cost(steps, final) == fresh
+    assert len(priced) == 2
+    simulated = []
+    monkeypatch.setattr(planner, "simulate", lambda *a: simulated.append(1) or simulate(*a))
+    memo: dict = {}
+    programs = [build_program(res.steps, cost), build_program(res.steps, cost, grad_overlap=False)]
+    for program, at in [(programs[0], ratios), (programs[0], ratios), (programs[1], ratios), (programs[0], even)]:
+        kept = planner._score("synthesis", program, cl, at, wl.global_batch, None, memo)
+        fresh = planner._score("synthesis", program, cl, at, wl.global_batch)
+        assert (kept.ratios, kept.iter_time_s, kept.oom_devices) == (fresh.ratios, fresh.iter_time_s, fresh.oom_devices)
+    assert len(simulated) == 3 + 4  # three pairs kept, four simulated afresh without the memo

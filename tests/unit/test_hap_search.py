@@ -374,3 +374,73 @@ def test_a_model_no_batch_shard_can_run_gets_data_parallelism_that_gathers_for_t
     assert incumbent is not None and "all_gather" in {c.kind for s in incumbent.steps for c in s.comms}
     assert stats["data_parallel"] == "gathers"
     assert theory.search_cache[("data_parallel", False)] is False  # known to have none: not searched again
+
+
+def _tiny_bert(name="bert", virtual="gpu", k=1):
+    cl = two_machines(fast=1, slow=1, inter_gbps=1.0, k=k, virtual=virtual)
+    wl = bert_workload(name, num_devices=2 * k)
+    return derive_theory(capture_config(wl.model_cfg, wl.global_batch)), cl
+
+
+def test_children_at_a_position_the_beam_has_filled_are_dropped_and_the_beam_expands_the_same():
+    """A child made at an op whose beam is full would never be expanded: it is dropped at once
+    (counted as pruned by the beam). The states the beam expands, and so its program, are
+    those it expanded when such children were kept until popped: tiny BERT on two GPUs 1
+    Gbit/s apart, beams of 3 and 40 (the numbers below are what the search expanded then)."""
+    theory, cl = _tiny_bert()
+    ratios = compute_proportional_ratios(cl, "gpu")
+    kept_until_popped = {
+        1: (64, 0.004755492493508413),
+        3: (169, 0.004456105302097535),
+        40: (1099, 0.005538834612371909),
+    }
+    for width, (expanded, cost_s) in kept_until_popped.items():
+        cost = CostModel(theory, cl, "gpu", ratios, grad_bucket_bytes=25 * 2**20, grad_overlap=True)
+        res = synthesize(theory, cost, beam_width=width)
+        assert res.stats.expanded == expanded and res.stats.beam_pruned > 0
+        assert res.cost_s == pytest.approx(cost_s, rel=1e-12)
+        assert res.cost_s == pytest.approx(cost.program_cost(res.steps, res.final_comms), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["bert", "bert_moe"])
+def test_searches_of_one_theory_share_its_states_and_find_what_a_fresh_theory_finds(name):
+    """The states a search makes and the moves between them do not depend on the ratios or
+    the level: they are kept in the theory (per segmentation) for its later searches, which
+    find the program, price and states of a search on a theory of their own."""
+    theory, cl = _tiny_bert(name, k=2)
+    cases = [
+        ("gpu", compute_proportional_ratios(cl, "gpu")),
+        ("machine", compute_proportional_ratios(cl, "machine")),
+        ("gpu", compute_proportional_ratios(cl, "gpu", 2)),
+        ("machine", [[0.5, 0.5]]),
+    ]
+    for granularity, ratios in cases:
+        shared = synthesize(theory, CostModel(theory, cl, granularity, ratios), beam_width=8)
+        fresh_theory = derive_theory(theory.graph)
+        fresh = synthesize(fresh_theory, CostModel(fresh_theory, cl, granularity, ratios), beam_width=8)
+        assert shared.steps == fresh.steps and shared.cost_s == fresh.cost_s and shared.stats == fresh.stats
+    kept = {k[1] for k in theory.search_cache if k[0] == "states"}
+    assert kept == {(1, "layers"), (2, "layers")}
+
+
+def test_a_search_without_incumbent_works_out_its_bound_at_the_first_state_with_two_moves(monkeypatch):
+    """Until a state has two moves the heap holds one label and no price is known: the bound
+    would decide nothing. A data-parallel search of one move per state never works it out, a
+    full one at once, and both find the program, price and states of a search given the bound
+    from the start (an incumbent of infinite price asks for it there)."""
+    import methods.hap.search as search
+
+    calls = []
+    original = search.remaining_bound
+    monkeypatch.setattr(search, "remaining_bound", lambda *a: calls.append(1) or original(*a))
+    theory, cl = _tiny_bert("bert_moe")
+    ratios = compute_proportional_ratios(cl, "gpu")
+    nothing = search.SearchResult([], float("inf"), search.SearchStats())
+    for t, bounds in ((data_parallel_theory(theory), 0), (theory, 1)):
+        cost = CostModel(t, cl, "gpu", ratios)
+        calls.clear()
+        lazy = synthesize(t, cost, beam_width=40)
+        assert len(calls) == bounds
+        eager = synthesize(t, cost, beam_width=40, incumbent=nothing)
+        assert len(calls) == bounds + 1
+        assert lazy.steps == eager.steps and lazy.cost_s == eager.cost_s and lazy.stats == eager.stats
