@@ -5,8 +5,9 @@ models on `paper_hetero` (k = 8) in a fresh process with cold and warm caches (t
 `planner_time_s`, and its capture and search seconds where the row has them), `bench.plan`'s
 wall time cold and warm, and hap on 1,024 and 10,000 GPUs; each `--repeat` times, printed as
 median [min-max]. Caches live in a temporary folder (HETBENCH_CACHE_DIR, results_dir): the
-user's are never read or written. What it doesn't do: the main job (`bench.compare` prints its
-own table) and the suite.
+user's are never read or written; `models` runs with the plan cache off (every run searches),
+`plan_cache` with it on (the warm run loads the plan the cold one cached). What it doesn't do:
+the suite.
 
     python scripts/pace.py --repeat 3
     python scripts/pace.py --only plan,scale
@@ -171,7 +172,9 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="fresh-process runs of each timing")
-    ap.add_argument("--only", default="torch,models,plan,scale", help="comma list of: torch, models, plan, scale, main")
+    ap.add_argument(
+        "--only", default="torch,models,plan,scale", help="comma list of: torch, models, plan_cache, plan, scale, main"
+    )
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
@@ -182,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             case = [f"model={model}", "preset=paper", "cluster=paper_hetero", "method=hap"]
             bench.sim_case(f"hap {model} paper, paper_hetero k=8", case)
+    if "plan_cache" in parts:  # the warm run loads the plan the cold one cached
+        for model in args.models.split(","):
+            case = [f"model={model}", "preset=paper", "cluster=paper_hetero", "method=hap"]
+            bench.sim_case(f"hap {model} paper, paper_hetero k=8, plan cache on", case, warm_plan=True)
     if "plan" in parts:
         bench.plan_command()
     if "main" in parts:
