@@ -56,6 +56,7 @@ rank at run time).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Sequence
@@ -259,9 +260,30 @@ class PipelineParallel:
     def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
         """The fastest pipelines that fit (module docstring). `shared`: the priced costs of
         `workload` on `cluster` kept across plans (SharedCosts; a caller planning several stage
-        counts or states of one case), the same plan as without it."""
+        counts or states of one case), the same plan as without it. With the work probe (on an
+        emulated CPU cluster with the profile), the plan chosen is timed on the cluster's ranks,
+        the candidates are searched again with the schedule's own work that measured per action,
+        and a plan that then differs is timed too and priced with its own (_probed)."""
         shared = shared or SharedCosts(workload, cluster)
         shared.check(workload, cluster)
+        c, program, costs = self._search(workload, cluster, shared, 0.0)
+        if not (costs.profile is not None and self.work_probe and cluster.num_devices > 1):
+            return self._plan(c, program, workload)
+        first = self._probed(c, program, costs, workload, cluster)
+        action_s = first.details["work"]["action_s"] if "work" in first.details else 0.0
+        if not action_s:
+            return first
+        again, program, costs = self._search(workload, cluster, shared, action_s)
+        if self._plan(again, program, workload).details == {k: v for k, v in first.details.items() if k != "work"}:
+            return first  # the same plan: priced with its own measurement already
+        return self._probed(again, program, costs, workload, cluster)
+
+    def _search(
+        self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts, action_s: float
+    ) -> tuple[_Candidate, PipelineProgram, _Costs]:
+        """The fastest candidate that fits, its program and the costs that priced it, each
+        compute action `action_s` profiled seconds longer (_Costs.action_s); StageOOM or
+        ConfigError where none fits or plans."""
         graph = capture_config(workload.model_cfg, workload.global_batch)
         refuse_global_batch_norm(workload, graph, "pipeline", "each micro-batch")
         table = group_table(graph)
@@ -275,6 +297,7 @@ class PipelineParallel:
             0.0 if profiled else model_launches,
             self.bucket_cap_mb,
             self.activation_checkpointing,
+            action_s,
         )
         found: list[_Candidate] = []
         oom: list[tuple[float, str]] = []
@@ -347,26 +370,17 @@ class PipelineParallel:
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
             )
         _, c, program = best
-        if profiled and self.work_probe and cluster.num_devices > 1:
-            return self._probed(c, program, table, costs, workload, cluster, model_launches)
-        return self._plan(c, program, workload)
+        return c, program, costs
 
     def _probed(
-        self,
-        c: _Candidate,
-        program: PipelineProgram,
-        table: GroupTable,
-        costs: _Costs,
-        workload: Workload,
-        cluster: ClusterSpec,
-        model_launches: float,
+        self, c: _Candidate, program: PipelineProgram, costs: _Costs, workload: Workload, cluster: ClusterSpec
     ) -> Plan:
-        """The plan of `c`, priced with the schedule's own work (docs/cost-model.md, "Pipelines"):
-        its trainer timed on the cluster's ranks (bench.runtime.method_step.time_method_step:
+        """The plan of `c`, priced with the schedule's own work (docs/methods.md, "The schedule's
+        own work"): its trainer timed on the cluster's ranks (bench.runtime.method_step.time_method_step:
         each rank's compute a step as its pacing reference counts it), less what the profile
         prices of that rank's computes and Adam at the probe's host speed, spread over the
         rank's compute actions; the median rank's, added to every compute action
-        (_Costs.action_s). Without a measurement, the plan as priced."""
+        (_Costs.action_s) in place of what `costs` added. Without a measurement, the plan as priced."""
         plan = self._plan(c, program, workload)
         work = time_method_step(
             self,
@@ -380,12 +394,10 @@ class PipelineParallel:
         )
         if work is None:
             return plan
-        action_s = schedule_work_per_action(program, work)
-        costs.action_s = action_s
-        try:
-            probed = self._program(c, self._traces(c), table, costs, workload, cluster, model_launches)
-        finally:
-            costs.action_s = 0.0
+        action_s = schedule_work_per_action(program, work, costs.action_s)
+        priced = dataclasses.replace(costs, action_s=action_s)  # its memos are the search's: fresh
+        # profiled: the program counts no kernels (the profile's times hold them)
+        probed = self._program(c, self._traces(c), priced.table, priced, workload, cluster, priced.model_launches)
         plan = self._plan(c, probed, workload)
         plan.details["work"] = {**work, "action_s": action_s}
         return plan
@@ -728,11 +740,18 @@ class SharedCosts:
         assert workload is self.workload and cluster is self.cluster, "costs shared across workloads or clusters"
 
     def costs(
-        self, graph, table: GroupTable, profiled: bool, model_launches: float, bucket_cap_mb: float, checkpointing: bool
+        self,
+        graph,
+        table: GroupTable,
+        profiled: bool,
+        model_launches: float,
+        bucket_cap_mb: float,
+        checkpointing: bool,
+        action_s: float = 0.0,
     ) -> _Costs:
         """The costs at these options, made on first use (`graph`, `table`: the workload's
         capture and its layer groups, the same at every use)."""
-        key = (profiled, model_launches, bucket_cap_mb, checkpointing)
+        key = (profiled, model_launches, bucket_cap_mb, checkpointing, action_s)
         if key not in self._costs:
             workload = self.workload
             self._costs[key] = _Costs(
@@ -744,6 +763,7 @@ class SharedCosts:
                 workload.flops_per_sample,
                 bucket_cap_mb * 2**20,
                 checkpointing,
+                action_s,
             )
         return self._costs[key]
 
@@ -751,12 +771,13 @@ class SharedCosts:
 WORK_PROBE_VERSION = 1  # what the pipeline's work probe times (PipelineParallel._probed)
 
 
-def schedule_work_per_action(program: PipelineProgram, work: dict) -> float:
+def schedule_work_per_action(program: PipelineProgram, work: dict, priced_s: float = 0.0) -> float:
     """Profiled seconds of the schedule's own work per compute action (PipelineParallel._probed):
     each rank's compute a step as the probe timed it (`work["method_s_ranks"]`), over the probe's
     plain step at its micro-batch against the profile's (`plain_s_ranks` over
-    `profile_step_s`: the host then and now), less its computes' and Adam's profiled seconds,
-    over its compute actions; the median rank's, never below 0."""
+    `profile_step_s`: the host then and now), less its computes' and Adam's profiled seconds
+    (`priced_s` a compute of them already the schedule's work the program prices), over its
+    compute actions; the median rank's, never below 0."""
     per_action = []
     for r, actions in enumerate(program.actions):
         computes = [a for a in actions if a[0] in COMPUTE]
@@ -769,7 +790,7 @@ def schedule_work_per_action(program: PipelineProgram, work: dict) -> float:
                     priced += w.measured[0 if kind == "F" else 1]
                 else:
                     priced += w.measured_split[0 if kind == "I" else 1]
-            per_action.append((work["method_s_ranks"][rank] / scale - priced) / max(len(computes), 1))
+            per_action.append((work["method_s_ranks"][rank] / scale - priced) / max(len(computes), 1) + priced_s)
     return max(statistics.median(per_action), 0.0)
 
 

@@ -808,3 +808,36 @@ def test_the_schedules_own_work_per_action_is_what_the_probe_adds_to_the_profile
         assert got.work[0].measured[1] == pytest.approx(was.work[0].measured[1] + a)
         assert got.work[0].measured[2] == was.work[0].measured[2]
     assert simulate(probed.program, cluster, None).iter_time_s > simulate(bare.program, cluster, None).iter_time_s
+
+
+def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe_measured(monkeypatch):
+    """A schedule whose every action costs 5 ms of its own work: the plan first chosen (the most
+    micro-batches) is probed, the search runs again with that work per action and takes fewer
+    micro-batches, which are probed and priced with their own measurement."""
+    from bench.cost.pipeline import COMPUTE
+    from methods import pipeline as pipeline_module
+
+    cluster = _cluster(2)
+    workload = _workload("bert", 8)
+    a = 5e-3
+    seen = []
+
+    def probe(method, plan, workload, cluster, **kwargs):
+        program = plan.program
+        seen.append(program.num_micro_batches)
+        priced = 0.0 if len(seen) == 1 else a  # the second plan's program prices `a` an action already
+        method_s = [0.0] * cluster.num_devices
+        for r, actions in enumerate(program.actions):
+            for p, rank in enumerate(program.position_ranks(r)):
+                t = sum(program.stages[k].work[p].measured[2] for k, x in enumerate(program.stage_rank) if x == r)
+                for kind, k, *_ in (x for x in actions if x[0] in COMPUTE):
+                    t += program.stages[k].work[p].measured[0 if kind == "F" else 1] - priced + a
+                method_s[rank] = t
+        plain = [program.profile_step_s[0]] * cluster.num_devices
+        return {"plain_s": plain[0], "method_s": method_s[0], "plain_s_ranks": plain, "method_s_ranks": method_s}
+
+    monkeypatch.setattr(pipeline_module, "time_method_step", probe)
+    plan = PipelineParallel(stage_level="device", num_stages=2, schedule="1f1b").plan(workload, cluster)
+    assert len(seen) == 2 and seen[1] < seen[0] == 8, seen
+    assert plan.program.num_micro_batches == seen[1]
+    assert plan.details["work"]["action_s"] == pytest.approx(a, rel=1e-6)
