@@ -263,7 +263,16 @@ def _export_on_sample(module: nn.Module, inputs: tuple) -> torch.export.Exported
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
-        ep = _export(twin, tuple(sample))
+        try:
+            ep = _export(twin, tuple(sample))
+        except Exception as exc:  # a length the data decides that export cannot even bind (x[mask])
+            from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
+
+            if not isinstance(exc, PendingUnbackedSymbolNotFound):
+                raise
+            raise SampleRefused(
+                f"captured on a real sample, a length still depends on values ({describe_export_error(exc)[:160]})"
+            ) from None
     for n in ep.graph.nodes:  # later passes over the program (run_decompositions) trace shapes only
         val = n.meta.get("val")
         if isinstance(val, FakeTensor):

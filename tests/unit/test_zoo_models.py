@@ -372,6 +372,8 @@ class _Branchy(torch.nn.Module):
         elif self.flag == "token":
             if input_ids[0, 0] > 7:  # another way on another batch
                 h = h * 2
+        elif self.flag == "mask":  # the rows a mask selects (BLT's patch starts)
+            h = h + h[input_ids > 7].sum(0)
         else:  # as many rows as the batch has tokens above 7 (experts' shares of tokens)
             rows = (input_ids > 7).sum().item()
             above, _ = h.flatten(0, 1).split([rows, input_ids.numel() - rows])
@@ -432,9 +434,10 @@ def test_lengths_that_depend_on_values_are_refused_on_a_real_sample_too():
     says: a program fixed to the sample's would not fit another batch."""
     from models.tasks import SampleRefused, export
 
-    model, batch, _ = _on_sample("select")
-    with pytest.raises(SampleRefused, match="value it reads from a tensor|still depends on values"):
-        export(model, batch)
+    for flag in ("select", "mask"):
+        model, batch, _ = _on_sample(flag)
+        with pytest.raises(SampleRefused, match="value it reads from a tensor|still depends on values"):
+            export(model, batch)
 
 
 def test_index_masks_equal_the_masks_vmap_makes():
