@@ -71,7 +71,7 @@ REASONS = (
     (r"requires the (\w+) library", "a library that is not installed"),
     (r"own default config of .* does not validate", "transformers' default config does not validate"),
     (
-        r"captured on a real sample, (the shape|forward computes|its branch|its loss)",
+        r"captured on a real sample, (the shape|a length|forward computes|its branch|its loss)",
         "forward reads tensor values that change with the batch (refused on a real sample too)",
     ),
     (
