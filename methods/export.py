@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from bench.core.errors import PlanningError
-from models.tasks import describe_export_error
+from models.tasks import describe_export_error, export
 
 aten = torch.ops.aten
 
@@ -112,7 +112,7 @@ def export_model(
     quiet.setLevel(logging.ERROR)  # a refusal's guard is logged, and its graph printed: it is raised instead
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            ep = torch.export.export(model, inputs, strict=False)
+            ep = export(model, inputs)  # models.tasks': a model captured on a real sample is so here too
     except Exception as exc:  # export raises many types; each becomes one line
         raise CaptureError(
             f"{what}: torch.export (non-strict) refused {describe_export_error(exc)}; use another task "

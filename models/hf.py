@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from models.common import ModelConfig
-from models.tasks import TASKS, Task, TaskLoss, check_export, describe_export_error, plain
+from models.tasks import TASKS, SampleRefused, Task, TaskLoss, check_export, describe_export_error, plain
 
 # The Auto class of each task and the keyword its models take their inputs by.
 _AUTO = {
@@ -102,6 +102,50 @@ _TINY_FIXES = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "reformer": {"axial_pos_shape": [4, 8]},
 }
+# transformers' default configs that do not build as they are: a field the modelling code reads is
+# missing or None in the default (the model builds from a real checkpoint's config.json, which
+# has it). Per model type (a sub-config's own type where the field is its: qwen4_exp_text):
+# the fields tiny sets, and why. A general rule fills an empty rope_parameters (_default_rope).
+_DEFAULT_CONFIG_REPAIRS: dict[str, tuple[dict[str, Any], str]] = {
+    "lfm2_moe": (
+        {"layer_types": ["conv", "full_attention"]},
+        "layer_types is None and its layers read their kind from it: a convolution and an attention layer",
+    ),
+    "dbrx": (
+        {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+        "its attention reads attn_config.rope_theta, which the default lacks, and clamps by clip_qkv, None",
+    ),
+    "qwen4_exp_text": (
+        {
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 256,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 4,
+        },
+        "its indexed attention layers always build the token indexer, whose sizes are None by default",
+    ),
+}
+_ROPE_THETA = 10000.0  # transformers' default rotary base
+# The most parameters a model captured on a real sample is built with on the CPU (values).
+_SAMPLE_PARAMETERS = 200_000_000
+# A capture on a real sample refused because the data decides (models.tasks.export_on_sample).
+_SAMPLE_REFUSALS = (
+    "still depends on values",
+    "value it reads from a tensor",
+    "another on batch",
+    "changes with the batch",
+)
+# What each try of __post_init__ sets (the tiny level, the attention, the inputs' form).
+_TRY_FIELDS = (
+    "_tiny_level",
+    "_attention",
+    "_own_pixels",
+    "_ones_mask",
+    "_codebooks",
+    "_index_masks",
+    "_on_sample",
+)
 # Model types whose sizes are all in their own entry (their configs derive hidden_size).
 _TINY_ONLY_OWN = ("resnet", "convnext", "swin", "donut-swin", "swinv2", "maskformer-swin")
 _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -283,7 +327,7 @@ class HFModelConfig(ModelConfig):
         # outside tracing); a causal LM whose config has num_codebooks gets (codebooks, seq_len)
         # token ids per sample, which it takes as (batch * codebooks, seq_len) (MusicGen).
         levels = TINY_LEVELS if self.preset == "tiny" else TINY_LEVELS[:1]
-        usual = {"_own_pixels": False, "_ones_mask": False, "_codebooks": 1}
+        usual = {"_own_pixels": False, "_ones_mask": False, "_codebooks": 1, "_index_masks": False, "_on_sample": False}
         tries = [
             {**usual, "_tiny_level": level, "_attention": attention}
             for level in levels
@@ -295,8 +339,10 @@ class HFModelConfig(ModelConfig):
                 {**usual, "_tiny_level": TINY_LEVELS[-1], "_attention": attention, "_own_pixels": True}
                 for attention in (ATTENTION, "eager")
             ]
+        main = len(tries)
         others = []
-        if self.task != "image_cls" and "attention_mask" in _forward_params(self._model_class()):
+        params = _forward_params(self._model_class())
+        if self.task != "image_cls" and "attention_mask" in params:
             others.append({"_ones_mask": True})
         codebooks = _value(_for_model_class(self._base, self._model_class()), "num_codebooks")
         if self.task == "causal_lm" and isinstance(codebooks, int) and codebooks > 1:
@@ -308,14 +354,35 @@ class HFModelConfig(ModelConfig):
             for level in levels
             for attention in attentions
         ]
-        error = None
+        # Then, at every attention: an encoder-decoder whose decoder takes a mask gets ones for
+        # both (FSMT asks whether its decoder's input holds a pad token); transformers' masks made
+        # without vmap (T5Gemma 2); last, the capture on a real sample of the workload
+        # (models.tasks.export_on_sample: a forward that branches on values the workload keeps
+        # constant: LED's and Longformer's global attention of a mask of ones).
+        mask = {"_ones_mask": "attention_mask" in params}
+        later = [{"_index_masks": True}, {"_on_sample": True, **mask}]
+        if self.task == "seq2seq_lm" and mask["_ones_mask"] and "decoder_attention_mask" in params:
+            later.insert(0, {"_ones_mask": "decoder"})
+        tries += [
+            {**usual, "_tiny_level": level, "_attention": attention, **o}
+            for o in later
+            for level in levels
+            for attention in attentions
+        ]
+        error = refused = None
         for i, attempt in enumerate(tries):
             self.__dict__.update(attempt)
             try:
                 self._check_builds()
                 return
             except ValueError as exc:
-                error = exc if i < len(tries) - len(others) * len(levels) * len(attentions) else error
+                error = exc if i < main else error
+                if attempt["_on_sample"] and refused is None and any(w in str(exc) for w in _SAMPLE_REFUSALS):
+                    refused = "captured on a real sample" + str(exc).split("captured on a real sample", 1)[1]
+                    refused = refused.split("; try another", 1)[0]
+        head, sep, rest = str(error).partition(": torch.export (non-strict) refused ")
+        if refused and sep:  # why a capture on a real sample does not hold either, first
+            raise ValueError(f"{head}: {refused}; on meta tensors torch.export (non-strict) refused {rest}") from None
         raise error
 
     def _check_builds(self) -> None:
@@ -514,12 +581,32 @@ class HFModelConfig(ModelConfig):
             backbone,
             self.task,
             keyword,
-            export_key=repr(self),
+            # each try its own export: one whose export passed and whose replay failed is not reused
+            export_key=repr(self) + repr({k: v for k, v in sorted(self.__dict__.items()) if k in _TRY_FIELDS}),
             patch_size=patch_size,
-            ones_mask=getattr(self, "_ones_mask", False),
+            ones_mask=bool(getattr(self, "_ones_mask", False)),
+            decoder_mask=getattr(self, "_ones_mask", False) == "decoder",
+            index_masks=getattr(self, "_index_masks", False),
+            real_sample=self._real_sample if getattr(self, "_on_sample", False) else None,
         )
         model.train()
         return model
+
+    def _real_sample(self, batch_size: int):
+        """This model built on the CPU with its random values (torch seeded with 0), and a draw
+        of `batch_size` synthetic samples by seed: what a capture on a real sample runs
+        (models.tasks.export_on_sample)."""
+        with torch.device("meta"):
+            count = sum(p.numel() for p in self.build().parameters())
+        if count > _SAMPLE_PARAMETERS:
+            raise SampleRefused(
+                f"captured on a real sample, it would be built on the CPU with {count / 1e6:.0f}M parameters "
+                f"(at most {_SAMPLE_PARAMETERS / 1e6:.0f}M)"
+            )
+        with torch.device("cpu"), torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = self.build()
+        return model, lambda seed: self.synthetic_batch(batch_size, torch.Generator().manual_seed(seed))
 
     @property
     def targets_per_sample(self) -> int:
@@ -602,6 +689,8 @@ def _tiny_fields(config, level: str, pixels: int | None) -> dict[str, Any]:
             out["vocab_size"] = _TINY_COMMON["vocab_size"]
     out.update({k: 0 for k in _TINY_NONE if isinstance(_value(config, k), int) and k not in out})
     out.update({k: v for k, v in _TINY_FIXES.get(model_type, {}).items() if k not in out})
+    out.update({k: v for k, v in _DEFAULT_CONFIG_REPAIRS.get(model_type, ({}, ""))[0].items() if k not in out})
+    out.update(_default_rope(config))
     if isinstance(out.get("depths"), list) and isinstance(_value(config, "num_stages"), int):
         out["num_stages"] = len(out["depths"])  # stage lists and their count agree
     if pixels is not None:
@@ -617,9 +706,20 @@ def _tiny_fields(config, level: str, pixels: int | None) -> dict[str, Any]:
         fields = _tiny_fields(sub, level, pixels if "vision" in name else None)
         fields.update(_tokens_in_vocab(sub, fields))
         zeroed = {k: 0.0 for k, v in sub.to_dict().items() if _DROPOUT.search(k) and isinstance(v, float)}
-        if fields or zeroed:
-            out[name] = {**sub.to_dict(), **zeroed, **fields}
+        repaired = out.get(name) if isinstance(out.get(name), dict) else {}  # a repair of the parent's type
+        if fields or zeroed or repaired:
+            out[name] = {**sub.to_dict(), **zeroed, **fields, **repaired}
     return out
+
+
+def _default_rope(config) -> dict[str, Any]:
+    """A rope entry for each kind of layer where the config names kinds (layer_types) and keeps
+    its rope parameters per kind, but has none (an empty rope_parameters: Cohere's Compass
+    text model reads rope_parameters[kind]): transformers' default rotary embedding."""
+    rope, kinds = _value(config, "rope_parameters"), _value(config, "layer_types")
+    if rope != {} or not isinstance(kinds, list) or not kinds or not _settable(config, "rope_parameters"):
+        return {}
+    return {"rope_parameters": {k: {"rope_type": "default", "rope_theta": _ROPE_THETA} for k in dict.fromkeys(kinds)}}
 
 
 def _per_layer_fields(config, fields: dict[str, Any]) -> dict[str, Any]:

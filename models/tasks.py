@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import traceback
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -82,6 +83,14 @@ class TaskLoss(nn.Module):
             `spatial_shapes` (SigLIP 2): the images are cut into patch_size patches here.
         ones_mask: pass an attention mask of ones beside the token ids (a model that makes its
             own only outside tracing: Switch Transformers, LongT5).
+        decoder_mask: with ones_mask, an encoder-decoder's decoder gets one too (FSMT, which
+            otherwise asks whether its decoder's input holds a pad token).
+        index_masks: transformers' attention masks made by broadcasting index tensors, not by
+            vmap (whose internals torch.export keeps: T5Gemma 2's sliding window masks).
+        real_sample: `n -> (twin, draw)`: a copy of this model with values on the CPU, and
+            `draw(seed)`, a batch of n samples of its workload; set, the model is captured on that sample
+            (export_on_sample), for a forward that branches on values its workload keeps
+            constant (a mask of ones, a check).
     """
 
     def __init__(
@@ -92,6 +101,9 @@ class TaskLoss(nn.Module):
         export_key: str | None = None,
         patch_size: int | None = None,
         ones_mask: bool = False,
+        decoder_mask: bool = False,
+        index_masks: bool = False,
+        real_sample=None,
     ):
         super().__init__()
         if task not in TASKS:
@@ -102,6 +114,9 @@ class TaskLoss(nn.Module):
         self.export_key = export_key  # the model config's repr: meta forwards share one export
         self.patch_size = patch_size  # image models that take patches and their grid (SigLIP 2)
         self.ones_mask = ones_mask
+        self.decoder_mask = decoder_mask
+        self.index_masks = index_masks
+        self.real_sample = real_sample
 
     def init_module(self, module: nn.Module) -> None:
         """The backbone's initialiser of `module`'s own parameters: its `init_module`, or a Hugging
@@ -142,7 +157,13 @@ class TaskLoss(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if inputs.device.type == "meta" and not _fake(inputs):
             return self._on_meta(inputs, targets)
+        with index_masks() if self.index_masks else contextlib.nullcontext():
+            return self._loss(inputs, targets)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         mask = {"attention_mask": torch.ones_like(inputs)} if self.ones_mask else {}
+        if self.ones_mask and self.decoder_mask and self.task == "seq2seq_lm":
+            mask["decoder_attention_mask"] = torch.ones_like(inputs)
         if self.task == "seq2seq_lm":  # teacher forcing: the decoder reads the window too
             out = (
                 self.m(**{self.keyword: inputs, "decoder_input_ids": inputs}, **mask)
@@ -171,6 +192,8 @@ class TaskLoss(nn.Module):
         module = _exported.get(key) if key is not None else None
         if module is None:
             module = without_value_checks(export(self, (inputs, targets)).module())
+            if self.real_sample is not None:  # captured on the CPU: replayed here on meta tensors
+                module = on_meta(module)
             if key is not None:
                 _exported[key] = module
                 while len(_exported) > 4:
@@ -214,7 +237,14 @@ def without_value_checks(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def export(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
     """torch.export (non-strict) of `module`, quiet: on a refusal export logs the guard and
-    prints the graph so far; the refusal is raised (describe_export_error says it in a line)."""
+    prints the graph so far; the refusal is raised (describe_export_error says it in a line).
+    A TaskLoss with a `real_sample` is captured on it (export_on_sample)."""
+    if getattr(module, "real_sample", None) is not None:
+        return export_on_sample(module, inputs)
+    return _export(module, inputs)
+
+
+def _export(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
     quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -225,8 +255,218 @@ def export(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
         quiet.setLevel(level)
 
 
+# Fresh batches a capture on a sample is checked against (each its own seed), and how closely
+# the captured program's loss must agree with the model's own forward on each.
+_SAMPLE_CHECKS = (1, 2)
+_SAMPLE_RTOL = 1e-4
+
+
+class SampleRefused(ValueError):
+    """A capture on a real sample that would not hold for other batches (one line: why)."""
+
+
+def export_on_sample(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    """torch.export of `module`'s twin on a real sample of its workload (`module.real_sample`,
+    as many samples as `inputs` has), with the real values carried beside the fake ones
+    (torch's real-tensor propagation): a branch on a tensor's value (`if mask.any()`, an
+    `assert` on activations) takes the way the sample's values say, and export records it as
+    a runtime assert of the value. Right only where the branch is the same for every batch of
+    the workload, so the capture is refused (SampleRefused) where
+    - a length still depends on values (expert dispatch, entropy patching: a program fixed to
+      one batch's sizes would not fit another), or a value read from a tensor is computed with;
+    - on other batches of the workload, the captured program's asserts fail or its loss differs
+      from the model's own forward (the branch changes with the batch's values).
+    The program holds the twin's values; the planner reads its graph only."""
+    with torch.device("cpu"):  # the sample's values, whatever device a capture runs under
+        return _export_on_sample(module, inputs)
+
+
+def _export_on_sample(module: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    twin, draw = module.real_sample(int(inputs[0].shape[0]))
+    sample = draw(0)
+    from torch._export import config as export_config
+    from torch._functorch import config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    # a tensor forward makes from data (torch.tensor(0.95) on the inputs' device) is a constant
+    # export keeps fake, with the sample's value beside it: that value is the constant's
+    with (
+        functorch_config.patch(fake_tensor_propagate_real_tensors=True),
+        export_config.patch(error_on_lifted_constant_tensors=False),
+        _torch_fixes(),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        try:
+            ep = _export(twin, tuple(sample))
+        except Exception as exc:  # a length the data decides that export cannot even bind (x[mask])
+            from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
+
+            if not isinstance(exc, PendingUnbackedSymbolNotFound):
+                raise
+            raise SampleRefused(
+                f"captured on a real sample, a length still depends on values ({describe_export_error(exc)[:160]})"
+            ) from None
+    for n in ep.graph.nodes:  # later passes over the program (run_decompositions) trace shapes only
+        val = n.meta.get("val")
+        if isinstance(val, FakeTensor):
+            val.fake_mode.propagate_real_tensors = False
+            break
+    for name, value in list(ep.constants.items()):
+        if isinstance(value, FakeTensor):
+            if getattr(value, "real_tensor", None) is None:
+                raise SampleRefused(f"captured on a real sample, its constant {name} holds no value")
+            ep.constants[name] = value.real_tensor
+    # A write in place into such a constant that nothing reads (Gemma 3n clips a parameter's
+    # `.data` in place, a snapshot of it here) goes: the program does not clip the parameter.
+    constants = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "CONSTANT_TENSOR"}
+    for n in list(ep.graph.nodes):
+        target = n.target
+        writes = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        if n.op == "call_function" and writes and not n.users and getattr(n.args[0], "name", None) in constants:
+            ep.graph.erase_node(n)
+    ep.graph_module.recompile()
+    _check_specialised(ep.graph)
+    program = ep.module()
+    for seed in _SAMPLE_CHECKS:
+        other = draw(seed)
+        with torch.no_grad():
+            try:
+                got = program(*other)
+            except Exception as exc:  # a recorded assert of a value fails on this batch
+                raise SampleRefused(
+                    f"captured on a real sample, its branch on a value is another on batch {seed} "
+                    f"({describe_export_error(exc)})"
+                ) from None
+            want = twin(*other)
+        if not torch.allclose(got, want, rtol=_SAMPLE_RTOL, atol=0.0):
+            raise SampleRefused(
+                f"captured on a real sample, its loss on batch {seed} is {got.item():.6g}, the model's own "
+                f"{want.item():.6g}: a branch on values changes with the batch"
+            )
+    return ep
+
+
+def _check_specialised(graph: torch.fx.Graph) -> None:
+    """SampleRefused where a graph captured on a real sample still depends on values past its
+    asserts: a length (an unbacked size) or a value read from a tensor that is computed with."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    # what the loss reads: the output's inputs, back to the placeholders (an assert is read by nothing)
+    used: set[torch.fx.Node] = set()
+    todo = [n for n in graph.nodes if n.op == "output"]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in used:
+                used.add(a)
+                todo.append(a)
+    for n in graph.nodes:
+        if n not in used or n.op != "call_function":
+            continue
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape) for v in vals):
+            raise SampleRefused(
+                f"captured on a real sample, the shape of {n.name}{_frame(n)} still depends on values "
+                "(a program fixed to one batch's lengths would not fit another)"
+            )
+        if n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+            raise SampleRefused(
+                f"captured on a real sample, forward computes with a value it reads from a tensor ({n.name}{_frame(n)})"
+            )
+
+
+def _frame(n: torch.fx.Node) -> str:
+    frame = (n.meta.get("stack_trace") or "").strip().splitlines()
+    return f" at {frame[-1].strip()}" if frame else ""
+
+
+@contextlib.contextmanager
+def _torch_fixes():
+    """Two places where torch 2.13's export with real values goes wrong, put right while it
+    runs: a parameter's real value is left uninitialised (its copy takes plain tensors only: it
+    is given the parameter's data), and a tensor constant nothing reads, which a capture with
+    real values leaves where forward reads `.data`, fails the export (StopIteration): dropped."""
+    from torch._export.passes import lift_constants_pass as passes
+    from torch._subclasses import meta_utils
+
+    copy, clone, unused = meta_utils._safe_copy, meta_utils._safe_clone, passes._unused_constant
+
+    def plain(t):
+        return t.data if isinstance(t, nn.Parameter) else t
+
+    meta_utils._safe_copy = lambda dst, src: copy(dst, plain(src))
+    meta_utils._safe_clone = lambda src: clone(plain(src))
+    passes._unused_constant = lambda node: [node] if not node.users else unused(node)
+    try:
+        yield
+    finally:
+        meta_utils._safe_copy, meta_utils._safe_clone, passes._unused_constant = copy, clone, unused
+
+
+def on_meta(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` with its tensors and every device argument on the meta device (a program captured
+    on a real sample holds the sample's CPU values; the harness replays it on meta tensors)."""
+    changed = False
+    for n in module.graph.nodes:
+        if n.op == "get_attr":
+            owner_path, _, leaf = n.target.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            value = getattr(owner, leaf, None)
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                meta = value.detach().to("meta")
+                if isinstance(value, nn.Parameter):
+                    meta = nn.Parameter(meta, requires_grad=value.requires_grad)
+                if leaf in owner._parameters:
+                    owner._parameters[leaf] = meta
+                elif leaf in owner._buffers:
+                    owner._buffers[leaf] = meta
+                else:
+                    setattr(owner, leaf, meta)
+        args, kwargs = _meta_devices(n.args), _meta_devices(n.kwargs)
+        if args != n.args or kwargs != n.kwargs:
+            n.args, n.kwargs = args, kwargs
+            changed = True
+    if changed:
+        module.recompile()
+    return module
+
+
+def _meta_devices(x):
+    """`x` (a node's arguments) with every device argument the meta device."""
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_meta_devices(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _meta_devices(v) for k, v in x.items()}
+    return x
+
+
+@contextlib.contextmanager
+def index_masks():
+    """transformers' attention masks made by broadcasting index tensors instead of vmap: its
+    mask functions (causal, sliding window, padding, and their combinations) take either; vmap's
+    batching ops, which torch.export keeps in the graph, do not run again outside it."""
+    from transformers import masking_utils
+
+    original = masking_utils._vmap_expansion_sdpa
+
+    def expand(mask_function):
+        return lambda *indices: mask_function(*masking_utils._non_vmap_expansion_sdpa(*indices))
+
+    masking_utils._vmap_expansion_sdpa = expand
+    try:
+        yield
+    finally:
+        masking_utils._vmap_expansion_sdpa = original
+
+
 def describe_export_error(exc: BaseException) -> str:
-    """The construct export stopped at: the innermost frame outside torch, and the error's first line."""
+    """The construct export stopped at: the innermost frame outside torch, and the error's first line
+    (a capture on a real sample refused: its own line)."""
+    if isinstance(exc, SampleRefused):
+        return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = os.path.dirname(torch.__file__)
     where = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)), None)

@@ -71,6 +71,10 @@ REASONS = (
     (r"requires the (\w+) library", "a library that is not installed"),
     (r"own default config of .* does not validate", "transformers' default config does not validate"),
     (
+        r"captured on a real sample, (the shape|a length|forward computes|its branch|its loss)",
+        "forward reads tensor values that change with the batch (refused on a real sample too)",
+    ),
+    (
         r"Could not guard on data-dependent|item\(\) cannot be called on meta|nonzero\(\)|"
         r"unique_consecutive.*Meta|data-dependent",
         "forward reads tensor values (data-dependent control flow or shapes)",

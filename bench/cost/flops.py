@@ -88,7 +88,10 @@ def train_flops_per_sample(model_cfg, samples: int = 2) -> float:
                         "and trains it by a custom autograd.Function's backward (reversible "
                         "layers), which export does not keep; bring the model as model=custom without it"
                     )
-                loss.backward()
+                # a write through a boolean mask (T5Gemma 2's end-of-image embeddings) is counted
+                # backward as forward counts it on meta tensors: as if every value were true
+                with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+                    loss.backward()
             flops = counter.get_total_flops() / samples
             _store(path, flops)
         _counted[key] = flops

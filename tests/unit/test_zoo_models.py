@@ -367,3 +367,127 @@ def test_the_attention_a_config_records_is_the_one_its_model_runs():
     assert again._attention == first._attention != hf.ATTENTION
     batch = again.synthetic_batch(2, torch.Generator().manual_seed(0))
     assert again.build()(*batch).item() > 0 and model(*batch).item() > 0
+
+
+class _Branchy(torch.nn.Module):
+    """Logits over 16 tokens, with a branch on tensor values: `flag` says which (the global-
+    attention flag of a mask of ones, LED's; a token's value; a selection by value)."""
+
+    def __init__(self, flag: str):
+        super().__init__()
+        self.flag = flag
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        if self.flag == "ones":
+            if (torch.ones_like(input_ids) > 1).any():  # never: the workload's mask is all ones
+                h = h * 2
+        elif self.flag == "token":
+            if input_ids[0, 0] > 7:  # another way on another batch
+                h = h * 2
+        elif self.flag == "mask":  # the rows a mask selects (BLT's patch starts)
+            h = h + h[input_ids > 7].sum(0)
+        else:  # as many rows as the batch has tokens above 7 (experts' shares of tokens)
+            rows = (input_ids > 7).sum().item()
+            above, _ = h.flatten(0, 1).split([rows, input_ids.numel() - rows])
+            h = h + above.sum(0)
+        return self.head(h)
+
+
+def _on_sample(flag: str, first_tokens=(0, 0, 0)):
+    """A TaskLoss on _Branchy and its real_sample: a twin with values, batches by seed whose
+    first token is `first_tokens[seed]`."""
+    from models.tasks import TaskLoss
+
+    def draw(seed):
+        window = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(seed))
+        window[0, 0] = first_tokens[seed % len(first_tokens)]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    def real_sample(batch_size):
+        torch.manual_seed(0)
+        return TaskLoss(_Branchy(flag), "causal_lm", "input_ids"), draw
+
+    with torch.device("meta"):
+        model = TaskLoss(_Branchy(flag), "causal_lm", "input_ids", real_sample=real_sample)
+    batch = tuple(torch.empty((2, 8), dtype=torch.long, device="meta") for _ in range(2))
+    return model, batch, real_sample
+
+
+def test_a_branch_on_a_value_the_workload_keeps_is_captured_on_a_real_sample():
+    """Export refuses a branch on a value on meta tensors; on a real sample it takes the
+    sample's way, and the captured program computes what the model does on other batches."""
+    from methods.export import export_model
+    from models.tasks import _export, export
+
+    model, batch, real_sample = _on_sample("ones")
+    with pytest.raises(Exception, match="data-dependent"):
+        _export(model, batch)
+    gm = export_model(model, batch, "branchy")
+    assert not any("assert" in str(n.target) for n in gm.graph.nodes)
+    twin, draw = real_sample(2)
+    program = export(model, batch).module()
+    other = draw(5)
+    assert torch.allclose(program(*other), twin(*other))
+    assert model(*batch).device.type == "meta"  # the loss on meta tensors replays the program there
+
+
+def test_a_branch_that_changes_with_the_batch_is_refused():
+    """A branch on a token's value goes another way on another batch: the capture on a real
+    sample says so, naming the batch, instead of fixing one batch's way."""
+    from models.tasks import SampleRefused, export
+
+    model, batch, _ = _on_sample("token", first_tokens=(0, 12, 12))
+    with pytest.raises(SampleRefused, match="another on batch 1"):
+        export(model, batch)
+
+
+def test_lengths_that_depend_on_values_are_refused_on_a_real_sample_too():
+    """Rows selected by value (expert dispatch, entropy patching) have as many rows as the batch
+    says: a program fixed to the sample's would not fit another batch."""
+    from models.tasks import SampleRefused, export
+
+    for flag in ("select", "mask"):
+        model, batch, _ = _on_sample(flag)
+        with pytest.raises(SampleRefused, match="value it reads from a tensor|still depends on values"):
+            export(model, batch)
+
+
+def test_index_masks_equal_the_masks_vmap_makes():
+    """T5Gemma 2's sliding-window encoder mask, made by broadcasting index tensors (which export
+    can replay) instead of vmap: the same mask."""
+    _hf()
+    from transformers import masking_utils as mu
+
+    from models.tasks import index_masks
+
+    fn = mu.and_masks(mu.sliding_window_bidirectional_overlay(2), mu.bidirectional_mask_function)
+    indices = [torch.arange(n) for n in (2, 1, 6, 6)]
+    want = mu._vmap_expansion_sdpa(fn)(*indices)
+    with index_masks():
+        got = mu._vmap_expansion_sdpa(fn)(*indices)
+    assert mu._vmap_expansion_sdpa is not None and want.shape == (2, 1, 6, 6)
+    assert torch.equal(got.expand_as(want), want) and not want.all()
+
+
+def test_an_empty_rope_of_a_config_with_layer_kinds_gets_the_default_per_kind():
+    """Cohere's Compass text config names its layers' kinds but keeps no rope entry for any,
+    and its attention reads rope_parameters[kind]: tiny gives each kind the default rope."""
+    hf = _hf()
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model("cohere_compass_text")
+    fields = hf._tiny_fields(base, "small", None)
+    assert fields["rope_parameters"] == {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert hf._default_rope(AutoConfig.for_model("llama")) == {}  # one rope for every layer: kept
+
+
+def test_default_config_repairs_build_the_models_they_name():
+    """lfm2_moe's default has no layer kinds and its layers read theirs: the repair's builds."""
+    hf = _hf()
+    assert all(reason for _, reason in hf._DEFAULT_CONFIG_REPAIRS.values())
+    cfg = hf.HFModelConfig.from_preset("tiny", arch="lfm2_moe")
+    assert cfg.hf_config().layer_types == ["conv", "full_attention"]
+    assert cfg.build()(*cfg.synthetic_batch(2, torch.Generator().manual_seed(0))).isfinite()
