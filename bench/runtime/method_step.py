@@ -8,7 +8,10 @@ server (bench.runtime.launch) and each pinned to a core as the workers are, in a
 their own. Each rank interleaves a plain step (forward, backward, Adam on the whole model, timed
 as the run's yardstick times it: the thread's CPU time of a whole step) with the method's step
 (its setup()'s trainer, timed by the run's own emulator in its reference phase: per interval
-between collectives, the fastest thread CPU time, collectives at loopback speed). It knows no method: it calls the Method protocol's setup() and the trainer's
+between collectives, the fastest thread CPU time, collectives at loopback speed); or, where the
+method's step holds part of the model (`interleave=False`: a pipeline's stages, which a whole
+model's step between two of theirs would evict from the caches their run keeps them in), first
+the plain steps, then the method's, as a run times its yardstick and then its reference. It knows no method: it calls the Method protocol's setup() and the trainer's
 step(). It neither plans nor prices a Program.
 
 host_measurement is the same service for a measurement a method makes in its own process (the
@@ -58,6 +61,7 @@ def time_method_step(
     seed: int = 0,
     repeats: int = DEFAULT_REPEATS,
     timeout_s: float = TIMEOUT_S,
+    interleave: bool = True,
 ) -> dict | None:
     """{"plain_s", "method_s"}: the median over ranks of the seconds a rank computes in a plain
     step and in `method`'s own step, at `plan`'s batch shares (see the module docstring), and
@@ -73,6 +77,8 @@ def time_method_step(
         what: the work measured, for the warning when it cannot be ("DeepSpeed's engine work").
         requires: modules the method's step imports, each with its install hint: where one is
             missing no rank is started (it could only fail).
+        interleave: a plain step between two of the method's (the module docstring); False:
+            every plain step first, then every step of the method's.
 
     Returns:
         The cached or measured figures; None, with one warning naming `what`, where they cannot be
@@ -80,7 +86,7 @@ def time_method_step(
     """
     n, batch = cluster.num_devices, plan.batch_shares[0]
     path = host_cache_file().with_name(f"{cache}.json")
-    body = [host_key(workload, batch, seed), n, *config, repeats, version]
+    body = [host_key(workload, batch, seed), n, *config, repeats, version] + ([] if interleave else ["in turn"])
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
     cached = read_cache(path).get(key)
     if cached and "method_s_ranks" in cached:
@@ -90,7 +96,7 @@ def time_method_step(
     ]
     out = None
     if not errors:  # no rank to start where a module is missing: it could only fail
-        out, errors = _run_ranks(method, plan, workload, cluster, seed, repeats, timeout_s)
+        out, errors = _run_ranks(method, plan, workload, cluster, seed, repeats, timeout_s, interleave)
     if errors:
         log.warning("%s was not measured (%s); its plan prices the model's work and collectives only", what, errors[0])
         return None
@@ -99,7 +105,14 @@ def time_method_step(
 
 
 def _run_ranks(
-    method, plan: Plan, workload: Workload, cluster: ClusterSpec, seed: int, repeats: int, timeout_s: float
+    method,
+    plan: Plan,
+    workload: Workload,
+    cluster: ClusterSpec,
+    seed: int,
+    repeats: int,
+    timeout_s: float,
+    interleave: bool = True,
 ) -> tuple[dict | None, list[str]]:
     """One probe rank per device (_rank): (the medians of their answers, None where any failed;
     the errors)."""
@@ -111,7 +124,7 @@ def _run_ranks(
             ctx.Process(
                 target=_rank,
                 daemon=True,
-                args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1]),
+                args=(r, n, f"{folder}/store", method, plan, workload, cluster, seed, repeats, pipes[r][1], interleave),
             )
             for r in range(n)
         ]
@@ -161,8 +174,10 @@ def _rank(
     seed: int,
     repeats: int,
     conn,
+    interleave: bool = True,
 ) -> None:
-    """One probe rank: plain steps and the method's steps, interleaved (the module docstring)."""
+    """One probe rank: plain steps and the method's steps, interleaved or in turn (the module
+    docstring)."""
     try:
         import torch.distributed as dist
 
@@ -190,15 +205,24 @@ def _rank(
             ctx = RankContext(rank, world_size, torch.device("cpu"), cluster, workload, emulator)
             trainer = method.setup(plan, workload.build(seed), ctx)
             plain = []
-            for i in range(EmulationSettings.SKIPPED + repeats):
+
+            def plain_step() -> None:
                 start = time.thread_time()
                 optimizer.zero_grad(set_to_none=True)
                 model(*data).backward()
                 optimizer.step()
                 plain.append(time.thread_time() - start)
+
+            steps = EmulationSettings.SKIPPED + repeats
+            if not interleave:
+                for _ in range(steps):
+                    plain_step()
+            for i in range(steps):
+                if interleave:
+                    plain_step()
                 emulator.begin_iteration(i)
                 trainer.step(own)
-            emulator.begin_iteration(EmulationSettings.SKIPPED + repeats)  # sets the reference
+            emulator.begin_iteration(steps)  # sets the reference
         conn.send(
             {"plain_s": min(plain[EmulationSettings.SKIPPED :]), "method_s": emulator.report()["reference_s_per_iter"]}
         )

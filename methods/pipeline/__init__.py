@@ -391,6 +391,7 @@ class PipelineParallel:
             config=[self.name, plan.details, self.lr, self.grad_clip, self.bucket_cap_mb],
             version=WORK_PROBE_VERSION,
             what="the pipeline schedule's own work",
+            interleave=False,  # a rank's stages stay in its caches from one step to the next, as in a run
         )
         if work is None:
             return plan
@@ -768,7 +769,7 @@ class SharedCosts:
         return self._costs[key]
 
 
-WORK_PROBE_VERSION = 1  # what the pipeline's work probe times (PipelineParallel._probed)
+WORK_PROBE_VERSION = 2  # what the pipeline's work probe times (PipelineParallel._probed)
 
 
 def schedule_work_per_action(program: PipelineProgram, work: dict, priced_s: float = 0.0) -> float:
