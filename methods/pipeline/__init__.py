@@ -238,6 +238,8 @@ class PipelineParallel:
             raise ConfigError(f"method.alike={alike!r} is unknown; use one of {', '.join(ALIKE)}")
         if schedule != "auto" and stages_per_rank != "auto":
             _check_stages_per_rank(schedule, stages_per_rank)
+        if not isinstance(work_probe, bool):
+            raise ConfigError(f"method.work_probe={work_probe!r} is invalid; use true or false")
         check_training_options(lr, grad_clip, bucket_cap_mb)
         self.name = name
         self.modes = ("real", "sim")
@@ -254,7 +256,7 @@ class PipelineParallel:
         self.grad_clip = grad_clip
         self.profile = profile
         self.sharded_state = sharded_state
-        self.work_probe = bool(work_probe)
+        self.work_probe = work_probe
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:

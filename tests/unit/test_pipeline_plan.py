@@ -465,6 +465,7 @@ def test_micro_batches_must_divide_the_batch_and_feed_every_pipeline():
         ),
         (["method.shares=uneven"], "failed", "method.shares='uneven' is unknown; use one of priced, equal"),
         (["method.alike=devices"], "failed", "method.alike='devices' is unknown; use one of auto, stage, pipeline"),
+        (["method.work_probe=sometimes"], "failed", "method.work_probe='sometimes' is invalid; use true or false"),
         (
             [
                 "preset=paper",
