@@ -75,6 +75,10 @@ SCHEDULES = (
     "zbvzerobubble",
     "dualpipev",
 )
+# Those of SCHEDULES that run several stages per rank (torch's PipelineScheduleMulti), named here
+# so that planning a cached case never imports torch.distributed.pipelining (a test checks it
+# against torch's classes).
+MULTI_STAGE = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 # The kinds of action a position's list holds (PipelineProgram.actions); k is a stage index:
 #   ("F", k, mb) / ("B", k, mb): forward / backward of micro-batch mb on stage k
 #   ("I", k, mb) / ("W", k, mb): zero-bubble's backward for the input / for the weights

@@ -107,6 +107,7 @@ from methods.pipeline.schedule import (
     check_schedule,
     compute_order,
     is_multi_stage,
+    save_traces,
     trace_schedule,
 )
 from methods.pipeline.trainer import PipelineTrainer
@@ -266,7 +267,12 @@ class PipelineParallel:
         emulated CPU cluster with the profile), the plan chosen is timed on the cluster's ranks,
         the candidates are searched again with the schedule's own work that measured per action,
         and a plan that then differs is timed too and priced with its own (_probed)."""
-        shared = shared or SharedCosts(workload, cluster)
+        try:
+            return self._planned(workload, cluster, shared or SharedCosts(workload, cluster))
+        finally:
+            save_traces()  # what torch traced, for later processes
+
+    def _planned(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts) -> Plan:
         shared.check(workload, cluster)
         c, program, costs = self._search(workload, cluster, shared, 0.0)
         if not (costs.profile is not None and self.work_probe and cluster.num_devices > 1):

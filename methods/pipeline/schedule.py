@@ -2,15 +2,29 @@
 schedule makes each position of a pipeline run in one step, recorded from torch's own
 `_step_microbatches` on stand-in stages, so the planner prices the calls the runtime makes, in
 their order, and where torch places each stage (its stage-to-rank map: looped for the
-interleaved schedules, a V for ZBV and DualPipeV). It runs no model and sends nothing."""
+interleaved schedules, a V for ZBV and DualPipeV). It runs no model and sends nothing.
+What torch traced is kept on disk (save_traces), so that a later process plans a shape it has
+seen without importing torch.distributed.pipelining (about a second: it imports dynamo and
+DTensor)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from bench.core.errors import ConfigError
-from bench.cost.pipeline import COMPUTE, SCHEDULES
+from bench.core.paths import user_cache_dir
+from bench.cost.pipeline import COMPUTE, MULTI_STAGE, SCHEDULES
+
+log = logging.getLogger(__name__)
 
 
 def schedule_class(name: str):
@@ -21,7 +35,11 @@ def schedule_class(name: str):
 
 
 def is_multi_stage(name: str) -> bool:
-    """Whether torch's schedule runs several stages per rank (a PipelineScheduleMulti)."""
+    """Whether torch's schedule runs several stages per rank (a PipelineScheduleMulti): read
+    from bench.cost.pipeline.MULTI_STAGE for the schedules this method runs, from torch's class
+    for any other."""
+    if name in SCHEDULES:
+        return name in MULTI_STAGE
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     return issubclass(schedule_class(name), PipelineScheduleMulti)
@@ -126,10 +144,8 @@ def trace_schedule(schedule: str, num_ranks: int, num_micro_batches: int, positi
     """
     key = (schedule, num_ranks, num_micro_batches, stages_per_rank)
     if key not in _traces:
-        try:
-            _traces[key] = _trace(*key)
-        except ScheduleRefused as exc:
-            _traces[key] = exc
+        found = _kept("trace", key, lambda *k: tuple((t.actions, t.stage_rank, t.stages) for t in _trace(*k)))
+        _traces[key] = found if isinstance(found, ScheduleRefused) else tuple(Trace(*t) for t in found)
     found = _traces[key]
     if isinstance(found, ScheduleRefused):
         raise found
@@ -221,26 +237,34 @@ def compute_order(schedule: str, num_ranks: int, num_micro_batches: int, stages_
     """
     key = (schedule, num_ranks, num_micro_batches, stages_per_rank)
     if key not in _orders:
-        try:
-            _orders[key] = _compute_order(*key)
-        except ScheduleRefused as exc:
-            _orders[key] = exc
+        if _untraced(*key):
+            _orders[key] = _untraced_order(*key)
+        else:
+            _orders[key] = _kept("order", key, _compute_order)
     found = _orders[key]
     if isinstance(found, ScheduleRefused):
         raise found
     return found
 
 
+def _untraced(schedule: str, R: int, m: int, V: int) -> bool:
+    """Shapes whose order is known without torch: GPipe's and 1F1B's on one stage a rank (where
+    torch runs them)."""
+    return V == 1 and (schedule == "gpipe" or (schedule == "1f1b" and m >= R))
+
+
+def _untraced_order(schedule: str, R: int, m: int, V: int):
+    return tuple(_single_stage_order(schedule, R, m, r) for r in range(R)), tuple(range(R))
+
+
 def _compute_order(schedule: str, R: int, m: int, V: int):
+    if not is_multi_stage(schedule):
+        traces = [trace_schedule(schedule, R, m, r, V) for r in range(R)]
+        return tuple(tuple(a for a in t.actions if a[0] in COMPUTE) for t in traces), traces[0].stage_rank
     from unittest import mock
 
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    if not is_multi_stage(schedule):
-        if V == 1 and (schedule == "gpipe" or (schedule == "1f1b" and m >= R)):  # shapes torch runs
-            return tuple(_single_stage_order(schedule, R, m, r) for r in range(R)), tuple(range(R))
-        traces = [trace_schedule(schedule, R, m, r, V) for r in range(R)]
-        return tuple(tuple(a for a in t.actions if a[0] in COMPUTE) for t in traces), traces[0].stage_rank
     if V < 2:
         raise ScheduleRefused(f"{schedule} runs several stages per rank, not {V}")
     cls = schedule_class(schedule)
@@ -283,3 +307,85 @@ def _single_stage_order(schedule: str, R: int, m: int, r: int) -> tuple[tuple, .
 
 def _no_loss(output, target):
     return None
+
+
+# -- what torch traced, kept on disk ---------------------------------------------------------------
+# A trace of more values than this is traced again by each process: its entry would cost more to
+# read than to trace.
+KEPT_MAX_VALUES = 100_000
+_kept_on_disk: dict[str, dict] | None = None
+_unsaved: dict[str, dict] = {}
+
+
+def _kept_path() -> Path:
+    """One file per torch version and version of this module: the traces are torch's schedules."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return user_cache_dir() / f"schedules-{torch.__version__}-{code}.json"
+
+
+def _load_kept() -> dict[str, dict]:
+    global _kept_on_disk
+    if _kept_on_disk is None:
+        _kept_on_disk = {}
+        path = _kept_path()
+        try:
+            body = json.loads(path.read_text()) if path.is_file() else {}
+            _kept_on_disk = {k: v for k, v in body.items() if isinstance(v, dict) and ("found" in v or "refused" in v)}
+        except (OSError, ValueError, AttributeError) as exc:  # damaged: traced again and rewritten
+            log.warning("schedule trace cache %s is unreadable (%s); tracing again", path, exc)
+    return _kept_on_disk
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _lists(value):
+    return [_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _size(value) -> int:
+    return sum(_size(v) for v in value) if isinstance(value, (list, tuple)) else 1
+
+
+def _kept(kind: str, key: tuple, make):
+    """`make(*key)` (nested tuples of JSON values), or the ScheduleRefused it raised: as a
+    process kept it on disk, else made (and kept, up to KEPT_MAX_VALUES values)."""
+    text = json.dumps([kind, *key])
+    entry = _load_kept().get(text) or _unsaved.get(text)
+    if entry is not None:
+        return ScheduleRefused(entry["refused"]) if "refused" in entry else _tuples(entry["found"])
+    try:
+        made = make(*key)
+    except ScheduleRefused as exc:
+        _unsaved[text] = {"refused": str(exc)}
+        return exc
+    if _size(made) <= KEPT_MAX_VALUES:
+        _unsaved[text] = {"found": _lists(made)}
+    return made
+
+
+def save_traces() -> None:
+    """Keep the traces this process made on disk beside those other processes kept (the file
+    written whole, then renamed into place: a killed writer leaves the old file; a folder that
+    is not writable keeps none)."""
+    if not _unsaved:
+        return
+    path = _kept_path()
+    try:
+        on_disk = json.loads(path.read_text()) if path.is_file() else {}
+        on_disk = on_disk if isinstance(on_disk, dict) else {}
+    except (OSError, ValueError):
+        on_disk = {}
+    merged = {**on_disk, **_unsaved}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("schedule trace cache %s not written (%s)", path, exc)
+        return
+    _load_kept().update(_unsaved)
+    _unsaved.clear()

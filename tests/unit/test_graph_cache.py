@@ -1,8 +1,10 @@
 """The planner's graph kept on disk (methods.graph_cache) and DTensor's derivations kept on disk
-(methods.hap.dtensor_rules): what comes back equals a fresh capture, and a damaged entry is
-never trusted."""
+(methods.hap.dtensor_rules) and torch's pipeline schedules traced (methods.pipeline.schedule): what
+comes back equals a fresh capture or trace, and a damaged entry is never trusted."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from bench.runner.settings import as_settings
 from methods import graph_cache
 from methods.hap import dtensor_rules
 from methods.hap.theory import derive_theory
+from methods.pipeline import schedule
 
 
 def model_config(*overrides: str):
@@ -164,3 +167,38 @@ def test_kept_derivations_give_the_same_triples_and_damage_is_derived_again(cach
     monkeypatch.setattr(dtensor_rules, "_stored", None)
     assert derive_theory(graph).rules == derived
     assert dtensor_rules._load_stored()  # rewritten
+
+
+def _forget_schedules(monkeypatch) -> None:
+    monkeypatch.setattr(schedule, "_orders", {})
+    monkeypatch.setattr(schedule, "_traces", {})
+    monkeypatch.setattr(schedule, "_kept_on_disk", None)
+    monkeypatch.setattr(schedule, "_unsaved", {})
+
+
+SHAPES = [("interleaved1f1b", 2, 3, 2), ("loopedbfs", 2, 4, 2), ("zbvzerobubble", 2, 4, 2)]
+
+
+def test_kept_schedule_traces_are_torchs_and_damage_is_traced_again(cache, monkeypatch):
+    _forget_schedules(monkeypatch)
+    traced = {s: (schedule.compute_order(*s), schedule.trace_schedule(s[0], s[1], s[2], 1, s[3])) for s in SHAPES}
+    with pytest.raises(schedule.ScheduleRefused) as refused:
+        schedule.compute_order("1f1b", 2, 1, 1)  # torch's own check refuses it
+    schedule.save_traces()
+    path = schedule._kept_path()
+    assert path.is_file()
+    _forget_schedules(monkeypatch)
+    monkeypatch.setattr(schedule, "_compute_order", lambda *a: pytest.fail("traced although kept"))
+    monkeypatch.setattr(schedule, "_trace", lambda *a: pytest.fail("traced although kept"))
+    for s, (order, trace) in traced.items():
+        assert schedule.compute_order(*s) == order
+        assert schedule.trace_schedule(s[0], s[1], s[2], 1, s[3]) == trace
+    with pytest.raises(schedule.ScheduleRefused, match=re.escape(str(refused.value))):
+        schedule.compute_order("1f1b", 2, 1, 1)
+    monkeypatch.undo()
+    monkeypatch.setenv("HETBENCH_CACHE_DIR", str(cache.parent))
+    path.write_text('{"[\\"order\\", \\"interleaved1f1b\\", 2, 3, 2]": ')  # a damaged file
+    _forget_schedules(monkeypatch)
+    assert schedule.compute_order(*SHAPES[0]) == traced[SHAPES[0]][0]
+    schedule.save_traces()
+    assert schedule._load_kept()  # rewritten whole

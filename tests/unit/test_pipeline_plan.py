@@ -34,7 +34,7 @@ from bench.cost.pipeline import (
 from bench.records.rows import load_records
 from bench.runner.execute import run_case
 from methods.pipeline import PipelineParallel, StageOOM, micro_batch_counts, trace_schedule
-from methods.pipeline.schedule import ScheduleRefused, compute_order, schedule_class
+from methods.pipeline.schedule import ScheduleRefused, compute_order, is_multi_stage, schedule_class
 from tests.conftest import compose_config
 
 SHAPES = [  # (schedule, ranks, stages per rank, micro-batches)
@@ -55,8 +55,12 @@ SHAPES = [  # (schedule, ranks, stages per rank, micro-batches)
 
 
 def test_every_schedule_the_simulator_knows_is_torchs():
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
     for name in SCHEDULES:
-        assert schedule_class(name).__module__ == "torch.distributed.pipelining.schedules", name
+        cls = schedule_class(name)
+        assert cls.__module__ == "torch.distributed.pipelining.schedules", name
+        assert is_multi_stage(name) == issubclass(cls, PipelineScheduleMulti), name
 
 
 @pytest.mark.parametrize("schedule,ranks,per_rank,micro", SHAPES)
