@@ -271,6 +271,7 @@ def _emulation_row(cluster: ClusterSpec, emulation) -> dict:
         "device": cluster.device,
         "headroom": emulation.headroom,
         "reference_iters": emulation.reference_iters,
+        "round_reference_iters": emulation.round_reference_iters if emulation.reference_each_round else None,
         "pin_cores": emulation.pin_cores,
         "pause_discount": emulation.pause_discount,
         "realtime_comm": emulation.realtime_comm,

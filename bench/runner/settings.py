@@ -53,6 +53,8 @@ class EmulationOptions:
     # A repeated case (bench.compare's rounds) sets the reference again at every round, so that
     # the rounds' interval spans how a reference varies between sets of it (docs/emulation.md).
     reference_each_round: bool = option(True, rule=_BOOL, example="false")
+    # Full-pace iterations that set the reference again at a later round (at most reference_iters).
+    round_reference_iters: int = option(4, rule="an integer >= 1", example="4")
     # A rank that waited on its peers while referencing takes the measured slowdown after such a
     # pause out of its reference (docs/emulation.md).
     pause_discount: bool = option(True, rule=_BOOL, example="false")
@@ -68,6 +70,7 @@ class EmulationOptions:
         h = self.headroom
         require(h == "auto" or (not isinstance(h, str) and 0 < h <= 1), self, at, "headroom")
         require(self.reference_iters >= 0, self, at, "reference_iters")
+        require(self.round_reference_iters >= 1, self, at, "round_reference_iters")
 
 
 @dataclass
@@ -209,6 +212,7 @@ def emulation_settings(cfg: Settings, num_ranks: int) -> EmulationSettings:
         reference_iters=options.reference_iters,
         pin_cores=options.pin_cores,
         reference_each_round=options.reference_each_round,
+        round_reference_iters=options.round_reference_iters,
         pause_discount=options.pause_discount,
         realtime_comm=options.realtime_comm,
         gloo_workers_first=options.gloo_workers_first,

@@ -113,9 +113,13 @@ class Pacing:
 
     @property
     def round_start(self) -> int:
-        """The iteration a later round starts at: the reference's first (the lazy set-up ones are
-        the first round's alone), or the first timed one where the reference is kept."""
-        return self.emulator.settings.SKIPPED if self.rereferences else self.untimed
+        """The iteration a later round starts at: the first of its reference iterations (the last
+        `round_reference_iters` of the first round's; the lazy set-up ones are the first round's
+        alone), or the first timed one where the reference is kept. Every round times the same
+        iterations."""
+        if not self.rereferences:
+            return self.untimed
+        return self.untimed - min(self.emulator.settings.round_reference_iters, self.references)
 
     def begin_round(self) -> None:
         """Before a later round of the same case (bench.runtime.worker.TrainingRank), from a clean

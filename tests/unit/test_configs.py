@@ -123,6 +123,7 @@ def test_tiny_workloads_count_their_flops(model):
         (["repeats=2.5"], "repeats=2.5 must be an integer >= 1"),
         (["emulation.headroom=1.5"], "emulation.headroom=1.5 must be auto or a number in (0, 1]"),
         (["emulation.reference_iters=-1"], "emulation.reference_iters=-1 must be an integer >= 0"),
+        (["emulation.round_reference_iters=0"], "emulation.round_reference_iters=0 must be an integer >= 1"),
         (["emulation.pin_cores=sometimes"], "emulation.pin_cores='sometimes' must be true or false"),
         (["emulation.pause_discount=1"], "emulation.pause_discount=1 must be true or false"),
         (["emulation.realtime_comm=yes"], "emulation.realtime_comm='yes' must be true or false"),

@@ -98,6 +98,24 @@ def test_a_reference_is_cpu_time_so_a_preempted_interval_does_not_lengthen_it(cl
     assert walls[4] == pytest.approx(0.008)
 
 
+def test_a_later_round_sets_its_reference_from_its_own_round_reference_iters(clock):
+    """A later round (begin_round with rereference) runs round_reference_iters full-pace
+    iterations, its last before the timed ones (Pacing.round_start), and paces against what they
+    measured, not the first round's reference."""
+    settings = EmulationSettings(headroom=1.0, reference_iters=4, round_reference_iters=2)
+    emu = Emulator(_one_device(0.5), 0, enabled=True, settings=settings)
+    first = EmulationSettings.SKIPPED + 4  # the first round's first timed iteration
+    walls = _iterate(emu, clock, {i: 0.002 for i in range(first + 1)})
+    assert walls[-1] == pytest.approx(0.004) and emu.report()["reference_s"] == pytest.approx([0.002])
+    emu.begin_round(rereference=True)
+    assert not emu.pacing
+    # The host now runs the rank 1.5x slower: iterations first - 2 and first - 1 measure it.
+    walls = _iterate(emu, clock, {i: 0.003 for i in range(first - 2, first + 2)})
+    assert walls[:2] == pytest.approx([0.003, 0.003])  # full pace
+    assert emu.pacing and emu.report()["reference_s"] == pytest.approx([0.003])
+    assert walls[2:] == pytest.approx([0.006, 0.006])  # 2 x the new 3 ms
+
+
 def test_a_shared_reference_paces_from_the_first_iteration_after_set_up(clock):
     """Given a reference (EmulationSettings.reference), a rank measures none of its own: only
     the SKIPPED set-up iterations run at full pace, every later one lasts reference / speed."""

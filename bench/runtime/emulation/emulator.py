@@ -53,6 +53,7 @@ class Emulator:
         self._reference_walls: list[list[float]] = []
         self._reference_wall: list[float] | None = None
         self._reference: list[float] | None = None
+        self._reference_target = self.settings.reference_iters  # reference iterations to take
         self._iteration_start = time.perf_counter()
         self._reference_pauses: list[float] = []  # per reference iteration: wall less its compute
         self.pause_probe: dict | None = None  # discount_reference's measurement
@@ -103,7 +104,7 @@ class Emulator:
         self._iteration, self._iteration_wall = [], []
         if shared and index >= self.settings.SKIPPED:
             self._phase = "paced"
-        elif self._phase == "reference" and not shared and len(self._reference_runs) >= self.settings.reference_iters:
+        elif self._phase == "reference" and not shared and len(self._reference_runs) >= self._reference_target:
             self._reference = _fastest_per_interval(self._reference_runs)
             self._reference_wall = _fastest_per_interval(self._reference_walls)
             self._phase = "paced"
@@ -116,12 +117,13 @@ class Emulator:
     def begin_round(self, rereference: bool = False) -> None:
         """A later round of the case starts after an idle spell: what the rank was behind or
         ahead of its targets at the end of the last round is not carried into it.
-        `rereference`: its first iterations set the reference again, at full pace (not with a
-        shared reference, EmulationSettings.reference)."""
+        `rereference`: its first `round_reference_iters` iterations set the reference again, at
+        full pace (not with a shared reference, EmulationSettings.reference)."""
         self._debt = self._debt_at_issue = 0.0
         self.slept_s = 0.0
         if rereference and self.settings.reference is None and self.pace_compute:
             self._phase = "reference"
+            self._reference_target = min(self.settings.round_reference_iters, self.settings.reference_iters)
             self._reference_runs, self._reference_walls, self._reference_pauses = [], [], []
             self._iteration, self._iteration_wall = [], []
             self._reference = self._reference_wall = None

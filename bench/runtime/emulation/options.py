@@ -25,8 +25,10 @@ class EmulationSettings:
     headroom: float = 0.6  # wall time runs 1/headroom slower than emulated time
     reference_iters: int = 12  # full-pace iterations (after SKIPPED ones) that set the reference
     pin_cores: bool = True  # each CPU rank bound to one core (bench.runtime.hostcpu.pin_to_core)
-    # A later round of a repeated case sets the reference again (Pacing.begin_round).
+    # A later round of a repeated case sets the reference again (Pacing.begin_round), from this
+    # many full-pace iterations (at most reference_iters).
     reference_each_round: bool = True
+    round_reference_iters: int = 4
     # A reference measured earlier for this same rank workload (Emulator.report's
     # `reference_s`): the rank is paced against it from the start, so that cases sharing it
     # emulate one device at one speed however this host drifts between them (bench.dilation).
