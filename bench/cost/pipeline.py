@@ -336,10 +336,13 @@ def rank_memory(
 
     - its parameters, their gradients (accumulated over the micro-batches: all exist from the
       first backward on), Adam's two moments, and with replicas the flat copy of the gradient
-      bucket they all-reduce (`bucket_bytes`: its gradients up to the bucket's cap);
+      bucket they all-reduce (`bucket_bytes`: its gradients up to the bucket's cap), made one
+      bucket at a time once the schedule is through (methods.pipeline.trainer): beside every
+      gradient, never beside the activations, gone before Adam steps (Memory.backward's second
+      point);
     - a receive buffer per micro-batch of the iteration for each stage's input (not on the
       first stage) and for its output's gradient (not on the last), which
-      torch.distributed.pipelining allocates once for every micro-batch (held, as buckets are);
+      torch.distributed.pipelining allocates once for every micro-batch (held for the step);
     - the activations of the micro-batches in flight at once (activation_peak).
 
     `shards` > 1: sharded state over that many replicas (FSDP2, as torch's pipelining drives
@@ -373,7 +376,8 @@ def rank_memory(
         grads=Affine(params),
         optimizer=Affine(2.0 * params),
         activations=Affine(activations),
-        buckets=Affine(bucket_bytes + buffers),
+        buckets=Affine(buffers),
+        backward=((Affine(params), Affine(activations)), (Affine(params + bucket_bytes), Affine())),
         largest_param=Affine(largest),
     )
 
@@ -411,9 +415,9 @@ def stage_peak_bytes(
         return max(
             held + gathered + param_bytes + activations, held + gathered + param_bytes + shard, held + shard + step
         )
-    resident = 4.0 * param_bytes + bucket_bytes + buffers
+    resident = 4.0 * param_bytes + buffers
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
-    return resident + max(activations, step)
+    return resident + max(activations, bucket_bytes, step)
 
 
 def transfer_s(nbytes: float, cluster: ClusterSpec, src: int, dst: int) -> float:
