@@ -816,20 +816,23 @@ def test_the_schedules_own_work_per_action_is_what_the_probe_adds_to_the_profile
 
 
 def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe_measured(monkeypatch):
-    """A schedule whose every action costs 5 ms of its own work: the plan first chosen (the most
-    micro-batches) is probed, the search runs again with that work per action and takes fewer
-    micro-batches, which are probed and priced with their own measurement."""
+    """A schedule whose every action costs ten times a whole micro-batch's profiled compute of
+    its own work (so on any host, however loaded when the profile was timed): the plan first
+    chosen (the most micro-batches) is probed, the search runs again with that work per action
+    and takes fewer micro-batches, which are probed and priced with their own measurement."""
     from bench.cost.pipeline import COMPUTE
     from methods import pipeline as pipeline_module
 
     cluster = _cluster(2)
     workload = _workload("bert", 8)
-    a = 5e-3
-    seen = []
+    seen, work = [], []
 
     def probe(method, plan, workload, cluster, **kwargs):
         program = plan.program
         seen.append(program.num_micro_batches)
+        if not work:
+            work.append(10 * max(w.measured[0] + w.measured[1] for stage in program.stages for w in stage.work))
+        a = work[0]
         priced = 0.0 if len(seen) == 1 else a  # the second plan's program prices `a` an action already
         method_s = [0.0] * cluster.num_devices
         for r, actions in enumerate(program.actions):
@@ -845,4 +848,4 @@ def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe
     plan = PipelineParallel(stage_level="device", num_stages=2, schedule="1f1b").plan(workload, cluster)
     assert len(seen) == 2 and seen[1] < seen[0] == 8, seen
     assert plan.program.num_micro_batches == seen[1]
-    assert plan.details["work"]["action_s"] == pytest.approx(a, rel=1e-6)
+    assert plan.details["work"]["action_s"] == pytest.approx(work[0], rel=1e-6)
