@@ -293,6 +293,8 @@ def _derive(node: fx.Node, args: list[fx.Node]):
         return _valid(_read(prop.op_strategy_funcs[op](schema), n_out), node, args), "strategy"
     if op in EXTRA_DECOMPOSITIONS:
         return _valid(_trace(EXTRA_DECOMPOSITIONS[op](node), node, args), node, args), "decomposition given here"
+    if op is aten.einsum.default and (triples := _einsum(node, args)) is not None:
+        return _valid(triples, node, args), "decomposition"
     if prop.decomp_strategy.has_decomp(op):
         prop.decomp_strategy.ensure_schema_info(op)
         info = prop.op_to_schema_info.get(op)
@@ -316,6 +318,56 @@ def _derive(node: fx.Node, args: list[fx.Node]):
     return None
 
 
+def _einsum_letters(node: fx.Node, args: list[fx.Node]) -> tuple[list[str], str] | None:
+    """The letters of a two-operand einsum's inputs and output, where `_einsum` reads its triples
+    from them: plain letters (no ellipsis, none twice in one operand), floating operands and no
+    dim of length 1 (a length-1 dim broadcasts, which the letters alone do not say)."""
+    equation = node.args[0] if node.args else None
+    if not isinstance(equation, str) or len(args) != 2 or "." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    ins = lhs.split(",")
+    if len(ins) != 2 or not all(spec.isalpha() for spec in ins) or not (out.isalpha() or out == ""):
+        return None
+    if any(len(set(spec)) != len(spec) for spec in (*ins, out)):
+        return None
+    if not set(out) <= set(ins[0]) | set(ins[1]):
+        return None
+    for spec, a in zip(ins, args):
+        v = a.meta["val"]
+        if v.dim() != len(spec) or not v.dtype.is_floating_point or any(int(n) == 1 for n in v.shape):
+            return None
+    return ins, out
+
+
+def _einsum(node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout | None]] | None:
+    """An einsum's triples from its equation, the ones tracing its decomposition gives: a letter
+    of both operands, or of one operand and the output, split in the operands that have it
+    splits the output along it, or makes it partial sums where the output lacks it (each
+    operand's other letters whole). What the decomposition does with a partial operand (its
+    reshapes copy some, which DTensor refuses for partial sums) and with a letter summed out of
+    one operand alone (partial sums before the product) is traced: those few placements only.
+    None where the equation is not plain letters (`_einsum_letters`): the whole decomposition
+    is traced then."""
+    parsed = _einsum_letters(node, args)
+    if parsed is None:
+        return None
+    ins, out = parsed
+    d = _dtensor()
+    triples: list[tuple[tuple, Layout | None]] = []
+    traced: list[tuple] = [(d["Partial"](), d["Replicate"]()), (d["Replicate"](), d["Partial"]())]
+    for letter in sorted(set(ins[0]) | set(ins[1])):
+        pre = tuple(spec.index(letter) if letter in spec else "I" for spec in ins)
+        if letter in out:
+            triples.append((pre, out.index(letter)))
+        elif all(letter in spec for spec in ins):
+            triples.append((pre, "R"))
+        else:  # summed out of one operand before the product
+            traced.append(tuple(d["Shard"](p) if isinstance(p, int) else d["Replicate"]() for p in pre))
+    triples += _trace_placements(torch.ops.aten.einsum.default.decompose, node, args, traced)
+    return sorted(triples, key=lambda t: [(0, p) if isinstance(p, int) else (1, p) for p in (*t[0], t[1])])
+
+
 def _one_hot(node: fx.Node):
     """one_hot as a comparison with the class indices (what it computes), for DTensor to trace;
     the indices (made from nothing, whole on every device) are made before tracing starts."""
@@ -337,10 +389,15 @@ EXTRA_DECOMPOSITIONS = {aten.one_hot.default: _one_hot}
 def _trace(fn, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout | None]]:
     """Each candidate placement combination of the arguments run through `fn` on meta tensors
     under DTensor's placement tracking; a combination that needs a redistribution fails."""
+    combos = list(itertools.islice(itertools.product(*[_candidates(a) for a in args]), _MAX_COMBOS))
+    return _trace_placements(fn, node, args, combos)
+
+
+def _trace_placements(fn, node: fx.Node, args: list[fx.Node], combos) -> list[tuple[tuple, Layout | None]]:
+    """`_trace` of the given placement combinations alone."""
     from torch.distributed.tensor._decompositions import PlacementTrackingMode
 
     d = _dtensor()
-    combos = list(itertools.islice(itertools.product(*[_candidates(a) for a in args]), _MAX_COMBOS))
     triples = []
     for combo in combos:
         places = iter(combo)

@@ -360,3 +360,51 @@ def test_a_functional_copy_has_its_in_place_twins_triples_and_data_parallelism_r
         assert (0, 0) in {r.pre for r in theory.rules[name] if r.post == 0}, theory.rules[name]
     assert dead_end(data_parallel_theory(theory)) is None
     assert check_all_triples(model, inputs) > 20
+
+
+def _einsum_node(equation: str, shapes, computed: bool) -> fx.Node:
+    """An einsum node over placeholders (sources) or over values computed from them."""
+    g = fx.Graph()
+    args = []
+    for i, shape in enumerate(shapes):
+        a = g.placeholder(f"x{i}")
+        a.meta["val"] = torch.empty(shape, device="meta")
+        if computed:
+            a = g.call_function(torch.ops.aten.clone.default, (a,))
+            a.meta["val"] = torch.empty(shape, device="meta")
+        args.append(a)
+    node = g.call_function(torch.ops.aten.einsum.default, (equation, args))
+    node.meta["val"] = torch.einsum(equation, *[a.meta["val"] for a in args])
+    return node
+
+
+@pytest.mark.parametrize(
+    "equation, shapes",
+    [
+        ("bsec,bsd->becd", [(4, 5, 3, 2), (4, 5, 6)]),  # BERT-MoE's dispatch
+        ("becd,edh->bech", [(4, 3, 2, 6), (3, 6, 7)]),  # its experts
+        ("bech,ehd->becd", [(4, 3, 2, 7), (3, 7, 6)]),
+        ("bsec,becd->bsd", [(4, 5, 3, 2), (4, 3, 2, 6)]),  # its combine
+        ("ij,kj->ik", [(3, 4), (5, 4)]),
+        ("bij,jk->bk", [(2, 3, 4), (4, 5)]),  # i summed out of one operand alone
+        ("abcd,dcbe->ea", [(2, 3, 4, 5), (5, 4, 3, 6)]),
+        ("i,j->ij", [(3,), (4,)]),
+        ("ij,ij->", [(3, 4), (3, 4)]),
+        ("ij,jk->ik", [(1, 4), (4, 5)]),  # a dim of length 1: the decomposition traced whole
+    ],
+)
+def test_einsum_triples_from_the_equation_are_those_of_its_traced_decomposition(equation, shapes, monkeypatch):
+    from methods.hap import dtensor_rules
+
+    for computed in (False, True):
+        node = _einsum_node(equation, shapes, computed)
+        args = dtensor_rules.tensor_args(node)
+        with dtensor_rules._whole_on_one_device():
+            read = dtensor_rules._derive(node, args)
+        with monkeypatch.context() as m:
+            m.setattr(dtensor_rules, "_einsum", lambda node, args: None)
+            with dtensor_rules._whole_on_one_device():
+                traced = dtensor_rules._derive(node, args)
+        assert read[1] == traced[1] == "decomposition"
+        assert sorted(map(repr, read[0])) == sorted(map(repr, traced[0]))
+        assert len(read[0]) == len(set(read[0]))
