@@ -362,8 +362,9 @@ def test_a_functional_copy_has_its_in_place_twins_triples_and_data_parallelism_r
     assert check_all_triples(model, inputs) > 20
 
 
-def _einsum_node(equation: str, shapes, computed: bool) -> fx.Node:
-    """An einsum node over placeholders (sources) or over values computed from them."""
+def _contraction_node(equation: str | None, shapes, computed: bool) -> fx.Node:
+    """An einsum node (a matmul where `equation` is None) over placeholders (sources) or over
+    values computed from them."""
     g = fx.Graph()
     args = []
     for i, shape in enumerate(shapes):
@@ -373,8 +374,13 @@ def _einsum_node(equation: str, shapes, computed: bool) -> fx.Node:
             a = g.call_function(torch.ops.aten.clone.default, (a,))
             a.meta["val"] = torch.empty(shape, device="meta")
         args.append(a)
-    node = g.call_function(torch.ops.aten.einsum.default, (equation, args))
-    node.meta["val"] = torch.einsum(equation, *[a.meta["val"] for a in args])
+    vals = [a.meta["val"] for a in args]
+    if equation is None:
+        node = g.call_function(torch.ops.aten.matmul.default, tuple(args))
+        node.meta["val"] = torch.matmul(*vals)
+    else:
+        node = g.call_function(torch.ops.aten.einsum.default, (equation, args))
+        node.meta["val"] = torch.einsum(equation, *vals)
     return node
 
 
@@ -391,18 +397,23 @@ def _einsum_node(equation: str, shapes, computed: bool) -> fx.Node:
         ("i,j->ij", [(3,), (4,)]),
         ("ij,ij->", [(3, 4), (3, 4)]),
         ("ij,jk->ik", [(1, 4), (4, 5)]),  # a dim of length 1: the decomposition traced whole
+        (None, [(4, 3, 5, 6), (4, 3, 6, 5)]),  # matmul: attention's scores
+        (None, [(4, 5, 6), (6, 7)]),
+        (None, [(5, 6), (6, 7)]),
+        (None, [(5, 6), (4, 6, 7)]),  # broadcast batch dims: the decomposition traced whole
+        (None, [(2, 4, 5, 6), (4, 6, 5)]),
     ],
 )
-def test_einsum_triples_from_the_equation_are_those_of_its_traced_decomposition(equation, shapes, monkeypatch):
+def test_contraction_triples_from_their_letters_are_those_of_the_traced_decomposition(equation, shapes, monkeypatch):
     from methods.hap import dtensor_rules
 
     for computed in (False, True):
-        node = _einsum_node(equation, shapes, computed)
+        node = _contraction_node(equation, shapes, computed)
         args = dtensor_rules.tensor_args(node)
         with dtensor_rules._whole_on_one_device():
             read = dtensor_rules._derive(node, args)
         with monkeypatch.context() as m:
-            m.setattr(dtensor_rules, "_einsum", lambda node, args: None)
+            m.setattr(dtensor_rules, "_contraction", lambda node, args: None)
             with dtensor_rules._whole_on_one_device():
                 traced = dtensor_rules._derive(node, args)
         assert read[1] == traced[1] == "decomposition"
