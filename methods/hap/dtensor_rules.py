@@ -7,7 +7,8 @@ Gather(dim), Reduce). `derive` asks DTensor the way its own dispatcher would, wi
 group: an op's single-dimension strategy when it has one, else its strategy function given every
 candidate placement of every input, else the strategies DTensor derives by tracing the op's
 decomposition (CompositeImplicitAutograd ops such as linear, layer_norm, conv2d, matmul,
-cross_entropy). Attention (scaled_dot_product_attention), whose CPU kernel has no strategy, is
+cross_entropy; a plain two-operand einsum's, and a matmul's without broadcasting, are read
+from their letters, tracing only the few placements the letters do not decide). Attention (scaled_dot_product_attention), whose CPU kernel has no strategy, is
 asked as DTensor's fused-attention ops. It says nothing about cost, and nothing about HAP's
 uneven shard lengths (methods.hap.theory adds what those need).
 """
@@ -293,6 +294,8 @@ def _derive(node: fx.Node, args: list[fx.Node]):
         return _valid(_read(prop.op_strategy_funcs[op](schema), n_out), node, args), "strategy"
     if op in EXTRA_DECOMPOSITIONS:
         return _valid(_trace(EXTRA_DECOMPOSITIONS[op](node), node, args), node, args), "decomposition given here"
+    if op in _CONTRACTIONS and (triples := _contraction(node, args)) is not None:
+        return _valid(triples, node, args), "decomposition"
     if prop.decomp_strategy.has_decomp(op):
         prop.decomp_strategy.ensure_schema_info(op)
         info = prop.op_to_schema_info.get(op)
@@ -316,6 +319,71 @@ def _derive(node: fx.Node, args: list[fx.Node]):
     return None
 
 
+def _letters(node: fx.Node, args: list[fx.Node]) -> tuple[list[str], str] | None:
+    """The letters of a contraction's two operands and its output, where `_contraction` reads
+    its triples from them: an einsum in plain letters (no ellipsis, none twice in one operand),
+    or a matmul whose operands have the same batch dims or whose second is a matrix (a batch
+    dim one operand lacks broadcasts, and the decomposition then splits less than the letters
+    say); in both, floating operands without a dim of length 1 (one broadcasts too)."""
+    if len(args) != 2:
+        return None
+    if node.target is aten.matmul.default:
+        ra, rb = (a.meta["val"].dim() for a in args)
+        if ra < 2 or not (rb == 2 or rb == ra):
+            return None
+        batch = "abcdefghijklmnopqrstuvw"[: ra - 2]
+        ins, out = [batch + "xy", (batch if rb == ra else "") + "yz"], batch + "xz"
+    else:
+        equation = node.args[0] if node.args else None
+        if not isinstance(equation, str) or "." in equation or "->" not in equation:
+            return None
+        lhs, out = equation.replace(" ", "").split("->")
+        ins = lhs.split(",")
+        if len(ins) != 2 or not all(spec.isalpha() for spec in ins) or not (out.isalpha() or out == ""):
+            return None
+        if any(len(set(spec)) != len(spec) for spec in (*ins, out)):
+            return None
+        if not set(out) <= set(ins[0]) | set(ins[1]):
+            return None
+    for spec, a in zip(ins, args):
+        v = a.meta["val"]
+        if v.dim() != len(spec) or not v.dtype.is_floating_point or any(int(n) == 1 for n in v.shape):
+            return None
+    return ins, out
+
+
+# Contractions whose triples `_contraction` reads from their letters.
+_CONTRACTIONS = (aten.einsum.default, aten.matmul.default)
+
+
+def _contraction(node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout | None]] | None:
+    """An einsum's or a matmul's triples from its letters (`_letters`), the ones tracing its
+    decomposition gives: a letter of both operands, or of one operand and the output, split in
+    the operands that have it splits the output along it, or makes it partial sums where the
+    output lacks it (each operand's other letters whole). What the decomposition does with a
+    partial operand (its reshapes copy some, which DTensor refuses for partial sums) and with a
+    letter summed out of one operand alone (partial sums before the product) is traced: those
+    few placements only. None where the letters do not say (`_letters`): the whole
+    decomposition is traced then."""
+    parsed = _letters(node, args)
+    if parsed is None:
+        return None
+    ins, out = parsed
+    d = _dtensor()
+    triples: list[tuple[tuple, Layout | None]] = []
+    traced: list[tuple] = [(d["Partial"](), d["Replicate"]()), (d["Replicate"](), d["Partial"]())]
+    for letter in sorted(set(ins[0]) | set(ins[1])):
+        pre = tuple(spec.index(letter) if letter in spec else "I" for spec in ins)
+        if letter in out:
+            triples.append((pre, out.index(letter)))
+        elif all(letter in spec for spec in ins):
+            triples.append((pre, "R"))
+        else:  # summed out of one operand before the product
+            traced.append(tuple(d["Shard"](p) if isinstance(p, int) else d["Replicate"]() for p in pre))
+    triples += _trace_placements(node.target.decompose, node, args, traced)
+    return sorted(triples, key=lambda t: [(0, p) if isinstance(p, int) else (1, p) for p in (*t[0], t[1])])
+
+
 def _one_hot(node: fx.Node):
     """one_hot as a comparison with the class indices (what it computes), for DTensor to trace;
     the indices (made from nothing, whole on every device) are made before tracing starts."""
@@ -337,10 +405,15 @@ EXTRA_DECOMPOSITIONS = {aten.one_hot.default: _one_hot}
 def _trace(fn, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout | None]]:
     """Each candidate placement combination of the arguments run through `fn` on meta tensors
     under DTensor's placement tracking; a combination that needs a redistribution fails."""
+    combos = list(itertools.islice(itertools.product(*[_candidates(a) for a in args]), _MAX_COMBOS))
+    return _trace_placements(fn, node, args, combos)
+
+
+def _trace_placements(fn, node: fx.Node, args: list[fx.Node], combos) -> list[tuple[tuple, Layout | None]]:
+    """`_trace` of the given placement combinations alone."""
     from torch.distributed.tensor._decompositions import PlacementTrackingMode
 
     d = _dtensor()
-    combos = list(itertools.islice(itertools.product(*[_candidates(a) for a in args]), _MAX_COMBOS))
     triples = []
     for combo in combos:
         places = iter(combo)

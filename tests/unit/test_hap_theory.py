@@ -360,3 +360,62 @@ def test_a_functional_copy_has_its_in_place_twins_triples_and_data_parallelism_r
         assert (0, 0) in {r.pre for r in theory.rules[name] if r.post == 0}, theory.rules[name]
     assert dead_end(data_parallel_theory(theory)) is None
     assert check_all_triples(model, inputs) > 20
+
+
+def _contraction_node(equation: str | None, shapes, computed: bool) -> fx.Node:
+    """An einsum node (a matmul where `equation` is None) over placeholders (sources) or over
+    values computed from them."""
+    g = fx.Graph()
+    args = []
+    for i, shape in enumerate(shapes):
+        a = g.placeholder(f"x{i}")
+        a.meta["val"] = torch.empty(shape, device="meta")
+        if computed:
+            a = g.call_function(torch.ops.aten.clone.default, (a,))
+            a.meta["val"] = torch.empty(shape, device="meta")
+        args.append(a)
+    vals = [a.meta["val"] for a in args]
+    if equation is None:
+        node = g.call_function(torch.ops.aten.matmul.default, tuple(args))
+        node.meta["val"] = torch.matmul(*vals)
+    else:
+        node = g.call_function(torch.ops.aten.einsum.default, (equation, args))
+        node.meta["val"] = torch.einsum(equation, *vals)
+    return node
+
+
+@pytest.mark.parametrize(
+    "equation, shapes",
+    [
+        ("bsec,bsd->becd", [(4, 5, 3, 2), (4, 5, 6)]),  # BERT-MoE's dispatch
+        ("becd,edh->bech", [(4, 3, 2, 6), (3, 6, 7)]),  # its experts
+        ("bech,ehd->becd", [(4, 3, 2, 7), (3, 7, 6)]),
+        ("bsec,becd->bsd", [(4, 5, 3, 2), (4, 3, 2, 6)]),  # its combine
+        ("ij,kj->ik", [(3, 4), (5, 4)]),
+        ("bij,jk->bk", [(2, 3, 4), (4, 5)]),  # i summed out of one operand alone
+        ("abcd,dcbe->ea", [(2, 3, 4, 5), (5, 4, 3, 6)]),
+        ("i,j->ij", [(3,), (4,)]),
+        ("ij,ij->", [(3, 4), (3, 4)]),
+        ("ij,jk->ik", [(1, 4), (4, 5)]),  # a dim of length 1: the decomposition traced whole
+        (None, [(4, 3, 5, 6), (4, 3, 6, 5)]),  # matmul: attention's scores
+        (None, [(4, 5, 6), (6, 7)]),
+        (None, [(5, 6), (6, 7)]),
+        (None, [(5, 6), (4, 6, 7)]),  # broadcast batch dims: the decomposition traced whole
+        (None, [(2, 4, 5, 6), (4, 6, 5)]),
+    ],
+)
+def test_contraction_triples_from_their_letters_are_those_of_the_traced_decomposition(equation, shapes, monkeypatch):
+    from methods.hap import dtensor_rules
+
+    for computed in (False, True):
+        node = _contraction_node(equation, shapes, computed)
+        args = dtensor_rules.tensor_args(node)
+        with dtensor_rules._whole_on_one_device():
+            read = dtensor_rules._derive(node, args)
+        with monkeypatch.context() as m:
+            m.setattr(dtensor_rules, "_contraction", lambda node, args: None)
+            with dtensor_rules._whole_on_one_device():
+                traced = dtensor_rules._derive(node, args)
+        assert read[1] == traced[1] == "decomposition"
+        assert sorted(map(repr, read[0])) == sorted(map(repr, traced[0]))
+        assert len(read[0]) == len(set(read[0]))
