@@ -6,7 +6,7 @@ devices, against today's pipelines (data parallel inside a stage) of the same sh
 For each stage count S (stage_level=machine, alike=stage: a stage's group is 8/S... machines of
 one kind) and each number of micro-batches m (a group's micro-batch is global batch / m, split
 evenly over its ranks): every layer group is planned alone by hap over a group of each device
-kind (methods.pipeline.hap_stages), each start and end batch-split; a dynamic program cuts the
+kind (methods.auto.hap_stages), each start and end batch-split; a dynamic program cuts the
 groups into stages by those prices (the slowest stage's forward and backward, each stage's
 state and the micro-batches 1F1B keeps in flight within the memory), over every order of the
 slots' kinds; the best cuts' stages are then planned whole by hap and the pipeline priced by
@@ -31,20 +31,21 @@ from bench.cost import simulate
 from bench.cost.pipeline import in_flight
 from bench.runner.case import check_workload, workload_from
 from bench.runner.configs import compose_settings
-from methods.common import group_table
-from methods.graph import capture_config
-from methods.hap.planner import HapPlanner
-from methods.pipeline import PipelineParallel
-from methods.pipeline.hap_stages import (
+from methods.auto.hap_stages import (
     StagePrice,
     group_cluster,
     lockstep_program,
     plan_stage,
     price_pipeline,
     price_stage,
+    rank_aligned_buffers,
     rank_aligned_sends,
     stage_graph,
 )
+from methods.common import group_table
+from methods.graph import capture_config
+from methods.hap.planner import HapPlanner
+from methods.pipeline import PipelineParallel
 from methods.pipeline.planning import _hardware, layouts
 
 MEMORY_GIB = 16.0  # paper_hetero's V100-16 and P100-16
@@ -118,11 +119,14 @@ def _descend(chosen: list[StagePrice], whole: list[StagePrice], parts: list[Stag
     return chosen, best
 
 
-def best_cuts(S: int, G: int, order: tuple, price, flights: list[int]) -> tuple[float, list[int], list[int]] | None:
+def best_cuts(
+    S: int, G: int, order: tuple, price, flights: list[int], buffers
+) -> tuple[float, list[int], list[int]] | None:
     """Cuts of G groups into S stages (stage k on slot kind order[k]) of least slowest stage
     (forward + backward a micro-batch), each stage's state and the micro-batches its schedule
     keeps in flight (`flights`) within the memory, each stage's groups all planned at one
-    budget level. price(kind, first, end, level) -> StagePrice. Returns (slowest stage, cuts,
+    budget level. price(kind, first, end, level) -> StagePrice; buffers(k, first, end) -> GiB of
+    stage k's receive buffers over the step. Returns (slowest stage, cuts,
     each stage's level)."""
     inf = float("inf")
     best = [[inf] * (G + 1) for _ in range(S + 1)]
@@ -137,7 +141,7 @@ def best_cuts(S: int, G: int, order: tuple, price, flights: list[int]) -> tuple[
                     continue
                 for lv in range(len(BUDGETS)):
                     p = price(order[k - 1], i, j, lv)
-                    if p.peak_gib + (flight - 1) * p.activations_gib > MEMORY_GIB:
+                    if p.peak_gib + (flight - 1) * p.activations_gib + buffers(k - 1, i, j) > MEMORY_GIB:
                         continue
                     c = max(best[k - 1][i], p.forward_s + p.backward_s)
                     if c < best[k][j]:
@@ -212,9 +216,16 @@ def study(model: str, stage_counts: list[int], ms: list[int], k: int, schedule: 
                 return memo[(kd, first, end, lv)]
 
             flights = [in_flight(a) for a in lockstep_program(schedule, S, m, mb).actions]
+            share = -(-mb // size)
+
+            def buffers(k, first, end, table=table, share=share, m=m, S=S):
+                received = table.groups[first - 1].out_bytes if k else 0.0
+                sent = table.groups[end - 1].out_bytes if k + 1 < S else 0.0
+                return m * share * (received + sent) / 2**30
+
             choice = None
             for order in orders:
-                got = best_cuts(S, G, order, price, flights)
+                got = best_cuts(S, G, order, price, flights, buffers)
                 if got and (choice is None or got[0] < choice[0]):
                     choice = (got[0], got[1], order, got[2])
             t_groups = time.perf_counter() - t0
@@ -227,18 +238,26 @@ def study(model: str, stage_counts: list[int], ms: list[int], k: int, schedule: 
                 whole = []
                 for s in range(S):
                     # planned for what its device has left beside the schedule's other micro-batches
-                    room = MEMORY_GIB - (flights[s] - 1) * parts[s].activations_gib
+                    room = MEMORY_GIB - (flights[s] - 1) * parts[s].activations_gib - buffers(s, cuts[s], cuts[s + 1])
                     st = stage_graph(graph, table, cuts[s], cuts[s + 1])
                     cand, one = plan_stage(hp, st, workload, group_cluster(cluster, slots[s], memory_gib=room), m)
                     whole.append(price_stage(cand, one, group_cluster(cluster, slots[s])))
                 sends = rank_aligned_sends(table, cuts, slots, mb, cluster)
-                p_whole = price_pipeline(schedule, m, mb, whole, sends, MEMORY_GIB, cluster)
-                p_sum = price_pipeline(schedule, m, mb, parts, sends, MEMORY_GIB, cluster)
+                held = rank_aligned_buffers(table, cuts, slots, mb)
+                p_whole = price_pipeline(schedule, m, mb, whole, sends, MEMORY_GIB, cluster, held)
+                p_sum = price_pipeline(schedule, m, mb, parts, sends, MEMORY_GIB, cluster, held)
                 chosen, p_best = choose_per_stage(
                     whole,
                     parts,
                     functools.partial(
-                        price_pipeline, schedule, m, mb, sends=sends, memory_gib=MEMORY_GIB, cluster=cluster
+                        price_pipeline,
+                        schedule,
+                        m,
+                        mb,
+                        sends=sends,
+                        memory_gib=MEMORY_GIB,
+                        cluster=cluster,
+                        buffer_bytes=held,
                     ),
                 )
                 names = ["V100" if "V100" in kd[0][0] else "P100" for kd in order]

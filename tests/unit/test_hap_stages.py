@@ -1,4 +1,4 @@
-"""The hap-in-stages prototype (methods/pipeline/hap_stages.py): a stage's sub-graph, its
+"""The hap-in-stages prototype (methods/auto/hap_stages.py): a stage's sub-graph, its
 boundary conditions, hap's plan of it over a group, and the lockstep replay of a pipeline."""
 
 from __future__ import annotations
@@ -11,20 +11,21 @@ from omegaconf import OmegaConf
 
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
-from methods.common import group_table
-from methods.graph import capture_config
-from methods.hap.planner import HapPlanner
-from methods.hap.theory import REDUCE
-from methods.pipeline.hap_stages import (
+from methods.auto.hap_stages import (
     BOUNDARY,
     StagePrice,
     group_cluster,
     plan_stage,
     price_pipeline,
     price_stage,
+    rank_aligned_buffers,
     stage_graph,
     stage_theory,
 )
+from methods.common import group_table
+from methods.graph import capture_config
+from methods.hap.planner import HapPlanner
+from methods.hap.theory import REDUCE
 from tests.conftest import compose_config
 
 BATCH = 8
@@ -106,3 +107,14 @@ def test_uniform_stages_replay_to_the_textbook_pipeline(schedule: str):
     assert got.iter_time_s == pytest.approx((m + S - 1) * 3.0 + 0.5 + 0.25)
     flights = [min(m, S - k) for k in range(S)] if schedule == "1f1b" else [m] * S
     assert got.peaks_gib == pytest.approx(tuple(1.0 + (f - 1) * 0.1 for f in flights))
+    held = price_pipeline(schedule, m, BATCH, [p] * S, [0.0] * S, 16.0, cluster, [2**27] * S)
+    assert held.peaks_gib == pytest.approx(tuple(x + m / 8 for x in got.peaks_gib))
+
+
+def test_receive_buffers_are_the_busiest_ranks_share_of_both_borders():
+    table = _case()[3]
+    cuts = [0, 1, 2, table.num_groups]
+    groups = [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
+    got = rank_aligned_buffers(table, cuts, groups, 8)
+    out = [table.groups[c - 1].out_bytes for c in cuts[1:-1]]
+    assert got == pytest.approx([3 * out[0], 3 * (out[0] + out[1]), 3 * out[1]])

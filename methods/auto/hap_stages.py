@@ -29,8 +29,12 @@ data-parallel incumbent, collective choice), over a ClusterSpec of the group's m
 stage's graph instead of the model's. A stage's price per micro-batch is its program's forward
 and backward stages (collectives included) without the gradient all-reduce, which runs once
 after the schedule (`StagePrice.grad_sync_s`); the pipeline is then priced by the pipeline's
-own replay of torch's schedule (bench.cost.pipeline.replay), with the same actions and sends as
-the data-parallel-inside-stage pipeline of the same cuts and micro-batches.
+own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`: torch's traced
+actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
+
+It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
+schedule), which only auto may (a method never imports another: pyproject's import contracts).
+It plans no case and runs nothing: scripts/hap_in_stages.py prices pipelines with it.
 """
 
 from __future__ import annotations
@@ -320,6 +324,22 @@ def rank_aligned_sends(
     return out
 
 
+def rank_aligned_buffers(
+    table: GroupTable, cuts: Sequence[int], groups: Sequence[Sequence[int]], micro_batch: int
+) -> list[float]:
+    """Per stage, the bytes of one micro-batch's receive buffers on its busiest rank: its input
+    (from the stage before) and its output's gradient (from the stage after), at the rank's share
+    of the micro-batch. torch's stage keeps one of each for every micro-batch of the step (the
+    pipeline's `StageBytes.received_bytes` and `sent_bytes`)."""
+    out = []
+    for k in range(len(groups)):
+        share = -(-micro_batch // len(groups[k]))
+        received = table.groups[cuts[k] - 1].out_bytes if k else 0.0
+        sent = table.groups[cuts[k + 1] - 1].out_bytes if k + 1 < len(groups) else 0.0
+        out.append(share * (received + sent))
+    return out
+
+
 def price_pipeline(
     schedule: str,
     num_micro_batches: int,
@@ -328,11 +348,14 @@ def price_pipeline(
     sends: Sequence[float],
     memory_gib: float,
     cluster: ClusterSpec,
+    buffer_bytes: Sequence[float] = (),
 ) -> PipelinePrice:
     """A pipeline of hap stages priced by the pipeline's replay of torch's schedule
     (bench.cost.pipeline.replay of lockstep_program): each stage's forward and backward its hap
     program's seconds per micro-batch (collectives included), each border's transfer its
-    rank-aligned send; then per position its gradient sync and optimizer step. A zero-bubble
+    rank-aligned send; then per position its gradient sync and optimizer step. Memory: a stage's
+    peak with one micro-batch, its activations for each further one in flight, and its receive
+    buffers (`buffer_bytes` a micro-batch, rank_aligned_buffers) for every micro-batch. A zero-bubble
     schedule's input and weight passes are not priced apart (the prototype's schedules are
     1F1B and GPipe)."""
     K = len(prices)
@@ -347,5 +370,6 @@ def price_pipeline(
     peaks = []
     for k, p in enumerate(prices):
         flight = in_flight(program.actions[k])
-        peaks.append(p.peak_gib + (flight - 1) * p.activations_gib)
+        buffers = num_micro_batches * buffer_bytes[k] / 2**30 if buffer_bytes else 0.0
+        peaks.append(p.peak_gib + (flight - 1) * p.activations_gib + buffers)
     return PipelinePrice(total, tuple(peaks), any(x > memory_gib for x in peaks), ends)
