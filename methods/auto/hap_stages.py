@@ -1,0 +1,375 @@
+"""A prototype, planner and simulator side only: hap's synthesis inside each pipeline stage.
+
+Today a pipeline stage held by a slot of several devices (its R ranks, one per pipeline) runs
+the stage's layer groups data parallel: each rank the whole stage at its pipeline's
+micro-batch, the ranks all-reducing their gradients once the schedule is through. Here the
+slot is one group of devices that runs ONE program for the stage, synthesized by hap's
+planner over the group (sharding, tensor-parallel and expert-parallel rules, collective
+choice), on the group's micro-batch (the sum of the replicas' micro-batches), with
+activations crossing stage borders rank-aligned: rank r of stage s sends its share of the
+border tensors to rank r of stage s + 1 (torchtitan's PP x TP).
+
+Boundary conditions:
+  - precondition: every tensor crossing into a stage (not a model input) is created batch-split,
+    Gather(0) at the group's ratio row: the rank's samples of the micro-batch, as the previous
+    stage's rank r sent them (`StageGraph.crossing_in`, sources restricted to layout 0, or
+    Identity where the tensor has no batch dim);
+  - postcondition: every tensor crossing out ends batch-split, Gather(0), at the same row. A
+    middle stage has no loss, so its graph ends in a synthetic node (`BOUNDARY`) that reads the
+    crossing tensors and whose only triple is {Gather(0), ...} BOUNDARY {Reduce}: hap's goal
+    (the loss as Reduce) then holds exactly when every output is batch-split. Its backward hands
+    each output's gradient back in Gather(0), as the next stage's rank r sends it;
+  - the ratio row that splits the batch is the same at every stage (a replica's micro-batch is
+    the same at every stage): planned here over groups of alike devices of the same size,
+    with compute-proportional ratios (`lp=False`, even within an alike group), so the row is
+    tied by construction; one segment.
+
+The planner is hap's own (`HapPlanner._search_levels`: its levels, starts, A* with its
+data-parallel incumbent, collective choice), over a ClusterSpec of the group's machines, on the
+stage's graph instead of the model's. A stage's price per micro-batch is its program's forward
+and backward stages (collectives included) without the gradient all-reduce, which runs once
+after the schedule (`StagePrice.grad_sync_s`); the pipeline is then priced by the pipeline's
+own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`: torch's traced
+actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
+
+It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
+schedule), which only auto may (a method never imports another: pyproject's import contracts).
+It plans no case and runs nothing: scripts/hap_in_stages.py prices pipelines with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from bench.core.cluster import ClusterSpec, MachineGroup
+from bench.core.interfaces import Workload
+from bench.core.program import Memory, Program, without_grad_sync
+from bench.cost import FloatAlgebra, simulate, virtual_devices
+from bench.cost.pipeline import (
+    PipelineProgram,
+    PipeStage,
+    StageTimes,
+    StageWork,
+    in_flight,
+    replay,
+    transfer_s,
+)
+from bench.cost.price import collective_time, intra_grad_sync, optimizer_time, per_step_s, stage_time
+from methods.common import GroupTable
+from methods.graph import Graph, Node
+from methods.hap.lowering import build_program
+from methods.hap.planner import Candidate, HapPlanner
+from methods.hap.theory import IDENTITY, REDUCE, Rule, Theory, derive_theory
+from methods.pipeline.schedule import trace_schedule
+
+BOUNDARY = "stage_boundary"  # the synthetic last node of a middle stage's graph
+
+
+@dataclass
+class StageGraph:
+    """Layer groups [first, end) of a model's graph as a graph of their own."""
+
+    graph: Graph
+    first: int
+    end: int
+    crossing_in: list[str]  # tensors made by earlier stages that this one reads (its placeholders)
+    crossing_out: list[str]  # tensors it makes that later stages read (BOUNDARY's inputs)
+    model_inputs: list[str]  # the model's own inputs it reads (free layouts: loaded per rank)
+
+    @property
+    def last(self) -> bool:
+        return not self.crossing_out
+
+
+def stage_graph(graph: Graph, table: GroupTable, first: int, end: int) -> StageGraph:
+    """The ops of layer groups [first, end) (and on the last stage the loss's tail), the
+    parameters they read, the tensors crossing in as placeholders and, on a middle stage, a
+    BOUNDARY node reading the tensors crossing out, which is the graph's loss."""
+    last_group = table.num_groups - 1
+    members = {n for n, g in table.node_group.items() if first <= g < end}
+    if end - 1 == last_group:
+        members |= set(table.tail)
+    nodes, names = [], set()
+    crossing_in, model_inputs = [], []
+
+    def reads(n: Node) -> list[str]:
+        return [*n.inputs, *n.shape_inputs]
+
+    needed = {i for n in graph.nodes if n.name in members for i in reads(n)}
+    for n in graph.nodes:
+        if n.name in members or (n.name in needed and n.kind == "get_attr"):
+            nodes.append(n)
+        elif n.name in needed and n.kind == "placeholder":
+            nodes.append(n)
+            model_inputs.append(n.name)
+        elif n.name in needed:
+            if not n.is_tensor:
+                raise ValueError(f"{n.where} crosses into stage [{first}, {end}) but is not a tensor")
+            nodes.append(dataclasses.replace(n, kind="placeholder", inputs=[], flops=0.0, shape_inputs=[]))
+            crossing_in.append(n.name)
+        else:
+            continue
+        names.add(n.name)
+    crossing_out = [
+        n.name
+        for n in graph.nodes
+        if n.name in members and n.is_tensor and any(u not in members for u in graph.users.get(n.name, ()))
+    ]
+    if end - 1 == last_group:
+        crossing_out = []
+        loss = graph.loss
+    else:
+        if not crossing_out:
+            raise ValueError(f"stage [{first}, {end}) hands nothing to the next stage")
+        nodes.append(_boundary_node(crossing_out))
+        loss = BOUNDARY
+    # keep the graph's topological order (crossing tensors were made before every member)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    nodes.sort(key=lambda n: order.get(n.name, len(order)))
+    sub = Graph(graph.gm, nodes, loss, graph.batch_size)
+    return StageGraph(sub, first, end, crossing_in, crossing_out, model_inputs)
+
+
+def _boundary_node(outputs: list[str]) -> Node:
+    g = fx.Graph()
+    fx_node = g.call_function(torch.ops.aten.sum.default, ())
+    fx_node.name = BOUNDARY
+    return Node(BOUNDARY, "call_function", BOUNDARY, fx_node, list(outputs), (), torch.float32, 0.0, 0.0)
+
+
+def stage_theory(stage: StageGraph, sfb: bool = True, grouped: bool = True, fuse_routing: bool = True) -> Theory:
+    """hap's triples of the stage's ops, with the boundary conditions: crossing tensors created
+    batch-split (Gather(0); Identity where dim 0 is not the batch), and on a middle stage the
+    BOUNDARY triple {Gather(0) each} -> Reduce, the only way to the goal."""
+    g = stage.graph
+    core_nodes = [n for n in g.nodes if n.name != BOUNDARY]
+    core = Graph(g.gm, core_nodes, g.loss if stage.last else stage.crossing_out[0], g.batch_size)
+    theory = derive_theory(core, sfb=sfb, grouped=grouped, fuse_routing=fuse_routing)
+    sources = dict(theory.sources)
+    for t in stage.crossing_in:
+        node = g[t]
+        sources[t] = [0] if node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1 else [IDENTITY]
+    rules = dict(theory.rules)
+    if not stage.last:
+        pre = tuple(0 if _batch_like(g[t], g.batch_size) else IDENTITY for t in stage.crossing_out)
+        post = REDUCE if 0 in pre else IDENTITY
+        rules[BOUNDARY] = [Rule(BOUNDARY, pre, post, "boundary: batch-split outputs", sharded=0 in pre)]
+    return dataclasses.replace(
+        theory, graph=g, rules=rules, sources=sources, _comm_cache={}, search_cache={}, origins=dict(theory.origins)
+    )
+
+
+def _batch_like(node: Node, batch: int) -> bool:
+    return bool(node.shape) and node.shape[0] == batch and batch > 1
+
+
+def group_cluster(
+    cluster: ClusterSpec, ranks: Sequence[int], name: str = "", memory_gib: float | None = None
+) -> ClusterSpec:
+    """A cluster of the machines holding `ranks` (whole machines of one device type), with the
+    cluster's links: the group a stage's program is planned over. `memory_gib`: each device's
+    memory for the plan (a budget: hap keeps the fastest program that fits it)."""
+    devs = [cluster.devices[r] for r in ranks]
+    machines = sorted({d.machine for d in devs})
+    per = {m: [d for d in cluster.devices if d.machine == m] for m in machines}
+    if sum(len(v) for v in per.values()) != len(ranks):
+        raise ValueError(f"ranks {list(ranks)} are not whole machines")
+    kinds = {(d.type.name, d.speed, d.type.memory_gib) for d in devs}
+    if len(kinds) != 1:
+        raise ValueError(f"ranks {list(ranks)} mix device kinds {sorted(kinds)}")
+    d0 = devs[0]
+    memory = d0.type.memory_gib if memory_gib is None else memory_gib
+    group = MachineGroup(len(machines), d0.type.name, len(per[machines[0]]), d0.speed, memory)
+    return dataclasses.replace(
+        cluster, name=name or f"{cluster.name}[{ranks[0]}..{ranks[-1]}]", machines=(group,), virtual_device="gpu"
+    )
+
+
+@dataclass(frozen=True)
+class StagePrice:
+    """One stage's hap program over its group, per micro-batch of the group."""
+
+    forward_s: float  # its forward stages, collectives included, one after another
+    backward_s: float  # its backward stages without the gradient all-reduce
+    grad_sync_s: float  # the replicated parameters' gradient all-reduce, once after the schedule
+    optimizer_s: float  # the optimizer step and per-step terms
+    peak_gib: float  # the busiest device's peak with one micro-batch in flight
+    activations_gib: float  # one micro-batch's activations on the busiest device
+    state_gib: float  # parameters, gradients and Adam state on the busiest device
+    granularity: str
+    chosen: str  # "synthesis" or "data parallel"
+    summary: str  # what it does (collectives, non-batch layouts)
+
+
+def plan_stage(
+    planner: HapPlanner, stage: StageGraph, workload: Workload, group: ClusterSpec, micro_batches: int = 1
+) -> tuple[Candidate, Program]:
+    """hap's best (program, ratios) for the stage over `group` (its levels and starts), as
+    `HapPlanner._plan` searches a whole model, on the stage's graph and theory; and that
+    program as one micro-batch runs it.
+
+    `micro_batches`: the schedule's micro-batches per iteration. The candidates are scored by
+    the simulator as hap's gradient accumulation prices them (the micro-batch's forward and
+    backward that many times, the gradient all-reduce once), which is what a stage runs in a
+    schedule: scored as one step, a program that shards weights to save their all-reduce wins
+    where its collectives per micro-batch cost far more over the iteration."""
+    if micro_batches > 1:
+        planner = dataclasses.replace(planner, grad_accumulation=micro_batches)
+    theory = stage_theory(stage, planner.sfb, planner.collective_choice, planner.fuse_routing)
+    wl = dataclasses.replace(workload, global_batch=stage.graph.batch_size)
+    levels = [group.virtual_device]
+    if planner.levels == "both" and group.num_machines < group.num_devices:
+        levels = ["machine", "gpu"]
+    meta = {"method": "hap-in-stage", "model": workload.name, "groups": [stage.first, stage.end]}
+    rounds: list = []
+    stats = {"expanded": 0, "pruned": 0, "beam_pruned": 0, "search_s": 0.0, "lp_s": 0.0}
+    try:
+        best, rows = planner._search_levels(theory, wl, group, levels, meta, rounds, stats, "")
+        if best is None:
+            raise ValueError(f"stage [{stage.first}, {stage.end}): {rows[0].get('error')}")
+        cost = planner._cost_model(theory, group, best.program.granularity, best.ratios)
+        one = build_program(best.result.steps, cost, meta, planner.grad_overlap, planner.bucket_cap_mb * 2**20, 1)
+    finally:
+        planner._costs.clear()
+        planner._simulated.clear()
+    return best, one
+
+
+def price_stage(cand: Candidate, one: Program, group: ClusterSpec) -> StagePrice:
+    """The stage's per-micro-batch parts (StagePrice) from its program (`one`: as one
+    micro-batch runs it) at its ratios."""
+    program = one
+    ratios = cand.ratios
+    vdevs = virtual_devices(group, program.granularity)
+    alg = FloatAlgebra(ratios)
+    steps = cand.result.steps
+    n_fwd = len(steps)
+    fwd, bwd = program.stages[:n_fwd], program.stages[n_fwd:]
+    forward = sum(stage_time(st, group, vdevs, ratios) for st in fwd)
+    backward = sum(stage_time(st, group, vdevs, ratios) for st in without_grad_sync(bwd))
+    sync = 0.0
+    for st in bwd:
+        sync += sum(collective_time(c, group, vdevs, ratios) for c in st.collectives if c.grad)
+        sync += float(intra_grad_sync(st, group, vdevs, alg))
+    opt = float(optimizer_time(program, vdevs, alg)) + float(per_step_s(program, group, vdevs, alg))
+    sim = simulate(program, group, ratios)
+    d = max(range(len(sim.peak_mem_gib)), key=lambda i: sim.peak_mem_gib[i])
+    mem = sim.memory_gib[d]
+    comms = sorted({f"{c.kind}" for s in steps for c in s.comms if not c.free})
+    layouts = sorted({f"{s.node}:{s.rule.post}" for s in steps if isinstance(s.rule.post, int) and s.rule.post != 0})
+    summary = f"comms {comms or 'none'}; {len(layouts)} ops with a non-batch split"
+    return StagePrice(
+        forward,
+        backward,
+        sync,
+        opt,
+        sim.peak_mem_gib[d],
+        mem["activations"],
+        mem["params"] + mem["grads"] + mem["optimizer"],
+        program.granularity,
+        cand.kind,
+        summary,
+    )
+
+
+@dataclass(frozen=True)
+class PipelinePrice:
+    iter_time_s: float
+    peaks_gib: tuple[float, ...]  # per stage: its state and the micro-batches its schedule keeps in flight
+    oom: bool
+    ends_s: tuple[float, ...]  # per position: when its schedule is through (before sync and optimizer)
+
+
+def lockstep_program(schedule: str, num_stages: int, num_micro_batches: int, micro_batch: int) -> PipelineProgram:
+    """One pipeline of `num_stages` positions running torch's `schedule` (its traced actions,
+    methods.pipeline.schedule.trace_schedule): the stand-in for a pipeline of hap stages, whose
+    groups move in lockstep (each stage's collectives join its group's ranks), so that one
+    rank-aligned pipeline replays them all. Its stages carry no work: price_pipeline gives the
+    replay each stage's seconds."""
+    traces = [trace_schedule(schedule, num_stages, num_micro_batches, r) for r in range(num_stages)]
+    if traces[0].stage_rank != tuple(range(num_stages)):
+        raise ValueError(f"the prototype prices one stage per rank; {schedule} places {traces[0].stage_rank}")
+    empty = StageWork((), (), (0.0, 0.0), 0.0)
+    stages = tuple(PipeStage((k, k + 1), (k,), (empty,), 0.0) for k in range(num_stages))
+    return PipelineProgram(
+        stages=stages,
+        actions=tuple(t.actions for t in traces),
+        num_micro_batches=num_micro_batches,
+        micro_batches=(micro_batch,),
+        num_devices=num_stages,
+        memory=tuple((Memory(),) for _ in range(num_stages)),
+        schedule=schedule,
+    )
+
+
+def rank_aligned_sends(
+    table: GroupTable, cuts: Sequence[int], groups: Sequence[Sequence[int]], micro_batch: int, cluster: ClusterSpec
+) -> list[float]:
+    """Per stage, seconds of its rank-aligned send of one micro-batch's border tensors: rank r
+    of stage k sends its share (the micro-batch split evenly over the group) to rank r of stage
+    k + 1, every pair at once over its own link (the slowest pair counted); 0 on the last stage."""
+    out = []
+    for k in range(len(groups)):
+        if k + 1 == len(groups):
+            out.append(0.0)
+            continue
+        shares = [micro_batch // len(groups[k]) + (i < micro_batch % len(groups[k])) for i in range(len(groups[k]))]
+        per_sample = table.groups[cuts[k + 1] - 1].out_bytes
+        out.append(max(transfer_s(n * per_sample, cluster, a, b) for n, a, b in zip(shares, groups[k], groups[k + 1])))
+    return out
+
+
+def rank_aligned_buffers(
+    table: GroupTable, cuts: Sequence[int], groups: Sequence[Sequence[int]], micro_batch: int
+) -> list[float]:
+    """Per stage, the bytes of one micro-batch's receive buffers on its busiest rank: its input
+    (from the stage before) and its output's gradient (from the stage after), at the rank's share
+    of the micro-batch. torch's stage keeps one of each for every micro-batch of the step (the
+    pipeline's `StageBytes.received_bytes` and `sent_bytes`)."""
+    out = []
+    for k in range(len(groups)):
+        share = -(-micro_batch // len(groups[k]))
+        received = table.groups[cuts[k] - 1].out_bytes if k else 0.0
+        sent = table.groups[cuts[k + 1] - 1].out_bytes if k + 1 < len(groups) else 0.0
+        out.append(share * (received + sent))
+    return out
+
+
+def price_pipeline(
+    schedule: str,
+    num_micro_batches: int,
+    micro_batch: int,
+    prices: Sequence[StagePrice],
+    sends: Sequence[float],
+    memory_gib: float,
+    cluster: ClusterSpec,
+    buffer_bytes: Sequence[float] = (),
+) -> PipelinePrice:
+    """A pipeline of hap stages priced by the pipeline's replay of torch's schedule
+    (bench.cost.pipeline.replay of lockstep_program): each stage's forward and backward its hap
+    program's seconds per micro-batch (collectives included), each border's transfer its
+    rank-aligned send; then per position its gradient sync and optimizer step. Memory: a stage's
+    peak with one micro-batch, its activations for each further one in flight, and its receive
+    buffers (`buffer_bytes` a micro-batch, rank_aligned_buffers) for every micro-batch. A zero-bubble
+    schedule's input and weight passes are not priced apart (the prototype's schedules are
+    1F1B and GPipe)."""
+    K = len(prices)
+    program = lockstep_program(schedule, K, num_micro_batches, micro_batch)
+    times = [
+        StageTimes(p.forward_s, p.backward_s, 0.0 if k == 0 else p.backward_s / 2, p.backward_s / (1 if k == 0 else 2))
+        for k, p in enumerate(prices)
+    ]
+    lines = replay(program, cluster, 0, times, list(sends))
+    ends = tuple(line.end_s for line in lines)
+    total = max(ends[k] + prices[k].grad_sync_s + prices[k].optimizer_s for k in range(K))
+    peaks = []
+    for k, p in enumerate(prices):
+        flight = in_flight(program.actions[k])
+        buffers = num_micro_batches * buffer_bytes[k] / 2**30 if buffer_bytes else 0.0
+        peaks.append(p.peak_gib + (flight - 1) * p.activations_gib + buffers)
+    return PipelinePrice(total, tuple(peaks), any(x > memory_gib for x in peaks), ends)
