@@ -53,8 +53,10 @@ class EmulationOptions:
     # A repeated case (bench.compare's rounds) sets the reference again at every round, so that
     # the rounds' interval spans how a reference varies between sets of it (docs/emulation.md).
     reference_each_round: bool = option(True, rule=_BOOL, example="false")
-    # Full-pace iterations that set the reference again at a later round (at most reference_iters).
-    round_reference_iters: int = option(4, rule="an integer >= 1", example="4")
+    # Full-pace iterations that set the reference again at a later round (at most reference_iters):
+    # fewer save time but set a slower reference, by a measure that differs between methods
+    # (docs/emulation.md).
+    round_reference_iters: int = option(12, rule="an integer >= 1", example="4")
     # A rank that waited on its peers while referencing takes the measured slowdown after such a
     # pause out of its reference (docs/emulation.md).
     pause_discount: bool = option(True, rule=_BOOL, example="false")

@@ -28,7 +28,7 @@ class EmulationSettings:
     # A later round of a repeated case sets the reference again (Pacing.begin_round), from this
     # many full-pace iterations (at most reference_iters).
     reference_each_round: bool = True
-    round_reference_iters: int = 4
+    round_reference_iters: int = 12
     # A reference measured earlier for this same rank workload (Emulator.report's
     # `reference_s`): the rank is paced against it from the start, so that cases sharing it
     # emulate one device at one speed however this host drifts between them (bench.dilation).
