@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import itertools
-import json
 import logging
-import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
 
-from bench.core.paths import user_cache_dir
+from bench.core.kept_json import KeptJson
 
 log = logging.getLogger(__name__)
 
@@ -164,14 +159,15 @@ def _signature(node: fx.Node, args: list[fx.Node]) -> tuple:
 
 _cache: dict[tuple, Any] = {}
 # Derivations by their signature's text, as kept on disk for later processes (save_derivations).
-_stored: dict[str, Any] | None = None
+# One file per torch version and version of this module: DTensor's strategies are torch's.
+_STORE = KeptJson("dtensor_rules", __file__, "DTensor rule cache")
 _unsaved: dict[str, Any] = {}
 
 
 def _derive_cached(key: tuple, node: fx.Node, args: list[fx.Node]):
     if key not in _cache:
         text = repr(key)
-        stored = _load_stored()
+        stored = _STORE.load()
         if text in stored:
             _cache[key] = _from_json(stored[text])
             return _cache[key]
@@ -184,47 +180,11 @@ def _derive_cached(key: tuple, node: fx.Node, args: list[fx.Node]):
     return _cache[key]
 
 
-def _store_path() -> Path:
-    """One file per torch version and version of this module: DTensor's strategies are torch's."""
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return user_cache_dir() / f"dtensor_rules-{torch.__version__}-{code}.json"
-
-
-def _load_stored() -> dict[str, Any]:
-    global _stored
-    if _stored is None:
-        _stored = {}
-        path = _store_path()
-        if path.is_file():
-            try:
-                _stored = dict(json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError) as exc:  # damaged: derived again and rewritten
-                log.warning("DTensor rule cache %s is unreadable (%s); deriving again", path, exc)
-    return _stored
-
-
 def save_derivations() -> None:
-    """Keep the derivations this process made on disk, beside those other processes kept (the
-    file written whole, then renamed into place; a folder that is not writable keeps none)."""
-    if not _unsaved:
-        return
-    path = _store_path()
-    try:
-        on_disk = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        on_disk = {}
-    merged = {**on_disk, **{k: _to_json(v) for k, v in _unsaved.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("DTensor rule cache %s not written (%s)", path, exc)
-        return
-    _load_stored().update(merged)
-    _unsaved.clear()
+    """Keep the derivations this process made on disk, beside those other processes kept
+    (bench.core.kept_json)."""
+    if _STORE.save({k: _to_json(v) for k, v in _unsaved.items()}):
+        _unsaved.clear()
 
 
 def _to_json(value):

@@ -9,22 +9,13 @@ DTensor)."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
-import logging
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from bench.core.errors import ConfigError
-from bench.core.paths import user_cache_dir
+from bench.core.kept_json import KeptJson
 from bench.cost.pipeline import COMPUTE, MULTI_STAGE, SCHEDULES
-
-log = logging.getLogger(__name__)
 
 
 def schedule_class(name: str):
@@ -313,27 +304,9 @@ def _no_loss(output, target):
 # A trace of more values than this is traced again by each process: its entry would cost more to
 # read than to trace.
 KEPT_MAX_VALUES = 100_000
-_kept_on_disk: dict[str, dict] | None = None
+# One file per torch version and version of this module: the traces are torch's schedules.
+_KEPT = KeptJson("schedules", __file__, "schedule trace cache")
 _unsaved: dict[str, dict] = {}
-
-
-def _kept_path() -> Path:
-    """One file per torch version and version of this module: the traces are torch's schedules."""
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return user_cache_dir() / f"schedules-{torch.__version__}-{code}.json"
-
-
-def _load_kept() -> dict[str, dict]:
-    global _kept_on_disk
-    if _kept_on_disk is None:
-        _kept_on_disk = {}
-        path = _kept_path()
-        try:
-            body = json.loads(path.read_text()) if path.is_file() else {}
-            _kept_on_disk = {k: v for k, v in body.items() if isinstance(v, dict) and ("found" in v or "refused" in v)}
-        except (OSError, ValueError, AttributeError) as exc:  # damaged: traced again and rewritten
-            log.warning("schedule trace cache %s is unreadable (%s); tracing again", path, exc)
-    return _kept_on_disk
 
 
 def _tuples(value):
@@ -352,9 +325,11 @@ def _kept(kind: str, key: tuple, make):
     """`make(*key)` (nested tuples of JSON values), or the ScheduleRefused it raised: as a
     process kept it on disk, else made (and kept, up to KEPT_MAX_VALUES values)."""
     text = json.dumps([kind, *key])
-    entry = _load_kept().get(text) or _unsaved.get(text)
-    if entry is not None:
-        return ScheduleRefused(entry["refused"]) if "refused" in entry else _tuples(entry["found"])
+    entry = _unsaved.get(text) or _KEPT.load().get(text)
+    if isinstance(entry, dict) and "refused" in entry:
+        return ScheduleRefused(str(entry["refused"]))
+    if isinstance(entry, dict) and isinstance(entry.get("found"), list):
+        return _tuples(entry["found"])
     try:
         made = make(*key)
     except ScheduleRefused as exc:
@@ -366,26 +341,7 @@ def _kept(kind: str, key: tuple, make):
 
 
 def save_traces() -> None:
-    """Keep the traces this process made on disk beside those other processes kept (the file
-    written whole, then renamed into place: a killed writer leaves the old file; a folder that
-    is not writable keeps none)."""
-    if not _unsaved:
-        return
-    path = _kept_path()
-    try:
-        on_disk = json.loads(path.read_text()) if path.is_file() else {}
-        on_disk = on_disk if isinstance(on_disk, dict) else {}
-    except (OSError, ValueError):
-        on_disk = {}
-    merged = {**on_disk, **_unsaved}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("schedule trace cache %s not written (%s)", path, exc)
-        return
-    _load_kept().update(_unsaved)
-    _unsaved.clear()
+    """Keep the traces this process made on disk, beside those other processes kept
+    (bench.core.kept_json)."""
+    if _KEPT.save(_unsaved):
+        _unsaved.clear()

@@ -152,28 +152,28 @@ def test_a_half_written_file_is_never_read(cache):
 def test_kept_derivations_give_the_same_triples_and_damage_is_derived_again(cache, monkeypatch):
     graph = graph_module.capture_config(model_config("model=bert_moe"), 4)
     monkeypatch.setattr(dtensor_rules, "_cache", {})
-    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    monkeypatch.setattr(dtensor_rules._STORE, "_read", None)
     derived = derive_theory(graph).rules  # derived, then kept on disk
-    path = dtensor_rules._store_path()
+    path = dtensor_rules._STORE.path()
     assert path.is_file()
     monkeypatch.setattr(dtensor_rules, "_cache", {})
-    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    monkeypatch.setattr(dtensor_rules._STORE, "_read", None)
     monkeypatch.setattr(dtensor_rules, "_derive", lambda *a: pytest.fail("derived although kept"))
     assert derive_theory(graph).rules == derived
     monkeypatch.undo()
     monkeypatch.setenv("HETBENCH_CACHE_DIR", str(cache.parent))
     path.write_text("{ not json")
     monkeypatch.setattr(dtensor_rules, "_cache", {})
-    monkeypatch.setattr(dtensor_rules, "_stored", None)
+    monkeypatch.setattr(dtensor_rules._STORE, "_read", None)
     assert derive_theory(graph).rules == derived
-    assert dtensor_rules._load_stored()  # rewritten
+    assert dtensor_rules._STORE.load()  # rewritten
 
 
 def _forget_schedules(monkeypatch) -> None:
     monkeypatch.setattr(schedule, "_orders", {})
     monkeypatch.setattr(schedule, "_traces", {})
-    monkeypatch.setattr(schedule, "_kept_on_disk", None)
     monkeypatch.setattr(schedule, "_unsaved", {})
+    monkeypatch.setattr(schedule._KEPT, "_read", None)
 
 
 SHAPES = [("interleaved1f1b", 2, 3, 2), ("loopedbfs", 2, 4, 2), ("zbvzerobubble", 2, 4, 2)]
@@ -185,7 +185,7 @@ def test_kept_schedule_traces_are_torchs_and_damage_is_traced_again(cache, monke
     with pytest.raises(schedule.ScheduleRefused) as refused:
         schedule.compute_order("1f1b", 2, 1, 1)  # torch's own check refuses it
     schedule.save_traces()
-    path = schedule._kept_path()
+    path = schedule._KEPT.path()
     assert path.is_file()
     _forget_schedules(monkeypatch)
     monkeypatch.setattr(schedule, "_compute_order", lambda *a: pytest.fail("traced although kept"))
@@ -201,4 +201,5 @@ def test_kept_schedule_traces_are_torchs_and_damage_is_traced_again(cache, monke
     _forget_schedules(monkeypatch)
     assert schedule.compute_order(*SHAPES[0]) == traced[SHAPES[0]][0]
     schedule.save_traces()
-    assert schedule._load_kept()  # rewritten whole
+    monkeypatch.setattr(schedule._KEPT, "_read", None)
+    assert schedule._KEPT.load()  # rewritten whole
