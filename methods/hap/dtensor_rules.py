@@ -8,8 +8,9 @@ group: an op's single-dimension strategy when it has one, else its strategy func
 candidate placement of every input, else the strategies DTensor derives by tracing the op's
 decomposition (CompositeImplicitAutograd ops such as linear, layer_norm, conv2d, matmul,
 cross_entropy; a plain two-operand einsum's, and a matmul's without broadcasting, are read
-from their letters, tracing only the few placements the letters do not decide). Attention (scaled_dot_product_attention), whose CPU kernel has no strategy, is
-asked as DTensor's fused-attention ops. It says nothing about cost, and nothing about HAP's
+from their letters, tracing only the few placements the letters do not decide). Attention
+(scaled_dot_product_attention), whose CPU kernel has no strategy, is asked as DTensor's
+fused-attention ops. It says nothing about cost, and nothing about HAP's
 uneven shard lengths (methods.hap.theory adds what those need).
 """
 
