@@ -3,8 +3,9 @@
 What it does: times `import torch` (the floor every command pays), hap's plan of the paper
 models on `paper_hetero` (k = 8) in a fresh process with cold and warm caches (the row's
 `planner_time_s`, and its capture and search seconds where the row has them), `bench.plan`'s
-wall time cold and warm, and hap on 1,024 and 10,000 GPUs; each `--repeat` times, printed as
-median [min-max]. Caches live in a temporary folder (HETBENCH_CACHE_DIR, results_dir): the
+wall time cold and warm, hap on 1,024 and 10,000 GPUs, and (`--only auto,auto_scale`) the
+whole-space planner, `method=auto`, on the paper models and Llama 7B shape at k = 8 and on BERT
+at 1,024 GPUs; each `--repeat` times, printed as median [min-max]. Caches live in a temporary folder (HETBENCH_CACHE_DIR, results_dir): the
 user's are never read or written; `models` runs with the plan cache off (every run searches),
 `plan_cache` with it on (the warm run loads the plan the cold one cached). What it doesn't do:
 the suite.
@@ -12,6 +13,7 @@ the suite.
     python scripts/pace.py --repeat 3
     python scripts/pace.py --only plan,scale
     python scripts/pace.py --only main   # the main job, with the time it spends outside iterations
+    python scripts/pace.py --only torch,auto,auto_scale --repeat 2   # auto's planning time
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MODELS = ("vgg19", "vit", "bert", "bert_moe")
+LLAMA_7B = ["model=hf", "model.arch=llama"]  # the zoo table's Llama 7B shape (its config's sizes)
 SCALES = {  # GPUs: (V100 machines, P100 machines) of paper_hetero's 8-GPU machines
     1024: (32, 96),
     10000: (312, 938),
@@ -84,18 +87,19 @@ class Bench:
         walls = [timed([PY, "-c", "import torch"], dict(os.environ))[0] for _ in range(max(3, self.repeat))]
         self.rows.append(("python -c 'import torch'", spread(walls), "-", "-", "-"))
 
-    def sim_case(self, label: str, overrides: list[str], warm_plan: bool = False) -> None:
-        """hap in mode=sim, cold (fresh caches) then warm (the same caches again, the plan
-        cache off unless warm_plan): wall, planner, capture and search seconds."""
+    def sim_case(self, label: str, overrides: list[str], warm_plan: bool = False, plan_cache: str = "method") -> None:
+        """A planner in mode=sim, cold (fresh caches) then warm (the same caches again, the plan
+        cache off unless warm_plan): wall, planner, capture and search seconds. `plan_cache`:
+        where the method's plan-cache option is (`method.hap` for auto's hap part)."""
         cold: dict[str, list[float]] = {k: [] for k in ("wall", "planner", "capture", "search")}
         warm: dict[str, list[float]] = {k: [] for k in cold}
         for _ in range(self.repeat):
             tmp = Path(tempfile.mkdtemp(prefix="hetbench-pace-"))
             try:
-                plan_cache = [] if warm_plan else ["method.cache_dir=null"]
+                no_plan_cache = [] if warm_plan else [f"{plan_cache}.cache_dir=null"]
                 cmd = [PY, "-m", "bench.run", "mode=sim", "logger=none", f"results_dir={tmp / 'runs'}"]
                 for bucket in (cold, warm):
-                    wall, _ = timed([*cmd, *plan_cache, *overrides], self.env(tmp / "cache"))
+                    wall, _ = timed([*cmd, *no_plan_cache, *overrides], self.env(tmp / "cache"))
                     row = last_row(tmp / "runs")
                     plan = row.get("plan") or {}
                     bucket["wall"].append(wall)
@@ -173,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="fresh-process runs of each timing")
     ap.add_argument(
-        "--only", default="torch,models,plan,scale", help="comma list of: torch, models, plan_cache, plan, scale, main"
+        "--only",
+        default="torch,models,plan,scale",
+        help="comma list of: torch, models, plan_cache, plan, scale, main, auto, auto_scale",
     )
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args(argv)
@@ -198,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
             case = ["model=bert", "preset=paper", "cluster=paper_hetero", "method=hap"]
             case += [f"cluster.machines.0.count={v100}", f"cluster.machines.1.count={p100}"]
             bench.sim_case(f"hap bert paper, {gpus:,} GPUs", case)
+    if "auto" in parts:
+        for model in args.models.split(","):
+            case = [f"model={model}", "preset=paper", "cluster=paper_hetero", "method=auto"]
+            bench.sim_case(f"auto {model} paper, paper_hetero k=8", case, plan_cache="method.hap")
+        case = [*LLAMA_7B, "preset=paper", "cluster=paper_hetero", "method=auto"]
+        bench.sim_case("auto Llama 7B shape paper, paper_hetero k=8", case, plan_cache="method.hap")
+    if "auto_scale" in parts:
+        v100, p100 = SCALES[1024]
+        case = ["model=bert", "preset=paper", "cluster=paper_hetero", "method=auto"]
+        case += [f"cluster.machines.0.count={v100}", f"cluster.machines.1.count={p100}"]
+        bench.sim_case("auto bert paper, 1,024 GPUs", case, plan_cache="method.hap")
     bench.print()
     return 0
 

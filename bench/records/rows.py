@@ -79,7 +79,7 @@ class RunRecord:
     predicted_oom: bool | None = None
     planner_time_s: float | None = None
     capture_time_s: float | None = None  # of planner_time_s: the model's capture (0 where it came from the cache)
-    search_time_s: float | None = None  # of planner_time_s: the planner's search, LP included (hap, sfb)
+    search_time_s: float | None = None  # of planner_time_s: the planner's search, LP included (hap, sfb, auto)
     # Wall seconds of the run's parts: prepare_s (validating and planning: a case's first run),
     # workers_s (the round on the workers, from start or the launcher's word to every result) and,
     # the most over the ranks, setup_s (joining, building, the method's set-up: the first round),

@@ -246,13 +246,13 @@ def _planned(record: RunRecord, method, workload, cluster: ClusterSpec):
     start = time.perf_counter()
     plan = method.plan(workload, cluster)
     record.planner_time_s = time.perf_counter() - start
-    # Of the planner's time (hap's, sfb's): the capture and the search with its LP; a plan the
-    # plan cache held cost neither.
+    # Of the planner's time (hap's, sfb's, auto's): the capture and the search with its LP; a
+    # plan the plan cache held cost neither.
     cached = (plan.details.get("cache") or {}).get("status") == "hit"
-    search = [plan.details.get(k) for k in ("search_time_s", "lp_time_s")]
-    if None not in search:
-        record.capture_time_s = 0.0 if cached else plan.details.get("capture_time_s")
-        record.search_time_s = 0.0 if cached else sum(search)
+    capture, search = plan.details.get("capture_time_s"), plan.details.get("search_time_s")
+    if capture is not None and search is not None:
+        record.capture_time_s = 0.0 if cached else capture
+        record.search_time_s = 0.0 if cached else search + plan.details.get("lp_time_s", 0.0)
     record.plan = plan.details
     record.plan_hash = plan_hash(plan)
     record.batch_shares = plan.batch_shares

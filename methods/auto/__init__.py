@@ -46,6 +46,9 @@ from methods.graph import capture_config
 __all__ = ["Auto", "Candidate", "NoPlanFits"]
 
 STAGE_LEVELS = ("auto", "device", "machine")
+# What the chosen part's plan says of its own planning (hap's: its capture, theory, search, LP,
+# plan cache), kept under details["auto"]["part_planning"].
+PART_TIMINGS = ("capture_time_s", "theory_time_s", "search_time_s", "lp_time_s", "planned_in_s", "cache")
 
 
 def _whole(value) -> bool:
@@ -188,17 +191,26 @@ class Auto:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
+        capture_config(workload.model_cfg, workload.global_batch)  # the graph every part reads
+        captured = time.perf_counter() - t0
         cands = self.space(workload, cluster)
         found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
         plan = found.best.plan
         assert plan is not None
         plan.method = self.name
+        planned_in = time.perf_counter() - t0
+        # The planning times at the top are this plan's, auto's: its capture, then its search
+        # (every candidate's planning and pricing). The chosen part's own are kept beside it.
+        part = {k: plan.details[k] for k in PART_TIMINGS if k in plan.details}
         plan.details = {
-            **plan.details,
+            **{k: v for k, v in plan.details.items() if k not in PART_TIMINGS},
+            "capture_time_s": captured,
+            "search_time_s": planned_in - captured,
             "auto": {
                 **found.details(),
                 "memory_budget_gib": self.memory_budget_gib,
-                "planned_in_s": time.perf_counter() - t0,
+                "planned_in_s": planned_in,
+                "part_planning": part,
             },
         }
         return plan

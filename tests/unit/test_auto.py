@@ -286,3 +286,21 @@ def test_a_memory_budget_no_plan_meets_is_an_oom_row(config_factory, capsys):
 def test_auto_refuses_bad_options_at_construction():
     with pytest.raises(ConfigError, match="method.activation_checkpointing='maybe'"):
         Auto(None, None, None, None, activation_checkpointing="maybe")
+
+
+def test_an_auto_row_reports_autos_own_capture_and_search_even_where_its_part_came_from_the_plan_cache(
+    config_factory,
+):
+    """The row's capture and search seconds are auto's planning (its capture, then every
+    candidate planned and priced), not its chosen part's: a hap plan that came from hap's plan
+    cache cost auto's search nothing of its own, yet auto priced the other candidates. The part's
+    own figures stay in details["auto"]["part_planning"]."""
+    overrides = ("method=auto", "mode=sim", "cluster=paper_hetero", "method.stages=1", "method.state=replicated")
+    first, again = run_config(config_factory(*overrides)), run_config(config_factory(*overrides))
+    for record in (first, again):
+        assert record.status == "ok" and record.plan["auto"]["chosen"]["state"] == "replicated"
+        assert "cache" not in record.plan and "lp_time_s" not in record.plan
+        assert record.capture_time_s > 0 and record.search_time_s > 0
+        assert record.capture_time_s + record.search_time_s <= record.planner_time_s
+        assert record.search_time_s == pytest.approx(record.plan["auto"]["planned_in_s"] - record.capture_time_s)
+    assert [r.plan["auto"]["part_planning"]["cache"]["status"] for r in (first, again)] == ["miss", "hit"]
