@@ -5,7 +5,7 @@ models on `paper_hetero` (k = 8) in a fresh process with cold and warm caches (t
 `planner_time_s`, and its capture and search seconds where the row has them), `bench.plan`'s
 wall time cold and warm, hap on 1,024 and 10,000 GPUs, and (`--only auto,auto_scale`) the
 whole-space planner, `method=auto`, on the paper models and Llama 7B shape at k = 8 and on BERT
-at 1,024 GPUs; each `--repeat` times, printed as median [min-max]. Caches live in a temporary folder (HETBENCH_CACHE_DIR, results_dir): the
+at 128, 512 and 1,024 GPUs; each `--repeat` times, printed as median [min-max]. Caches live in a temporary folder (HETBENCH_CACHE_DIR, results_dir): the
 user's are never read or written; `models` runs with the plan cache off (every run searches),
 `plan_cache` with it on (the warm run loads the plan the cold one cached). What it doesn't do:
 the suite.
@@ -38,6 +38,7 @@ SCALES = {  # GPUs: (V100 machines, P100 machines) of paper_hetero's 8-GPU machi
     1024: (32, 96),
     10000: (312, 938),
 }
+AUTO_SCALES = {128: (4, 12), 512: (16, 48), 1024: (32, 96)}  # GPUs: paper_hetero's machines, as SCALES
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
@@ -210,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             bench.sim_case(f"auto {model} paper, paper_hetero k=8", case, plan_cache="method.hap")
         case = [*LLAMA_7B, "preset=paper", "cluster=paper_hetero", "method=auto"]
         bench.sim_case("auto Llama 7B shape paper, paper_hetero k=8", case, plan_cache="method.hap")
-    if "auto_scale" in parts:
-        v100, p100 = SCALES[1024]
-        case = ["model=bert", "preset=paper", "cluster=paper_hetero", "method=auto"]
-        case += [f"cluster.machines.0.count={v100}", f"cluster.machines.1.count={p100}"]
-        bench.sim_case("auto bert paper, 1,024 GPUs", case, plan_cache="method.hap")
+    if "auto_scale" in parts:  # the sizes Sailor (SOSP'25) reports its planning time at, and 1,024
+        for gpus, (v100, p100) in AUTO_SCALES.items():
+            case = ["model=bert", "preset=paper", "cluster=paper_hetero", "method=auto"]
+            case += [f"cluster.machines.0.count={v100}", f"cluster.machines.1.count={p100}"]
+            bench.sim_case(f"auto bert paper, {gpus:,} GPUs", case, plan_cache="method.hap")
     bench.print()
     return 0
 
