@@ -48,10 +48,18 @@ def stage_map(comm: float, comp: float, collectives: bool, overlap: bool, sync: 
 
 def compose(later: tuple, earlier: tuple) -> tuple:
     """The map of `earlier` then `later` (max-plus product later x earlier)."""
-    return tuple(
-        max(later[i * 3] + earlier[j], later[i * 3 + 1] + earlier[3 + j], later[i * 3 + 2] + earlier[6 + j])
-        for i in range(3)
-        for j in range(3)
+    a0, a1, a2, a3, a4, a5, a6, a7, a8 = later
+    b0, b1, b2, b3, b4, b5, b6, b7, b8 = earlier
+    return (  # entry (i, j): max over k of later[i][k] + earlier[k][j], written out
+        max(a0 + b0, a1 + b3, a2 + b6),
+        max(a0 + b1, a1 + b4, a2 + b7),
+        max(a0 + b2, a1 + b5, a2 + b8),
+        max(a3 + b0, a4 + b3, a5 + b6),
+        max(a3 + b1, a4 + b4, a5 + b7),
+        max(a3 + b2, a4 + b5, a5 + b8),
+        max(a6 + b0, a7 + b3, a8 + b6),
+        max(a6 + b1, a7 + b4, a8 + b7),
+        max(a6 + b2, a7 + b5, a8 + b8),
     )
 
 

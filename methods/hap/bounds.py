@@ -67,53 +67,79 @@ def remaining_bound(theory: Theory, cost: CostModel, order: list[str]) -> list[f
     if key not in theory.search_cache:
         theory.search_cache[key] = (
             _first_reads(theory, order),
-            [_tree(theory, order, fewest) for fewest in (True, False)],
+            [_tree_walk(theory, order, _tree(theory, order, fewest)) for fewest in (True, False)],
         )
-    first, trees = theory.search_cache[key]
+    first, walks = theory.search_cache[key]
 
     def created(name: str, r: Rule) -> list[int]:  # the sources op `name` creates when it runs r
         inputs = theory.graph[name].inputs
         return [k for k in first.get(name, ()) if r.pre[k] in theory.sources[inputs[k]]]
 
     key = ("rows", cost.segments_key, tuple(order))
-    if key not in theory.search_cache:  # per op: what its row reads (ops of a deep model's layers share it)
-        theory.search_cache[key] = [
-            tuple(
-                (
-                    cost.rule_key(name, r),
-                    tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r) for k in created(name, r)),
-                )
-                for r in theory.rules[name]
+    if key not in theory.search_cache:
+        # Per op, what its row reads (ops of a deep model's layers share it), named by a number:
+        # each op's number and, per number, its first op.
+        ids: dict = {}
+        numbers = [
+            ids.setdefault(
+                tuple(
+                    (
+                        cost.rule_key(name, r),
+                        tuple(cost.source_key(theory.graph[name].inputs[k], r.pre[k], r) for k in created(name, r)),
+                    )
+                    for r in theory.rules[name]
+                ),
+                len(ids),
             )
             for name in order
         ]
-    rows: dict = {}
-    own = []  # per op, per triple: its compute and the sync of the sources it creates
-    for name, row_key in zip(order, theory.search_cache[key]):
-        row = rows.get(row_key)
-        if row is None:
-            inputs = theory.graph[name].inputs
-            row = rows[row_key] = []
-            for r in theory.rules[name]:
-                t = cost.rule_time(name, r)
-                for k in created(name, r):
-                    t += cost.source_time(inputs[k], r.pre[k], r)
-                row.append(t)
-        own.append(row)
+        firsts: dict[int, int] = {}
+        for i, number in enumerate(numbers):
+            firsts.setdefault(number, i)
+        theory.search_cache[key] = numbers, [order[i] for i in firsts.values()]
+    numbers, firsts = theory.search_cache[key]
+    rows = []  # per number: per triple, its compute and the sync of the sources it creates
+    for name in firsts:
+        inputs = theory.graph[name].inputs
+        row = []
+        for r in theory.rules[name]:
+            t = cost.rule_time(name, r)
+            for k in created(name, r):
+                t += cost.source_time(inputs[k], r.pre[k], r)
+            row.append(t)
+        rows.append(row)
+    own = [rows[number] for number in numbers]
     relayout: dict = {}
-    bounds = [_tree_bound(theory, cost, order, tree, own, relayout) for tree in trees]
+    bounds = [_tree_bound(theory, cost, order, walk, own, relayout) for walk in walks]
     return [max(b) for b in zip(*bounds)]
+
+
+def _tree_walk(theory: Theory, order: list[str], parent: dict[int, tuple[int, int]]) -> tuple:
+    """What _tree_bound reads of a tree cover, worked out once per theory: per op its children,
+    per triple (the layout of its output, the layout it reads its parent's output in, None at
+    a root), and what the price of a re-layout of its output reads besides its home row."""
+    graph = theory.graph
+    children: list[list[int]] = [[] for _ in order]
+    for i, (p, _) in parent.items():
+        children[p].append(i)
+    triples = []
+    for i, name in enumerate(order):
+        k = parent[i][1] if i in parent else None
+        triples.append(tuple((r.post, None if k is None else r.pre[k]) for r in theory.rules[name]))
+    alike = [(graph[name].shape, graph[name].nbytes, name in theory.no_comm) for name in order]
+    return [tuple(c) for c in children], triples, alike
 
 
 def _tree_bound(
     theory: Theory,
     cost: CostModel,
     order: list[str],
-    parent: dict[int, tuple[int, int]],
+    walk: tuple,
     own: list[list[float]],
     relayout: dict,
 ) -> list[float]:
-    """A lower bound on the cost of ops i.. for every i, over the trees of `parent`.
+    """A lower bound on the cost of ops i.. for every i, over the trees of a cover (_tree, as
+    _tree_walk gives it).
 
     Each op hangs below the producer of one of its inputs (_tree). Over a tree the bound
     prices exactly what the search would: each op's cheapest triple with the sync of the
@@ -124,22 +150,15 @@ def _tree_bound(
     relaxed to free. At position i the ops i.. form subtrees whose roots' parents have run;
     their edges in are relaxed (an earlier reader may have paid the collective), so the sum of
     the roots' prices is admissible and the same for every state at i."""
-    graph = theory.graph
+    children, triples, alike = walk
+    home = cost.home
     n = len(order)
-
-    def edges(t: str) -> dict:
-        """(layout left, layout read) -> the cheapest re-layout of t, shared by the tensors
-        whose re-layouts are priced alike (not by the tensor's name)."""
-        node = graph[t]
-        return relayout.setdefault((node.shape, node.nbytes, cost.home[t], t in theory.no_comm), {})
+    inf = math.inf
 
     def price(t: str, have: Layout, want: Layout) -> float:
         options = [] if t in theory.no_comm else [c for c in theory.comm(t, have) if c.dst == want]
         return min((cost.comm_time(c) for c in options), default=math.inf)
 
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i, (p, _) in parent.items():
-        children[p].append(i)
     # wants[i]: layout op i reads its parent's output in -> the cheapest price of op i's
     # subtree run by a triple of op i that reads it so.
     wants: list[dict] = [{} for _ in range(n)]
@@ -147,18 +166,23 @@ def _tree_bound(
     for i in range(n - 1, -1, -1):
         name = order[i]
         kids = [wants[c] for c in children[i]]
-        out_edges = edges(name) if kids else {}
+        if kids:
+            # (layout left, layout read) -> the cheapest re-layout of the output, shared by the
+            # tensors whose re-layouts are priced alike (not by the tensor's name)
+            shape, nbytes, no_comm = alike[i]
+            out_edges = relayout.setdefault((shape, nbytes, home[name], no_comm), {})
         below: dict = {}  # the layout op i leaves -> the cheapest price of its children's subtrees
-        best = math.inf
-        for r, t in zip(theory.rules[name], own[i]):
+        best = inf
+        w = wants[i]
+        for (post, want), t in zip(triples[i], own[i]):
             if kids:
-                if r.post not in below:
-                    below[r.post] = _children_price(name, r.post, kids, out_edges, price)
-                t += below[r.post]
+                b = below.get(post)
+                if b is None:
+                    b = below[post] = _children_price(name, post, kids, out_edges, price)
+                t += b
             best = min(best, t)
-            if i in parent:
-                want = r.pre[parent[i][1]]
-                wants[i][want] = min(wants[i].get(want, math.inf), t)
+            if want is not None:
+                w[want] = min(w.get(want, inf), t)
         root[i] = best
     out = [0.0] * (n + 1)
     for i in range(n - 1, -1, -1):  # op i's subtree replaces its children's as a root

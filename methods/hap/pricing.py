@@ -76,14 +76,17 @@ class CostModel:
         self._relevant: dict = theory.search_cache.setdefault(("relevant", self.num_segments), {})
         self.granularity = granularity
         self._rule_cost: dict = {}
-        self._op_sig: dict = {}  # op -> what its triples' prices read besides the rule (rule_time)
+        # op -> what its triples' prices read besides the rule (rule_time), and op -> how its
+        # compute is priced (compute_kind): the ratios do not move them
+        self._op_sig: dict = theory.search_cache.setdefault(("op signatures", self.segments_key), {})
+        self._kinds: dict = theory.search_cache.setdefault(("compute kinds",), {})
         self._comm_cost: dict = {}  # CommRule -> seconds
         self._comm_price: dict = {}  # what a CommRule's price reads (comm_time) -> seconds
         self._coll_cost: dict = {}  # (kind, bytes, impl, devices, rows, grad) -> seconds
         self._param_cost: dict = {}
         self._moves: dict = {}  # search memo: (op, their layouts) -> moves, priced
         self._search_moves: dict = {}  # the same key -> per recipe (its Step, its price) as synthesize reads them
-        self._move_price: dict = {}  # what a move's price reads (its _price_ids number) -> (its maps, its choices)
+        self._move_price: dict = {}  # what a move's price reads (its _price_ids number) -> (its maps, its choices, its search form)
         self._rule_parts_s: dict = {}  # rule_key -> (forward compute, SFB collectives, backward compute)
         self._comm_parts: dict = {}  # comm_key -> (forward seconds, backward seconds)
         self._sync_maps: dict = {}  # source_key -> the map of its gradient's sync (overlap)
@@ -280,13 +283,21 @@ class CostModel:
         class and the kernels it launches (backward: input and weight gradients of an op with
         parameters, one kernel otherwise, and its forward's again where an activation checkpoint
         recomputes it; ops without FLOPs launch none)."""
-        node = self.graph[name]
-        cls = op_class(node.op)
-        if not node.flops:
-            return {"op_class": cls}, {"op_class": cls}
-        has_params = any(self.graph[t].is_param for t in node.inputs)
-        again = 1.0 if name in self.graph.recomputed else 0.0
-        return {"op_class": cls, "launches": 1.0}, {"op_class": cls, "launches": (2.0 if has_params else 1.0) + again}
+        kinds = self._kinds.get(name)
+        if kinds is None:  # once per op and theory (callers read the dicts, never change them)
+            node = self.graph[name]
+            cls = op_class(node.op)
+            if not node.flops:
+                kinds = {"op_class": cls}, {"op_class": cls}
+            else:
+                has_params = any(self.graph[t].is_param for t in node.inputs)
+                again = 1.0 if name in self.graph.recomputed else 0.0
+                kinds = (
+                    {"op_class": cls, "launches": 1.0},
+                    {"op_class": cls, "launches": (2.0 if has_params else 1.0) + again},
+                )
+            self._kinds[name] = kinds
+        return kinds
 
     def input_gather(self, tensor: str, layout: Layout) -> Collective | None:
         """Each rank loads only its share of an input (batch dim 0); any other layout costs an
@@ -383,10 +394,13 @@ class CostModel:
         terms with no parameter held; the kernels per op class every program of this graph
         launches)."""
         if self._goal is None:
-            launches: Counter = Counter()
-            for name in self.theory.rules:
-                for kind in self.compute_kind(name):
-                    launches[kind["op_class"]] += kind.get("launches", 0.0)
+            launches = self.theory.search_cache.get(("launches",))
+            if launches is None:  # the same at any ratios
+                launches = Counter()
+                for name in self.theory.rules:
+                    for kind in self.compute_kind(name):
+                        launches[kind["op_class"]] += kind.get("launches", 0.0)
+                self.theory.search_cache[("launches",)] = launches
             empty = Program((), len(self.vdevs), self.num_segments, self.granularity, Memory())
             host = launch_times(launches, self.vdevs)[0]
             self._goal = (host, step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter()), launches)

@@ -25,7 +25,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from bench.core.errors import PlanningError
-from bench.cost.lanes import ZERO_LANES, apply, end, prepend, stage_map
+from bench.cost.lanes import NEG, ZERO_LANES, apply, end, prepend, stage_map
 from methods.graph import Graph
 from methods.hap.bounds import remaining_bound
 from methods.hap.pricing import CostModel
@@ -127,8 +127,10 @@ def synthesize(
     states, state_ids, state_moves = _state_graph(theory, cost)
     labels: list[tuple] = [(0, *ZERO_LANES, 0.0, -1, None)]
     alive = [True]
+    # per state: the numbers of its labels (the dominance test's)
     at_state: dict = {0: [0]}
-    heap = [(_score(ZERO_LANES, 0.0, 0.0 if min_rest is None else min_rest[0], host, after), 0, 0)]
+    # heap entries: (score, -(position + 1), label number): ties go to the deeper state
+    heap = [(_score(ZERO_LANES, 0.0, 0.0 if min_rest is None else min_rest[0], host, after), -1, 0)]
     inf = float("inf")
     # Beating the incumbent means beating it beyond float noise: a prefix of the incumbent
     # itself scores its cost up to rounding, and would otherwise be walked to its end.
@@ -138,18 +140,27 @@ def synthesize(
     ready = cost._search_moves  # (op, layouts of its inputs) -> its moves, priced
     pop, push = heapq.heappop, heapq.heappush
     expanded = generated = pruned_bound = pruned_dedup = beam_pruned = 0
+    beam = inf if beam_width is None else beam_width
     count = 1  # labels so far
     while heap:
-        f, _, label = pop(heap)
+        f, depth, label = pop(heap)
         if not alive[label]:
             pruned_dedup += 1
             continue
         if f >= best_cost:
+            # The heap pops in order of score: no label left can beat best_cost either. They
+            # are counted as popping each would have counted it.
             pruned_bound += 1
-            continue
-        sid, r0, r1, r2, forward, _, _ = labels[label]
-        pos, props, communicated = states[sid]
+            for _, _, k in heap:
+                if alive[k]:
+                    pruned_bound += 1
+                else:
+                    pruned_dedup += 1
+            break
+        pos = -1 - depth
         if pos == n:
+            sid, r0, _, r2, forward, _, _ = labels[label]
+            _, props, communicated = states[sid]
             extra = _finish(props, communicated, graph.loss, cost)
             if extra is not None:
                 total = cost.complete(max(r0 + forward, r2) + extra[0], _steps(labels, label))
@@ -157,17 +168,17 @@ def synthesize(
                     best_cost, best_label, best_final = total, label, extra[1]
                     stats.complete += 1
             continue
-        if beam_width is not None:
-            if per_pos[pos] >= beam_width:
-                beam_pruned += 1
-                continue
-            per_pos[pos] += 1
+        if per_pos[pos] >= beam:
+            beam_pruned += 1
+            continue
+        per_pos[pos] += 1
         expanded += 1
         if expanded > max_expansions:
             raise NoProgramError(
                 f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
                 "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
             )
+        sid, r0, r1, r2, forward, _, _ = labels[label]
         # The state's moves and where they lead (per theory), priced once per key at these ratios.
         moves_to = state_moves.get(sid)
         if moves_to is None:
@@ -177,7 +188,7 @@ def synthesize(
         key, kids = moves_to
         moves = ready.get(key)
         if moves is None:
-            moves = ready[key] = [_priced(cost, key[0], r)[:2] for r in cost._recipes[key]]
+            moves = ready[key] = _search_moves(cost, key[0], cost._recipes[key])
         generated += len(kids)
         if min_rest is not None:
             rest = min_rest[pos + 1]
@@ -186,15 +197,22 @@ def synthesize(
             rest = min_rest[pos + 1]
         else:
             rest = 0.0
-        depth = -pos - 1
+        depth -= 1
         # No child at an op whose beam is full is kept (docs/planner.md, "Search").
-        full = beam_width is not None and pos + 1 < n and per_pos[pos + 1] >= beam_width
-        for (step, (q, p, m, comp)), child in zip(moves, kids):
+        full = pos + 1 < n and per_pos[pos + 1] >= beam
+        for (step, q, p, lanes, m), child in zip(moves, kids):
             forward2 = forward + q + p  # the step's forward stage: its collectives, then its compute
             # its backward stage (and its gradients' syncs) runs before the prefix's backward
-            # (bench.cost.lanes.prepend written out, `x if x >= y else y` being max(x, y))
-            if comp is not None:  # on the compute lane alone
-                s0, s1, s2 = r0 + comp, r1, r2
+            # (bench.cost.lanes.prepend written out for each form of map, _search_form; `x if x
+            # >= y else y` being max(x, y))
+            if lanes == 1:  # on the compute lane alone: m is its seconds
+                s0, s1, s2 = r0 + m, r1, r2
+            elif lanes == 2:  # compute and network: m is (m[0], m[3], m[1], m[4])
+                s0, a = r0 + m[0], r1 + m[1]
+                s0 = s0 if s0 >= a else a
+                s1, a = r0 + m[2], r1 + m[3]
+                s1 = s1 if s1 >= a else a
+                s2 = r2
             else:
                 s0, a, b = r0 + m[0], r1 + m[3], r2 + m[6]
                 s0 = s0 if s0 >= a else a
@@ -254,6 +272,21 @@ def synthesize(
             "check that the loss is summed over the batch inside forward"
         )
     return SearchResult(_steps(labels, best_label), best_cost, stats, best_final)
+
+
+def _search_form(price: tuple) -> tuple:
+    """A move's price as the search's loop reads it: (forward collectives' seconds, forward
+    compute's seconds, lanes, map). lanes 1: the backward runs on the compute lane alone and
+    the map is its seconds; 2: the map leaves the third lane as it is (its third row and
+    column the identity's, the network never waits on it) and is (m[0], m[3], m[1], m[4]); 3:
+    the whole 3x3 map. The two shorter forms leave out only sums with -inf that max drops, so
+    a child's numbers are the same in every form."""
+    q, p, m, comp = price
+    if comp is not None:
+        return q, p, 1, comp
+    if m[2] == NEG and m[5] == NEG and m[6] == NEG and m[7] == NEG and m[8] == 0.0:
+        return q, p, 2, (m[0], m[3], m[1], m[4])
+    return q, p, 3, m
 
 
 def dead_end(theory: Theory) -> str | None:
@@ -463,26 +496,57 @@ def _priced(cost: CostModel, name: str, recipe: tuple) -> tuple:
     the seconds of its forward stage's collectives and compute and the map of its backward
     stage with its gradients' syncs (CostModel.step_maps); priced once per what the price
     reads (the ops of a deep model's layers share it)."""
-    rule, items, terms, choices, sources, seg, new_props, new_comm, price_key, steps = recipe
-    price = cost._move_price.get(price_key)
+    price = cost._move_price.get(recipe[8])
     if price is None:
-        # padded vs grouped: the cheaper (the first of equals)
-        picks = tuple(min(range(len(options)), key=lambda j: cost.comm_time(options[j])) for options in choices)
-        fwd = bwd = 0.0
-        for kind, x in terms:
-            if kind == "source":
-                gather = cost.gather_time(x[0], x[1])
-                fwd, bwd = fwd + gather, bwd + cost.source_time(x[0], x[1], rule) - gather
-            else:
-                f, b = cost.comm_seconds(choices[x][picks[x]] if kind == "chosen" else x)
-                fwd, bwd = fwd + f, bwd + b
-        price = cost._move_price[price_key] = cost.step_maps(name, rule, sources, fwd, bwd), picks
-    maps, picks = price
-    step = steps.get(picks)
+        price = _price(cost, name, recipe)
+    maps, picks, _ = price
+    step = recipe[9].get(picks)
     if step is None:
-        comms = tuple(choices[c][picks[c]] if isinstance(c, int) else c for c in items)
-        step = steps[picks] = Step(name, rule, comms, sources, seg)
-    return step, maps, new_props, new_comm
+        step = _step(name, recipe, picks)
+    return step, maps, recipe[6], recipe[7]
+
+
+def _search_moves(cost: CostModel, name: str, recipes: list) -> list[tuple]:
+    """The moves of op `name` by `recipes` (the recipes of one key) as synthesize reads them:
+    per recipe its Step and its price in the search's form (_priced, _search_form)."""
+    prices = cost._move_price
+    out = []
+    for recipe in recipes:
+        price = prices.get(recipe[8])
+        if price is None:
+            price = _price(cost, name, recipe)
+        step = recipe[9].get(price[1])
+        if step is None:
+            step = _step(name, recipe, price[1])
+        out.append((step, *price[2]))
+    return out
+
+
+def _price(cost: CostModel, name: str, recipe: tuple) -> tuple:
+    """The price of a recipe (kept under its price number in cost._move_price): its maps
+    (CostModel.step_maps), its choice of each collective, and the maps in the search's form."""
+    rule, _, terms, choices, sources, _, _, _, price_key, _ = recipe
+    # padded vs grouped: the cheaper (the first of equals)
+    picks = tuple(min(range(len(options)), key=lambda j: cost.comm_time(options[j])) for options in choices)
+    fwd = bwd = 0.0
+    for kind, x in terms:
+        if kind == "source":
+            gather = cost.gather_time(x[0], x[1])
+            fwd, bwd = fwd + gather, bwd + cost.source_time(x[0], x[1], rule) - gather
+        else:
+            f, b = cost.comm_seconds(choices[x][picks[x]] if kind == "chosen" else x)
+            fwd, bwd = fwd + f, bwd + b
+    maps = cost.step_maps(name, rule, sources, fwd, bwd)
+    price = cost._move_price[price_key] = maps, picks, _search_form(maps)
+    return price
+
+
+def _step(name: str, recipe: tuple, picks: tuple) -> Step:
+    """The Step of a recipe with its collectives chosen by `picks` (kept in the recipe)."""
+    rule, items, _, choices, sources, seg = recipe[:6]
+    comms = tuple(choices[c][picks[c]] if isinstance(c, int) else c for c in items)
+    step = recipe[9][picks] = Step(name, rule, comms, sources, seg)
+    return step
 
 
 def _recipes(theory: Theory, cost: CostModel, name: str, have: dict, communicated: frozenset):
