@@ -93,6 +93,11 @@ class StageGraph:
     def last(self) -> bool:
         return not self.crossing_out
 
+    @property
+    def inputs(self) -> list[str]:
+        """Its placeholders in graph order: what its program (stage_program) takes, in that order."""
+        return [n.name for n in self.graph.nodes if n.kind == "placeholder"]
+
 
 def stage_graph(graph: Graph, table: GroupTable, first: int, end: int) -> StageGraph:
     """The ops of layer groups [first, end) (and on the last stage the loss's tail), the
@@ -266,9 +271,9 @@ def stage_program(
 ) -> RankProgram:
     """Rank `rank` of the stage group's program of the stage: hap's per-rank code of its plan
     (`details`, stage_details), the group's ranks being the default process group's. Called
-    with the rank's shards of the stage's placeholders (`stage.graph`'s, in its order: the
-    model's inputs it reads at the rank's batch share, the crossing tensors as rank `rank` of
-    the stage before made them), it returns on a middle stage its shards of `crossing_out`
+    with the rank's shards of the stage's inputs (`stage.inputs`, in that order: the model's
+    inputs it reads at the rank's batch share, the crossing tensors as rank `rank` of the
+    stage before made them), it returns on a middle stage its shards of `crossing_out`
     (Gather(0) at the ratio row, or whole where a tensor has no batch dim) and on the last its
     part of the summed loss. Its parameters are the rank's shards of the model's (`params`)."""
     if details.get("granularity", "gpu") != "gpu":

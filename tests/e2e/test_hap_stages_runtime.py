@@ -22,12 +22,14 @@ import torch.multiprocessing as mp
 from torch import fx
 
 from bench.core.shares import offsets
-from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_program
+from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_program, stage_theory
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares
-from methods.hap.codegen import _on_device
-from methods.hap.planner import HapPlanner
+from methods.hap.codegen import CodegenOptions, _on_device
+from methods.hap.planner import HapPlanner, step_fields
+from methods.hap.pricing import CostModel
+from methods.hap.search import synthesize
 from tests.e2e.test_hap_equivalence import make_cluster, make_workload
 
 pytestmark = pytest.mark.e2e
@@ -37,20 +39,31 @@ WORLD = 2
 
 
 @functools.cache
-def _case():
-    """(workload, graph, the two stages, each one's plan details, the ranks' batch shares)."""
+def _model():
     workload = make_workload("bert", WORLD, BATCH)
     graph = capture_config(workload.model_cfg, BATCH)
-    table = group_table(graph)
-    cut = table.num_groups // 2
+    return workload, graph, group_table(graph)
+
+
+def _case(cut: int, row: tuple[float, ...] | None):
+    """(workload, graph, the two stages, each one's plan details, the ranks' batch shares):
+    stage 0 the layer groups before `cut`, stage 1 the rest. `row`: None, each stage planned
+    by the prototype's planner (plan_stage: hap's levels, starts and its data-parallel
+    incumbent over the group); else synthesized by hap's search at this fixed ratio row."""
+    workload, graph, table = _model()
     group = make_cluster(WORLD)
     planner = HapPlanner(lp=False, num_segments=1, cache_dir=None)
     stages, details = [], []
     for first, end in ((0, cut), (cut, table.num_groups)):
         stage = stage_graph(graph, table, first, end)
-        cand, _ = plan_stage(planner, stage, workload, group)
+        if row is None:
+            cand, _ = plan_stage(planner, stage, workload, group)
+            details.append(stage_details(cand, stage))
+        else:
+            theory = stage_theory(stage)
+            res = synthesize(theory, CostModel(theory, group, "gpu", [list(row)]))
+            details.append({**step_fields(res, stage.graph), "ratios": [list(row)], "granularity": "gpu"})
         stages.append(stage)
-        details.append(stage_details(cand, stage))
     rows = [d["ratios"] for d in details]
     assert rows[0] == rows[1] and len(rows[0]) == 1, rows  # one batch row, the same at both stages
     return workload, graph, stages, details, batch_shares(BATCH, rows[0][0])
@@ -94,7 +107,7 @@ def _reference(workload, graph, stages):
     return batch, loss.item(), acts, grads
 
 
-def _rank(rank: int, port: int, case, batch, out) -> None:
+def _rank(rank: int, port: int, case, options, batch, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -103,17 +116,17 @@ def _rank(rank: int, port: int, case, batch, out) -> None:
         start, stop = offsets(shares)[rank]
         mine = dict(zip([n.name for n in graph.nodes if n.kind == "placeholder"], (t[start:stop] for t in batch)))
         model = workload.build(0)
-        programs = [stage_program(s, d, shares, model, rank, WORLD) for s, d in zip(stages, details)]
+        programs = [stage_program(s, d, shares, model, rank, WORLD, o) for s, d, o in zip(stages, details, options)]
         calls = []
         for _ in range(2):  # the first call interprets the plan, the second runs the recorded module
             for p in programs:
                 for q in p.params.values():
                     q.grad = None
             first, last = programs
-            sent = first(*(mine[n] for n in first._placeholders))
+            sent = first(*(mine[n] for n in stages[0].inputs))
             assert isinstance(sent, tuple) and len(sent) == len(stages[0].crossing_out)
             received = {t: x.detach().requires_grad_() for t, x in zip(stages[0].crossing_out, sent)}
-            loss = last(*(received.get(n, mine.get(n)) for n in last._placeholders))
+            loss = last(*(received.get(n, mine.get(n)) for n in stages[1].inputs))
             (loss / workload.targets_per_iter).backward()
             back = [received[t].grad for t in stages[0].crossing_out]
             torch.autograd.backward(sent, back)
@@ -131,6 +144,7 @@ def _rank(rank: int, port: int, case, batch, out) -> None:
                     "grads": {k: v.numpy() for k, v in grads.items()} if rank == 0 else None,
                     "recorded": [p.module is not None for p in programs],
                     "sharded": sorted(set().union(*(p.sharded for p in programs))),
+                    "summary": [p.summary() for p in programs],
                 }
             )
         out.put((rank, calls, None))
@@ -146,11 +160,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(case, batch) -> list[list[dict]]:
+def _launch(case, options, batch) -> list[list[dict]]:
     ctx = mp.get_context("fork")  # the ranks take the plans and the graph as they are here
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, case, batch, out), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, case, options, batch, out), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = dict((r, (calls, err)) for r, calls, err in (out.get(timeout=60) for _ in procs))
@@ -161,8 +175,20 @@ def _launch(case, batch) -> list[list[dict]]:
     return [got[r][0] for r in range(WORLD)]
 
 
-def test_two_hap_stages_of_bert_run_like_one_device():
-    case = _case()
+# Cut after the first block, each stage planned as the prototype plans it (an even row over two
+# alike ranks): stage 0 shards the embedding's hidden dim and all-to-alls back to a batch split
+# inside the stage; stage 1 runs data parallel. Cut after the embedding, at an uneven row (3 and
+# 5 samples), synthesized at that row: stage 0's all-to-all is its boundary step's, and stage 1
+# runs its linears as SFB (grouped gathers of inputs and output gradients).
+CASES = [
+    pytest.param(2, None, (None, None), id="cut2-planned"),
+    pytest.param(1, (0.375, 0.625), (None, CodegenOptions(force_sfb=True, force_impl="grouped")), id="cut1-uneven-sfb"),
+]
+
+
+@pytest.mark.parametrize("cut,row,options", CASES)
+def test_two_hap_stages_of_bert_run_like_one_device(cut, row, options):
+    case = _case(cut, row)
     workload, graph, stages, details, shares = case
     assert stages[0].crossing_out == stages[1].crossing_in and not stages[0].crossing_in
     assert sum(shares) == BATCH and all(shares)
@@ -170,7 +196,7 @@ def test_two_hap_stages_of_bert_run_like_one_device():
     kinds = {c["kind"] for d in details for s in d["steps"] for c in s["comms"]}
     assert kinds, "both stages planned as plain data parallelism: the test exercises no collective"
     batch, loss, acts, grads = _reference(workload, graph, stages)
-    ranks = _launch(case, batch)
+    ranks = _launch(case, options, batch)
     scale = max(g.abs().max().item() for g in grads.values())
     for call in range(2):
         parts = [r[call] for r in ranks]
@@ -189,3 +215,7 @@ def test_two_hap_stages_of_bert_run_like_one_device():
         for name, ref in grads.items():
             np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
     assert ranks[0][0]["sharded"], "no parameter sharded: the test reassembles no shard"
+    ran = ranks[0][0]["summary"]
+    assert "all_to_all" in ran[0]["collectives"]  # stage 0 back to a batch split
+    if options[1] is not None and options[1].force_sfb:
+        assert ran[1]["sfb"] and ran[1]["sfb_impl"] == "grouped"
