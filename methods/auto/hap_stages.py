@@ -1,4 +1,4 @@
-"""A prototype, planner and simulator side only: hap's synthesis inside each pipeline stage.
+"""A prototype of hap's synthesis inside each pipeline stage: planner, simulator, a stage's program.
 
 Today a pipeline stage held by a slot of several devices (its R ranks, one per pipeline) runs
 the stage's layer groups data parallel: each rank the whole stage at its pipeline's
