@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import socket
 import traceback
 
@@ -167,11 +168,23 @@ def _launch(case, options, batch) -> list[list[dict]]:
     procs = [ctx.Process(target=_rank, args=(r, port, case, options, batch, out), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
-    got = dict((r, (calls, err)) for r, calls, err in (out.get(timeout=60) for _ in procs))
-    for p in procs:
-        p.join(timeout=10)
+    got: dict = {}
+    try:
+        while len(got) < WORLD:  # a rank that failed leaves the other waiting in a collective
+            r, calls, err = out.get(timeout=60)
+            got[r] = (calls, err)
+            if err:
+                break
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
     errors = [f"rank {r}:\n{err}" for r, (_, err) in sorted(got.items()) if err]
     assert not errors, "\n".join(errors)
+    assert len(got) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(got))} sent nothing in 60 s"
     return [got[r][0] for r in range(WORLD)]
 
 
