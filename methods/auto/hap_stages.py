@@ -1,4 +1,4 @@
-"""A prototype, planner and simulator side only: hap's synthesis inside each pipeline stage.
+"""A prototype of hap's synthesis inside each pipeline stage: planner, simulator, a stage's program.
 
 Today a pipeline stage held by a slot of several devices (its R ranks, one per pipeline) runs
 the stage's layer groups data parallel: each rank the whole stage at its pipeline's
@@ -32,9 +32,16 @@ after the schedule (`StagePrice.grad_sync_s`); the pipeline is then priced by th
 own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`: torch's traced
 actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
 
+A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.codegen's
+RankProgram of the stage's plan, its inputs the stage's placeholders, its outputs the crossing
+tensors); tests/e2e/test_hap_stages_runtime.py holds two stages of tiny BERT, each on 2 gloo
+ranks, to one device's activations, loss and gradients. No pipeline runs it yet: no
+PipelineStage wraps it, its collectives take the default process group, and no case plans it
+(results/methods/20261203-hap-in-stages-runtime.md).
+
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
 schedule), which only auto may (a method never imports another: pyproject's import contracts).
-It plans no case and runs nothing: scripts/hap_in_stages.py prices pipelines with it.
+scripts/hap_in_stages.py prices pipelines with it.
 """
 
 from __future__ import annotations
@@ -62,8 +69,9 @@ from bench.cost.pipeline import (
 from bench.cost.price import collective_time, intra_grad_sync, optimizer_time, per_step_s, stage_time
 from methods.common import GroupTable
 from methods.graph import Graph, Node
+from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.hap.lowering import build_program
-from methods.hap.planner import Candidate, HapPlanner
+from methods.hap.planner import Candidate, HapPlanner, step_fields
 from methods.hap.theory import IDENTITY, REDUCE, Rule, Theory, derive_theory
 from methods.pipeline.schedule import trace_schedule
 
@@ -84,6 +92,11 @@ class StageGraph:
     @property
     def last(self) -> bool:
         return not self.crossing_out
+
+    @property
+    def inputs(self) -> list[str]:
+        """Its placeholders in graph order: what its program (stage_program) takes, in that order."""
+        return [n.name for n in self.graph.nodes if n.kind == "placeholder"]
 
 
 def stage_graph(graph: Graph, table: GroupTable, first: int, end: int) -> StageGraph:
@@ -238,6 +251,44 @@ def plan_stage(
         planner._costs.clear()
         planner._simulated.clear()
     return best, one
+
+
+def stage_details(cand: Candidate, stage: StageGraph) -> dict:
+    """The plan-format fields (docs/planner.md "Plan format") of the stage's program, as
+    `RankProgram` reads them: hap's own `step_fields` of the stage's graph, its ratio rows and
+    granularity."""
+    return {**step_fields(cand.result, stage.graph), "ratios": cand.ratios, "granularity": cand.program.granularity}
+
+
+def stage_program(
+    stage: StageGraph,
+    details: dict,
+    batch_shares: Sequence[int],
+    model: torch.nn.Module,
+    rank: int,
+    world_size: int,
+    options: CodegenOptions | None = None,
+) -> RankProgram:
+    """Rank `rank` of the stage group's program of the stage: hap's per-rank code of its plan
+    (`details`, stage_details), the group's ranks being the default process group's. Called
+    with the rank's shards of the stage's inputs (`stage.inputs`, in that order: the model's
+    inputs it reads at the rank's batch share, the crossing tensors as rank `rank` of the
+    stage before made them), it returns on a middle stage its shards of `crossing_out`
+    (Gather(0) at the ratio row, or whole where a tensor has no batch dim) and on the last its
+    part of the summed loss. Its parameters are the rank's shards of the model's (`params`)."""
+    if details.get("granularity", "gpu") != "gpu":
+        raise ValueError("a stage's program runs per GPU; machine-level stage plans have no runtime yet")
+    return RankProgram(
+        stage.graph,
+        details,
+        details["ratios"],
+        batch_shares,
+        model,
+        rank,
+        world_size,
+        options,
+        outputs=stage.crossing_out,
+    )
 
 
 def price_stage(cand: Candidate, one: Program, group: ClusterSpec) -> StagePrice:

@@ -176,6 +176,12 @@ class RankProgram:
             machine, its collectives in three steps. None: one virtual device per rank.
         checkpoints: the activation checkpoints, each the ops of one unit (contiguous steps):
             the recorded program runs each as a checkpointed sub-module.
+        outputs: for a program of part of a model (a pipeline stage: `graph` is its ops, the
+            tensors crossing into it placeholders), the tensors it hands on; empty for a whole
+            model. The program then returns them (a tuple, in `outputs` order) instead of a
+            loss, each in the layout the graph's loss step reads it in: that step is a node
+            that reads exactly these tensors and only states their layouts (its collectives
+            run, its op does not).
     """
 
     def __init__(
@@ -190,6 +196,7 @@ class RankProgram:
         options: CodegenOptions | None = None,
         machines: H.Machines | None = None,
         checkpoints: Sequence[Sequence[str]] = (),
+        outputs: Sequence[str] = (),
     ):
         self.graph = graph
         self.options = options or CodegenOptions()
@@ -204,6 +211,12 @@ class RankProgram:
         self.steps = [Step.from_json(s) if isinstance(s, dict) else s for s in details["steps"]]
         self.final_comms = [comm_from_json(c) if isinstance(c, dict) else c for c in details.get("final_comms", [])]
         self.loss = graph.loss
+        self.outputs = list(outputs)
+        if self.outputs and (graph[self.loss].inputs != self.outputs or self.final_comms):
+            raise PlanMismatchError(
+                f"outputs {self.outputs}: the plan's last step {self.loss!r} must read exactly them "
+                f"(it reads {graph[self.loss].inputs}) and no collective may follow it"
+            )
         self.units = plan_units(details)
         self._placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
         self.params: dict[str, nn.Parameter] = {}  # qualified name -> local parameter
@@ -642,8 +655,9 @@ class RankProgram:
         `print(program.module.code)` shows this rank's step as straight-line Python."""
         return self._module
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the summed loss of the global batch (its share in `batch`)."""
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This rank's part of the summed loss of the global batch (its share in `batch`), or
+        with `outputs` its shards of them."""
         if len(batch) != len(self._placeholders):
             raise PlanMismatchError(f"{len(batch)} inputs for a model with {len(self._placeholders)}")
         for x, share in zip(batch, [self.batch_shares[self.rank]] * len(batch)):
@@ -708,10 +722,11 @@ class RankProgram:
                 dead[i].add(t)
         return dead
 
-    def _interpret(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _interpret(self, batch: Sequence[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run the plan step by step (recording each tensor made, when compiling), dropping
         each value after its last reader."""
         env: dict = {}
+        handed: tuple | None = None
         for i, (ins, dead) in enumerate(zip(self._instrs, self._dead_after)):
             if self._rec is not None:
                 self._rec.instr = i
@@ -728,12 +743,19 @@ class RankProgram:
                         self._rec.attr(env[(t, lay)], t)
             for c in ins.comms:
                 self._run_comm(c, env)
-            env[(ins.node.name, ins.step.rule.post)] = self._run_op(ins, env, batch)
+            if self.outputs and ins.node.name == self.loss:
+                handed = tuple(env[(t, ins.layouts[t])] for t in self.outputs)
+            else:
+                env[(ins.node.name, ins.step.rule.post)] = self._run_op(ins, env, batch)
             if dead:
                 for key in [k for k in env if k[0] in dead]:
                     del env[key]
         if self._rec is not None:
             self._rec.instr = len(self._instrs)
+        if self.outputs:
+            if handed is None:
+                raise PlanMismatchError(f"the plan has no step for {self.loss!r}, which hands the outputs on")
+            return handed
         for c in self.final_comms:
             self._run_comm(c, env)
         if (self.loss, REDUCE) not in env:

@@ -19,11 +19,15 @@ from methods.auto.hap_stages import (
     price_pipeline,
     price_stage,
     rank_aligned_buffers,
+    stage_details,
     stage_graph,
+    stage_program,
     stage_theory,
 )
 from methods.common import group_table
 from methods.graph import capture_config
+from methods.hap.balance import batch_shares
+from methods.hap.codegen import PlanMismatchError, RankProgram
 from methods.hap.planner import HapPlanner
 from methods.hap.theory import REDUCE
 from tests.conftest import compose_config
@@ -118,3 +122,21 @@ def test_receive_buffers_are_the_busiest_ranks_share_of_both_borders():
     got = rank_aligned_buffers(table, cuts, groups, 8)
     out = [table.groups[c - 1].out_bytes for c in cuts[1:-1]]
     assert got == pytest.approx([3 * out[0], 3 * (out[0] + out[1]), 3 * out[1]])
+
+
+def test_a_stage_program_returns_what_its_boundary_reads():
+    """A middle stage's program hands on its crossing tensors (tests/e2e/test_hap_stages_runtime.py
+    runs it); other outputs than the boundary's inputs, or a machine-level plan, are refused."""
+    workload, cluster, graph, table = _case()
+    st = stage_graph(graph, table, 0, 1)
+    cand, _ = plan_stage(
+        HapPlanner(lp=False, num_segments=1, levels="cluster"), st, workload, group_cluster(cluster, [0, 1])
+    )
+    details = stage_details(cand, st)
+    shares = batch_shares(BATCH, details["ratios"][0])
+    model = workload.build(0)
+    assert stage_program(st, details, shares, model, 1, 2).outputs == st.crossing_out
+    with pytest.raises(PlanMismatchError, match="must read exactly"):
+        RankProgram(st.graph, details, details["ratios"], shares, model, 0, 2, outputs=["tokens"])
+    with pytest.raises(ValueError, match="machine-level"):
+        stage_program(st, {**details, "granularity": "machine"}, shares, model, 0, 2)
