@@ -243,7 +243,8 @@ class HapTrainer:
             self.grad_sync = None
         elif program.machines is None:
             params = [program.params[n] for n in program.grad_sync]
-            self.grad_sync = GradBuckets(params, cap, grad_overlap, group=program.group)
+            group = getattr(program, "group", None)  # a program-like object without one: all ranks
+            self.grad_sync = GradBuckets(params, cap, grad_overlap, group=group)
         else:  # every gradient is summed inside the machine; grad_sync's also among machines
             self.grad_sync = GradBuckets(
                 [program.params[n] for n in program.param_order],
