@@ -33,10 +33,13 @@ own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`
 actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
 
 A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.codegen's
-RankProgram of the stage's plan, its inputs the stage's placeholders, its outputs the crossing
-tensors); tests/e2e/test_hap_stages_runtime.py holds two stages of tiny BERT, each on 2 gloo
-ranks, to one device's activations, loss and gradients. No pipeline runs it yet: no
-PipelineStage wraps it, its collectives take the default process group, and no case plans it
+RankProgram of the stage's plan over the stage's process group, its inputs the stage's
+placeholders, its outputs the crossing tensors); tests/e2e/test_hap_stages_runtime.py holds two
+stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and gradients.
+methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
+program a PipelineStage, the last stage's graph ending where the loss's tail begins:
+`stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
+ranks of tiny BERT like one device. No case of method=auto plans it yet
 (results/methods/20261203-hap-in-stages-runtime.md).
 
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's

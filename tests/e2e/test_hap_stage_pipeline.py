@@ -1,7 +1,7 @@
 """A pipeline of hap stages trains like one device (methods/auto/hap_stages_runtime.py): tiny BERT
 cut into 2 stages, each planned by hap over a group of 2 ranks, 4 gloo processes (rank r of stage
-s is global rank 2s + r; pipeline r is ranks {r, 2 + r}), torch's schedule over 2 micro-batches,
-3 Adam steps. The losses, the last step's gradients (shards gathered, replicated ones summed over
+s is global rank 2s + r; pipeline r is ranks {r, 2 + r}), torch's schedule (1F1B, GPipe) over 2
+micro-batches, 3 Adam steps, at the prototype's even row and at an uneven one. The losses, the last step's gradients (shards gathered, replicated ones summed over
 the stage) and the parameters after 3 steps equal single-device training's
 (tests/e2e/test_hap_equivalence.py's check_equivalence)."""
 
@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.core.shares import offsets
-from methods.auto.hap_stages import plan_stage, stage_details, stage_graph
+from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_theory
 from methods.auto.hap_stages_runtime import HapStageRank
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares
-from methods.hap.planner import HapPlanner
+from methods.hap.planner import HapPlanner, step_fields
+from methods.hap.pricing import CostModel
+from methods.hap.search import synthesize
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_cluster, make_workload
 
 pytestmark = pytest.mark.e2e
@@ -37,16 +39,24 @@ LR = 5e-4
 
 
 @functools.cache
-def _case(cut: int):
+def _case(cut: int, row: tuple[float, ...] | None = None):
     """(workload, the graph at the micro-batch, its layer groups, the two stages, their plans,
     a micro-batch's shares): stage 0 the layer groups before `cut`, stage 1 the rest without the
-    loss's tail, each planned as the prototype plans it (plan_stage over a group of 2 alike ranks)."""
+    loss's tail. `row` None: each planned as the prototype plans it (plan_stage over a group of 2
+    alike ranks); else synthesized by hap's search at this fixed ratio row."""
     workload = make_workload("bert", R, BATCH)
     graph = capture_config(workload.model_cfg, BATCH // M)
     table = group_table(graph)
     planner = HapPlanner(lp=False, num_segments=1, cache_dir=None)
     stages = [stage_graph(graph, table, 0, cut), stage_graph(graph, table, cut, table.num_groups, loss=False)]
-    details = [stage_details(plan_stage(planner, s, workload, make_cluster(R), M)[0], s) for s in stages]
+    if row is None:
+        details = [stage_details(plan_stage(planner, s, workload, make_cluster(R), M)[0], s) for s in stages]
+    else:
+        details = []
+        for s in stages:
+            theory = stage_theory(s)
+            res = synthesize(theory, CostModel(theory, make_cluster(R), "gpu", [list(row)]))
+            details.append({**step_fields(res, s.graph), "ratios": [list(row)], "granularity": "gpu"})
     rows = [d["ratios"] for d in details]
     assert rows[0] == rows[1] and len(rows[0]) == 1, rows
     return workload, graph, table, stages, details, batch_shares(BATCH // M, rows[0][0])
@@ -59,12 +69,12 @@ def _pipeline_batch(batch, shares, r: int):
     return tuple(torch.cat([t[j * mb + start : j * mb + stop] for j in range(M)]) for t in batch)
 
 
-def _rank(rank: int, port: int, cut: int, schedule: str, out) -> None:
+def _rank(rank: int, port: int, cut: int, row, schedule: str, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=S * R)
     try:
-        workload, graph, table, stages, details, shares = _case(cut)
+        workload, graph, table, stages, details, shares = _case(cut, row)
         s, r = divmod(rank, R)
         stage_groups = [dist.new_group([k * R + i for i in range(R)]) for k in range(S)]
         pipelines = [dist.new_group([k * R + i for k in range(S)]) for i in range(R)]
@@ -110,12 +120,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(cut: int, schedule: str) -> list[dict]:
-    _case(cut)  # planned here, before the fork: every rank takes the same plans
+def _launch(cut: int, row, schedule: str) -> list[dict]:
+    _case(cut, row)  # planned here, before the fork: every rank takes the same plans
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(k, port, cut, schedule, out), daemon=True) for k in range(S * R)]
+    procs = [ctx.Process(target=_rank, args=(k, port, cut, row, schedule, out), daemon=True) for k in range(S * R)]
     for p in procs:
         p.start()
     got: dict = {}
@@ -138,13 +148,22 @@ def _launch(cut: int, schedule: str) -> list[dict]:
     return [got[k][0] for k in range(S * R)]
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_a_pipeline_of_hap_stages_trains_like_one_device(schedule):
-    cut = 2  # stage 0: the embedding and block 0; stage 1: block 1 and the head
-    workload, _, _, stages, _, shares = _case(cut)
+# Cut after block 0 (stage 0: the embedding and block 0; stage 1: block 1 and the head), planned
+# as the prototype plans it (the row (0.5, 0.5), 2 + 2 samples a micro-batch) under both
+# schedules; and at the uneven row (0.25, 0.75) (1 + 3 samples), synthesized at that row.
+CASES = [
+    pytest.param(2, None, "1F1B", id="planned-1f1b"),
+    pytest.param(2, None, "GPipe", id="planned-gpipe"),
+    pytest.param(2, (0.25, 0.75), "1F1B", id="uneven-1f1b"),
+]
+
+
+@pytest.mark.parametrize("cut,row,schedule", CASES)
+def test_a_pipeline_of_hap_stages_trains_like_one_device(cut, row, schedule):
+    workload, _, _, stages, _, shares = _case(cut, row)
     assert stages[0].crossing_out == stages[1].crossing_in and stages[1].ends_at_loss
     assert all(shares) and sum(shares) == BATCH // M
-    results = _launch(cut, schedule)
+    results = _launch(cut, row, schedule)
     assert all(res["recorded"] for res in results)  # the second micro-batch on ran the recorded program
     # stage 0's program shards a parameter and runs a collective inside the stage (forward and
     # backward over the stage's group); stage 1's replicated gradients are summed after the schedule
