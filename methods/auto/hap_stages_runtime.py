@@ -151,13 +151,13 @@ class HapStageRank:
         self.loss_scale = loss_scale
         # Every stage gets a loss function: torch's schedule runs backward where there is one
         # (only the last stage calls it).
-        loss_fn = self._loss_fn(graph, table, stage, batch_shares, rank) if self.is_last else _no_loss
+        loss_fn = self._loss_fn(graph, table, stage, batch_shares) if self.is_last else _no_loss
         self.schedule = schedule_class(schedule)(pipe, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
         self.params = [self.program.params[n] for n in self.program.param_order]
         self.replicated = [self.program.params[n] for n in self.program.grad_sync]
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
 
-    def _loss_fn(self, graph: Graph, table: GroupTable, stage: StageGraph, shares: Sequence[int], rank: int):
+    def _loss_fn(self, graph: Graph, table: GroupTable, stage: StageGraph, shares: Sequence[int]):
         """The loss's tail on the rank's shard of what it reads (the pipeline method's loss
         module), times loss_scale. The shards must be the rank's whole samples."""
         tensors = {n.name for n in graph.nodes if n.is_tensor}
