@@ -33,10 +33,13 @@ own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`
 actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
 
 A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.codegen's
-RankProgram of the stage's plan, its inputs the stage's placeholders, its outputs the crossing
-tensors); tests/e2e/test_hap_stages_runtime.py holds two stages of tiny BERT, each on 2 gloo
-ranks, to one device's activations, loss and gradients. No pipeline runs it yet: no
-PipelineStage wraps it, its collectives take the default process group, and no case plans it
+RankProgram of the stage's plan over the stage's process group, its inputs the stage's
+placeholders, its outputs the crossing tensors); tests/e2e/test_hap_stages_runtime.py holds two
+stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and gradients.
+methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
+program a PipelineStage, the last stage's graph ending where the loss's tail begins:
+`stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
+ranks of tiny BERT like one device. No case of method=auto plans it yet
 (results/methods/20261203-hap-in-stages-runtime.md).
 
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
@@ -88,6 +91,9 @@ class StageGraph:
     crossing_in: list[str]  # tensors made by earlier stages that this one reads (its placeholders)
     crossing_out: list[str]  # tensors it makes that later stages read (BOUNDARY's inputs)
     model_inputs: list[str]  # the model's own inputs it reads (free layouts: loaded per rank)
+    # The last stage without the loss's tail: crossing_out are the tensors the tail reads (the
+    # pipeline's loss_fn computes it per rank), handed on in whole samples.
+    ends_at_loss: bool = False
 
     @property
     def last(self) -> bool:
@@ -99,14 +105,22 @@ class StageGraph:
         return [n.name for n in self.graph.nodes if n.kind == "placeholder"]
 
 
-def stage_graph(graph: Graph, table: GroupTable, first: int, end: int) -> StageGraph:
+def stage_graph(graph: Graph, table: GroupTable, first: int, end: int, loss: bool = True) -> StageGraph:
     """The ops of layer groups [first, end) (and on the last stage the loss's tail), the
     parameters they read, the tensors crossing in as placeholders and, on a middle stage, a
-    BOUNDARY node reading the tensors crossing out, which is the graph's loss."""
+    BOUNDARY node reading the tensors crossing out, which is the graph's loss.
+
+    `loss=False` (the last stage as a pipeline runs it): the loss's tail (`table.tail`, which
+    reads the targets) is left out and the graph ends in a BOUNDARY over the tensors the tail
+    reads, handed on batch-split in whole samples; torch's schedule hands the targets to its
+    loss_fn, which runs the tail on each rank's shard (methods/auto/hap_stages_runtime.py)."""
     last_group = table.num_groups - 1
     members = {n for n, g in table.node_group.items() if first <= g < end}
-    if end - 1 == last_group:
+    with_loss = end - 1 == last_group and loss
+    if with_loss:
         members |= set(table.tail)
+    elif end - 1 == last_group:
+        members -= set(table.tail)
     nodes, names = [], set()
     crossing_in, model_inputs = [], []
 
@@ -133,19 +147,19 @@ def stage_graph(graph: Graph, table: GroupTable, first: int, end: int) -> StageG
         for n in graph.nodes
         if n.name in members and n.is_tensor and any(u not in members for u in graph.users.get(n.name, ()))
     ]
-    if end - 1 == last_group:
+    if with_loss:
         crossing_out = []
-        loss = graph.loss
+        loss_node = graph.loss
     else:
         if not crossing_out:
             raise ValueError(f"stage [{first}, {end}) hands nothing to the next stage")
         nodes.append(_boundary_node(crossing_out))
-        loss = BOUNDARY
+        loss_node = BOUNDARY
     # keep the graph's topological order (crossing tensors were made before every member)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     nodes.sort(key=lambda n: order.get(n.name, len(order)))
-    sub = Graph(graph.gm, nodes, loss, graph.batch_size)
-    return StageGraph(sub, first, end, crossing_in, crossing_out, model_inputs)
+    sub = Graph(graph.gm, nodes, loss_node, graph.batch_size)
+    return StageGraph(sub, first, end, crossing_in, crossing_out, model_inputs, end - 1 == last_group and not loss)
 
 
 def _boundary_node(outputs: list[str]) -> Node:
@@ -169,7 +183,8 @@ def stage_theory(stage: StageGraph, sfb: bool = True, grouped: bool = True, fuse
         sources[t] = [0] if node.shape and node.shape[0] == g.batch_size and node.shape[0] > 1 else [IDENTITY]
     rules = dict(theory.rules)
     if not stage.last:
-        pre = tuple(0 if _batch_like(g[t], g.batch_size) else IDENTITY for t in stage.crossing_out)
+        batch_split = _whole_samples if stage.ends_at_loss else _batch_like
+        pre = tuple(0 if batch_split(g[t], g.batch_size) else IDENTITY for t in stage.crossing_out)
         post = REDUCE if 0 in pre else IDENTITY
         rules[BOUNDARY] = [Rule(BOUNDARY, pre, post, "boundary: batch-split outputs", sharded=0 in pre)]
     return dataclasses.replace(
@@ -179,6 +194,12 @@ def stage_theory(stage: StageGraph, sfb: bool = True, grouped: bool = True, fuse
 
 def _batch_like(node: Node, batch: int) -> bool:
     return bool(node.shape) and node.shape[0] == batch and batch > 1
+
+
+def _whole_samples(node: Node, batch: int) -> bool:
+    """Dim 0 runs over whole samples (the batch, or samples x positions flattened, as a loss
+    reads its logits)."""
+    return bool(node.shape) and batch > 1 and node.shape[0] % batch == 0
 
 
 def group_cluster(
@@ -268,14 +289,17 @@ def stage_program(
     rank: int,
     world_size: int,
     options: CodegenOptions | None = None,
+    group=None,
 ) -> RankProgram:
     """Rank `rank` of the stage group's program of the stage: hap's per-rank code of its plan
-    (`details`, stage_details), the group's ranks being the default process group's. Called
+    (`details`, stage_details), over the process group `group` of the stage's ranks (`rank`
+    its place there; None: the default group). Called
     with the rank's shards of the stage's inputs (`stage.inputs`, in that order: the model's
     inputs it reads at the rank's batch share, the crossing tensors as rank `rank` of the
-    stage before made them), it returns on a middle stage its shards of `crossing_out`
-    (Gather(0) at the ratio row, or whole where a tensor has no batch dim) and on the last its
-    part of the summed loss. Its parameters are the rank's shards of the model's (`params`)."""
+    stage before made them), it returns on a middle stage (and on a last stage without its
+    loss) its shards of `crossing_out` (Gather(0) at the ratio row, or whole where a tensor has
+    no batch dim) and on a last stage with its loss its part of the summed loss. Its parameters
+    are the rank's shards of the model's (`params`)."""
     if details.get("granularity", "gpu") != "gpu":
         raise ValueError("a stage's program runs per GPU; machine-level stage plans have no runtime yet")
     return RankProgram(
@@ -288,6 +312,7 @@ def stage_program(
         world_size,
         options,
         outputs=stage.crossing_out,
+        group=group,
     )
 
 

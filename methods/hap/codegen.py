@@ -170,7 +170,7 @@ class RankProgram:
             row, inputs are loaded by row 0).
         batch_shares: plan.batch_shares (samples each rank loads).
         model: the full single-device model, initialised as on every other rank.
-        rank, world_size: this process's place in the default process group.
+        rank, world_size: this process's place in `group`.
         machines: for a machine-level plan (one ratio per machine), this rank's place among the
             machines (methods.hap.hierarchy): the program then runs data parallel inside each
             machine, its collectives in three steps. None: one virtual device per rank.
@@ -182,6 +182,9 @@ class RankProgram:
             loss, each in the layout the graph's loss step reads it in: that step is a node
             that reads exactly these tensors and only states their layouts (its collectives
             run, its op does not).
+        group: the process group the program's ranks are (its collectives, the gather of
+            inputs it wants in another layout, `full_tensors`); None: the default group, all
+            ranks. A pipeline stage's program runs over its stage's ranks.
     """
 
     def __init__(
@@ -197,8 +200,10 @@ class RankProgram:
         machines: H.Machines | None = None,
         checkpoints: Sequence[Sequence[str]] = (),
         outputs: Sequence[str] = (),
+        group=None,
     ):
         self.graph = graph
+        self.group = group
         self.options = options or CodegenOptions()
         self.rank, self.world_size = rank, world_size
         self.machines = machines
@@ -505,7 +510,7 @@ class RankProgram:
         whole = (
             x
             if self.batch_shares[self.rank] == self.graph.batch_size
-            else C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded")
+            else C._gather_impl(x.contiguous(), 0, self.batch_shares, "padded", self.group)
         )
         if isinstance(lay, int) and whole.shape[lay] > 1:
             whole = C.shard(whole, lay, self.lengths(whole.shape[lay]), self.vrank)
@@ -534,25 +539,26 @@ class RankProgram:
             return src, dst, _named(lambda x: x, c.kind)
         if self.machines is not None:
             return src, dst, _named(self._machine_comm(c, lengths), c.kind)
+        group = self.group
         if c.kind == "reshard":
             old, new = lengths(c.src), lengths(c.src, c.to_segment)
-            fn = lambda x: C.reshard(x, c.src, old, new)  # noqa: E731
+            fn = lambda x: C.reshard(x, c.src, old, new, group)  # noqa: E731
         elif c.kind == "all_gather":
             parts, impl = lengths(c.src), self._impl(c.impl)
-            fn = lambda x: C.all_gather(x, c.src, parts, impl)  # noqa: E731
+            fn = lambda x: C.all_gather(x, c.src, parts, impl, group)  # noqa: E731
         elif c.kind == "reduce_scatter":
             parts, impl = lengths(c.dst), self._impl(c.impl)
-            fn = lambda x: C.reduce_scatter(x, c.dst, parts, impl)  # noqa: E731
+            fn = lambda x: C.reduce_scatter(x, c.dst, parts, impl, group)  # noqa: E731
         elif c.kind == "all_reduce":
-            fn = lambda x: C.all_reduce(x)  # noqa: E731
+            fn = lambda x: C.all_reduce(x, group)  # noqa: E731
         elif c.kind == "all_to_all":
             old, new = lengths(c.src), lengths(c.dst)
-            fn = lambda x: C.all_to_all(x, c.src, old, c.dst, new)  # noqa: E731
+            fn = lambda x: C.all_to_all(x, c.src, old, c.dst, new, group)  # noqa: E731
         elif c.kind == "slice":
             parts, rank = lengths(c.dst), self.rank
             fn = lambda x: C.shard(x, c.dst, parts, rank)  # noqa: E731
         else:
-            fn = lambda x: C.keep_first(x)  # noqa: E731
+            fn = lambda x: C.keep_first(x, group)  # noqa: E731
         return src, dst, _named(fn, c.kind)
 
     def _machine_comm(self, c: CommRule, lengths: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -611,8 +617,9 @@ class RankProgram:
                 fn = _named(lambda x, cut=cut, parts=parts: C.shard(x, cut, parts, self.machines.local), f"cut_{name}")
                 v = self._note(fn(v), fn, (v,))
             if name in ins.replicate:
-                keep = self.machines is None or self.machines.is_leader
-                v = self._note(C.replicate(v, keep=keep), C.replicate, (v,), {"keep": keep})
+                keep, group = self.machines is None or self.machines.is_leader, self.group
+                fn = _named(lambda x: C.replicate(x, keep, group), "replicate")
+                v = self._note(fn(v), fn, (v,))
             return v
         if self.graph[name].is_tensor:
             have = [v for (t, _), v in env.items() if t == name]
@@ -802,7 +809,8 @@ class RankProgram:
                     )
                     for t, lay in ((xname, self.intra[xname]), (ins.node.name, self.intra[ins.node.name]))
                 )
-            sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers), "sfb_linear")
+            group = self.group
+            sfb = _named(lambda x, w, b: C.sfb_linear(x, w, b, dim, lengths, impl, gathers, group), "sfb_linear")
             return self._note(sfb(x, w, b), sfb, (x, w, b))
         if ins.out_shape is not None and ins.node.tuple_shapes is None:
             # Sizes baked into the graph are the global ones: this rank's are its local shape.
@@ -873,7 +881,7 @@ class RankProgram:
                     m = self.machines
                     lengths = [lengths[i] if r == ranks[0] else 0 for i, ranks in enumerate(m.ranks) for r in ranks]
                     local = local if m.is_leader else local.narrow(lay, 0, 0)
-                local = C._gather_impl(local.contiguous(), lay, lengths, "padded")
+                local = C._gather_impl(local.contiguous(), lay, lengths, "padded", self.group)
             out[name] = local
         return out
 

@@ -6,6 +6,8 @@ all-reduce and all-to-all are self-dual, a reshard's dual is the reverse reshard
 gloo has no list-form all-gather of unequal tensors, which is why two all-gather (and two
 reduce-scatter) implementations exist: `padded` pads every shard to the largest and runs one
 collective; `grouped` runs one broadcast (or reduce) per rank with the exact shard.
+Every function takes a `group`: the process group the shard lengths' ranks are (default: the
+default group, all ranks; a pipeline stage's program runs over its stage's group).
 torch.distributed is looked up at call time (`dist.<name>`), so wrappers installed on its
 functions (bench.runtime.emulation) see every call. This module does not choose what to communicate.
 """
@@ -174,72 +176,73 @@ def _reshard_impl(
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, lengths, impl):
-        ctx.args = (dim, lengths, impl)
-        return _gather_impl(x, dim, lengths, impl)
+    def forward(ctx, x, dim, lengths, impl, group):
+        ctx.args = (dim, lengths, impl, group)
+        return _gather_impl(x, dim, lengths, impl, group)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, lengths, impl = ctx.args
-        return _scatter_impl(grad, dim, lengths, impl), None, None, None
+        dim, lengths, impl, group = ctx.args
+        return _scatter_impl(grad, dim, lengths, impl, group), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, lengths, impl):
-        ctx.args = (dim, lengths, impl)
-        return _scatter_impl(x, dim, lengths, impl)
+    def forward(ctx, x, dim, lengths, impl, group):
+        ctx.args = (dim, lengths, impl, group)
+        return _scatter_impl(x, dim, lengths, impl, group)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, lengths, impl = ctx.args
-        return _gather_impl(grad, dim, lengths, impl), None, None, None
+        dim, lengths, impl, group = ctx.args
+        return _gather_impl(grad, dim, lengths, impl, group), None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce_impl(x)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce_impl(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_impl(grad)
+        return _all_reduce_impl(grad, ctx.group), None
 
 
 class _Replicate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, keep):
-        ctx.keep = keep
+    def forward(ctx, x, keep, group):
+        ctx.keep, ctx.group = keep, group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        total = _all_reduce_impl(grad)
-        return (total if ctx.keep else total * 0), None
+        total = _all_reduce_impl(grad, ctx.group)
+        return (total if ctx.keep else total * 0), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, src_lengths, dst_dim, dst_lengths):
-        ctx.args = (src_dim, src_lengths, dst_dim, dst_lengths)
-        return _all_to_all_impl(x, src_dim, src_lengths, dst_dim, dst_lengths)
+    def forward(ctx, x, src_dim, src_lengths, dst_dim, dst_lengths, group):
+        ctx.args = (src_dim, src_lengths, dst_dim, dst_lengths, group)
+        return _all_to_all_impl(x, src_dim, src_lengths, dst_dim, dst_lengths, group)
 
     @staticmethod
     def backward(ctx, grad):
-        src_dim, src_lengths, dst_dim, dst_lengths = ctx.args
-        return _all_to_all_impl(grad, dst_dim, dst_lengths, src_dim, src_lengths), None, None, None, None
+        src_dim, src_lengths, dst_dim, dst_lengths, group = ctx.args
+        return _all_to_all_impl(grad, dst_dim, dst_lengths, src_dim, src_lengths, group), None, None, None, None, None
 
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, src_lengths, dst_lengths):
-        ctx.args = (dim, src_lengths, dst_lengths)
-        return _reshard_impl(x, dim, src_lengths, dst_lengths)
+    def forward(ctx, x, dim, src_lengths, dst_lengths, group):
+        ctx.args = (dim, src_lengths, dst_lengths, group)
+        return _reshard_impl(x, dim, src_lengths, dst_lengths, group)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, src_lengths, dst_lengths = ctx.args
-        return _reshard_impl(grad.contiguous(), dim, dst_lengths, src_lengths), None, None, None
+        dim, src_lengths, dst_lengths, group = ctx.args
+        return _reshard_impl(grad.contiguous(), dim, dst_lengths, src_lengths, group), None, None, None, None
 
 
 class _SfbLinear(torch.autograd.Function):
@@ -247,70 +250,78 @@ class _SfbLinear(torch.autograd.Function):
     and computes the full dW and db on every rank, instead of all-reducing them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, lengths, impl, gathers):
+    def forward(ctx, x, weight, bias, dim, lengths, impl, gathers, group):
         ctx.save_for_backward(x, weight)
-        ctx.args = (dim, lengths, impl, bias is not None, gathers)
+        ctx.args = (dim, lengths, impl, bias is not None, gathers, group)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dim, lengths, impl, has_bias, gathers = ctx.args
+        dim, lengths, impl, has_bias, gathers, group = ctx.args
         grad = grad.contiguous()
         dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         if gathers is None:
-            full_x = _gather_impl(x.contiguous(), dim, lengths, impl)
-            full_dy = _gather_impl(grad, dim, lengths, impl)
+            full_x = _gather_impl(x.contiguous(), dim, lengths, impl, group)
+            full_dy = _gather_impl(grad, dim, lengths, impl, group)
         else:
             full_x, full_dy = gathers[0](x), gathers[1](grad)
         full_x, full_dy = full_x.reshape(-1, x.shape[-1]), full_dy.reshape(-1, grad.shape[-1])
         dw = full_dy.t().matmul(full_x)
         db = full_dy.sum(0) if has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 # Plain functions (not Function.apply) so generated code and tracebacks name them.
 
 
-def all_gather(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded", group=None) -> torch.Tensor:
     """Gather(dim) -> Identity. Backward: reduce-scatter of the gradient (same impl)."""
-    return _AllGather.apply(x, dim % max(x.dim(), 1), _check(lengths, impl), impl)
+    return _AllGather.apply(x, dim % max(x.dim(), 1), _check(lengths, impl, group), impl, group)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded") -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, lengths: Sequence[int], impl: str = "padded", group=None) -> torch.Tensor:
     """Reduce -> Gather(dim): this rank's slice of the sum. Backward: all-gather (same impl)."""
-    return _ReduceScatter.apply(x, dim % max(x.dim(), 1), _check(lengths, impl), impl)
+    return _ReduceScatter.apply(x, dim % max(x.dim(), 1), _check(lengths, impl, group), impl, group)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     """Reduce -> Identity, on a copy (the input is never modified). Backward: all-reduce."""
-    return _AllReduce.apply(x)
+    return _AllReduce.apply(x, group)
 
 
-def replicate(x: torch.Tensor, keep: bool = True) -> torch.Tensor:
+def replicate(x: torch.Tensor, keep: bool = True, group=None) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient (a replicated parameter's use).
     keep=False: this rank's gradient is zero after the all-reduce (a machine's GPUs other than
     its leader, whose gradients are then summed inside the machine)."""
-    return _Replicate.apply(x, keep)
+    return _Replicate.apply(x, keep, group)
 
 
 def all_to_all(
-    x: torch.Tensor, src_dim: int, src_lengths: Sequence[int], dst_dim: int, dst_lengths: Sequence[int]
+    x: torch.Tensor,
+    src_dim: int,
+    src_lengths: Sequence[int],
+    dst_dim: int,
+    dst_lengths: Sequence[int],
+    group=None,
 ) -> torch.Tensor:
     """Gather(src_dim) -> Gather(dst_dim) with uneven shards. Backward: the reverse all-to-all."""
     nd = max(x.dim(), 1)
     if src_dim % nd == dst_dim % nd:
         raise ValueError(f"all_to_all from dim {src_dim} to the same dim: nothing to exchange")
-    return _AllToAll.apply(x, src_dim % nd, _check(src_lengths), dst_dim % nd, _check(dst_lengths))
+    src, dst = _check(src_lengths, group=group), _check(dst_lengths, group=group)
+    return _AllToAll.apply(x, src_dim % nd, src, dst_dim % nd, dst, group)
 
 
-def reshard(x: torch.Tensor, dim: int, src_lengths: Sequence[int], dst_lengths: Sequence[int]) -> torch.Tensor:
+def reshard(
+    x: torch.Tensor, dim: int, src_lengths: Sequence[int], dst_lengths: Sequence[int], group=None
+) -> torch.Tensor:
     """Gather(dim) shards laid out by `src_lengths` -> the same tensor's shards by `dst_lengths`
     (a segment border, methods.hap.search). Backward: the reverse reshard."""
-    src, dst = _check(src_lengths), _check(dst_lengths)
+    src, dst = _check(src_lengths, group=group), _check(dst_lengths, group=group)
     if sum(src) != sum(dst):
         raise ValueError(f"reshard between layouts of different lengths: {src} and {dst}")
-    return _Reshard.apply(x, dim % max(x.dim(), 1), src, dst)
+    return _Reshard.apply(x, dim % max(x.dim(), 1), src, dst, group)
 
 
 def sfb_linear(
@@ -321,6 +332,7 @@ def sfb_linear(
     lengths: Sequence[int],
     impl: str = "padded",
     gathers=None,
+    group=None,
 ) -> torch.Tensor:
     """linear(x, weight, bias) on x sharded along `dim` (not the last) with the full weight;
     the weight and bias gradients come out complete on every rank (no all-reduce needed).
@@ -330,17 +342,18 @@ def sfb_linear(
     if dim % x.dim() == x.dim() - 1:
         raise ValueError("sfb_linear: x must be sharded along a batch-like dim, not the features")
     if gathers is None:
-        lengths = _check(lengths, impl)
-    return _SfbLinear.apply(x, weight, bias, dim % x.dim(), list(lengths), impl, gathers)
+        lengths = _check(lengths, impl, group)
+    return _SfbLinear.apply(x, weight, bias, dim % x.dim(), list(lengths), impl, gathers, group)
 
 
-def keep_first(x: torch.Tensor) -> torch.Tensor:
-    """Identity -> Reduce without communication: rank 0 keeps x, the others hold zeros."""
-    return x if dist.get_rank() == 0 else x * 0
+def keep_first(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity -> Reduce without communication: rank 0 (of `group`) keeps x, the others hold zeros."""
+    return x if dist.get_rank(group) == 0 else x * 0
 
 
-def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], rank: int | None = None) -> torch.Tensor:
-    """Identity -> Gather(dim) without communication: this rank's slice (backward pads zeros)."""
-    rank = dist.get_rank() if rank is None else rank
+def shard(x: torch.Tensor, dim: int, lengths: Sequence[int], rank: int | None = None, group=None) -> torch.Tensor:
+    """Identity -> Gather(dim) without communication: this rank's slice (backward pads zeros);
+    `rank` defaults to this process's rank in `group`."""
+    rank = dist.get_rank(group) if rank is None else rank
     start = sum(lengths[:rank])
     return x.narrow(dim, start, lengths[rank])

@@ -46,7 +46,7 @@ class GradBuckets:
     of it (DDP's gradient_as_bucket_view), so backward accumulates straight into what is
     all-reduced and nothing is copied; `finish()` waits for the sums, and a parameter that got
     no gradient this step is left with `.grad` None. cap_bytes None: one bucket; 0: one per
-    parameter.
+    parameter. `group`: the process group the sums run over (default: all ranks).
 
     With `machines` (a machine-level plan), every parameter's gradient is all-reduced inside its
     machine (data parallel there); those in `across` (replicated over machines) then also among
@@ -62,8 +62,10 @@ class GradBuckets:
         overlap: bool = True,
         machines: Machines | None = None,
         across: set[int] | None = None,
+        group=None,
     ):
         self.machines = machines
+        self.group = group  # the ranks the gradients are summed over (default: all)
         across = across or set()
         ordered = list(reversed(params))
         # per gradient: (also summed among the machines, dtype, device)
@@ -126,7 +128,7 @@ class GradBuckets:
         flat = self.flats[i]
         m = self.machines
         if m is None:
-            self._works[i] = (flat, [dist.all_reduce(flat, async_op=True)])
+            self._works[i] = (flat, [dist.all_reduce(flat, group=self.group, async_op=True)])
             return
         works = [dist.all_reduce(flat, group=m.intra, async_op=True)] if m.size > 1 else []
         self._works[i] = (flat, works)
@@ -240,7 +242,9 @@ class HapTrainer:
             # the plain model on one GPU; docs/hap-runtime.md, "Runtime").
             self.grad_sync = None
         elif program.machines is None:
-            self.grad_sync = GradBuckets([program.params[n] for n in program.grad_sync], cap, grad_overlap)
+            params = [program.params[n] for n in program.grad_sync]
+            group = getattr(program, "group", None)  # a program-like object without one: all ranks
+            self.grad_sync = GradBuckets(params, cap, grad_overlap, group=group)
         else:  # every gradient is summed inside the machine; grad_sync's also among machines
             self.grad_sync = GradBuckets(
                 [program.params[n] for n in program.param_order],

@@ -65,6 +65,22 @@ def test_the_last_stage_keeps_the_models_loss():
     assert st.last and st.graph.loss == graph.loss and st.crossing_in
 
 
+def test_a_last_stage_without_its_loss_hands_on_what_the_loss_reads_in_whole_samples():
+    _, _, graph, table = _case()
+    last = table.num_groups - 1
+    st = stage_graph(graph, table, last, last + 1, loss=False)
+    assert st.ends_at_loss and not st.last and st.graph.loss == BOUNDARY
+    tail = set(table.tail)
+    assert not tail & {n.name for n in st.graph.nodes}
+    assert not set(table.targets) & set(st.inputs)  # the targets go to the schedule's loss_fn
+    read = {i for t in tail for i in graph[t].inputs} - tail - set(table.targets)
+    assert set(st.crossing_out) == read
+    (rule,) = stage_theory(st).rules[BOUNDARY]
+    # the logits flattened to samples x positions: batch-split all the same
+    assert any(graph[t].shape[0] > BATCH for t in st.crossing_out)
+    assert rule.pre == (0,) * len(st.crossing_out) and rule.post == REDUCE
+
+
 def test_the_boundary_conditions_are_batch_splits():
     _, _, graph, table = _case()
     st = stage_graph(graph, table, 1, 2)
