@@ -149,11 +149,15 @@ def _node_facts(graph) -> list[tuple]:
 
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_a_capture_without_stack_traces_is_the_capture_with_them(model):
-    """capture_config exports without the nodes' stack traces: the same graph, code and all
-    (its Python code differs only in the comments that quote the lines)."""
+    """capture_config exports without the nodes' stack traces (and with torch's lazy graph
+    modules inside the export): the same graph, code and all (its Python code differs only in
+    the comments that quote the lines)."""
     model_cfg = _tiny(model)
     fast = C._export_config(model_cfg, 4, 0, "sync", "model", None)
     traced = C._export_config(model_cfg, 4, 0, "sync", "model", None, stack_traces=True)
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    assert isinstance(fast, torch.fx.GraphModule) and not isinstance(fast, _LazyGraphModule)
     assert not any(n.meta.get("stack_trace") for n in fast.graph.nodes)
     assert any(n.meta.get("stack_trace") for n in traced.graph.nodes)
     assert _node_facts(C.graph_of(fast, 4, "model")) == _node_facts(C.graph_of(traced, 4, "model"))
