@@ -18,10 +18,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from bench.core.meta import build_on_meta
 from bench.core.program import op_class
@@ -670,12 +672,27 @@ def module_has_batch_norm(gm: fx.GraphModule) -> bool:
 
 
 def _export_config(
-    model_cfg: Any, batch_size: int, seed: int, batch_norm: str, what: str, model: nn.Module | None
+    model_cfg: Any,
+    batch_size: int,
+    seed: int,
+    batch_norm: str,
+    what: str,
+    model: nn.Module | None,
+    stack_traces: bool = False,
 ) -> fx.GraphModule:
+    """The planner's module of `model_cfg` at `batch_size` (capture_config).
+
+    Exported without the nodes' stack traces (torch symbolizes a traceback per node, a
+    noticeable part of an export), unless `stack_traces`: nothing the planner reads of a graph
+    holds them (one read back from the graph cache has none either), only the messages of a
+    capture that is refused quote them, so a capture that fails is made again with them. The
+    export's own intermediate graph modules write their Python code only where it runs
+    (torch's lazy graph modules); the module returned is a plain fx.GraphModule either way."""
     # One sample says each input's dtype and shape past the batch dim; the values are never
     # read, and drawing a whole paper-size batch would cost a noticeable part of a plan
     sample = model_cfg.synthetic_batch(1, torch.Generator().manual_seed(seed))
     batch = [torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample]
+    given = model
     if model is None:
         model = build_on_meta(model_cfg)
     else:  # a twin on the meta device that shares nothing with the model
@@ -685,4 +702,10 @@ def _export_config(
         }
         memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
         model = copy.deepcopy(model, memo)
-    return export_model(model, batch, what, batch_norm)
+    if stack_traces:
+        return export_model(model, batch, what, batch_norm)
+    try:
+        with mock.patch.object(torch.fx.config, "do_not_emit_stack_traces", True), _use_lazy_graph_module(True):
+            return export_model(model, batch, what, batch_norm)
+    except Exception:  # refused: captured again for the message as it reads with them
+        return _export_config(model_cfg, batch_size, seed, batch_norm, what, given, stack_traces=True)

@@ -58,8 +58,10 @@ class KeptJson:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            # json.dumps, not json.dump: the same text, by the C encoder (dump's is Python's)
+            text = json.dumps({**on_disk, **entries})
             with os.fdopen(fd, "w") as f:
-                json.dump({**on_disk, **entries}, f)
+                f.write(text)
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("%s %s not written (%s)", self.what, path, exc)

@@ -609,12 +609,16 @@ def replay_all(
     alike = [kind_of.setdefault((tuple(times[p]), tuple(sends[p]), tie_s[p]), p) for p in range(D)]
     kinds = list(kind_of.values())  # a pipeline of each kind, the first
     lanes = [(r, p) for p in kinds for r in range(n)]
-    clock = dict.fromkeys(lanes, 0.0)
-    pc = dict.fromkeys(lanes, 0)
-    link_free = dict.fromkeys(lanes, 0.0)
-    compute = dict.fromkeys(lanes, 0.0)
+    index = {lane: x for x, lane in enumerate(lanes)}  # each lane's state at its index below
+    clock = [0.0] * len(lanes)
+    pc = [0] * len(lanes)
+    link_free = [0.0] * len(lanes)
+    compute = [0.0] * len(lanes)
     arrived: dict[tuple, float] = {}  # (pipeline, what, mb, receiving stage) -> when it arrived
-    posted: dict[tuple[int, int], dict[int, tuple]] = {lane: {} for lane in lanes}
+    posted: list[dict[int, tuple]] = [{} for _ in lanes]
+    acts_of = [program.actions[r] for r, _ in lanes]
+    count = [len(acts) for acts in acts_of]
+    replicas = [[index[(r, q)] for q in kinds] for r, _ in lanes]  # its position's lanes, by kind
     coll_s = {
         (kind, k): shard_collective_s(
             kind,
@@ -627,31 +631,31 @@ def replay_all(
     }
     while True:
         moved = False
-        for r, p in lanes:
-            lane = (r, p)
-            acts = program.actions[r]
-            while pc[lane] < len(acts):
-                a = acts[pc[lane]]
+        for x, (r, p) in enumerate(lanes):
+            acts, end, passes, out = acts_of[x], count[x], times[p], sends[p]
+            while pc[x] < end:
+                a = acts[pc[x]]
                 kind = a[0]
                 if kind in COMPUTE:
-                    d = times[p][a[1]][_PASS[kind]]
-                    clock[lane] += d
-                    compute[lane] += d
+                    d = passes[a[1]][_PASS[kind]]
+                    clock[x] += d
+                    compute[x] += d
                 elif kind in COLLECTIVES:
                     # every replica at this same action (their lists are one position's)
-                    if any(pc[(r, q)] < pc[lane] for q in kinds):
+                    here, peers = pc[x], replicas[x]
+                    if any(pc[q] < here for q in peers):
                         break
-                    if all(pc[(r, q)] == pc[lane] for q in kinds):
-                        done = max(clock[(r, q)] for q in kinds) + coll_s[(kind, a[1])]
-                        for q in kinds:
-                            clock[(r, q)] = done
-                            pc[(r, q)] += 1
+                    if all(pc[q] == here for q in peers):
+                        done = max(clock[q] for q in peers) + coll_s[(kind, a[1])]
+                        for q in peers:
+                            clock[q] = done
+                            pc[q] += 1
                         moved = True
                         continue
                     break
                 elif kind == "tie":  # among the holders of this pipeline, as replay
-                    holders = [(q, p) for q in program.tied[a[1]].positions]
-                    if any(pc[h] == len(program.actions[h[0]]) or program.actions[h[0]][pc[h]] != a for h in holders):
+                    holders = [index[(q, p)] for q in program.tied[a[1]].positions]
+                    if any(pc[h] == count[h] or acts_of[h][pc[h]] != a for h in holders):
                         break
                     done = max(clock[h] for h in holders) + tie_s[p][a[1]]
                     for h in holders:
@@ -663,35 +667,33 @@ def replay_all(
                     _, ident, what, k, mb = a
                     to = k + 1 if what == "act" else k - 1
                     assert where[to] != r, f"stage {k} sends to stage {to} on its own rank"
-                    begin = max(clock[lane], link_free[lane])
-                    done = begin + sends[p][k if what == "act" else to]
-                    link_free[lane] = done
+                    begin = max(clock[x], link_free[x])
+                    done = begin + out[k if what == "act" else to]
+                    link_free[x] = done
                     arrived[(p, what, mb, to)] = done
-                    posted[lane][ident] = ("done", done)
+                    posted[x][ident] = ("done", done)
                 elif kind == "recv":
                     _, ident, what, k, mb = a
-                    posted[lane][ident] = ("recv", (p, what, mb, k))
+                    posted[x][ident] = ("recv", (p, what, mb, k))
                 elif kind == "wait":
-                    ends = _waited(posted[lane], a[1], arrived)
+                    ends = _waited(posted[x], a[1], arrived)
                     if ends is None:
                         break
-                    clock[lane] = max([clock[lane], *ends])
-                    pc[lane] += 1
+                    clock[x] = max([clock[x], *ends])
+                    pc[x] += 1
                     moved = True
                     continue
                 else:
                     raise ValueError(f"position {r}: unknown action {a!r}")
-                pc[lane] += 1
+                pc[x] += 1
                 moved = True
-        if all(pc[lane] == len(program.actions[lane[0]]) for lane in lanes):
+        if all(pc[x] == count[x] for x in range(len(lanes))):
             break
         if not moved:
-            stuck = {
-                lane: program.actions[lane[0]][pc[lane]] for lane in lanes if pc[lane] < len(program.actions[lane[0]])
-            }
+            stuck = {lane: acts_of[x][pc[x]] for x, lane in enumerate(lanes) if pc[x] < count[x]}
             raise ValueError(f"the schedule's actions deadlock: waiting at {stuck}")
     return {
-        (r, p): RankTimeline(compute_s=compute[(r, alike[p])], end_s=clock[(r, alike[p])])
+        (r, p): RankTimeline(compute_s=compute[index[(r, alike[p])]], end_s=clock[index[(r, alike[p])]])
         for p in range(D)
         for r in range(n)
     }

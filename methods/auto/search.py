@@ -40,7 +40,7 @@ from bench.core.errors import PlanningError
 from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
 from methods.auto.space import Candidate, make_part
-from methods.pipeline import SharedCosts
+from methods.pipeline import SharedCosts, save_traces
 
 # The parts that time their own host work on an emulated CPU cluster, by the option that does it.
 PROBES = {"fsdp": "work_probe", "deepspeed": "engine_probe", "pipeline": "work_probe"}
@@ -204,23 +204,26 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     heapq.heapify(heap)
     best: Priced | None = None
     pruned: list[tuple[Candidate, float]] = []
-    while heap:
-        was, _, i, c = heapq.heappop(heap)
-        now = bound(c)
-        if now > was:
-            heapq.heappush(heap, (now, later[c], i, c))
-            continue
-        if auto.prune and best is not None and now >= best.iter_time_s:
-            pruned = [(c, now)] + [(x[3], bound(x[3])) for x in sorted(heap)]
-            break
-        if auto.prune and best is not None and later[c] and c not in floors:
-            floors[c] = floor(c)
-            if floors[c] > now:
-                heapq.heappush(heap, (floors[c], True, i, c))
+    try:
+        while heap:
+            was, _, i, c = heapq.heappop(heap)
+            now = bound(c)
+            if now > was:
+                heapq.heappush(heap, (now, later[c], i, c))
                 continue
-        p = priced[c] = price(auto, c, workload, cluster, now, shared)
-        if p.status == "fits" and (best is None or p.iter_time_s < best.iter_time_s):
-            best = p
+            if auto.prune and best is not None and now >= best.iter_time_s:
+                pruned = [(c, now)] + [(x[3], bound(x[3])) for x in sorted(heap)]
+                break
+            if auto.prune and best is not None and later[c] and c not in floors:
+                floors[c] = floor(c)
+                if floors[c] > now:
+                    heapq.heappush(heap, (floors[c], True, i, c))
+                    continue
+            p = priced[c] = price(auto, c, workload, cluster, now, shared)
+            if p.status == "fits" and (best is None or p.iter_time_s < best.iter_time_s):
+                best = p
+    finally:
+        save_traces()  # what torch traced for the pipelines (planned on `shared`), kept once
     tried = list(priced.values())
     if best is None:
         raise _refusal(tried, cluster, auto.memory_budget_gib)

@@ -123,6 +123,7 @@ __all__ = [
     "group_profile",
     "layouts",
     "micro_batch_counts",
+    "save_traces",
     "slot_orders",
     "trace_schedule",
 ]
@@ -266,11 +267,14 @@ class PipelineParallel:
         counts or states of one case), the same plan as without it. With the work probe (on an
         emulated CPU cluster with the profile), the plan chosen is timed on the cluster's ranks,
         the candidates are searched again with the schedule's own work that measured per action,
-        and a plan that then differs is timed too and priced with its own (_probed)."""
+        and a plan that then differs is timed too and priced with its own (_probed). What torch
+        traced is kept on disk for later processes (save_traces) when the plan is done, or with
+        `shared`, by the caller once its plans are (each save writes the whole file)."""
         try:
             return self._planned(workload, cluster, shared or SharedCosts(workload, cluster))
         finally:
-            save_traces()  # what torch traced, for later processes
+            if shared is None:
+                save_traces()
 
     def _planned(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts) -> Plan:
         shared.check(workload, cluster)
@@ -525,7 +529,7 @@ class PipelineParallel:
                     )
                     continue
                 runnable = True
-                flights = tuple(in_flight(orders_[stage_rank[k]], k) for k in range(K))
+                flights = _flights(schedule, R, m, V, orders_, stage_rank)
                 for order in orders:
                     slots = tuple(order[stage_rank[k]] for k in range(K))
                     key = (slots, stage_rank, m, B // m, flights, equal, sharded)
@@ -804,6 +808,19 @@ def schedule_work_per_action(program: PipelineProgram, work: dict, priced_s: flo
 
 
 V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two stages per rank, in a V
+
+
+_in_flight: dict[tuple, tuple[int, ...]] = {}
+
+
+def _flights(schedule: str, R: int, m: int, V: int, orders, stage_rank) -> tuple[int, ...]:
+    """Per stage, the most micro-batches in flight at once on its rank (in_flight) under
+    `schedule` at this shape, whose compute order (compute_order) is `orders`; kept per shape
+    (compute_order's are: the same for every plan of a process)."""
+    key = (schedule, R, m, V)
+    if key not in _in_flight:
+        _in_flight[key] = tuple(in_flight(orders[stage_rank[k]], k) for k in range(R * V))
+    return _in_flight[key]
 
 
 def _replicated_state_floor(layout: Layout, table: GroupTable, costs: _Costs) -> float | None:

@@ -252,6 +252,7 @@ class _Costs:
         self._send: dict = {}
         self._matrix: dict = {}
         self._slowest: dict = {}
+        self._columns: dict = {}
         self._sends: dict = {}
         self._fitting: dict = {}
         self.free_cuts: dict = {}  # best_cuts with memory unchecked, by (slots, micro-batches, local)
@@ -537,6 +538,13 @@ class _Costs:
             self._slowest[key] = _elementwise_max([self.seconds_matrix(r, mb) for r, mb in reps])
         return self._slowest[key]
 
+    def slowest_columns(self, reps: Sequence[tuple[int, int]]) -> list[list[float]]:
+        """slowest_matrix as [j][i] (best_cuts reads it a run's end at a time)."""
+        key = tuple(sorted({(self._hw[r], mb) for r, mb in reps}))
+        if key not in self._columns:
+            self._columns[key] = [list(col) for col in zip(*self.slowest_matrix(reps))]
+        return self._columns[key]
+
 
 def _padded_shard(shape: tuple[int, ...], itemsize: int, shards: int) -> float:
     """A replica's shard of a parameter under FSDP2: dim 0 padded to a multiple of the shards."""
@@ -573,10 +581,13 @@ def best_cuts(
     num_groups, num_stages = costs.table.num_groups, len(slots)
     if num_stages > num_groups:
         return None
-    inf = (math.inf, math.inf)
-    best = [[inf] * (num_groups + 1) for _ in range(num_stages + 1)]
+    inf = math.inf
+    # best[s][j] = (slowest[s][j], total[s][j]), kept as two rows compared as the pair
+    # (lexicographically: the slowest stage, then the sum)
+    slowest = [[inf] * (num_groups + 1) for _ in range(num_stages + 1)]
+    total = [[inf] * (num_groups + 1) for _ in range(num_stages + 1)]
     back = [[0] * (num_groups + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, 0.0)
+    slowest[0][0] = total[0][0] = 0.0
     D = len(mbs)
     shards = D if sharded else 1
     for s in range(1, num_stages + 1):
@@ -584,19 +595,23 @@ def best_cuts(
         last = s == num_stages
         # Replicas alike in hardware and micro-batch price alike: one of each.
         reps = [(slot[p], mbs[p]) for p in {(costs._hw[slot[p]], mbs[p]): p for p in range(D)}.values()]
-        sec = costs.slowest_matrix(reps)
-        prev_row, row, links = best[s - 1], best[s], back[s]
+        sec = costs.slowest_columns(reps)
+        prev_slow, prev_total = slowest[s - 1], total[s - 1]
+        row_slow, row_total, links = slowest[s], total[s], back[s]
         sends = None if last or (local and local[s - 1]) else costs.sends(slot, slots[s], mbs)
         fitting = None if flights is None else costs.fitting(reps, flights[s - 1], m, replicated, shards)
         for j in range(s, num_groups - (num_stages - s) + 1) if not last else (num_groups,):
             send = sends[j] if sends else 0.0
+            col = sec[j]
+            b0, b1, at = row_slow[j], row_total[j], links[j]
             for i in range(s - 1, j):
-                prev = prev_row[i]
-                if prev[0] == math.inf:
+                p0 = prev_slow[i]
+                if p0 == inf:
                     continue
-                c = sec[i][j] + send
-                cand = (prev[0] if prev[0] > c else c, prev[1] + c)
-                if cand < row[j]:
+                c = col[i] + send
+                c0 = p0 if p0 > c else c
+                c1 = prev_total[i] + c
+                if c0 < b0 or (c0 == b0 and c1 < b1):
                     if fitting is not None:
                         ok = fitting.get((i, j))
                         if ok is None:
@@ -606,13 +621,14 @@ def best_cuts(
                             )
                         if not ok:
                             continue
-                    row[j], links[j] = cand, i
-    if best[num_stages][num_groups][0] == math.inf:
+                    b0, b1, at = c0, c1, i
+            row_slow[j], row_total[j], links[j] = b0, b1, at
+    if slowest[num_stages][num_groups] == inf:
         return None
     cuts = [num_groups]
     for s in range(num_stages, 0, -1):
         cuts.append(back[s][cuts[-1]])
-    return (*best[num_stages][num_groups], cuts[::-1])
+    return (slowest[num_stages][num_groups], total[num_stages][num_groups], cuts[::-1])
 
 
 def fits(

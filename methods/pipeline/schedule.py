@@ -313,12 +313,19 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _lists(value):
-    return [_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _size(value) -> int:
-    return sum(_size(v) for v in value) if isinstance(value, (list, tuple)) else 1
+def _at_most(value, limit: int) -> bool:
+    """Whether `value` (nested lists and tuples) holds at most `limit` values, counted until
+    they pass it."""
+    count, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            count += 1
+            if count > limit:
+                return False
+    return True
 
 
 def _kept(kind: str, key: tuple, make):
@@ -328,15 +335,15 @@ def _kept(kind: str, key: tuple, make):
     entry = _unsaved.get(text) or _KEPT.load().get(text)
     if isinstance(entry, dict) and "refused" in entry:
         return ScheduleRefused(str(entry["refused"]))
-    if isinstance(entry, dict) and isinstance(entry.get("found"), list):
-        return _tuples(entry["found"])
+    if isinstance(entry, dict) and isinstance(entry.get("found"), (list, tuple)):
+        return _tuples(entry["found"])  # a list as read back; this process's own is kept as made
     try:
         made = make(*key)
     except ScheduleRefused as exc:
         _unsaved[text] = {"refused": str(exc)}
         return exc
-    if _size(made) <= KEPT_MAX_VALUES:
-        _unsaved[text] = {"found": _lists(made)}
+    if _at_most(made, KEPT_MAX_VALUES):
+        _unsaved[text] = {"found": made}  # JSON writes its tuples as lists
     return made
 
 

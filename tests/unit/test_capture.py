@@ -138,3 +138,60 @@ def test_a_shape_that_depends_on_values_is_refused_in_one_line_naming_it():
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("model custom: the shape (u")
     assert "x[keep]" in msg and "data-dependent" in msg and "model.task=" in msg
+
+
+def _node_facts(graph) -> list[tuple]:
+    return [
+        (n.name, n.kind, n.op, str(n.fx_node.target), repr(n.fx_node.args), n.inputs, n.shape, n.dtype, n.flops)
+        for n in graph.nodes
+    ]
+
+
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_a_capture_without_stack_traces_is_the_capture_with_them(model):
+    """capture_config exports without the nodes' stack traces (and with torch's lazy graph
+    modules inside the export): the same graph, code and all (its Python code differs only in
+    the comments that quote the lines)."""
+    model_cfg = _tiny(model)
+    fast = C._export_config(model_cfg, 4, 0, "sync", "model", None)
+    traced = C._export_config(model_cfg, 4, 0, "sync", "model", None, stack_traces=True)
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    assert isinstance(fast, torch.fx.GraphModule) and not isinstance(fast, _LazyGraphModule)
+    assert not any(n.meta.get("stack_trace") for n in fast.graph.nodes)
+    assert any(n.meta.get("stack_trace") for n in traced.graph.nodes)
+    assert _node_facts(C.graph_of(fast, 4, "model")) == _node_facts(C.graph_of(traced, 4, "model"))
+
+    def code(gm):
+        return [line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+    assert code(fast) == code(traced)
+
+
+class _SelectsConfig:
+    """A model config whose forward has a shape that depends on values (export refuses it)."""
+
+    name = "selects"
+
+    def build(self) -> nn.Module:
+        class Selects(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+
+            def forward(self, x, keep):
+                return (x[keep] * self.w).sum()  # as many rows as `keep` has true values
+
+        return Selects()
+
+    def synthetic_batch(self, batch_size: int, generator: torch.Generator):
+        return torch.randn(batch_size, 3, generator=generator), torch.ones(batch_size, dtype=torch.bool)
+
+
+def test_a_refused_capture_config_quotes_the_line_as_a_capture_with_stack_traces():
+    with pytest.raises(C.CaptureError) as err:
+        C._export_config(_SelectsConfig(), 4, 0, "sync", "model selects", None)
+    with pytest.raises(C.CaptureError) as again:
+        C._export_config(_SelectsConfig(), 4, 0, "sync", "model selects", None, stack_traces=True)
+    assert str(err.value) == str(again.value)
+    assert "x[keep]" in str(err.value)

@@ -849,3 +849,90 @@ def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe
     assert len(seen) == 2 and seen[1] < seen[0] == 8, seen
     assert plan.program.num_micro_batches == seen[1]
     assert plan.details["work"]["action_s"] == pytest.approx(work[0], rel=1e-6)
+
+
+def _best_cuts_reference(costs, slots, mbs, m, flights, replicated, local=(), sharded=False):
+    """best_cuts as a dynamic program over (slowest, sum) pairs compared as tuples: the
+    planner's own, kept here to check the one it runs (two rows of floats) against."""
+    import math
+
+    num_groups, num_stages = costs.table.num_groups, len(slots)
+    if num_stages > num_groups:
+        return None
+    inf = (math.inf, math.inf)
+    best = [[inf] * (num_groups + 1) for _ in range(num_stages + 1)]
+    back = [[0] * (num_groups + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    D = len(mbs)
+    shards = D if sharded else 1
+    for s in range(1, num_stages + 1):
+        slot = slots[s - 1]
+        last = s == num_stages
+        reps = [(slot[p], mbs[p]) for p in {(costs._hw[slot[p]], mbs[p]): p for p in range(D)}.values()]
+        sec = costs.slowest_matrix(reps)
+        sends = None if last or (local and local[s - 1]) else costs.sends(slot, slots[s], mbs)
+        for j in range(s, num_groups - (num_stages - s) + 1) if not last else (num_groups,):
+            send = sends[j] if sends else 0.0
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev[0] == math.inf:
+                    continue
+                c = sec[i][j] + send
+                cand = (prev[0] if prev[0] > c else c, prev[1] + c)
+                if cand < best[s][j]:
+                    if flights is not None and not all(
+                        costs.fits(r, costs.peak(i, j, mb, flights[s - 1], m, replicated, shards)) for r, mb in reps
+                    ):
+                        continue
+                    best[s][j], back[s][j] = cand, i
+    if best[num_stages][num_groups][0] == math.inf:
+        return None
+    cuts = [num_groups]
+    for s in range(num_stages, 0, -1):
+        cuts.append(back[s][cuts[-1]])
+    return (*best[num_stages][num_groups], cuts[::-1])
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_best_cuts_is_the_tuple_dynamic_program(gpus):
+    """best_cuts keeps its (slowest stage, sum) pairs as two rows of floats and reads the
+    stage times a run's end at a time: the same cuts and seconds as the pairs compared as
+    tuples, memory checked or not, on paper-size BERT where memory refuses some cuts."""
+    from methods.common import group_table
+    from methods.graph import capture_config
+    from methods.pipeline.planning import _Costs, best_cuts, layouts, slot_orders
+
+    cluster = _paper_cluster(**{"cluster.gpus_per_machine": gpus})
+    workload = _workload("bert", 8 * gpus * 64, "preset=paper")
+    graph = capture_config(workload.model_cfg, workload.global_batch)
+    table = group_table(graph)
+    refused = moved = 0
+    for ckpt in (False, True):
+        costs = _Costs(graph, table, cluster, 0.0, checkpointing=ckpt)
+        found, _ = layouts(cluster, "auto", "auto", table.num_groups)
+        for layout in found:
+            R, D = layout.num_stages, layout.num_pipelines
+            for order in slot_orders(cluster, layout)[:3]:
+                for mbs in ([workload.global_batch // (D * k)] * D for k in (1, 2, 4, 8)):
+                    free = best_cuts(costs, order, mbs, 8, None, D > 1)
+                    assert free == _best_cuts_reference(costs, order, mbs, 8, None, D > 1)
+                    for m, flights in ((8, (R,) * R), (32, tuple(range(R, 0, -1)))):
+                        for replicated, sharded in ((D > 1, False), (False, D > 1)):
+                            args = (costs, order, mbs, m, flights, replicated, (), sharded)
+                            got = best_cuts(*args)
+                            assert got == _best_cuts_reference(*args)
+                            refused += got is None
+                            moved += got is not None and got != free  # memory chose other cuts
+    assert refused and moved
+
+
+def test_a_trace_is_kept_on_disk_where_its_values_are_at_most_the_limit():
+    from methods.pipeline.schedule import _at_most
+
+    def size(value) -> int:
+        return sum(size(v) for v in value) if isinstance(value, (list, tuple)) else 1
+
+    values = [(), 7, "F", ((), ()), (("F", 0, 1), ("B", 0, 1)), [[1, [2, (3, 4)]], "x"], (((1,) * 5,) * 4,) * 3]
+    for value in values:
+        for limit in range(0, 70):
+            assert _at_most(value, limit) == (size(value) <= limit)
