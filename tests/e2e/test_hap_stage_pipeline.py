@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.core.shares import offsets
 from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_theory
@@ -28,6 +25,7 @@ from methods.hap.planner import HapPlanner, step_fields
 from methods.hap.pricing import CostModel
 from methods.hap.search import synthesize
 from tests.e2e.test_hap_equivalence import STEPS, check_equivalence, make_cluster, make_workload
+from tests.forked_ranks import run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -114,38 +112,9 @@ def _rank(rank: int, port: int, cut: int, row, schedule: str, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(cut: int, row, schedule: str) -> list[dict]:
     _case(cut, row)  # planned here, before the fork: every rank takes the same plans
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(k, port, cut, row, schedule, out), daemon=True) for k in range(S * R)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    try:
-        while len(got) < S * R:  # a rank that failed leaves the others waiting in a collective
-            k, result, err = out.get(timeout=60)
-            got[k] = (result, err)
-            if err:
-                break
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = [f"rank {k}:\n{err}" for k, (_, err) in sorted(got.items()) if err]
-    assert not errors, "\n".join(errors)
-    assert len(got) == S * R, f"ranks {sorted(set(range(S * R)) - set(got))} sent nothing in 60 s"
-    return [got[k][0] for k in range(S * R)]
+    return run_forked(_rank, S * R, cut, row, schedule)
 
 
 # Cut after block 0 (stage 0: the embedding and block 0; stage 1: block 1 and the head), planned

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
-import socket
 import traceback
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import fx
 
 from bench.core.shares import offsets
@@ -32,6 +29,7 @@ from methods.hap.planner import HapPlanner, step_fields
 from methods.hap.pricing import CostModel
 from methods.hap.search import synthesize
 from tests.e2e.test_hap_equivalence import make_cluster, make_workload
+from tests.forked_ranks import run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -155,37 +153,8 @@ def _rank(rank: int, port: int, case, options, batch, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(case, options, batch) -> list[list[dict]]:
-    ctx = mp.get_context("fork")  # the ranks take the plans and the graph as they are here
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, case, options, batch, out), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    try:
-        while len(got) < WORLD:  # a rank that failed leaves the other waiting in a collective
-            r, calls, err = out.get(timeout=60)
-            got[r] = (calls, err)
-            if err:
-                break
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = [f"rank {r}:\n{err}" for r, (_, err) in sorted(got.items()) if err]
-    assert not errors, "\n".join(errors)
-    assert len(got) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(got))} sent nothing in 60 s"
-    return [got[r][0] for r in range(WORLD)]
+    return run_forked(_rank, WORLD, case, options, batch)  # the ranks take the plans and the graph as they are here
 
 
 # Cut after the first block, each stage planned as the prototype plans it (an even row over two

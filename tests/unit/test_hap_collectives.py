@@ -4,7 +4,6 @@ backward of every collective equal a single-process float64 reference."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -16,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from bench.runtime.launch import forking_context
 from methods.hap import collectives as C
+from tests.forked_ranks import free_port
 
 LENGTHS = {2: [3, 2], 3: [3, 0, 2]}
 
@@ -182,16 +182,10 @@ def _entry(rank: int, n: int, port: int, errors) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_forward_and_backward_match_single_process_with_uneven_and_empty_shards(n):
     errors = forking_context().Queue()
-    mp.start_processes(_entry, args=(n, _free_port(), errors), nprocs=n, join=True, start_method="forkserver")
+    mp.start_processes(_entry, args=(n, free_port(), errors), nprocs=n, join=True, start_method="forkserver")
     found = []
     while not errors.empty():
         found.append(errors.get())
