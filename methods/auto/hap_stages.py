@@ -39,8 +39,8 @@ stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and
 methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
 program a PipelineStage, the last stage's graph ending where the loss's tail begins:
 `stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
-ranks of tiny BERT like one device. No case of method=auto plans it yet
-(results/methods/20261203-hap-in-stages-runtime.md).
+ranks of tiny BERT like one device. No case of method=auto plans it yet: no plan format joins
+the stages to auto's candidates (docs/methods.md, "Whole-space planner (auto)").
 
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
 schedule), which only auto may (a method never imports another: pyproject's import contracts).

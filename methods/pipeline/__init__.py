@@ -520,7 +520,7 @@ class PipelineParallel:
                 if V > 1 and m * V > MAX_MULTI_FORWARDS:
                     continue
                 try:
-                    orders_, stage_rank = compute_order(schedule, R, m, V)
+                    _, stage_rank = compute_order(schedule, R, m, V)
                 except ScheduleRefused as exc:
                     refusals.append(
                         f"method.num_micro_batches={m} does not run under method.schedule={schedule} "
@@ -529,7 +529,7 @@ class PipelineParallel:
                     )
                     continue
                 runnable = True
-                flights = _flights(schedule, R, m, V, orders_, stage_rank)
+                flights = _flights(schedule, R, m, V)
                 for order in orders:
                     slots = tuple(order[stage_rank[k]] for k in range(K))
                     key = (slots, stage_rank, m, B // m, flights, equal, sharded)
@@ -813,12 +813,12 @@ V_SHAPED = ("zbvzerobubble", "dualpipev")  # torch's schedules of exactly two st
 _in_flight: dict[tuple, tuple[int, ...]] = {}
 
 
-def _flights(schedule: str, R: int, m: int, V: int, orders, stage_rank) -> tuple[int, ...]:
+def _flights(schedule: str, R: int, m: int, V: int) -> tuple[int, ...]:
     """Per stage, the most micro-batches in flight at once on its rank (in_flight) under
-    `schedule` at this shape, whose compute order (compute_order) is `orders`; kept per shape
-    (compute_order's are: the same for every plan of a process)."""
+    `schedule` at this shape (its compute_order, kept per shape as compute_order's are)."""
     key = (schedule, R, m, V)
     if key not in _in_flight:
+        orders, stage_rank = compute_order(schedule, R, m, V)
         _in_flight[key] = tuple(in_flight(orders[stage_rank[k]], k) for k in range(R * V))
     return _in_flight[key]
 
