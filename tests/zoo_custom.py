@@ -1,6 +1,6 @@
 """A user's own models for `model=custom` in the tests (models/custom.py): ones whose forward
-returns the summed loss (one with batch norm), one that returns logits for a task adapter, and
-broken factories."""
+returns the summed loss (one with batch norm), ones that return logits for a task adapter (one
+with a skip past its blocks, one with its head tied to its embedding), and broken factories."""
 
 from __future__ import annotations
 
@@ -69,6 +69,27 @@ class TinyDecoder(nn.Module):
 
 def build_decoder(vocab: int = 512, width: int = 32) -> nn.Module:
     return TinyDecoder(vocab, width)
+
+
+class LongSkipDecoder(TinyDecoder):
+    """TinyDecoder whose head also reads the embedding's output (a skip past both blocks)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h + x)
+
+
+def build_long_skip(vocab: int = 512, width: int = 32) -> nn.Module:
+    return LongSkipDecoder(vocab, width)
+
+
+def build_tied_decoder(vocab: int = 512, width: int = 32) -> nn.Module:
+    """TinyDecoder whose head is its embedding's weight (one tensor read at both ends)."""
+    model = TinyDecoder(vocab, width)
+    model.out.weight = model.emb.weight
+    return model
 
 
 def not_a_module():
