@@ -2,13 +2,14 @@
 `HapStagesTrainer`, built from a plan in auto's format for hap stages): tiny BERT cut into 2 or
 3 stages, each planned by hap over a group of 2 ranks, one gloo process a rank, torch's schedule
 (1F1B, GPipe), each rank trained on the samples its plan's `data_slices` give it (what the runner
-loads), 3 Adam steps. The losses, the last step's gradients and the parameters after 3 steps
-(every stage's, written into rank 0's model) equal single-device training's
-(tests/e2e/test_hap_equivalence.py's check_equivalence), with clipping by the global norm in
-the 3-stage case (at a norm that clips every step)."""
+loads: one case runs through the runner's workers), 3 Adam steps. The losses, the last step's
+gradients and the parameters after 3 steps (every stage's, written into rank 0's model) equal
+single-device training's (tests/e2e/test_hap_equivalence.py's check_equivalence), with clipping
+by the global norm in the 3-stage case (at a norm that clips every step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 from bench.core.interfaces import Plan, RankContext
 from bench.runtime.emulation import Emulator
+from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
+from bench.runtime.worker import Case
 from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_theory
 from methods.auto.hap_stages_runtime import HapStagesTrainer, rank_batches
 from methods.common import group_table
@@ -110,15 +114,14 @@ def _rank(rank: int, port: int, key: tuple, grad_clip: float, out) -> None:
 
 
 # 2 stages cut after block 0 (stage 0: the embedding and block 0; stage 1: block 1 and the
-# head), global batch 8 in 2 micro-batches of 4: planned as the prototype plans it (the row
-# (0.5, 0.5), 2 + 2 samples a micro-batch) under 1F1B, and synthesized at the uneven row
-# (0.25, 0.75) (1 + 3) under GPipe. 3 stages (the embedding; block 0; block 1 and the head),
-# global batch 12 in 3 micro-batches of 4 at the row (0.25, 0.75), 1F1B, the groups' ranks in
-# no order (rank i of stage s is groups[s][i]), clipped at 0.3 (one device's norm is about 0.6).
-TWO = ((0, 2, 4), 8, 2, ((0, 1), (2, 3)))
+# head), global batch 8 in 2 micro-batches of 4: synthesized at the uneven row (0.25, 0.75) (1 + 3
+# samples a micro-batch) under GPipe; and (through the runner, below) planned as the prototype
+# plans it (the row (0.5, 0.5), 2 + 2) under 1F1B. 3 stages (the embedding; block 0; block 1 and
+# the head), global batch 12 in 3 micro-batches of 4 at the row (0.25, 0.75), 1F1B, the groups'
+# ranks in no order (rank i of stage s is groups[s][i]), clipped at 0.3 (one device's norm is
+# about 0.6).
 CASES = [
-    pytest.param((TWO[0], None, TWO[1], TWO[2], "1F1B", TWO[3]), 0.0, id="2-stages-planned-1f1b"),
-    pytest.param((TWO[0], (0.25, 0.75), TWO[1], TWO[2], "GPipe", TWO[3]), 0.0, id="2-stages-uneven-gpipe"),
+    pytest.param(((0, 2, 4), (0.25, 0.75), 8, 2, "GPipe", ((0, 1), (2, 3))), 0.0, id="2-stages-uneven-gpipe"),
     pytest.param(((0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))), 0.3, id="3-stages-clipped"),
 ]
 
@@ -142,3 +145,39 @@ def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip):
         norms = {tuple(res["norms"]) for res in results}
         assert len(norms) == 1 and min(next(iter(norms))) > grad_clip, norms
     check_equivalence(workload, results, lr=LR, grad_clip=grad_clip)
+
+
+@dataclasses.dataclass
+class StagesMethod:
+    """A Method that runs a plan of hap stages made elsewhere (picklable: it travels to the
+    runner's workers), its trainer writing every stage's state into rank 0's model."""
+
+    plan_: Plan
+    grad_clip: float = 0.0
+    name: str = "auto"
+    modes: tuple = ("real",)
+
+    def plan(self, workload, cluster) -> Plan:
+        return self.plan_
+
+    def setup(self, plan: Plan, model, ctx: RankContext) -> HapStagesTrainer:
+        return HapStagesTrainer(plan, model, ctx, LR, self.grad_clip, mirror_full_state=True)
+
+
+def test_the_runner_trains_a_plan_of_hap_stages_like_one_device():
+    """The runner's workers (bench.runtime.launch) run the trainer behind a Method's setup, each
+    loading its plan.data_slices of every global batch, and read rank 0's model back: 2 stages
+    planned as the prototype plans them, 1F1B, 4 ranks."""
+    workload, plan = _plan((0, 2, 4), None, 8, 2, "1F1B", ((0, 1), (2, 3)))
+    assert plan.details["hap_stages"]["batch_shares"] == [2, 2]
+    case = Case(
+        workload,
+        make_cluster(4),
+        StagesMethod(plan),
+        plan,
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        hooks=RankHooks(return_state=True),
+    )
+    check_equivalence(workload, launch(case, 4, timeout_s=120), lr=LR)
