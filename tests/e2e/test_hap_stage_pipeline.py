@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bench.core.interfaces import Plan, RankContext
+from bench.core.weights import Weights, build_meta
 from bench.runtime.emulation import Emulator
 from bench.runtime.launch import launch
 from bench.runtime.pacing import RankHooks
@@ -78,7 +79,7 @@ def _plan(cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups)
     return workload, Plan("auto", shares, {"hap_stages": hap_stages}, data_slices=slices)
 
 
-def _rank(rank: int, port: int, key: tuple, grad_clip: float, out) -> None:
+def _rank(rank: int, port: int, key: tuple, grad_clip: float, on_meta: bool, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     workload, plan = _plan(*key)
@@ -86,8 +87,16 @@ def _rank(rank: int, port: int, key: tuple, grad_clip: float, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cluster = make_cluster(world)
-        ctx = RankContext(rank, world, torch.device("cpu"), cluster, workload, Emulator(cluster, rank, enabled=False))
-        trainer = HapStagesTrainer(plan, workload.build(0), ctx, LR, grad_clip, mirror_full_state=True)
+        emulator = Emulator(cluster, rank, enabled=False)
+        if on_meta:  # as the runner hands a method that materialises what it holds
+            model = build_meta(workload.model_cfg, 0)
+            ctx = RankContext(
+                rank, world, torch.device("cpu"), cluster, workload, emulator, Weights(model, 0, workload.model_cfg)
+            )
+        else:
+            model = workload.build(0)
+            ctx = RankContext(rank, world, torch.device("cpu"), cluster, workload, emulator)
+        trainer = HapStagesTrainer(plan, model, ctx, LR, grad_clip, mirror_full_state=True)
         data = workload.model_cfg.dataset("synthetic", None, "train", 0)
         losses, norms = [], []
         for it in range(STEPS):  # the batch the runner hands the rank (bench.runtime.worker)
@@ -119,19 +128,21 @@ def _rank(rank: int, port: int, key: tuple, grad_clip: float, out) -> None:
 # plans it (the row (0.5, 0.5), 2 + 2) under 1F1B. 3 stages (the embedding; block 0; block 1 and
 # the head), global batch 12 in 3 micro-batches of 4 at the row (0.25, 0.75), 1F1B, the groups'
 # ranks in no order (rank i of stage s is groups[s][i]), clipped at 0.3 (one device's norm is
-# about 0.6).
+# about 0.6), the model handed over on meta (the trainer materialises it from ctx.weights).
 CASES = [
-    pytest.param(((0, 2, 4), (0.25, 0.75), 8, 2, "GPipe", ((0, 1), (2, 3))), 0.0, id="2-stages-uneven-gpipe"),
-    pytest.param(((0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))), 0.3, id="3-stages-clipped"),
+    pytest.param(((0, 2, 4), (0.25, 0.75), 8, 2, "GPipe", ((0, 1), (2, 3))), 0.0, False, id="2-stages-uneven-gpipe"),
+    pytest.param(
+        ((0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))), 0.3, True, id="3-stages-clipped-meta"
+    ),
 ]
 
 
-@pytest.mark.parametrize("key,grad_clip", CASES)
-def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip):
+@pytest.mark.parametrize("key,grad_clip,on_meta", CASES)
+def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta):
     workload, plan = _plan(*key)  # planned here, before the fork: every rank takes the same plan
     hs = plan.details["hap_stages"]
     S, world = len(hs["groups"]), len(plan.data_slices)
-    results = run_forked(_rank, world, key, grad_clip)
+    results = run_forked(_rank, world, key, grad_clip, on_meta)
     assert all(res["recorded"] for res in results)  # the second micro-batch on ran the recorded program
     assert [res["stage"] for res in results] == [
         next(s for s, g in enumerate(hs["groups"]) if r in g) for r in range(world)
