@@ -35,6 +35,7 @@ module does not belong to a stage either.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,7 @@ from methods.common import GroupTable, check_training_options, group_table
 from methods.graph import Graph, capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.pipeline.cut import cut_graph
-from methods.pipeline.schedule import schedule_class
+from methods.pipeline.schedule import is_multi_stage, schedule_class
 
 # The plan format (plan.details["hap_stages"]; docs/methods.md, "Whole-space planner (auto)").
 FORMAT_KEYS = ("cuts", "groups", "batch_shares", "micro_batch", "num_micro_batches", "schedule", "stages")
@@ -83,8 +84,33 @@ def check_hap_stages(hs: dict, world_size: int) -> None:
             f"{WHERE}['batch_shares']={shares} must give each of a group's {R} ranks at least one sample of "
             f"the micro-batch, micro_batch={mb} in all"
         )
-    if hs["num_micro_batches"] < 1:
-        raise ValueError(f"{WHERE}['num_micro_batches']={hs['num_micro_batches']} must be at least 1")
+    m, schedule = hs["num_micro_batches"], hs["schedule"]
+    if m < 1:
+        raise ValueError(f"{WHERE}['num_micro_batches']={m} must be at least 1")
+    try:
+        cls = schedule_class(schedule)
+    except ValueError as err:
+        raise ValueError(f"{WHERE}['schedule']={schedule!r}: {err}") from None
+    if is_multi_stage(schedule):
+        raise ValueError(
+            f"{WHERE}['schedule']={schedule!r} runs several stages a rank; a pipeline of hap stages runs one "
+            "(1F1B, GPipe)"
+        )
+    if cls.__name__ == "Schedule1F1B" and m < S:
+        raise ValueError(f"{WHERE}['num_micro_batches']={m}: 1F1B needs one micro-batch a stage at least ({S})")
+    rows = {json.dumps(d.get("ratios")) for d in hs["stages"]}
+    row = hs["stages"][0].get("ratios")
+    if len(rows) != 1 or not isinstance(row, list) or len(row) != 1 or len(row[0]) != R:
+        raise ValueError(
+            f"{WHERE}['stages']: their 'ratios' ({sorted(rows)}) must be one row of {R} ratios, the same at every "
+            "stage (a micro-batch is split alike at every stage)"
+        )
+    grains = sorted({d.get("granularity", "gpu") for d in hs["stages"]})
+    if grains != ["gpu"]:
+        raise ValueError(
+            f"{WHERE}['stages']: granularity {grains}; a stage's program runs per GPU (machine-level stage plans "
+            "have no runtime)"
+        )
 
 
 def rank_batches(hs: dict) -> tuple[list[int], list[tuple[int, int]]]:

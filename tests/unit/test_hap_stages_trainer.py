@@ -25,8 +25,8 @@ def _workload(factory: str) -> Workload:
 
 
 def _plan(cuts_, **changes) -> Plan:
-    """One rank a stage, 2 micro-batches of 4 (every rank loads the global batch); the stages'
-    own plans are never read here."""
+    """One rank a stage, 2 micro-batches of 4 (every rank loads the global batch); of the stages'
+    own plans only their ratio row and granularity are read here."""
     S = len(cuts_) - 1
     hs = {
         "cuts": list(cuts_),
@@ -35,7 +35,7 @@ def _plan(cuts_, **changes) -> Plan:
         "micro_batch": 4,
         "num_micro_batches": 2,
         "schedule": "1F1B",
-        "stages": [{} for _ in range(S)],
+        "stages": [{"ratios": [[1.0]], "granularity": "gpu"} for _ in range(S)],
         **changes,
     }
     world = sum(len(g) for g in hs["groups"])
@@ -54,7 +54,7 @@ def test_a_stage_reading_a_tensor_made_two_stages_before_it_is_refused():
     """The head reads the embedding's output: cut between the two blocks too, stage 2 would read
     what stage 0 made, which stage 1 does not hand on. Cut once, it is stage 0's output."""
     with pytest.raises(ValueError, match=r"stage 2 \(layer groups \[2, 4\)\) reads embedding \(layer group 0\)"):
-        _trainer("build_long_skip", _plan([0, 1, 2, 4]))
+        _trainer("build_long_skip", _plan([0, 1, 2, 4], schedule="GPipe"))
     _, _, stages = stage_graphs(_workload("build_long_skip").model_cfg, _plan([0, 2, 4]).details["hap_stages"])
     assert "embedding" in stages[0].crossing_out and "embedding" in stages[1].crossing_in
 
@@ -77,8 +77,26 @@ def test_a_parameter_two_stages_read_is_refused():
         ({"batch_shares": [3]}, "keep", r"\['batch_shares'\]=\[3\] must give"),
         ({"cuts": [0, 2, 3]}, "keep", r"\['cuts'\]=\[0, 2, 3\] must end at the model's 4 layer groups"),
         ({"num_micro_batches": 3}, "keep", r"num_micro_batches=3 x micro_batch=4 is not the global batch 8"),
+        ({"schedule": "Interleaved1F1B"}, "keep", r"\['schedule'\]='Interleaved1F1B' runs several stages a rank"),
+        ({"schedule": "2F2B"}, "keep", r"\['schedule'\]='2F2B': Unknown schedule name"),
+        ({"num_micro_batches": 1}, "keep", r"\['num_micro_batches'\]=1: 1F1B needs one micro-batch a stage"),
+        ({"stages": [{"ratios": [[1.0]]}, {"ratios": [[0.5]]}]}, "keep", r"their 'ratios' .* must be one row"),
+        ({"stages": [{"ratios": [[1.0]], "granularity": "machine"}] * 2}, "keep", r"granularity \['machine'\]"),
     ],
-    ids=["no-slices", "other-slices", "a-rank-twice", "one-stage", "shares", "cuts", "batch"],
+    ids=[
+        "no-slices",
+        "other-slices",
+        "a-rank-twice",
+        "one-stage",
+        "shares",
+        "cuts",
+        "batch",
+        "several-stages-a-rank",
+        "unknown-schedule",
+        "too-few-micro-batches",
+        "rows",
+        "machine-level",
+    ],
 )
 def test_a_malformed_plan_of_hap_stages_is_refused_in_one_line(changes, data_slices, message):
     plan = _plan([0, 2, 4], **changes)
