@@ -12,8 +12,8 @@ border tensors to rank i of stage s + 1). A rank is in two process groups, made 
 `HapStagesTrainer` on every process in one order: its stage's (the program's collectives, the
 gradient sum) and its pipeline's (the schedule's sends). A stage receives only what the stage
 before hands on: a cut where a stage reads a tensor made two or more stages before it (or a
-model input after the first stage), or where two stages read one parameter (a tied embedding
-and head), is refused (`check_stages`).
+model input after the first stage), where the loss reads a tensor the last stage does not make,
+or where two stages read one parameter (a tied embedding and head), is refused (`check_stages`).
 
 The micro-batches: the stage graphs are captured at the group's micro-batch (the global batch /
 m), which rank i holds its share of (the plan's batch shares, the same at every stage). The
@@ -51,7 +51,7 @@ from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.schedule import is_multi_stage, schedule_class
 
-# The plan format (plan.details["hap_stages"]; docs/methods.md, "Whole-space planner (auto)").
+# The plan format (plan.details["hap_stages"]; docs/hap-runtime.md, "Pipelines of hap stages").
 FORMAT_KEYS = ("cuts", "groups", "batch_shares", "micro_batch", "num_micro_batches", "schedule", "stages")
 WHERE = 'plan.details["hap_stages"]'
 
@@ -142,28 +142,43 @@ def stage_graphs(model_cfg, hs: dict) -> tuple[Graph, GroupTable, list[StageGrap
         raise ValueError(f"{WHERE}['cuts']={cuts} must end at the model's {table.num_groups} layer groups")
     S = len(cuts) - 1
     stages = [stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S) for s in range(S)]
-    check_stages(stages, table)
+    check_stages(graph, table, stages)
     return graph, table, stages
 
 
-def check_stages(stages: Sequence[StageGraph], table: GroupTable | None = None) -> None:
-    """Refuse stages a pipeline cannot run (ValueError, one line): a stage after the first that
-    reads a tensor the stage before does not make (made two or more stages before it, or a
-    model input: torch's schedule hands a stage only the stage before's outputs), or a
-    parameter two stages read (a tied embedding and head: each stage's ranks would train a copy
-    of their own). `table` names the layer group that made a tensor. The planner avoids such cuts."""
+def check_stages(graph: Graph, table: GroupTable, stages: Sequence[StageGraph]) -> None:
+    """Refuse stages of `graph` a pipeline cannot run (ValueError, one line): a stage after the
+    first that reads a tensor the stage before does not make (made two or more stages before
+    it, or a model input: torch's schedule hands a stage only the stage before's outputs), a
+    loss's tail that reads a tensor the last stage does not make (loss_fn gets only the last
+    stage's outputs), or a parameter two stages read (a tied embedding and head: each stage's
+    ranks would train a copy of their own). The planner avoids such cuts."""
     cuts = [st.first for st in stages] + [stages[-1].end]
+
+    def made(names: Sequence[str]) -> str:
+        groups = {t: table.node_group.get(t) for t in names}
+        return ", ".join(
+            f"{t} (layer group {g})" if g is not None else f"{t} (a model input)" for t, g in groups.items()
+        )
+
     for k in range(1, len(stages)):
         st, before = stages[k], stages[k - 1]
         far = [t for t in st.crossing_in if t not in before.crossing_out] + list(st.model_inputs)
         if far:
-            made = {t: (table.node_group.get(t, "a model input") if table else "?") for t in far}
-            where = ", ".join(f"{t} (layer group {g})" if isinstance(g, int) else f"{t} ({g})" for t, g in made.items())
             raise ValueError(
-                f"{WHERE}['cuts']={cuts}: stage {k} (layer groups [{st.first}, {st.end})) reads {where}, which "
+                f"{WHERE}['cuts']={cuts}: stage {k} (layer groups [{st.first}, {st.end})) reads {made(far)}, which "
                 f"stage {k - 1} does not make; a stage receives only what the stage before hands on: cut so that "
                 "no stage reads past the stage before it"
             )
+    tail, targets = set(table.tail), set(table.targets)
+    read = [i for n in graph.nodes if n.name in tail for i in n.inputs if i not in tail and i not in targets]
+    far = [t for t in dict.fromkeys(read) if t not in stages[-1].crossing_out]
+    if far:
+        raise ValueError(
+            f"{WHERE}['cuts']={cuts}: the loss reads {made(far)}, which the last stage (layer groups "
+            f"[{stages[-1].first}, {stages[-1].end})) does not make; the loss receives only the last stage's "
+            "outputs: cut so that the last stage makes what the loss reads"
+        )
     readers: dict[str, list[int]] = {}
     for k, st in enumerate(stages):
         for n in st.graph.nodes:
@@ -257,7 +272,7 @@ class HapStageRank:
         from torch.distributed.pipelining import PipelineStage
 
         S, R = len(stages), len(batch_shares)
-        check_stages(stages, table)
+        check_stages(graph, table, stages)
         if not stages[-1].ends_at_loss:
             raise ValueError("the last stage must end where the loss's tail begins: stage_graph(..., loss=False)")
         rows = {tuple(map(tuple, d["ratios"])) for d in details}
@@ -378,7 +393,7 @@ class HapStageRank:
 
 class HapStagesTrainer:
     """The Trainer of a plan of hap stages on this rank: its stage and pipeline read from
-    `plan.details["hap_stages"]` (the format: docs/methods.md, "Whole-space planner (auto)"),
+    `plan.details["hap_stages"]` (the format: docs/hap-runtime.md, "Pipelines of hap stages"),
     the stage graphs rebuilt as the plan's (`stage_graphs`), every process group made (stage
     groups s = 0..S-1 as `groups[s]` orders them, then pipeline groups i = 0..R-1, on every
     process in that order), and its `HapStageRank`.

@@ -18,9 +18,13 @@ from tests.e2e.test_hap_equivalence import make_cluster
 
 @functools.cache
 def _workload(factory: str) -> Workload:
-    """A tiny decoder of tests/zoo_custom.py (4 layer groups: the embedding, 2 blocks, the head),
-    global batch 8."""
-    cfg = CustomModelConfig.from_preset("tiny", factory=f"tests.zoo_custom:{factory}", task="causal_lm", seq_len=8)
+    """A tiny model of tests/zoo_custom.py (4 layer groups: the first layer, 2 blocks, the head),
+    global batch 8: a decoder, or `build_early_loss` (its loss computed in its forward)."""
+    if factory == "build_early_loss":
+        inputs = [{"shape": [16], "dtype": "float32"}, {"shape": [], "dtype": "int64", "high": 16}]
+        cfg = CustomModelConfig.from_preset("tiny", factory=f"tests.zoo_custom:{factory}", inputs=inputs)
+    else:
+        cfg = CustomModelConfig.from_preset("tiny", factory=f"tests.zoo_custom:{factory}", task="causal_lm", seq_len=8)
     return Workload("custom", "tiny", cfg, 8, 1.0)
 
 
@@ -57,6 +61,13 @@ def test_a_stage_reading_a_tensor_made_two_stages_before_it_is_refused():
         _trainer("build_long_skip", _plan([0, 1, 2, 4], schedule="GPipe"))
     _, _, stages = stage_graphs(_workload("build_long_skip").model_cfg, _plan([0, 2, 4]).details["hap_stages"])
     assert "embedding" in stages[0].crossing_out and "embedding" in stages[1].crossing_in
+
+
+def test_a_loss_reading_a_tensor_the_last_stage_does_not_make_is_refused():
+    """A loss term reads the first layer's output: the pipeline's loss function gets only the
+    last stage's outputs."""
+    with pytest.raises(ValueError, match=r"the loss reads linear \(layer group 0\), which the last stage"):
+        _trainer("build_early_loss", _plan([0, 2, 4]))
 
 
 def test_a_parameter_two_stages_read_is_refused():
