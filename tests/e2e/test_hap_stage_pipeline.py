@@ -43,12 +43,12 @@ LR = 5e-4
 
 
 @functools.cache
-def _plan(cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups) -> tuple:
-    """(workload, plan) of tiny BERT cut at `cuts`, in the plan format auto's hap stages use
+def _plan(model: str, cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups) -> tuple:
+    """(workload, plan) of the tiny `model` cut at `cuts`, in the plan format auto's hap stages use
     (details["hap_stages"], data_slices from rank_batches), round-tripped through JSON as a
     record keeps it. `row` None: each stage planned as the prototype plans it (plan_stage over
     a group of R alike ranks: an even row); else synthesized by hap's search at this row."""
-    workload = make_workload("bert", R, batch)
+    workload = make_workload(model, R, batch)
     mb = batch // m
     graph = capture_config(workload.model_cfg, mb)
     table = group_table(graph)
@@ -122,20 +122,35 @@ def _rank(rank: int, port: int, key: tuple, grad_clip: float, on_meta: bool, out
         dist.destroy_process_group()
 
 
-# 3 stages (the embedding; block 0; block 1 and the head), global batch 12 in 3 micro-batches of
-# 4 synthesized at the uneven row (0.25, 0.75) (1 + 3 samples a micro-batch), 1F1B, the groups'
-# ranks in no order (rank i of stage s is groups[s][i]), clipped at 0.3 (one device's norm is
-# about 0.6), the model handed over on meta (the trainer materialises it from ctx.weights).
-# (2 stages run through the runner, below.)
+# 3 stages x 2 ranks synthesized at the uneven row (0.25, 0.75) (1 + 3 samples a micro-batch of
+# 4): tiny BERT under 1F1B (the embedding; block 0; block 1 and the head), global batch 12 in 3
+# micro-batches, clipped at 0.3 (one device's norm is 0.61-0.63: every step clips), the groups'
+# ranks in no order (rank i of stage s is groups[s][i]), the model handed over on meta (the
+# trainer materialises it from ctx.weights); tiny VGG19 under GPipe (conv stages 0-1; 2-3; 4
+# and the classifier), global batch 8 in 2, whose middle and last stages shard parameters and
+# run collectives. `sharding`: the
+# stages whose programs shard a parameter and run a collective inside the stage (forward and
+# backward over the stage's group). (2 stages run through the runner, below.)
 CASES = [
     pytest.param(
-        ((0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))), 0.3, True, id="3-stages-clipped-meta"
+        ("bert", (0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))),
+        0.3,
+        True,
+        [0],
+        id="bert-3-stages-clipped-meta",
+    ),
+    pytest.param(
+        ("vgg19", (0, 2, 4, 6), (0.25, 0.75), 8, 2, "GPipe", ((0, 1), (2, 3), (4, 5))),
+        0.0,
+        False,
+        [1, 2],
+        id="vgg19-3-stages",
     ),
 ]
 
 
-@pytest.mark.parametrize("key,grad_clip,on_meta", CASES)
-def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta):
+@pytest.mark.parametrize("key,grad_clip,on_meta,sharding", CASES)
+def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta, sharding):
     workload, plan = _plan(*key)  # planned here, before the fork: every rank takes the same plan
     hs = plan.details["hap_stages"]
     S, world = len(hs["groups"]), len(plan.data_slices)
@@ -144,11 +159,9 @@ def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta
     assert [res["stage"] for res in results] == [
         next(s for s, g in enumerate(hs["groups"]) if r in g) for r in range(world)
     ]
-    # stage 0's program shards a parameter and runs a collective inside the stage (forward and
-    # backward over the stage's group); the last stage's replicated gradients are summed after the schedule
-    first, last = (results[hs["groups"][s][0]]["summary"] for s in (0, S - 1))
-    assert first["sharded_params"] and first["collectives"], first
-    assert last["replicated_params"], last
+    ran = [results[hs["groups"][s][0]]["summary"] for s in range(S)]
+    assert [s for s in range(S) if ran[s]["sharded_params"] and ran[s]["collectives"]] == sharding, ran
+    assert ran[-1]["replicated_params"], ran[-1]  # summed over the stage after the schedule
     if grad_clip:  # one norm on every rank, above the clip: every step clipped
         norms = {tuple(res["norms"]) for res in results}
         assert len(norms) == 1 and min(next(iter(norms))) > grad_clip, norms
@@ -177,7 +190,7 @@ def test_the_runner_trains_a_plan_of_hap_stages_like_one_device():
     loading its plan.data_slices of every global batch, and read rank 0's model back: 2 stages
     planned as the prototype plans them (cut after block 0; the row (0.5, 0.5), 2 + 2 samples of
     each of 2 micro-batches of 4), GPipe, 4 ranks."""
-    workload, plan = _plan((0, 2, 4), None, 8, 2, "GPipe", ((0, 1), (2, 3)))
+    workload, plan = _plan("bert", (0, 2, 4), None, 8, 2, "GPipe", ((0, 1), (2, 3)))
     assert plan.details["hap_stages"]["batch_shares"] == [2, 2]
     case = Case(
         workload,
