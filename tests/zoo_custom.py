@@ -1,6 +1,7 @@
 """A user's own models for `model=custom` in the tests (models/custom.py): ones whose forward
-returns the summed loss (one with batch norm), one that returns logits for a task adapter, and
-broken factories."""
+returns the summed loss (one with batch norm, one whose loss also reads its first layer), ones that
+return logits for a task adapter (one with a skip past its blocks, one with its head tied to its
+embedding), and broken factories."""
 
 from __future__ import annotations
 
@@ -69,6 +70,50 @@ class TinyDecoder(nn.Module):
 
 def build_decoder(vocab: int = 512, width: int = 32) -> nn.Module:
     return TinyDecoder(vocab, width)
+
+
+class LongSkipDecoder(TinyDecoder):
+    """TinyDecoder whose head also reads the embedding's output (a skip past both blocks)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = h = self.emb(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h + x)
+
+
+def build_long_skip(vocab: int = 512, width: int = 32) -> nn.Module:
+    return LongSkipDecoder(vocab, width)
+
+
+def build_tied_decoder(vocab: int = 512, width: int = 32) -> nn.Module:
+    """TinyDecoder whose head is its embedding's weight (one tensor read at both ends)."""
+    model = TinyDecoder(vocab, width)
+    model.out.weight = model.emb.weight
+    return model
+
+
+class EarlyLoss(nn.Module):
+    """Input layer -> two residual MLP blocks -> head; forward returns the summed loss of the
+    head's scores and of the input layer's output (a loss term that reads the first layer)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)) for _ in range(2)]
+        )
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h0 = h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.cross_entropy(self.head(h), labels, reduction="sum") + F.cross_entropy(h0, labels, reduction="sum")
+
+
+def build_early_loss(width: int = 16) -> nn.Module:
+    return EarlyLoss(width)
 
 
 def not_a_module():

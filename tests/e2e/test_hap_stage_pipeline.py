@@ -1,13 +1,17 @@
-"""A pipeline of hap stages trains like one device (methods/auto/hap_stages_runtime.py): tiny BERT
-cut into 2 stages, each planned by hap over a group of 2 ranks, 4 gloo processes (rank r of stage
-s is global rank 2s + r; pipeline r is ranks {r, 2 + r}), torch's schedule (1F1B, GPipe) over 2
-micro-batches, 3 Adam steps, at the prototype's even row and at an uneven one. The losses, the last step's gradients (shards gathered, replicated ones summed over
-the stage) and the parameters after 3 steps equal single-device training's
-(tests/e2e/test_hap_equivalence.py's check_equivalence)."""
+"""A pipeline of hap stages trains like one device (methods/auto/hap_stages_runtime.py's
+`HapStagesTrainer`, built from a plan in auto's format for hap stages): tiny BERT cut into 2 or
+3 stages, each planned by hap over a group of 2 ranks, one gloo process a rank, torch's schedule
+(1F1B, GPipe), each rank trained on the samples its plan's `data_slices` give it (what the runner
+loads: the 2-stage case runs through the runner's workers), 3 Adam steps. The losses, the last step's
+gradients and the parameters after 3 steps (every stage's, written into rank 0's model) equal
+single-device training's (tests/e2e/test_hap_equivalence.py's check_equivalence), with clipping
+by the global norm in the 3-stage case (at a norm that clips every step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
 import traceback
 
@@ -15,9 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.core.shares import offsets
+from bench.core.interfaces import Plan, RankContext
+from bench.core.weights import Weights, build_meta
+from bench.runtime.emulation import Emulator
+from bench.runtime.launch import launch
+from bench.runtime.pacing import RankHooks
+from bench.runtime.worker import Case
 from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_theory
-from methods.auto.hap_stages_runtime import HapStageRank
+from methods.auto.hap_stages_runtime import HapStagesTrainer, rank_batches
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares
@@ -29,79 +38,80 @@ from tests.forked_ranks import run_forked
 
 pytestmark = pytest.mark.e2e
 
-BATCH = 8  # the global batch
-M = 2  # micro-batches
 R = 2  # ranks per stage
-S = 2  # stages
 LR = 5e-4
 
 
 @functools.cache
-def _case(cut: int, row: tuple[float, ...] | None = None):
-    """(workload, the graph at the micro-batch, its layer groups, the two stages, their plans,
-    a micro-batch's shares): stage 0 the layer groups before `cut`, stage 1 the rest without the
-    loss's tail. `row` None: each planned as the prototype plans it (plan_stage over a group of 2
-    alike ranks); else synthesized by hap's search at this fixed ratio row."""
-    workload = make_workload("bert", R, BATCH)
-    graph = capture_config(workload.model_cfg, BATCH // M)
+def _plan(model: str, cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups) -> tuple:
+    """(workload, plan) of the tiny `model` cut at `cuts`, in the plan format auto's hap stages use
+    (details["hap_stages"], data_slices from rank_batches), round-tripped through JSON as a
+    record keeps it. `row` None: each stage planned as the prototype plans it (plan_stage over
+    a group of R alike ranks: an even row); else synthesized by hap's search at this row."""
+    workload = make_workload(model, R, batch)
+    mb = batch // m
+    graph = capture_config(workload.model_cfg, mb)
     table = group_table(graph)
+    S = len(cuts) - 1
+    stages = [stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S) for s in range(S)]
     planner = HapPlanner(lp=False, num_segments=1, cache_dir=None)
-    stages = [stage_graph(graph, table, 0, cut), stage_graph(graph, table, cut, table.num_groups, loss=False)]
-    if row is None:
-        details = [stage_details(plan_stage(planner, s, workload, make_cluster(R), M)[0], s) for s in stages]
-    else:
-        details = []
-        for s in stages:
-            theory = stage_theory(s)
+    details = []
+    for st in stages:
+        if row is None:
+            details.append(stage_details(plan_stage(planner, st, workload, make_cluster(R), m)[0], st))
+        else:
+            theory = stage_theory(st)
             res = synthesize(theory, CostModel(theory, make_cluster(R), "gpu", [list(row)]))
-            details.append({**step_fields(res, s.graph), "ratios": [list(row)], "granularity": "gpu"})
-    rows = [d["ratios"] for d in details]
-    assert rows[0] == rows[1] and len(rows[0]) == 1, rows
-    return workload, graph, table, stages, details, batch_shares(BATCH // M, rows[0][0])
+            details.append({**step_fields(res, st.graph), "ratios": [list(row)], "granularity": "gpu"})
+    rows = {json.dumps(d["ratios"]) for d in details}
+    assert len(rows) == 1, rows
+    hap_stages = {
+        "cuts": list(cuts),
+        "groups": [list(g) for g in groups],
+        "batch_shares": batch_shares(mb, details[0]["ratios"][0]),
+        "micro_batch": mb,
+        "num_micro_batches": m,
+        "schedule": schedule,
+        "stages": details,
+    }
+    hap_stages = json.loads(json.dumps(hap_stages))
+    shares, slices = rank_batches(hap_stages)
+    return workload, Plan("auto", shares, {"hap_stages": hap_stages}, data_slices=slices)
 
 
-def _pipeline_batch(batch, shares, r: int):
-    """Pipeline r's samples: its share of each micro-batch, one micro-batch after another."""
-    start, stop = offsets(shares)[r]
-    mb = BATCH // M
-    return tuple(torch.cat([t[j * mb + start : j * mb + stop] for j in range(M)]) for t in batch)
-
-
-def _rank(rank: int, port: int, cut: int, row, schedule: str, out) -> None:
+def _rank(rank: int, port: int, key: tuple, grad_clip: float, on_meta: bool, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=S * R)
+    workload, plan = _plan(*key)
+    world = len(plan.data_slices)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        workload, graph, table, stages, details, shares = _case(cut, row)
-        s, r = divmod(rank, R)
-        stage_groups = [dist.new_group([k * R + i for i in range(R)]) for k in range(S)]
-        pipelines = [dist.new_group([k * R + i for k in range(S)]) for i in range(R)]
-        trainer = HapStageRank(
-            graph,
-            table,
-            stages,
-            details,
-            shares,
-            workload.build(0),
-            s,
-            r,
-            stage_groups[s],
-            pipelines[r],
-            M,
-            schedule,
-            LR,
-            1.0 / workload.targets_per_iter,
-        )
+        cluster = make_cluster(world)
+        emulator = Emulator(cluster, rank, enabled=False)
+        if on_meta:  # as the runner hands a method that materialises what it holds
+            model = build_meta(workload.model_cfg, 0)
+            ctx = RankContext(
+                rank, world, torch.device("cpu"), cluster, workload, emulator, Weights(model, 0, workload.model_cfg)
+            )
+        else:
+            model = workload.build(0)
+            ctx = RankContext(rank, world, torch.device("cpu"), cluster, workload, emulator)
+        trainer = HapStagesTrainer(plan, model, ctx, LR, grad_clip, mirror_full_state=True)
         data = workload.model_cfg.dataset("synthetic", None, "train", 0)
-        losses = []
-        for it in range(STEPS):
-            *inputs, targets = _pipeline_batch(data.batch(it, 0, BATCH, BATCH), shares, r)
-            losses.append(trainer.step(inputs, targets))
-        grads, params = trainer.full_state()
+        losses, norms = [], []
+        for it in range(STEPS):  # the batch the runner hands the rank (bench.runtime.worker)
+            batch = data.batch(it, *plan.data_slices[rank], workload.global_batch)
+            losses.append(float(trainer.step(batch)))
+            norms.append(None if trainer.grad_norm is None else float(trainer.grad_norm))
+        model = trainer.full_model
         result = {
             "loss_sums": losses,
-            "grads": {k: v.numpy() for k, v in grads.items()} if r == 0 else {},
-            "params": {k: v.numpy() for k, v in params.items()} if r == 0 else {},
+            "norms": norms,
+            "grads": {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+            if rank == 0
+            else {},
+            "params": {n: p.detach().numpy() for n, p in model.named_parameters()} if rank == 0 else {},
+            "stage": trainer.stage_index,
             "summary": trainer.program.summary(),
             "recorded": trainer.program.module is not None,
         }
@@ -112,38 +122,84 @@ def _rank(rank: int, port: int, cut: int, row, schedule: str, out) -> None:
         dist.destroy_process_group()
 
 
-def _launch(cut: int, row, schedule: str) -> list[dict]:
-    _case(cut, row)  # planned here, before the fork: every rank takes the same plans
-    return run_forked(_rank, S * R, cut, row, schedule)
-
-
-# Cut after block 0 (stage 0: the embedding and block 0; stage 1: block 1 and the head), planned
-# as the prototype plans it (the row (0.5, 0.5), 2 + 2 samples a micro-batch) under both
-# schedules; and at the uneven row (0.25, 0.75) (1 + 3 samples), synthesized at that row.
+# 3 stages x 2 ranks synthesized at the uneven row (0.25, 0.75) (1 + 3 samples a micro-batch of
+# 4): tiny BERT under 1F1B (the embedding; block 0; block 1 and the head), global batch 12 in 3
+# micro-batches, clipped at 0.3 (one device's norm is 0.61-0.63: every step clips), the groups'
+# ranks in no order (rank i of stage s is groups[s][i]), the model handed over on meta (the
+# trainer materialises it from ctx.weights); tiny VGG19 under GPipe (conv stages 0-1; 2-3; 4
+# and the classifier), global batch 8 in 2, whose middle and last stages shard parameters and
+# run collectives. `sharding`: the
+# stages whose programs shard a parameter and run a collective inside the stage (forward and
+# backward over the stage's group). (2 stages run through the runner, below.)
 CASES = [
-    pytest.param(2, None, "1F1B", id="planned-1f1b"),
-    pytest.param(2, None, "GPipe", id="planned-gpipe"),
-    pytest.param(2, (0.25, 0.75), "1F1B", id="uneven-1f1b"),
+    pytest.param(
+        ("bert", (0, 1, 2, 4), (0.25, 0.75), 12, 3, "1F1B", ((1, 0), (5, 3), (2, 4))),
+        0.3,
+        True,
+        [0],
+        id="bert-3-stages-clipped-meta",
+    ),
+    pytest.param(
+        ("vgg19", (0, 2, 4, 6), (0.25, 0.75), 8, 2, "GPipe", ((0, 1), (2, 3), (4, 5))),
+        0.0,
+        False,
+        [1, 2],
+        id="vgg19-3-stages",
+    ),
 ]
 
 
-@pytest.mark.parametrize("cut,row,schedule", CASES)
-def test_a_pipeline_of_hap_stages_trains_like_one_device(cut, row, schedule):
-    workload, _, _, stages, _, shares = _case(cut, row)
-    assert stages[0].crossing_out == stages[1].crossing_in and stages[1].ends_at_loss
-    assert all(shares) and sum(shares) == BATCH // M
-    results = _launch(cut, row, schedule)
+@pytest.mark.parametrize("key,grad_clip,on_meta,sharding", CASES)
+def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta, sharding):
+    workload, plan = _plan(*key)  # planned here, before the fork: every rank takes the same plan
+    hs = plan.details["hap_stages"]
+    S, world = len(hs["groups"]), len(plan.data_slices)
+    results = run_forked(_rank, world, key, grad_clip, on_meta)
     assert all(res["recorded"] for res in results)  # the second micro-batch on ran the recorded program
-    # stage 0's program shards a parameter and runs a collective inside the stage (forward and
-    # backward over the stage's group); stage 1's replicated gradients are summed after the schedule
-    ran = [results[0]["summary"], results[R]["summary"]]
-    assert ran[0]["sharded_params"] and ran[0]["collectives"], ran[0]
-    assert ran[1]["replicated_params"], ran[1]
-    # every rank's state: stage 0's from global rank 0, stage 1's from global rank R
-    merged = {
-        "loss_sums": [sum(res["loss_sums"][i] for res in results) for i in range(STEPS)],
-        "grads": {**results[0]["grads"], **results[R]["grads"]},
-        "params": {**results[0]["params"], **results[R]["params"]},
-    }
-    assert not set(results[0]["grads"]) & set(results[R]["grads"])
-    check_equivalence(workload, [merged], lr=LR)
+    assert [res["stage"] for res in results] == [
+        next(s for s, g in enumerate(hs["groups"]) if r in g) for r in range(world)
+    ]
+    ran = [results[hs["groups"][s][0]]["summary"] for s in range(S)]
+    assert [s for s in range(S) if ran[s]["sharded_params"] and ran[s]["collectives"]] == sharding, ran
+    assert ran[-1]["replicated_params"], ran[-1]  # summed over the stage after the schedule
+    if grad_clip:  # one norm on every rank, above the clip: every step clipped
+        norms = {tuple(res["norms"]) for res in results}
+        assert len(norms) == 1 and min(next(iter(norms))) > grad_clip, norms
+    check_equivalence(workload, results, lr=LR, grad_clip=grad_clip)
+
+
+@dataclasses.dataclass
+class StagesMethod:
+    """A Method that runs a plan of hap stages made elsewhere (picklable: it travels to the
+    runner's workers), its trainer writing every stage's state into rank 0's model."""
+
+    plan_: Plan
+    grad_clip: float = 0.0
+    name: str = "auto"
+    modes: tuple = ("real",)
+
+    def plan(self, workload, cluster) -> Plan:
+        return self.plan_
+
+    def setup(self, plan: Plan, model, ctx: RankContext) -> HapStagesTrainer:
+        return HapStagesTrainer(plan, model, ctx, LR, self.grad_clip, mirror_full_state=True)
+
+
+def test_the_runner_trains_a_plan_of_hap_stages_like_one_device():
+    """The runner's workers (bench.runtime.launch) run the trainer behind a Method's setup, each
+    loading its plan.data_slices of every global batch, and read rank 0's model back: 2 stages
+    planned as the prototype plans them (cut after block 0; the row (0.5, 0.5), 2 + 2 samples of
+    each of 2 micro-batches of 4), GPipe, 4 ranks."""
+    workload, plan = _plan("bert", (0, 2, 4), None, 8, 2, "GPipe", ((0, 1), (2, 3)))
+    assert plan.details["hap_stages"]["batch_shares"] == [2, 2]
+    case = Case(
+        workload,
+        make_cluster(4),
+        StagesMethod(plan),
+        plan,
+        seed=0,
+        warmup_iters=0,
+        measured_iters=STEPS,
+        hooks=RankHooks(return_state=True),
+    )
+    check_equivalence(workload, launch(case, 4, timeout_s=120), lr=LR)
