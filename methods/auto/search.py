@@ -123,7 +123,8 @@ def price(
     t0 = time.perf_counter()
     part = make_part(auto, cand)
     try:
-        plan = part.plan(workload, cluster, shared) if cand.part == "pipeline" else part.plan(workload, cluster)
+        pipelined = cand.part in ("pipeline", "hap_stages")  # the pipeline planner's costs, shared
+        plan = part.plan(workload, cluster, shared) if pipelined else part.plan(workload, cluster)
     except ValueError as exc:  # ConfigError, PlanningError (StageOOM: status oom)
         status = "oom" if getattr(exc, "status", None) == "oom" else "refused"
         return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0)

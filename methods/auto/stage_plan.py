@@ -1,0 +1,230 @@
+"""auto's part for pipelines whose stages run hap's synthesis (methods.auto.hap_stages).
+
+The layout: one stage per machine, every machine of the cluster one stage's group, each of
+R GPUs (the same R on every machine, R >= 2); pipeline i is GPU i of every machine
+(rank-aligned). Where the study found such stages pay (results/methods/20261203-hap-in-stages-study.md):
+groups spanning machines lost on every model, so no other layout is offered.
+
+The cuts, the order of the machines and the number of micro-batches are the pipeline
+planner's for the same layout (PipelineParallel at stage_level=machine, alike=stage, one stage
+a rank, replicated state): its dynamic program over the layer groups' costs, its slot orders
+and micro-batch counts. Each stage is then planned by hap over its machine (HapPlanner at the
+GPU level, lp=False: compute-proportional ratios, even over a machine of alike GPUs, so the
+row is the same at every stage; one segment), on the stage's graph at the group's micro-batch
+and scored with the schedule's micro-batches (plan_stage), and the pipeline is priced by the
+simulator (bench.cost.GroupPipelineProgram) under 1F1B and GPipe; the faster that fits is kept.
+A cut that leaves a tied parameter (an embedding and head read as one tensor) on two stages is
+refused: the stages' programs hold no copies of it.
+
+The plan's details["hap_stages"] is the format of notes agreed with the runtime
+(methods.auto.hap_stages_runtime.HapStagesTrainer reads it); its other keys follow the pipeline
+method's (stages, schedule, num_micro_batches, pipelines) for the runner and the records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from torch import nn
+
+from bench.core.cluster import ClusterSpec
+from bench.core.errors import ConfigError, PlanningError
+from bench.core.interfaces import Plan, RankContext, Workload
+from bench.core.shares import offsets
+from bench.cost import simulate
+from methods.auto.hap_stages import group_cluster, pipeline_program, plan_stage, stage_details, stage_graph
+from methods.common import group_table
+from methods.graph import capture_config
+from methods.hap.balance import batch_shares
+from methods.pipeline import PipelineParallel, SharedCosts
+from methods.pipeline.planning import tied_params
+
+SCHEDULES = ("1f1b", "gpipe")  # one stage per rank: what the runtime runs
+
+
+def machine_groups(cluster: ClusterSpec) -> tuple[list[list[int]], str]:
+    """The stages' groups (one per machine, in machine order) where the cluster admits them, and
+    else ([], why in one line)."""
+    per: dict[int, list[int]] = {}
+    for r, d in enumerate(cluster.devices):
+        per.setdefault(d.machine, []).append(r)
+    groups = [per[m] for m in sorted(per)]
+    sizes = {len(g) for g in groups}
+    if len(groups) < 2:
+        return [], f"cluster={cluster.name} has one machine: no pipeline of machines"
+    if len(sizes) != 1:
+        return [], f"cluster={cluster.name}'s machines hold unlike numbers of GPUs {sorted(sizes)}"
+    if sizes == {1}:
+        return [], f"cluster={cluster.name}'s machines hold one GPU each: a stage of one GPU is the pipeline's own"
+    return groups, ""
+
+
+class HapStages:
+    """Pipelines of hap stages (module docstring), as one of auto's parts.
+
+    Args:
+        hap: the hap planner auto's hap candidates use (its search options: SFB, collective
+            choice, routing, beam); planned here at the GPU level, lp=False, one segment.
+        pipeline: the pipeline method auto's pipelines use (its schedule, micro-batches,
+            profile), for the cuts and the micro-batches.
+        num_stages: the pipeline's stages (the cluster's machines).
+        lr, grad_clip: Adam's learning rate and the max global gradient norm (0 = off).
+    """
+
+    name = "hap_stages"
+
+    def __init__(self, hap, pipeline, num_stages: int, lr: float = 5e-4, grad_clip: float = 0.0):
+        self.hap, self.pipeline = hap, pipeline
+        self.num_stages = num_stages
+        self.lr, self.grad_clip = lr, grad_clip
+        self.modes = ("real", "sim")
+        self.mirror_full_state = False
+
+    def planner(self):
+        """hap's planner for a stage: the template's search at the GPU level, ratios
+        compute-proportional (lp=False), one segment, no plan cache, no memory tools."""
+        return dataclasses.replace(
+            self.hap,
+            lp=False,
+            num_segments=1,
+            levels="cluster",
+            cache_dir=None,
+            activation_checkpointing=False,
+            grad_accumulation=1,
+        )
+
+    def cutter(self) -> PipelineParallel:
+        """The pipeline planner that cuts the stages: machine slots, one stage a rank,
+        replicated state, alike hardware kept in a stage's replicas."""
+        p = self.pipeline
+        return PipelineParallel(
+            name="pipeline",
+            schedule=p.schedule if p.schedule in SCHEDULES else "auto",
+            num_micro_batches=p.num_micro_batches,
+            stage_level="machine",
+            num_stages=self.num_stages,
+            stages_per_rank=1,
+            shares="equal",
+            alike="stage",
+            activation_checkpointing=False,
+            bucket_cap_mb=p.bucket_cap_mb,
+            lr=self.lr,
+            grad_clip=self.grad_clip,
+            profile=p.profile,
+            sharded_state=False,
+            work_probe=False,
+        )
+
+    def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
+        t0 = time.perf_counter()
+        machines, why = machine_groups(cluster)
+        if not machines:
+            raise ConfigError(f"hap stages need whole machines of 2 or more GPUs each: {why}")
+        if len(machines) != self.num_stages:
+            raise ConfigError(
+                f"hap stages run one stage per machine: {self.num_stages} stages on cluster={cluster.name}'s "
+                f"{len(machines)} machines"
+            )
+        cut = self.cutter().plan(workload, cluster, shared)
+        d = cut.details
+        S, R, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
+        G = d["layer_groups"]
+        cuts = [st["groups"][0] for st in d["stages"]] + [G]
+        groups = [list(st["ranks"]) for st in d["stages"]]
+        if len(set(d["micro_batches"])) != 1:
+            raise PlanningError(
+                f"the pipelines' micro-batches {d['micro_batches']} are unlike; hap stages split one row"
+            )
+        mb = sum(d["micro_batches"])
+        graph = capture_config(workload.model_cfg, mb)
+        table = group_table(graph)
+        tied = tied_params(table, cuts, list(range(S)))
+        if tied:
+            raise ConfigError(
+                f"the cuts {cuts} leave tied parameter {tied[0][0]!r} on stages {list(tied[0][1])}; hap stages "
+                "hold no copies of a tied parameter"
+            )
+        planner = self.planner()
+        stages, plans = [], []
+        for s in range(S):
+            st = stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S)
+            cand, one = plan_stage(planner, st, workload, group_cluster(cluster, groups[s]), m)
+            stages.append(st)
+            plans.append((cand, one))
+        rows = [tuple(round(x, 9) for x in cand.ratios[0]) for cand, _ in plans]
+        if len(set(rows)) != 1 or any(len(cand.ratios) != 1 for cand, _ in plans):
+            raise PlanningError(f"the stages' ratio rows differ ({sorted(set(rows))}); hap stages split one row")
+        shares = batch_shares(mb, plans[0][0].ratios[0])
+        if min(shares) < 1:
+            raise PlanningError(f"a micro-batch of {mb} samples leaves a rank of {R} none (shares {shares})")
+        meta = {"method": "auto", "model": workload.name, "part": self.name}
+        best = None
+        for schedule in SCHEDULES:
+            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta)
+            sim = simulate(program, cluster, None)
+            key = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib))
+            if best is None or key < best[0]:
+                best = (key, schedule, program)
+        _, schedule, program = best
+        details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule)
+        details["cut_by"] = {"schedule": d["schedule"], "num_micro_batches": m}
+        details["planned_in_s"] = time.perf_counter() - t0
+        pipe_batch = [m * n for n in shares]
+        slices = offsets(pipe_batch)
+        rank_share, rank_slice = {}, {}
+        for g in groups:
+            for i, rank in enumerate(g):
+                rank_share[rank], rank_slice[rank] = pipe_batch[i], slices[i]
+        n = cluster.num_devices
+        return Plan(
+            self.name,
+            [rank_share[r] for r in range(n)],
+            details,
+            program,
+            None,
+            data_slices=[rank_slice[r] for r in range(n)],
+        )
+
+    def details(
+        self,
+        stages: Sequence,
+        plans: Sequence,
+        groups: Sequence[Sequence[int]],
+        cuts: Sequence[int],
+        shares: Sequence[int],
+        mb: int,
+        m: int,
+        schedule: str,
+    ) -> dict:
+        """The plan's details: `hap_stages` in the agreed format, beside the pipeline method's keys."""
+        S, R = len(groups), len(groups[0])
+        return {
+            "hap_stages": {
+                "cuts": list(cuts),
+                "groups": [list(g) for g in groups],
+                "batch_shares": list(shares),
+                "micro_batch": mb,
+                "num_micro_batches": m,
+                "schedule": schedule,
+                "stages": [stage_details(cand, st) for st, (cand, _) in zip(stages, plans)],
+            },
+            "schedule": schedule,
+            "num_stages": S,
+            "num_pipelines": R,
+            "num_micro_batches": m,
+            "micro_batch": mb,
+            "stages": [
+                {"groups": [cuts[s], cuts[s + 1] - 1], "ranks": list(groups[s]), "chosen": plans[s][0].kind}
+                for s in range(S)
+            ],
+            "pipelines": [[groups[s][i] for s in range(S)] for i in range(R)],
+            "layer_groups": cuts[-1],
+            "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
+        }
+
+    def setup(self, plan: Plan, model: nn.Module, ctx: RankContext):
+        from methods.auto.hap_stages_runtime import HapStagesTrainer  # the runtime's (branch stagetrain)
+
+        return HapStagesTrainer(plan, model, ctx, lr=self.lr, grad_clip=self.grad_clip)
