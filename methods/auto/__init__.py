@@ -240,6 +240,9 @@ class Auto:
         found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
         plan = found.best.plan
         assert plan is not None
+        finish = getattr(found.best.part, "finish", None)  # a part that completes the plan it keeps
+        if finish is not None:
+            plan = finish(plan, cluster)
         plan.method = self.name
         planned_in = time.perf_counter() - t0
         # The planning times at the top are this plan's, auto's: its capture, then its search

@@ -27,6 +27,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import torch.fx as fx
 from torch import nn
 
 from bench.core.cluster import ClusterSpec
@@ -34,7 +35,14 @@ from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import offsets
 from bench.cost import simulate
-from methods.auto.hap_stages import group_cluster, pipeline_program, plan_stage, stage_details, stage_graph
+from methods.auto.hap_stages import (
+    StageGraph,
+    group_cluster,
+    pipeline_program,
+    plan_stage,
+    stage_details,
+    stage_graph,
+)
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares
@@ -42,6 +50,47 @@ from methods.pipeline import PipelineParallel, SharedCosts
 from methods.pipeline.planning import tied_params
 
 SCHEDULES = ("1f1b", "gpipe")  # one stage per rank: what the runtime runs
+
+
+def stage_signature(st: StageGraph) -> tuple:
+    """What hap's plan of a stage depends on, without its nodes' names: per node (in order) its
+    kind, op, shape, dtype, FLOPs and arguments (nodes as positions), and its borders. Stages of
+    equal signatures over alike machines get the same program."""
+    nodes = st.graph.nodes
+    pos = {n.name: i for i, n in enumerate(nodes)}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("node", pos.get(a.name, -1))
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, arg(v)) for k, v in a.items()))
+        return repr(a)
+
+    return (
+        st.last,
+        st.ends_at_loss,
+        tuple(pos[t] for t in st.crossing_in),
+        tuple(pos[t] for t in st.crossing_out),
+        tuple(
+            (
+                n.kind,
+                n.op,
+                n.shape,
+                str(n.dtype),
+                n.flops,
+                n.backward_factor,
+                n.is_param,
+                n.tuple_shapes,
+                tuple(pos.get(i, -1) for i in n.inputs),
+                tuple(pos.get(i, -1) for i in n.shape_inputs),
+                arg(n.fx_node.args) if n.kind != "get_attr" else (),
+                arg(dict(n.fx_node.kwargs)) if n.kind != "get_attr" else (),
+            )
+            for n in nodes
+        ),
+    )
 
 
 def machine_groups(cluster: ClusterSpec) -> tuple[list[list[int]], str]:
@@ -147,12 +196,18 @@ class HapStages:
                 "hold no copies of a tied parameter"
             )
         planner = self.planner()
-        stages, plans = [], []
+        stages, plans, alike = [], [], []
+        memo: dict[tuple, tuple] = {}  # stages alike in structure on alike machines: planned once
         for s in range(S):
             st = stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S)
-            cand, one = plan_stage(planner, st, workload, group_cluster(cluster, groups[s]), m)
+            group = group_cluster(cluster, groups[s])
+            key = (stage_signature(st), group.machines)
+            if key not in memo:
+                memo[key] = plan_stage(planner, st, workload, group, m)
+            else:
+                alike.append(s)
             stages.append(st)
-            plans.append((cand, one))
+            plans.append(memo[key])
         rows = [tuple(round(x, 9) for x in cand.ratios[0]) for cand, _ in plans]
         if len(set(rows)) != 1 or any(len(cand.ratios) != 1 for cand, _ in plans):
             raise PlanningError(f"the stages' ratio rows differ ({sorted(set(rows))}); hap stages split one row")
@@ -168,7 +223,10 @@ class HapStages:
             if best is None or key < best[0]:
                 best = (key, schedule, program)
         _, schedule, program = best
-        details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule)
+        # The stages planned as an alike one's are priced by its plan; their own plans (their
+        # nodes' names in the format's steps) are made where this plan is kept (finish).
+        self._made = (workload, cluster, planner, stages, plans, alike, groups, cuts, table, shares, m, meta)
+        details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule, alike)
         details["cut_by"] = {"schedule": d["schedule"], "num_micro_batches": m}
         details["planned_in_s"] = time.perf_counter() - t0
         pipe_batch = [m * n for n in shares]
@@ -197,8 +255,10 @@ class HapStages:
         mb: int,
         m: int,
         schedule: str,
+        pending: Sequence[int] = (),
     ) -> dict:
-        """The plan's details: `hap_stages` in the agreed format, beside the pipeline method's keys."""
+        """The plan's details: `hap_stages` in the agreed format, beside the pipeline method's keys
+        (a stage in `pending`: None until finish plans it)."""
         S, R = len(groups), len(groups[0])
         return {
             "hap_stages": {
@@ -208,7 +268,10 @@ class HapStages:
                 "micro_batch": mb,
                 "num_micro_batches": m,
                 "schedule": schedule,
-                "stages": [stage_details(cand, st) for st, (cand, _) in zip(stages, plans)],
+                "stages": [
+                    None if s in pending else stage_details(cand, st)
+                    for s, (st, (cand, _)) in enumerate(zip(stages, plans))
+                ],
             },
             "schedule": schedule,
             "num_stages": S,
@@ -223,6 +286,22 @@ class HapStages:
             "layer_groups": cuts[-1],
             "optimizer": f"torch.optim.Adam(lr={self.lr:g})",
         }
+
+    def finish(self, plan: Plan, cluster: ClusterSpec) -> Plan:
+        """The plan made whole where it is kept: each stage that was priced by an alike stage's
+        plan planned on its own graph, the program rebuilt from the stages' own plans and its
+        details filled in (the price is then simulate's of that program, as for every plan)."""
+        workload, planned_on, planner, stages, plans, alike, groups, cuts, table, shares, m, meta = self._made
+        if not alike:
+            return plan
+        plans = list(plans)
+        for s in alike:
+            plans[s] = plan_stage(planner, stages[s], workload, group_cluster(planned_on, groups[s]), m)
+        schedule = plan.details["schedule"]
+        program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta)
+        details = self.details(stages, plans, groups, cuts, shares, sum(shares), m, schedule)
+        keep = {k: v for k, v in plan.details.items() if k not in details}
+        return dataclasses.replace(plan, details={**details, **keep}, program=program)
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext):
         from methods.auto.hap_stages_runtime import HapStagesTrainer  # the runtime's (branch stagetrain)

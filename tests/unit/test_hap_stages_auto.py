@@ -195,3 +195,21 @@ def test_a_forced_plan_on_local_2x2_is_in_the_agreed_format(tmp_path):
     sim = simulate(plan.program, cl, None)
     chosen = plan.details["auto"]["candidates"][0]
     assert chosen["iter_time_s"] == sim.iter_time_s and len(sim.peak_mem_gib) == 4
+
+
+def test_stages_alike_are_priced_once_and_planned_on_their_own_graphs_where_the_plan_is_kept(tmp_path):
+    """Four stages of one layer group each on four alike machines: the two blocks' stages are
+    alike, the second priced by the first's plan; the kept plan holds each stage's own."""
+    cfg = compose_config("method=auto", "method.stage_synthesis=true", results_dir=str(tmp_path))
+    wl, cl = bert_workload(batch=32, num_devices=8), cluster(fast=4, slow=0, k=2, virtual="gpu")
+    plan = instantiate(cfg.method).plan(wl, cl)
+    d = plan.details["hap_stages"]
+    assert d["cuts"] == [0, 1, 2, 3, 4]
+    graph = capture_config(wl.model_cfg, d["micro_batch"])
+    table = group_table(graph)
+    for s, st in enumerate(d["stages"]):
+        own = stage_graph(graph, table, s, s + 1, loss=s < 3)
+        assert st is not None and {x["node"] for x in st["steps"]} <= {n.name for n in own.graph.nodes}
+    steps = [{x["node"] for x in st["steps"]} for st in d["stages"]]
+    assert steps[1] != steps[2]  # the blocks' own nodes, not the first block's twice
+    assert plan.details["auto"]["candidates"][0]["iter_time_s"] == simulate(plan.program, cl, None).iter_time_s
