@@ -16,6 +16,8 @@ group's ClusterSpec (group_cluster) at its ratio rows:
     all-reduce (without_grad_sync); the gradient sync: the replicated parameters' all-reduce
     (and on machine-level devices the sum inside each machine), once after the schedule; the
     optimizer step and per-step terms once;
+  - on a last stage, the loss's tail beside its Program (each rank runs it on its samples):
+    its forward and backward compute, and the bytes it keeps for backward;
   - memory per device: the simulator's peak of the Program with one micro-batch in flight,
     plus that device's activations of one micro-batch for each further one its position keeps
     in flight (in_flight of the schedule's actions), plus its receive buffers (its share of the
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bench.core.cluster import ClusterSpec, MachineGroup
-from bench.core.program import Memory, Program, without_grad_sync
+from bench.core.program import Memory, Program, Stage, without_grad_sync
 from bench.cost.algebra import FloatAlgebra
 from bench.cost.devices import GIB, virtual_devices
 from bench.cost.pipeline import (
@@ -69,6 +71,12 @@ class GroupStage:
     # Per group rank i: its receive buffers of one micro-batch (its share of the border it
     # receives and of its output's gradient it receives back), held for every micro-batch
     buffer_bytes: tuple[float, ...] = ()
+    # Work beside the program on a last stage: the loss's tail, which each rank runs on its own
+    # samples (data parallel, split by the ratio row): its forward and backward compute (Stages
+    # of FLOPs sharded by row 0) and the bytes it keeps for backward (the whole micro-batch's)
+    tail_forward: tuple[Stage, ...] = ()
+    tail_backward: tuple[Stage, ...] = ()
+    tail_kept_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -179,29 +187,35 @@ def stage_price(stage: GroupStage, group: ClusterSpec) -> StagePrice:
     vdevs = virtual_devices(group, program.granularity)
     alg = FloatAlgebra(ratios)
     fwd, bwd = program.stages[: stage.forward_stages], program.stages[stage.forward_stages :]
-    forward = sum(stage_time(st, group, vdevs, ratios) for st in fwd)
-    backward = sum(stage_time(st, group, vdevs, ratios) for st in without_grad_sync(bwd))
+    forward = sum(stage_time(st, group, vdevs, ratios) for st in (*fwd, *stage.tail_forward))
+    backward = sum(stage_time(st, group, vdevs, ratios) for st in (*stage.tail_backward, *without_grad_sync(bwd)))
     sync = 0.0
     for st in bwd:
         sync += sum(collective_time(c, group, vdevs, ratios) for c in st.collectives if c.grad)
         sync += float(intra_grad_sync(st, group, vdevs, alg))
     opt = float(optimizer_time(program, vdevs, alg)) + float(per_step_s(program, group, vdevs, alg))
     sim = simulate_program(program, group, ratios)
-    d = max(range(len(sim.peak_mem_gib)), key=lambda i: sim.peak_mem_gib[i])
-    mem = sim.memory_gib[d]
     # per group rank (a machine-level device's GPUs each hold what it reports per GPU)
     of_rank: dict[int, int] = {r: v.index for v in vdevs for r in v.ranks}
     n = group.num_devices
+    # the loss's tail keeps its share of the micro-batch's bytes beside the program's activations
+    tail = [stage.tail_kept_bytes * ratios[0][of_rank[i]] / vdevs[of_rank[i]].num_gpus / GIB for i in range(n)]
+    peaks = [sim.peak_mem_gib[of_rank[i]] + tail[i] for i in range(n)]
+    memory = [dict(sim.memory_gib[of_rank[i]]) for i in range(n)]
+    for i in range(n):
+        memory[i]["activations"] += tail[i]
+    d = max(range(n), key=lambda i: peaks[i])
+    mem = memory[d]
     return StagePrice(
         forward,
         backward,
         sync,
         opt,
-        sim.peak_mem_gib[d],
+        peaks[d],
         mem["activations"],
         mem["params"] + mem["grads"] + mem["optimizer"],
-        tuple(sim.peak_mem_gib[of_rank[i]] for i in range(n)),
-        tuple(dict(sim.memory_gib[of_rank[i]]) for i in range(n)),
+        tuple(peaks),
+        tuple(memory),
     )
 
 

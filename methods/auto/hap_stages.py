@@ -29,8 +29,8 @@ data-parallel incumbent, collective choice), over a ClusterSpec of the group's m
 stage's graph instead of the model's. A stage's price per micro-batch is its program's forward
 and backward stages (collectives included) without the gradient all-reduce, which runs once
 after the schedule (`StagePrice.grad_sync_s`); the pipeline is then priced by the pipeline's
-own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`: torch's traced
-actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
+own replay of torch's schedule (torch's traced actions, one pipeline standing for a group's
+ranks in lockstep), with rank-aligned sends: bench.cost.group_pipeline, the simulator's.
 
 A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.codegen's
 RankProgram of the stage's plan over the stage's process group, its inputs the stage's
@@ -39,8 +39,10 @@ stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and
 methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
 program a PipelineStage, the last stage's graph ending where the loss's tail begins:
 `stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
-ranks of tiny BERT like one device. No case of method=auto plans it yet: no plan format joins
-the stages to auto's candidates (docs/methods.md, "Whole-space planner (auto)").
+ranks of tiny BERT like one device. auto plans such pipelines as a family of its candidates
+(methods/auto/stage_plan.py; docs/methods.md, "Pipelines of hap stages"), priced by the
+simulator as a bench.cost.GroupPipelineProgram (`pipeline_program`), whose per-stage and lockstep
+pricing `price_stage` and `price_pipeline` share.
 
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
 schedule), which only auto may (a method never imports another: pyproject's import contracts).
@@ -58,7 +60,7 @@ import torch.fx as fx
 
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
-from bench.core.program import Program
+from bench.core.program import Affine, Program, Stage, op_class
 from bench.cost.group_pipeline import (
     GroupPipelineProgram,
     GroupStage,
@@ -292,16 +294,49 @@ def stage_program(
     )
 
 
+@dataclass(frozen=True)
+class LossTail:
+    """The loss's tail (GroupTable.tail) of a micro-batch, which a pipeline's last stage runs in
+    its loss_fn beside its program (data parallel over each rank's samples): its forward and
+    backward compute, a Stage per op class (the micro-batch's FLOPs, split by the ratio row),
+    and the bytes it keeps for backward (the micro-batch's)."""
+
+    forward: tuple[Stage, ...] = ()
+    backward: tuple[Stage, ...] = ()
+    kept_bytes: float = 0.0
+
+
+def loss_tail(graph: Graph, table: GroupTable) -> LossTail:
+    """The tail of `graph` (captured at the group's micro-batch) as LossTail."""
+    tail = set(table.tail)
+    flops: list[dict[str, float]] = [{}, {}]
+    for name in table.tail:
+        n = graph[name]
+        if n.flops:
+            cls = op_class(n.op)
+            flops[0][cls] = flops[0].get(cls, 0.0) + n.flops
+            flops[1][cls] = flops[1].get(cls, 0.0) + graph.backward_flops(n)
+    kept = sum(graph[t].nbytes * factor for t, (factor, keeper) in graph.kept_until().items() if keeper in tail)
+    forward, backward = (
+        tuple(Stage(flops=Affine.sharded(f), op_class=c, label="loss tail") for c, f in sorted(d.items()))
+        for d in flops
+    )
+    return LossTail(forward, backward, float(kept))
+
+
 def group_stage(
     cand: Candidate,
     one: Program,
     ranks: Sequence[int],
     send_bytes: Sequence[float] = (),
     buffer_bytes: Sequence[float] = (),
+    tail: LossTail | None = None,
 ) -> GroupStage:
     """The stage as bench.cost.group_pipeline prices it: its program as one micro-batch runs it
     (`one`), over the group of `ranks`, at its ratio rows; hap's forward steps are its first
-    stages (one a step: methods.hap.lowering)."""
+    stages (one a step: methods.hap.lowering). `tail`: on a last stage planned without the
+    loss's tail (stage_graph(..., loss=False)), that tail."""
+    tail = tail or LossTail()
     return GroupStage(
         one,
         tuple(ranks),
@@ -309,13 +344,17 @@ def group_stage(
         len(cand.result.steps),
         tuple(send_bytes),
         tuple(buffer_bytes),
+        tail.forward,
+        tail.backward,
+        tail.kept_bytes,
     )
 
 
-def price_stage(cand: Candidate, one: Program, group: ClusterSpec) -> StagePrice:
+def price_stage(cand: Candidate, one: Program, group: ClusterSpec, tail: LossTail | None = None) -> StagePrice:
     """The stage's per-micro-batch parts (StagePrice) from its program (`one`: as one
-    micro-batch runs it) at its ratios: bench.cost.group_pipeline.stage_price, the simulator's."""
-    p = stage_price(group_stage(cand, one, range(group.num_devices)), group)
+    micro-batch runs it) at its ratios (and on a last stage without the loss, its `tail`):
+    bench.cost.group_pipeline.stage_price, the simulator's."""
+    p = stage_price(group_stage(cand, one, range(group.num_devices), tail=tail), group)
     steps = cand.result.steps
     comms = sorted({f"{c.kind}" for s in steps for c in s.comms if not c.free})
     layouts = sorted({f"{s.node}:{s.rule.post}" for s in steps if isinstance(s.rule.post, int) and s.rule.post != 0})
@@ -415,14 +454,20 @@ def pipeline_program(
     num_micro_batches: int,
     num_devices: int,
     meta: dict | None = None,
+    tail: LossTail | None = None,
 ) -> GroupPipelineProgram:
     """The pipeline of hap stages as the simulator prices it (bench.cost.GroupPipelineProgram):
     per stage its hap plan (`stages[s]`: plan_stage's candidate and program) over the ranks
     `groups[s]`, the border bytes of each rank's share (`shares`, one row for every stage), and
-    torch's `schedule` traced for len(stages) positions and `num_micro_batches`."""
+    torch's `schedule` traced for len(stages) positions and `num_micro_batches`. `tail`: the
+    loss's tail where the last stage was planned without it (loss_tail)."""
     sends, buffers = border_bytes(table, cuts, shares)
+    S = len(stages)
     return GroupPipelineProgram(
-        stages=tuple(group_stage(cand, one, groups[s], sends[s], buffers[s]) for s, (cand, one) in enumerate(stages)),
+        stages=tuple(
+            group_stage(cand, one, groups[s], sends[s], buffers[s], tail if s + 1 == S else None)
+            for s, (cand, one) in enumerate(stages)
+        ),
         actions=traced_actions(schedule, len(stages), num_micro_batches),
         num_micro_batches=num_micro_batches,
         micro_batch=sum(shares),

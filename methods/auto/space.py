@@ -144,12 +144,13 @@ def candidates(
     states = STATES if state == "auto" else (state,)
     ckpt = (False, True) if checkpointing == "auto" else (bool(checkpointing),)
     ks = accumulation if grad_accumulation == "auto" else [grad_accumulation]
-    comps: list[Candidate] = []
+    # hap's synthesis in every stage: replicated state only, no memory tool (its runtime has none)
+    family: list[Candidate] = []
     if synthesis is not False and "replicated" in states and checkpointing is not True:
-        # hap's synthesis in every stage: replicated state only, no memory tool (its runtime has none)
-        comps += [Candidate(n, "replicated", synthesis=True) for n in synthesis_stages if stages in ("auto", n)]
+        family = [Candidate(n, "replicated", synthesis=True) for n in synthesis_stages if stages in ("auto", n)]
     if synthesis is True:
-        return comps
+        return family
+    comps: list[Candidate] = []
     if stages in ("auto", 1):
         if "replicated" in states:
             comps.append(Candidate(1, "replicated"))
@@ -161,6 +162,7 @@ def candidates(
         for st in states:
             if st in PIPELINE_STATES:
                 comps.append(Candidate(n, st))
+    comps += family
     out = []
     for comp in comps:
         for c in ckpt:

@@ -13,6 +13,9 @@ GPU level, lp=False: compute-proportional ratios, even over a machine of alike G
 row is the same at every stage; one segment), on the stage's graph at the group's micro-batch
 and scored with the schedule's micro-batches (plan_stage), and the pipeline is priced by the
 simulator (bench.cost.GroupPipelineProgram) under 1F1B and GPipe; the faster that fits is kept.
+Stages alike in structure (stage_signature) on alike machines are priced by one plan; where
+auto keeps the plan, `finish` plans each of them on its own graph (the format's steps name the
+stage's own nodes) and rebuilds the program from those plans.
 A cut that leaves a tied parameter (an embedding and head read as one tensor) on two stages is
 refused: the stages' programs hold no copies of it.
 
@@ -38,6 +41,7 @@ from bench.cost import simulate
 from methods.auto.hap_stages import (
     StageGraph,
     group_cluster,
+    loss_tail,
     pipeline_program,
     plan_stage,
     stage_details,
@@ -215,9 +219,10 @@ class HapStages:
         if min(shares) < 1:
             raise PlanningError(f"a micro-batch of {mb} samples leaves a rank of {R} none (shares {shares})")
         meta = {"method": "auto", "model": workload.name, "part": self.name}
+        tail = loss_tail(graph, table)  # the last stage's loss_fn runs it beside the stage's program
         best = None
         for schedule in SCHEDULES:
-            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta)
+            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
             sim = simulate(program, cluster, None)
             key = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib))
             if best is None or key < best[0]:
@@ -225,7 +230,7 @@ class HapStages:
         _, schedule, program = best
         # The stages planned as an alike one's are priced by its plan; their own plans (their
         # nodes' names in the format's steps) are made where this plan is kept (finish).
-        self._made = (workload, cluster, planner, stages, plans, alike, groups, cuts, table, shares, m, meta)
+        self._made = (workload, cluster, planner, stages, plans, alike, groups, cuts, table, shares, m, meta, tail)
         details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule, alike)
         details["cut_by"] = {"schedule": d["schedule"], "num_micro_batches": m}
         details["planned_in_s"] = time.perf_counter() - t0
@@ -291,14 +296,14 @@ class HapStages:
         """The plan made whole where it is kept: each stage that was priced by an alike stage's
         plan planned on its own graph, the program rebuilt from the stages' own plans and its
         details filled in (the price is then simulate's of that program, as for every plan)."""
-        workload, planned_on, planner, stages, plans, alike, groups, cuts, table, shares, m, meta = self._made
+        workload, planned_on, planner, stages, plans, alike, groups, cuts, table, shares, m, meta, tail = self._made
         if not alike:
             return plan
         plans = list(plans)
         for s in alike:
             plans[s] = plan_stage(planner, stages[s], workload, group_cluster(planned_on, groups[s]), m)
         schedule = plan.details["schedule"]
-        program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta)
+        program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
         details = self.details(stages, plans, groups, cuts, shares, sum(shares), m, schedule)
         keep = {k: v for k, v in plan.details.items() if k not in details}
         return dataclasses.replace(plan, details={**details, **keep}, program=program)

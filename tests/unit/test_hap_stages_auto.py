@@ -20,6 +20,7 @@ from methods.auto import Auto
 from methods.auto.hap_stages import (
     even_shares,
     group_cluster,
+    loss_tail,
     pipeline_program,
     plan_stage,
     price_pipeline,
@@ -55,21 +56,28 @@ def _stages(cuts: tuple[int, ...], alike: bool = False):
     for s in range(S):
         st = stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S)
         plans.append(plan_stage(planner, st, wl, group_cluster(cl, groups[s]), M))
-    return wl, cl, table, groups, plans
+    return wl, cl, table, groups, plans, loss_tail(graph, table)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_the_programs_simulated_price_is_the_prototypes(schedule):
-    _, cl, table, groups, plans = _stages((0, 1, 2, 4))
+    _, cl, table, groups, plans, tail = _stages((0, 1, 2, 4))
     cuts = [0, 1, 2, 4]
-    assert table.num_groups == 4
-    program = pipeline_program(plans, groups, cuts, table, even_shares(MB, 2), schedule, M, cl.num_devices)
+    assert table.num_groups == 4 and tail.kept_bytes > 0 and tail.forward and tail.backward
+    shares = even_shares(MB, 2)
+    program = pipeline_program(plans, groups, cuts, table, shares, schedule, M, cl.num_devices, tail=tail)
     sim = simulate(program, cl, None)
-    prices = [price_stage(cand, one, group_cluster(cl, groups[s])) for s, (cand, one) in enumerate(plans)]
+    prices = [
+        price_stage(cand, one, group_cluster(cl, groups[s]), tail if s == 2 else None)
+        for s, (cand, one) in enumerate(plans)
+    ]
     sends = rank_aligned_sends(table, cuts, groups, MB, cl)
     held = rank_aligned_buffers(table, cuts, groups, MB)
     proto = price_pipeline(schedule, M, MB, prices, sends, 16.0, cl, held)
     assert sim.iter_time_s == pytest.approx(proto.iter_time_s, rel=1e-12)
+    bare = price_stage(*plans[2], group_cluster(cl, groups[2]))  # the last stage's program alone
+    assert prices[2].activations_gib == pytest.approx(bare.activations_gib + tail.kept_bytes / 2 / 2**30)
+    assert prices[2].forward_s > bare.forward_s and prices[2].backward_s > bare.backward_s
     assert len(sim.peak_mem_gib) == cl.num_devices == len(sim.memory_gib)
     for s, g in enumerate(groups):  # every device its own peak; the busiest of a group the prototype's
         assert max(sim.peak_mem_gib[r] for r in g) == pytest.approx(proto.peaks_gib[s], rel=1e-12)
@@ -89,10 +97,10 @@ def test_data_parallel_stages_price_close_to_the_pipeline_methods_of_the_same_cu
         schedule="1f1b", num_micro_batches=M, stage_level="machine", num_stages=2, work_probe=False, shares="equal"
     ).plan(wl, cl)
     cuts = tuple(st["groups"][0] for st in theirs.details["stages"]) + (4,)
-    _, _, table, groups, plans = _stages(cuts, alike=True)
+    _, _, table, groups, plans, tail = _stages(cuts, alike=True)
     assert [sorted(st["ranks"]) for st in theirs.details["stages"]] == groups
     assert all(cand.kind == "data parallel" for cand, _ in plans)
-    program = pipeline_program(plans, groups, list(cuts), table, even_shares(MB, 2), "1f1b", M, 4)
+    program = pipeline_program(plans, groups, list(cuts), table, even_shares(MB, 2), "1f1b", M, 4, tail=tail)
     mine, other = simulate(program, cl, None), simulate(theirs.program, cl, None)
     assert mine.iter_time_s == pytest.approx(other.iter_time_s, rel=0.05)
 
@@ -110,7 +118,7 @@ def _four_gpus() -> dict:
 
 
 def test_a_group_pipeline_program_refuses_groups_that_do_not_cover_the_devices():
-    _, cl, table, groups, plans = _stages((0, 2, 4))
+    _, cl, table, groups, plans, _ = _stages((0, 2, 4))
     with pytest.raises(ValueError, match="each of the 6 devices once"):
         pipeline_program(plans, groups, [0, 2, 4], table, even_shares(MB, 2), "1f1b", M, cl.num_devices)
     with pytest.raises(ValueError, match="several stages per rank"):
