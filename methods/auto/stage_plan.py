@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch.fx as fx
@@ -38,6 +39,8 @@ from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.shares import offsets
 from bench.cost import simulate
+from bench.cost.group_pipeline import StagePrice, lockstep, replay_stages
+from bench.cost.pipeline import action_times
 from methods.auto.hap_stages import (
     StageGraph,
     group_cluster,
@@ -46,14 +49,18 @@ from methods.auto.hap_stages import (
     plan_stage,
     stage_details,
     stage_graph,
+    traced_actions,
 )
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares
 from methods.pipeline import PipelineParallel, SharedCosts
 from methods.pipeline.planning import tied_params
+from methods.pipeline.schedule import ScheduleRefused
 
 SCHEDULES = ("1f1b", "gpipe")  # one stage per rank: what the runtime runs
+# The cutter's plan per SharedCosts (a search's costs of one case) and stage count
+_cuts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def stage_signature(st: StageGraph) -> tuple:
@@ -170,8 +177,9 @@ class HapStages:
             work_probe=False,
         )
 
-    def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
-        t0 = time.perf_counter()
+    def cut(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
+        """The pipeline planner's plan for this layout (cutter), made once per `shared` (the
+        search's costs of the case: its floor and its plan read the same)."""
         machines, why = machine_groups(cluster)
         if not machines:
             raise ConfigError(f"hap stages need whole machines of 2 or more GPUs each: {why}")
@@ -180,7 +188,48 @@ class HapStages:
                 f"hap stages run one stage per machine: {self.num_stages} stages on cluster={cluster.name}'s "
                 f"{len(machines)} machines"
             )
-        cut = self.cutter().plan(workload, cluster, shared)
+        if shared is None:
+            return self.cutter().plan(workload, cluster)
+        kept = _cuts.setdefault(shared, {})
+        if self.num_stages not in kept:
+            kept[self.num_stages] = self.cutter().plan(workload, cluster, shared)
+        return kept[self.num_stages]
+
+    def floor_s(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> float:
+        """What this part's price cannot beat, before any stage is planned: the schedule (the
+        faster of 1F1B and GPipe) replayed with each stage's forward and backward at its
+        data-parallel compute (the pipeline planner's, at a replica's micro-batch: a hap program
+        over the machine splits or replicates every op, so its slowest GPU computes at least
+        that), no send, no gradient sync, no optimizer step. Where the cutter's stages were
+        timed on this host (an emulated CPU cluster's profile) their seconds are no FLOP price
+        of hap's programs: 0 (no floor). The search prices the family only where this is below
+        the fastest found (methods.auto.search)."""
+        try:
+            cut = self.cut(workload, cluster, shared)
+        except (ConfigError, PlanningError):
+            return 0.0
+        program = cut.program
+        if any(w.measured is not None for st in program.stages for w in st.work):
+            return 0.0
+        times = action_times(program, cluster)
+        S, m = program.num_stages, program.num_micro_batches
+        prices = [
+            StagePrice(min(t.forward for t in row), min(t.backward for t in row), 0.0, 0.0, 0.0, 0.0, 0.0)
+            for row in times
+        ]
+        mb = sum(program.micro_batches)
+        found = []
+        for sc in SCHEDULES:
+            try:
+                actions = traced_actions(sc, S, m)
+            except ScheduleRefused:  # torch's own check of the shape (micro-batches below stages)
+                continue
+            found.append(replay_stages(lockstep(actions, sc, m, mb), cluster, prices, [0.0] * S)[0])
+        return min(found, default=0.0)
+
+    def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
+        t0 = time.perf_counter()
+        cut = self.cut(workload, cluster, shared)
         d = cut.details
         S, R, m = d["num_stages"], d["num_pipelines"], d["num_micro_batches"]
         G = d["layer_groups"]
@@ -222,11 +271,18 @@ class HapStages:
         tail = loss_tail(graph, table)  # the last stage's loss_fn runs it beside the stage's program
         best = None
         for schedule in SCHEDULES:
-            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
+            try:
+                program = pipeline_program(
+                    plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail
+                )
+            except ScheduleRefused:  # torch's own check of the shape (micro-batches below stages)
+                continue
             sim = simulate(program, cluster, None)
             key = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib))
             if best is None or key < best[0]:
                 best = (key, schedule, program)
+        if best is None:
+            raise PlanningError(f"neither of {', '.join(SCHEDULES)} runs {S} stages at {m} micro-batches")
         _, schedule, program = best
         # The stages planned as an alike one's are priced by its plan; their own plans (their
         # nodes' names in the format's steps) are made where this plan is kept (finish).

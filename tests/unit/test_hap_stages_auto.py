@@ -30,11 +30,11 @@ from methods.auto.hap_stages import (
     stage_graph,
 )
 from methods.auto.space import Candidate, candidates
-from methods.auto.stage_plan import machine_groups
+from methods.auto.stage_plan import HapStages, machine_groups
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.planner import HapPlanner
-from methods.pipeline import PipelineParallel
+from methods.pipeline import PipelineParallel, SharedCosts
 from tests.conftest import compose_config
 from tests.unit.test_hap_planner import bert_workload, cluster
 
@@ -221,3 +221,16 @@ def test_stages_alike_are_priced_once_and_planned_on_their_own_graphs_where_the_
     steps = [{x["node"] for x in st["steps"]} for st in d["stages"]]
     assert steps[1] != steps[2]  # the blocks' own nodes, not the first block's twice
     assert plan.details["auto"]["candidates"][0]["iter_time_s"] == simulate(plan.program, cl, None).iter_time_s
+
+
+@pytest.mark.parametrize("fast, slow", [(1, 2), (3, 0)])
+def test_the_familys_floor_is_below_its_price(tmp_path, fast, slow):
+    """The floor the search prunes the family by (its stages' data-parallel compute in its
+    schedule, nothing else) never passes the price of its plan."""
+    auto = instantiate(compose_config("method=auto", results_dir=str(tmp_path)).method)
+    wl, cl = bert_workload(batch=32, num_devices=6), cluster(fast=fast, slow=slow, k=2, virtual="gpu")
+    part = HapStages(auto.hap, auto.pipeline, 3, lr=auto.lr)
+    shared = SharedCosts(wl, cl)
+    floor = part.floor_s(wl, cl, shared)
+    price = simulate(part.plan(wl, cl, shared).program, cl, None).iter_time_s
+    assert 0 < floor <= price
