@@ -299,7 +299,8 @@ class LossTail:
     """The loss's tail (GroupTable.tail) of a micro-batch, which a pipeline's last stage runs in
     its loss_fn beside its program (data parallel over each rank's samples): its forward and
     backward compute, a Stage per op class (the micro-batch's FLOPs, split by the ratio row),
-    and the bytes it keeps for backward (the micro-batch's)."""
+    and the bytes kept for it until backward (the micro-batch's): its ops' saved tensors and
+    the stage's output it reads."""
 
     forward: tuple[Stage, ...] = ()
     backward: tuple[Stage, ...] = ()
@@ -317,6 +318,13 @@ def loss_tail(graph: Graph, table: GroupTable) -> LossTail:
             flops[0][cls] = flops[0].get(cls, 0.0) + n.flops
             flops[1][cls] = flops[1].get(cls, 0.0) + graph.backward_flops(n)
     kept = sum(graph[t].nbytes * factor for t, (factor, keeper) in graph.kept_until().items() if keeper in tail)
+    # and the stage's output the tail reads, which torch's schedule keeps for its loss_fn: as
+    # the pipeline method counts a last stage's (methods.common.StageActivations)
+    kept += sum(
+        graph[n].nbytes
+        for n in table.node_group
+        if n not in tail and graph[n].is_tensor and any(u in tail for u in graph.users.get(n, []))
+    )
     forward, backward = (
         tuple(Stage(flops=Affine.sharded(f), op_class=c, label="loss tail") for c, f in sorted(d.items()))
         for d in flops
