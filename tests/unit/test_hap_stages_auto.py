@@ -234,3 +234,21 @@ def test_the_familys_floor_is_below_its_price(tmp_path, fast, slow):
     floor = part.floor_s(wl, cl, shared)
     price = simulate(part.plan(wl, cl, shared).program, cl, None).iter_time_s
     assert 0 < floor <= price
+
+
+def test_cuts_that_leave_a_tied_parameter_on_two_stages_are_refused(tmp_path, monkeypatch):
+    """A tied embedding and head read by two stages: the stages' programs hold no copy of it."""
+    import methods.auto.stage_plan as stage_plan
+
+    seen = []
+
+    def tied(table, cuts, stage_rank):
+        seen.append(list(cuts))
+        return [("tok_embedding.weight", (0, len(cuts) - 2))]
+
+    monkeypatch.setattr(stage_plan, "tied_params", tied)
+    auto = instantiate(compose_config("method=auto", results_dir=str(tmp_path)).method)
+    wl, cl = bert_workload(batch=32, num_devices=6), cluster(fast=3, slow=0, k=2, virtual="gpu")
+    with pytest.raises(ConfigError, match=r"leave tied parameter 'tok_embedding.weight' on stages \[0, 2\]"):
+        HapStages(auto.hap, auto.pipeline, 3).plan(wl, cl)
+    assert seen and seen[0][0] == 0 and seen[0][-1] == 4
