@@ -19,9 +19,11 @@ stage's own nodes) and rebuilds the program from those plans.
 A cut that leaves a tied parameter (an embedding and head read as one tensor) on two stages is
 refused: the stages' programs hold no copies of it.
 
-The plan's details["hap_stages"] is the format of notes agreed with the runtime
-(methods.auto.hap_stages_runtime.HapStagesTrainer reads it); its other keys follow the pipeline
-method's (stages, schedule, num_micro_batches, pipelines) for the runner and the records.
+The plan's details["hap_stages"] is the plan format the runtime reads
+(methods.auto.hap_stages_runtime.HapStagesTrainer; docs/methods.md, "Pipelines of hap
+stages"): cuts, groups, batch_shares, micro_batch, num_micro_batches, schedule, stages (each
+stage's stage_details). Its other keys follow the pipeline method's (stages, schedule,
+num_micro_batches, pipelines) for the runner and the records.
 """
 
 from __future__ import annotations
