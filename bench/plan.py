@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Plan
-from bench.cost import PipelineProgram, simulate, virtual_devices
+from bench.cost import GroupPipelineProgram, PipelineProgram, simulate, virtual_devices
 
 
 def _layout(v: Any) -> str:
@@ -43,7 +43,9 @@ def format_plan(
             f"sharding rules: {cov['ops_covered']} of {cov['ops']} ops ({100 * cov['ops_share']:.1f}%), "
             f"{100 * cov['flops_share']:.2f}% of FLOPs; ops without a rule, run replicated: {missing}"
         )
-    if isinstance(plan.program, PipelineProgram):
+    if isinstance(plan.program, GroupPipelineProgram):
+        lines += _group_pipeline_lines(plan.program, cluster)
+    elif isinstance(plan.program, PipelineProgram):
         lines += _pipeline_lines(plan.program, cluster)
     elif plan.program is not None and plan.ratios is not None:
         sim = simulate(plan.program, cluster, plan.ratios)
@@ -116,6 +118,26 @@ def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]
         lines.append(
             f"  stage {s}: layer groups {st.groups[0]}-{st.groups[1] - 1} on ranks {list(st.ranks)}, "
             f"compute {compute * 1e3:.2f} ms, sends {send * 1e3:.2f} ms, peak {peak:.2f} GiB"
+        )
+    return lines
+
+
+def _group_pipeline_lines(program: GroupPipelineProgram, cluster: ClusterSpec) -> list[str]:
+    """A pipeline of group stages (bench.cost.group_pipeline): each stage's group, predicted
+    compute and peak."""
+    sim = simulate(program, cluster, None)
+    lines = [
+        f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
+        + ("  ** OOM **" if sim.oom else ""),
+        f"{program.num_pipelines} rank-aligned pipeline(s) of {program.num_stages} stages, each stage one program "
+        f"over its group, {program.schedule}, {program.num_micro_batches} micro-batches of {program.micro_batch} "
+        "samples a group",
+    ]
+    for s, (st, (send, compute)) in enumerate(zip(program.stages, sim.stage_times)):
+        peak = max(sim.peak_mem_gib[r] for r in st.ranks)
+        lines.append(
+            f"  stage {s}: ranks {list(st.ranks)}, compute {compute * 1e3:.2f} ms, sends {send * 1e3:.2f} ms, "
+            f"peak {peak:.2f} GiB"
         )
     return lines
 

@@ -6,6 +6,7 @@
               LP expressions for the load balancer)
     simulate  time per stage, memory and OOM of a program at given ratios
     pipeline  the price of a pipeline's schedule (stages on their own devices, micro-batches)
+    group_pipeline  a pipeline whose stages are each one Program over a group of devices
 
 Callers import from here: `from bench.cost import simulate, virtual_devices, ...`.
 """
@@ -20,6 +21,7 @@ from bench.cost.devices import (
     memory_proportional_ratios,
     virtual_devices,
 )
+from bench.cost.group_pipeline import GroupPipelineProgram, GroupStage
 from bench.cost.links import COLLECTIVE_KINDS, collective_linear_cost, collective_time_s, link_bytes
 from bench.cost.pipeline import PipelineProgram, PipeStage
 from bench.cost.price import (
@@ -36,6 +38,8 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "GIB",
     "FloatAlgebra",
+    "GroupPipelineProgram",
+    "GroupStage",
     "LpAlgebra",
     "PipeStage",
     "PipelineProgram",

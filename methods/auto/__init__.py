@@ -10,10 +10,11 @@ state is FSDP2's data parallel; one stage with ZeRO-1 or ZeRO-2 state is the Dee
 pipeline's planner. Each candidate is planned by its part and priced by the one simulator, and
 the search returns the fastest that fits. The plan records the composition it chose
 (`details["auto"]`), and at run time each rank runs that part's runtime (hap's, FSDP2's,
-DeepSpeed's engine, the pipeline trainer) with the chosen options. Not in the space: hap's
-synthesis inside a stage of several devices (a pipeline stage's replicas are data parallel),
-sharded state inside hap's programs, ZeRO state inside a pipeline stage, tensor parallelism
-across a pipeline stage.
+DeepSpeed's engine, the pipeline trainer, hap stages' trainer) with the chosen options.
+Pipelines whose stages run hap's synthesis over their group (one machine a stage, rank-aligned
+pipelines: methods.auto.stage_plan) are a family of their own (`stage_synthesis`). Not in the
+space: hap's synthesis over a stage of several machines, sharded state inside hap's programs,
+ZeRO state inside a pipeline stage, memory tools inside hap stages.
 
 This method composes the others, so it imports them; none of them imports it.
 
@@ -40,6 +41,7 @@ from methods.auto.space import (
     make_part,
     stage_counts,
 )
+from methods.auto.stage_plan import machine_groups
 from methods.common import check_training_options, group_table
 from methods.graph import capture_config
 
@@ -76,6 +78,8 @@ class Auto:
         memory_budget_gib: each device's memory for the plan is at most this (GiB); null: the
             devices' own.
         prune: stop at the bound (methods.auto.search); false prices every candidate.
+        stage_synthesis: "auto" (pipelines of hap stages priced where the cluster is machines
+            of 2 or more GPUs alike in number), true (only those) or false (none).
         lr, grad_clip: Adam's learning rate and the max global gradient norm (0 = off), for
             every part.
     """
@@ -108,6 +112,7 @@ class Auto:
         prune: bool = True,
         lr: float = 5e-4,
         grad_clip: float = 0.0,
+        stage_synthesis="auto",
     ):
         if stages != "auto" and (not _whole(stages) or stages < 1):
             raise ConfigError(
@@ -147,6 +152,21 @@ class Auto:
                 f"method.memory_budget_gib={memory_budget_gib!r} must be a number of GiB > 0, or null (the "
                 "devices' own memory)"
             )
+        if not (stage_synthesis == "auto" or isinstance(stage_synthesis, bool)):
+            raise ConfigError(f"method.stage_synthesis={stage_synthesis!r} is invalid; use auto, true or false")
+        if stage_synthesis is True:
+            against = [
+                (f"method.stages={stages}", stages == 1),
+                (f"method.state={state}", state not in ("auto", "replicated")),
+                ("method.activation_checkpointing=true", activation_checkpointing is True),
+                (f"method.grad_accumulation={grad_accumulation}", grad_accumulation not in ("auto", 1)),
+            ]
+            for what, clash in against:
+                if clash:
+                    raise ConfigError(
+                        f"method.stage_synthesis=true plans pipelines of hap stages (replicated state, no memory "
+                        f"tools), which {what} rules out; use method.stage_synthesis=auto or drop {what}"
+                    )
         check_training_options(lr, grad_clip)
         self.hap, self.pipeline, self.fsdp, self.deepspeed = hap, pipeline, fsdp, deepspeed
         self.name = name
@@ -161,6 +181,7 @@ class Auto:
         self.prune = bool(prune)
         self.lr = lr
         self.grad_clip = grad_clip
+        self.stage_synthesis = stage_synthesis
 
     def space(self, workload: Workload, cluster: ClusterSpec) -> list[Candidate]:
         """The candidates these options admit on `cluster` (one line where none can exist)."""
@@ -179,8 +200,30 @@ class Auto:
                 f"{', '.join(map(str, offered)) or 'none'}); use one of those, 1, or auto"
             )
         accumulation = accumulation_steps(workload.global_batch, cluster.num_devices, self.max_grad_accumulation)
+        synthesis: list[int] = []
+        if self.stage_synthesis is not False:
+            machines, why = machine_groups(cluster)
+            if machines and len(machines) > groups:
+                machines, why = (
+                    [],
+                    f"{len(machines)} machines are more stages than {workload.name}'s {groups} layer groups",
+                )
+            if machines:
+                synthesis = [len(machines)]
+            elif self.stage_synthesis is True:
+                raise ConfigError(
+                    f"method.stage_synthesis=true needs one stage per machine of 2 or more GPUs, but {why}; use "
+                    "method.stage_synthesis=auto or false"
+                )
         found = candidates(
-            self.stages, self.state, self.activation_checkpointing, self.grad_accumulation, offered, accumulation
+            self.stages,
+            self.state,
+            self.activation_checkpointing,
+            self.grad_accumulation,
+            offered,
+            accumulation,
+            synthesis,
+            self.stage_synthesis,
         )
         if not found:
             raise ConfigError(
@@ -197,6 +240,9 @@ class Auto:
         found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
         plan = found.best.plan
         assert plan is not None
+        finish = getattr(found.best.part, "finish", None)  # a part that completes the plan it keeps
+        if finish is not None:
+            plan = finish(plan, cluster)
         plan.method = self.name
         planned_in = time.perf_counter() - t0
         # The planning times at the top are this plan's, auto's: its capture, then its search

@@ -29,8 +29,8 @@ data-parallel incumbent, collective choice), over a ClusterSpec of the group's m
 stage's graph instead of the model's. A stage's price per micro-batch is its program's forward
 and backward stages (collectives included) without the gradient all-reduce, which runs once
 after the schedule (`StagePrice.grad_sync_s`); the pipeline is then priced by the pipeline's
-own replay of torch's schedule (bench.cost.pipeline.replay of `lockstep_program`: torch's traced
-actions, one pipeline standing for a group's ranks in lockstep), with rank-aligned sends.
+own replay of torch's schedule (torch's traced actions, one pipeline standing for a group's
+ranks in lockstep), with rank-aligned sends: bench.cost.group_pipeline, the simulator's.
 
 A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.codegen's
 RankProgram of the stage's plan over the stage's process group, its inputs the stage's
@@ -39,8 +39,10 @@ stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and
 methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
 program a PipelineStage, the last stage's graph ending where the loss's tail begins:
 `stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
-ranks of tiny BERT like one device. No case of method=auto plans it yet: no plan format joins
-the stages to auto's candidates (docs/methods.md, "Whole-space planner (auto)").
+ranks of tiny BERT like one device. auto plans such pipelines as a family of its candidates
+(methods/auto/stage_plan.py; docs/methods.md, "Pipelines of hap stages"), priced by the
+simulator as a bench.cost.GroupPipelineProgram (`pipeline_program`), whose per-stage and lockstep
+pricing `price_stage` and `price_pipeline` share.
 
 It lives under methods/auto because it composes two methods (hap's planner and the pipeline's
 schedule), which only auto may (a method never imports another: pyproject's import contracts).
@@ -56,20 +58,18 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from bench.core.cluster import ClusterSpec, MachineGroup
+from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
-from bench.core.program import Memory, Program, without_grad_sync
-from bench.cost import FloatAlgebra, simulate, virtual_devices
-from bench.cost.pipeline import (
-    PipelineProgram,
-    PipeStage,
-    StageTimes,
-    StageWork,
-    in_flight,
-    replay,
-    transfer_s,
+from bench.core.program import Affine, Program, Stage, op_class
+from bench.cost.group_pipeline import (
+    GroupPipelineProgram,
+    GroupStage,
+    lockstep,
+    replay_stages,
+    stage_price,
 )
-from bench.cost.price import collective_time, intra_grad_sync, optimizer_time, per_step_s, stage_time
+from bench.cost.group_pipeline import group_cluster as group_cluster  # the stage's group: planned over here
+from bench.cost.pipeline import PipelineProgram, in_flight, transfer_s
 from methods.common import GroupTable
 from methods.graph import Graph, Node
 from methods.hap.codegen import CodegenOptions, RankProgram
@@ -202,28 +202,6 @@ def _whole_samples(node: Node, batch: int) -> bool:
     return bool(node.shape) and batch > 1 and node.shape[0] % batch == 0
 
 
-def group_cluster(
-    cluster: ClusterSpec, ranks: Sequence[int], name: str = "", memory_gib: float | None = None
-) -> ClusterSpec:
-    """A cluster of the machines holding `ranks` (whole machines of one device type), with the
-    cluster's links: the group a stage's program is planned over. `memory_gib`: each device's
-    memory for the plan (a budget: hap keeps the fastest program that fits it)."""
-    devs = [cluster.devices[r] for r in ranks]
-    machines = sorted({d.machine for d in devs})
-    per = {m: [d for d in cluster.devices if d.machine == m] for m in machines}
-    if sum(len(v) for v in per.values()) != len(ranks):
-        raise ValueError(f"ranks {list(ranks)} are not whole machines")
-    kinds = {(d.type.name, d.speed, d.type.memory_gib) for d in devs}
-    if len(kinds) != 1:
-        raise ValueError(f"ranks {list(ranks)} mix device kinds {sorted(kinds)}")
-    d0 = devs[0]
-    memory = d0.type.memory_gib if memory_gib is None else memory_gib
-    group = MachineGroup(len(machines), d0.type.name, len(per[machines[0]]), d0.speed, memory)
-    return dataclasses.replace(
-        cluster, name=name or f"{cluster.name}[{ranks[0]}..{ranks[-1]}]", machines=(group,), virtual_device="gpu"
-    )
-
-
 @dataclass(frozen=True)
 class StagePrice:
     """One stage's hap program over its group, per micro-batch of the group."""
@@ -316,38 +294,88 @@ def stage_program(
     )
 
 
-def price_stage(cand: Candidate, one: Program, group: ClusterSpec) -> StagePrice:
+@dataclass(frozen=True)
+class LossTail:
+    """The loss's tail (GroupTable.tail) of a micro-batch, which a pipeline's last stage runs in
+    its loss_fn beside its program (data parallel over each rank's samples): its forward and
+    backward compute, a Stage per op class (the micro-batch's FLOPs, split by the ratio row),
+    and the bytes kept for it until backward (the micro-batch's): its ops' saved tensors and
+    the stage's output it reads."""
+
+    forward: tuple[Stage, ...] = ()
+    backward: tuple[Stage, ...] = ()
+    kept_bytes: float = 0.0
+
+
+def loss_tail(graph: Graph, table: GroupTable) -> LossTail:
+    """The tail of `graph` (captured at the group's micro-batch) as LossTail."""
+    tail = set(table.tail)
+    flops: list[dict[str, float]] = [{}, {}]
+    for name in table.tail:
+        n = graph[name]
+        if n.flops:
+            cls = op_class(n.op)
+            flops[0][cls] = flops[0].get(cls, 0.0) + n.flops
+            flops[1][cls] = flops[1].get(cls, 0.0) + graph.backward_flops(n)
+    kept = sum(graph[t].nbytes * factor for t, (factor, keeper) in graph.kept_until().items() if keeper in tail)
+    # and the stage's output the tail reads, which torch's schedule keeps for its loss_fn: as
+    # the pipeline method counts a last stage's (methods.common.StageActivations)
+    kept += sum(
+        graph[n].nbytes
+        for n in table.node_group
+        if n not in tail and graph[n].is_tensor and any(u in tail for u in graph.users.get(n, []))
+    )
+    forward, backward = (
+        tuple(Stage(flops=Affine.sharded(f), op_class=c, label="loss tail") for c, f in sorted(d.items()))
+        for d in flops
+    )
+    return LossTail(forward, backward, float(kept))
+
+
+def group_stage(
+    cand: Candidate,
+    one: Program,
+    ranks: Sequence[int],
+    send_bytes: Sequence[float] = (),
+    buffer_bytes: Sequence[float] = (),
+    tail: LossTail | None = None,
+) -> GroupStage:
+    """The stage as bench.cost.group_pipeline prices it: its program as one micro-batch runs it
+    (`one`), over the group of `ranks`, at its ratio rows; hap's forward steps are its first
+    stages (one a step: methods.hap.lowering). `tail`: on a last stage planned without the
+    loss's tail (stage_graph(..., loss=False)), that tail."""
+    tail = tail or LossTail()
+    return GroupStage(
+        one,
+        tuple(ranks),
+        tuple(tuple(r) for r in cand.ratios),
+        len(cand.result.steps),
+        tuple(send_bytes),
+        tuple(buffer_bytes),
+        tail.forward,
+        tail.backward,
+        tail.kept_bytes,
+    )
+
+
+def price_stage(cand: Candidate, one: Program, group: ClusterSpec, tail: LossTail | None = None) -> StagePrice:
     """The stage's per-micro-batch parts (StagePrice) from its program (`one`: as one
-    micro-batch runs it) at its ratios."""
-    program = one
-    ratios = cand.ratios
-    vdevs = virtual_devices(group, program.granularity)
-    alg = FloatAlgebra(ratios)
+    micro-batch runs it) at its ratios (and on a last stage without the loss, its `tail`):
+    bench.cost.group_pipeline.stage_price, the simulator's."""
+    p = stage_price(group_stage(cand, one, range(group.num_devices), tail=tail), group)
     steps = cand.result.steps
-    n_fwd = len(steps)
-    fwd, bwd = program.stages[:n_fwd], program.stages[n_fwd:]
-    forward = sum(stage_time(st, group, vdevs, ratios) for st in fwd)
-    backward = sum(stage_time(st, group, vdevs, ratios) for st in without_grad_sync(bwd))
-    sync = 0.0
-    for st in bwd:
-        sync += sum(collective_time(c, group, vdevs, ratios) for c in st.collectives if c.grad)
-        sync += float(intra_grad_sync(st, group, vdevs, alg))
-    opt = float(optimizer_time(program, vdevs, alg)) + float(per_step_s(program, group, vdevs, alg))
-    sim = simulate(program, group, ratios)
-    d = max(range(len(sim.peak_mem_gib)), key=lambda i: sim.peak_mem_gib[i])
-    mem = sim.memory_gib[d]
     comms = sorted({f"{c.kind}" for s in steps for c in s.comms if not c.free})
     layouts = sorted({f"{s.node}:{s.rule.post}" for s in steps if isinstance(s.rule.post, int) and s.rule.post != 0})
     summary = f"comms {comms or 'none'}; {len(layouts)} ops with a non-batch split"
     return StagePrice(
-        forward,
-        backward,
-        sync,
-        opt,
-        sim.peak_mem_gib[d],
-        mem["activations"],
-        mem["params"] + mem["grads"] + mem["optimizer"],
-        program.granularity,
+        p.forward_s,
+        p.backward_s,
+        p.grad_sync_s,
+        p.optimizer_s,
+        p.peak_gib,
+        p.activations_gib,
+        p.state_gib,
+        one.granularity,
         cand.kind,
         summary,
     )
@@ -364,56 +392,98 @@ class PipelinePrice:
 def lockstep_program(schedule: str, num_stages: int, num_micro_batches: int, micro_batch: int) -> PipelineProgram:
     """One pipeline of `num_stages` positions running torch's `schedule` (its traced actions,
     methods.pipeline.schedule.trace_schedule): the stand-in for a pipeline of hap stages, whose
-    groups move in lockstep (each stage's collectives join its group's ranks), so that one
-    rank-aligned pipeline replays them all. Its stages carry no work: price_pipeline gives the
-    replay each stage's seconds."""
+    groups move in lockstep (bench.cost.group_pipeline.lockstep)."""
+    return lockstep(traced_actions(schedule, num_stages, num_micro_batches), schedule, num_micro_batches, micro_batch)
+
+
+def traced_actions(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[tuple[tuple, ...], ...]:
+    """Per position, torch's `schedule` traced for one stage a position (what
+    GroupPipelineProgram.actions holds)."""
     traces = [trace_schedule(schedule, num_stages, num_micro_batches, r) for r in range(num_stages)]
     if traces[0].stage_rank != tuple(range(num_stages)):
-        raise ValueError(f"the prototype prices one stage per rank; {schedule} places {traces[0].stage_rank}")
-    empty = StageWork((), (), (0.0, 0.0), 0.0)
-    stages = tuple(PipeStage((k, k + 1), (k,), (empty,), 0.0) for k in range(num_stages))
-    return PipelineProgram(
-        stages=stages,
-        actions=tuple(t.actions for t in traces),
-        num_micro_batches=num_micro_batches,
-        micro_batches=(micro_batch,),
-        num_devices=num_stages,
-        memory=tuple((Memory(),) for _ in range(num_stages)),
-        schedule=schedule,
-    )
+        raise ValueError(f"a pipeline of hap stages runs one stage per rank; {schedule} places {traces[0].stage_rank}")
+    return tuple(tuple(t.actions) for t in traces)
+
+
+def even_shares(micro_batch: int, size: int) -> list[int]:
+    """A micro-batch split evenly over `size` ranks in whole samples (the first ranks a sample more)."""
+    return [micro_batch // size + (i < micro_batch % size) for i in range(size)]
+
+
+def border_bytes(
+    table: GroupTable, cuts: Sequence[int], shares: Sequence[int]
+) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+    """(sends, buffers): per stage and group rank i (its `shares[i]` samples of a micro-batch),
+    the bytes it sends rank i of the next stage per micro-batch (none on the last stage), and its
+    receive buffers of one micro-batch: its share of its input (from the stage before) and of its
+    output's gradient (from the stage after). torch's stage keeps one of each for every
+    micro-batch of the step (the pipeline's `StageBytes.received_bytes` and `sent_bytes`)."""
+    S = len(cuts) - 1
+    sends, buffers = [], []
+    for k in range(S):
+        received = table.groups[cuts[k] - 1].out_bytes if k else 0.0
+        sent = table.groups[cuts[k + 1] - 1].out_bytes if k + 1 < S else 0.0
+        sends.append(tuple(n * sent for n in shares) if k + 1 < S else ())
+        buffers.append(tuple(n * (received + sent) for n in shares))
+    return sends, buffers
 
 
 def rank_aligned_sends(
     table: GroupTable, cuts: Sequence[int], groups: Sequence[Sequence[int]], micro_batch: int, cluster: ClusterSpec
 ) -> list[float]:
-    """Per stage, seconds of its rank-aligned send of one micro-batch's border tensors: rank r
-    of stage k sends its share (the micro-batch split evenly over the group) to rank r of stage
-    k + 1, every pair at once over its own link (the slowest pair counted); 0 on the last stage."""
+    """Per stage, seconds of its rank-aligned send of one micro-batch's border tensors, the
+    micro-batch split evenly over the group (bench.cost.group_pipeline.stage_sends)."""
+    sends, _ = border_bytes(table, cuts, even_shares(micro_batch, len(groups[0])))
     out = []
     for k in range(len(groups)):
         if k + 1 == len(groups):
             out.append(0.0)
             continue
-        shares = [micro_batch // len(groups[k]) + (i < micro_batch % len(groups[k])) for i in range(len(groups[k]))]
-        per_sample = table.groups[cuts[k + 1] - 1].out_bytes
-        out.append(max(transfer_s(n * per_sample, cluster, a, b) for n, a, b in zip(shares, groups[k], groups[k + 1])))
+        out.append(max(transfer_s(b, cluster, a, c) for b, a, c in zip(sends[k], groups[k], groups[k + 1])))
     return out
 
 
 def rank_aligned_buffers(
     table: GroupTable, cuts: Sequence[int], groups: Sequence[Sequence[int]], micro_batch: int
 ) -> list[float]:
-    """Per stage, the bytes of one micro-batch's receive buffers on its busiest rank: its input
-    (from the stage before) and its output's gradient (from the stage after), at the rank's share
-    of the micro-batch. torch's stage keeps one of each for every micro-batch of the step (the
-    pipeline's `StageBytes.received_bytes` and `sent_bytes`)."""
-    out = []
-    for k in range(len(groups)):
-        share = -(-micro_batch // len(groups[k]))
-        received = table.groups[cuts[k] - 1].out_bytes if k else 0.0
-        sent = table.groups[cuts[k + 1] - 1].out_bytes if k + 1 < len(groups) else 0.0
-        out.append(share * (received + sent))
-    return out
+    """Per stage, the bytes of one micro-batch's receive buffers on its busiest rank (border_bytes
+    at an even split of the micro-batch)."""
+    _, buffers = border_bytes(table, cuts, even_shares(micro_batch, len(groups[0])))
+    return [max(b) for b in buffers]
+
+
+def pipeline_program(
+    stages: Sequence[tuple[Candidate, Program]],
+    groups: Sequence[Sequence[int]],
+    cuts: Sequence[int],
+    table: GroupTable,
+    shares: Sequence[int],
+    schedule: str,
+    num_micro_batches: int,
+    num_devices: int,
+    meta: dict | None = None,
+    tail: LossTail | None = None,
+) -> GroupPipelineProgram:
+    """The pipeline of hap stages as the simulator prices it (bench.cost.GroupPipelineProgram):
+    per stage its hap plan (`stages[s]`: plan_stage's candidate and program) over the ranks
+    `groups[s]`, the border bytes of each rank's share (`shares`, one row for every stage), and
+    torch's `schedule` traced for len(stages) positions and `num_micro_batches`. `tail`: the
+    loss's tail where the last stage was planned without it (loss_tail)."""
+    sends, buffers = border_bytes(table, cuts, shares)
+    S = len(stages)
+    return GroupPipelineProgram(
+        stages=tuple(
+            group_stage(cand, one, groups[s], sends[s], buffers[s], tail if s + 1 == S else None)
+            for s, (cand, one) in enumerate(stages)
+        ),
+        actions=traced_actions(schedule, len(stages), num_micro_batches),
+        num_micro_batches=num_micro_batches,
+        micro_batch=sum(shares),
+        num_devices=num_devices,
+        schedule=schedule,
+        batch=num_micro_batches * sum(shares),
+        meta=dict(meta or {}),
+    )
 
 
 def price_pipeline(
@@ -426,23 +496,15 @@ def price_pipeline(
     cluster: ClusterSpec,
     buffer_bytes: Sequence[float] = (),
 ) -> PipelinePrice:
-    """A pipeline of hap stages priced by the pipeline's replay of torch's schedule
-    (bench.cost.pipeline.replay of lockstep_program): each stage's forward and backward its hap
-    program's seconds per micro-batch (collectives included), each border's transfer its
-    rank-aligned send; then per position its gradient sync and optimizer step. Memory: a stage's
-    peak with one micro-batch, its activations for each further one in flight, and its receive
-    buffers (`buffer_bytes` a micro-batch, rank_aligned_buffers) for every micro-batch. A zero-bubble
-    schedule's input and weight passes are not priced apart (the prototype's schedules are
-    1F1B and GPipe)."""
+    """A pipeline of stages priced as bench.cost.group_pipeline prices a GroupPipelineProgram
+    (replay_stages of the traced schedule in lockstep), from each stage's parts (`prices`:
+    price_stage's, or a study's sums of them) instead of its program: the time, and per stage
+    its busiest rank's peak with the micro-batches its schedule keeps in flight and its receive
+    buffers (`buffer_bytes` a micro-batch, rank_aligned_buffers) for every micro-batch."""
     K = len(prices)
     program = lockstep_program(schedule, K, num_micro_batches, micro_batch)
-    times = [
-        StageTimes(p.forward_s, p.backward_s, 0.0 if k == 0 else p.backward_s / 2, p.backward_s / (1 if k == 0 else 2))
-        for k, p in enumerate(prices)
-    ]
-    lines = replay(program, cluster, 0, times, list(sends))
+    total, lines = replay_stages(program, cluster, prices, sends)
     ends = tuple(line.end_s for line in lines)
-    total = max(ends[k] + prices[k].grad_sync_s + prices[k].optimizer_s for k in range(K))
     peaks = []
     for k, p in enumerate(prices):
         flight = in_flight(program.actions[k])

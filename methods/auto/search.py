@@ -14,6 +14,9 @@ candidate's bound is the largest of
     (never less than none).
     Such a candidate is popped after the others of its bound, and probed only where that price
     is below the fastest found; and
+  - for a pipeline of hap stages, its schedule replayed with its stages' data-parallel compute
+    and nothing else (methods.auto.stage_plan.HapStages.floor_s), popped after the others of
+    its bound and planned only where that is below the fastest found; and
   - on an emulated CPU cluster, for a pipeline with sharded state whose work probe is off, the
     price of the same pipeline with replicated state where that fits: there FSDP2's own work on
     the CPU ranks (hooks, copies in and out of the gathered buffers), which then nothing
@@ -123,7 +126,8 @@ def price(
     t0 = time.perf_counter()
     part = make_part(auto, cand)
     try:
-        plan = part.plan(workload, cluster, shared) if cand.part == "pipeline" else part.plan(workload, cluster)
+        pipelined = cand.part in ("pipeline", "hap_stages")  # the pipeline planner's costs, shared
+        plan = part.plan(workload, cluster, shared) if pipelined else part.plan(workload, cluster)
     except ValueError as exc:  # ConfigError, PlanningError (StageOOM: status oom)
         status = "oom" if getattr(exc, "status", None) == "oom" else "refused"
         return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0)
@@ -194,12 +198,17 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         if c in probing:
             unprobed = unprobed_price(auto, c, workload, cluster)
             return ideal if unprobed is None else unprobed
+        if c.part == "hap_stages":  # its stages' data-parallel compute in its schedule (HapStages.floor_s)
+            return max(ideal, make_part(auto, c).floor_s(workload, cluster, shared))
         twin = priced.get(dataclasses.replace(c, state="replicated"))
         return twin.iter_time_s if twin is not None and twin.status == "fits" else ideal
 
     probing = {c for c in cands if probes(auto, c, cluster)}
     cpu = cpu_emulated(cluster)
-    later = {c: c in probing or (cpu and c.part == "pipeline" and c.state == "sharded") for c in cands}
+    later = {
+        c: c in probing or (cpu and c.part == "pipeline" and c.state == "sharded") or c.part == "hap_stages"
+        for c in cands
+    }
     heap = [(ideal, later[c], i, c) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     best: Priced | None = None

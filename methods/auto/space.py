@@ -6,7 +6,8 @@ with sharded state (FSDP2's data parallel, its batch split by compute or evenly)
 DeepSpeed's ZeRO-1 or ZeRO-2 state (the DeepSpeed engine: optimizer state, then gradients too,
 sharded over the devices, parameters replicated, the batch split evenly), or pipelines of
 several stages (the pipeline's planner at that many ranks a pipeline: cuts, slots, schedule,
-micro-batches, priced shares), each with the memory tools that part offers. `make_part` builds
+micro-batches, priced shares), each with the memory tools that part offers, or pipelines whose
+stages each run hap's synthesis over one machine (methods.auto.stage_plan). `make_part` builds
 the configured component method of a candidate, so that the search prices it by that method's
 own plan and the simulator. This module does not search (methods.auto.search).
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError
+from methods.auto.stage_plan import HapStages
 from methods.pipeline.planning import layouts
 
 STATES = ("replicated", "sharded", "zero1", "zero2")
@@ -41,6 +44,8 @@ class Candidate:
         checkpointing: activation checkpointing per layer group.
         grad_accumulation: micro-steps per iteration (1 for pipelines: their micro-batches are
             the schedule's).
+        synthesis: pipelines only: each stage runs hap's synthesis over its group (one
+            machine) instead of data parallelism over its replicas (methods.auto.stage_plan).
     """
 
     stages: int
@@ -48,12 +53,13 @@ class Candidate:
     split: str = ""
     checkpointing: bool = False
     grad_accumulation: int = 1
+    synthesis: bool = False
 
     @property
     def part(self) -> str:
-        """The component that plans and runs it: hap, fsdp, deepspeed or pipeline."""
+        """The component that plans and runs it: hap, fsdp, deepspeed, pipeline or hap_stages."""
         if self.stages > 1:
-            return "pipeline"
+            return "hap_stages" if self.synthesis else "pipeline"
         if self.state in ZERO_STATES:
             return "deepspeed"
         return "hap" if self.state == "replicated" else "fsdp"
@@ -61,7 +67,7 @@ class Candidate:
     @property
     def composition(self) -> tuple:
         """The candidate without its memory tools."""
-        return (self.stages, self.state, self.split)
+        return (self.stages, self.state, self.split, self.synthesis)
 
     def lighter_than(self, other: Candidate) -> bool:
         """Whether `self` is `other`'s composition with a subset of its memory tools."""
@@ -79,6 +85,7 @@ class Candidate:
             "fsdp": f"1 stage, FSDP2 sharded state ({self.split} split)",
             "deepspeed": f"1 stage, DeepSpeed ZeRO-{ZERO_STATES.get(self.state)} (even split)",
             "pipeline": f"{self.stages}-stage pipelines ({self.state} state)",
+            "hap_stages": f"{self.stages}-stage pipelines, hap's synthesis inside each stage (one machine a stage)",
         }[self.part]
         tools = [t for t, on in (("checkpointing", self.checkpointing),) if on]
         if self.grad_accumulation > 1:
@@ -116,6 +123,8 @@ def candidates(
     grad_accumulation,
     pipeline_stages: list[int],
     accumulation: list[int],
+    synthesis_stages: Sequence[int] = (),
+    synthesis="auto",
 ) -> list[Candidate]:
     """Every candidate the options admit, compositions without tools first, then each with more
     tools (the order the search prices equal bounds in).
@@ -127,10 +136,20 @@ def candidates(
         grad_accumulation: "auto" or an integer (the micro-steps of single stages).
         pipeline_stages: the stage counts the cluster offers (stage_counts).
         accumulation: the micro-steps to try under "auto" (accumulation_steps).
+        synthesis_stages: the stage counts of pipelines of hap stages the cluster offers
+            (methods.auto.stage_plan.machine_groups: one stage a machine).
+        synthesis: "auto", True (only pipelines of hap stages) or False (none): the option
+            method.stage_synthesis.
     """
     states = STATES if state == "auto" else (state,)
     ckpt = (False, True) if checkpointing == "auto" else (bool(checkpointing),)
     ks = accumulation if grad_accumulation == "auto" else [grad_accumulation]
+    # hap's synthesis in every stage: replicated state only, no memory tool (its runtime has none)
+    family: list[Candidate] = []
+    if synthesis is not False and "replicated" in states and checkpointing is not True:
+        family = [Candidate(n, "replicated", synthesis=True) for n in synthesis_stages if stages in ("auto", n)]
+    if synthesis is True:
+        return family
     comps: list[Candidate] = []
     if stages in ("auto", 1):
         if "replicated" in states:
@@ -143,12 +162,15 @@ def candidates(
         for st in states:
             if st in PIPELINE_STATES:
                 comps.append(Candidate(n, st))
+    comps += family
     out = []
     for comp in comps:
         for c in ckpt:
             for k in ks:
-                if comp.part == "pipeline" and k != 1:
+                if comp.part in ("pipeline", "hap_stages") and k != 1:
                     continue  # a pipeline's micro-batches are its schedule's
+                if comp.synthesis and c:
+                    continue
                 out.append(dataclasses.replace(comp, checkpointing=c, grad_accumulation=k))
     return sorted(out, key=lambda x: (x.checkpointing + (x.grad_accumulation > 1), x.grad_accumulation))
 
@@ -180,6 +202,8 @@ def make_part(auto, cand: Candidate):
         return _rebuild(
             auto.deepspeed, "deepspeed", zero_stage=zero, grad_accumulation=cand.grad_accumulation, **common
         )
+    if cand.part == "hap_stages":
+        return HapStages(auto.hap, auto.pipeline, cand.stages, lr=auto.lr, grad_clip=auto.grad_clip)
     sharded = cand.state == "sharded"  # the pipeline's sharded state: FSDP2 over each stage's replicas
     return _rebuild(
         auto.pipeline, "pipeline", num_stages=cand.stages, stage_level=auto.stage_level, sharded_state=sharded, **common
