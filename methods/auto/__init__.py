@@ -91,6 +91,7 @@ class Auto:
         "methods.hap.runtime",
         "methods.fsdp",
         "methods.pipeline",
+        "methods.auto.hap_stages_runtime",
         "methods.ds_zero",
         "torch.distributed.pipelining",
     )

@@ -1,6 +1,6 @@
-"""A prototype of hap's synthesis inside each pipeline stage: planner, simulator, a stage's program.
+"""hap's synthesis inside each pipeline stage: a stage's graph and theory, its plan, its price, its program.
 
-Today a pipeline stage held by a slot of several devices (its R ranks, one per pipeline) runs
+In the pipeline method a stage held by a slot of several devices (its R ranks, one per pipeline) runs
 the stage's layer groups data parallel: each rank the whole stage at its pipeline's
 micro-batch, the ranks all-reducing their gradients once the schedule is through. Here the
 slot is one group of devices that runs ONE program for the stage, synthesized by hap's
@@ -36,10 +36,11 @@ A stage's program runs as hap's per-rank code (`stage_program`: methods.hap.code
 RankProgram of the stage's plan over the stage's process group, its inputs the stage's
 placeholders, its outputs the crossing tensors); tests/e2e/test_hap_stages_runtime.py holds two
 stages of tiny BERT, each on 2 gloo ranks, to one device's activations, loss and gradients.
-methods/auto/hap_stages_runtime.py runs a pipeline of them under torch's schedule (each rank's
-program a PipelineStage, the last stage's graph ending where the loss's tail begins:
-`stage_graph(..., loss=False)`), and tests/e2e/test_hap_stage_pipeline.py trains 2 stages x 2
-ranks of tiny BERT like one device. auto plans such pipelines as a family of its candidates
+methods/auto/hap_stages_runtime.py runs a pipeline of any number of them under torch's schedule
+(each rank's program a PipelineStage, the last stage's graph ending where the loss's tail
+begins: `stage_graph(..., loss=False)`), from the plan format `details["hap_stages"]` and the
+samples each rank loads (`rank_batches`); tests/e2e/test_hap_stage_pipeline.py trains 2 and 3
+stages like one device. auto plans such pipelines as a family of its candidates
 (methods/auto/stage_plan.py; docs/methods.md, "Pipelines of hap stages"), priced by the
 simulator as a bench.cost.GroupPipelineProgram (`pipeline_program`), whose per-stage and lockstep
 pricing `price_stage` and `price_pipeline` share.
@@ -61,6 +62,7 @@ import torch.fx as fx
 from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
 from bench.core.program import Affine, Program, Stage, op_class
+from bench.core.shares import offsets
 from bench.cost.group_pipeline import (
     GroupPipelineProgram,
     GroupStage,
@@ -257,6 +259,23 @@ def stage_details(cand: Candidate, stage: StageGraph) -> dict:
     `RankProgram` reads them: hap's own `step_fields` of the stage's graph, its ratio rows and
     granularity."""
     return {**step_fields(cand.result, stage.graph), "ratios": cand.ratios, "granularity": cand.program.granularity}
+
+
+def rank_batches(hs: dict) -> tuple[list[int], list[tuple[int, int]]]:
+    """The Plan's `batch_shares` and `data_slices` of a plan of hap stages, per global rank: what
+    the runner hands each rank (bench.runtime.worker loads `data_slices[rank]` of each global
+    batch). Every rank of pipeline i (rank i of every stage's group) loads the samples
+    [m x start_i, m x stop_i), (start_i, stop_i) its share's place in a micro-batch (the first
+    stage reads their inputs, the last their targets); its batch share is what it loads, m x its part of one micro-batch."""
+    m = hs["num_micro_batches"]
+    spans = offsets(hs["batch_shares"])
+    world = sum(len(g) for g in hs["groups"])
+    shares, slices = [0] * world, [(0, 0)] * world
+    for group in hs["groups"]:
+        for i, rank in enumerate(group):
+            shares[rank] = m * hs["batch_shares"][i]
+            slices[rank] = (m * spans[i][0], m * spans[i][1])
+    return shares, slices
 
 
 def stage_program(

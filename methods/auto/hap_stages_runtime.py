@@ -43,8 +43,14 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
-from bench.core.shares import offsets
-from methods.auto.hap_stages import StageGraph, _batch_like, _whole_samples, stage_graph, stage_program
+from methods.auto.hap_stages import (
+    StageGraph,
+    _batch_like,
+    _whole_samples,
+    rank_batches,
+    stage_graph,
+    stage_program,
+)
 from methods.common import GroupTable, check_training_options, group_table
 from methods.graph import Graph, capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
@@ -111,24 +117,6 @@ def check_hap_stages(hs: dict, world_size: int) -> None:
             f"{WHERE}['stages']: granularity {grains}; a stage's program runs per GPU (machine-level stage plans "
             "have no runtime)"
         )
-
-
-def rank_batches(hs: dict) -> tuple[list[int], list[tuple[int, int]]]:
-    """The Plan's `batch_shares` and `data_slices` of a plan of hap stages, per global rank: what
-    the runner hands each rank (bench.runtime.worker loads `data_slices[rank]` of each global
-    batch). Every rank of pipeline i (rank i of every stage's group) loads the samples
-    [m x start_i, m x stop_i), (start_i, stop_i) its share's place in a micro-batch (the first
-    stage reads their inputs, the last their targets); its batch share is its part of one
-    micro-batch, what it computes at once."""
-    m = hs["num_micro_batches"]
-    spans = offsets(hs["batch_shares"])
-    world = sum(len(g) for g in hs["groups"])
-    shares, slices = [0] * world, [(0, 0)] * world
-    for group in hs["groups"]:
-        for i, rank in enumerate(group):
-            shares[rank] = hs["batch_shares"][i]
-            slices[rank] = (m * spans[i][0], m * spans[i][1])
-    return shares, slices
 
 
 def stage_graphs(model_cfg, hs: dict) -> tuple[Graph, GroupTable, list[StageGraph]]:
@@ -443,7 +431,7 @@ class HapStagesTrainer:
         if given != slices:
             raise ValueError(
                 f"plan.data_slices={plan.data_slices} must be each rank's samples of this plan, {slices}: set "
-                "Plan.batch_shares and Plan.data_slices from methods.auto.hap_stages_runtime.rank_batches"
+                "Plan.batch_shares and Plan.data_slices from methods.auto.hap_stages.rank_batches"
             )
         graph, table, stages = stage_graphs(ctx.workload.model_cfg, hs)
         groups = hs["groups"]

@@ -39,7 +39,6 @@ from torch import nn
 from bench.core.cluster import ClusterSpec
 from bench.core.errors import ConfigError, PlanningError
 from bench.core.interfaces import Plan, RankContext, Workload
-from bench.core.shares import offsets
 from bench.cost import simulate
 from bench.cost.group_pipeline import StagePrice, lockstep, replay_stages
 from bench.cost.pipeline import action_times
@@ -49,6 +48,7 @@ from methods.auto.hap_stages import (
     loss_tail,
     pipeline_program,
     plan_stage,
+    rank_batches,
     stage_details,
     stage_graph,
     traced_actions,
@@ -292,21 +292,8 @@ class HapStages:
         details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule, alike)
         details["cut_by"] = {"schedule": d["schedule"], "num_micro_batches": m}
         details["planned_in_s"] = time.perf_counter() - t0
-        pipe_batch = [m * n for n in shares]
-        slices = offsets(pipe_batch)
-        rank_share, rank_slice = {}, {}
-        for g in groups:
-            for i, rank in enumerate(g):
-                rank_share[rank], rank_slice[rank] = pipe_batch[i], slices[i]
-        n = cluster.num_devices
-        return Plan(
-            self.name,
-            [rank_share[r] for r in range(n)],
-            details,
-            program,
-            None,
-            data_slices=[rank_slice[r] for r in range(n)],
-        )
+        loads, slices = rank_batches(details["hap_stages"])
+        return Plan(self.name, loads, details, program, None, data_slices=slices)
 
     def details(
         self,
@@ -367,6 +354,8 @@ class HapStages:
         return dataclasses.replace(plan, details={**details, **keep}, program=program)
 
     def setup(self, plan: Plan, model: nn.Module, ctx: RankContext):
-        from methods.auto.hap_stages_runtime import HapStagesTrainer  # the runtime's (branch stagetrain)
+        from methods.auto.hap_stages_runtime import HapStagesTrainer
 
-        return HapStagesTrainer(plan, model, ctx, lr=self.lr, grad_clip=self.grad_clip)
+        return HapStagesTrainer(
+            plan, model, ctx, lr=self.lr, grad_clip=self.grad_clip, mirror_full_state=self.mirror_full_state
+        )

@@ -97,6 +97,27 @@ def test_pipelines_with_sharded_state_auto_chooses_equal_single_device_training(
     assert _auto(case)["chosen"]["state"] == "sharded" and case.plan.details["sharded_state"] is True
 
 
+@pytest.mark.parametrize("model", ["bert", "bert_moe"])
+def test_pipelines_of_hap_stages_auto_plans_equal_single_device_training(cfg_factory, model):
+    """hap's synthesis inside each stage (one machine a stage), as auto plans it and
+    HapStagesTrainer runs it on the runner's workers."""
+    case = _check_one_step(
+        cfg_factory,
+        f"model={model}",
+        "cluster=local_2x2",
+        "method=auto",
+        "method.stage_synthesis=true",
+        "global_batch=8",
+        *PRICED,
+        ranks=4,
+    )
+    d = _auto(case)
+    assert d["part"] == "hap_stages" and d["chosen"]["synthesis"]
+    hs = case.plan.details["hap_stages"]
+    assert len(hs["groups"]) == 2 and all(len(g) == 2 for g in hs["groups"])
+    assert all(st is not None for st in hs["stages"])
+
+
 @pytest.mark.parametrize(
     "overrides, status, needle",
     [

@@ -25,8 +25,8 @@ from bench.runtime.emulation import Emulator
 from bench.runtime.launch import launch
 from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
-from methods.auto.hap_stages import plan_stage, stage_details, stage_graph, stage_theory
-from methods.auto.hap_stages_runtime import HapStagesTrainer, rank_batches
+from methods.auto.hap_stages import plan_stage, rank_batches, stage_details, stage_graph, stage_theory
+from methods.auto.hap_stages_runtime import HapStagesTrainer
 from methods.common import group_table
 from methods.graph import capture_config
 from methods.hap.balance import batch_shares

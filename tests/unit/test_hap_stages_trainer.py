@@ -11,7 +11,8 @@ import torch
 
 from bench.core.interfaces import Plan, RankContext, Workload
 from bench.runtime.emulation import Emulator
-from methods.auto.hap_stages_runtime import HapStagesTrainer, rank_batches, stage_graphs
+from methods.auto.hap_stages import rank_batches
+from methods.auto.hap_stages_runtime import HapStagesTrainer, stage_graphs
 from models.custom import CustomModelConfig
 from tests.e2e.test_hap_equivalence import make_cluster
 
@@ -119,8 +120,8 @@ def test_a_malformed_plan_of_hap_stages_is_refused_in_one_line(changes, data_sli
 
 def test_every_rank_of_a_pipeline_loads_its_share_of_every_micro_batch_in_one_run():
     """Pipeline i (rank i of each group, the groups' ranks in any order) loads m x its share,
-    the pipelines' runs one after another; a rank's batch share is its part of a micro-batch."""
+    the pipelines' runs one after another; a rank's batch share is what it loads."""
     hs = {"groups": [[1, 0], [5, 3], [2, 4]], "batch_shares": [1, 3], "num_micro_batches": 3}
     shares, slices = rank_batches(hs)
-    assert shares == [3, 1, 1, 3, 3, 1]
+    assert shares == [9, 3, 3, 9, 9, 3]
     assert slices == [(3, 12), (0, 3), (0, 3), (3, 12), (3, 12), (0, 3)]
