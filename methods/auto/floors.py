@@ -6,12 +6,12 @@ the floor already passes device memory as auto's search judges it (`search.price
 peak over its memory), the candidate is `oom` without its part planning it; elsewhere it says
 nothing (None). Two parts have one:
 
-- DeepSpeed's ZeRO-1 and ZeRO-2 keep every parameter whole on every device, and ZeRO-1 every
+- DeepSpeed's ZeRO-1 and ZeRO-2 keep every parameter whole on every device, ZeRO-1 every
   gradient too (ZeRO-2 a 1/n share), beside a gradient reduce bucket of its configured size:
-  each device's peak is at least those bytes
-  (`methods.ds_zero.program.zero_program`'s Memory; its optimizer state, buckets and
-  activations only add), so where they pass the smallest device's memory every device of
-  that size is over.
+  each device's peak is at least those bytes (`methods.ds_zero.program.zero_program`'s Memory;
+  its optimizer state and activations only add), so where they pass the smallest device's
+  memory that device is over. A model with experts has no floor here: DeepSpeed's expert
+  parallelism spreads its experts over the devices.
 - hap's synthesis may shard any tensor, a parameter too, so no one device has a floor; the
   devices together do. Every parameter is held on some device in some layout (a shard by the
   ratio row, which sums to 1 over the devices, or whole), with Adam's two moments of the same
@@ -76,9 +76,9 @@ def _limits(cluster: ClusterSpec) -> list[float]:
 
 
 def zero_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> float:
-    """What every device holds of a ZeRO-1 or ZeRO-2 plan of `cand` at least, GiB: whole
-    parameters, whole gradients (ZeRO-1) or a 1/n share (ZeRO-2), and the gradient reduce
-    bucket at its configured size."""
+    """What every device holds of a ZeRO-1 or ZeRO-2 plan of `cand` at least, GiB, for a model
+    without experts: whole parameters, whole gradients (ZeRO-1) or a 1/n share (ZeRO-2), and
+    the gradient reduce bucket at its configured size."""
     params = param_bytes(capture_config(workload.model_cfg, workload.global_batch))
     grads = params if ZERO_STATES[cand.state] == 1 else params / cluster.num_devices
     bucket = make_part(auto, cand).reduce_bucket_size * FP32_BYTES
@@ -86,6 +86,8 @@ def zero_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSp
 
 
 def _zero_floor(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> str | None:
+    if getattr(workload.model_cfg, "num_experts", None):
+        return None  # DeepSpeed's expert parallelism spreads the experts over the devices
     floor = zero_floor_gib(auto, cand, workload, cluster)
     least = min(_limits(cluster))
     if floor <= least:
