@@ -657,6 +657,11 @@ def capture_config(
                     graph_cache.save_module(graph_cache.graph_key(model_cfg, batch_size, other), gm)
     graph = graph_of(gm, int(batch_size), what)
     _captured[key] = graph
+    if not module_has_batch_norm(gm):
+        # Both captures of batch norm are this graph (as the graph cache keeps it): the other is
+        # not read back from disk in this process (auto's space and hap's plan capture them both).
+        for other in {"sync", "local"} - {batch_norm}:
+            _captured.setdefault(key[:3] + (other,), graph)
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)
     return graph

@@ -27,7 +27,9 @@ The second is exact where the lighter plan's part was not held back by memory (h
 rows, the pipeline's fitting cuts); where it was, a tool could free a faster plan, which this
 prunes (`prune=false` prices every candidate, to check). Memory is in the search: a candidate
 whose per-device peak passes its device's memory (or the budget) is never returned while any
-fits; where none fits, the plan is refused as `oom` with the smallest peak found. It does not
+fits; where none fits, the plan is refused as `oom` with the smallest peak found. A hap or
+DeepSpeed candidate whose memory floor (methods.auto.floors) already passes memory is `oom`
+without its part planning it (`floored`; no time, so it bounds no candidate). It does not
 build parts (methods.auto.space) or run them (the part's runtime).
 """
 
@@ -42,6 +44,7 @@ from bench.core.cluster import ClusterSpec
 from bench.core.errors import PlanningError
 from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
+from methods.auto.floors import oom_floor
 from methods.auto.space import Candidate, make_part
 from methods.pipeline import SharedCosts, save_traces
 
@@ -69,6 +72,7 @@ class Priced:
     part: object = None
     reason: str | None = None
     planning_s: float = 0.0
+    floored: bool = False  # oom by its memory floor (methods.auto.floors), its part never planned
 
     def row(self) -> dict:
         return {
@@ -79,6 +83,7 @@ class Priced:
             "bound_s": self.bound_s,
             "planning_s": round(self.planning_s, 3),
             **({"reason": self.reason} if self.reason else {}),
+            **({"floored": True} if self.floored else {}),
         }
 
 
@@ -175,6 +180,16 @@ def unprobed_price(auto, cand: Candidate, workload: Workload, cluster: ClusterSp
     return simulate(plan.program, cluster, plan.ratios).iter_time_s
 
 
+def floored(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec, bound_s: float) -> Priced | None:
+    """`cand` as `oom` where its memory floor passes device memory (methods.auto.floors), its part
+    not planned; None where the floor does not show it."""
+    t0 = time.perf_counter()
+    reason = oom_floor(auto, cand, workload, cluster)
+    if reason is None:
+        return None
+    return Priced(cand, "oom", bound_s, reason=reason, planning_s=time.perf_counter() - t0, floored=True)
+
+
 def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpec) -> Found:
     """The fastest candidate that fits (module docstring).
 
@@ -223,6 +238,9 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
             if auto.prune and best is not None and now >= best.iter_time_s:
                 pruned = [(c, now)] + [(x[3], bound(x[3])) for x in sorted(heap)]
                 break
+            if auto.prune and (p := floored(auto, c, workload, cluster, now)) is not None:
+                priced[c] = p
+                continue
             if auto.prune and best is not None and later[c] and c not in floors:
                 floors[c] = floor(c)
                 if floors[c] > now:
@@ -259,7 +277,8 @@ def _refusal(tried: list[Priced], cluster: ClusterSpec, budget_gib: float | None
         )
     oom = [p for p in tried if p.status == "oom"]
     if oom:
-        return NoPlanFits(f"no plan auto priced fits device memory{budget}: {oom[0].reason}")
+        what = f"{oom[0].cand.describe()}: " if oom[0].floored else ""
+        return NoPlanFits(f"no plan auto priced fits device memory{budget}: {what}{oom[0].reason}")
     if tried:
         return PlanningError(f"no candidate of auto planned: {tried[0].cand.describe()}: {tried[0].reason}")
     return PlanningError("auto's options leave no candidate to price")

@@ -195,3 +195,13 @@ def test_a_refused_capture_config_quotes_the_line_as_a_capture_with_stack_traces
         C._export_config(_SelectsConfig(), 4, 0, "sync", "model selects", None, stack_traces=True)
     assert str(err.value) == str(again.value)
     assert "x[keep]" in str(err.value)
+
+
+@pytest.mark.parametrize("model", ["bert", "vgg19"])
+def test_both_captures_of_batch_norm_are_one_graph_in_a_process_where_the_model_has_none(model):
+    """A model without batch norm has one graph under both captures of it (the graph cache keeps
+    it under both keys), so the second is not read back from disk or exported again."""
+    cfg = _tiny(model)
+    sync = C.capture_config(cfg, 6, batch_norm="sync")
+    assert not C.module_has_batch_norm(sync.gm)
+    assert C.capture_config(cfg, 6, batch_norm="local") is sync
