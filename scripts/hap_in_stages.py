@@ -40,6 +40,7 @@ from methods.auto.hap_stages import (
     price_stage,
     rank_aligned_buffers,
     rank_aligned_sends,
+    search_stage,
     stage_graph,
 )
 from methods.common import group_table
@@ -240,7 +241,7 @@ def study(model: str, stage_counts: list[int], ms: list[int], k: int, schedule: 
                     # planned for what its device has left beside the schedule's other micro-batches
                     room = MEMORY_GIB - (flights[s] - 1) * parts[s].activations_gib - buffers(s, cuts[s], cuts[s + 1])
                     st = stage_graph(graph, table, cuts[s], cuts[s + 1])
-                    cand, one = plan_stage(hp, st, workload, group_cluster(cluster, slots[s], memory_gib=room), m)
+                    cand, one = search_stage(hp, st, workload, group_cluster(cluster, slots[s], memory_gib=room), m)
                     whole.append(price_stage(cand, one, group_cluster(cluster, slots[s])))
                 sends = rank_aligned_sends(table, cuts, slots, mb, cluster)
                 held = rank_aligned_buffers(table, cuts, slots, mb)

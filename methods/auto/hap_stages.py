@@ -76,7 +76,9 @@ from methods.common import GroupTable
 from methods.graph import Graph, Node
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.hap.lowering import build_program
-from methods.hap.planner import Candidate, HapPlanner, step_fields
+from methods.hap.planner import Candidate, HapPlanner, _better, _score, step_fields
+from methods.hap.search import SearchResult, SearchStats
+from methods.hap.steps import Step
 from methods.hap.theory import IDENTITY, REDUCE, Rule, Theory, derive_theory
 from methods.pipeline.schedule import trace_schedule
 
@@ -96,6 +98,9 @@ class StageGraph:
     # The last stage without the loss's tail: crossing_out are the tensors the tail reads (the
     # pipeline's loss_fn computes it per rank), handed on in whole samples.
     ends_at_loss: bool = False
+    # The model's graph and its layer groups the stage was cut from: plan_stage also plans the
+    # stage as its layer groups in a row (plan_chain).
+    source: tuple[Graph, GroupTable] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def last(self) -> bool:
@@ -161,7 +166,9 @@ def stage_graph(graph: Graph, table: GroupTable, first: int, end: int, loss: boo
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     nodes.sort(key=lambda n: order.get(n.name, len(order)))
     sub = Graph(graph.gm, nodes, loss_node, graph.batch_size)
-    return StageGraph(sub, first, end, crossing_in, crossing_out, model_inputs, end - 1 == last_group and not loss)
+    return StageGraph(
+        sub, first, end, crossing_in, crossing_out, model_inputs, end - 1 == last_group and not loss, (graph, table)
+    )
 
 
 def _boundary_node(outputs: list[str]) -> Node:
@@ -223,7 +230,51 @@ class StagePrice:
 def plan_stage(
     planner: HapPlanner, stage: StageGraph, workload: Workload, group: ClusterSpec, micro_batches: int = 1
 ) -> tuple[Candidate, Program]:
-    """hap's best (program, ratios) for the stage over `group` (its levels and starts), as
+    """hap's best (program, ratios) for the stage over `group`, and that program as one
+    micro-batch runs it: the better by the simulator of stage_options."""
+    found = stage_options(planner, stage, workload, group, micro_batches)
+    return found[best_option(found)]
+
+
+def stage_options(
+    planner: HapPlanner, stage: StageGraph, workload: Workload, group: ClusterSpec, micro_batches: int = 1
+) -> list[tuple[Candidate, Program]]:
+    """The stage's programs over `group` (each with its program as one micro-batch runs it):
+    hap's search of the whole stage (search_stage) and, on a stage of several layer groups,
+    those groups each planned alone in a row (plan_chain), both scored with the schedule's
+    `micro_batches` (best_option: the better by that score).
+
+    The search's A* prices a program as one step runs it (each gradient all-reduced once a
+    micro-batch), and only its result and its data-parallel incumbent are scored with the
+    schedule's micro-batches. On a stage of dense blocks and an MoE block neither is the best
+    program there: the one step's best shards the dense blocks' weights too (their collectives
+    then run every micro-batch), the incumbent replicates the experts (their all-reduce once
+    after the schedule). Each group planned alone gets the simulator's choice for it, and the
+    groups' programs, each starting and ending batch-split, run in a row as one program of the
+    stage. A stage's own score does not see its place in the pipeline (a slower micro-batch on
+    the slowest stage against a gradient sync that hides after the schedule), so a pipeline's
+    planner prices both there (methods.auto.stage_plan)."""
+    found = [search_stage(planner, stage, workload, group, micro_batches)]
+    chained = plan_chain(planner, stage, workload, group, micro_batches)
+    if chained is not None:
+        found.append(chained)
+    return found
+
+
+def best_option(found: Sequence[tuple[Candidate, Program]]) -> int:
+    """The index of the better of stage_options' programs by the stage's own score (the first
+    where they tie)."""
+    best = 0
+    for i, (cand, _) in enumerate(found):
+        if _better(cand, found[best][0]):
+            best = i
+    return best
+
+
+def search_stage(
+    planner: HapPlanner, stage: StageGraph, workload: Workload, group: ClusterSpec, micro_batches: int = 1
+) -> tuple[Candidate, Program]:
+    """hap's search of the whole stage over `group` (its levels and starts), as
     `HapPlanner._plan` searches a whole model, on the stage's graph and theory; and that
     program as one micro-batch runs it.
 
@@ -252,6 +303,88 @@ def plan_stage(
         planner._costs.clear()
         planner._simulated.clear()
     return best, one
+
+
+CHAIN = "layer groups in a row"  # a Candidate's kind: plan_chain's program
+
+
+def plan_chain(
+    planner: HapPlanner, stage: StageGraph, workload: Workload, group: ClusterSpec, micro_batches: int = 1
+) -> tuple[Candidate, Program] | None:
+    """The stage as its layer groups in a row: each group planned alone (search_stage of its
+    own stage graph), and their steps run one after another as one program of the stage
+    (hap's step format: the steps of the stage's graph, in its order), scored by the simulator
+    with `micro_batches` as search_stage scores; and that program as one micro-batch runs it.
+
+    Each group's program starts with the tensors crossing into it batch-split (Gather(0)) and
+    ends with those crossing out batch-split, so in a row each group reads what the one before
+    made, in the layout it planned for: a middle group's boundary step is dropped and its
+    collectives (an output brought to Gather(0)) run before the next group's first step that
+    reads the tensor; a tensor the stage makes is no source of the group that reads it; a
+    source two groups create alike is created once. None where that does not make one
+    program: a stage of one group (or not cut from a model's graph), groups planned at other
+    ratio rows or levels, a source two groups create in other layouts, or a stage whose
+    outputs are not its last group's."""
+    if stage.source is None or stage.end - stage.first < 2:
+        return None
+    graph, table = stage.source
+    groups = [stage_graph(graph, table, i, i + 1, loss=not stage.ends_at_loss) for i in range(stage.first, stage.end)]
+    if groups[-1].crossing_out != stage.crossing_out:
+        return None
+    parts = [search_stage(planner, g, workload, group, micro_batches)[0] for g in groups]
+    granularity, rows = parts[0].program.granularity, parts[0].ratios
+    if any(p.program.granularity != granularity or p.ratios != rows for p in parts):
+        return None
+    result = chain_steps(stage, [p.result for p in parts])
+    if result is None:
+        return None
+    if micro_batches > 1:
+        planner = dataclasses.replace(planner, grad_accumulation=micro_batches)
+    theory = stage_theory(stage, planner.sfb, planner.collective_choice, planner.fuse_routing)
+    meta = {"method": "hap-in-stage", "model": workload.name, "groups": [stage.first, stage.end]}
+    bucket = planner.bucket_cap_mb * 2**20
+    try:
+        cost = planner._cost_model(theory, group, granularity, rows)
+        program = build_program(result.steps, cost, meta, planner.grad_overlap, bucket, planner.grad_accumulation)
+        cand = _score(CHAIN, program, group, rows, stage.graph.batch_size, result)
+        one = build_program(result.steps, cost, meta, planner.grad_overlap, bucket, 1)
+    finally:
+        planner._costs.clear()
+        planner._simulated.clear()
+    return cand, one
+
+
+def chain_steps(stage: StageGraph, parts: Sequence[SearchResult]) -> SearchResult | None:
+    """The programs of the stage's layer groups (`parts[i]`: a program of group first + i's own
+    stage graph, stage_graph(..., first + i, first + i + 1)) run in a row as one program of the
+    stage's graph (plan_chain); None where they do not make one."""
+    if len(parts) != stage.end - stage.first:
+        raise ValueError(f"{len(parts)} programs for the {stage.end - stage.first} layer groups of the stage")
+    sources = {n.name for n in stage.graph.nodes if n.kind in ("placeholder", "get_attr")}
+    steps: list[Step] = []
+    created: dict[str, object] = {}
+    carried: list = []  # a dropped boundary's collectives, not yet run
+    for k, part in enumerate(parts):
+        for step in part.steps:
+            if step.node == BOUNDARY and k + 1 < len(parts):
+                carried += step.comms
+                continue
+            own = []
+            for t, lay in step.sources:
+                if t not in sources:
+                    continue  # made by an earlier group of the stage
+                if t in created and created[t] != lay:
+                    return None
+                if t not in created:
+                    created[t] = lay
+                    own.append((t, lay))
+            reads = {*stage.graph[step.node].inputs, *(t for t, _ in step.sources), *(c.tensor for c in step.comms)}
+            now = tuple(c for c in carried if c.tensor in reads)
+            carried = [c for c in carried if c.tensor not in reads]
+            steps.append(dataclasses.replace(step, sources=tuple(own), comms=now + step.comms))
+    if carried:
+        return None
+    return SearchResult(steps, sum(p.cost_s for p in parts), SearchStats(), parts[-1].final_comms)
 
 
 def stage_details(cand: Candidate, stage: StageGraph) -> dict:

@@ -11,8 +11,10 @@ a rank, replicated state): its dynamic program over the layer groups' costs, its
 and micro-batch counts. Each stage is then planned by hap over its machine (HapPlanner at the
 GPU level, lp=False: compute-proportional ratios, even over a machine of alike GPUs, so the
 row is the same at every stage; one segment), on the stage's graph at the group's micro-batch
-and scored with the schedule's micro-batches (plan_stage), and the pipeline is priced by the
-simulator (bench.cost.GroupPipelineProgram) under 1F1B and GPipe; the faster that fits is kept.
+and scored with the schedule's micro-batches (stage_options: the search of the whole stage and,
+on a stage of several layer groups, the groups planned alone in a row), and the pipeline is
+priced by the simulator (bench.cost.GroupPipelineProgram) under 1F1B and GPipe, each stage's
+program chosen among its options by that price (_choose); the faster that fits is kept.
 Stages alike in structure (stage_signature) on alike machines are priced by one plan; where
 auto keeps the plan, `finish` plans each of them on its own graph (the format's steps name the
 stage's own nodes) and rebuilds the program from those plans.
@@ -44,13 +46,14 @@ from bench.cost.group_pipeline import StagePrice, lockstep, replay_stages
 from bench.cost.pipeline import action_times
 from methods.auto.hap_stages import (
     StageGraph,
+    best_option,
     group_cluster,
     loss_tail,
     pipeline_program,
-    plan_stage,
     rank_batches,
     stage_details,
     stage_graph,
+    stage_options,
     traced_actions,
 )
 from methods.common import group_table
@@ -251,18 +254,19 @@ class HapStages:
                 "hold no copies of a tied parameter"
             )
         planner = self.planner()
-        stages, plans, alike = [], [], []
-        memo: dict[tuple, tuple] = {}  # stages alike in structure on alike machines: planned once
+        stages, options, alike = [], [], []
+        memo: dict[tuple, list] = {}  # stages alike in structure on alike machines: planned once
         for s in range(S):
             st = stage_graph(graph, table, cuts[s], cuts[s + 1], loss=s + 1 < S)
             group = group_cluster(cluster, groups[s])
             key = (stage_signature(st), group.machines)
             if key not in memo:
-                memo[key] = plan_stage(planner, st, workload, group, m)
+                memo[key] = stage_options(planner, st, workload, group, m)
             else:
                 alike.append(s)
             stages.append(st)
-            plans.append(memo[key])
+            options.append(memo[key])
+        plans = [opts[0] for opts in options]  # the searches: their rows (_choose takes no other row)
         rows = [tuple(round(x, 9) for x in cand.ratios[0]) for cand, _ in plans]
         if len(set(rows)) != 1 or any(len(cand.ratios) != 1 for cand, _ in plans):
             raise PlanningError(f"the stages' ratio rows differ ({sorted(set(rows))}); hap stages split one row")
@@ -274,26 +278,74 @@ class HapStages:
         best = None
         for schedule in SCHEDULES:
             try:
-                program = pipeline_program(
-                    plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail
-                )
+                got = self._choose(options, groups, cuts, table, shares, schedule, m, cluster, meta, tail)
             except ScheduleRefused:  # torch's own check of the shape (micro-batches below stages)
                 continue
-            sim = simulate(program, cluster, None)
-            key = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib))
-            if best is None or key < best[0]:
-                best = (key, schedule, program)
+            if best is None or got[0] < best[0]:
+                best = got
         if best is None:
             raise PlanningError(f"neither of {', '.join(SCHEDULES)} runs {S} stages at {m} micro-batches")
-        _, schedule, program = best
+        _, schedule, program, choice = best
+        plans = [opts[c] for opts, c in zip(options, choice)]
         # The stages planned as an alike one's are priced by its plan; their own plans (their
         # nodes' names in the format's steps) are made where this plan is kept (finish).
-        self._made = (workload, cluster, planner, stages, plans, alike, groups, cuts, table, shares, m, meta, tail)
+        self._made = (
+            workload,
+            cluster,
+            planner,
+            stages,
+            plans,
+            alike,
+            groups,
+            cuts,
+            table,
+            shares,
+            m,
+            meta,
+            tail,
+            choice,
+        )
         details = self.details(stages, plans, groups, cuts, shares, mb, m, schedule, alike)
         details["cut_by"] = {"schedule": d["schedule"], "num_micro_batches": m}
         details["planned_in_s"] = time.perf_counter() - t0
         loads, slices = rank_batches(details["hap_stages"])
         return Plan(self.name, loads, details, program, None, data_slices=slices)
+
+    def _choose(self, options, groups, cuts, table, shares, schedule: str, m: int, cluster, meta, tail) -> tuple:
+        """(key, schedule, program, choice): per stage one of its options (stage_options),
+        from two starts (every stage's search of the whole stage; every stage's better option by
+        its own score), changed for the stages alike in structure together or for one stage
+        while the pipeline's price (simulate of its program: fits first, then time) improves;
+        the better end. Raises ScheduleRefused."""
+
+        def price(choice):
+            plans = [opts[c] for opts, c in zip(options, choice)]
+            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
+            sim = simulate(program, cluster, None)
+            return (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib)), program
+
+        # a move: the stages alike in structure (one options list) together, or one stage
+        classes = {id(opts): [s for s, o in enumerate(options) if o is opts] for opts in options}
+        moves = [g for g in classes.values() if len(g) > 1] + [[s] for s in range(len(options))]
+        best = None
+        for start in ([0] * len(options), [best_option(opts) for opts in options]):
+            choice = start
+            key, program = price(choice)
+            changed = True
+            while changed:
+                changed = False
+                for move in moves:
+                    opts = options[move[0]]
+                    for c in range(len(opts)):
+                        if all(choice[s] == c for s in move) or opts[c][0].ratios != opts[0][0].ratios:
+                            continue
+                        trial = [c if s in move else x for s, x in enumerate(choice)]
+                        got = price(trial)
+                        if got[0] < key:
+                            choice, (key, program), changed = trial, got, True
+            if best is None or key < best[0]:
+                best = (key, schedule, program, choice)
+        return best
 
     def details(
         self,
@@ -341,12 +393,14 @@ class HapStages:
         """The plan made whole where it is kept: each stage that was priced by an alike stage's
         plan planned on its own graph, the program rebuilt from the stages' own plans and its
         details filled in (the price is then simulate's of that program, as for every plan)."""
-        workload, planned_on, planner, stages, plans, alike, groups, cuts, table, shares, m, meta, tail = self._made
+        workload, planned_on, planner, stages, plans, alike, groups, cuts, table, shares, m, meta, tail, choice = (
+            self._made
+        )
         if not alike:
             return plan
         plans = list(plans)
         for s in alike:
-            plans[s] = plan_stage(planner, stages[s], workload, group_cluster(planned_on, groups[s]), m)
+            plans[s] = stage_options(planner, stages[s], workload, group_cluster(planned_on, groups[s]), m)[choice[s]]
         schedule = plan.details["schedule"]
         program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
         details = self.details(stages, plans, groups, cuts, shares, sum(shares), m, schedule)

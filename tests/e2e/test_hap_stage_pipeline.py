@@ -25,7 +25,7 @@ from bench.runtime.emulation import Emulator
 from bench.runtime.launch import launch
 from bench.runtime.pacing import RankHooks
 from bench.runtime.worker import Case
-from methods.auto.hap_stages import plan_stage, rank_batches, stage_details, stage_graph, stage_theory
+from methods.auto.hap_stages import chain_steps, plan_stage, rank_batches, stage_details, stage_graph, stage_theory
 from methods.auto.hap_stages_runtime import HapStagesTrainer
 from methods.common import group_table
 from methods.graph import capture_config
@@ -43,11 +43,15 @@ LR = 5e-4
 
 
 @functools.cache
-def _plan(model: str, cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups) -> tuple:
+def _plan(
+    model: str, cuts: tuple[int, ...], row, batch: int, m: int, schedule: str, groups, chain: bool = False
+) -> tuple:
     """(workload, plan) of the tiny `model` cut at `cuts`, in the plan format auto's hap stages use
     (details["hap_stages"], data_slices from rank_batches), round-tripped through JSON as a
     record keeps it. `row` None: each stage planned as the prototype plans it (plan_stage over
-    a group of R alike ranks: an even row); else synthesized by hap's search at this row."""
+    a group of R alike ranks: an even row); else synthesized by hap's search at this row, and
+    with `chain` each layer group synthesized alone and a stage's groups run in a row
+    (chain_steps, as plan_chain joins them)."""
     workload = make_workload(model, R, batch)
     mb = batch // m
     graph = capture_config(workload.model_cfg, mb)
@@ -60,8 +64,15 @@ def _plan(model: str, cuts: tuple[int, ...], row, batch: int, m: int, schedule: 
         if row is None:
             details.append(stage_details(plan_stage(planner, st, workload, make_cluster(R), m)[0], st))
         else:
-            theory = stage_theory(st)
-            res = synthesize(theory, CostModel(theory, make_cluster(R), "gpu", [list(row)]))
+            parts = [st]
+            if chain:
+                parts = [stage_graph(graph, table, i, i + 1, loss=not st.ends_at_loss) for i in range(st.first, st.end)]
+            found = []
+            for part in parts:
+                theory = stage_theory(part)
+                found.append(synthesize(theory, CostModel(theory, make_cluster(R), "gpu", [list(row)])))
+            res = chain_steps(st, found) if chain else found[0]
+            assert res is not None
             details.append({**step_fields(res, st.graph), "ratios": [list(row)], "granularity": "gpu"})
     rows = {json.dumps(d["ratios"]) for d in details}
     assert len(rows) == 1, rows
@@ -146,6 +157,13 @@ CASES = [
         [1, 2],
         id="vgg19-3-stages",
     ),
+    pytest.param(
+        ("bert_moe", (0, 3, 4), (0.5, 0.5), 8, 2, "GPipe", ((0, 1), (2, 3)), True),
+        0.0,
+        False,
+        [0],
+        id="bert_moe-layer-groups-in-a-row",
+    ),
 ]
 
 
@@ -162,6 +180,9 @@ def test_a_pipeline_of_hap_stages_trains_like_one_device(key, grad_clip, on_meta
     ran = [results[hs["groups"][s][0]]["summary"] for s in range(S)]
     assert [s for s in range(S) if ran[s]["sharded_params"] and ran[s]["collectives"]] == sharding, ran
     assert ran[-1]["replicated_params"], ran[-1]  # summed over the stage after the schedule
+    if key[0] == "bert_moe":  # the first stage's MoE block (its own program) splits the experts
+        sources = {tuple(x) for step in hs["stages"][0]["steps"] for x in step["sources"]}
+        assert ("blocks_1_ffn_w1", 0) in sources and ("blocks_0_attn_query_weight", "I") in sources, sorted(sources)
     if grad_clip:  # one norm on every rank, above the clip: every step clipped
         norms = {tuple(res["norms"]) for res in results}
         assert len(norms) == 1 and min(next(iter(norms))) > grad_clip, norms

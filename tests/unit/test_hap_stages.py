@@ -13,12 +13,15 @@ from bench.core.cluster import ClusterSpec
 from bench.core.interfaces import Workload
 from methods.auto.hap_stages import (
     BOUNDARY,
+    CHAIN,
     StagePrice,
     group_cluster,
+    plan_chain,
     plan_stage,
     price_pipeline,
     price_stage,
     rank_aligned_buffers,
+    search_stage,
     stage_details,
     stage_graph,
     stage_program,
@@ -156,3 +159,44 @@ def test_a_stage_program_returns_what_its_boundary_reads():
         RankProgram(st.graph, details, details["ratios"], shares, model, 0, 2, outputs=["tokens"])
     with pytest.raises(ValueError, match="machine-level"):
         stage_program(st, {**details, "granularity": "machine"}, shares, model, 0, 2)
+
+
+@functools.cache
+def _moe_case():
+    cfg = compose_config("model=bert_moe", "cluster=paper_hetero", "cluster.gpus_per_machine=2")
+    spec = instantiate(cfg.model.spec, num_devices=4)
+    workload = Workload("bert_moe", "tiny", spec, BATCH, flops_per_sample=1.0)
+    cluster = ClusterSpec.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    graph = capture_config(spec, BATCH)
+    return workload, cluster, graph, group_table(graph)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_stage_as_its_layer_groups_in_a_row_is_one_program_priced_as_their_sum(m):
+    """plan_chain: the groups' own programs joined into one program of the stage's graph (each
+    op and each source once), whose forward and backward a micro-batch are the groups' summed;
+    plan_stage keeps the faster of it and the search of the whole stage."""
+    workload, cluster, graph, table = _moe_case()
+    group = group_cluster(cluster, [0, 1])
+    planner = HapPlanner(lp=False, num_segments=1, cache_dir=None, levels="cluster")
+    st = stage_graph(graph, table, 1, table.num_groups, loss=False)
+    chained = plan_chain(planner, st, workload, group, m)
+    assert chained is not None and chained[0].kind == CHAIN
+    steps = chained[0].result.steps
+    assert [s.node for s in steps] == [n for n in (x.name for x in st.graph.nodes) if n in {s.node for s in steps}]
+    assert len({s.node for s in steps}) == len(steps)
+    sources = [t for s in steps for t, _ in s.sources]
+    assert len(set(sources)) == len(sources) and set(sources) <= {
+        n.name for n in st.graph.nodes if n.kind != "call_function"
+    }
+    parts = []
+    for i in range(1, table.num_groups):
+        own = stage_graph(graph, table, i, i + 1, loss=False)
+        parts.append(price_stage(*search_stage(planner, own, workload, group, m), group))
+    whole = price_stage(*chained, group)
+    assert whole.forward_s == pytest.approx(sum(p.forward_s for p in parts), rel=1e-9)
+    assert whole.backward_s == pytest.approx(sum(p.backward_s for p in parts), rel=1e-9)
+    searched = search_stage(planner, st, workload, group, m)[0]
+    kept = plan_stage(planner, st, workload, group, m)[0]
+    assert kept.iter_time_s == min(searched.iter_time_s, chained[0].iter_time_s)
+    assert plan_chain(planner, stage_graph(graph, table, 1, 2), workload, group, m) is None  # one group

@@ -18,6 +18,7 @@ from bench.cost import GroupPipelineProgram, simulate
 from bench.cost.pipeline import in_flight
 from methods.auto import Auto
 from methods.auto.hap_stages import (
+    best_option,
     even_shares,
     group_cluster,
     loss_tail,
@@ -28,6 +29,7 @@ from methods.auto.hap_stages import (
     rank_aligned_buffers,
     rank_aligned_sends,
     stage_graph,
+    stage_options,
 )
 from methods.auto.space import Candidate, candidates
 from methods.auto.stage_plan import HapStages, machine_groups
@@ -252,3 +254,47 @@ def test_cuts_that_leave_a_tied_parameter_on_two_stages_are_refused(tmp_path, mo
     with pytest.raises(ConfigError, match=r"leave tied parameter 'tok_embedding.weight' on stages \[0, 2\]"):
         HapStages(auto.hap, auto.pipeline, 3).plan(wl, cl)
     assert seen and seen[0][0] == 0 and seen[0][-1] == 4
+
+
+def test_each_stage_keeps_the_option_that_makes_the_pipeline_faster(tmp_path):
+    """A stage of several layer groups has two programs (the search of the whole stage, the
+    groups planned alone in a row); the part keeps per stage the one that prices the pipeline
+    lower, never above every stage's search of the whole stage, nor above the options that
+    are best by each stage's own score."""
+    auto = instantiate(compose_config("method=auto", results_dir=str(tmp_path)).method)
+    wl, cl = bert_workload(batch=32, num_devices=4), cluster(fast=1, slow=1, k=2, virtual="gpu")
+    part = HapStages(auto.hap, auto.pipeline, 2, lr=auto.lr)
+    plan = part.plan(wl, cl)
+    price = simulate(plan.program, cl, None).iter_time_s
+    _, _, planner, stages, plans, _, groups, cuts, table, shares, m, meta, tail, choice = part._made
+    assert any(cuts[s + 1] - cuts[s] > 1 for s in range(len(stages)))
+    options = [stage_options(planner, st, wl, group_cluster(cl, g), m) for st, g in zip(stages, groups)]
+    assert [len(o) for o in options] == [1 + (cuts[s + 1] - cuts[s] > 1) for s in range(len(stages))]
+    assert [o[c][0].kind for o, c in zip(options, choice)] == [c.kind for c, _ in plans]
+    schedule = plan.details["schedule"]
+    for start in ([o[0] for o in options], [o[best_option(o)] for o in options]):
+        program = pipeline_program(start, groups, cuts, table, shares, schedule, m, cl.num_devices, meta, tail)
+        assert price <= simulate(program, cl, None).iter_time_s
+
+
+def test_the_stages_options_are_chosen_by_the_pipelines_price_alike_stages_together(monkeypatch):
+    """HapStages._choose: per stage one of its options, changed one stage at a time and for
+    the stages alike in structure (one options list) together, while the pipeline's price
+    (simulate of its program) falls: here only both alike stages switched make it faster."""
+    import types
+
+    import methods.auto.stage_plan as stage_plan
+
+    def option(t):
+        return (types.SimpleNamespace(kind=str(t), iter_time_s=t, oom_devices=(), oom=False, ratios=[[0.5, 0.5]]), t)
+
+    alike = [option(1.0), option(2.0)]  # the second worse by the stage's own score
+    options = [[option(1.0)], alike, alike]
+    prices = {(1.0, 1.0, 1.0): 2.0, (1.0, 2.0, 1.0): 2.1, (1.0, 1.0, 2.0): 2.1, (1.0, 2.0, 2.0): 1.5}
+    monkeypatch.setattr(stage_plan, "pipeline_program", lambda plans, *a: tuple(one for _, one in plans))
+    sim = lambda program, cluster, ratios: types.SimpleNamespace(oom=False, iter_time_s=prices[program])  # noqa: E731
+    monkeypatch.setattr(stage_plan, "simulate", sim)
+    part = HapStages(None, None, 3)
+    cl = types.SimpleNamespace(num_devices=6)
+    key, schedule, program, choice = part._choose(options, None, None, None, None, "gpipe", 4, cl, None, None)
+    assert (key, schedule, program, choice) == ((False, 1.5), "gpipe", (1.0, 2.0, 2.0), [0, 1, 1])
