@@ -83,9 +83,7 @@ def summed(prices: list[StagePrice]) -> StagePrice:
         sum(p.state_gib for p in prices) + max(p.peak_gib - p.state_gib - p.activations_gib for p in prices),
         sum(p.activations_gib for p in prices),
         sum(p.state_gib for p in prices),
-        "gpu",
-        "summed",
-        "",
+        chosen="summed",
     )
 
 

@@ -70,6 +70,9 @@ from bench.cost.group_pipeline import (
     replay_stages,
     stage_price,
 )
+from bench.cost.group_pipeline import (
+    StagePrice as GroupStagePrice,
+)
 from bench.cost.group_pipeline import group_cluster as group_cluster  # the stage's group: planned over here
 from bench.cost.pipeline import PipelineProgram, in_flight, transfer_s
 from methods.common import GroupTable
@@ -212,19 +215,13 @@ def _whole_samples(node: Node, batch: int) -> bool:
 
 
 @dataclass(frozen=True)
-class StagePrice:
-    """One stage's hap program over its group, per micro-batch of the group."""
+class StagePrice(GroupStagePrice):
+    """One stage's hap program over its group, per micro-batch of the group: the simulator's
+    parts (bench.cost.group_pipeline.StagePrice) and what the study prints of the program."""
 
-    forward_s: float  # its forward stages, collectives included, one after another
-    backward_s: float  # its backward stages without the gradient all-reduce
-    grad_sync_s: float  # the replicated parameters' gradient all-reduce, once after the schedule
-    optimizer_s: float  # the optimizer step and per-step terms
-    peak_gib: float  # the busiest device's peak with one micro-batch in flight
-    activations_gib: float  # one micro-batch's activations on the busiest device
-    state_gib: float  # parameters, gradients and Adam state on the busiest device
-    granularity: str
-    chosen: str  # "synthesis" or "data parallel"
-    summary: str  # what it does (collectives, non-batch layouts)
+    granularity: str = "gpu"
+    chosen: str = ""  # "synthesis" or "data parallel"
+    summary: str = ""  # what it does (collectives, non-batch layouts)
 
 
 def plan_stage(
@@ -519,18 +516,8 @@ def price_stage(cand: Candidate, one: Program, group: ClusterSpec, tail: LossTai
     comms = sorted({f"{c.kind}" for s in steps for c in s.comms if not c.free})
     layouts = sorted({f"{s.node}:{s.rule.post}" for s in steps if isinstance(s.rule.post, int) and s.rule.post != 0})
     summary = f"comms {comms or 'none'}; {len(layouts)} ops with a non-batch split"
-    return StagePrice(
-        p.forward_s,
-        p.backward_s,
-        p.grad_sync_s,
-        p.optimizer_s,
-        p.peak_gib,
-        p.activations_gib,
-        p.state_gib,
-        one.granularity,
-        cand.kind,
-        summary,
-    )
+    parts = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    return StagePrice(**parts, granularity=one.granularity, chosen=cand.kind, summary=summary)
 
 
 @dataclass(frozen=True)

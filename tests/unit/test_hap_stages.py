@@ -125,7 +125,7 @@ def test_a_group_is_whole_machines_of_one_kind():
 def test_uniform_stages_replay_to_the_textbook_pipeline(schedule: str):
     _, cluster, _, _ = _case()
     S, m = 4, 8
-    p = StagePrice(1.0, 2.0, 0.5, 0.25, 1.0, 0.1, 0.5, "gpu", "synthesis", "")
+    p = StagePrice(1.0, 2.0, 0.5, 0.25, 1.0, 0.1, 0.5, chosen="synthesis")
     got = price_pipeline(schedule, m, BATCH, [p] * S, [0.0] * S, 16.0, cluster)
     assert got.iter_time_s == pytest.approx((m + S - 1) * 3.0 + 0.5 + 0.25)
     flights = [min(m, S - k) for k in range(S)] if schedule == "1f1b" else [m] * S
