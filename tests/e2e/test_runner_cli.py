@@ -1,6 +1,7 @@
 """The runner and the main job as a user runs them: subprocesses, rows on disk, exit codes."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,18 +31,26 @@ def rows(results_dir):
     return load_records(Path(results_dir) / "records.jsonl")
 
 
-def test_every_model_trains_with_every_dp_method(tmp_path):
-    out = run(
-        "bench.run",
-        "-m",
-        "model=vgg19,vit,bert,bert_moe",
-        "method=dp_ev,dp_cp",
-        "wandb.mode=disabled",
-        *QUICK,
-        results_dir=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = rows(tmp_path)
+# Every model with every data-parallel method, W&B offline and resumable: one sweep, run once
+# (shared_run) and read by the tests of its rows and of resuming it.
+EVERY_DP = ["-m", "model=vgg19,vit,bert,bert_moe", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK]
+
+
+@pytest.fixture
+def every_dp_sweep(shared_run):
+    """The results folder of the EVERY_DP sweep and the sweep's exit status and stderr."""
+
+    def sweep(folder):
+        out = run("bench.run", *EVERY_DP, results_dir=folder)
+        return {"returncode": out.returncode, "stderr": out.stderr[-3000:]}
+
+    return shared_run("every-dp-sweep", sweep)
+
+
+def test_every_model_trains_with_every_dp_method(every_dp_sweep):
+    results, out = every_dp_sweep
+    assert out["returncode"] == 0, out["stderr"]
+    got = rows(results)
     assert sorted((r["model"], r["method"]) for r in got) == sorted(
         (m, d) for m in ("vgg19", "vit", "bert", "bert_moe") for d in ("dp_ev", "dp_cp")
     )
@@ -148,19 +157,16 @@ def _status(pid, field):
     return int(value) if field == "PPid" else value
 
 
-def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(tmp_path):
-    first = run(
-        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert len(rows(tmp_path)) == 2
-    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
-    again = run(
-        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
-    )
-    assert again.returncode == 0
-    assert again.stdout.count("skip:") == 2
-    assert len(rows(tmp_path)) == 2
+def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(every_dp_sweep, tmp_path):
+    first, out = every_dp_sweep
+    assert out["returncode"] == 0, out["stderr"]
+    assert len(rows(first)) == 8
+    assert list((first / "wandb").glob("offline-run-*")), "no offline W&B run directory"
+    shutil.copytree(first, tmp_path, dirs_exist_ok=True)  # the sweep's folder stays as it ran
+    again = run("bench.run", *EVERY_DP, results_dir=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("skip:") == 8
+    assert len(rows(tmp_path)) == 8
 
 
 def test_real_wikitext_files_train_through_the_runner(tmp_path):
