@@ -216,7 +216,7 @@ def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     assert [r["status"] for i in (1, 2) for r in rows(tmp_path / str(i))] == ["failed", "failed"]
 
 
-def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
+def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path, dp_cp_by_torchrun):
     # four of the methods, one per engine family (the README's command runs all of them; each
     # method's own case is tested elsewhere): the rounds, ranks and aggregates are the same code
     methods = "method=dp_ev,dp_cp,hap,pipeline"
@@ -250,31 +250,46 @@ def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
     pids = [set(r["worker_pids"]) for r in first]
     assert all(not (p & q) for i, p in enumerate(pids) for q in pids[i + 1 :])
     # Nothing passes from one method to the next: dp_cp's first round, run after dp_ev's in the
-    # same comparison, trains exactly as dp_cp alone.
-    alone = run("bench.run", "method=dp_cp", "wandb.mode=disabled", *QUICK, results_dir=tmp_path / "alone")
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    (single,) = rows(tmp_path / "alone")
+    # same comparison, trains exactly as dp_cp alone (torchrun's run: the same case as the local
+    # launcher's, test_torchrun_runs_the_same_case_as_the_local_launcher).
+    alone, by_torchrun = dp_cp_by_torchrun
+    assert by_torchrun["returncode"] == 0, by_torchrun["stderr"]
+    (single,) = rows(alone)
     (cp_first,) = [r for r in first if r["method"] == "dp_cp"]
     assert cp_first["loss_per_iter"] == single["loss_per_iter"] and cp_first["loss_first"] == single["loss_first"]
 
 
-def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--log-dir={tmp_path / 'torchrun'}",
-        "-m",
-        "bench.run",
-        "method=dp_cp",
-        "wandb.mode=disabled",
-        *QUICK,
-        f"results_dir={tmp_path}",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = rows(tmp_path)  # rank 0 alone writes the row
+@pytest.fixture
+def dp_cp_by_torchrun(shared_run):
+    """The results folder of one dp_cp case launched by torchrun, run once (shared_run), and
+    torchrun's exit status and stderr."""
+
+    def launch(folder):
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={folder / 'torchrun'}",
+            "-m",
+            "bench.run",
+            "method=dp_cp",
+            "wandb.mode=disabled",
+            *QUICK,
+            f"results_dir={folder}",
+        ]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return {"returncode": out.returncode, "stderr": out.stderr[-3000:]}
+
+    return shared_run("dp-cp-torchrun", launch)
+
+
+def test_torchrun_runs_the_same_case_as_the_local_launcher(dp_cp_by_torchrun):
+    """One dp_cp case under torchrun: its row (the comparison's dp_cp, run by the local launcher,
+    trains exactly as it: test_the_main_job_compares_methods_in_interleaved_rounds)."""
+    results, out = dp_cp_by_torchrun
+    assert out["returncode"] == 0, out["stderr"]
+    (row,) = rows(results)  # rank 0 alone writes the row
     assert row["status"] == "ok" and row["batch_shares"] == [11, 5] and len(row["peak_mem_gib"]) == 2
 
 
