@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,6 +33,32 @@ def hetbench_cache(tmp_path_factory):
         os.environ.pop("HETBENCH_CACHE_DIR", None)
     else:
         os.environ["HETBENCH_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """Work that several tests read, done once per test run: `shared_run(name, make)` returns a
+    folder that `make(folder)` filled, called by the first test (of any pytest-xdist worker) to
+    ask; the others wait for it and read the same folder. `make` returns what the tests need
+    of the work besides its files (JSON: a command's exit status and output), returned with the
+    folder. Work that raised is not kept: the next test to ask does it again."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def run(name: str, make):
+        folder, done = root / f"shared-{name}", root / f"shared-{name}.json"
+        with open(root / f"shared-{name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not done.is_file():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                    done.write_text(json.dumps(make(folder)))
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return folder, json.loads(done.read_text())
+
+    return run
 
 
 @pytest.fixture(autouse=True)

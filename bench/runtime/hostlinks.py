@@ -73,7 +73,10 @@ def _calls(rank: int, n: int) -> dict:
 def _probe(rank: int, n: int, port: int, results, realtime: bool, workers_first: bool) -> None:
     pin_to_core(rank)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    # its own store, rank 0 serving it: a rendezvous by URL or env under torchrun would look for
+    # the agent's store (TORCHELASTIC_USE_AGENT_STORE, inherited) and wait for it forever
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     try:
         calls = _calls(rank, n)
         for call in calls.values():  # warm-up: the first calls of a new process are slow

@@ -1,6 +1,7 @@
 """The runner and the main job as a user runs them: subprocesses, rows on disk, exit codes."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,18 +31,26 @@ def rows(results_dir):
     return load_records(Path(results_dir) / "records.jsonl")
 
 
-def test_every_model_trains_with_every_dp_method(tmp_path):
-    out = run(
-        "bench.run",
-        "-m",
-        "model=vgg19,vit,bert,bert_moe",
-        "method=dp_ev,dp_cp",
-        "wandb.mode=disabled",
-        *QUICK,
-        results_dir=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = rows(tmp_path)
+# Every model with every data-parallel method, W&B offline and resumable: one sweep, run once
+# (shared_run) and read by the tests of its rows and of resuming it.
+EVERY_DP = ["-m", "model=vgg19,vit,bert,bert_moe", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK]
+
+
+@pytest.fixture
+def every_dp_sweep(shared_run):
+    """The results folder of the EVERY_DP sweep and the sweep's exit status and stderr."""
+
+    def sweep(folder):
+        out = run("bench.run", *EVERY_DP, results_dir=folder)
+        return {"returncode": out.returncode, "stderr": out.stderr[-3000:]}
+
+    return shared_run("every-dp-sweep", sweep)
+
+
+def test_every_model_trains_with_every_dp_method(every_dp_sweep):
+    results, out = every_dp_sweep
+    assert out["returncode"] == 0, out["stderr"]
+    got = rows(results)
     assert sorted((r["model"], r["method"]) for r in got) == sorted(
         (m, d) for m in ("vgg19", "vit", "bert", "bert_moe") for d in ("dp_ev", "dp_cp")
     )
@@ -148,19 +157,16 @@ def _status(pid, field):
     return int(value) if field == "PPid" else value
 
 
-def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(tmp_path):
-    first = run(
-        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert len(rows(tmp_path)) == 2
-    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run directory"
-    again = run(
-        "bench.run", "-m", "method=dp_ev,dp_cp", "wandb.mode=offline", "resume=true", *QUICK, results_dir=tmp_path
-    )
-    assert again.returncode == 0
-    assert again.stdout.count("skip:") == 2
-    assert len(rows(tmp_path)) == 2
+def test_resume_skips_recorded_cases_and_wandb_offline_writes_a_run(every_dp_sweep, tmp_path):
+    first, out = every_dp_sweep
+    assert out["returncode"] == 0, out["stderr"]
+    assert len(rows(first)) == 8
+    assert list((first / "wandb").glob("offline-run-*")), "no offline W&B run directory"
+    shutil.copytree(first, tmp_path, dirs_exist_ok=True)  # the sweep's folder stays as it ran
+    again = run("bench.run", *EVERY_DP, results_dir=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("skip:") == 8
+    assert len(rows(tmp_path)) == 8
 
 
 def test_real_wikitext_files_train_through_the_runner(tmp_path):
@@ -210,7 +216,7 @@ def test_unknown_names_and_bad_values_fail_in_one_line(tmp_path):
     assert [r["status"] for i in (1, 2) for r in rows(tmp_path / str(i))] == ["failed", "failed"]
 
 
-def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
+def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path, dp_cp_by_torchrun):
     # four of the methods, one per engine family (the README's command runs all of them; each
     # method's own case is tested elsewhere): the rounds, ranks and aggregates are the same code
     methods = "method=dp_ev,dp_cp,hap,pipeline"
@@ -244,31 +250,46 @@ def test_the_main_job_compares_methods_in_interleaved_rounds(tmp_path):
     pids = [set(r["worker_pids"]) for r in first]
     assert all(not (p & q) for i, p in enumerate(pids) for q in pids[i + 1 :])
     # Nothing passes from one method to the next: dp_cp's first round, run after dp_ev's in the
-    # same comparison, trains exactly as dp_cp alone.
-    alone = run("bench.run", "method=dp_cp", "wandb.mode=disabled", *QUICK, results_dir=tmp_path / "alone")
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    (single,) = rows(tmp_path / "alone")
+    # same comparison, trains exactly as dp_cp alone (torchrun's run: the same case as the local
+    # launcher's, test_torchrun_runs_the_same_case_as_the_local_launcher).
+    alone, by_torchrun = dp_cp_by_torchrun
+    assert by_torchrun["returncode"] == 0, by_torchrun["stderr"]
+    (single,) = rows(alone)
     (cp_first,) = [r for r in first if r["method"] == "dp_cp"]
     assert cp_first["loss_per_iter"] == single["loss_per_iter"] and cp_first["loss_first"] == single["loss_first"]
 
 
-def test_torchrun_runs_the_same_case_as_the_local_launcher(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--log-dir={tmp_path / 'torchrun'}",
-        "-m",
-        "bench.run",
-        "method=dp_cp",
-        "wandb.mode=disabled",
-        *QUICK,
-        f"results_dir={tmp_path}",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (row,) = rows(tmp_path)  # rank 0 alone writes the row
+@pytest.fixture
+def dp_cp_by_torchrun(shared_run):
+    """The results folder of one dp_cp case launched by torchrun, run once (shared_run), and
+    torchrun's exit status and stderr."""
+
+    def launch(folder):
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={folder / 'torchrun'}",
+            "-m",
+            "bench.run",
+            "method=dp_cp",
+            "wandb.mode=disabled",
+            *QUICK,
+            f"results_dir={folder}",
+        ]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return {"returncode": out.returncode, "stderr": out.stderr[-3000:]}
+
+    return shared_run("dp-cp-torchrun", launch)
+
+
+def test_torchrun_runs_the_same_case_as_the_local_launcher(dp_cp_by_torchrun):
+    """One dp_cp case under torchrun: its row (the comparison's dp_cp, run by the local launcher,
+    trains exactly as it: test_the_main_job_compares_methods_in_interleaved_rounds)."""
+    results, out = dp_cp_by_torchrun
+    assert out["returncode"] == 0, out["stderr"]
+    (row,) = rows(results)  # rank 0 alone writes the row
     assert row["status"] == "ok" and row["batch_shares"] == [11, 5] and len(row["peak_mem_gib"]) == 2
 
 
