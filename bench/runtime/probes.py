@@ -9,7 +9,6 @@ padded and grouped all-gather / reduce-scatter. It measures; bench.cost.profiles
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import statistics
 import time
@@ -353,9 +352,11 @@ def _collective_cases(n: int, elements: int, first: float | None):
 
 
 def _collective_worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
+    # its own store, rank 0 serving it, as bench.runtime.hostlinks' probe: under torchrun an env
+    # rendezvous would wait for the agent's store (TORCHELASTIC_USE_AGENT_STORE, inherited)
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     rows = []
     try:
         for nbytes in sizes:
