@@ -50,7 +50,9 @@ from methods.auto.hap_stages import (
     group_cluster,
     loss_tail,
     pipeline_program,
+    plan_chain,
     rank_batches,
+    search_stage,
     stage_details,
     stage_graph,
     stage_options,
@@ -399,8 +401,14 @@ class HapStages:
         if not alike:
             return plan
         plans = list(plans)
-        for s in alike:
-            plans[s] = stage_options(planner, stages[s], workload, group_cluster(planned_on, groups[s]), m)[choice[s]]
+        for s in alike:  # the option the price chose, alone (stage_options' order: the search, then the chain)
+            group = group_cluster(planned_on, groups[s])
+            option = plan_chain if choice[s] else search_stage
+            plans[s] = option(planner, stages[s], workload, group, m)
+            if plans[s] is None:
+                raise PlanningError(
+                    f"stage {s} was priced as a chain of its layer groups, which its own graph does not make"
+                )
         schedule = plan.details["schedule"]
         program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
         details = self.details(stages, plans, groups, cuts, shares, sum(shares), m, schedule)
