@@ -2,8 +2,8 @@
 
 The layout: one stage per machine, every machine of the cluster one stage's group, each of
 R GPUs (the same R on every machine, R >= 2); pipeline i is GPU i of every machine
-(rank-aligned). Where the study found such stages pay (results/methods/20261203-hap-in-stages-study.md):
-groups spanning machines lost on every model, so no other layout is offered.
+(rank-aligned). Groups spanning machines priced slower on every model tried (docs/methods.md,
+"Pipelines of hap stages"), so no other layout is offered.
 
 The cuts, the order of the machines and the number of micro-batches are the pipeline
 planner's for the same layout (PipelineParallel at stage_level=machine, alike=stage, one stage
