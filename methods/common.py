@@ -352,6 +352,17 @@ class StageActivations:
         return held + out, peak + out
 
 
+def scale_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` (a rank's local gradient tensors, None skipped) in place by
+    clip_grad_norm_'s factor for the global `norm`: max_norm / (norm + 1e-6), at most 1. The
+    factor stays a tensor on the norm's device (no read on the host; a factor of 1 leaves the
+    gradients as they are)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        if g is not None:
+            g.mul_(coef.to(g.dtype))
+
+
 def check_training_options(lr: float, grad_clip: float, bucket_cap_mb: float | None = None) -> None:
     """The optimizer and gradient-bucket options every data-parallel style method shares: one
     line naming the option where one is out of range (ConfigError)."""

@@ -51,7 +51,7 @@ from methods.auto.hap_stages import (
     stage_graph,
     stage_program,
 )
-from methods.common import GroupTable, check_training_options, group_table
+from methods.common import GroupTable, check_training_options, group_table, scale_to_norm
 from methods.graph import Graph, capture_config
 from methods.hap.codegen import CodegenOptions, RankProgram
 from methods.pipeline.cut import cut_graph
@@ -367,10 +367,7 @@ class HapStageRank:
                 sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq)
         norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        scale_to_norm((p.grad for p in self.params), norm, max_norm)
         return norm
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

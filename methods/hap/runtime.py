@@ -22,7 +22,7 @@ from bench.core.interfaces import Plan, RankContext, Workload
 from bench.core.program import bucket_runs
 from bench.core.shares import round_shares
 from bench.cost import virtual_devices
-from methods.common import memory_tools_of, micro_batches, unit_nodes
+from methods.common import memory_tools_of, micro_batches, scale_to_norm, unit_nodes
 from methods.graph import Graph, capture_config
 from methods.hap.balance import batch_shares as vdev_shares
 from methods.hap.codegen import (
@@ -316,10 +316,7 @@ class HapTrainer:
         on the rank's device, as torch.nn.utils.clip_grad_norm_ keeps it: no read on the host,
         and a factor of 1 leaves the gradients as they are."""
         norm = self.global_grad_norm()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        scale_to_norm((p.grad for p in self.params), norm, max_norm)
         return norm
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

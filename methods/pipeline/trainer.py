@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
-from methods.common import gradient_buckets, group_table
+from methods.common import gradient_buckets, group_table, scale_to_norm
 from methods.graph import capture_config
 from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
 from methods.pipeline.planning import rank_params, tied_params
@@ -203,11 +203,7 @@ class PipelineTrainer:
                     sq += _local(p.grad).detach().double().pow(2).sum()
         dist.all_reduce(sq)
         norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.params:
-            if p.grad is not None:
-                grad = _local(p.grad)
-                grad.mul_(coef.to(grad.dtype))
+        scale_to_norm((_local(p.grad) if p.grad is not None else None for p in self.params), norm, max_norm)
         return norm
 
     def write_full_state(self) -> None:
