@@ -108,8 +108,7 @@ def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]
     sim = simulate(program, cluster, None)
     per_rank = f", {program.stages_per_rank} stages per rank" if program.stages_per_rank > 1 else ""
     lines = [
-        f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
-        + ("  ** OOM **" if sim.oom else ""),
+        _pipeline_headline(sim),
         f"{program.num_pipelines} pipeline(s) of {program.num_ranks} ranks{per_rank}, {program.schedule}, "
         f"{program.num_micro_batches} micro-batches of {'/'.join(map(str, program.micro_batches))} samples",
     ]
@@ -122,13 +121,19 @@ def _pipeline_lines(program: PipelineProgram, cluster: ClusterSpec) -> list[str]
     return lines
 
 
+def _pipeline_headline(sim) -> str:
+    """A pipeline's predicted iteration and busiest GPU's peak (OOM marked)."""
+    return f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU" + (
+        "  ** OOM **" if sim.oom else ""
+    )
+
+
 def _group_pipeline_lines(program: GroupPipelineProgram, cluster: ClusterSpec) -> list[str]:
     """A pipeline of group stages (bench.cost.group_pipeline): each stage's group, predicted
     compute and peak."""
     sim = simulate(program, cluster, None)
     lines = [
-        f"predicted iteration {sim.iter_time_s:.4f} s; peak memory {max(sim.peak_mem_gib):.2f} GiB/GPU"
-        + ("  ** OOM **" if sim.oom else ""),
+        _pipeline_headline(sim),
         f"{program.num_pipelines} rank-aligned pipeline(s) of {program.num_stages} stages, each stage one program "
         f"over its group, {program.schedule}, {program.num_micro_batches} micro-batches of {program.micro_batch} "
         "samples a group",
