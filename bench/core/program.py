@@ -509,19 +509,35 @@ def without_grad_sync(stages: Iterable[Stage]) -> list[Stage]:
     return out
 
 
-def micro_step_stages(stages: Sequence[Stage], micro_steps: int, sync_each: bool = False) -> tuple[Stage, ...]:
+def micro_step_stages(
+    stages: Sequence[Stage], micro_steps: int, sync_each: bool = False, labelled: bool = True
+) -> tuple[Stage, ...]:
     """The stages of an iteration that accumulates gradients over `micro_steps` forward and
     backward passes, from one micro-step's `stages` (at the micro-batch, its gradient syncs
     included): micro_steps - 1 of them without their gradient syncs (without_grad_sync), then
     `stages`, so the FLOPs add up to the whole batch's, every kernel is launched micro_steps
     times and the gradients are synchronised once. `sync_each`: every micro-step is `stages`
-    (FSDP, ZeRO-2/3: gradients reduced, or parameters gathered, at every micro-step)."""
+    (FSDP, ZeRO-2/3: gradients reduced, or parameters gathered, at every micro-step).
+    `labelled=False`: the micro-steps before the last are the same stage objects, their labels
+    not prefixed with the micro-step (the simulator's price does not read labels: for a
+    program that is only priced, as a pipeline stage's at hundreds of micro-batches)."""
     if micro_steps < 1:
         raise ValueError(f"micro_steps={micro_steps} must be >= 1")
     if micro_steps == 1:
         return tuple(stages)
     quiet = list(stages) if sync_each else without_grad_sync(stages)
+    if not labelled:
+        return (*quiet * (micro_steps - 1), *stages)
     out: list[Stage] = []
     for j in range(micro_steps):
-        out += [replace(st, label=f"micro-step {j}: {st.label}") for st in (stages if j == micro_steps - 1 else quiet)]
+        out += [_labelled(st, f"micro-step {j}: {st.label}") for st in (stages if j == micro_steps - 1 else quiet)]
     return tuple(out)
+
+
+def _labelled(st: Stage, label: str) -> Stage:
+    """`st` with another label: replace(st, label=label) without re-running its checks (the
+    fields are a valid stage's), as a schedule of hundreds of micro-steps copies every stage."""
+    out = object.__new__(type(st))
+    out.__dict__.update(st.__dict__)
+    out.__dict__["label"] = label
+    return out

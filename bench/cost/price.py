@@ -269,14 +269,20 @@ def iteration_time(
     # A stage is priced once per what its price reads (a deep model's layers repeat their stages
     # but for the labels): in numbers the same numbers, once; in the LP the same variables, each
     # a max that the objective, increasing in it, holds at its least (exact at the optimum).
+    # A stage object the program holds more than once (micro-steps that share one micro-step's
+    # stages) is looked up by its id first (the program keeps it alive meanwhile).
     seen: dict = {}
+    by_id: dict = {}
     for st in program.stages:
         if run is not None and not st.collectives and run.take(st):
             continue
-        key = _stage_key(st)
-        parts = seen.get(key)
+        parts = by_id.get(id(st))
         if parts is None:
-            parts = seen[key] = (*stage_parts(st, cluster, vdevs, alg), intra_grad_sync(st, cluster, vdevs, alg))
+            key = _stage_key(st)
+            parts = seen.get(key)
+            if parts is None:
+                parts = seen[key] = (*stage_parts(st, cluster, vdevs, alg), intra_grad_sync(st, cluster, vdevs, alg))
+            by_id[id(st)] = parts
         comm, comp, sync = parts
         if stage_log is not None:
             stage_log.append((comm + sync, comp))

@@ -342,7 +342,9 @@ def plan_chain(
     bucket = planner.bucket_cap_mb * 2**20
     try:
         cost = planner._cost_model(theory, group, granularity, rows)
-        program = build_program(result.steps, cost, meta, planner.grad_overlap, bucket, planner.grad_accumulation)
+        program = build_program(
+            result.steps, cost, meta, planner.grad_overlap, bucket, planner.grad_accumulation, planner.label_micro_steps
+        )
         cand = _score(CHAIN, program, group, rows, stage.graph.batch_size, result)
         one = build_program(result.steps, cost, meta, planner.grad_overlap, bucket, 1)
     finally:

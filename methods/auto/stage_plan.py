@@ -151,7 +151,9 @@ class HapStages:
 
     def planner(self):
         """hap's planner for a stage: the template's search at the GPU level, ratios
-        compute-proportional (lp=False), one segment, no plan cache, no memory tools."""
+        compute-proportional (lp=False), one segment, no plan cache, no memory tools; its
+        programs' micro-steps unlabelled (the plan records each stage's program as one
+        micro-batch runs it)."""
         return dataclasses.replace(
             self.hap,
             lp=False,
@@ -160,6 +162,7 @@ class HapStages:
             cache_dir=None,
             activation_checkpointing=False,
             grad_accumulation=1,
+            label_micro_steps=False,  # its programs at the schedule's micro-batches are only priced
         )
 
     def cutter(self) -> PipelineParallel:
@@ -320,11 +323,16 @@ class HapStages:
         while the pipeline's price (simulate of its program: fits first, then time) improves;
         the better end. Raises ScheduleRefused."""
 
+        priced: dict[tuple, tuple] = {}  # a choice's price: the starts and the moves meet the same choices
+
         def price(choice):
+            if tuple(choice) in priced:
+                return priced[tuple(choice)]
             plans = [opts[c] for opts, c in zip(options, choice)]
             program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
             sim = simulate(program, cluster, None)
-            return (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib)), program
+            got = priced[tuple(choice)] = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib)), program
+            return got
 
         # a move: the stages alike in structure (one options list) together, or one stage
         classes = {id(opts): [s for s, o in enumerate(options) if o is opts] for opts in options}

@@ -35,6 +35,7 @@ def build_program(
     grad_overlap: bool = True,
     bucket_cap_bytes: float = DDP_BUCKET_BYTES,
     micro_steps: int = 1,
+    labelled: bool = True,
 ) -> Program:
     """The bench Program of a synthesized program: forward stages in order, then backward
     stages in reverse, with the memory each device holds.
@@ -56,6 +57,8 @@ def build_program(
             the iteration runs them micro_steps times, gradients summed inside machines and
             all-reduced in the last only (micro_step_stages), every gradient already made
             when a later micro-step's backward starts.
+        labelled: False: the micro-steps' stages are not labelled apart (micro_step_stages), for
+            a program that is only priced.
     """
     graph = cost.graph
     kept, keepers, own = graph.kept_until(), graph.keepers(), graph.own_saves()
@@ -133,7 +136,7 @@ def build_program(
     )
     stages = fwd + (_overlapped_backward(bwd[::-1], bucket_cap_bytes) if grad_overlap else [b for b, _ in bwd[::-1]])
     return Program(
-        micro_step_stages(stages, micro_steps),
+        micro_step_stages(stages, micro_steps, labelled=labelled),
         len(cost.vdevs),
         cost.num_segments,
         cost.granularity,

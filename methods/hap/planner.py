@@ -148,6 +148,9 @@ class HapPlanner:
             plans one micro-step (global_batch / k samples, split by the same ratios) and the
             iteration runs it k times, the replicated parameters' gradient buckets all-reduced
             in the last (bench.core.program.micro_step_stages).
+        label_micro_steps: the priced programs' stages labelled per micro-step; False (a
+            planner whose programs are only priced, never recorded: auto's hap stages) shares
+            one micro-step's stages among the micro-steps. Not a planning option.
     """
 
     name: str = "hap"
@@ -170,6 +173,7 @@ class HapPlanner:
     interpret: bool = False  # mode=real: interpret every step (no recorded module); not a planning option
     activation_checkpointing: bool = False
     grad_accumulation: int = 1
+    label_micro_steps: bool = True  # not a planning option: labels are not priced
 
     def __post_init__(self) -> None:
         self.tools = MemoryTools(self.activation_checkpointing, self.grad_accumulation)
@@ -219,7 +223,7 @@ class HapPlanner:
 
     def options(self) -> dict:
         """The options that decide a plan (the cache key's)."""
-        skip = ("cache_dir", "lr", "grad_clip", "interpret")
+        skip = ("cache_dir", "lr", "grad_clip", "interpret", "label_micro_steps")
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     # -- planning ---------------------------------------------------------------------------
@@ -459,7 +463,7 @@ class HapPlanner:
                 program = built.get(key)
                 if program is None:  # its stages and memory are symbolic in the ratios: built once
                     program = built[key] = build_program(
-                        r.steps, cost, meta, self.grad_overlap, bucket, self.grad_accumulation
+                        r.steps, cost, meta, self.grad_overlap, bucket, self.grad_accumulation, self.label_micro_steps
                     )
                 kind = "data parallel" if dp is not None and r.steps == dp.steps else "synthesis"
                 c = _score(kind, program, cluster, ratios, theory.graph.batch_size, r, self._simulated)

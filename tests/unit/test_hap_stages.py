@@ -3,6 +3,7 @@ boundary conditions, hap's plan of it over a group, and the lockstep replay of a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -24,6 +25,7 @@ from methods.auto.hap_stages import (
     search_stage,
     stage_details,
     stage_graph,
+    stage_options,
     stage_program,
     stage_theory,
 )
@@ -200,3 +202,26 @@ def test_a_stage_as_its_layer_groups_in_a_row_is_one_program_priced_as_their_sum
     kept = plan_stage(planner, st, workload, group, m)[0]
     assert kept.iter_time_s == min(searched.iter_time_s, chained[0].iter_time_s)
     assert plan_chain(planner, stage_graph(graph, table, 1, 2), workload, group, m) is None  # one group
+
+
+def test_a_planner_with_unlabelled_micro_steps_plans_and_prices_a_stage_alike():
+    """HapStages' planner (label_micro_steps=False: the schedule's micro-batches share one
+    micro-step's stages) finds the same options, at the same prices, as a labelled one."""
+    workload, cluster, graph, table = _moe_case()
+    group = group_cluster(cluster, [0, 1])
+    labelled = HapPlanner(lp=False, num_segments=1, cache_dir=None, levels="cluster")
+    bare = dataclasses.replace(labelled, label_micro_steps=False)
+    assert bare.options() == labelled.options()
+    st = stage_graph(graph, table, 1, table.num_groups, loss=False)
+    a, b = (stage_options(p, st, workload, group, 16) for p in (labelled, bare))
+    assert len(a) == len(b) == 2
+    for (ca, oa), (cb, ob) in zip(a, b):
+        assert (ca.kind, ca.ratios, ca.iter_time_s, ca.oom_devices) == (
+            cb.kind,
+            cb.ratios,
+            cb.iter_time_s,
+            cb.oom_devices,
+        )
+        assert ca.result.steps == cb.result.steps and oa == ob
+        assert len(ca.program.stages) == len(cb.program.stages)
+        assert len({id(s) for s in cb.program.stages}) < len({id(s) for s in ca.program.stages})

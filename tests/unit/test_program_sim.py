@@ -498,3 +498,27 @@ def test_an_emulated_workers_per_step_part_is_paid_once_per_micro_step():
     ratios = even_ratios(2)
     assert simulate(three, cluster, ratios).per_step_s == pytest.approx(3 * simulate(one, cluster, ratios).per_step_s)
     assert Program.from_json(three.dumps()) == three and three.micro_steps == 3
+
+
+def test_unlabelled_micro_steps_share_one_micro_steps_stages_and_price_the_same():
+    """micro_step_stages(labelled=False), for a program that is only priced: the micro-steps
+    before the last are the same stage objects (without their gradient syncs), and the
+    simulator prices the program exactly as the labelled one."""
+    from bench.core.program import micro_step_stages
+
+    stages = [
+        Stage((Collective("all_gather", Affine(1e6)),), Affine.sharded(1e9), label="fwd", launches=2),
+        Stage((Collective("all_reduce", Affine(2e6), grad=True),), Affine.sharded(2e9), overlap=True, label="bwd"),
+        Stage((Collective("all_reduce", Affine(3e6), grad=True),), overlap=True, label="tail"),
+    ]
+    labelled = micro_step_stages(stages, 5)
+    bare = micro_step_stages(stages, 5, labelled=False)
+    assert [st.label for st in labelled[:2]] == ["micro-step 0: fwd", "micro-step 0: bwd"]
+    assert len(bare) == len(labelled) and bare[0] is bare[2] and bare[1] is bare[3] and bare[-3:] == tuple(stages)
+    strip = lambda sts: [(st.collectives, st.flops, st.overlap, st.grad_bytes, st.op_class, st.launches) for st in sts]  # noqa: E731
+    assert strip(bare) == strip(labelled)
+    cluster = make_cluster(fast=1, slow=1, inter_gbps=1.0)
+    memory = Memory(params=Affine(1e6), activations=Affine.sharded(4e6))
+    ratios = compute_proportional_ratios(cluster, "gpu", 1)
+    a, b = (simulate(Program(s, 2, memory=memory, micro_steps=5), cluster, ratios) for s in (labelled, bare))
+    assert (a.iter_time_s, a.peak_mem_gib) == (b.iter_time_s, b.peak_mem_gib)
