@@ -530,14 +530,5 @@ def micro_step_stages(
         return (*quiet * (micro_steps - 1), *stages)
     out: list[Stage] = []
     for j in range(micro_steps):
-        out += [_labelled(st, f"micro-step {j}: {st.label}") for st in (stages if j == micro_steps - 1 else quiet)]
+        out += [replace(st, label=f"micro-step {j}: {st.label}") for st in (stages if j == micro_steps - 1 else quiet)]
     return tuple(out)
-
-
-def _labelled(st: Stage, label: str) -> Stage:
-    """`st` with another label: replace(st, label=label) without re-running its checks (the
-    fields are a valid stage's), as a schedule of hundreds of micro-steps copies every stage."""
-    out = object.__new__(type(st))
-    out.__dict__.update(st.__dict__)
-    out.__dict__["label"] = label
-    return out
