@@ -3,6 +3,7 @@ blocked in it as compute (a leader's gradient sync once did, and its debt cut th
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -14,6 +15,15 @@ from bench.runtime import emulation
 from bench.runtime.emulation import link_clock
 
 pytestmark = pytest.mark.alone  # millisecond waits and intervals, timed
+
+
+@pytest.fixture(autouse=True)
+def no_collection_pauses():
+    """Intervals are checked to 0.1 ms: no garbage collection pauses the process inside one."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 class SlowWork:
