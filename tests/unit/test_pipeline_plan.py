@@ -817,15 +817,25 @@ def test_the_schedules_own_work_per_action_is_what_the_probe_adds_to_the_profile
 
 def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe_measured(monkeypatch):
     """A schedule whose every action costs ten times a whole micro-batch's profiled compute of
-    its own work (so on any host, however loaded when the profile was timed): the plan first
-    chosen (the most micro-batches) is probed, the search runs again with that work per action
-    and takes fewer micro-batches, which are probed and priced with their own measurement."""
+    its own work: the plan first chosen (the most micro-batches) is probed, the search runs
+    again with that work per action and takes fewer micro-batches, which are probed and priced
+    with their own measurement. The layer groups' profile is linear in the micro-batch (a
+    profile timed on a loaded host can make a larger micro-batch look dearer than its samples,
+    and the choice then stays at the most micro-batches)."""
     from bench.cost.pipeline import COMPUTE
     from methods import pipeline as pipeline_module
 
     cluster = _cluster(2)
     workload = _workload("bert", 8)
     seen, work = [], []
+    timed = pipeline_module.group_profile
+
+    def linear_profile(workload, mb, *args, **kwargs):
+        groups = len(timed(workload, 1)["forward"])  # the groups as timed; their seconds made up
+        per = 1e-3 * mb
+        kinds = {"forward": per, "backward": 2 * per, "optimizer": 1e-4, "input_backward": per, "weight_backward": per}
+        out = {kind: [s] * groups for kind, s in kinds.items()}
+        return {**out, "step_s": groups * (3 * per + 1e-4), "workload": workload.name, "micro_batch": mb}
 
     def probe(method, plan, workload, cluster, **kwargs):
         program = plan.program
@@ -845,6 +855,7 @@ def test_the_candidates_are_searched_again_with_the_schedules_own_work_the_probe
         return {"plain_s": plain[0], "method_s": method_s[0], "plain_s_ranks": plain, "method_s_ranks": method_s}
 
     monkeypatch.setattr(pipeline_module, "time_method_step", probe)
+    monkeypatch.setattr(pipeline_module, "group_profile", linear_profile)
     plan = PipelineParallel(stage_level="device", num_stages=2, schedule="1f1b").plan(workload, cluster)
     assert len(seen) == 2 and seen[1] < seen[0] == 8, seen
     assert plan.program.num_micro_batches == seen[1]
