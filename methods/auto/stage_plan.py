@@ -326,13 +326,15 @@ class HapStages:
         priced: dict[tuple, tuple] = {}  # a choice's price: the starts and the moves meet the same choices
 
         def price(choice):
-            if tuple(choice) in priced:
-                return priced[tuple(choice)]
-            plans = [opts[c] for opts, c in zip(options, choice)]
-            program = pipeline_program(plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail)
-            sim = simulate(program, cluster, None)
-            got = priced[tuple(choice)] = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib)), program
-            return got
+            key = tuple(choice)
+            if key not in priced:
+                plans = [opts[c] for opts, c in zip(options, choice)]
+                program = pipeline_program(
+                    plans, groups, cuts, table, shares, schedule, m, cluster.num_devices, meta, tail
+                )
+                sim = simulate(program, cluster, None)
+                priced[key] = (sim.oom, sim.iter_time_s if not sim.oom else max(sim.peak_mem_gib)), program
+            return priced[key]
 
         # a move: the stages alike in structure (one options list) together, or one stage
         classes = {id(opts): [s for s, o in enumerate(options) if o is opts] for opts in options}
