@@ -7,7 +7,9 @@ least lower bound; it stops when that bound reaches the fastest candidate that f
 candidate's bound is the largest of
   - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, and
   - the priced time of the same composition with a subset of its memory tools (a tool adds
-    recompute, launches or collectives to a plan and never removes any), and
+    recompute, launches or collectives to a plan and never removes any), or where that part
+    probes (below) that lighter plan's price without its probe: two probes time the host apart,
+    and a heavier plan's can come out below a lighter one's; and
   - on an emulated CPU cluster, for a part that times its own host work there before pricing it
     (FSDP2's work probe, DeepSpeed's engine probe, the pipeline's work probe: seconds of worker
     processes each), the price of its plan without that probe: the probe only adds host work
@@ -203,8 +205,14 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     shared = SharedCosts(workload, cluster)  # the pipelines' costs, priced once for every stage count and state
 
     def bound(c: Candidate) -> float:
-        lighter = [p.iter_time_s for d, p in priced.items() if p.iter_time_s is not None and d.lighter_than(c)]
-        lighter += [f for d, f in floors.items() if d.lighter_than(c)]  # a tool adds, the probe adds
+        # A tool adds to what the simulator prices; a probe adds what it measured of the host, which
+        # differs from one probe to the next: a probed lighter candidate bounds by its unprobed price.
+        lighter = [
+            p.iter_time_s
+            for d, p in priced.items()
+            if p.iter_time_s is not None and d not in probing and d.lighter_than(c)
+        ]
+        lighter += [f for d, f in floors.items() if d.lighter_than(c)]
         return max([ideal, *lighter, floors.get(c, ideal)])
 
     def floor(c: Candidate) -> float:

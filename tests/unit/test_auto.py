@@ -1,6 +1,8 @@
 """auto: its space, its search (each candidate priced as its part prices it, the bound, memory),
 and its bad input as one line and a row that is never ok."""
 
+import importlib
+
 import pytest
 from hydra.utils import instantiate
 
@@ -177,6 +179,7 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
     The probe is replaced by a recorded one here (what the real probes time: their own tests)."""
     import methods.ds_zero
     import methods.fsdp
+    import methods.pipeline
 
     probed = []
 
@@ -186,12 +189,22 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
 
     monkeypatch.setattr(methods.fsdp, "time_method_step", probe)
     monkeypatch.setattr(methods.ds_zero, "time_method_step", probe)
+    # The pipelines' prices, timed on this host, are the same in both plans: their layer-group
+    # profile timed once, their schedule's own work not timed (both plans would time it afresh).
+    profiles = {}
+    timed = methods.pipeline.group_profile
+    monkeypatch.setattr(
+        methods.pipeline,
+        "group_profile",
+        lambda workload, mb, *a, **k: profiles.get(mb) or profiles.setdefault(mb, timed(workload, mb, *a, **k)),
+    )
     wl = bert_workload(batch=12)
     cl = ClusterSpec.from_config(compose_config("cluster=local_hetero2").cluster).with_host_speed(2e10, 1e-3)
-    full = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
+    off = "method.pipeline.work_probe=false"
+    full = _method(tmp_path, "method.prune=false", off).plan(wl, cl).details["auto"]
     every = len(probed)
     probed.clear()
-    pruned = _method(tmp_path).plan(wl, cl).details["auto"]
+    pruned = _method(tmp_path, off).plan(wl, cl).details["auto"]
     # Here the pipelines price below FSDP2's and ZeRO's plans without their probes (4 ms against
     # 33-44 ms): none is probed, where pricing in bound order alone probed all four.
     assert every > 0 and probed == []
@@ -200,6 +213,31 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
     for c in pruned["candidates"] + pruned["pruned"]:
         if prices[c["candidate"]] is not None:
             assert c["bound_s"] <= prices[c["candidate"]] * (1 + 1e-9)
+
+
+def test_a_probed_candidate_bounds_a_heavier_one_by_its_price_without_the_probe(tmp_path, monkeypatch):
+    """Two probes time the host apart: a plan with checkpointing can measure faster than the
+    same plan without. The lighter candidate's probed price is then no bound of the heavier's;
+    its price without the probe is, and the pruned search still finds the heavier one."""
+    search_mod = importlib.import_module("methods.auto.search")  # the package's `search` is the function
+
+    light = Candidate(stages=2, state="replicated")
+    heavy = Candidate(stages=2, state="replicated", checkpointing=True)
+    probed = {light: 2.0, heavy: 1.5}  # as measured: the heavier plan's probe came out lower
+    unprobed = {light: 1.0, heavy: 1.2}  # as the simulator prices them: a tool adds
+    monkeypatch.setattr(search_mod, "probes", lambda auto, c, cluster: True)
+    monkeypatch.setattr(search_mod, "floored", lambda *a: None)
+    monkeypatch.setattr(search_mod, "unprobed_price", lambda auto, c, workload, cluster: unprobed[c])
+    monkeypatch.setattr(
+        search_mod,
+        "price",
+        lambda auto, c, workload, cluster, bound_s, shared=None: search_mod.Priced(c, "fits", bound_s, probed[c]),
+    )
+    wl, cl = bert_workload(), cluster(k=2)
+    for prune in ("true", "false"):
+        found = search_mod.search(_method(tmp_path, f"method.prune={prune}"), [light, heavy], wl, cl)
+        assert found.best.cand == heavy and not found.pruned
+        assert all(p.bound_s <= p.iter_time_s for p in found.priced)
 
 
 def test_on_cpu_ranks_a_sharded_pipeline_is_taken_only_where_its_replicated_twin_does_not_fit(tmp_path):
