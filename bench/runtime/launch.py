@@ -9,7 +9,9 @@ Workers that compute on the CPU fork from a server process (multiprocessing's fo
 has imported torch, torch._dynamo (DDP's constructor imports it), this module and the first
 case's method and model, once per launcher and with GPUs hidden; a series of cases names the
 methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports
-theirs too. Those imports take seconds, so the runner starts the server while it prepares the
+theirs too. A launcher that has run no thread of its own yet (a runner at its start, _forkable)
+forks the server from itself, which then imports only what the launcher has not; one that has (a
+test process) starts it as a fresh interpreter that imports it all. Those imports take seconds, so the runner starts the server while it prepares the
 first case (start_server), and they run beside the FLOP count. (Not the launcher's main module:
 each forked process runs it again as __mp_main__, and runpy warns when it finds that module
 imported.) Each worker freezes what it inherits (gc.freeze), so its collections never walk the
@@ -36,9 +38,12 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection, resource_tracker
 from multiprocessing.connection import wait
 
 import torch
@@ -52,6 +57,19 @@ from bench.runtime.worker import CPU_ONLY_ENV, Case, RankOutOfMemory, rank_sessi
 _TERMINATE_GRACE_S = 3.0
 # The process that imported this module first; in a worker forked from the server, the server.
 _IMPORTED_BY = os.getpid()
+
+
+# Threads a process runs once torch is imported (a BLAS library's pool): a server forked from it
+# with no more than these holds what an interpreter that imported torch afresh would (_forkable).
+def _threads() -> int | None:
+    """This process's threads, native ones included (None where /proc does not say: not Linux)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+_THREADS_AT_IMPORT = _threads()
 
 
 class WorkerError(RuntimeError):
@@ -290,7 +308,8 @@ def start_server(method=None, model_cfg=None) -> None:
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:
-        multiprocessing.forkserver.ensure_running()
+        if not (multiprocessing.forkserver._forkserver._forkserver_pid is None and _fork_server()):
+            multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -298,6 +317,57 @@ def start_server(method=None, model_cfg=None) -> None:
     # collections would walk all of it; frozen, they skip it (docs/runtime.md, "Workers").
     atexit.unregister(gc.freeze)  # once, however many cases start it
     atexit.register(gc.freeze)
+
+
+def _forkable() -> bool:
+    """Whether this process can be the server's parent by a plain fork: it runs no thread of its
+    own (Python's or a thread pool's) that the library threads torch's import starts do not
+    account for, and has not initialised CUDA. A process that has computed with torch holds an
+    OpenMP pool, whose copy would hang its children's first parallel region."""
+    threads = _threads()
+    return (
+        threads is not None
+        and threads <= _THREADS_AT_IMPORT
+        and threading.active_count() == 1
+        and not torch.cuda.is_initialized()
+    )
+
+
+def _fork_server() -> bool:
+    """Start multiprocessing's forkserver as a fork of this process instead of a fresh interpreter
+    (see the module's docstring): it holds torch and what this process imported already, and
+    imports only the rest of its preloads. False, and nothing started, where _forkable says no."""
+    if not _forkable():
+        return False
+    server = multiprocessing.forkserver._forkserver
+    resource_tracker.ensure_running()
+    for stream in (sys.stdout, sys.stderr):  # unwritten output would be written again by the copy
+        stream.flush()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(alive_w)  # the server ends when its launcher's copy closes
+            _serve(listener.fileno(), alive_r, server._preload_modules)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
+    """The forked server's life: what multiprocessing's own runs, as the process that forked it."""
+    global _IMPORTED_BY
+    _IMPORTED_BY = os.getpid()  # its workers' parent (_entry)
+    try:
+        multiprocessing.forkserver.main(listener_fd, alive_r, preload)
+    finally:
+        os._exit(0)  # as bench.runtime.server_exit: none of the launcher's exit handlers
 
 
 def forking_context():

@@ -295,21 +295,14 @@ def test_torchrun_runs_the_same_case_as_the_local_launcher(dp_cp_by_torchrun):
 
 _SERVERS = """
 import os, sys
-from pathlib import Path
-import multiprocessing
+import multiprocessing, multiprocessing.forkserver
 from bench.runner.configs import compose_settings
 from bench.runner.execute import expect_cases
 from bench.runner.case import new_record, prepare_case
 
-def servers():  # this process's children that run multiprocessing's fork server
-    found = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            found += ppid == os.getpid() and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-    return found
+def servers():  # running fork servers this process started (a fork of it or a fresh interpreter)
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    return int(pid is not None and os.waitpid(pid, os.WNOHANG) == (0, 0))
 
 if __name__ == "__main__":
     cfg = compose_settings("wandb.mode=disabled", f"results_dir={sys.argv[1]}")

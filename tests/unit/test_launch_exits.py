@@ -1,6 +1,7 @@
 """bench.runtime.launch: what the exit code of a worker that sent no traceback says in its row; how the
 workers' server and its launcher leave."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -105,3 +106,35 @@ def test_a_worker_that_dies_halfway_through_a_message_fails_the_case_at_once():
     assert err.value.rank == 1 and err.value.detail.startswith("killed by SIGABRT"), err.value
     for p in procs:
         p.join()
+
+
+_FORKED_SERVER = """
+import multiprocessing.forkserver, sys
+import torch
+from bench.runtime import launch
+if sys.argv[1] == "computed":  # an OpenMP pool: its copy would hang a forked child's parallel work
+    torch.set_num_threads(2)
+    (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
+print("written", end="")  # buffered (no PYTHONUNBUFFERED): written once, not again by a fork
+launch.start_server()
+pid = multiprocessing.forkserver._forkserver._forkserver_pid
+forked = open(f"/proc/{pid}/cmdline", "rb").read() == open("/proc/self/cmdline", "rb").read()
+probe = launch.forking_context().Process(target=exec, args=("import sys; sys.exit(7 if 'torch' in sys.modules else 3)",))
+probe.start()
+probe.join()
+print("", "forked" if forked else "fresh", probe.exitcode)
+"""
+
+
+def test_a_launcher_that_has_computed_nothing_forks_its_server_and_one_that_has_starts_it_afresh():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", _FORKED_SERVER, how], capture_output=True, text=True, timeout=120, env=env
+        )
+        for how in ("imported", "computed")
+    ]
+    assert [(out.returncode, out.stdout, out.stderr) for out in outs] == [
+        (0, "written forked 7\n", ""),
+        (0, "written fresh 7\n", ""),
+    ]
