@@ -10,9 +10,10 @@ has imported torch, torch._dynamo (DDP's constructor imports it), this module an
 case's method and model, once per launcher and with GPUs hidden; a series of cases names the
 methods of its later ones beforehand (bench.runner.execute.expect_cases), and the server imports
 theirs too. A launcher that has run no thread of its own yet (a runner at its start, _forkable)
-forks the server from itself, which then imports only what the launcher has not; one that has (a
-test process) starts it as a fresh interpreter that imports it all. Those imports take seconds, so the runner starts the server while it prepares the
-first case (start_server), and they run beside the FLOP count. (Not the launcher's main module:
+imports those modules itself (its capture and planning import them anyway) and forks the server
+from itself, so they are imported once; one that has (a test process) starts the server as a
+fresh interpreter, which imports them for seconds beside the caller's FLOP count: the runner
+starts the server as soon as its first case is valid (start_server). (Not the launcher's main module:
 each forked process runs it again as __mp_main__, and runpy warns when it finds that module
 imported.) Each worker freezes what it inherits (gc.freeze), so its collections never walk the
 server's objects. A forked worker starts within a fraction of a second, where a spawned one
@@ -34,6 +35,7 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
+import importlib
 import multiprocessing.forkserver
 import os
 import signal
@@ -286,6 +288,7 @@ def rank_envs(cluster: ClusterSpec, world_size: int, mps_dirs: tuple[str, str] |
 
 # Modules of cases this process will launch later (expect_modules), preloaded with the first's.
 _expected: list[str] = []
+_SERVER_EXIT = "bench.runtime.server_exit"
 
 
 def expect_modules(*modules: str) -> None:
@@ -298,13 +301,14 @@ def expect_modules(*modules: str) -> None:
 def start_server(method=None, model_cfg=None) -> None:
     """Start the server CPU workers fork from (see the module's docstring), preloading the
     modules of the case's method (method_modules) and model and those expected (expect_modules)
-    besides torch and this module, unless it runs already. Returns at once: the server imports
+    besides torch and this module, unless it runs already. A server forked from this process
+    (_fork_server) starts once this process has imported those; one started afresh imports them
     for seconds while the caller goes on (bench.run counts the model's FLOPs meanwhile). It lives
     as long as this process; a later case's modules that it did not preload are imported by
     each of that case's workers."""
     modules = [*method_modules(type(method)), type(model_cfg).__module__] if method is not None else []
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["bench.runtime.server_exit", __name__, "torch._dynamo", *modules, *_expected])
+    ctx.set_forkserver_preload([_SERVER_EXIT, __name__, "torch._dynamo", *modules, *_expected])
     saved = dict(os.environ)
     os.environ.update(CPU_ONLY_ENV)  # the server inherits it: it never sees a GPU
     try:
@@ -335,11 +339,19 @@ def _forkable() -> bool:
 
 def _fork_server() -> bool:
     """Start multiprocessing's forkserver as a fork of this process instead of a fresh interpreter
-    (see the module's docstring): it holds torch and what this process imported already, and
-    imports only the rest of its preloads. False, and nothing started, where _forkable says no."""
+    (see the module's docstring). This process imports the server's preloads first (it imports
+    them for its own cases anyway: capture and planning import torch._dynamo and the methods),
+    so that they are imported once, not in both. False, and nothing started, where _forkable
+    says no, before or after those imports."""
     if not _forkable():
         return False
     server = multiprocessing.forkserver._forkserver
+    for name in server._preload_modules:
+        if name != _SERVER_EXIT:  # the server's alone: it ends its process at exit
+            with contextlib.suppress(ImportError):  # as the server's own preloading
+                importlib.import_module(name)
+    if not _forkable():  # an import started a thread of its own
+        return False
     resource_tracker.ensure_running()
     for stream in (sys.stdout, sys.stderr):  # unwritten output would be written again by the copy
         stream.flush()
