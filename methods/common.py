@@ -10,9 +10,11 @@ checkpoints all cut at group borders. This module reads the planner's traced gra
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -202,7 +204,18 @@ def group_table(graph) -> GroupTable:
 
     Parameters (get_attr) and model inputs belong to the group of their first user; a tensor
     crossing a border is counted at every border it crosses (a pipeline passes it stage by
-    stage)."""
+    stage). Made once per graph object and kept on it (auto's space, each pipeline candidate,
+    FSDP2 and checkpointing read the same graph): nothing changes a table once made."""
+    kept = getattr(graph, "__dict__", None)
+    if kept is not None and "_group_table" in kept:
+        return kept["_group_table"]
+    table = _group_table(graph)
+    if kept is not None:
+        kept["_group_table"] = table
+    return table
+
+
+def _group_table(graph) -> GroupTable:
     nodes = graph.nodes
     batch = max(graph.batch_size, 1)
     placeholders = [n.name for n in nodes if n.kind == "placeholder"]
@@ -361,6 +374,24 @@ def scale_to_norm(grads, norm: torch.Tensor, max_norm: float) -> None:
     for g in grads:
         if g is not None:
             g.mul_(coef.to(g.dtype))
+
+
+@contextlib.contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """The cyclic collector off while a planner runs. Planning allocates millions of small
+    objects that live until it ends (search states, sets, LP terms, a pipeline's memos, an
+    export's nodes), and the collector kept walking them: with it off until the plan is made
+    (reference counting still frees what dies; cycles made meanwhile are collected once it is
+    back on), the largest hap plans take about half the time, with the same plans
+    (tests/benchmarks/test_planner_bench.py; docs/planner.md, "Planner"; auto's whole plan:
+    results/methods/20261203-llama-auto-pace.md). Nested uses leave it as the outermost found it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def check_training_options(lr: float, grad_clip: float, bucket_cap_mb: float | None = None) -> None:

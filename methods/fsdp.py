@@ -62,6 +62,12 @@ def fsdp_units(
     owner_group = {p: g.index for g in table.groups for p in g.params if p not in shared}
     owner_group.update({a: owner_group[c] for a, c in aliases.items() if c in owner_group})
     param_names = list(param_names) + [a for a in aliases if a not in param_names]
+    # Per module path, the parameters inside it (names that start with it and a dot), in order.
+    inside: dict[str, list[str]] = {}
+    for q in param_names:
+        parts = q.split(".")
+        for i in range(1, len(parts)):
+            inside.setdefault(".".join(parts[:i]), []).append(q)
     covered: set[str] = set()
     units = []
     for g in table.groups:
@@ -74,8 +80,8 @@ def fsdp_units(
             parts = path.split(".")
             for i in range(1, len(parts) + 1):  # the outermost module whose parameters are all this group's
                 prefix = ".".join(parts[:i])
-                inside = [q for q in param_names if q.startswith(prefix + ".")]
-                if inside and all(owner_group.get(q) == g.index for q in inside):
+                held = inside.get(prefix, ())
+                if held and all(owner_group.get(q) == g.index for q in held):
                     best = prefix
                     break
             if best is not None and best not in mods:
@@ -83,7 +89,7 @@ def fsdp_units(
         mods = [m for m in mods if not any(m.startswith(o + ".") for o in mods if o != m)]
         if mods:
             units.append((g.index, mods))
-            covered |= {q for m in mods for q in param_names if q.startswith(m + ".")}
+            covered |= {q for m in mods for q in inside.get(m, ())}
     root = [p for p in param_names if p not in covered and p not in aliases]
     return units, root
 

@@ -42,7 +42,7 @@ from methods.auto.space import (
     stage_counts,
 )
 from methods.auto.stage_plan import machine_groups
-from methods.common import check_training_options, group_table
+from methods.common import check_training_options, group_table, no_cyclic_gc
 from methods.graph import capture_config
 
 __all__ = ["Auto", "Candidate", "NoPlanFits"]
@@ -235,10 +235,11 @@ class Auto:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         t0 = time.perf_counter()
-        capture_config(workload.model_cfg, workload.global_batch)  # the graph every part reads
-        captured = time.perf_counter() - t0
-        cands = self.space(workload, cluster)
-        found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
+        with no_cyclic_gc():  # the capture and every candidate's plan (the parts' memos live until it ends)
+            capture_config(workload.model_cfg, workload.global_batch)  # the graph every part reads
+            captured = time.perf_counter() - t0
+            cands = self.space(workload, cluster)
+            found = search(self, cands, workload, with_memory(cluster, self.memory_budget_gib))
         plan = found.best.plan
         assert plan is not None
         finish = getattr(found.best.part, "finish", None)  # a part that completes the plan it keeps

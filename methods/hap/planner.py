@@ -10,9 +10,7 @@ lowering, segments, hierarchy).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -34,7 +32,7 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
-from methods.common import MemoryTools, capture_batch_norm, layer_groups
+from methods.common import MemoryTools, capture_batch_norm, layer_groups, no_cyclic_gc
 from methods.graph import Graph, capture_config
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
@@ -238,7 +236,7 @@ class HapPlanner:
                 log.info("%s: plan loaded from cache %s/%s.json", self.name, self.cache_dir, key)
                 return cached
         t0 = time.perf_counter()
-        with _no_cyclic_gc():
+        with no_cyclic_gc():
             try:
                 plan = self._plan(workload, cluster)
             finally:
@@ -784,19 +782,3 @@ def _rank_shares(global_batch: int, ratios: list[float], cluster: ClusterSpec, g
 def SfbPlanner(**kwargs) -> HapPlanner:
     """The TAG-like baseline: synthesis with SFB rules at compute-proportional ratios, no LP."""
     return HapPlanner(**{"name": "sfb", "sfb": True, "lp": False, **kwargs})
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc():
-    """Planning allocates millions of small objects that live until it ends (search states,
-    sets, LP terms), and the cyclic collector kept walking them: with it off until the plan is
-    made (reference counting still frees what dies; cycles made meanwhile are collected once it
-    is back on), the largest plans take about half the time, with the same plans
-    (tests/benchmarks/test_planner_bench.py; docs/planner.md, "Planner")."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

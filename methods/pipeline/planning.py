@@ -249,6 +249,7 @@ class _Costs:
         self._profiles: dict[int, dict] = {}
         self._hw = {d.rank: _hardware(self.cluster, (d.rank,)) for d in self.cluster.devices}
         self._peaks: dict = {}
+        self._held: dict = {}  # stage_bytes of a stage alone on its rank, by (first, end, mb, shards)
         self._send: dict = {}
         self._matrix: dict = {}
         self._slowest: dict = {}
@@ -469,7 +470,10 @@ class _Costs:
         sharded over that many replicas (rank_memory)."""
         key = (first, end, mb, flight, m, replicated, shards)
         if key not in self._peaks:
-            parts = self.stage_bytes(first, end, mb, shards)
+            held = (first, end, mb, shards)  # the same for every flight, m and state of the stage
+            parts = self._held.get(held)
+            if parts is None:
+                parts = self._held[held] = self.stage_bytes(first, end, mb, shards)
             self._peaks[key] = stage_peak_bytes(
                 **vars(parts),
                 in_flight=flight,

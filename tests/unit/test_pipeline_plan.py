@@ -947,3 +947,17 @@ def test_a_trace_is_kept_on_disk_where_its_values_are_at_most_the_limit():
     for value in values:
         for limit in range(0, 70):
             assert _at_most(value, limit) == (size(value) <= limit)
+
+
+def test_a_graphs_group_table_is_made_once_and_its_checkpointed_view_has_its_own():
+    from methods.common import _group_table, checkpoint_units, group_table
+    from methods.graph import capture_config
+
+    graph = capture_config(_workload("bert", 4).model_cfg, 4)
+    table = group_table(graph)
+    assert group_table(graph) is table  # kept on the graph
+    assert table == _group_table(graph)  # what a fresh one says
+    view = graph.with_recompute([u.nodes for u in checkpoint_units(graph)])
+    recomputed = group_table(view)
+    assert recomputed is not table and recomputed == _group_table(view)
+    assert sum(g.bwd_flops for g in recomputed.groups) > sum(g.bwd_flops for g in table.groups)
