@@ -382,9 +382,8 @@ def no_cyclic_gc() -> Iterator[None]:
     objects that live until it ends (search states, sets, LP terms, a pipeline's memos, an
     export's nodes), and the collector kept walking them: with it off until the plan is made
     (reference counting still frees what dies; cycles made meanwhile are collected once it is
-    back on), the largest hap plans take about half the time, with the same plans
-    (tests/benchmarks/test_planner_bench.py; docs/planner.md, "Planner"; auto's whole plan:
-    results/methods/20261203-llama-auto-pace.md). Nested uses leave it as the outermost found it."""
+    back on), the same plans are made in less time (tests/benchmarks/test_planner_bench.py;
+    docs/planner.md, "Planner"). Nested uses leave it as the outermost found it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
