@@ -20,10 +20,10 @@ server's objects. A forked worker starts within a fraction of a second, where a 
 spends seconds importing and tearing its interpreter down in every case, and it leaves with
 os._exit, as multiprocessing ends its forked children. The server leaves the same way
 (bench.runtime.server_exit) and the launcher freezes its heap before its interpreter's last
-collections, so a runner's pipes close as soon as it ends (results/harness/
-20261127-forked-workers.md, 20261127-preparation-costs.md). A forked worker takes the launcher's
-environment and working directory as they are when the case starts, as a spawned one would; only
-what torch reads at import comes from the server's start. Workers that compute on a GPU are
+collections, so a runner's pipes close as soon as it ends (docs/runtime.md, "Workers"). A forked
+worker takes the launcher's environment and working directory as they are when the case starts,
+as a spawned one would; only what torch read at its import comes from where it was imported (the
+server started afresh, or the launcher that forked it). Workers that compute on a GPU are
 spawned (CUDA must not be initialised in a process that forks; a server for them has not been
 tried on a GPU host).
 """
