@@ -61,8 +61,6 @@ _TERMINATE_GRACE_S = 3.0
 _IMPORTED_BY = os.getpid()
 
 
-# Threads a process runs once torch is imported (a BLAS library's pool): a server forked from it
-# with no more than these holds what an interpreter that imported torch afresh would (_forkable).
 def _threads() -> int | None:
     """This process's threads, native ones included (None where /proc does not say: not Linux)."""
     try:
@@ -71,6 +69,8 @@ def _threads() -> int | None:
         return None
 
 
+# Threads a process runs once torch is imported (a BLAS library's pool): a server forked from it
+# with no more than these holds what an interpreter that imported torch afresh would (_forkable).
 _THREADS_AT_IMPORT = _threads()
 
 
@@ -361,7 +361,12 @@ def _fork_server() -> bool:
         os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had: no server, and no pipe left open
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
         if pid == 0:
             os.close(alive_w)  # the server ends when its launcher's copy closes
             _serve(listener.fileno(), alive_r, server._preload_modules)
