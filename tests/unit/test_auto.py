@@ -189,8 +189,9 @@ def test_a_probing_part_is_probed_only_where_its_price_without_the_probe_could_w
 
     monkeypatch.setattr(methods.fsdp, "time_method_step", probe)
     monkeypatch.setattr(methods.ds_zero, "time_method_step", probe)
-    # The pipelines' prices, timed on this host, are the same in both plans: their layer-group
-    # profile timed once, their schedule's own work not timed (both plans would time it afresh).
+    # The pipelines' prices are the same in both plans, whatever the host does meanwhile: their
+    # layer-group profile timed once for both, their schedule's own work not timed (this test is
+    # about FSDP2's and DeepSpeed's probes).
     profiles = {}
     timed = methods.pipeline.group_profile
     monkeypatch.setattr(
