@@ -16,10 +16,14 @@ import gc
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from methods.graph import Graph
 
 from bench.core.errors import ConfigError
 from bench.core.program import op_class
@@ -199,20 +203,17 @@ def gradient_buckets(sizes: Sequence[float], cap_mb: float) -> list[list[int]]:
     ]
 
 
-def group_table(graph) -> GroupTable:
-    """The layer groups of a captured graph (methods.graph.Graph) with their costs.
+def group_table(graph: Graph) -> GroupTable:
+    """The layer groups of a captured graph with their costs.
 
     Parameters (get_attr) and model inputs belong to the group of their first user; a tensor
     crossing a border is counted at every border it crosses (a pipeline passes it stage by
     stage). Made once per graph object and kept on it (auto's space, each pipeline candidate,
     FSDP2 and checkpointing read the same graph): nothing changes a table once made."""
-    kept = getattr(graph, "__dict__", None)
-    if kept is not None and "_group_table" in kept:
-        return kept["_group_table"]
-    table = _group_table(graph)
-    if kept is not None:
-        kept["_group_table"] = table
-    return table
+    kept = vars(graph)
+    if "_group_table" not in kept:
+        kept["_group_table"] = _group_table(graph)
+    return kept["_group_table"]
 
 
 def _group_table(graph) -> GroupTable:
