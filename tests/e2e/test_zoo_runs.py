@@ -72,6 +72,7 @@ def test_a_hugging_face_model_trains_with_hap_on_an_emulated_cluster(tmp_path):
         "cluster=local_hetero2",
         "warmup_iters=1",
         "measured_iters=2",
+        "emulation.reference_iters=0",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = _rows(tmp_path)

@@ -20,18 +20,20 @@ def _case(tmp_path, *overrides):
     return instantiate(cfg.method), build_workload(cfg, cluster), cluster
 
 
-CASES = [  # (model, preset, GPUs a machine of paper_hetero)
-    ("vgg19", "tiny", 2),
-    ("vit", "tiny", 1),
-    ("bert", "tiny", 2),
-    ("bert_moe", "tiny", 2),
-    ("bert", "paper", 1),
-    ("bert_moe", "paper", 8),  # DeepSpeed's ZeRO-1 fits here: its experts are spread over the devices
+CASES = [  # (model, preset, GPUs a machine of paper_hetero, hap's micro-steps planned)
+    ("vgg19", "tiny", 2, (1, 2)),
+    ("vit", "tiny", 1, (1, 2)),
+    ("bert", "tiny", 2, (1, 2)),
+    ("bert_moe", "tiny", 2, (1, 2)),
+    ("bert", "paper", 1, (1, 2)),
+    # DeepSpeed's ZeRO-1 fits here: its experts are spread over the devices. hap's two micro-steps
+    # at 64 GPUs (a plan of 2-3 s each) add nothing the cases above do not check.
+    ("bert_moe", "paper", 8, (1,)),
 ]
 
 
-@pytest.mark.parametrize("model, preset, k", CASES)
-def test_each_floor_is_at_most_the_peak_of_the_plan_its_part_makes(tmp_path, model, preset, k):
+@pytest.mark.parametrize("model, preset, k, hap_steps", CASES)
+def test_each_floor_is_at_most_the_peak_of_the_plan_its_part_makes(tmp_path, model, preset, k, hap_steps):
     """Sound floors: for every hap and DeepSpeed candidate (memory tools, micro-steps too), the
     plan its part makes holds at least the floor: DeepSpeed's on every device (a model without
     experts), hap's summed over the devices of the level the plan was made at; and a candidate
@@ -46,7 +48,7 @@ def test_each_floor_is_at_most_the_peak_of_the_plan_its_part_makes(tmp_path, mod
     )
     cands = [c for c in auto.space(wl, cl) if c.part in ("hap", "deepspeed")]
     assert {c.grad_accumulation for c in cands} == {1, 2} and {c.checkpointing for c in cands} == {False, True}
-    for cand in cands:
+    for cand in (c for c in cands if c.part == "deepspeed" or c.grad_accumulation in hap_steps):
         plan = make_part(auto, cand).plan(wl, cl)
         peaks = simulate(plan.program, cl, plan.ratios).peak_mem_gib
         over = max(p / d.type.memory_gib for p, d in zip(peaks, cl.devices))  # as the search judges it
