@@ -118,10 +118,11 @@ def test_pipelines_of_hap_stages_auto_plans_equal_single_device_training(cfg_fac
     assert all(st is not None for st in hs["stages"])
 
 
+# A failed and an oom row from the command a user runs (every message of auto's options is
+# checked in this process by tests/unit/test_auto.py).
 @pytest.mark.parametrize(
     "overrides, status, needle",
     [
-        (("method.stage_level=rack",), "failed", "method.stage_level='rack' names no stage level"),
         (("method.stages=9",), "failed", "method.stages=9 is more than the 4 layer groups"),
         (("method.memory_budget_gib=0.0001", "method.max_grad_accumulation=2"), "oom", "smallest peak found"),
     ],
