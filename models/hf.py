@@ -237,6 +237,11 @@ def tasks_of(model_type: str) -> list[str]:
     return [t for t, (_, mapping, _) in _AUTO.items() if model_type in getattr(modeling_auto, mapping)]
 
 
+# Each config's settled attempt (HFModelConfig.__post_init__: a pure function of its fields), by
+# _settle_key: the same model composed again in a process builds and exports no trial model.
+_SETTLED: dict[str, dict] = {}
+
+
 @dataclasses.dataclass
 class HFModelConfig(ModelConfig):
     """A transformers architecture as a zoo model.
@@ -369,11 +374,16 @@ class HFModelConfig(ModelConfig):
             for level in levels
             for attention in attentions
         ]
+        key = self._settle_key()
+        if key in _SETTLED:  # composed before in this process: the attempt it settled on
+            self.__dict__.update(_SETTLED[key])
+            return
         error = refused = None
         for i, attempt in enumerate(tries):
             self.__dict__.update(attempt)
             try:
                 self._check_builds()
+                _SETTLED[key] = attempt
                 return
             except ValueError as exc:
                 error = exc if i < main else error
@@ -384,6 +394,12 @@ class HFModelConfig(ModelConfig):
         if refused and sep:  # why a capture on a real sample does not hold either, first
             raise ValueError(f"{head}: {refused}; on meta tensors torch.export (non-strict) refused {rest}") from None
         raise error
+
+    def _settle_key(self) -> str:
+        """What the attempt a config settles on depends on: its fields (and a config.json's
+        values), in this process's transformers."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps([fields, getattr(self, "_from_file", None)], sort_keys=True, default=repr)
 
     def _check_builds(self) -> None:
         """ValueError in one line unless the config is valid and the model builds and exports."""

@@ -363,10 +363,25 @@ def test_the_attention_a_config_records_is_the_one_its_model_runs():
     first = hf.HFModelConfig.from_preset("tiny", arch="t5")
     torch.manual_seed(0)
     model = first.build()
+    hf._SETTLED.clear()  # settled again, after a model of its kind was built, not read back
     again = hf.HFModelConfig.from_preset("tiny", arch="t5")
     assert again._attention == first._attention != hf.ATTENTION
     batch = again.synthetic_batch(2, torch.Generator().manual_seed(0))
     assert again.build()(*batch).item() > 0 and model(*batch).item() > 0
+
+
+def test_a_config_composed_again_settles_as_before_without_building_a_trial_model(monkeypatch):
+    """The attempt a config settled on is a function of its fields: composed again in the same
+    process it is read back (no trial model built and exported); other fields settle afresh."""
+    hf = _hf()
+    first = hf.HFModelConfig.from_preset("tiny", arch="gpt2")
+    trials = []
+    monkeypatch.setattr(hf, "check_export", lambda *a, **k: trials.append(a[2]))
+    again = hf.HFModelConfig.from_preset("tiny", arch="gpt2")
+    settled = ("_tiny_level", "_attention", "_ones_mask", "_on_sample", "_codebooks", "_own_pixels", "_index_masks")
+    assert trials == [] and {k: again.__dict__[k] for k in settled} == {k: first.__dict__[k] for k in settled}
+    other = hf.HFModelConfig.from_preset("tiny", arch="gpt2", seq_len=16)
+    assert trials and other.seq_len == 16
 
 
 class _Branchy(torch.nn.Module):
