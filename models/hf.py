@@ -320,6 +320,10 @@ class HFModelConfig(ModelConfig):
                 if v is not None
             }
         )
+        key = self._settle_key()
+        if key in _SETTLED:  # composed before in this process: the attempt it settled on
+            self.__dict__.update(_SETTLED[key])
+            return
         # The first (tiny level, attention) the model builds and exports with: a pure function
         # of the fields above, so workers, which get this object, build the same. Attention:
         # ours (module docstring), else transformers' SDPA (a model that reads the mask it
@@ -374,10 +378,6 @@ class HFModelConfig(ModelConfig):
             for level in levels
             for attention in attentions
         ]
-        key = self._settle_key()
-        if key in _SETTLED:  # composed before in this process: the attempt it settled on
-            self.__dict__.update(_SETTLED[key])
-            return
         error = refused = None
         for i, attempt in enumerate(tries):
             self.__dict__.update(attempt)

@@ -59,8 +59,8 @@ REAL_CASE = ("model=bert", "preset=tiny", "cluster=local_hetero2", "mode=real", 
 
 
 # Interleaved rounds of the measured case; a measured figure regresses when every round is past
-# its tolerance. 5, not 3: one slow worker process could move three rounds' figure past 10%
-# (docs/regression.md, "The figures").
+# its tolerance. 4, not 3: one slow worker process could move three rounds' figure past 10%
+# (docs/regression.md, "The figures", where the rounds behind 4 against 5 are).
 REAL_ROUNDS = 4
 
 
