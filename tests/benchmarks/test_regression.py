@@ -206,7 +206,20 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     (docs/regression.md, "The figures")."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
     sticks, windows = [], []
-    yardstick = regress.python_yardstick_s
+    slowed = [False]
+
+    def traced(run):  # the plan and its yardstick on the slowed host (the config's composition not)
+        def call(*args, **kwargs):
+            if slowed[0]:
+                sys.settrace(_slow_python)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                sys.settrace(None)
+
+        return call
+
+    yardstick, prepare = traced(regress.python_yardstick_s), traced(regress.prepare_case)
 
     def timed(at_least_s):
         windows.append(at_least_s)
@@ -214,14 +227,12 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
         return sticks[-1]
 
     monkeypatch.setattr(regress, "python_yardstick_s", timed)
+    monkeypatch.setattr(regress, "prepare_case", prepare)
     plain, slow = [], []
     for _ in range(3):
-        plain.append(regress.sim_figures(["vgg19"], ["sfb"]))
-        sys.settrace(_slow_python)
-        try:
-            slow.append(regress.sim_figures(["vgg19"], ["sfb"]))
-        finally:
-            sys.settrace(None)
+        for flag, out in ((False, plain), (True, slow)):
+            slowed[0] = flag
+            out.append(regress.sim_figures(["vgg19"], ["sfb"]))
     _, tol = regress.TOLERANCE["planner_time_rel"]
     figures = [f[key] for pair in zip(plain, slow) for f in pair]  # in the order they were timed
     assert windows == pytest.approx([f * s for f, s in zip(figures, sticks)])  # timed for as long as it planned
