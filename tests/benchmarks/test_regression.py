@@ -210,8 +210,9 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
 
     def traced(run):  # the plan and its yardstick on the slowed host (the config's composition not)
         def call(*args, **kwargs):
-            if slowed[0]:
-                sys.settrace(_slow_python)
+            if not slowed[0]:
+                return run(*args, **kwargs)
+            sys.settrace(_slow_python)
             try:
                 return run(*args, **kwargs)
             finally:
