@@ -206,11 +206,11 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     (docs/regression.md, "The figures")."""
     key = "planner_time_rel:vgg19/paper_hetero/sfb"
     sticks, windows = [], []
-    slowed = [False]
+    slowed = False
 
     def traced(run):  # the plan and its yardstick on the slowed host (the config's composition not)
         def call(*args, **kwargs):
-            if not slowed[0]:
+            if not slowed:
                 return run(*args, **kwargs)
             sys.settrace(_slow_python)
             try:
@@ -232,7 +232,7 @@ def test_the_planner_figure_cancels_how_fast_this_host_runs_python(monkeypatch):
     plain, slow = [], []
     for _ in range(3):
         for flag, out in ((False, plain), (True, slow)):
-            slowed[0] = flag
+            slowed = flag
             out.append(regress.sim_figures(["vgg19"], ["sfb"]))
     _, tol = regress.TOLERANCE["planner_time_rel"]
     figures = [f[key] for pair in zip(plain, slow) for f in pair]  # in the order they were timed
