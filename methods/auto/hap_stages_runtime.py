@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
+from bench.runtime.compat import no_handshake_with_itself, ordered_group
 from methods.auto.hap_stages import (
     StageGraph,
     _batch_like,
@@ -294,7 +295,9 @@ class HapStageRank:
         )
         self.device = device = device or torch.device("cpu")
         self.group_rank = rank
-        pipe = PipelineStage(self.module, stage_index, S, device, example_in, example_out, group=pipeline_group)
+        pipe = no_handshake_with_itself(
+            PipelineStage(self.module, stage_index, S, device, example_in, example_out, group=pipeline_group)
+        )
         self.loss_scale = loss_scale
         # Every stage gets a loss function: torch's schedule runs backward where there is one
         # (only the last stage calls it).
@@ -441,8 +444,8 @@ class HapStagesTrainer:
             if ctx.weights is None:
                 raise ValueError("the model's parameters are on meta and ctx.weights is None: nothing to train")
             ctx.weights.materialize(model, ctx.device)
-        stage_groups = [dist.new_group(list(g), sort_ranks=False) for g in groups]
-        pipeline_groups = [dist.new_group([g[k] for g in groups], sort_ranks=False) for k in range(R)]
+        stage_groups = [ordered_group(list(g)) for g in groups]
+        pipeline_groups = [ordered_group([g[k] for g in groups]) for k in range(R)]
         if ctx.emulator.enabled:
             from bench.runtime.p2p import install_p2p
 

@@ -49,8 +49,10 @@ def _dtensor():
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     mesh = DeviceMesh("cpu", [0], _init_backend=False, _rank=0)
+    prop = DTensor._op_dispatcher.sharding_propagator
     return dict(
-        prop=DTensor._op_dispatcher.sharding_propagator,
+        prop=prop,
+        decomp=_decomp_strategy(prop),
         mesh=mesh,
         DTensorSpec=DTensorSpec,
         TensorMeta=TensorMeta,
@@ -63,6 +65,22 @@ def _dtensor():
         Replicate=Replicate,
         Shard=Shard,
     )
+
+
+def _decomp_strategy(prop):
+    """DTensor's strategies read through an op's decomposition, an object of the propagator from
+    torch 2.12; None before it (the decomposition is then traced here: `_decomposition`)."""
+    return getattr(prop, "decomp_strategy", None)
+
+
+def _decomposition(op):
+    """The op's decomposition where torch registers one, else its CompositeImplicitAutograd
+    kernel; None if it has neither."""
+    from torch._decomp import decomposition_table
+
+    if op in decomposition_table:
+        return decomposition_table[op]
+    return op.decompose if op._can_decompose() else None
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -257,8 +275,11 @@ def _derive(node: fx.Node, args: list[fx.Node]):
         return _valid(_trace(EXTRA_DECOMPOSITIONS[op](node), node, args), node, args), "decomposition given here"
     if op in _CONTRACTIONS and (triples := _contraction(node, args)) is not None:
         return _valid(triples, node, args), "decomposition"
-    if prop.decomp_strategy.has_decomp(op):
-        prop.decomp_strategy.ensure_schema_info(op)
+    if d["decomp"] is None:  # torch < 2.12: each placement combination through the decomposition
+        fn = _decomposition(op)
+        return None if fn is None else (_valid(_trace(fn, node, args), node, args), "decomposition traced here")
+    if d["decomp"].has_decomp(op):
+        d["decomp"].ensure_schema_info(op)
         info = prop.op_to_schema_info.get(op)
         if any(isinstance(x, (list, tuple)) and any(_is_tensor(y) for y in x) for x in node.args):
             info = d["RuntimeSchemaInfo"](
@@ -272,7 +293,7 @@ def _derive(node: fx.Node, args: list[fx.Node]):
             specs = iter(seed)
             a, k = _substitute(node, lambda a, i, specs=specs: _spec(a, next(specs)))
             schema = d["OpSchema"](op, a, k, schema_info=info)
-            strategy = prop.decomp_strategy.propagate_strategy(schema)
+            strategy = d["decomp"].propagate_strategy(schema)
             if strategy is None:
                 return None
             triples += _read(strategy, n_out)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.core.interfaces import Plan, RankContext
+from bench.runtime.compat import no_handshake_with_itself, ordered_group
 from methods.common import gradient_buckets, group_table, scale_to_norm
 from methods.graph import capture_config
 from methods.pipeline.cut import checkpointed_stage, cut_graph, model_graph
@@ -55,10 +56,10 @@ class PipelineTrainer:
         # pipeline's group ranks its members by position, the rank torch's schedules place
         # stages by; a position's replicas by pipeline, so that with sharded state a rank's
         # shard index is its pipeline's and the shards of a tied parameter's copies line up.
-        groups = [dist.new_group(ranks, sort_ranks=False) for ranks in pipelines]
-        replicas = [dist.new_group([p[r] for p in pipelines], sort_ranks=False) for r in range(R)] if D > 1 else None
+        groups = [ordered_group(ranks) for ranks in pipelines]
+        replicas = [ordered_group([p[r] for p in pipelines]) for r in range(R)] if D > 1 else None
         tie_groups = {
-            positions: [dist.new_group([p[r] for r in positions], sort_ranks=False) for p in pipelines]
+            positions: [ordered_group([p[r] for r in positions]) for p in pipelines]
             for positions in dict.fromkeys(positions for _, positions in tied)
         }
         group = groups[self.pipeline]
@@ -87,7 +88,7 @@ class PipelineTrainer:
                 self.names[id(p)] = names[n]
                 if n in copies:
                     held.setdefault(copies[n], params[id(p)])
-            stages.append(PipelineStage(module, k, K, ctx.device, group=group))
+            stages.append(no_handshake_with_itself(PipelineStage(module, k, K, ctx.device, group=group)))
         self.params = list(params.values())
         # This rank's copies of tied parameters, each with its holders' group in this pipeline;
         # the clipping norm counts a copy on the first holder only.

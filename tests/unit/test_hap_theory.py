@@ -419,3 +419,36 @@ def test_contraction_triples_from_their_letters_are_those_of_the_traced_decompos
         assert read[1] == traced[1] == "decomposition"
         assert sorted(map(repr, read[0])) == sorted(map(repr, traced[0]))
         assert len(read[0]) == len(set(read[0]))
+
+
+def test_without_torchs_decomposition_strategy_the_traced_decomposition_gives_the_same_triples(monkeypatch):
+    # torch 2.11 (the GPU host's) has no ShardingPropagator.decomp_strategy: every op DTensor
+    # reads through its decomposition had no triple there, and hap planned from a third fewer.
+    from methods.hap import dtensor_rules
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Dropout(0.1), nn.Softmax(-1), nn.Flatten())
+
+        def forward(self, x):
+            return self.body(x).sum()
+
+    graph = capture(Layers(), (torch.randn(4, 3, 6),))
+    ops = [
+        n
+        for n in graph.nodes
+        if n.kind == "call_function" and n.op in ("linear", "layer_norm", "dropout", "softmax", "flatten")
+    ]
+    assert len(ops) == 5
+    d = dtensor_rules._dtensor()
+    for node in ops:
+        args = dtensor_rules.tensor_args(node.fx_node)
+        with dtensor_rules._whole_on_one_device():
+            torchs = dtensor_rules._derive(node.fx_node, args)
+        with monkeypatch.context() as m:
+            m.setitem(d, "decomp", None)
+            with dtensor_rules._whole_on_one_device():
+                traced = dtensor_rules._derive(node.fx_node, args)
+        assert (torchs[1], traced[1]) == ("decomposition", "decomposition traced here"), node.op
+        assert torchs[0] and sorted(map(repr, torchs[0])) == sorted(map(repr, traced[0])), node.op
