@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from bench.cost.links import collective_time_s
 
 SLOTS = 256
+TRANSFERRED_AS_IS = ("cpu", "meta")  # devices whose tensors gloo's isend and irecv take as they are
 _state = threading.local()
 _current: list = []  # [emulator, board] of the case running in this process
 
@@ -125,9 +127,10 @@ def _emulated_s(emu, nbytes: int, src: int, dst: int) -> float:
 def _wrap_send(original):
     @functools.wraps(original)
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+        sent, _ = _through_host(tensor, group)
         emu = _active()
         if emu is None:
-            return original(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+            return _Staged(original(sent, dst=dst, group=group, tag=tag, group_dst=group_dst), sent)
         _state.active = True
         try:
             emu.stretch()  # the compute since the last communication point ends here
@@ -139,7 +142,7 @@ def _wrap_send(original):
             start = emu.reserve_link(link, emulated) if emulated else time.perf_counter()
             deadline = start + emulated
             board.post(emu.rank, peer, start)
-            work = original(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+            work = _Staged(original(sent, dst=dst, group=group, tag=tag, group_dst=group_dst), sent)
             emu.mark()
             return _P2PWork(work, lambda done, waited_from: deadline, emu)
         finally:
@@ -151,9 +154,10 @@ def _wrap_send(original):
 def _wrap_recv(original):
     @functools.wraps(original)
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        into, arrived = _through_host(tensor, group, receive=True)
         emu = _active()
         if emu is None:
-            return original(tensor, src=src, group=group, tag=tag, group_src=group_src)
+            return _Staged(original(into, src=src, group=group, tag=tag, group_src=group_src), into, arrived)
         _state.active = True
         try:
             emu.stretch()
@@ -161,7 +165,7 @@ def _wrap_recv(original):
             board = _current[1]
             k = board.next_from(peer)
             nbytes = tensor.numel() * tensor.element_size()
-            work = original(tensor, src=src, group=group, tag=tag, group_src=group_src)
+            work = _Staged(original(into, src=src, group=group, tag=tag, group_src=group_src), into, arrived)
             emu.mark()
 
             def deadline(done: float, waited_from: float) -> float:
@@ -181,6 +185,41 @@ def _wrap_recv(original):
             _state.active = False
 
     return irecv
+
+
+def _through_host(tensor, group, receive: bool = False):
+    """The tensor gloo transfers in `tensor`'s stead, and what to do once a receive into it is
+    through. gloo's point-to-point calls hand the tensor's memory to the transport as it is
+    (its collectives copy a CUDA tensor through the host themselves), so a rank on a GPU under
+    MPS sends a host copy and receives into a host buffer that is copied to its device on wait;
+    a tensor on the CPU (or meta), or another backend, is transferred itself."""
+    if tensor.device.type in TRANSFERRED_AS_IS or dist.get_backend(group) != dist.Backend.GLOO:
+        return tensor, None
+    if not receive:
+        return tensor.detach().to("cpu"), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    return host, lambda: tensor.copy_(host)
+
+
+class _Staged:
+    """A posted transfer that keeps its host copy alive, and copies a received host buffer into
+    the device tensor once the transfer is through."""
+
+    def __init__(self, work, host, arrived=None):
+        self._work, self._host, self._arrived = work, host, arrived
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        if self._arrived is not None:
+            self._arrived()
+            self._arrived = None
+        return out
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 class _P2PWork:
