@@ -106,6 +106,7 @@ def test_nothing_to_run_and_a_negative_suite_are_refused_in_one_line(capsys):
     for argv, words in (
         (["--skip-tests"], "--skip-tests leaves nothing to run"),
         (["--suite", "-1"], "--suite -1: the number of test processes is 1 or more"),
+        (["--parallel", "0"], "--parallel 0: the number of gpu test processes is 1 or more"),
     ):
         with pytest.raises(SystemExit) as stop:
             gpu_check.main(argv)
@@ -178,3 +179,28 @@ def test_a_lease_call_calibrates_at_the_precision_then_tests_then_compares_withi
     summary = (out / "summary.txt").read_text()
     assert summary.count("skip (budget)") == 3  # the budget ran out before the other paper models
     assert summary.strip() in capsys.readouterr().out and code == 1  # the fake tests left no report: a fail
+
+
+def test_parallel_gpu_tests_run_the_speed_ratio_alone_first_then_the_rest_side_by_side(monkeypatch, tmp_path):
+    gpu_check = _script()
+    calls = []
+
+    def fake_pytest(cmd, log, env=None):
+        calls.append((cmd[cmd.index("-n") + 1], cmd[cmd.index("-k") + 1] if "-k" in cmd else None))
+        report = Path(next(c for c in cmd if c.startswith("--junitxml=")).split("=", 1)[1])
+        names = [gpu_check.ALONE_TEST] if len(calls) == 1 else ["test_bf16", gpu_check.MAIN_JOB_TEST]
+        cases = "".join(f'<testcase name="{n}" time="1.5"/>' for n in names)
+        report.write_text(f"<testsuites><testsuite>{cases}</testsuite></testsuites>")
+        return 0
+
+    monkeypatch.setattr(gpu_check, "run_logged", fake_pytest)
+    checks = gpu_check.gpu_tests(tmp_path, "bf16 or mps", parallel=5)
+    assert calls == [
+        ("0", f"(bf16 or mps) and {gpu_check.ALONE_TEST}"),
+        ("5", f"(bf16 or mps) and not {gpu_check.ALONE_TEST}"),
+    ]
+    assert [name.split()[0] for name, _, _ in checks] == [gpu_check.ALONE_TEST, "test_bf16", gpu_check.MAIN_JOB_TEST]
+    assert all(result == "pass" for _, result, _ in checks)
+    calls.clear()
+    gpu_check.gpu_tests(tmp_path)  # by default one process runs every gpu test
+    assert calls == [("0", None)]
