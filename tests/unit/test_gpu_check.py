@@ -204,3 +204,50 @@ def test_parallel_gpu_tests_run_the_speed_ratio_alone_first_then_the_rest_side_b
     calls.clear()
     gpu_check.gpu_tests(tmp_path)  # by default one process runs every gpu test
     assert calls == [("0", None)]
+
+
+def test_the_memory_check_starts_beside_the_side_by_side_tests_and_tables_measured_against_priced(
+    monkeypatch, tmp_path, capsys
+):
+    gpu_check = _script()
+    events = []
+
+    class Job:
+        def begin(self):
+            events.append("memory begins")
+
+        def finish(self):
+            events.append("memory ends")
+            rows = [
+                {
+                    "method": "dp_ev",
+                    "status": "ok",
+                    "config": {"method": {"activation_checkpointing": False, "grad_accumulation": 1}},
+                    "iter_times_s": [0.1436, 0.1458],
+                    "peak_mem_gib": [23.49],
+                    "predicted_peak_mem_gib": [28.16],
+                },
+                {
+                    "method": "fsdp",
+                    "status": "oom",
+                    "config": {"method": {"activation_checkpointing": True, "grad_accumulation": 4}},
+                    "iter_times_s": None,
+                    "peak_mem_gib": [80.5],
+                    "predicted_peak_mem_gib": [19.96],
+                },
+            ]
+            (tmp_path / "out" / "memory").mkdir(parents=True)
+            (tmp_path / "out" / "memory" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            return ("memory tools", "pass", 1.0)
+
+    def fake_pytest(cmd, log, env=None):
+        events.append(f"pytest -n {cmd[cmd.index('-n') + 1]}")
+        return 0
+
+    monkeypatch.setattr(gpu_check, "memory_job", lambda out: Job())
+    monkeypatch.setattr(gpu_check, "run_logged", fake_pytest)
+    gpu_check.main(["--memory", "--parallel", "3", "--out", str(tmp_path / "out")])
+    assert events == ["pytest -n 0", "memory begins", "pytest -n 3", "memory ends"]
+    table = capsys.readouterr().out.split("memory tools on a 1B Llama")[1].splitlines()
+    assert table[2].split() == ["dp_ev", "no", "1", "ok", "143.6,", "145.8", "23.49", "28.16", "+19.9%"]
+    assert table[3].split() == ["fsdp", "yes", "4", "oom", "-", "-", "19.96", "-"]  # a failed case: no number
