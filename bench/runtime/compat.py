@@ -10,6 +10,7 @@ A process group whose ranks keep the caller's order (a pipeline's stages by posi
 
 import inspect
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -39,7 +40,7 @@ def ordered_group(ranks: list[int]):
         del c10d.sorted
     if dist.get_rank() in ranks and dist.get_process_group_ranks(group) != ranks:
         raise RuntimeError(
-            f"torch {__import__('torch').__version__} ranked the process group of {ranks} as "
+            f"torch {torch.__version__} ranked the process group of {ranks} as "
             f"{dist.get_process_group_ranks(group)}: pipelines need torch >= 2.12 (new_group's sort_ranks)"
         )
     return group

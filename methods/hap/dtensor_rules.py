@@ -52,7 +52,9 @@ def _dtensor():
     prop = DTensor._op_dispatcher.sharding_propagator
     return dict(
         prop=prop,
-        decomp=_decomp_strategy(prop),
+        # DTensor's strategies read through an op's decomposition, the propagator's own object
+        # from torch 2.12; None before it (the decomposition is then traced here: _decomposition)
+        decomp=getattr(prop, "decomp_strategy", None),
         mesh=mesh,
         DTensorSpec=DTensorSpec,
         TensorMeta=TensorMeta,
@@ -65,12 +67,6 @@ def _dtensor():
         Replicate=Replicate,
         Shard=Shard,
     )
-
-
-def _decomp_strategy(prop):
-    """DTensor's strategies read through an op's decomposition, an object of the propagator from
-    torch 2.12; None before it (the decomposition is then traced here: `_decomposition`)."""
-    return getattr(prop, "decomp_strategy", None)
 
 
 def _decomposition(op):
