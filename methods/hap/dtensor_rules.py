@@ -17,6 +17,7 @@ uneven shard lengths (methods.hap.theory adds what those need).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -387,11 +388,45 @@ def _trace(fn, node: fx.Node, args: list[fx.Node]) -> list[tuple[tuple, Layout |
     return _trace_placements(fn, node, args, combos)
 
 
+class _PlacementsOnly:
+    """DTensor's propagator as torch 2.12's placement tracking reads it, for torch before it:
+    where an op's inputs keep their placements, a redistribution is none (a view's shape
+    argument made local, which torch 2.11's tracking refuses, so that every flattening view
+    failed there); and an op DTensor answers with an old-style rule (2.11: convolution, its
+    backward, index, index_select) fails the trace: 2.11's convolution rule gives the input's
+    placement to the output whatever the weight's, which a trace would take for a triple."""
+
+    def __init__(self, prop):
+        self._prop = prop
+
+    def __getattr__(self, name):
+        return getattr(self._prop, name)
+
+    def propagate_op_sharding(self, schema):
+        return self._settled(schema, self._prop.propagate_op_sharding(schema))
+
+    def propagate_op_sharding_non_cached(self, schema):
+        return self._settled(schema, self._prop.propagate_op_sharding_non_cached(schema))
+
+    def _settled(self, schema, out):
+        if schema.op in getattr(self._prop, "op_to_rules", {}):
+            raise NotImplementedError(f"{schema.op} has only an old-style DTensor rule here")
+        wanted = out.redistribute_schema
+        if (
+            out.needs_redistribute
+            and wanted is not None
+            and all(a.placements == b.placements for a, b in zip(schema.args_spec, wanted.args_spec))
+        ):
+            return dataclasses.replace(out, needs_redistribute=False)
+        return out
+
+
 def _trace_placements(fn, node: fx.Node, args: list[fx.Node], combos) -> list[tuple[tuple, Layout | None]]:
     """`_trace` of the given placement combinations alone."""
     from torch.distributed.tensor._decompositions import PlacementTrackingMode
 
     d = _dtensor()
+    prop = d["prop"] if d["decomp"] is not None else _PlacementsOnly(d["prop"])  # torch < 2.12
     triples = []
     for combo in combos:
         places = iter(combo)
@@ -404,7 +439,7 @@ def _trace_placements(fn, node: fx.Node, args: list[fx.Node], combos) -> list[tu
 
         call_args, call_kwargs = _substitute(node, meta)
         try:
-            with PlacementTrackingMode(d["prop"], d["mesh"]):
+            with PlacementTrackingMode(prop, d["mesh"]):
                 out = fn(*call_args, **call_kwargs)
         except Exception:
             continue

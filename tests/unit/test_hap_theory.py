@@ -452,3 +452,50 @@ def test_without_torchs_decomposition_strategy_the_traced_decomposition_gives_th
                 traced = dtensor_rules._derive(node.fx_node, args)
         assert (torchs[1], traced[1]) == ("decomposition", "decomposition traced here"), node.op
         assert torchs[0] and sorted(map(repr, torchs[0])) == sorted(map(repr, traced[0])), node.op
+
+
+def test_a_views_shape_argument_made_local_is_no_redistribution_where_placements_stay():
+    # torch 2.11's placement tracking refused every view whose shape argument DTensor rewrites
+    # (a list made a tuple), so hap's traced decompositions of linear lost their sharded triples
+    # there; only a change of an input's placement is a redistribution (as torch 2.12 reads it).
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from methods.hap import dtensor_rules
+
+    d = dtensor_rules._dtensor()
+    prop = dtensor_rules._PlacementsOnly(d["prop"])
+    x = torch.empty(8, 6, 4, device="meta")
+    meta = TensorMeta(x.shape, x.stride(), x.dtype)
+    sharded = DTensorSpec(d["mesh"], (Shard(0),), meta)
+    schema = OpSchema(torch.ops.aten.view.default, (sharded, [48, 4]), {})
+    schema.schema_info = d["prop"].op_to_schema_info.get(torch.ops.aten.view.default)
+    schema._recompute_comparison_key()
+    with dtensor_rules._whole_on_one_device():
+        raw = d["prop"].propagate_op_sharding_non_cached(schema)
+        read = prop.propagate_op_sharding_non_cached(schema)
+    assert raw.needs_redistribute and not read.needs_redistribute  # only the shape argument changed
+    assert read.output_spec.placements == (Shard(0),)
+    # an input whose placement must change stays a redistribution
+    whole = OpSchema(torch.ops.aten.view.default, (DTensorSpec(d["mesh"], (Replicate(),), meta), (48, 4)), {})
+    moved = OutputSharding(read.output_spec, redistribute_schema=whole, needs_redistribute=True)
+    assert prop._settled(schema, moved).needs_redistribute
+
+
+def test_an_op_with_only_an_old_style_dtensor_rule_fails_a_trace_on_older_torch():
+    # torch 2.11's convolution rule hands the input's placement to the output whatever the
+    # weight's: traced, it made hap shard VGG19's convolutions wrongly (caught at run time).
+    from methods.hap import dtensor_rules
+
+    conv = torch.ops.aten.convolution.default
+
+    class Prop:
+        op_to_rules = {conv: None}
+
+        def propagate_op_sharding_non_cached(self, schema):
+            return None
+
+    schema = type("Schema", (), {"op": conv})()
+    with pytest.raises(NotImplementedError, match="old-style"):
+        dtensor_rules._PlacementsOnly(Prop()).propagate_op_sharding_non_cached(schema)
