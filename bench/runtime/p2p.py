@@ -14,7 +14,7 @@ another host) a receive's time counts from its completion.
 
 Nothing here runs while the emulator is paused or disabled, and links are paced only where
 the emulator paces its collectives (not while it measures its reference iterations). One thing
-runs always: on gloo a tensor on a GPU (ranks sharing one under MPS) is sent from a host copy and
+runs paused or not: on gloo a tensor on a GPU (ranks sharing one under MPS) is sent from a host copy and
 received into a host buffer copied to it on wait, since gloo's point-to-point calls hand the
 transport the tensor's memory as it is.
 It queues on the emulator's link clock and adds to its counters (Emulator.reserve_link,
