@@ -130,10 +130,9 @@ def _emulated_s(emu, nbytes: int, src: int, dst: int) -> float:
 def _wrap_send(original):
     @functools.wraps(original)
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-        sent, _ = _through_host(tensor, group)
         emu = _active()
         if emu is None:
-            return _Staged(original(sent, dst=dst, group=group, tag=tag, group_dst=group_dst), sent)
+            return _posted(original, tensor, group, False, dst=dst, tag=tag, group_dst=group_dst)
         _state.active = True
         try:
             emu.stretch()  # the compute since the last communication point ends here
@@ -145,7 +144,7 @@ def _wrap_send(original):
             start = emu.reserve_link(link, emulated) if emulated else time.perf_counter()
             deadline = start + emulated
             board.post(emu.rank, peer, start)
-            work = _Staged(original(sent, dst=dst, group=group, tag=tag, group_dst=group_dst), sent)
+            work = _posted(original, tensor, group, False, dst=dst, tag=tag, group_dst=group_dst)
             emu.mark()
             return _P2PWork(work, lambda done, waited_from: deadline, emu)
         finally:
@@ -157,10 +156,9 @@ def _wrap_send(original):
 def _wrap_recv(original):
     @functools.wraps(original)
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-        into, arrived = _through_host(tensor, group, receive=True)
         emu = _active()
         if emu is None:
-            return _Staged(original(into, src=src, group=group, tag=tag, group_src=group_src), into, arrived)
+            return _posted(original, tensor, group, True, src=src, tag=tag, group_src=group_src)
         _state.active = True
         try:
             emu.stretch()
@@ -168,7 +166,7 @@ def _wrap_recv(original):
             board = _current[1]
             k = board.next_from(peer)
             nbytes = tensor.numel() * tensor.element_size()
-            work = _Staged(original(into, src=src, group=group, tag=tag, group_src=group_src), into, arrived)
+            work = _posted(original, tensor, group, True, src=src, tag=tag, group_src=group_src)
             emu.mark()
 
             def deadline(done: float, waited_from: float) -> float:
@@ -190,18 +188,19 @@ def _wrap_recv(original):
     return irecv
 
 
-def _through_host(tensor, group, receive: bool = False):
-    """The tensor gloo transfers in `tensor`'s stead, and what to do once a receive into it is
-    through. gloo's point-to-point calls hand the tensor's memory to the transport as it is
-    (its collectives copy a CUDA tensor through the host themselves), so a rank on a GPU under
-    MPS sends a host copy and receives into a host buffer that is copied to its device on wait;
-    a tensor on the CPU (or meta), or another backend, is transferred itself."""
+def _posted(original, tensor, group, receive: bool, **peer):
+    """`original` (gloo's isend or irecv, or another backend's) posted for `tensor`. gloo's
+    point-to-point calls hand the tensor's memory to the transport as it is (its collectives
+    copy a CUDA tensor through the host themselves), so a rank on a GPU under MPS sends a host
+    copy and receives into a host buffer that is copied to its device on wait; a tensor on the
+    CPU (or meta), or on another backend, is posted itself."""
     if tensor.device.type in TRANSFERRED_AS_IS or dist.get_backend(group) != dist.Backend.GLOO:
-        return tensor, None
+        return original(tensor, group=group, **peer)
     if not receive:
-        return tensor.detach().to("cpu"), None
+        host = tensor.detach().to("cpu")
+        return _Staged(original(host, group=group, **peer), host)
     host = torch.empty(tensor.shape, dtype=tensor.dtype)
-    return host, lambda: tensor.copy_(host)
+    return _Staged(original(host, group=group, **peer), host, lambda: tensor.copy_(host))
 
 
 class _Staged:
