@@ -30,6 +30,12 @@ nothing (None). Two parts have one:
   memory summed (as the search pairs peaks with devices), some device is over, at every level
   hap plans at.
 
+Where the floor over machines passes memory and the one over GPUs does not, auto has hap plan
+over GPUs only (`hap_gpus_only`): a plan over memory never wins over one that fits, so where
+the GPUs' plan fits it is the plan hap would make at both levels; where it does not, the
+candidate is `oom` either way, and its time (perhaps slower than the machines' plan hap would
+have kept) bounds no heavier candidate (`methods.auto.search`).
+
 `tests/unit/test_auto_floors.py` checks each floor against the priced plans of zoo cases.
 """
 
@@ -106,9 +112,7 @@ def hap_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSpe
     graph = graph.with_recompute([u.nodes for u in hap.tools.units(graph)])
     state = HAP_STATE_PER_PARAM * param_bytes(graph)
     acts = activation_bytes(graph) / cand.grad_accumulation
-    levels = [cluster.virtual_device]
-    if hap.levels == "both" and cluster.num_machines < cluster.num_devices:
-        levels = ["machine", "gpu"]  # as HapPlanner._plan
+    levels = ["machine", "gpu"] if hap_levels(auto, cand, cluster) == 2 else [cluster.virtual_device]
     limits = _limits(cluster)
     out = []
     for level in levels:
@@ -116,6 +120,21 @@ def hap_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSpe
         gpus = max(v.num_gpus for v in vdevs)
         out.append((level, (state + acts / gpus) / GIB, sum(limits[v.index] for v in vdevs)))
     return out
+
+
+def hap_gpus_only(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> bool:
+    """Whether hap would plan `cand` over machines and over GPUs, and only the GPUs' floor is
+    within memory: a plan over memory never wins over one that fits (`HapPlanner`'s `_better`),
+    so the machines' need not be planned."""
+    if cand.part != "hap" or workload.global_batch % cand.grad_accumulation or hap_levels(auto, cand, cluster) < 2:
+        return False
+    within = [level for level, floor, memory in hap_floor_gib(auto, cand, workload, cluster) if floor <= memory]
+    return within == ["gpu"]
+
+
+def hap_levels(auto, cand: Candidate, cluster: ClusterSpec) -> int:
+    """How many levels hap plans `cand` at on `cluster` (as HapPlanner._plan)."""
+    return 2 if make_part(auto, cand).levels == "both" and cluster.num_machines < cluster.num_devices else 1
 
 
 def _hap_floor(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> str | None:

@@ -46,7 +46,7 @@ from bench.core.cluster import ClusterSpec
 from bench.core.errors import PlanningError
 from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
-from methods.auto.floors import oom_floor
+from methods.auto.floors import hap_gpus_only, oom_floor
 from methods.auto.space import Candidate, make_part
 from methods.pipeline import SharedCosts, save_traces
 
@@ -75,6 +75,7 @@ class Priced:
     reason: str | None = None
     planning_s: float = 0.0
     floored: bool = False  # oom by its memory floor (methods.auto.floors), its part never planned
+    gpus_only: bool = False  # hap planned over GPUs only, the machines' floor over memory (floors.hap_gpus_only)
 
     def row(self) -> dict:
         return {
@@ -86,7 +87,14 @@ class Priced:
             "planning_s": round(self.planning_s, 3),
             **({"reason": self.reason} if self.reason else {}),
             **({"floored": True} if self.floored else {}),
+            **({"levels": "gpu (the machines' floor passes memory)"} if self.gpus_only else {}),
         }
+
+    def bounds_heavier(self) -> bool:
+        """Whether its time bounds its composition with more tools: a time it has, and not that of
+        a hap plan over GPUs only that does not fit (over machines hap may have kept a faster
+        one, also over memory: methods.auto.floors)."""
+        return self.iter_time_s is not None and not (self.gpus_only and self.status != "fits")
 
 
 @dataclass
@@ -131,14 +139,19 @@ def price(
     `shared`: the pipeline's costs of this workload and cluster, kept across candidates (the
     same plan as the part's alone)."""
     t0 = time.perf_counter()
-    part = make_part(auto, cand)
+    gpus_only = hap_gpus_only(auto, cand, workload, cluster)
+    part = make_part(auto, cand, gpus_only)
     try:
         pipelined = cand.part in ("pipeline", "hap_stages")  # the pipeline planner's costs, shared
-        plan = part.plan(workload, cluster, shared) if pipelined else part.plan(workload, cluster)
+        if pipelined:
+            plan = part.plan(workload, cluster, shared)
+        else:
+            plan = part.plan(workload, dataclasses.replace(cluster, virtual_device="gpu") if gpus_only else cluster)
     except ValueError as exc:  # ConfigError, PlanningError (StageOOM: status oom)
         status = "oom" if getattr(exc, "status", None) == "oom" else "refused"
-        return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0)
-    sim = simulate(plan.program, cluster, plan.ratios)
+        return Priced(cand, status, bound_s, reason=str(exc), planning_s=time.perf_counter() - t0, gpus_only=gpus_only)
+    known = getattr(part, "simulated", None)  # the pipeline's simulation of the program it chose
+    sim = known[1] if known is not None and known[0] is plan.program else simulate(plan.program, cluster, plan.ratios)
     limits = [d.type.memory_gib for d in cluster.devices]
     peaks = tuple(sim.peak_mem_gib)
     over = max(p / m for p, m in zip(peaks, limits))
@@ -152,6 +165,7 @@ def price(
         plan,
         part,
         planning_s=time.perf_counter() - t0,
+        gpus_only=gpus_only,
     )
 
 
@@ -208,9 +222,7 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         # A tool adds to what the simulator prices; a probe adds what it measured of the host, which
         # differs from one probe to the next: a probed lighter candidate bounds by its unprobed price.
         lighter = [
-            p.iter_time_s
-            for d, p in priced.items()
-            if p.iter_time_s is not None and d not in probing and d.lighter_than(c)
+            p.iter_time_s for d, p in priced.items() if p.bounds_heavier() and d not in probing and d.lighter_than(c)
         ]
         lighter += [f for d, f in floors.items() if d.lighter_than(c)]
         return max([ideal, *lighter, floors.get(c, ideal)])

@@ -187,13 +187,16 @@ def _rebuild(template, name: str, **changes):
     return cls(**kwargs)
 
 
-def make_part(auto, cand: Candidate):
+def make_part(auto, cand: Candidate, gpus_only: bool = False):
     """The component method that plans and runs `cand`, configured as auto's templates
     (`auto.hap`, `auto.fsdp`, `auto.deepspeed`, `auto.pipeline`: conf/method/auto.yaml composes
-    their own files), auto's optimizer and the candidate's options over them."""
+    their own files), auto's optimizer and the candidate's options over them. `gpus_only`: hap
+    plans the cluster's level only (`levels=cluster`), for a cluster whose virtual device is the
+    GPU (methods.auto.floors.hap_gpus_only)."""
     common = {"lr": auto.lr, "grad_clip": auto.grad_clip, "activation_checkpointing": cand.checkpointing}
     if cand.part == "hap":
-        return _rebuild(auto.hap, "hap", grad_accumulation=cand.grad_accumulation, **common)
+        levels = {"levels": "cluster"} if gpus_only else {}
+        return _rebuild(auto.hap, "hap", grad_accumulation=cand.grad_accumulation, **levels, **common)
     if cand.part == "fsdp":
         name = "fsdp_cp" if cand.split == "compute" else "fsdp"
         return _rebuild(auto.fsdp, name, split=cand.split, grad_accumulation=cand.grad_accumulation, **common)

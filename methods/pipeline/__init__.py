@@ -259,6 +259,9 @@ class PipelineParallel:
         self.profile = profile
         self.sharded_state = sharded_state
         self.work_probe = work_probe
+        # The simulator's result for the program the last search chose (auto prices a plan of this
+        # part by it where the plan holds that program, not simulating it again).
+        self.simulated = None
 
     # -- plan ------------------------------------------------------------------------------------
     def plan(self, workload: Workload, cluster: ClusterSpec, shared: SharedCosts | None = None) -> Plan:
@@ -351,7 +354,7 @@ class PipelineParallel:
                 if best is None or not self.bound_before_replay or compute_bound(program, cluster) < best[0]:
                     sim = simulate_pipeline(program, cluster)
                     if best is None or sim.iter_time_s < best[0]:
-                        best = (sim.iter_time_s, c, program)
+                        best = (sim.iter_time_s, c, program, sim)
                 priced += 1
                 if priced == SIMULATED:
                     break
@@ -381,7 +384,8 @@ class PipelineParallel:
                 f"({c.schedule}, {c.stages_per_rank} stage(s) per rank), more than a {dev.type.name}'s "
                 f"{dev.type.memory_gib:g} GiB; use a smaller batch (preset.batch_per_device) or more devices"
             )
-        _, c, program = best
+        _, c, program, sim = best
+        self.simulated = (program, sim)
         return c, program, costs
 
     def _probed(

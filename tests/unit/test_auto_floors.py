@@ -1,6 +1,8 @@
 """auto's memory floors (methods.auto.floors): each at most what the simulator says of the plan its
 candidate's part makes, and the search's rows and refusal where a floor shows a candidate `oom`."""
 
+import dataclasses
+
 import pytest
 from hydra.utils import instantiate
 
@@ -8,8 +10,8 @@ from bench.core.cluster import ClusterSpec
 from bench.cost import simulate
 from bench.runner.case import build_workload
 from methods.auto import NoPlanFits
-from methods.auto.floors import hap_floor_gib, oom_floor, zero_floor_gib
-from methods.auto.search import search, with_memory
+from methods.auto.floors import hap_floor_gib, hap_gpus_only, oom_floor, zero_floor_gib
+from methods.auto.search import price, search, with_memory
 from methods.auto.space import make_part
 from tests.conftest import compose_settings
 
@@ -97,3 +99,26 @@ def test_where_every_candidate_is_floored_the_refusal_says_the_floor(tmp_path):
         match=r"DeepSpeed ZeRO-1 .*: its parameters, gradients and reduce bucket alone are .* GiB on every device",
     ):
         search(auto, auto.space(wl, cl), wl, with_memory(cl, 1e-4))
+
+
+def test_hap_plans_over_gpus_only_where_the_machines_floor_alone_passes_memory(tmp_path):
+    """Between the two floors (the machines' summed over memory, the GPUs' within), auto's hap
+    part plans over GPUs only: the plan hap makes at both levels where that fits, and otherwise
+    an `oom` whose time bounds no heavier candidate (hap's plan over machines might be faster)."""
+    auto, wl, cl = _case(tmp_path, "model=bert", "preset=tiny", "cluster=paper_hetero", "cluster.gpus_per_machine=2")
+    cand = next(c for c in auto.space(wl, cl) if c.part == "hap" and not c.checkpointing and c.grad_accumulation == 1)
+    assert not hap_gpus_only(auto, cand, wl, cl)  # both floors within the devices' own memory
+    (_, machines, _), (_, gpus, _) = hap_floor_gib(auto, cand, wl, cl)
+    per_machine, per_gpu = machines / cl.num_machines, gpus / cl.num_devices
+    assert per_gpu < per_machine
+    budgeted = with_memory(cl, (per_gpu + per_machine) / 2)
+    assert hap_gpus_only(auto, cand, wl, budgeted)
+    priced = price(auto, cand, wl, budgeted, 0.0)
+    assert priced.gpus_only and priced.plan.program.granularity == "gpu" and "levels" in priced.row()
+    both = make_part(auto, cand).plan(wl, budgeted)  # hap at both levels
+    sim = simulate(both.program, budgeted, both.ratios)
+    if not sim.oom:
+        assert priced.status == "fits" and priced.iter_time_s == sim.iter_time_s and priced.bounds_heavier()
+    else:
+        assert priced.status == "oom" and priced.iter_time_s >= sim.iter_time_s and not priced.bounds_heavier()
+    assert dataclasses.replace(priced, status="fits").bounds_heavier()
