@@ -209,7 +209,13 @@ HAND_RULES = {
     "conv-channels": "a convolution also splits its output channels (the weight along dim 0) or its input "
     "channels (partial sums), and runs on partial inputs; DTensor's convolution strategy splits "
     "only the batch",
+    "spatial-split": "where DTensor gives a convolution or a pooling no strategy (torch before 2.12, whose "
+    "rules for them are old-style: docs/gpu.md), each sample, and for pooling each channel, is "
+    "computed apart: the batch split of a convolution, the batch and channel splits of a pooling "
+    "(partial sums through an average), as DTensor's strategies give them from 2.12",
 }
+# Ops spatial-split covers: whether partial sums pass through (a pooling that averages).
+_SPATIAL = {"conv2d": False, "max_pool2d": False, "adaptive_avg_pool2d": True, "avg_pool2d": True}
 _VIEWS = ("view", "reshape", "flatten", "unflatten", "squeeze")
 
 
@@ -320,6 +326,18 @@ def _conv_channels(node: Node, g: Graph) -> list[Rule]:
     return rules
 
 
+def _spatial_split(node: Node, g: Graph) -> list[Rule]:
+    """spatial-split (HAND_RULES): a convolution's batch split (its weight and bias whole); a
+    pooling's batch and channel splits, and for an average partial sums in, partial sums out."""
+    shape = _shape(g, node.inputs[0])
+    rest = tuple(IDENTITY for _ in node.inputs[1:])
+    dims = (0,) if node.op == "conv2d" else (0, 1)
+    rules = [Rule(node.name, (d, *rest), d, "spatial-split", True) for d in dims if len(shape) > d and shape[d] > 1]
+    if _SPATIAL[node.op] and len(node.inputs) == 1:
+        rules.append(Rule(node.name, (REDUCE,), REDUCE, "spatial-split", False))
+    return rules
+
+
 def _tuple_item(node: Node, g: Graph) -> list[Rule]:
     """tuple-item (HAND_RULES): an item of a tuple output has the tuple's layout."""
     src = g[node.inputs[0]]
@@ -375,9 +393,11 @@ def node_rules(node: Node, g: Graph, sfb: bool) -> tuple[list[Rule], str]:
     derived = dtensor_rules.derive(node.fx_node)
     rules = [rep]
     origin = "none"
+    from_dtensor: list[Rule] = []
     if derived is not None:
         triples, how = derived
-        rules += _rules_from_triples(node, triples, "dtensor", g)
+        from_dtensor = _rules_from_triples(node, triples, "dtensor", g)
+        rules += from_dtensor
         origin = f"dtensor: {how}"
     if node.op in _VIEWS and node.shape is not None:
         rules = _shard_units(node, rules, g)
@@ -386,6 +406,9 @@ def node_rules(node: Node, g: Graph, sfb: bool) -> tuple[list[Rule], str]:
         rules += extra
         if extra and origin == "none":
             origin = "hand"
+    if node.op in _SPATIAL and not from_dtensor:
+        rules += _spatial_split(node, g)
+        origin = "hand"
     if node.op == "conv2d":
         rules += _conv_channels(node, g)
     if node.op == "batch_norm" and node.shape is not None and node.shape[0] > 1:

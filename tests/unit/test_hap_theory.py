@@ -499,3 +499,26 @@ def test_an_op_with_only_an_old_style_dtensor_rule_fails_a_trace_on_older_torch(
     schema = type("Schema", (), {"op": conv})()
     with pytest.raises(NotImplementedError, match="old-style"):
         dtensor_rules._PlacementsOnly(Prop()).propagate_op_sharding_non_cached(schema)
+
+
+def test_where_dtensor_has_no_strategy_for_a_convolution_or_pooling_hap_splits_them_as_dtensor_does(monkeypatch):
+    # torch before 2.12 (the GPU hosts') gives these ops no triple (their DTensor rules are
+    # old-style): VGG19 had no data parallelism there. HAP's spatial-split gives DTensor's own.
+    from methods.hap import dtensor_rules
+
+    torch.manual_seed(0)
+    model = AllOps()
+    inputs = (torch.randint(0, 11, (5, 4)), torch.randn(5, 3, 4, 4), torch.randint(0, 5, (5,)))
+    graph = capture(model, inputs)
+    theirs = derive_theory(graph, sfb=False)
+    spatial = {"conv2d", "max_pool2d", "adaptive_avg_pool2d"}
+    real = dtensor_rules.derive
+    monkeypatch.setattr(dtensor_rules, "derive", lambda n: None if n.target._opname in spatial else real(n))
+    ours = derive_theory(graph, sfb=False)
+    ops = [n for n in graph.nodes if n.op in spatial]
+    assert {n.op for n in ops} == spatial
+    for n in ops:
+        dtensor = {(r.pre, r.post) for r in theirs.rules[n.name] if r.name == "dtensor"}
+        assert dtensor and {(r.pre, r.post) for r in ours.rules[n.name] if r.name == "spatial-split"} == dtensor
+        assert not any(r.name == "spatial-split" for r in theirs.rules[n.name]), n.op
+    assert check_all_triples(model, inputs) > 300
