@@ -581,7 +581,14 @@ class HapPlanner:
         cost = self._costs.get(key)
         if cost is None or cost.theory is not theory or cost.cluster is not cluster:
             cost = self._costs[key] = CostModel(
-                theory, cluster, granularity, ratios, self.segmentation, self._grad_bucket_bytes, self.grad_overlap
+                theory,
+                cluster,
+                granularity,
+                ratios,
+                self.segmentation,
+                self._grad_bucket_bytes,
+                self.grad_overlap,
+                self.grad_accumulation,
             )
         return cost
 

@@ -8,8 +8,14 @@ compute, the network and the all-reduce inside machines): a complete program's p
 simulator's time, overlap, optimizer step and per-step terms included (program_cost), but for
 one approximation: each gradient's sync is its bytes' share of a full bucket's all-reduce,
 launched once its own gradient is made, where the runtime launches a bucket once its last one
-is (exact with one bucket per parameter, method.bucket_cap_mb=0). It does not choose steps or
-ratios.
+is (exact with one bucket per parameter, method.bucket_cap_mb=0). With gradient accumulation
+(k micro-steps, the steps one micro-step's) the price is the iteration's over k: one
+micro-step, with each gradient sync and the optimizer step and per-step terms of the iteration
+charged 1/k, as the program pays them once in k micro-steps. It is exact where the syncs wait
+in their backward stages (no overlap) and the host does not bound the lanes; with syncs beside
+backward it spreads them over every micro-step's backward, where the program makes them in the
+last one only (results/planner/20261204-search-under-accumulation.md measures both). It does
+not choose steps or ratios.
 """
 
 from __future__ import annotations
@@ -41,8 +47,13 @@ class CostModel:
         segmentation: str = "layers",
         grad_bucket_bytes: float = 0.0,
         grad_overlap: bool = False,
+        micro_steps: int = 1,
     ):
         self.theory = theory
+        # Gradient accumulation: the steps are one of micro_steps micro-steps; what the
+        # iteration pays once (gradient syncs, optimizer step, per-step terms) is charged 1/k.
+        self.micro_steps = int(micro_steps)
+        self._once = 1.0 / self.micro_steps
         # grad_overlap: replicated parameters' gradients are all-reduced beside the rest of
         # backward (build_program with grad_overlap), in buckets of grad_bucket_bytes (0: one
         # per parameter), each charged its share of a full bucket's all-reduce (sync_map).
@@ -321,7 +332,8 @@ class CostModel:
         if key not in self._param_cost:
             t = self.gather_time(tensor, layout)
             if self.graph[tensor].is_param and not self.grad_overlap and layout == IDENTITY and not rule.sfb:
-                t += self.collective_time(Collective("all_reduce", Affine(float(self.graph[tensor].nbytes)), grad=True))
+                grad = Collective("all_reduce", Affine(float(self.graph[tensor].nbytes)), grad=True)
+                t += self.collective_time(grad) * self._once
             self._param_cost[key] = t
         return self._param_cost[key]
 
@@ -349,11 +361,12 @@ class CostModel:
                 if not self.machines
                 else max(local.at(self.ratios, d) for d in range(len(self.vdevs)))
             )
-            comm = self.bucketed_sync_s(size) if across else 0.0
+            comm = self.bucketed_sync_s(size) * self._once if across else 0.0
             sync = 0.0
             if self.machines:
                 share = min(1.0, size / self.grad_bucket_bytes) if self.grad_bucket_bytes else 1.0
                 sync = intra_grad_sync(Stage((), grad_bytes=local), self.cluster, self.vdevs, self.prices, share)
+                sync *= self._once
             if comm or sync:
                 m = stage_map(comm, 0.0, across, True, sync)
         self._sync_maps[key] = m
@@ -368,7 +381,7 @@ class CostModel:
         for t, layout in sources:
             if self.graph[t].is_param:
                 nbytes = nbytes + self._bytes(t, layout)
-        return intra_grad_sync(Stage((), grad_bytes=nbytes), self.cluster, self.vdevs, self.prices)
+        return intra_grad_sync(Stage((), grad_bytes=nbytes), self.cluster, self.vdevs, self.prices) * self._once
 
     def step_maps(
         self, name: str, rule: Rule, sources: Sequence[tuple[str, Layout]], fwd_comm: float, bwd_comm: float
@@ -401,24 +414,39 @@ class CostModel:
                     for kind in self.compute_kind(name):
                         launches[kind["op_class"]] += kind.get("launches", 0.0)
                 self.theory.search_cache[("launches",)] = launches
-            empty = Program((), len(self.vdevs), self.num_segments, self.granularity, Memory())
+            empty = Program(
+                (), len(self.vdevs), self.num_segments, self.granularity, Memory(), micro_steps=self.micro_steps
+            )
             host = launch_times(launches, self.vdevs)[0]
-            self._goal = (host, step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter()), launches)
+            after = step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter()) * self._once
+            self._goal = (host, after, launches)
         return self._goal
 
     def complete(self, lanes_end: float, steps: Sequence[Step]) -> float:
         """A complete program's price from where its lanes end: the host's queueing, the
         optimizer step and the per-step terms at the parameter bytes its devices hold, as
-        bench.cost.price.iteration_time ends an iteration."""
+        bench.cost.price.iteration_time ends an iteration (over k micro-steps: those terms of
+        the iteration's, 1/k of them after this micro-step's lanes)."""
         params = Affine()
         for step in steps:
             for t, layout in step.sources:
                 if self.graph[t].is_param:
                     params = params + self._bytes(t, layout)
         program = Program(
-            (), len(self.vdevs), self.num_segments, self.granularity, Memory(params=params), batch=self.graph.batch_size
+            (),
+            len(self.vdevs),
+            self.num_segments,
+            self.granularity,
+            Memory(params=params),
+            batch=self.graph.batch_size,
+            micro_steps=self.micro_steps,
         )
-        return step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, self.goal()[2])
+        host, _, launches = self.goal()
+        total = step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, launches)
+        if self.micro_steps == 1:
+            return total
+        ends = max(lanes_end, host) if host > 0 else lanes_end  # as step_terms starts them
+        return ends + (total - ends) * self._once
 
     def program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule] = ()) -> float:
         """What the search charges a complete program at these ratios (synthesize's cost_s):

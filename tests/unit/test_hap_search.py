@@ -444,3 +444,26 @@ def test_a_search_without_incumbent_works_out_its_bound_at_the_first_state_with_
         eager = synthesize(t, cost, beam_width=40, incumbent=nothing)
         assert len(calls) == bounds + 1
         assert lazy.steps == eager.steps and lazy.cost_s == eager.cost_s and lazy.stats == eager.stats
+
+
+@pytest.mark.parametrize("k, host", [(2, False), (3, False), (3, True)])
+def test_under_gradient_accumulation_the_search_prices_the_iteration_over_its_micro_steps(k, host):
+    """k micro-steps of the same steps: the syncs, the optimizer step and the per-step terms paid
+    once an iteration, so the search's price of one micro-step is the simulator's iteration over
+    k, exactly where the syncs wait in their backward stages (`host`: emulated CPU ranks, with
+    a per-step part and Adam's per-byte cost)."""
+    theory, _, cl = setup(512, 10.0)
+    if host:
+        machines = [{"count": 1, "device": "cpu", "num_devices": 1, "speed": v} for v in (1.0, 0.5, 0.4)]
+        link = {"bandwidth_gbps": 1.0, "latency_s": 5e-5}
+        spec = {"name": "cpus", "emulated": True, "virtual_device": "gpu", "machines": machines}
+        cl = ClusterSpec.from_config({**spec, "links": {"intra_machine": link, "inter_machine": link}})
+        cl = cl.with_host_speed(2e10, 0.004, 2e-9, 1e6)
+    ratios = compute_proportional_ratios(cl, "gpu")
+    once, each = (CostModel(theory, cl, "gpu", ratios, micro_steps=m) for m in (k, 1))
+    res = synthesize(theory, once)
+    program = build_program(res.steps, once, grad_overlap=False, micro_steps=k)
+    assert simulate(program, cl, ratios).iter_time_s == pytest.approx(k * res.cost_s, rel=1e-9)
+    assert res.cost_s == pytest.approx(brute_force(theory, once).cost_s, rel=1e-12)  # the bound still holds
+    assert any(each.param_sync(s) for s in res.steps)
+    assert once.program_cost(res.steps, res.final_comms) < each.program_cost(res.steps, res.final_comms)
