@@ -449,16 +449,19 @@ def step_terms(
     alg: FloatAlgebra,
     lanes_end: float,
     launches: Counter | None = None,
+    share: float = 1.0,
 ) -> float:
     """An iteration's seconds from where its lanes end (iteration_time's last lines): no sooner
     than the host has queued its kernels, then the optimizer step and the per-step terms.
-    `launches`: the kernels per op class where `program` holds no stages (default: its own)."""
+    `launches`: the kernels per op class where `program` holds no stages (default: its own).
+    `share`: the part of the optimizer step and per-step terms charged (hap's search prices one
+    of k micro-steps, 1/k of what the iteration pays once: methods.hap.pricing)."""
     host_steps, host_optimizer = host_times(program, vdevs) if launches is None else launch_times(launches, vdevs)
     t = max(lanes_end, host_steps) if host_steps > 0 else lanes_end
     optimizer = optimizer_time(program, vdevs, alg)
     if host_optimizer > 0:
         optimizer = max(optimizer, host_optimizer)
-    return t + optimizer + per_step_s(program, cluster, vdevs, alg)
+    return t + optimizer * share + per_step_s(program, cluster, vdevs, alg) * share
 
 
 # -- numbers ---------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def hap_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSpe
     graph = graph.with_recompute([u.nodes for u in hap.tools.units(graph)])
     state = HAP_STATE_PER_PARAM * param_bytes(graph)
     acts = activation_bytes(graph) / cand.grad_accumulation
-    levels = ["machine", "gpu"] if hap_levels(auto, cand, cluster) == 2 else [cluster.virtual_device]
+    levels = ["machine", "gpu"] if both_levels(hap, cluster) else [cluster.virtual_device]
     limits = _limits(cluster)
     out = []
     for level in levels:
@@ -126,15 +126,17 @@ def hap_gpus_only(auto, cand: Candidate, workload: Workload, cluster: ClusterSpe
     """Whether hap would plan `cand` over machines and over GPUs, and only the GPUs' floor is
     within memory: a plan over memory never wins over one that fits (`HapPlanner`'s `_better`),
     so the machines' need not be planned."""
-    if cand.part != "hap" or workload.global_batch % cand.grad_accumulation or hap_levels(auto, cand, cluster) < 2:
+    if cand.part != "hap" or workload.global_batch % cand.grad_accumulation:
+        return False
+    if not both_levels(make_part(auto, cand), cluster):
         return False
     within = [level for level, floor, memory in hap_floor_gib(auto, cand, workload, cluster) if floor <= memory]
     return within == ["gpu"]
 
 
-def hap_levels(auto, cand: Candidate, cluster: ClusterSpec) -> int:
-    """How many levels hap plans `cand` at on `cluster` (as HapPlanner._plan)."""
-    return 2 if make_part(auto, cand).levels == "both" and cluster.num_machines < cluster.num_devices else 1
+def both_levels(hap, cluster: ClusterSpec) -> bool:
+    """Whether `hap` (a HapPlanner) plans over machines and over GPUs on `cluster` (as its _plan)."""
+    return hap.levels == "both" and cluster.num_machines < cluster.num_devices
 
 
 def _hap_floor(auto, cand: Candidate, workload: Workload, cluster: ClusterSpec) -> str | None:

@@ -14,8 +14,8 @@ micro-step, with each gradient sync and the optimizer step and per-step terms of
 charged 1/k, as the program pays them once in k micro-steps. It is exact where the syncs wait
 in their backward stages (no overlap) and the host does not bound the lanes; with syncs beside
 backward it spreads them over every micro-step's backward, where the program makes them in the
-last one only (results/planner/20261204-search-under-accumulation.md measures both). It does
-not choose steps or ratios.
+last one only, so it prices the iteration low (docs/planner.md, "Search"). It does not choose
+steps or ratios.
 """
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ class CostModel:
                 (), len(self.vdevs), self.num_segments, self.granularity, Memory(), micro_steps=self.micro_steps
             )
             host = launch_times(launches, self.vdevs)[0]
-            after = step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter()) * self._once
+            after = step_terms(empty, self.cluster, self.vdevs, self.prices, 0.0, Counter(), self._once)
             self._goal = (host, after, launches)
         return self._goal
 
@@ -441,12 +441,7 @@ class CostModel:
             batch=self.graph.batch_size,
             micro_steps=self.micro_steps,
         )
-        host, _, launches = self.goal()
-        total = step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, launches)
-        if self.micro_steps == 1:
-            return total
-        ends = max(lanes_end, host) if host > 0 else lanes_end  # as step_terms starts them
-        return ends + (total - ends) * self._once
+        return step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, self.goal()[2], self._once)
 
     def program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule] = ()) -> float:
         """What the search charges a complete program at these ratios (synthesize's cost_s):
