@@ -158,12 +158,13 @@ def check(args: argparse.Namespace, chosen: dict[str, list[str]]) -> int:
     start = time.perf_counter()
     figures = simulated(1, chosen)
     methods = chosen.get("method")
-    rounds = None
+    rounds, base = None, load_baseline()
     if not args.no_measured and chosen.get("model") in (None, ["bert"]):
-        real = baseline_real_methods(load_baseline())
-        rounds = measured_rounds(args.slowdown, real if methods is None else [m for m in methods if m in real])
+        real = baseline_real_methods(base)
+        rounds = measured_rounds(
+            args.slowdown, real if methods is None else [m for m in methods if m in real], base["figures"]
+        )
         figures.update(medians(rounds))
-    base = load_baseline()
     expected = {k: v for k, v in base["figures"].items() if _selected(k, chosen)}
     if args.no_measured:
         expected = {k: v for k, v in expected.items() if not k.startswith("iter_over_compute:")}

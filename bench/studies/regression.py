@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,10 +123,13 @@ def python_yardstick_s(at_least_s: float = 0.0, repeats: int = 5) -> float:
     return statistics.fmean(runs)
 
 
-def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, float]:
+def sim_figures(
+    models=MODELS, methods: list[str] | None = None, timed: Container[str] | None = None
+) -> dict[str, float]:
     """Deterministic figures: predicted iteration time and planner effort per case, and the
     planner's time less the model's capture in units of this process's Python speed, timed right
-    after it planned for as long as it planned."""
+    after it planned for as long as it planned (for the planner figures in `timed`, by default
+    every one: a check times those its baseline has)."""
     out = {}
     for model in models:
         for method in methods_supporting("sim") if methods is None else methods:
@@ -143,7 +147,8 @@ def sim_figures(models=MODELS, methods: list[str] | None = None) -> dict[str, fl
                 # The planner without the model's capture (a load when the graph cache kept it,
                 # torch.export's when it did not): what the planner's own code costs.
                 planning = record.planner_time_s - (record.capture_time_s or 0.0)
-                out[f"planner_time_rel:{key}"] = planning / python_yardstick_s(planning)
+                if timed is None or f"planner_time_rel:{key}" in timed:
+                    out[f"planner_time_rel:{key}"] = planning / python_yardstick_s(planning)
     return out
 
 
@@ -190,16 +195,24 @@ def baseline_real_methods(baseline: dict) -> list[str]:
     return [m for m in methods_supporting("real") if m in have]
 
 
-def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> dict[str, list[float]]:
+def measured_rounds(
+    slowdown: float = 0.0, methods: list[str] | None = None, baseline: dict[str, float] | None = None
+) -> dict[str, list[float]]:
     """Each real-capable method's measured iteration time over the cluster's pooled compute in
-    the same run, one value per round of REAL_ROUNDS interleaved rounds (iter_over_compute); a
-    method missing from any round (it failed) has no figure.
+    the same run, one value per round of up to REAL_ROUNDS interleaved rounds (iter_over_compute);
+    a method that failed in a round it ran has no figure.
+
+    With `baseline` (its figures), a method whose round is within the tolerance of its baseline
+    figure runs no more rounds: a figure regresses only when every round is past (compare), so
+    its verdict is settled. Without, every method runs every round (a rebaseline's sessions).
 
     `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
     what a deliberately slower worker loop looks like to this check.
     """
     methods = methods_supporting("real") if methods is None else methods
+    figure = {m: f"iter_over_compute:bert-tiny/local_hetero2/{m}" for m in methods}
     ratios: dict[str, list[float]] = {m: [] for m in methods}
+    running, baseline = list(methods), baseline or {}
     with tempfile.TemporaryDirectory() as tmp:
         configs = {
             m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}", f"test.slowdown={slowdown}") for m in methods
@@ -208,12 +221,24 @@ def measured_rounds(slowdown: float = 0.0, methods: list[str] | None = None) -> 
         with contextlib.ExitStack() as stack:  # each method's workers kept for its rounds
             runners = {m: stack.enter_context(CaseRunner(configs[m])) for m in methods}
             for _ in range(REAL_ROUNDS):
-                for m in methods:
+                for m in running:
                     record = runners[m].run()
                     compute = pooled_compute_s(record.emulation)
-                    if record.status == "ok" and compute:
-                        ratios[m].append(record.iter_time_s_mean / compute)
-    return {f"iter_over_compute:bert-tiny/local_hetero2/{m}": r for m, r in ratios.items() if len(r) == REAL_ROUNDS}
+                    ratios[m].append(record.iter_time_s_mean / compute if record.status == "ok" and compute else None)
+                running = [m for m in running if not _settled(figure[m], ratios[m], baseline)]
+    return {figure[m]: r for m, r in ratios.items() if None not in r}
+
+
+def _settled(figure: str, values: list[float | None], baseline: dict[str, float]) -> bool:
+    """A measured figure needs no more rounds: a round failed (it has no figure), or its last
+    round is within its baseline's tolerance (compare cannot then find every round past)."""
+    return None in values or (figure in baseline and _within(figure, values[-1], baseline[figure]))
+
+
+def _within(figure: str, value: float, old: float) -> bool:
+    """Whether a figure's value is within its kind's tolerance of its baseline value `old`."""
+    better, tol = TOLERANCE[figure.split(":", 1)[0]]
+    return value <= old * (1 + tol) if better == "lower" else value >= old * (1 - tol)
 
 
 def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
@@ -242,16 +267,13 @@ def compare(
     rounds = rounds or {}
     changes = []
     for figure in sorted(set(baseline) | set(new)):
-        kind = figure.split(":", 1)[0]
-        better, tol = TOLERANCE[kind]
         old, cur = baseline.get(figure), new.get(figure)
         if old is None or cur is None:
             # A figure that disappeared (a case stopped planning) is a regression; a new one is not.
             changes.append(Change(figure, old, cur, regressed=cur is None))
             continue
-        limit = old * (1 + tol) if better == "lower" else old * (1 - tol)
         values = rounds.get(figure, [cur])
-        past = sum(v > limit if better == "lower" else v < limit for v in values)
+        past = sum(not _within(figure, v, old) for v in values)
         changes.append(
             Change(
                 figure, old, cur, regressed=past == len(values), past=(past, len(values)) if figure in rounds else None

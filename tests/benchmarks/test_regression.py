@@ -9,6 +9,7 @@ import json
 import random
 import statistics
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_no_simulated_regression_against_the_committed_baseline():
     speed (which cancel a host shared with other tests, docs/regression.md)."""
     base = regress.load_baseline()
     expected = _kind(base["figures"], measured=False)
-    figures = regress.sim_figures(methods=regress.baseline_sim_methods(base))
+    figures = regress.sim_figures(methods=regress.baseline_sim_methods(base), timed=expected)
     rounds = regress.planner_retries(expected, figures)
     changes = regress.compare(expected, figures, rounds)
     bad = [c for c in changes if c.regressed]
@@ -44,7 +45,7 @@ def test_no_simulated_regression_against_the_committed_baseline():
 @pytest.mark.alone
 def test_no_measured_throughput_regression_against_the_committed_baseline():
     base = regress.load_baseline()
-    rounds = regress.measured_rounds(methods=regress.baseline_real_methods(base))
+    rounds = regress.measured_rounds(methods=regress.baseline_real_methods(base), baseline=base["figures"])
     changes = regress.compare(_kind(base["figures"], measured=True), regress.medians(rounds), rounds)
     bad = [c for c in changes if c.regressed]
     assert not bad, "throughput regression:\n" + _report(changes, base.get("git_sha"))
@@ -172,6 +173,59 @@ def test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_s
     steady = _rounds("20261126-normaliser-rounds.json")
     assert _failure_rate(steady, 0.0, _every_round) == 0
     assert _failure_rate(steady, 0.20, _every_round) == 1
+
+
+def test_a_method_within_its_tolerance_runs_no_more_rounds_and_the_verdicts_stay(monkeypatch):
+    """Against a baseline, a method stops at its first round within tolerance (it can no longer
+    have every round past), one past goes on, one that fails stops with no figure; without a
+    baseline every method runs every round it does not fail. The verdicts equal those of every
+    round run."""
+    values = {
+        "ok": [1.05, 1.3, 1.3, 1.3],
+        "late": [1.2, 1.2, 1.05, 1.3],
+        "slow": [1.2] * 4,
+        "dies": [1.2, None, 1.0, 1.0],
+    }
+    runs: list[str] = []
+
+    class Runner:
+        def __init__(self, cfg):
+            self.method, self.done = cfg, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self):
+            runs.append(self.method)
+            value = values[self.method][self.done]
+            self.done += 1
+            return SimpleNamespace(status="failed" if value is None else "ok", iter_time_s_mean=value, emulation=1.0)
+
+    monkeypatch.setattr(regress, "_compose", lambda *overrides: overrides[-3].partition("=")[2])
+    monkeypatch.setattr(regress, "expect_cases", lambda configs: None)
+    monkeypatch.setattr(regress, "CaseRunner", Runner)
+    monkeypatch.setattr(regress, "pooled_compute_s", lambda emulation: emulation)
+    key = "iter_over_compute:bert-tiny/local_hetero2/{}".format
+    base = {key(m): 1.0 for m in values}  # tolerance 10%: 1.05 is within, 1.2 past
+    every = regress.measured_rounds(methods=list(values))
+    assert every == {key(m): v for m, v in values.items() if m != "dies"}
+    assert len(runs) == 14 and runs.count("dies") == 2
+    runs.clear()
+    early = regress.measured_rounds(methods=list(values), baseline=base)
+    assert early == {key("ok"): [1.05], key("late"): [1.2, 1.2, 1.05], key("slow"): [1.2] * 4}
+    assert runs.count("ok") == 1 and runs.count("late") == 3 and runs.count("slow") == 4 and runs.count("dies") == 2
+
+    def verdicts(rounds):
+        return {c.figure: c.regressed for c in regress.compare(base, regress.medians(rounds), rounds)}
+
+    assert (
+        verdicts(early)
+        == verdicts(every)
+        == {key("ok"): False, key("late"): False, key("slow"): True, key("dies"): True}
+    )
 
 
 def test_a_rebaseline_over_sessions_keeps_each_figure_median_and_every_session(monkeypatch, tmp_path):
