@@ -5,7 +5,8 @@ program, the pipeline's planner) and the simulator, exactly as the runner prices
 plan, so auto's price of a candidate is the composed method's. The loop pops the candidate of
 least lower bound; it stops when that bound reaches the fastest candidate that fits. A
 candidate's bound is the largest of
-  - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, and
+  - the compute-only time: the iteration's FLOPs over the cluster's effective FLOP/s, with
+    checkpointing the forward FLOPs it runs again added (`recompute_share`), and
   - the priced time of the same composition with a subset of its memory tools (a tool adds
     recompute, launches or collectives to a plan and never removes any), or where that part
     probes (below) that lighter plan's price without its probe: two probes time the host apart,
@@ -48,6 +49,8 @@ from bench.core.interfaces import Plan, Workload
 from bench.cost import simulate
 from methods.auto.floors import hap_gpus_only, oom_floor
 from methods.auto.space import Candidate, make_part
+from methods.common import capture_batch_norm, checkpoint_units
+from methods.graph import capture_config
 from methods.pipeline import SharedCosts, save_traces
 
 # The parts that time their own host work on an emulated CPU cluster, by the option that does it.
@@ -214,6 +217,15 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         PlanningError: no candidate planned at all (the first part's reason).
     """
     ideal = workload.flops_per_iter / cluster.total_effective_flops()
+    again: list[float] = []  # recompute_share, worked out where a checkpointed candidate is bounded
+
+    def compute_only(c: Candidate) -> float:
+        if not c.checkpointing:
+            return ideal
+        if not again:
+            again.append(recompute_share(workload))
+        return ideal * (1.0 + again[0])
+
     priced: dict[Candidate, Priced] = {}
     floors: dict[Candidate, float] = {}  # what a candidate cannot beat, known before its price
     shared = SharedCosts(workload, cluster)  # the pipelines' costs, priced once for every stage count and state
@@ -225,7 +237,7 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
             p.iter_time_s for d, p in priced.items() if p.bounds_heavier() and d not in probing and d.lighter_than(c)
         ]
         lighter += [f for d, f in floors.items() if d.lighter_than(c)]
-        return max([ideal, *lighter, floors.get(c, ideal)])
+        return max([compute_only(c), *lighter, floors.get(c, ideal)])
 
     def floor(c: Candidate) -> float:
         # What `c` cannot beat, known before its price (module docstring): its price without its
@@ -275,6 +287,16 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
     if best is None:
         raise _refusal(tried, cluster, auto.memory_budget_gib)
     return Found(best, tried, pruned, ideal)
+
+
+def recompute_share(workload: Workload) -> float:
+    """The forward FLOPs activation checkpointing runs again, over the iteration's: every part
+    that checkpoints recomputes at least the ops of `checkpoint_units` (hap, FSDP2, DDP and
+    DeepSpeed those; a pipeline stage all of its groups'), each priced as its forward is, so a
+    checkpointed candidate's compute-only time is the plain one's times 1 + this."""
+    graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=capture_batch_norm(workload))
+    recomputed = graph.with_recompute([u.nodes for u in checkpoint_units(graph)]).recomputed
+    return sum(graph[name].flops for name in recomputed) / graph.train_flops()
 
 
 def _refusal(tried: list[Priced], cluster: ClusterSpec, budget_gib: float | None) -> PlanningError:

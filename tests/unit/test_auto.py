@@ -1,6 +1,7 @@
 """auto: its space, its search (each candidate priced as its part prices it, the bound, memory),
 and its bad input as one line and a row that is never ok."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -14,6 +15,8 @@ from bench.runner.execute import run_config
 from methods.auto import Auto, NoPlanFits
 from methods.auto.search import with_memory
 from methods.auto.space import Candidate, accumulation_steps, candidates, make_part
+from methods.common import checkpoint_units
+from methods.graph import capture_config
 from methods.pipeline import SharedCosts
 from tests.conftest import compose_config
 from tests.unit.test_hap_planner import bert_workload, cluster
@@ -155,8 +158,15 @@ def test_pipelines_planned_with_shared_costs_equal_each_planned_alone(tmp_path, 
     assert len(shared._costs) == 2  # with and without checkpointing, each priced once
 
 
+def _counted(wl):
+    """`wl` with its FLOPs a sample counted from its graph (bert_workload leaves them 0)."""
+    return dataclasses.replace(
+        wl, flops_per_sample=capture_config(wl.model_cfg, wl.global_batch).train_flops() / wl.global_batch
+    )
+
+
 def test_auto_is_the_fastest_candidate_that_fits_and_pruning_keeps_it(tmp_path):
-    wl, cl = bert_workload(), cluster(k=2)
+    wl, cl = _counted(bert_workload()), cluster(k=2)
     pruned = _method(tmp_path).plan(wl, cl).details["auto"]
     full = _method(tmp_path, "method.prune=false").plan(wl, cl).details["auto"]
     assert full["num_pruned"] == 0 and full["num_priced"] > pruned["num_priced"]
@@ -165,9 +175,12 @@ def test_auto_is_the_fastest_candidate_that_fits_and_pruning_keeps_it(tmp_path):
     fits = [c for c in full["candidates"] if c["status"] == "fits"]
     best = min(fits, key=lambda c: c["iter_time_s"])
     assert best["candidate"] == full["chosen_as"]
-    for c in full["candidates"]:  # the bound never passed a price
+    share = importlib.import_module("methods.auto.search").recompute_share(wl)
+    assert full["compute_only_s"] > 0
+    for c in full["candidates"]:  # the bound never passed a price, checkpointing's recompute in it
         if c["iter_time_s"] is not None:
-            assert c["iter_time_s"] >= full["compute_only_s"]
+            ckpt = "checkpointing" in c["candidate"]
+            assert c["iter_time_s"] >= full["compute_only_s"] * (1 + share * ckpt)
 
 
 @pytest.mark.parametrize("added", [0.0, 3.0])  # the probes' work over the plain step's
@@ -239,6 +252,37 @@ def test_a_probed_candidate_bounds_a_heavier_one_by_its_price_without_the_probe(
         found = search_mod.search(_method(tmp_path, f"method.prune={prune}"), [light, heavy], wl, cl)
         assert found.best.cand == heavy and not found.pruned
         assert all(p.bound_s <= p.iter_time_s for p in found.priced)
+
+
+def test_a_checkpointed_candidate_is_bounded_by_the_forward_it_runs_again(tmp_path, monkeypatch):
+    """With checkpointing the compute-only bound adds the forward FLOPs of the checkpoint units
+    (every part that checkpoints runs those again): a checkpointed candidate is not planned
+    where that already passes the fastest plan found, and is where it does not."""
+    search_mod = importlib.import_module("methods.auto.search")
+    wl, cl = _counted(bert_workload()), cluster(k=2)
+    graph = capture_config(wl.model_cfg, wl.global_batch)
+    units = checkpoint_units(graph)
+    again = sum(graph[name].flops for u in units for name in u.nodes) / graph.train_flops()
+    share = search_mod.recompute_share(wl)
+    assert units and share == pytest.approx(again) and 0.1 < share < 0.5
+    ideal = wl.flops_per_iter / cl.total_effective_flops()
+    assert ideal > 0
+    plain = Candidate(stages=1, state="replicated")
+    ckpt = Candidate(stages=2, state="replicated", checkpointing=True)  # no lighter candidate priced
+    bounds = {}
+
+    def price(auto, c, workload, cluster, bound_s, shared=None):
+        bounds[c] = bound_s
+        return search_mod.Priced(c, "fits", bound_s, ideal * (1 + share * fraction))
+
+    monkeypatch.setattr(search_mod, "floored", lambda *a: None)
+    monkeypatch.setattr(search_mod, "price", price)
+    for fraction, pruned in ((0.5, True), (1.5, False)):  # the plain plan below, then above, the bound
+        bounds.clear()
+        found = search_mod.search(_method(tmp_path), [plain, ckpt], wl, cl)
+        assert bounds[plain] == ideal and [c for c, _ in found.pruned] == ([ckpt] if pruned else [])
+        bound = found.pruned[0][1] if pruned else bounds[ckpt]
+        assert bound == pytest.approx(ideal * (1 + share), rel=1e-12)
 
 
 def test_on_cpu_ranks_a_sharded_pipeline_is_taken_only_where_its_replicated_twin_does_not_fit(tmp_path):
