@@ -14,7 +14,7 @@ from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph, model_graph
 
 # -- the layer groups on this host ---------------------------------------------------------------
-PROFILE_VERSION = 5  # the groups run as ATen graphs (torch.export); zero-bubble's split backward timed
+PROFILE_VERSION = 6  # the groups run as ATen graphs (torch.export); zero-bubble's split backward timed; at the case's precision
 PROFILE_REPEATS = 9
 
 
@@ -32,6 +32,9 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
     twice it, taking turns as the workers' yardstick does (bench.runtime.hostspeed.yardstick),
     so that a change of the host's speed during the profile hits both alike: timed one after
     the other, a profile's groups and its plain step once came out 30% apart in their ratio.
+    All of it runs at the workload's precision (bench.runtime.precision.applied: bf16's autocast
+    around each round, as a worker's step_context is around its step), as the workers' yardstick
+    that scales it does.
 
     FLOPs are an uneven yardstick between layer groups on a CPU (tiny VGG19's classifier: 8% of
     the FLOPs, 26% of the time), so the pipeline prices an emulated cluster's stages from this,
@@ -41,14 +44,16 @@ def group_profile(workload: Workload, micro_batch: int, seed: int = 0, repeats: 
 
     return host_measurement(
         "layer_groups",
-        [workload.name, repr(workload.model_cfg), micro_batch, seed, repeats, PROFILE_VERSION],
+        [workload.name, repr(workload.model_cfg), micro_batch, seed, repeats, workload.precision, PROFILE_VERSION],
         lambda: _measure_groups(workload, micro_batch, seed, repeats),
     )
 
 
 def _measure_groups(workload: Workload, micro_batch: int, seed: int, repeats: int) -> dict:
     """group_profile's measurement (its docstring), uncached."""
-    with torch.random.fork_rng(devices=[]):
+    from bench.runtime.precision import applied
+
+    with torch.random.fork_rng(devices=[]), applied(workload.precision, "cpu"):
         model = workload.build(seed)
         graph = capture_config(workload.model_cfg, micro_batch)
         table = group_table(graph)

@@ -961,3 +961,30 @@ def test_a_graphs_group_table_is_made_once_and_its_checkpointed_view_has_its_own
     recomputed = group_table(view)
     assert recomputed is not table and recomputed == _group_table(view)
     assert sum(g.bwd_flops for g in recomputed.groups) > sum(g.bwd_flops for g in table.groups)
+
+
+def test_the_layer_groups_are_timed_at_the_cases_precision_and_kept_apart_by_it(monkeypatch):
+    """A bf16 case's profile times its groups (forward, backward, Adam) and its plain steps
+    under bf16's autocast, as its workers run and their yardstick times; an fp32 case's
+    without; each is kept under its own precision."""
+    import torch
+
+    from bench.runtime import method_step
+    from methods.pipeline import profile
+
+    keys, seen = [], []
+    monkeypatch.setattr(method_step, "host_measurement", lambda what, key, measure: keys.append(key) or measure())
+    timed = profile._time_groups
+
+    def watched(*args):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return timed(*args)
+
+    monkeypatch.setattr(profile, "_time_groups", watched)
+    fp32 = _workload("bert", 4)
+    for workload in (fp32, dataclasses.replace(fp32, precision="bf16")):
+        seen.clear()
+        out = profile.group_profile(workload, 2, repeats=1)
+        assert set(seen) == {None if workload.precision == "fp32" else torch.bfloat16} and out["step_s"] > 0
+    assert len(keys) == 2 and keys[0] != keys[1] and [k[-2] for k in keys] == ["fp32", "bf16"]
+    assert not torch.is_autocast_enabled("cpu")
