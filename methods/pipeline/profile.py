@@ -14,7 +14,8 @@ from methods.graph import capture_config
 from methods.pipeline.cut import cut_graph, model_graph
 
 # -- the layer groups on this host ---------------------------------------------------------------
-PROFILE_VERSION = 6  # the groups run as ATen graphs (torch.export); zero-bubble's split backward timed; at the case's precision
+# 6: at the case's precision; 5: the groups run as ATen graphs (torch.export), zero-bubble's split backward timed
+PROFILE_VERSION = 6
 PROFILE_REPEATS = 9
 
 

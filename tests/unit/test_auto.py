@@ -269,16 +269,17 @@ def test_a_checkpointed_candidate_is_bounded_by_the_forward_it_runs_again(tmp_pa
     assert ideal > 0
     plain = Candidate(stages=1, state="replicated")
     ckpt = Candidate(stages=2, state="replicated", checkpointing=True)  # no lighter candidate priced
-    bounds = {}
+    bounds, plain_s = {}, []
 
     def price(auto, c, workload, cluster, bound_s, shared=None):
         bounds[c] = bound_s
-        return search_mod.Priced(c, "fits", bound_s, ideal * (1 + share * fraction))
+        return search_mod.Priced(c, "fits", bound_s, plain_s[-1] if c == plain else 2 * bound_s)
 
     monkeypatch.setattr(search_mod, "floored", lambda *a: None)
     monkeypatch.setattr(search_mod, "price", price)
     for fraction, pruned in ((0.5, True), (1.5, False)):  # the plain plan below, then above, the bound
         bounds.clear()
+        plain_s.append(ideal * (1 + share * fraction))
         found = search_mod.search(_method(tmp_path), [plain, ckpt], wl, cl)
         assert bounds[plain] == ideal and [c for c, _ in found.pruned] == ([ckpt] if pruned else [])
         bound = found.pruned[0][1] if pruned else bounds[ckpt]
