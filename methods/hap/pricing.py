@@ -11,11 +11,12 @@ launched once its own gradient is made, where the runtime launches a bucket once
 is (exact with one bucket per parameter, method.bucket_cap_mb=0). With gradient accumulation
 (k micro-steps, the steps one micro-step's) the price is the iteration's over k: one
 micro-step, with each gradient sync and the optimizer step and per-step terms of the iteration
-charged 1/k, as the program pays them once in k micro-steps. It is exact where the syncs wait
-in their backward stages (no overlap) and the host does not bound the lanes; with syncs beside
-backward it spreads them over every micro-step's backward, where the program makes them in the
-last one only, so it prices the iteration low (docs/planner.md, "Search"). It does not choose
-steps or ratios.
+charged 1/k, as the program pays them once in k micro-steps: exact where the syncs wait in
+their backward stages (no overlap) and the host does not bound the lanes. With syncs beside
+backward the program makes them all beside the last micro-step's backward, so the price is
+(k - 1) / k of a micro-step that syncs nothing and 1 / k of one that syncs every gradient
+(CostModel.pair), each on its own timeline where the simulator runs the micro-steps on one
+(docs/planner.md, "Search"). It does not choose steps or ratios.
 """
 
 from __future__ import annotations
@@ -48,12 +49,18 @@ class CostModel:
         grad_bucket_bytes: float = 0.0,
         grad_overlap: bool = False,
         micro_steps: int = 1,
+        once: float | None = None,
     ):
         self.theory = theory
         # Gradient accumulation: the steps are one of micro_steps micro-steps; what the
-        # iteration pays once (gradient syncs, optimizer step, per-step terms) is charged 1/k.
+        # iteration pays once (gradient syncs, optimizer step, per-step terms) is charged 1/k
+        # (`once`: that share on one timeline, not the `pair`; 0.0 prices a micro-step that
+        # syncs nothing).
         self.micro_steps = int(micro_steps)
-        self._once = 1.0 / self.micro_steps
+        self._once = 1.0 / self.micro_steps if once is None else float(once)
+        self._paired = once is None and self.micro_steps > 1 and bool(grad_overlap)
+        self._segmentation = segmentation
+        self._pair: tuple | None = None
         # grad_overlap: replicated parameters' gradients are all-reduced beside the rest of
         # backward (build_program with grad_overlap), in buckets of grad_bucket_bytes (0: one
         # per parameter), each charged its share of a full bucket's all-reduce (sync_map).
@@ -443,14 +450,47 @@ class CostModel:
         )
         return step_terms(program, self.cluster, self.vdevs, self.prices, lanes_end, self.goal()[2], self._once)
 
+    @property
+    def pair(self) -> tuple[CostModel, CostModel] | None:
+        """Under gradient accumulation with overlapped syncs, the two micro-steps an iteration
+        is made of: k - 1 that sync nothing (`once` 0) and the last, which syncs every gradient
+        beside its backward and pays the optimizer step and the per-step terms (as one step
+        does); the search prices the iteration over k as (k - 1) / k of the first's price and
+        1 / k of the second's. One timeline with each sync at 1/k would spread the syncs over
+        every micro-step's backward, where the program has them all in the last (docs/planner.md,
+        "Search"). None otherwise: one timeline is exact."""
+        if not self._paired:
+            return None
+        if self._pair is None:
+            args = (
+                self.theory,
+                self.cluster,
+                self.granularity,
+                self.ratios,
+                self._segmentation,
+                self.grad_bucket_bytes,
+            )
+            self._pair = (
+                CostModel(*args, self.grad_overlap, self.micro_steps, once=0.0),
+                CostModel(*args, self.grad_overlap, 1),
+            )
+        return self._pair
+
     def program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule] = ()) -> float:
         """What the search charges a complete program at these ratios (synthesize's cost_s):
         its forward stages then its backward stages (each with its gradients' syncs) on the
-        lanes, the loss's last collective, then the optimizer step and the per-step terms."""
+        lanes, the loss's last collective, then the optimizer step and the per-step terms; with
+        a `pair`, its two micro-steps' prices weighted as the iteration has them."""
         key = (tuple(steps), tuple(final_comms))
         price = self._program_costs.get(key)
         if price is None:
-            price = self._program_costs[key] = self._program_cost(steps, final_comms)
+            if self.pair is not None:
+                quiet, last = self.pair
+                k = self.micro_steps
+                price = (k - 1) / k * quiet.program_cost(steps, final_comms) + last.program_cost(steps, final_comms) / k
+            else:
+                price = self._program_cost(steps, final_comms)
+            self._program_costs[key] = price
         return price
 
     def _program_cost(self, steps: Sequence[Step], final_comms: Sequence[CommRule]) -> float:

@@ -102,6 +102,8 @@ def synthesize(
     costs come early (data parallelism pays each gradient's sync at its parameter) for
     prefixes that pay theirs later; with an incumbent the result is never dearer than it.
     """
+    if cost.pair is not None:
+        return _synthesize_pair(theory, cost, max_expansions, beam_width, incumbent)
     graph = theory.graph
     key = ("order", cost.num_segments)
     if key not in theory.search_cache:
@@ -272,6 +274,163 @@ def synthesize(
             "check that the loss is summed over the batch inside forward"
         )
     return SearchResult(_steps(labels, best_label), best_cost, stats, best_final)
+
+
+def _synthesize_pair(
+    theory: Theory, cost: CostModel, max_expansions: int, beam_width: int | None, incumbent: SearchResult | None
+) -> SearchResult:
+    """synthesize under gradient accumulation with overlapped syncs (CostModel.pair): each
+    label carries the numbers of both micro-steps (one that syncs nothing, and the last, which
+    syncs): their forward seconds and end rows; a prefix's score is their scores (_score)
+    weighted as the iteration has them ((k - 1) / k and 1 / k), each a lower bound of its own
+    micro-step's price, so the weighted score bounds the iteration's over k; a label is
+    dropped where another of its state is at or below it on all eight numbers. Otherwise the
+    loop of synthesize."""
+    quiet, last = cost.pair
+    wq, wl = (cost.micro_steps - 1) / cost.micro_steps, 1.0 / cost.micro_steps
+    graph = theory.graph
+    key = ("order", cost.num_segments)
+    if key not in theory.search_cache:
+        order, last_use = _order(graph, theory)
+        theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
+    order, (dead, dead_props) = theory.search_cache[key]
+    n = len(order)
+    rest_q, rest_l = remaining_bound(theory, quiet, order), remaining_bound(theory, last, order)
+    (host_q, after_q, _), (host_l, after_l, _) = quiet.goal(), last.goal()
+    stats = SearchStats()
+    states, state_ids, state_moves = _state_graph(theory, quiet)
+    zero = (0.0, *ZERO_LANES, 0.0, *ZERO_LANES)  # (forward, end row) of each micro-step
+    # A label: (state, its eight numbers, parent label, step)
+    labels: list[tuple] = [(0, zero, -1, None)]
+    alive = [True]
+    at_state: dict = {0: [0]}
+    start = wq * _score(ZERO_LANES, 0.0, rest_q[0], host_q, after_q) + wl * _score(
+        ZERO_LANES, 0.0, rest_l[0], host_l, after_l
+    )
+    heap = [(start, -1, 0)]
+    best_cost = float("inf") if incumbent is None else incumbent.cost_s * (1 - 1e-9)
+    best_label, best_final = None, ()
+    per_pos = [0] * (n + 1)
+    beam = float("inf") if beam_width is None else beam_width
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        f, depth, label = pop(heap)
+        if not alive[label]:
+            stats.pruned_dedup += 1
+            continue
+        if f >= best_cost:
+            stats.pruned_bound += 1 + sum(alive[x] for _, _, x in heap)
+            stats.pruned_dedup += sum(not alive[x] for _, _, x in heap)
+            break
+        pos = -1 - depth
+        sid, (fq, q0, q1, q2, fl, l0, l1, l2) = labels[label][:2]
+        if pos == n:
+            _, props, communicated = states[sid]
+            extra = _finish(props, communicated, graph.loss, quiet)
+            if extra is not None:
+                steps = _pair_steps(labels, label)
+                total = wq * quiet.complete(max(q0 + fq, q2) + extra[0], steps)
+                total += wl * last.complete(max(l0 + fl, l2) + extra[0], steps)
+                if total < best_cost:
+                    best_cost, best_label, best_final = total, label, extra[1]
+                    stats.complete += 1
+            continue
+        if per_pos[pos] >= beam:
+            stats.beam_pruned += 1
+            continue
+        per_pos[pos] += 1
+        stats.expanded += 1
+        if stats.expanded > max_expansions:
+            raise NoProgramError(
+                f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
+                "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
+            )
+        moves_to = state_moves.get(sid)
+        if moves_to is None:
+            moves_to = state_moves[sid] = _state_moves(
+                theory, quiet, order[pos], states[sid], dead_props[pos], dead[pos], states, state_ids
+            )
+        key, kids = moves_to
+        moves = []
+        for c in (quiet, last):
+            got = c._search_moves.get(key)
+            if got is None:
+                got = c._search_moves[key] = _search_moves(c, key[0], c._recipes[key])
+            moves.append(got)
+        stats.generated += len(kids)
+        rq, rl = rest_q[pos + 1], rest_l[pos + 1]
+        full = pos + 1 < n and per_pos[pos + 1] >= beam
+        for child, (step, qq, pq, lanes_q, mq), (_, ql, pl, lanes_l, ml) in zip(kids, *moves):
+            a0, a1, a2 = _prepend(q0, q1, q2, lanes_q, mq)
+            b0, b1, b2 = _prepend(l0, l1, l2, lanes_l, ml)
+            fq2, fl2 = fq + qq + pq, fl + ql + pl
+            sq = max(a0 + fq2 + rq, a2, host_q) + after_q  # _score, written out
+            sl = max(b0 + fl2 + rl, b2, host_l) + after_l
+            score = wq * sq + wl * sl
+            if score >= best_cost:
+                stats.pruned_bound += 1
+                continue
+            if full:
+                stats.beam_pruned += 1
+                continue
+            mine = (fq2, a0, a1, a2, fl2, b0, b1, b2)
+            others = at_state.get(child)
+            if others is not None:
+                tol = _SAME * (abs(a0) + abs(fq2) + abs(b0) + abs(fl2))
+                dominated = killed = False
+                for x in others:
+                    if not alive[x]:
+                        continue
+                    theirs = labels[x][1]
+                    if all(t <= v + tol for t, v in zip(theirs, mine)):
+                        dominated = True
+                        break
+                    if all(v <= t + tol for t, v in zip(theirs, mine)):
+                        alive[x] = False
+                        killed = True
+                if dominated:
+                    stats.pruned_dedup += 1
+                    continue
+                if killed:
+                    others[:] = [x for x in others if alive[x]]
+                others.append(len(labels))
+            else:
+                at_state[child] = [len(labels)]
+            push(heap, (score, depth - 1, len(labels)))
+            labels.append((child, mine, label, step))
+            alive.append(True)
+    if best_label is None and incumbent is not None:
+        return dataclasses.replace(incumbent, stats=stats)
+    if best_label is None:
+        raise NoProgramError(
+            f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
+            "check that the loss is summed over the batch inside forward"
+        )
+    return SearchResult(_pair_steps(labels, best_label), best_cost, stats, best_final)
+
+
+def _pair_steps(labels: list, label: int) -> list[Step]:
+    """The steps of the program a label of _synthesize_pair is the end of, in order."""
+    steps = []
+    while labels[label][2] >= 0:
+        steps.append(labels[label][3])
+        label = labels[label][2]
+    steps.reverse()
+    return steps
+
+
+def _prepend(r0: float, r1: float, r2: float, lanes: int, m) -> tuple[float, float, float]:
+    """A backward stage's map in the search's form (_search_form) put before a prefix's end row
+    (bench.cost.lanes.prepend), as synthesize's loop writes it out."""
+    if lanes == 1:
+        return r0 + m, r1, r2
+    if lanes == 2:
+        return max(r0 + m[0], r1 + m[1]), max(r0 + m[2], r1 + m[3]), r2
+    return (
+        max(r0 + m[0], r1 + m[3], r2 + m[6]),
+        max(r0 + m[1], r1 + m[4], r2 + m[7]),
+        max(r0 + m[2], r1 + m[5], r2 + m[8]),
+    )
 
 
 def _search_form(price: tuple) -> tuple:
@@ -682,8 +841,13 @@ def brute_force(theory: Theory, cost: CostModel) -> BruteForceResult:
         if pos == len(order):
             extra = _finish(props, communicated, graph.loss, cost)
             count[0] += 1
-            if extra is not None:
-                best[0] = min(best[0], cost.complete(end(row, lanes) + extra[0], steps))
+            if extra is not None:  # with a pair, the two micro-steps' timelines (program_cost)
+                price = (
+                    cost.program_cost(steps, extra[1])
+                    if cost.pair
+                    else cost.complete(end(row, lanes) + extra[0], steps)
+                )
+                best[0] = min(best[0], price)
             return
         for step, (q, p, m, _), add_props, add_comm in _successors(theory, cost, order[pos], props, communicated):
             live = frozenset(p for p in props | add_props if last_use.get(p[0], -1) > pos)
