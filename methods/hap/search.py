@@ -361,11 +361,21 @@ def _synthesize_pair(
         rq, rl = rest_q[pos + 1], rest_l[pos + 1]
         full = pos + 1 < n and per_pos[pos + 1] >= beam
         for child, (step, qq, pq, lanes_q, mq), (_, ql, pl, lanes_l, ml) in zip(kids, *moves):
-            a0, a1, a2 = _prepend(q0, q1, q2, lanes_q, mq)
-            b0, b1, b2 = _prepend(l0, l1, l2, lanes_l, ml)
+            if lanes_q == 1:  # compute alone (_prepend's first form, written out)
+                a0, a1, a2 = q0 + mq, q1, q2
+            else:
+                a0, a1, a2 = _prepend(q0, q1, q2, lanes_q, mq)
+            if lanes_l == 1:
+                b0, b1, b2 = l0 + ml, l1, l2
+            else:
+                b0, b1, b2 = _prepend(l0, l1, l2, lanes_l, ml)
             fq2, fl2 = fq + qq + pq, fl + ql + pl
-            sq = max(a0 + fq2 + rq, a2, host_q) + after_q  # _score, written out
-            sl = max(b0 + fl2 + rl, b2, host_l) + after_l
+            sq = a0 + fq2 + rq  # _score, written out
+            sq = sq if sq >= a2 else a2
+            sq = (sq if sq >= host_q else host_q) + after_q
+            sl = b0 + fl2 + rl
+            sl = sl if sl >= b2 else b2
+            sl = (sl if sl >= host_l else host_l) + after_l
             score = wq * sq + wl * sl
             if score >= best_cost:
                 stats.pruned_bound += 1
@@ -378,14 +388,32 @@ def _synthesize_pair(
             if others is not None:
                 tol = _SAME * (abs(a0) + abs(fq2) + abs(b0) + abs(fl2))
                 dominated = killed = False
-                for x in others:
+                for x in others:  # (all eight compared, written out)
                     if not alive[x]:
                         continue
-                    theirs = labels[x][1]
-                    if all(t <= v + tol for t, v in zip(theirs, mine)):
+                    t0, t1, t2, t3, t4, t5, t6, t7 = labels[x][1]
+                    if (
+                        t0 <= fq2 + tol
+                        and t1 <= a0 + tol
+                        and t4 <= fl2 + tol
+                        and t5 <= b0 + tol
+                        and t2 <= a1 + tol
+                        and t3 <= a2 + tol
+                        and t6 <= b1 + tol
+                        and t7 <= b2 + tol
+                    ):
                         dominated = True
                         break
-                    if all(v <= t + tol for t, v in zip(theirs, mine)):
+                    if (
+                        fq2 <= t0 + tol
+                        and a0 <= t1 + tol
+                        and fl2 <= t4 + tol
+                        and b0 <= t5 + tol
+                        and a1 <= t2 + tol
+                        and a2 <= t3 + tol
+                        and b1 <= t6 + tol
+                        and b2 <= t7 + tol
+                    ):
                         alive[x] = False
                         killed = True
                 if dominated:
