@@ -105,11 +105,7 @@ def synthesize(
     if cost.pair is not None:
         return _synthesize_pair(theory, cost, max_expansions, beam_width, incumbent)
     graph = theory.graph
-    key = ("order", cost.num_segments)
-    if key not in theory.search_cache:
-        order, last_use = _order(graph, theory)
-        theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
-    order, (dead, dead_props) = theory.search_cache[key]
+    order, dead, dead_props = _search_order(theory, cost.num_segments)
     n = len(order)
     # Without an incumbent, the bound waits for a state with two moves (docs/planner.md, "Search").
     min_rest = None if incumbent is None else remaining_bound(theory, cost, order)
@@ -176,10 +172,7 @@ def synthesize(
         per_pos[pos] += 1
         expanded += 1
         if expanded > max_expansions:
-            raise NoProgramError(
-                f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
-                "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
-            )
+            raise _gave_up(max_expansions)
         sid, r0, r1, r2, forward, _, _ = labels[label]
         # The state's moves and where they lead (per theory), priced once per key at these ratios.
         moves_to = state_moves.get(sid)
@@ -266,14 +259,8 @@ def synthesize(
             count += 1
     stats.expanded, stats.generated, stats.beam_pruned = expanded, generated, beam_pruned
     stats.pruned_bound, stats.pruned_dedup = pruned_bound, pruned_dedup
-    if best_label is None and incumbent is not None:
-        return dataclasses.replace(incumbent, stats=stats)
-    if best_label is None:
-        raise NoProgramError(
-            f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
-            "check that the loss is summed over the batch inside forward"
-        )
-    return SearchResult(_steps(labels, best_label), best_cost, stats, best_final)
+    steps = None if best_label is None else _steps(labels, best_label)
+    return _result(steps, best_cost, stats, best_final, incumbent, graph.loss)
 
 
 def _synthesize_pair(
@@ -289,11 +276,7 @@ def _synthesize_pair(
     quiet, last = cost.pair
     wq, wl = (cost.micro_steps - 1) / cost.micro_steps, 1.0 / cost.micro_steps
     graph = theory.graph
-    key = ("order", cost.num_segments)
-    if key not in theory.search_cache:
-        order, last_use = _order(graph, theory)
-        theory.search_cache[key] = order, _dying(graph, order, last_use, cost.num_segments)
-    order, (dead, dead_props) = theory.search_cache[key]
+    order, dead, dead_props = _search_order(theory, cost.num_segments)
     n = len(order)
     rest_q, rest_l = remaining_bound(theory, quiet, order), remaining_bound(theory, last, order)
     (host_q, after_q, _), (host_l, after_l, _) = quiet.goal(), last.goal()
@@ -328,7 +311,7 @@ def _synthesize_pair(
             _, props, communicated = states[sid]
             extra = _finish(props, communicated, graph.loss, quiet)
             if extra is not None:
-                steps = _pair_steps(labels, label)
+                steps = _steps(labels, label, 2, 3)
                 total = wq * quiet.complete(max(q0 + fq, q2) + extra[0], steps)
                 total += wl * last.complete(max(l0 + fl, l2) + extra[0], steps)
                 if total < best_cost:
@@ -341,10 +324,7 @@ def _synthesize_pair(
         per_pos[pos] += 1
         stats.expanded += 1
         if stats.expanded > max_expansions:
-            raise NoProgramError(
-                f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
-                "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
-            )
+            raise _gave_up(max_expansions)
         moves_to = state_moves.get(sid)
         if moves_to is None:
             moves_to = state_moves[sid] = _state_moves(
@@ -427,24 +407,8 @@ def _synthesize_pair(
             push(heap, (score, depth - 1, len(labels)))
             labels.append((child, mine, label, step))
             alive.append(True)
-    if best_label is None and incumbent is not None:
-        return dataclasses.replace(incumbent, stats=stats)
-    if best_label is None:
-        raise NoProgramError(
-            f"no distributed program leaves the loss {graph.loss!r} as partial sums (Reduce); "
-            "check that the loss is summed over the batch inside forward"
-        )
-    return SearchResult(_pair_steps(labels, best_label), best_cost, stats, best_final)
-
-
-def _pair_steps(labels: list, label: int) -> list[Step]:
-    """The steps of the program a label of _synthesize_pair is the end of, in order."""
-    steps = []
-    while labels[label][2] >= 0:
-        steps.append(labels[label][3])
-        label = labels[label][2]
-    steps.reverse()
-    return steps
+    steps = None if best_label is None else _steps(labels, best_label, 2, 3)
+    return _result(steps, best_cost, stats, best_final, incumbent, graph.loss)
 
 
 def _prepend(r0: float, r1: float, r2: float, lanes: int, m) -> tuple[float, float, float]:
@@ -523,14 +487,52 @@ def _score(row: tuple, forward: float, rest: float, host: float, after: float) -
 _SAME = 1e-12
 
 
-def _steps(labels: list, label: int) -> list[Step]:
-    """The steps of the program a label is the end of, in order."""
+def _steps(labels: list, label: int, parent: int = 5, step: int = 6) -> list[Step]:
+    """The steps of the program a label is the end of, in order (`parent` and `step`: where a
+    label holds its parent's number and its step; _synthesize_pair's labels hold them at 2, 3)."""
     steps = []
-    while labels[label][5] >= 0:
-        steps.append(labels[label][6])
-        label = labels[label][5]
+    while labels[label][parent] >= 0:
+        steps.append(labels[label][step])
+        label = labels[label][parent]
     steps.reverse()
     return steps
+
+
+def _search_order(theory: Theory, num_segments: int) -> tuple[list[str], list[frozenset], list[frozenset]]:
+    """The ops in the search's order and, per position, what dies there (_dying), kept in the theory."""
+    key = ("order", num_segments)
+    if key not in theory.search_cache:
+        order, last_use = _order(theory.graph, theory)
+        theory.search_cache[key] = order, _dying(theory.graph, order, last_use, num_segments)
+    order, (dead, dead_props) = theory.search_cache[key]
+    return order, dead, dead_props
+
+
+def _gave_up(max_expansions: int) -> NoProgramError:
+    return NoProgramError(
+        f"A* gave up after {max_expansions} expanded states (method.max_expansions); set "
+        "method.beam_width (states kept per op, e.g. 200) or raise max_expansions"
+    )
+
+
+def _result(
+    steps: list[Step] | None,
+    cost_s: float,
+    stats: SearchStats,
+    final: tuple[CommRule, ...],
+    incumbent: SearchResult | None,
+    loss: str,
+) -> SearchResult:
+    """What a search returns: the program it found (`steps`), else the incumbent it could not
+    beat, else no program (NoProgramError)."""
+    if steps is None and incumbent is not None:
+        return dataclasses.replace(incumbent, stats=stats)
+    if steps is None:
+        raise NoProgramError(
+            f"no distributed program leaves the loss {loss!r} as partial sums (Reduce); "
+            "check that the loss is summed over the batch inside forward"
+        )
+    return SearchResult(steps, cost_s, stats, final)
 
 
 def _dying(
