@@ -101,6 +101,9 @@ def synthesize(
     A beam prunes prefixes by their cost so far, so it may drop the prefix of a program whose
     costs come early (data parallelism pays each gradient's sync at its parameter) for
     prefixes that pay theirs later; with an incumbent the result is never dearer than it.
+
+    Under gradient accumulation with overlapped syncs the price is two micro-steps'
+    (CostModel.pair) and the search _synthesize_pair's.
     """
     if cost.pair is not None:
         return _synthesize_pair(theory, cost, max_expansions, beam_width, incumbent)
