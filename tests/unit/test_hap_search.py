@@ -474,9 +474,10 @@ def test_with_overlapped_syncs_the_search_prices_the_last_micro_step_with_the_sy
     """With overlapped syncs the program syncs every gradient beside the last micro-step's
     backward only: the search prices k - 1 micro-steps without syncs and the last with them
     (CostModel.pair), each on its own timeline, where the simulator runs them on one (a
-    micro-step's last collectives beside the next one's compute): within 3% of its iteration
-    over k here. One timeline with each sync at 1/k (`once`) spreads the syncs over every
-    backward: 6-8% under it. A* still finds the cheapest program of its price."""
+    micro-step's last collectives beside the next one's compute): within the 5% a price is
+    held to (0-3% here), and never further than one timeline with each sync at 1/k (`once`),
+    which spreads the syncs over every backward (6-8% under at 4 and 8 micro-steps). A* still
+    finds the cheapest program of its price."""
     theory, _, cl = setup(batch, inter_gbps, h=h)
     ratios = compute_proportional_ratios(cl, "gpu")
     cost = CostModel(theory, cl, "gpu", ratios, grad_overlap=True, micro_steps=k)
@@ -487,7 +488,7 @@ def test_with_overlapped_syncs_the_search_prices_the_last_micro_step_with_the_sy
     program = build_program(res.steps, cost, grad_overlap=True, micro_steps=k)
     sim = simulate(program, cl, ratios).iter_time_s / k
     paired, spread_s = cost.program_cost(res.steps), spread.program_cost(res.steps)
-    assert res.cost_s == paired and abs(paired / sim - 1) < 0.03
+    assert res.cost_s == paired and abs(paired / sim - 1) < 0.05
     assert abs(paired / sim - 1) <= abs(spread_s / sim - 1)
     if k > 2:
         assert spread_s < sim * 0.95
