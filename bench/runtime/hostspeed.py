@@ -46,8 +46,9 @@ REVALIDATE_TOLERANCE = 0.10  # a cached host speed is kept while a quick check i
 # (2: bench.runtime.hostcpu's steady allocator and flushed denormals, as the workers compute;
 # 3: split_step's floor on the per-sample part lowered to MIN_PER_SAMPLE_SHARE;
 # 4: the two batch sizes take turns, reference_steps_s;
-# 5: Adam's cost per parameter byte, optimizer_s_per_byte).
-PROBE_VERSION = 5
+# 5: Adam's cost per parameter byte, optimizer_s_per_byte;
+# 6: a step growing faster than its samples priced at the smaller batch's rate, split_step).
+PROBE_VERSION = 6
 ADAM_PROBE_MAX_BYTES = 64 << 20  # optimizer_s_per_byte times Adam over at most this many bytes
 MIN_PER_SAMPLE_SHARE = 0.1  # the least part of a step split_step attributes to its samples
 
@@ -151,7 +152,10 @@ def split_step(workload: Workload, batches: Sequence[int], seconds: Sequence[flo
     # Noise must not make the per-sample part vanish or go negative. The floor is low: most of
     # a tiny model's step can be per-step part, and a floor of half the step priced tiny
     # VGG19's samples 30% dear (docs/cost-model.md, "Device types, host speed and profiles").
-    per_sample = max((t2 - t1) / (b2 - b1), MIN_PER_SAMPLE_SHARE * t1 / b1)
+    # A step that grows faster than its samples (a large batch past the caches) would leave a
+    # per-step part below zero: its samples are then priced at the smaller batch's own rate,
+    # exact there (yardstick_batches: the smallest share), under the larger batch's time.
+    per_sample = max(min((t2 - t1) / (b2 - b1), t1 / b1), MIN_PER_SAMPLE_SHARE * t1 / b1)
     return workload.flops_per_sample / per_sample, max(t1 - per_sample * b1, 0.0)
 
 

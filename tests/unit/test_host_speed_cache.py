@@ -116,6 +116,12 @@ def test_a_step_splits_into_a_per_sample_and_a_per_step_part_through_any_two_bat
     # noise that makes the larger batch look cheaper: a tenth of the step is still per sample
     rate, fixed = flops.split_step(_Workload(), (5, 11), (0.013, 0.012))
     assert (rate, fixed) == pytest.approx((1e9 / (0.1 * 0.013 / 5), 0.9 * 0.013))
+    # a step that grows faster than its samples (tiny BERT's at 128 and 256): no per-step part,
+    # each sample at the smaller batch's rate, exact there (the affine line through both priced
+    # 128 samples 31% dear)
+    rate, fixed = flops.split_step(_Workload(), (128, 256), (0.1033, 0.2384))
+    assert (rate, fixed) == pytest.approx((1e9 / (0.1033 / 128), 0.0)) and fixed >= 0.0
+    assert 128 * 1e9 / rate + fixed == pytest.approx(0.1033)
 
 
 def test_the_pause_penalty_compares_steps_after_the_pause_with_steps_right_after_them(monkeypatch):
