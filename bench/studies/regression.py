@@ -202,9 +202,12 @@ def measured_rounds(
     the same run, one value per round of up to REAL_ROUNDS interleaved rounds (iter_over_compute);
     a method that failed in a round it ran has no figure.
 
-    With `baseline` (its figures), a method whose round is within the tolerance of its baseline
-    figure runs no more rounds: a figure regresses only when every round is past (compare), so
-    its verdict is settled. Without, every method runs every round (a rebaseline's sessions).
+    With `baseline` (its figures), the rounds stop once every method has had a round within
+    the tolerance of its baseline figure (or failed): a figure regresses only when every round
+    is past (compare), so no verdict can change. Until then every method runs each round, so a
+    figure past its tolerance is judged over rounds as spread out as before (a slow stretch of
+    the host then has to last through all of them). Without, every method runs every round (a
+    rebaseline's sessions).
 
     `slowdown` stretches every iteration of every method by that fraction (test.slowdown):
     what a deliberately slower worker loop looks like to this check.
@@ -212,7 +215,7 @@ def measured_rounds(
     methods = methods_supporting("real") if methods is None else methods
     figure = {m: f"iter_over_compute:bert-tiny/local_hetero2/{m}" for m in methods}
     ratios: dict[str, list[float]] = {m: [] for m in methods}
-    running, baseline = list(methods), baseline or {}
+    running = list(methods)
     with tempfile.TemporaryDirectory() as tmp:
         configs = {
             m: _compose(*REAL_CASE, f"method={m}", f"results_dir={tmp}", f"test.slowdown={slowdown}") for m in methods
@@ -225,14 +228,16 @@ def measured_rounds(
                     record = runners[m].run()
                     compute = pooled_compute_s(record.emulation)
                     ratios[m].append(record.iter_time_s_mean / compute if record.status == "ok" and compute else None)
-                running = [m for m in running if not _settled(figure[m], ratios[m], baseline)]
+                running = [m for m in running if None not in ratios[m]]
+                if baseline and all(_settled(figure[m], ratios[m], baseline) for m in running):
+                    break
     return {figure[m]: r for m, r in ratios.items() if None not in r}
 
 
-def _settled(figure: str, values: list[float | None], baseline: dict[str, float]) -> bool:
-    """A measured figure needs no more rounds: a round failed (it has no figure), or its last
-    round is within its baseline's tolerance (compare cannot then find every round past)."""
-    return None in values or (figure in baseline and _within(figure, values[-1], baseline[figure]))
+def _settled(figure: str, values: list[float], baseline: dict[str, float]) -> bool:
+    """Whether a measured figure's verdict can no longer change: a round of it is within its
+    baseline's tolerance (compare then cannot find every round past)."""
+    return figure in baseline and any(_within(figure, v, baseline[figure]) for v in values)
 
 
 def _within(figure: str, value: float, old: float) -> bool:

@@ -175,18 +175,13 @@ def test_every_round_past_holds_on_an_unsteady_day_and_catches_a_slowdown_on_a_s
     assert _failure_rate(steady, 0.20, _every_round) == 1
 
 
-def test_a_method_within_its_tolerance_runs_no_more_rounds_and_the_verdicts_stay(monkeypatch):
-    """Against a baseline, a method stops at its first round within tolerance (it can no longer
-    have every round past), one past goes on, one that fails stops with no figure; without a
-    baseline every method runs every round it does not fail. The verdicts equal those of every
-    round run."""
-    values = {
-        "ok": [1.05, 1.3, 1.3, 1.3],
-        "late": [1.2, 1.2, 1.05, 1.3],
-        "slow": [1.2] * 4,
-        "dies": [1.2, None, 1.0, 1.0],
-    }
+def test_the_rounds_stop_once_every_verdict_is_settled_and_stay_interleaved_until_then(monkeypatch):
+    """Against a baseline, the check stops after the first round in which every method has had
+    a round within tolerance (no verdict can change then); until then every method runs each
+    round, so a figure past its tolerance is judged over interleaved rounds as before. A method
+    that fails stops with no figure. The verdicts equal those of every round run."""
     runs: list[str] = []
+    values: dict[str, list] = {}
 
     class Runner:
         def __init__(self, cfg):
@@ -209,23 +204,38 @@ def test_a_method_within_its_tolerance_runs_no_more_rounds_and_the_verdicts_stay
     monkeypatch.setattr(regress, "CaseRunner", Runner)
     monkeypatch.setattr(regress, "pooled_compute_s", lambda emulation: emulation)
     key = "iter_over_compute:bert-tiny/local_hetero2/{}".format
-    base = {key(m): 1.0 for m in values}  # tolerance 10%: 1.05 is within, 1.2 past
-    every = regress.measured_rounds(methods=list(values))
-    assert every == {key(m): v for m, v in values.items() if m != "dies"}
-    assert len(runs) == 14 and runs.count("dies") == 2
-    runs.clear()
-    early = regress.measured_rounds(methods=list(values), baseline=base)
-    assert early == {key("ok"): [1.05], key("late"): [1.2, 1.2, 1.05], key("slow"): [1.2] * 4}
-    assert runs.count("ok") == 1 and runs.count("late") == 3 and runs.count("slow") == 4 and runs.count("dies") == 2
 
-    def verdicts(rounds):
+    def verdicts(base, rounds):
         return {c.figure: c.regressed for c in regress.compare(base, regress.medians(rounds), rounds)}
 
+    # every method within 10% in round 1: one round each
+    values.update(a=[1.05, 1.3, 1.3, 1.3], b=[0.9, 1.3, 1.3, 1.3])
+    base = {key(m): 1.0 for m in values}
+    early = regress.measured_rounds(methods=list(values), baseline=base)
+    assert early == {key("a"): [1.05], key("b"): [0.9]} and runs == ["a", "b"]
+    # one past in every round, one within only in round 3, one failing in round 2: every round
+    # interleaved, as without a baseline
+    values.clear()
+    values.update(ok=[1.05, 1.3, 1.3, 1.3], late=[1.2, 1.2, 1.05, 1.3], slow=[1.2] * 4, dies=[1.2, None, 1.0, 1.0])
+    base = {key(m): 1.0 for m in values}
+    runs.clear()
+    every = regress.measured_rounds(methods=list(values))
+    assert every == {key(m): v for m, v in values.items() if m != "dies"}
+    assert runs[:8] == ["ok", "late", "slow", "dies"] * 2 and len(runs) == 14
+    runs.clear()
+    judged = regress.measured_rounds(methods=list(values), baseline=base)
+    assert judged == every and len(runs) == 14
     assert (
-        verdicts(early)
-        == verdicts(every)
+        verdicts(base, judged)
+        == verdicts(base, every)
         == {key("ok"): False, key("late"): False, key("slow"): True, key("dies"): True}
     )
+    # the slow one within in round 2: the rounds stop after round 3, the late one's first within
+    values["slow"] = [1.2, 1.0, 1.2, 1.2]
+    runs.clear()
+    judged = regress.measured_rounds(methods=list(values), baseline=base)
+    assert judged[key("slow")] == [1.2, 1.0, 1.2] and key("dies") not in judged
+    assert runs == ["ok", "late", "slow", "dies", "ok", "late", "slow", "dies", "ok", "late", "slow"]
 
 
 def test_a_rebaseline_over_sessions_keeps_each_figure_median_and_every_session(monkeypatch, tmp_path):
