@@ -214,7 +214,7 @@ def measured_rounds(
     """
     methods = methods_supporting("real") if methods is None else methods
     figure = {m: f"iter_over_compute:bert-tiny/local_hetero2/{m}" for m in methods}
-    ratios: dict[str, list[float]] = {m: [] for m in methods}
+    ratios: dict[str, list[float | None]] = {m: [] for m in methods}  # None: a failed round
     running = list(methods)
     with tempfile.TemporaryDirectory() as tmp:
         configs = {

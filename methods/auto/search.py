@@ -217,14 +217,15 @@ def search(auto, cands: list[Candidate], workload: Workload, cluster: ClusterSpe
         PlanningError: no candidate planned at all (the first part's reason).
     """
     ideal = workload.flops_per_iter / cluster.total_effective_flops()
-    again: list[float] = []  # recompute_share, worked out where a checkpointed candidate is bounded
+    again = None  # recompute_share, worked out where a checkpointed candidate is first bounded
 
     def compute_only(c: Candidate) -> float:
+        nonlocal again
         if not c.checkpointing:
             return ideal
-        if not again:
-            again.append(recompute_share(workload))
-        return ideal * (1.0 + again[0])
+        if again is None:
+            again = recompute_share(workload)
+        return ideal * (1.0 + again)
 
     priced: dict[Candidate, Priced] = {}
     floors: dict[Candidate, float] = {}  # what a candidate cannot beat, known before its price
