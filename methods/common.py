@@ -138,6 +138,7 @@ class GroupCost:
     forward_launches: dict[str, int] = field(default_factory=dict)
     backward_launches: dict[str, int] = field(default_factory=dict)
     param_bytes: float = 0.0  # whole, not per sample
+    cast_bytes: float = 0.0  # autocast's casts of its parameters (Graph.param_casts)
     param_tensors: int = 0
     largest_param_bytes: float = 0.0
     params: list[str] = field(default_factory=list)  # parameter names (module paths), forward order
@@ -253,6 +254,7 @@ def _group_table(graph) -> GroupTable:
         if n.is_param:
             g = table[first_user_group.get(n.name, 0)]
             g.param_bytes += n.nbytes
+            g.cast_bytes += graph.param_casts.get(n.name, 0)
             g.param_tensors += 1
             g.largest_param_bytes = max(g.largest_param_bytes, float(n.nbytes))
             g.params.append(str(n.fx_node.target))
@@ -313,7 +315,9 @@ class StageActivations:
             for t, (f, k) in graph.kept_until().items()
             if k in group and graph[t].kind != "placeholder"
         ]
-        self.flight = [(position[a], position[b], graph[t].nbytes / batch) for t, a, b in graph.grads_in_flight()]
+        self.flight = [
+            (position[a], position[b], graph[t].nbytes * f / batch) for t, a, b, f in graph.grads_in_flight()
+        ]
         tail = set(table.tail)
         self.tail_inputs = (
             sum(

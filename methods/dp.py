@@ -27,7 +27,7 @@ from methods.common import (
     refuse_global_batch_norm,
 )
 from methods.dp_program import data_parallel_program
-from methods.graph import capture_config
+from methods.graph import capture_priced
 
 # DDP's flag for syncing buffers before each forward, by the name this torch knows.
 _BUFFER_FLAG = (
@@ -82,7 +82,7 @@ class DataParallel:
         self.tools.check_shares(shares)
         # The simulator's view: every GPU is a rank, DDP's bucketed all-reduce overlaps backward.
         # DDP's ranks normalise their own samples (batch norm with local statistics)
-        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm="local")
+        graph = capture_priced(workload.model_cfg, workload.global_batch, workload.precision, cluster.device, "local")
         refuse_global_batch_norm(workload, graph, self.name, "each rank's share")
         units = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in units])
@@ -97,6 +97,7 @@ class DataParallel:
             backward_memory=graph.backward_memory(),
             largest_param_bytes=graph.largest_param_bytes(),
             micro_steps=self.tools.grad_accumulation,
+            cast_bytes=sum(graph.param_casts.values()),
             meta={"method": self.name, "model": workload.name},
         )
         ratios = [[s / workload.global_batch for s in shares]]

@@ -34,6 +34,7 @@ def data_parallel_program(
     grads_before_backward: bool = False,
     largest_param_bytes: float | None = None,
     micro_steps: int = 1,
+    cast_bytes: float = 0.0,
     meta: dict[str, Any] | None = None,
 ) -> Program:
     """The Program of DDP training with the batch split by the (single segment) ratios.
@@ -66,6 +67,7 @@ def data_parallel_program(
         micro_steps: gradient accumulation: forward and backward over global_batch /
             micro_steps samples that many times, the gradients all-reduced in the last
             (micro_step_stages); backward_memory's activations are scaled to the micro-batch.
+        cast_bytes: autocast's casts of the parameters every rank keeps (Memory.casts).
 
     Stages: forward + the backward of the last layers up to the first full bucket; then one
     stage per bucket whose all-reduce overlaps the backward of the layers before it.
@@ -137,6 +139,7 @@ def data_parallel_program(
         optimizer=Affine(param_bytes * optimizer_bytes_per_param_byte),
         activations=Affine.sharded(activation_bytes_per_sample * micro),
         buckets=Affine(param_bytes if bucket_copies else 0.0),
+        casts=Affine(cast_bytes),
         backward=()
         if backward_memory is None
         else backward_sweep(

@@ -41,7 +41,7 @@ from methods.common import (
     micro_batches,
     refuse_global_batch_norm,
 )
-from methods.graph import Graph, capture_config
+from methods.graph import Graph, capture_priced
 
 SPLITS = ("even", "compute")
 WORK_PROBE_VERSION = 2  # what the probe of FSDP2's own work times; a change measures again
@@ -155,7 +155,7 @@ class FullyShardedDP:
         weights = [1.0] * n if self.split == "even" else [d.effective_flops for d in cluster.devices]
         shares = round_shares(workload.global_batch, weights, min_share=1)
         self.tools.check_shares(shares)
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_priced(workload.model_cfg, workload.global_batch, workload.precision, cluster.device)
         refuse_global_batch_norm(workload, graph, self.name, "each rank's share")
         checkpoints = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in checkpoints])
@@ -336,6 +336,8 @@ def fsdp_program(
         params=Affine(sharded),
         grads=Affine(sharded),
         optimizer=Affine(2.0 * sharded),
+        # autocast casts each gathered parameter once a step and keeps the cast: all of them
+        casts=Affine(sum(graph.param_casts.values())),
         activations=gathered + Affine.sharded(graph.activation_bytes() * per_sample),
         # A shard's gradient appears where backward makes the parameter's (its reduce-scatter
         # follows the unit's backward); what is gathered is held beside the activations.

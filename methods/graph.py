@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,7 +32,17 @@ from bench.cost.flops import ELEMENTWISE_FLOPS
 from methods import graph_cache
 from methods.export import CaptureError, count_flops, export_model, op_name
 
-__all__ = ["VIEW_OPS", "CaptureError", "Graph", "Node", "capture", "capture_config", "graph_of", "op_name"]
+__all__ = [
+    "VIEW_OPS",
+    "CaptureError",
+    "Graph",
+    "Node",
+    "capture",
+    "capture_config",
+    "capture_priced",
+    "graph_of",
+    "op_name",
+]
 
 
 @dataclass
@@ -102,6 +113,9 @@ class Graph:
     loss: str
     batch_size: int
     recompute: tuple[tuple[str, ...], ...] = ()
+    # op -> the dtype autocast ran it in, where its floating inputs were of another
+    # (at_autocast): what such an op keeps of them is their casts, of that dtype
+    casts: dict[str, torch.dtype] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_name = {n.name: n for n in self.nodes}
@@ -118,6 +132,30 @@ class Graph:
         """This graph with `units` checkpointed (none: the plain graph); the nodes are shared."""
         units = tuple(tuple(u) for u in units)
         return self if units == self.recompute else dataclasses.replace(self, recompute=units)
+
+    def at_autocast(self, device_type: str, dtype: torch.dtype) -> Graph:
+        """This graph as it runs under autocast to `dtype` on `device_type` (autocast_dtypes):
+        each node at the dtype autocast gives it, and `casts` set."""
+        dtypes, casts = autocast_dtypes(self.gm, device_type, dtype)
+        nodes = [
+            dataclasses.replace(n, dtype=dtypes[n.name]) if dtypes.get(n.name, n.dtype) != n.dtype else n
+            for n in self.nodes
+        ]
+        return dataclasses.replace(self, nodes=nodes, casts=casts)
+
+    @functools.cached_property
+    def param_casts(self) -> dict[str, int]:
+        """Parameter -> the bytes of autocast's cast of it (`casts`: an op that runs in another
+        dtype than the parameter's): autocast casts a parameter once a step and keeps the cast
+        until it exits, after the optimizer step here (bench.runtime.precision.step_context);
+        the ops that read it keep that one cast. Empty outside autocast."""
+        out: dict[str, int] = {}
+        for name, dtype in self.casts.items():
+            for i in self[name].inputs:
+                p = self[i]
+                if p.is_param and p.dtype != dtype:
+                    out[i] = max(out.get(i, 0), p.numel * dtype.itemsize)
+        return out
 
     @functools.cached_property
     def recomputed(self) -> frozenset[str]:
@@ -177,7 +215,7 @@ class Graph:
         position = self._positions
         out = {
             t: (
-                (1.0 if t in keepers else 0.0) + masks.get(t, 0.0),
+                (self.kept_factor(t, keepers[t]) if t in keepers else 0.0) + masks.get(t, 0.0),
                 min([*keepers.get(t, ()), *([t] if t in masks else [])], key=position.__getitem__),
             )
             for t in {**keepers, **masks}
@@ -190,6 +228,28 @@ class Graph:
                 factor, keeper = out.pop(t)
                 if base not in out:
                     out[t] = (factor * self[base].nbytes / max(self[t].nbytes, 1), keeper)
+        return out
+
+    def kept_factor(self, t: str, ops: Sequence[str], recomputing: bool = False) -> float:
+        """What ops `ops`, each of which keeps `t`, keep of it, as a fraction of its bytes: the
+        tensor once where one keeps it as it is, and each cast that one of them made of it
+        (kept_casts). A checkpointed op keeps what the checkpoint holds, the tensor itself,
+        unless `recomputing` (its unit's recompute, which makes the casts again)."""
+        gone = () if recomputing else self.recomputed
+        casts = [self.kept_casts[(t, k)] for k in ops if (t, k) in self.kept_casts and k not in gone]
+        return (1.0 if len(casts) < len(ops) else 0.0) + sum(casts)
+
+    @functools.cached_property
+    def kept_casts(self) -> dict[tuple[str, str], float]:
+        """(tensor, op) -> the bytes of the cast op keeps of tensor instead of it, as a
+        fraction of its bytes: an op autocast ran in another dtype than the tensor's (`casts`)
+        keeps the cast it made (a product keeps bf16 casts of its fp32 inputs)."""
+        out: dict[tuple[str, str], float] = {}
+        for t, ops in self._plain_saves[0].items():
+            for k in ops:
+                cast = self.casts.get(k)
+                if cast is not None and cast != self[t].dtype:
+                    out[(t, k)] = cast.itemsize / self[t].dtype.itemsize
         return out
 
     def keepers(self) -> dict[str, tuple[str, ...]]:
@@ -266,7 +326,8 @@ class Graph:
                 if not ks and not mask:
                     continue
                 first = min([*ks, *([t] if mask else [])], key=position.__getitem__)
-                out.append((t, first, last, self[t].nbytes * ((1.0 if ks else 0.0) + mask)))
+                kept = self.kept_factor(t, ks, recomputing=True) if ks else 0.0
+                out.append((t, first, last, self[t].nbytes * (kept + mask)))
         return out
 
     @functools.cached_property
@@ -328,9 +389,10 @@ class Graph:
         parameter's gradient there (the first of its uses backward reaches)."""
         return {n.name: self._last_use(n.name) for n in self.nodes if n.is_param}
 
-    def grads_in_flight(self) -> list[tuple[str, str, str]]:
-        """The gradients of activations backward holds: (tensor, from, to) each live while
-        backward is at an op from `from` to `to` (forward order), `tensor` its size.
+    def grads_in_flight(self) -> list[tuple[str, str, str, float]]:
+        """The gradients of activations backward holds: (tensor, from, to, factor) each live
+        while backward is at an op from `from` to `to` (forward order), its bytes `tensor`'s
+        times `factor`.
 
         A tensor's gradient is made by the backward of its last use (through views) and
         consumed by that of the op that made it. Where that last use is a sum of same-shaped
@@ -338,18 +400,31 @@ class Graph:
         to them: one storage, live until the last of them is consumed. Only tensors that need
         a gradient (floating, made from a parameter) have one. cross_entropy's one op is two
         inside (log_softmax, nll_loss): its backward also holds the log-probabilities'
-        gradient, the size of its input."""
+        gradient, the size of its input. Under autocast (`casts`) an op's backward makes the
+        gradient of each input it cast at the cast's dtype, then casts it back: that first
+        gradient is held at the op too. cross_entropy's then holds the log-probabilities' and
+        the cast's gradients (two of the cast's size), and the cast's beside its input's once
+        the first is freed: its extra is what the larger of the two leaves beside the cast's
+        and the input's (docs/cost-model.md, "Memory")."""
         needs: dict[str, bool] = {}
         owner: dict[str, str] = {}  # tensor -> the tensor whose gradient storage it shares
         span: dict[str, list] = {}  # owner -> [from, to] (op names)
-        extra: list[tuple[str, str, str]] = []
+        extra: list[tuple[str, str, str, float]] = []
         for n in self.nodes:
             floating = n.dtype is not None and n.dtype.is_floating_point
             needs[n.name] = n.is_param or (
                 floating and n.kind in ("call_function", "call_method") and any(needs.get(i, False) for i in n.inputs)
             )
+            cast = self.casts.get(n.name)
             if n.op == "cross_entropy" and n.inputs and needs.get(n.inputs[0], False):
-                extra.append((n.inputs[0], n.name, n.name))
+                first = self[n.inputs[0]]
+                size = first.dtype.itemsize
+                extra.append((first.name, n.name, n.name, 1.0 if cast is None else max(cast.itemsize - size, 0) / size))
+            if cast is not None:
+                for i in dict.fromkeys(n.inputs):
+                    src = self[i]
+                    if needs.get(i, False) and not src.is_param and src.dtype is not None and src.dtype != cast:
+                        extra.append((i, n.name, n.name, cast.itemsize / src.dtype.itemsize))
         for n in reversed(self.nodes):  # a sum's gradient exists before its operands'
             if not needs[n.name] or n.is_param or not n.shape or self._is_view(n.name):
                 continue
@@ -368,7 +443,7 @@ class Graph:
             else:
                 owner[n.name] = n.name
                 span[n.name] = [n.name, last]
-        return [(t, a, b) for t, (a, b) in span.items()] + extra
+        return [(t, a, b, 1.0) for t, (a, b) in span.items()] + extra
 
     def _operand(self, name: str, k: int) -> str | None:
         """The tensor (through views) that is operand `k` of op `name`."""
@@ -390,7 +465,7 @@ class Graph:
         position = self._positions
         grads = [(position[op], float(self[t].nbytes)) for t, op in self.grad_ready().items()]
         acts = [(position[op], self[t].nbytes * f) for t, (f, op) in self.kept_until().items()]
-        flight = [(position[a], position[b], float(self[t].nbytes)) for t, a, b in self.grads_in_flight()]
+        flight = [(position[a], position[b], self[t].nbytes * f) for t, a, b, f in self.grads_in_flight()]
         flight += [(position[a], position[b], x) for _, a, b, x in self.recompute_windows()]
         return grads, acts, flight
 
@@ -549,6 +624,78 @@ def _is_tensorish(v: Any) -> bool:
     )
 
 
+def autocast_dtypes(
+    gm: fx.GraphModule, device_type: str, dtype: torch.dtype
+) -> tuple[dict[str, torch.dtype], dict[str, torch.dtype]]:
+    """(node -> the dtype of its value, op -> the dtype autocast ran it in where its floating
+    inputs were of another) when `gm` runs under autocast to `dtype` on `device_type`: its
+    nodes run again on fake tensors of that device type with autocast on, so every op takes
+    the dtype autocast's own rules for that device give it (a matrix product's lower, a
+    CUDA layer norm's fp32), with no device of that type needed. An op that cannot run on fake
+    tensors (a shape that depends on values) keeps its captured value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def fake(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty(v.shape, dtype=v.dtype, device=device_type)
+        return v
+
+    def on_device(v: Any) -> Any:
+        return torch.device(device_type) if isinstance(v, torch.device) and v.type == "meta" else v
+
+    env: dict[fx.Node, Any] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    casts: dict[str, torch.dtype] = {}
+    was = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    with FakeTensorMode(), torch.no_grad():
+        torch.set_autocast_enabled(device_type, True)  # (torch.autocast refuses a type this host lacks)
+        torch.set_autocast_dtype(device_type, dtype)
+        torch.autocast_increment_nesting()
+        try:
+            for n in gm.graph.nodes:
+                if n.op == "output":
+                    continue
+                if n.op == "get_attr":
+                    value = fake(functools.reduce(getattr, n.target.split("."), gm))
+                elif n.op == "call_function":
+                    args = tree_map(on_device, fx.node.map_arg(n.args, env.__getitem__))
+                    kwargs = tree_map(on_device, fx.node.map_arg(n.kwargs, env.__getitem__))
+                    try:
+                        value = n.target(*args, **kwargs)
+                    except Exception:  # a value-dependent shape: the captured value
+                        value = tree_map(fake, n.meta.get("val"))
+                    ins = [a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+                    floats = [d for d in ins if d.is_floating_point]
+                    out = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
+                    if out is not None and out.dtype.is_floating_point and any(d != out.dtype for d in floats):
+                        # autocast cast its inputs where the op alone gives another dtype (or refuses them)
+                        torch.set_autocast_enabled(device_type, False)
+                        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+                        level, quiet.level = quiet.level, logging.CRITICAL  # (it logs what the op refuses)
+                        try:
+                            alone = n.target(*args, **kwargs)
+                            alone = next((v for v in tree_flatten(alone)[0] if isinstance(v, torch.Tensor)), None)
+                        except Exception:  # inputs of unlike dtypes it takes only cast
+                            alone = None
+                        finally:
+                            quiet.level = level
+                            torch.set_autocast_enabled(device_type, True)
+                        if alone is None or alone.dtype != out.dtype:
+                            casts[n.name] = out.dtype
+                else:
+                    value = tree_map(fake, n.meta.get("val"))
+                env[n] = value
+                first = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
+                if first is not None:
+                    dtypes[n.name] = first.dtype
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.set_autocast_enabled(device_type, was[0])
+            torch.set_autocast_dtype(device_type, was[1])
+    return dtypes, casts
+
+
 def capture(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -627,7 +774,7 @@ def graph_of(gm: fx.GraphModule, batch_size: int, what: str = "the model") -> Gr
 # Graphs of model configs captured in this process: a case captures its model for the FLOP
 # count, each method's plan and the runtime's check; a comparison does so for every method.
 _captured: OrderedDict[tuple, Graph] = OrderedDict()
-_CAPTURED_KEEP = 4
+_CAPTURED_KEEP = 8  # a bf16 case keeps its priced view (capture_priced) beside each capture
 
 
 def capture_config(
@@ -665,6 +812,25 @@ def capture_config(
     while len(_captured) > _CAPTURED_KEEP:
         _captured.popitem(last=False)
     return graph
+
+
+def capture_priced(
+    model_cfg: Any, batch_size: int, precision: str, device_type: str, batch_norm: str = "sync"
+) -> Graph:
+    """The graph a plan is priced on: capture_config's, as it runs at `precision` on devices
+    of `device_type` (a cluster's `device`): under bf16 autocast's dtypes (Graph.at_autocast),
+    so each tensor's bytes, in memory and on the wire, are those the ranks hold and send.
+    Kept per process beside the captures."""
+    graph = capture_config(model_cfg, batch_size, batch_norm=batch_norm)
+    if precision != "bf16":
+        return graph
+    key = (type(model_cfg), repr(model_cfg), int(batch_size), batch_norm, "bf16", device_type)
+    view = _captured.get(key)
+    if view is None or view.gm is not graph.gm:
+        view = _captured[key] = graph.at_autocast(device_type, torch.bfloat16)
+        while len(_captured) > _CAPTURED_KEEP:
+            _captured.popitem(last=False)
+    return view
 
 
 def module_has_batch_norm(gm: fx.GraphModule) -> bool:

@@ -245,6 +245,8 @@ class Memory:
     # What the framework holds besides: DDP's gradient buckets, a flat copy of every gradient
     # (gradient_as_bucket_view off, its default; docs/cost-model.md, "Memory")
     buckets: Affine = Affine()
+    # autocast's casts of the parameters (methods.graph.Graph.param_casts), kept the whole step
+    casts: Affine = Affine()
     # (gradients made, activations still kept) at the points of backward where a device's
     # peak may fall (backward_sweep); empty: every gradient beside every activation.
     backward: tuple[tuple[Affine, Affine], ...] = ()
@@ -253,15 +255,16 @@ class Memory:
     largest_param: Affine | None = None
 
     def resident(self) -> Affine:
-        """What a device holds once backward is done: parameters, gradients, optimizer state, buckets."""
-        return self.params + self.grads + self.optimizer + self.buckets
+        """What a device holds once backward is done: parameters, gradients, optimizer state,
+        buckets, autocast's casts."""
+        return self.params + self.grads + self.optimizer + self.buckets + self.casts
 
     def backward_points(self) -> tuple[tuple[Affine, Affine], ...]:
         """(everything but activations, activations) at each point of backward where the peak
         may fall. Gradients are made as backward goes while the activations it has passed are
         freed: a transformer peaks as backward starts, before any gradient exists, well below
         all of both together (docs/cost-model.md, "Memory")."""
-        held = self.params + self.optimizer + self.buckets
+        held = self.params + self.optimizer + self.buckets + self.casts
         return tuple((held + g, a) for g, a in (self.backward or ((self.grads, self.activations),)))
 
     def optimizer_step(self, foreach: bool = True) -> Affine:
@@ -281,6 +284,8 @@ class Memory:
         out: dict[str, Any] = {
             k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")
         }
+        if self.casts.to_json() != Affine().to_json():
+            out["casts"] = self.casts.to_json()
         if self.backward:
             out["backward"] = [[g.to_json(), a.to_json()] for g, a in self.backward]
         if self.largest_param is not None:

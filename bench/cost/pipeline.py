@@ -298,6 +298,7 @@ class StageBytes:
     received_bytes: float  # its input's receive buffer per micro-batch (0 on the first stage)
     sent_bytes: float  # its output's gradient's receive buffer per micro-batch (0 on the last)
     shard_bytes: float = 0.0  # with sharded state, as PipeStage.shard_bytes
+    cast_bytes: float = 0.0  # autocast's casts of its parameters, kept the whole step (Memory.casts)
 
 
 def activation_peak(actions: Sequence[tuple], parts: dict[int, StageBytes]) -> float:
@@ -343,7 +344,8 @@ def rank_memory(
     - a receive buffer per micro-batch of the iteration for each stage's input (not on the
       first stage) and for its output's gradient (not on the last), which
       torch.distributed.pipelining allocates once for every micro-batch (held for the step);
-    - the activations of the micro-batches in flight at once (activation_peak).
+    - the activations of the micro-batches in flight at once (activation_peak);
+    - under autocast, its parameters' casts (StageBytes.cast_bytes, Memory.casts).
 
     `shards` > 1: sharded state over that many replicas (FSDP2, as torch's pipelining drives
     it): the rank keeps 1/shards of its parameters, gradients and moments; during the schedule
@@ -355,6 +357,7 @@ def rank_memory(
     params = sum(p.param_bytes for p in parts.values())
     buffers = num_micro_batches * sum(p.received_bytes + p.sent_bytes for p in parts.values())
     largest = max((p.largest_param_bytes for p in parts.values()), default=0.0)
+    casts = Affine(sum(p.cast_bytes for p in parts.values()))
     activations = activation_peak(actions, parts)
     if shards > 1:
         shard = sum(p.shard_bytes or p.param_bytes / shards for p in parts.values())
@@ -365,6 +368,7 @@ def rank_memory(
             optimizer=Affine(2.0 * shard),
             activations=Affine(activations),
             buckets=Affine(buffers),
+            casts=casts,
             backward=(
                 (Affine(gathered + params), Affine(activations)),
                 (Affine(params + gathered + shard), Affine()),
@@ -377,6 +381,7 @@ def rank_memory(
         optimizer=Affine(2.0 * params),
         activations=Affine(activations),
         buckets=Affine(buffers),
+        casts=casts,
         backward=((Affine(params), Affine(activations)), (Affine(params + bucket_bytes), Affine())),
         largest_param=Affine(largest),
     )
@@ -402,6 +407,7 @@ def stage_peak_bytes(
     foreach: bool,
     shards: int = 1,
     shard_bytes: float = 0.0,
+    cast_bytes: float = 0.0,
 ) -> float:
     """stage_peak(rank_memory(...)) of a rank that holds one stage with `in_flight` micro-batches
     at its peak, in plain arithmetic, for a planner that checks many cuts."""
@@ -410,12 +416,12 @@ def stage_peak_bytes(
     if shards > 1:  # rank_memory's sharded state: no bucket
         shard = shard_bytes or param_bytes / shards
         step = shard if foreach else 2.0 * largest_param_bytes / shards
-        held = 3.0 * shard + buffers
+        held = 3.0 * shard + buffers + cast_bytes
         gathered = shards * shard
         return max(
             held + gathered + param_bytes + activations, held + gathered + param_bytes + shard, held + shard + step
         )
-    resident = 4.0 * param_bytes + buffers
+    resident = 4.0 * param_bytes + buffers + cast_bytes
     step = param_bytes if foreach else 2.0 * largest_param_bytes  # Adam's temporaries (Memory.optimizer_step)
     return resident + max(activations, bucket_bytes, step)
 

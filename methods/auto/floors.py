@@ -47,7 +47,7 @@ from bench.cost import virtual_devices
 from methods.auto.space import ZERO_STATES, Candidate, make_part
 from methods.common import capture_batch_norm
 from methods.ds_zero.program import FP32_BYTES
-from methods.graph import Graph, capture_config
+from methods.graph import Graph, capture_config, capture_priced
 
 GIB = 2**30
 # What a hap device holds at the start of backward per parameter byte: the parameter and Adam's
@@ -108,7 +108,9 @@ def hap_floor_gib(auto, cand: Candidate, workload: Workload, cluster: ClusterSpe
     """(level, floor of the devices' peaks summed, their memory summed as the search pairs it),
     GiB, per level hap plans `cand` at (module docstring)."""
     hap = make_part(auto, cand)
-    graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=capture_batch_norm(workload))
+    graph = capture_priced(
+        workload.model_cfg, workload.global_batch, workload.precision, cluster.device, capture_batch_norm(workload)
+    )
     graph = graph.with_recompute([u.nodes for u in hap.tools.units(graph)])
     state = HAP_STATE_PER_PARAM * param_bytes(graph)
     acts = activation_bytes(graph) / cand.grad_accumulation

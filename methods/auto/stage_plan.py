@@ -59,7 +59,7 @@ from methods.auto.hap_stages import (
     traced_actions,
 )
 from methods.common import group_table
-from methods.graph import capture_config
+from methods.graph import capture_priced
 from methods.hap.balance import batch_shares
 from methods.pipeline import PipelineParallel, SharedCosts
 from methods.pipeline.planning import tied_params
@@ -250,7 +250,7 @@ class HapStages:
                 f"the pipelines' micro-batches {d['micro_batches']} are unlike; hap stages split one row"
             )
         mb = sum(d["micro_batches"])
-        graph = capture_config(workload.model_cfg, mb)
+        graph = capture_priced(workload.model_cfg, mb, workload.precision, cluster.device)
         table = group_table(graph)
         tied = tied_params(table, cuts, list(range(S)))
         if tied:

@@ -243,7 +243,7 @@ class DeepSpeedZeRO:
         moe = self.moe_settings(workload, cluster)
         n = cluster.num_devices
         config = self.ds_config(micro, n, workload.precision)
-        profile = profile_workload(workload, micro, moe, self.tools.activation_checkpointing)
+        profile = profile_workload(workload, micro, moe, cluster.device, self.tools.activation_checkpointing)
         program = zero_program(
             profile,
             num_devices=n,

@@ -41,9 +41,15 @@ class WorkloadProfile:
     # Per MoE layer: bytes one device sends in one all-to-all, per sample of its batch.
     moe_all_to_all_bytes_per_sample: tuple[float, ...] = ()
     checkpoint_units: tuple = ()  # the activation checkpoints (methods.common.CheckpointUnit)
+    # autocast's casts of the parameters per parameter byte (Graph.param_casts over
+    # Graph.param_bytes): a rank keeps the cast of every parameter it uses (ZeRO-3's gathered
+    # ones too, which the ops that read them save), as Memory.casts
+    cast_per_param_byte: float = 0.0
 
 
-def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpointing: bool = False) -> WorkloadProfile:
+def profile_workload(
+    workload: Workload, batch: int, moe: dict | None, device_type: str, checkpointing: bool = False
+) -> WorkloadProfile:
     """Per-op FLOPs and parameter bytes from the capture of the single-device model (batch norm
     as the engine's ranks run it, each normalising its own samples), at `batch` samples (a
     rank's micro-batch). With `checkpointing`, every layer group that can be is an activation
@@ -57,9 +63,9 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpoin
     gives DeepSpeed other slots changes the all-to-all bytes here, not the FLOPs.
     """
     from methods.common import checkpoint_units, refuse_global_batch_norm
-    from methods.graph import capture_config
+    from methods.graph import capture_priced
 
-    graph = capture_config(workload.model_cfg, batch, batch_norm="local")
+    graph = capture_priced(workload.model_cfg, batch, workload.precision, device_type, "local")
     refuse_global_batch_norm(workload, graph, "deepspeed", "each rank's share")
     units = tuple(checkpoint_units(graph)) if checkpointing else ()
     graph = graph.with_recompute([u.nodes for u in units])
@@ -108,7 +114,10 @@ def profile_workload(workload: Workload, batch: int, moe: dict | None, checkpoin
         a2a = tuple(per_sample for _ in range(len(expert_prefixes) // 4))
     # Every activation kept beside the most activation gradients backward holds at once (and,
     # checkpointed, the largest unit's recompute).
-    return WorkloadProfile(tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a, units)
+    casts = sum(graph.param_casts.values()) / max(graph.param_bytes(), 1)
+    return WorkloadProfile(
+        tuple(ops), (graph.activation_bytes() + graph.peak_bytes_in_flight()) / batch, a2a, units, casts
+    )
 
 
 def zero_program(
@@ -266,6 +275,7 @@ def zero_program(
             Affine(dense_bytes + expert_bytes),
             Affine(ADAM_STATE_COPIES * (dense_bytes + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
+            casts=Affine(profile.cast_per_param_byte * (dense_bytes + expert_bytes)),
         )
     else:
         params = dense_bytes + expert_bytes
@@ -280,5 +290,6 @@ def zero_program(
             Affine(grads),
             Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
+            casts=Affine(profile.cast_per_param_byte * (dense_bytes + expert_bytes)),
         )
     return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), micro_steps=micro_steps)

@@ -81,6 +81,8 @@ def build_program(
     sfb_weights = {t for step in steps if step.rule.sfb for t in graph[step.node].inputs[1:3]}
     fwd, bwd = [], []
     params = Affine()
+    casts = Affine()  # autocast's casts of the parameters, each in its parameter's layout
+    param_casts = graph.param_casts
     activations = Affine()
     grads_made: list[tuple[int, Affine]] = []
     kept_bytes: list[tuple[int, Affine]] = []
@@ -102,6 +104,8 @@ def build_program(
             if graph[t].is_param:
                 nbytes = cost._bytes(t, layout)
                 params = params + nbytes
+                if t in param_casts:
+                    casts = casts + nbytes.scale(param_casts[t] / graph[t].nbytes)
                 if largest is None or graph[t].nbytes > largest[0]:
                     largest = (graph[t].nbytes, nbytes)
                 if bucketed and (cost.granularity == "machine" or (layout == IDENTITY and t not in sfb_weights)):
@@ -120,8 +124,8 @@ def build_program(
     # Activation gradients, each in the layout of the tensor it is the gradient of.
     layouts = {step.node: step.rule.post for step in steps}
     flying = [
-        (position[a], position[b], cost._bytes(t, layouts[t]))
-        for t, a, b in graph.grads_in_flight()
+        (position[a], position[b], cost._bytes(t, layouts[t]).scale(f) if f != 1.0 else cost._bytes(t, layouts[t]))
+        for t, a, b, f in graph.grads_in_flight()
         if t in layouts and a in position and b in position
     ] + windows
     if micro_steps > 1:  # a later micro-step's backward starts with every gradient made
@@ -131,6 +135,7 @@ def build_program(
         params,
         params.scale(ADAM_STATE_PER_PARAM),
         activations,
+        casts=casts,
         backward=backward_sweep(grads_made, kept_bytes, grads_before, flying),
         largest_param=None if largest is None else largest[1],
     )
@@ -180,7 +185,9 @@ def _held(
             and step.node in keepers.get(c.tensor, ())
             and step.node not in checkpoints
         ):
-            held.append((cost._bytes(c.tensor, c.dst, c.to_segment), 1.0, i))
+            # the copy, or the cast of it autocast made for this op (Graph.kept_casts)
+            cast = graph.kept_casts.get((c.tensor, step.node), 1.0)
+            held.append((cost._bytes(c.tensor, c.dst, c.to_segment), cast, i))
     for t, layout in step.sources:
         if t in kept and not graph[t].is_param:
             held.append((cost._bytes(t, layout), kept[t][0], position.get(kept[t][1], i)))

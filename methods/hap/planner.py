@@ -33,7 +33,7 @@ from bench.cost import (
     virtual_devices,
 )
 from methods.common import MemoryTools, capture_batch_norm, layer_groups, no_cyclic_gc
-from methods.graph import Graph, capture_config
+from methods.graph import Graph, capture_priced
 from methods.hap.balance import InfeasibleError, RatioLP, batch_shares
 from methods.hap.hierarchy import unsplittable_share
 from methods.hap.lowering import build_program
@@ -270,6 +270,7 @@ class HapPlanner:
             "link_floor": cluster.link_floor,  # the host transport's, under emulated links
             "global_batch": workload.global_batch,
             "batch_norm": workload.batch_norm,
+            "precision": workload.precision,  # bf16 prices each tensor at autocast's dtype
             "method": self.options(),
             "plan_format": PLAN_FORMAT_VERSION,
             "code": _code_version(),
@@ -283,7 +284,9 @@ class HapPlanner:
         full_batch = workload.global_batch
         workload = dataclasses.replace(workload, global_batch=full_batch // k)  # one micro-step
         batch_norm = capture_batch_norm(workload)
-        graph = capture_config(workload.model_cfg, workload.global_batch, batch_norm=batch_norm)
+        graph = capture_priced(
+            workload.model_cfg, workload.global_batch, workload.precision, cluster.device, batch_norm
+        )
         t_capture = time.perf_counter() - t0
         units = self.tools.units(graph)
         graph = graph.with_recompute([u.nodes for u in units])

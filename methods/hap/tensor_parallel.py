@@ -30,7 +30,7 @@ from bench.cost import (
     simulate,
     virtual_devices,
 )
-from methods.graph import Graph, capture_config
+from methods.graph import Graph, capture_priced
 from methods.hap.balance import balance_ratios, batch_shares
 from methods.hap.lowering import build_program
 from methods.hap.planner import step_fields
@@ -149,7 +149,7 @@ def to_plan(
 
 def workload_points(workload: Workload, cluster: ClusterSpec, rounds: int = 2) -> tuple[Graph, dict[str, RatioPoint]]:
     """ratio_points of a workload's graph at its global batch."""
-    graph = capture_config(workload.model_cfg, workload.global_batch)
+    graph = capture_priced(workload.model_cfg, workload.global_batch, workload.precision, cluster.device)
     return graph, ratio_points(graph, cluster, rounds)
 
 
@@ -195,7 +195,7 @@ class TensorParallel:
 
     def plan(self, workload: Workload, cluster: ClusterSpec) -> Plan:
         check_gpu_level(cluster)
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_priced(workload.model_cfg, workload.global_batch, workload.precision, cluster.device)
         return to_plan(self.point(graph, cluster), graph, workload, cluster, self.name)
 
     def setup(self, plan, model, ctx):

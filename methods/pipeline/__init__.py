@@ -85,7 +85,7 @@ from bench.cost.pipeline import (
 )
 from bench.runtime.method_step import time_method_step
 from methods.common import GroupTable, check_training_options, group_table, refuse_global_batch_norm
-from methods.graph import capture_config
+from methods.graph import capture_priced
 from methods.pipeline.cut import cut_graph
 from methods.pipeline.planning import (
     ALIKE,
@@ -299,7 +299,7 @@ class PipelineParallel:
         """The fastest candidate that fits, its program and the costs that priced it, each
         compute action `action_s` profiled seconds longer (_Costs.action_s); StageOOM or
         ConfigError where none fits or plans."""
-        graph = capture_config(workload.model_cfg, workload.global_batch)
+        graph = capture_priced(workload.model_cfg, workload.global_batch, workload.precision, cluster.device)
         refuse_global_batch_norm(workload, graph, "pipeline", "each micro-batch")
         table = group_table(graph)
         model_launches = float(sum(g.launches for g in table.groups))

@@ -239,9 +239,10 @@ class _Costs:
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
-        self._prefix_params = [0.0]
+        self._prefix_params, self._prefix_casts = [0.0], [0.0]
         for g in self.table.groups:
             self._prefix_params.append(self._prefix_params[-1] + g.param_bytes)
+            self._prefix_casts.append(self._prefix_casts[-1] + g.cast_bytes)
         # each tied parameter's group in the table (its first reader's)
         self._owner = {
             name: g.index for g in self.table.groups for name in g.params if name in self.table.shared_groups
@@ -411,6 +412,7 @@ class _Costs:
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
             shard_bytes=self.shard_bytes(first, end, shards) + (self.copy_bytes(copies, shards) if shards > 1 else 0.0),
+            cast_bytes=self._prefix_casts[end] - self._prefix_casts[first],
         )
 
     def tied_copies(self, spans: Sequence[tuple[int, int]]) -> list[tuple[str, ...]]:

@@ -175,7 +175,7 @@ def _kinds(program: Program):
 
 def test_zero_program_shards_memory_and_adds_the_stage_collectives_on_the_paper_cluster():
     plan, cluster = _paper(BertConfig, 1)
-    profile = profile_workload(plan_workload(plan, cluster), 32, None)
+    profile = profile_workload(plan_workload(plan, cluster), 32, None, cluster.device)
     method = DeepSpeedZeRO()
     programs = {
         stage: zero_program(

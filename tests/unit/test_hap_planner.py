@@ -336,13 +336,13 @@ def test_activations_count_what_autograd_keeps():
     # hands it its gradient); cross-entropy's inside, at its own backward. h and x need none.
     assert sorted(g.grads_in_flight()) == sorted(
         [
-            ("linear", "linear", "relu"),
-            ("relu", "relu", "dropout"),
-            ("dropout", "dropout", "mul_1"),
-            ("mul", "mul", "softmax"),
-            ("softmax", "softmax", "mul_1"),
-            ("add_1", "mul_1", "cross_entropy_loss"),
-            ("add_1", "cross_entropy_loss", "cross_entropy_loss"),
+            ("linear", "linear", "relu", 1.0),
+            ("relu", "relu", "dropout", 1.0),
+            ("dropout", "dropout", "mul_1", 1.0),
+            ("mul", "mul", "softmax", 1.0),
+            ("softmax", "softmax", "mul_1", 1.0),
+            ("add_1", "mul_1", "cross_entropy_loss", 1.0),
+            ("add_1", "cross_entropy_loss", "cross_entropy_loss", 1.0),
         ]
     )
 
