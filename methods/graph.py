@@ -672,14 +672,15 @@ def autocast_dtypes(
                         # autocast cast its inputs where the op alone gives another dtype (or refuses them)
                         torch.set_autocast_enabled(device_type, False)
                         quiet = logging.getLogger("torch._subclasses.fake_tensor")
-                        level, quiet.level = quiet.level, logging.CRITICAL  # (it logs what the op refuses)
+                        level = quiet.level
+                        quiet.setLevel(logging.CRITICAL)  # (it logs what the op refuses)
                         try:
                             alone = n.target(*args, **kwargs)
                             alone = next((v for v in tree_flatten(alone)[0] if isinstance(v, torch.Tensor)), None)
                         except Exception:  # inputs of unlike dtypes it takes only cast
                             alone = None
                         finally:
-                            quiet.level = level
+                            quiet.setLevel(level)
                             torch.set_autocast_enabled(device_type, True)
                         if alone is None or alone.dtype != out.dtype:
                             casts[n.name] = out.dtype

@@ -11,6 +11,8 @@ timings: the same on every machine.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -25,20 +27,26 @@ from tests.conftest import compose_config
 BATCH = 6
 
 
-@pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
-def test_forward_keeps_and_backward_peaks_as_the_graph_counts(model):
+def _model(model: str):
+    """(workload, its module built under a tensor count, the count, the parameters' bytes, a
+    batch maker)."""
     cfg = compose_config(f"model={model}")
     workload = build_workload(as_settings(cfg), ClusterSpec.from_config(cfg.cluster))
     tensors = TensorBytes()
     with tensors:
         module = workload.build(0)
-    params = tensors.live
 
     def batch():
         return workload.model_cfg.synthetic_batch(BATCH, torch.Generator().manual_seed(0))
 
-    graph = capture(module, batch(), BATCH)
-    with tensors:  # a first step: what torch sets up once is not the model's
+    return workload, module, tensors, tensors.live, batch
+
+
+def _counted_step(module, tensors: TensorBytes, batch, context=contextlib.nullcontext) -> int:
+    """The bytes autograd saves in one training step of `module` inside `context()` (each
+    storage once, parameters' own not), after a first step (what torch sets up once is not the
+    model's), `tensors` counting from that step's start."""
+    with tensors, context():
         module(*batch()).backward()
     module.zero_grad(set_to_none=True)
     tensors.reset_peak()
@@ -51,24 +59,35 @@ def test_forward_keeps_and_backward_peaks_as_the_graph_counts(model):
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with tensors:
+    with tensors, context():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = module(*batch())
         loss.backward()
-    assert sum(saved.values()) == pytest.approx(graph.activation_bytes(), rel=0.005)
+    return sum(saved.values())
 
-    grads, activations, in_flight = graph.backward_memory()
+
+def _swept_peak(graph, in_flight: bool = True) -> float:
+    """The largest point of backward_sweep over the graph's backward memory."""
+    grads, activations, flight = graph.backward_memory()
     points = backward_sweep(
         [(p, Affine(b)) for p, b in grads],
         [(p, Affine(b)) for p, b in activations],
-        in_flight=[(a, b, Affine(x)) for a, b, x in in_flight],
+        in_flight=[(a, b, Affine(x)) for a, b, x in flight] if in_flight else (),
     )
-    predicted = max(g.const + a.const for g, a in points)
+    return max(g.const + a.const for g, a in points)
+
+
+@pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
+def test_forward_keeps_and_backward_peaks_as_the_graph_counts(model):
+    _, module, tensors, params, batch = _model(model)
+    graph = capture(module, batch(), BATCH)
+    saved = _counted_step(module, tensors, batch)
+    assert saved == pytest.approx(graph.activation_bytes(), rel=0.005)
+    predicted = _swept_peak(graph)
     assert predicted == pytest.approx(tensors.peak - params, rel=0.005)
     # Without the gradients in flight the peak is missed (by a residual stream's or a
     # convolution's gradients, or cross-entropy's at the start of backward).
-    without = backward_sweep([(p, Affine(b)) for p, b in grads], [(p, Affine(b)) for p, b in activations])
-    print("RATIO", max(g.const + a.const for g, a in without) / predicted)
+    print("RATIO", _swept_peak(graph, in_flight=False) / predicted)
 
 
 @pytest.mark.parametrize("model", ["vgg19", "vit", "bert", "bert_moe"])
@@ -80,16 +99,7 @@ def test_checkpointed_groups_keep_and_peak_as_the_graph_counts(model):
     forward FLOPs."""
     from methods.common import apply_checkpointing, checkpoint_units
 
-    cfg = compose_config(f"model={model}")
-    workload = build_workload(as_settings(cfg), ClusterSpec.from_config(cfg.cluster))
-    tensors = TensorBytes()
-    with tensors:
-        module = workload.build(0)
-    params = tensors.live
-
-    def batch():
-        return workload.model_cfg.synthetic_batch(BATCH, torch.Generator().manual_seed(0))
-
+    _, module, tensors, params, batch = _model(model)
     plain = capture(module, batch(), BATCH)
     units = checkpoint_units(plain)
     assert units, "no layer group to checkpoint"
@@ -106,13 +116,7 @@ def test_checkpointed_groups_keep_and_peak_as_the_graph_counts(model):
     assert kept == pytest.approx(graph.activation_bytes() + loss.untyped_storage().nbytes(), rel=0.01)
     assert graph.activation_bytes() < 0.6 * plain.activation_bytes()
 
-    grads, activations, in_flight = graph.backward_memory()
-    points = backward_sweep(
-        [(p, Affine(b)) for p, b in grads],
-        [(p, Affine(b)) for p, b in activations],
-        in_flight=[(a, b, Affine(x)) for a, b, x in in_flight],
-    )
-    predicted = max(g.const + a.const for g, a in points)
+    predicted = _swept_peak(graph)
     # Within 0.2% for vgg19, vit and bert; bert_moe's peak is 2.5% above the count: the
     # temporaries of its router's recompute, which no saved tensor or gradient accounts for.
     assert predicted == pytest.approx(tensors.peak - params, rel=0.03)
@@ -127,50 +131,18 @@ def test_autocast_keeps_and_peaks_as_the_graph_counts(model):
     autocast's dtypes (Graph.at_autocast): what autograd keeps is the graph's activations (the
     casts a matrix product keeps of its fp32 inputs among them) and the casts of the parameters
     (param_casts), and the peak the sweep's largest point with those casts beside it. The fp32
-    graph's count is far off for ViT (half its saved tensors are products' bf16 inputs)."""
-    cfg = compose_config(f"model={model}")
-    workload = build_workload(as_settings(cfg), ClusterSpec.from_config(cfg.cluster))
-    tensors = TensorBytes()
-    with tensors:
-        module = workload.build(0)
-    params = tensors.live
-
-    def batch():
-        return workload.model_cfg.synthetic_batch(BATCH, torch.Generator().manual_seed(0))
-
+    graph's count is far above what ViT's step saves, mostly products' bf16 inputs."""
+    _, module, tensors, params, batch = _model(model)
     plain = capture(module, batch(), BATCH)
     graph = plain.at_autocast("cpu", torch.bfloat16)
-    with tensors, torch.autocast("cpu", dtype=torch.bfloat16):
-        module(*batch()).backward()
-    module.zero_grad(set_to_none=True)
-    tensors.reset_peak()
-    param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with tensors, torch.autocast("cpu", dtype=torch.bfloat16):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = module(*batch())
-        loss.backward()
+    saved = _counted_step(module, tensors, batch, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     casts = sum(graph.param_casts.values())
     assert casts > 0
     # within 0.1% for vgg19, vit and bert; bert_moe's count 0.7% under the graph's
-    assert sum(saved.values()) == pytest.approx(graph.activation_bytes() + casts, rel=0.01)
+    assert saved == pytest.approx(graph.activation_bytes() + casts, rel=0.01)
     if model == "vit":
-        assert sum(saved.values()) < 0.75 * (plain.activation_bytes() + casts)
-
-    grads, activations, in_flight = graph.backward_memory()
-    points = backward_sweep(
-        [(p, Affine(b)) for p, b in grads],
-        [(p, Affine(b)) for p, b in activations],
-        in_flight=[(a, b, Affine(x)) for a, b, x in in_flight],
-    )
-    predicted = max(g.const + a.const for g, a in points) + casts
+        assert saved < 0.75 * (plain.activation_bytes() + casts)
+    predicted = _swept_peak(graph) + casts
     # within 0.6% for vgg19, bert and bert_moe; ViT's peak 1.4% above the sweep's point
     assert predicted == pytest.approx(tensors.peak - params, rel=0.025)
 
