@@ -70,8 +70,10 @@ def digest(body: list) -> str:
 
 
 def host_key(workload: Workload, batch_size: int, seed: int) -> str:
-    """This host (host_identity) and this workload: what a speed belongs to."""
-    return digest([*host_identity(), workload.name, repr(workload.model_cfg), batch_size, seed, PROBE_VERSION])
+    """This host (host_identity) and this workload at its precision: what a speed belongs to."""
+    return digest(
+        [*host_identity(), workload.name, repr(workload.model_cfg), batch_size, seed, workload.precision, PROBE_VERSION]
+    )
 
 
 def measure_host_speed(
@@ -92,7 +94,7 @@ def measure_host_speed(
     across the cases of a sweep and across sweeps.
     """
     b = max(batch_size, 1)
-    key = (workload.name, repr(workload.model_cfg), b, seed)
+    key = (workload.name, repr(workload.model_cfg), b, seed, workload.precision)
     if key in _host_speed_cache:
         return _host_speed_cache[key]
     path, disk_key = host_cache_file(), host_key(workload, b, seed)
@@ -194,12 +196,13 @@ def _turns(
     """Seconds by `clock` of `repeats` plain training steps (forward, backward, Adam; without
     `optimizer` forward and backward alone) at each of `batches` samples, one model, the sizes
     taking turns one step each, so that a slow stretch of the host hits every size alike; the
-    first two rounds (they allocate) are dropped."""
+    first two rounds (they allocate) are dropped. At the workload's precision, as a worker's
+    steps run (bf16: under autocast, bench.runtime.precision.applied)."""
     model = workload.build(seed)
     adam = torch.optim.Adam(model.parameters(), lr=1e-6) if optimizer else None
     inputs = [workload.model_cfg.synthetic_batch(n, torch.Generator().manual_seed(seed)) for n in batches]
     times: list[list[float]] = [[] for _ in batches]
-    with emulated_device():
+    with emulated_device(), applied(workload.precision, "cpu"):
         for i in range(repeats + 2):
             for batch, timed in zip(inputs, times):
                 seconds = _timed_step(model, adam, batch, clock)
@@ -235,7 +238,7 @@ def pause_penalty(workload: Workload, batch: int, seed: int, pause_s: float, rep
     inputs = workload.model_cfg.synthetic_batch(max(batch, 1), torch.Generator().manual_seed(seed))
 
     cold, warm = [], []
-    with emulated_device():
+    with emulated_device(), applied(workload.precision, "cpu"):
         for _ in range(2):  # the first steps allocate
             _timed_step(model, optimizer, inputs, time.thread_time)
         for _ in range(repeats):

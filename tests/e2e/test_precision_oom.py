@@ -60,8 +60,7 @@ def test_every_method_runs_its_forward_matmuls_in_bf16_when_asked(cfg_factory, m
     assert all(s and set(s) == {"bfloat16"} for s in seen), seen
     # and every rank held the tensors the plan priced at autocast's dtypes (docs/cost-model.md,
     # "Memory"): within 0.4% for the data-parallel plans and DeepSpeed, 2.2% for fsdp_cp. The
-    # pipeline's last VGG19 stage lies 1.5 MiB above its price at fp32 too (a worker's holdings
-    # beside its stage, results/methods/20261202-pipeline-shares-schedules.md): not compared.
+    # pipeline's last VGG19 stage holds 1.5 MiB more than its price at fp32 too: not compared.
     if method != "pipeline":
         counted = [r["tensor_peak_gib"] for r in sorted(ranks, key=lambda r: r["rank"])]
         assert counted == pytest.approx(record.predicted_peak_mem_gib, rel=0.03)

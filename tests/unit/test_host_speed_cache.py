@@ -7,7 +7,7 @@ from bench.runtime import hostspeed as flops
 
 
 class _Workload:
-    name, model_cfg, flops_per_sample = "toy", "ToyConfig()", 1e9
+    name, model_cfg, flops_per_sample, precision = "toy", "ToyConfig()", 1e9, "fp32"
 
     def build(self, seed):
         return torch.nn.Linear(4, 4)  # 20 parameters: 80 bytes
@@ -23,8 +23,8 @@ class _Built:
 
     model_cfg = _Ones()
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, precision: str = "fp32"):
+        self.model, self.precision = model, precision
 
     def build(self, seed):
         torch.manual_seed(seed)
@@ -184,6 +184,25 @@ def test_the_batch_sizes_take_turns_so_a_slow_stretch_hits_both(monkeypatch, mea
     monkeypatch.setattr(flops, "_timed_step", step)
     assert measure(_Built(lambda: torch.nn.Linear(1, 1)), repeats) == [pytest.approx(0.013), pytest.approx(0.025)]
     assert calls == [5, 11] * (repeats + 2)
+
+
+@pytest.mark.parametrize("precision, autocast", [("fp32", False), ("bf16", True)])
+def test_the_yardstick_and_the_pause_penalty_step_at_the_workloads_precision(monkeypatch, precision, autocast):
+    """A bf16 rank trains under autocast, so the plain steps that price it do too (fp32 steps
+    priced bf16 CPU ranks 10-43% slow)."""
+    seen = []
+
+    def step(model, optimizer, batch, clock):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return 0.01
+
+    monkeypatch.setattr(flops, "_timed_step", step)
+    workload = _Built(lambda: torch.nn.Linear(1, 1), precision)
+    flops.yardstick(workload, (2, 4), 0, 3)
+    flops.pause_penalty(workload, 2, 0, 0.0, 2)
+    assert seen and all(on == autocast for on, _ in seen)
+    assert not autocast or all(dtype == torch.bfloat16 for _, dtype in seen)
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_adams_cost_per_byte_is_measured_between_two_sizes():
