@@ -644,6 +644,9 @@ def autocast_dtypes(
     def on_device(v: Any) -> Any:
         return torch.device(device_type) if isinstance(v, torch.device) and v.type == "meta" else v
 
+    def first_tensor(v: Any) -> torch.Tensor | None:  # a value's (a tuple's first) tensor
+        return next((t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)), None)
+
     env: dict[fx.Node, Any] = {}
     dtypes: dict[str, torch.dtype] = {}
     casts: dict[str, torch.dtype] = {}
@@ -667,7 +670,7 @@ def autocast_dtypes(
                         value = tree_map(fake, n.meta.get("val"))
                     ins = [a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
                     floats = [d for d in ins if d.is_floating_point]
-                    out = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
+                    out = first_tensor(value)
                     if out is not None and out.dtype.is_floating_point and any(d != out.dtype for d in floats):
                         # autocast cast its inputs where the op alone gives another dtype (or refuses them)
                         torch.set_autocast_enabled(device_type, False)
@@ -675,8 +678,7 @@ def autocast_dtypes(
                         level = quiet.level
                         quiet.setLevel(logging.CRITICAL)  # (it logs what the op refuses)
                         try:
-                            alone = n.target(*args, **kwargs)
-                            alone = next((v for v in tree_flatten(alone)[0] if isinstance(v, torch.Tensor)), None)
+                            alone = first_tensor(n.target(*args, **kwargs))
                         except Exception:  # inputs of unlike dtypes it takes only cast
                             alone = None
                         finally:
@@ -687,7 +689,7 @@ def autocast_dtypes(
                 else:
                     value = tree_map(fake, n.meta.get("val"))
                 env[n] = value
-                first = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
+                first = first_tensor(value)
                 if first is not None:
                     dtypes[n.name] = first.dtype
         finally:

@@ -284,7 +284,7 @@ class Memory:
         out: dict[str, Any] = {
             k: getattr(self, k).to_json() for k in ("params", "grads", "optimizer", "activations", "buckets")
         }
-        if self.casts.to_json() != Affine().to_json():
+        if self.casts != Affine():
             out["casts"] = self.casts.to_json()
         if self.backward:
             out["backward"] = [[g.to_json(), a.to_json()] for g, a in self.backward]

@@ -269,13 +269,14 @@ def zero_program(
         gather = Collective("all_gather", Affine(dense_bytes / n / calls), label="param all_gather")
         stages.append(Stage((gather,) * calls, label="parameter all_gather"))
     bucket_bytes = min(dense_bytes, reduce_bucket_bytes)
+    casts = Affine(profile.cast_per_param_byte * (dense_bytes + expert_bytes))
     if zero_stage == 0:
         memory = Memory(
             Affine(dense_bytes + expert_bytes),
             Affine(dense_bytes + expert_bytes),
             Affine(ADAM_STATE_COPIES * (dense_bytes + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
-            casts=Affine(profile.cast_per_param_byte * (dense_bytes + expert_bytes)),
+            casts=casts,
         )
     else:
         params = dense_bytes + expert_bytes
@@ -290,6 +291,6 @@ def zero_program(
             Affine(grads),
             Affine(ZERO_STATE_COPIES * (dense_bytes / n + expert_bytes)),
             Affine.sharded(profile.activation_bytes_per_sample * B),
-            casts=Affine(profile.cast_per_param_byte * (dense_bytes + expert_bytes)),
+            casts=casts,
         )
     return Program(tuple(stages), n, 1, "gpu", memory, dict(meta or {}), micro_steps=micro_steps)
