@@ -138,7 +138,8 @@ class GroupCost:
     forward_launches: dict[str, int] = field(default_factory=dict)
     backward_launches: dict[str, int] = field(default_factory=dict)
     param_bytes: float = 0.0  # whole, not per sample
-    cast_bytes: float = 0.0  # autocast's casts of its parameters (Graph.param_casts)
+    cast_bytes: float = 0.0  # autocast's casts of its parameters, once a step (Graph.cached_casts)
+    call_cast_bytes: float = 0.0  # ... those its ops make anew at each call, whole (Graph.call_cast_bytes)
     param_tensors: int = 0
     largest_param_bytes: float = 0.0
     params: list[str] = field(default_factory=list)  # parameter names (module paths), forward order
@@ -250,11 +251,13 @@ def _group_table(graph) -> GroupTable:
             g.backward_launches[cls] = g.backward_launches.get(cls, 0) + (
                 (2 if any(graph[i].is_param for i in n.inputs) else 1) + (n.name in graph.recomputed)
             )
+        g.call_cast_bytes += graph.call_cast_bytes(n.name)
+    cached = graph.cached_casts()
     for n in nodes:
         if n.is_param:
             g = table[first_user_group.get(n.name, 0)]
             g.param_bytes += n.nbytes
-            g.cast_bytes += graph.param_casts.get(n.name, 0)
+            g.cast_bytes += cached.get(n.name, 0)
             g.param_tensors += 1
             g.largest_param_bytes = max(g.largest_param_bytes, float(n.nbytes))
             g.params.append(str(n.fx_node.target))

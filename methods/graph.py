@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.core.meta import build_on_meta
 from bench.core.program import op_class
@@ -116,6 +117,10 @@ class Graph:
     # op -> the dtype autocast ran it in, where its floating inputs were of another
     # (at_autocast): what such an op keeps of them is their casts, of that dtype
     casts: dict[str, torch.dtype] = field(default_factory=dict)
+    # op -> the parameters it casts anew at every call (at_autocast): autocast caches the cast
+    # of a parameter it casts itself, for the step, but an op it does not list (CPU's einsum)
+    # casts a view of the parameter inside its decomposition, once per call, and keeps that
+    call_casts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_name = {n.name: n for n in self.nodes}
@@ -136,19 +141,31 @@ class Graph:
     def at_autocast(self, device_type: str, dtype: torch.dtype) -> Graph:
         """This graph as it runs under autocast to `dtype` on `device_type` (autocast_dtypes):
         each node at the dtype autocast gives it, and `casts` set."""
-        dtypes, casts = autocast_dtypes(self.gm, device_type, dtype)
+        dtypes, casts, direct = autocast_dtypes(self.gm, device_type, dtype)
         nodes = [
             dataclasses.replace(n, dtype=dtypes[n.name]) if dtypes.get(n.name, n.dtype) != n.dtype else n
             for n in self.nodes
         ]
-        return dataclasses.replace(self, nodes=nodes, casts=casts)
+        by_name = {n.name: n for n in nodes}
+        call_casts = {}
+        for op, cast in casts.items():
+            anew = tuple(
+                i
+                for i in dict.fromkeys(by_name[op].inputs)
+                if by_name[i].is_param and by_name[i].dtype != cast and i not in direct.get(op, ())
+            )
+            if anew:
+                call_casts[op] = anew
+        return dataclasses.replace(self, nodes=nodes, casts=casts, call_casts=call_casts)
 
     @functools.cached_property
     def param_casts(self) -> dict[str, int]:
         """Parameter -> the bytes of autocast's cast of it (`casts`: an op that runs in another
         dtype than the parameter's): autocast casts a parameter once a step and keeps the cast
         until it exits, after the optimizer step here (bench.runtime.precision.step_context);
-        the ops that read it keep that one cast. Empty outside autocast."""
+        the ops that read it keep that one cast. A step that calls each op once holds one cast
+        of a parameter cast anew per call (`call_casts`) too, from forward to its backward,
+        counted here alike. Empty outside autocast."""
         out: dict[str, int] = {}
         for name, dtype in self.casts.items():
             for i in self[name].inputs:
@@ -156,6 +173,22 @@ class Graph:
                 if p.is_param and p.dtype != dtype:
                     out[i] = max(out.get(i, 0), p.numel * dtype.itemsize)
         return out
+
+    def cached_casts(self) -> dict[str, int]:
+        """param_casts of the parameters autocast casts itself at least once (cached for the
+        step): one cast a step however often the ops run (a pipeline's micro-batches)."""
+        direct = {
+            p
+            for op, dtype in self.casts.items()
+            for p in self[op].inputs
+            if self[p].is_param and self[p].dtype != dtype and p not in self.call_casts.get(op, ())
+        }
+        return {p: b for p, b in self.param_casts.items() if p in direct}
+
+    def call_cast_bytes(self, op: str) -> float:
+        """Bytes of the parameter casts `op` makes anew at each call and keeps for its backward
+        (`call_casts`)."""
+        return float(sum(self[p].numel * self.casts[op].itemsize for p in self.call_casts.get(op, ())))
 
     @functools.cached_property
     def recomputed(self) -> frozenset[str]:
@@ -626,9 +659,10 @@ def _is_tensorish(v: Any) -> bool:
 
 def autocast_dtypes(
     gm: fx.GraphModule, device_type: str, dtype: torch.dtype
-) -> tuple[dict[str, torch.dtype], dict[str, torch.dtype]]:
+) -> tuple[dict[str, torch.dtype], dict[str, torch.dtype], dict[str, frozenset[str]]]:
     """(node -> the dtype of its value, op -> the dtype autocast ran it in where its floating
-    inputs were of another) when `gm` runs under autocast to `dtype` on `device_type`: its
+    inputs were of another, such an op -> the inputs autocast cast themselves rather than a
+    view of them inside the op) when `gm` runs under autocast to `dtype` on `device_type`: its
     nodes run again on fake tensors of that device type with autocast on, so every op takes
     the dtype autocast's own rules for that device give it (a matrix product's lower, a
     CUDA layer norm's fp32), with no device of that type needed. An op that cannot run on fake
@@ -650,6 +684,8 @@ def autocast_dtypes(
     env: dict[fx.Node, Any] = {}
     dtypes: dict[str, torch.dtype] = {}
     casts: dict[str, torch.dtype] = {}
+    direct: dict[str, frozenset[str]] = {}
+    copies = _CastsSeen()
     was = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     with FakeTensorMode(), torch.no_grad():
         torch.set_autocast_enabled(device_type, True)  # (torch.autocast refuses a type this host lacks)
@@ -664,8 +700,10 @@ def autocast_dtypes(
                 elif n.op == "call_function":
                     args = tree_map(on_device, fx.node.map_arg(n.args, env.__getitem__))
                     kwargs = tree_map(on_device, fx.node.map_arg(n.kwargs, env.__getitem__))
+                    copies.seen.clear()
                     try:
-                        value = n.target(*args, **kwargs)
+                        with copies:
+                            value = n.target(*args, **kwargs)
                     except Exception:  # a value-dependent shape: the captured value
                         value = tree_map(fake, n.meta.get("val"))
                     ins = [a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -686,6 +724,9 @@ def autocast_dtypes(
                             torch.set_autocast_enabled(device_type, True)
                         if alone is None or alone.dtype != out.dtype:
                             casts[n.name] = out.dtype
+                            direct[n.name] = frozenset(
+                                i.name for i in n.all_input_nodes if id(env.get(i)) in copies.seen
+                            )
                 else:
                     value = tree_map(fake, n.meta.get("val"))
                 env[n] = value
@@ -696,7 +737,21 @@ def autocast_dtypes(
             torch.autocast_decrement_nesting()
             torch.set_autocast_enabled(device_type, was[0])
             torch.set_autocast_dtype(device_type, was[1])
-    return dtypes, casts
+    return dtypes, casts, direct
+
+
+class _CastsSeen(TorchDispatchMode):
+    """The tensors an op's dispatch copied to another dtype (by id): what autocast cast itself,
+    where an input it casts inside the op's decomposition is a view of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args:
+            self.seen.add(id(args[0]))
+        return func(*args, **(kwargs or {}))
 
 
 def capture(

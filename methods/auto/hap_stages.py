@@ -168,7 +168,7 @@ def stage_graph(graph: Graph, table: GroupTable, first: int, end: int, loss: boo
     # keep the graph's topological order (crossing tensors were made before every member)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     nodes.sort(key=lambda n: order.get(n.name, len(order)))
-    sub = Graph(graph.gm, nodes, loss_node, graph.batch_size, casts=graph.casts)
+    sub = Graph(graph.gm, nodes, loss_node, graph.batch_size, casts=graph.casts, call_casts=graph.call_casts)
     return StageGraph(
         sub, first, end, crossing_in, crossing_out, model_inputs, end - 1 == last_group and not loss, (graph, table)
     )
@@ -187,7 +187,14 @@ def stage_theory(stage: StageGraph, sfb: bool = True, grouped: bool = True, fuse
     BOUNDARY triple {Gather(0) each} -> Reduce, the only way to the goal."""
     g = stage.graph
     core_nodes = [n for n in g.nodes if n.name != BOUNDARY]
-    core = Graph(g.gm, core_nodes, g.loss if stage.last else stage.crossing_out[0], g.batch_size, casts=g.casts)
+    core = Graph(
+        g.gm,
+        core_nodes,
+        g.loss if stage.last else stage.crossing_out[0],
+        g.batch_size,
+        casts=g.casts,
+        call_casts=g.call_casts,
+    )
     theory = derive_theory(core, sfb=sfb, grouped=grouped, fuse_routing=fuse_routing)
     sources = dict(theory.sources)
     for t in stage.crossing_in:

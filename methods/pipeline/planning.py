@@ -239,10 +239,11 @@ class _Costs:
 
     def __post_init__(self) -> None:
         self._acts = StageActivations(self.graph, self.table)
-        self._prefix_params, self._prefix_casts = [0.0], [0.0]
+        self._prefix_params, self._prefix_casts, self._prefix_calls = [0.0], [0.0], [0.0]
         for g in self.table.groups:
             self._prefix_params.append(self._prefix_params[-1] + g.param_bytes)
             self._prefix_casts.append(self._prefix_casts[-1] + g.cast_bytes)
+            self._prefix_calls.append(self._prefix_calls[-1] + g.call_cast_bytes)
         # each tied parameter's group in the table (its first reader's)
         self._owner = {
             name: g.index for g in self.table.groups for name in g.params if name in self.table.shared_groups
@@ -399,6 +400,9 @@ class _Costs:
         its state sharded over `shards` replicas: its layer groups' parameters and its copies of
         tied parameters (`copies`; None: those of a rank holding this stage alone, tied_copies)."""
         kept, backward = self.activations(first, end)
+        # Each micro-batch's own casts of parameters autocast casts anew per call: kept with its
+        # activations (made again by a checkpoint's recompute, so only in backward there).
+        calls = self._prefix_calls[end] - self._prefix_calls[first]
         groups = self.table.span(first, end)
         last = end == self.table.num_groups
         if copies is None:
@@ -407,8 +411,8 @@ class _Costs:
         return StageBytes(
             param_bytes=self._prefix_params[end] - self._prefix_params[first] + sum(whole),
             largest_param_bytes=max([g.largest_param_bytes for g in groups] + whole, default=0.0),
-            kept_bytes=mb * kept,
-            backward_bytes=mb * backward,
+            kept_bytes=mb * kept + (0.0 if self.checkpointing else calls),
+            backward_bytes=mb * backward + calls,
             received_bytes=mb * self.table.border_bytes(first, end),
             sent_bytes=0.0 if last else mb * groups[-1].out_bytes,
             shard_bytes=self.shard_bytes(first, end, shards) + (self.copy_bytes(copies, shards) if shards > 1 else 0.0),

@@ -177,3 +177,79 @@ def test_autocast_dtypes_follow_each_device_types_rules():
     assert graph.kept_until()[x][0] == 1.0 and cpu.kept_until()[x][0] == 0.5
     assert cpu.param_casts and all(b == graph[p].nbytes // 2 for p, b in cpu.param_casts.items())
     assert not torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+
+
+class _Experts(torch.nn.Module):
+    """A product autocast lists on the CPU (linear) and one it does not (einsum, whose bmm
+    casts a view of the parameter inside its decomposition)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(4, 16, 32))
+
+    def forward(self, x):
+        return torch.einsum("ebd,edh->ebh", self.a(x), self.w).sum()
+
+
+def _casts_per_call(module, x) -> dict[tuple, int]:
+    """Two calls of `module` under one autocast region, as a pipeline's micro-batches run in one
+    step: per shape of a parameter, how many distinct bf16 copies of it autograd kept."""
+    shapes = {tuple(p.shape) for p in module.parameters() if p.dim() > 1}
+    kept: dict[tuple, set] = {}
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+            kept.setdefault(tuple(t.shape), set()).add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = [module(x) for _ in range(2)]
+    del outs
+    return {shape: len(ptrs) for shape, ptrs in kept.items()}
+
+
+def test_a_parameter_cast_inside_an_ops_decomposition_is_made_anew_at_every_call():
+    """autocast caches its cast of a parameter for the step only where it casts the parameter
+    itself: CPU's einsum is not on its list, and the bmm it decomposes into casts a view, once
+    per call; CUDA lists einsum. Graph.call_casts says which (at_autocast), and the pipeline
+    keeps one such cast per micro-batch in flight (PipelinePlanner.stage_bytes)."""
+    module = _Experts()
+    x = torch.randn(4, 2, 16)
+    # (an input that needs its gradient, as a later stage's does: the products keep their weights)
+    assert _casts_per_call(module, x.requires_grad_()) == {(16, 16): 1, (4, 16, 32): 2}  # torch as it runs
+    graph = capture(module, [x.detach()], 4)
+    cpu, cuda = graph.at_autocast("cpu", torch.bfloat16), graph.at_autocast("cuda", torch.bfloat16)
+    (op,) = [n.name for n in graph.nodes if n.op == "einsum"]
+    (w,) = [n.name for n in graph.nodes if n.is_param and graph[n.name].numel == 4 * 16 * 32]
+    assert cpu.call_casts == {op: (w,)} and cpu.call_cast_bytes(op) == 4 * 16 * 32 * 2
+    assert cuda.call_casts == {}
+    # one cast a step of each: param_casts; of those cached for the step: the linear's alone on the CPU
+    assert set(cpu.param_casts) == set(cuda.param_casts) == set(cuda.cached_casts()) and w in cpu.param_casts
+    assert w not in cpu.cached_casts() and len(cpu.cached_casts()) == len(cpu.param_casts) - 1
+
+
+def test_bert_moes_experts_are_cast_per_micro_batch_in_a_pipelines_stage():
+    """BERT-MoE's experts run as einsums over their stacked weights: under CPU autocast each
+    micro-batch a stage keeps in flight holds its own bf16 cast of them (methods.pipeline
+    prices it with the micro-batch's activations), the other parameters one cast a step."""
+    from methods.common import group_table
+    from methods.pipeline.planning import _Costs
+
+    _, module, _, _, batch = _model("bert_moe")
+    graph = capture(module, batch(), BATCH).at_autocast("cpu", torch.bfloat16)
+    experts = {p for ps in graph.call_casts.values() for p in ps}
+    assert experts and all("ffn_w" in p for p in experts)
+    table = group_table(graph)
+    calls = sum(g.call_cast_bytes for g in table.groups)
+    assert calls == sum(graph.call_cast_bytes(op) for op in graph.call_casts) > 0
+    assert sum(g.cast_bytes for g in table.groups) == sum(graph.param_casts.values()) - sum(
+        graph.param_casts[p] for p in experts
+    )
+    # a stage's micro-batch keeps its activations (per sample) and the experts' casts (per call)
+    cluster = ClusterSpec.from_config(compose_config("model=bert_moe").cluster).with_host_speed(2e10, 1e-3)
+    costs = _Costs(graph, table, cluster, model_launches=0.0)
+    one, two = (costs.stage_bytes(0, table.num_groups, mb) for mb in (1, 2))
+    assert 2 * one.kept_bytes - two.kept_bytes == pytest.approx(calls)
+    assert 2 * one.backward_bytes - two.backward_bytes == pytest.approx(calls)
+    assert one.cast_bytes == pytest.approx(sum(g.cast_bytes for g in table.groups))
