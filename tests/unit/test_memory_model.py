@@ -213,7 +213,7 @@ def test_a_parameter_cast_inside_an_ops_decomposition_is_made_anew_at_every_call
     """autocast caches its cast of a parameter for the step only where it casts the parameter
     itself: CPU's einsum is not on its list, and the bmm it decomposes into casts a view, once
     per call; CUDA lists einsum. Graph.call_casts says which (at_autocast), and the pipeline
-    keeps one such cast per micro-batch in flight (PipelinePlanner.stage_bytes)."""
+    keeps one such cast per micro-batch in flight (methods.pipeline.planning._Costs.stage_bytes)."""
     module = _Experts()
     x = torch.randn(4, 2, 16)
     # (an input that needs its gradient, as a later stage's does: the products keep their weights)
