@@ -109,8 +109,8 @@ def save_module(key: str, gm: fx.GraphModule) -> Path | None:
 def with_tensors(gm: fx.GraphModule, model: nn.Module, device: torch.device | None = None) -> fx.GraphModule:
     """A copy of `gm`'s graph over `model`'s own parameters and buffers (the get_attr targets are
     their module paths); gm's constants (tensors forward makes from data) copied to `device`
-    (default: the model's), and the ops that make tensors from nothing (arange, ones) retargeted
-    to it. `device` names it for a model whose parameters are still on meta."""
+    (default: the model's), and the ops that make tensors from nothing (arange, ones) or move
+    them to a device (a rotary embedding's `to(inv_freq, device)`) retargeted to it. `device` names it for a model whose parameters are still on meta."""
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     if device is None:
@@ -122,8 +122,13 @@ def with_tensors(gm: fx.GraphModule, model: nn.Module, device: torch.device | No
     for n in graph.nodes:
         if n.op == "get_attr":
             attrs[n.target] = named[n.target] if n.target in named else _attr(gm, n.target).to(device)
-        elif n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
-            n.update_kwarg("device", device)  # made from nothing: on the model's device, not the capture's
+        elif n.op == "call_function":
+            # made from nothing (arange, ones) or moved (`to(x, device, dtype)`): on the model's
+            # device, not the capture's (meta), whether the device is a keyword or positional
+            if isinstance(n.kwargs.get("device"), torch.device):
+                n.update_kwarg("device", device)
+            if any(isinstance(a, torch.device) for a in n.args):
+                n.args = tuple(device if isinstance(a, torch.device) else a for a in n.args)
     out = fx.GraphModule(attrs, graph)
     out.meta.update(gm.meta)
     return out

@@ -110,10 +110,13 @@ def _time_groups(mods, opts, batch, times) -> None:
         start = time.thread_time()
         if grads is None:
             y.backward()
-        else:
-            torch.autograd.backward(y if isinstance(y, tuple) else (y,), grads)
+        else:  # the outputs the next group's inputs took a gradient for (not a rotary table made from buffers)
+            pairs = [
+                (o, g) for o, g in zip(y if isinstance(y, tuple) else (y,), grads) if g is not None and o.requires_grad
+            ]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         times[s][1].append(time.thread_time() - start)
-        grads = tuple(t.grad for t in ins if isinstance(t, torch.Tensor) and t.requires_grad)
+        grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in ins)
     for s, opt in enumerate(opts):
         start = time.thread_time()
         if opt is not None:

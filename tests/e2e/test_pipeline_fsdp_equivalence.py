@@ -305,3 +305,23 @@ def test_pipelines_with_sharded_state_equal_single_device_training(cfg_factory, 
     assert case.plan.program.sharded_state
     if "method.alike=pipeline" in extra:
         assert len(set(d["pipeline_batches"])) == 2, d  # uneven shares
+
+
+def test_a_pipeline_of_a_model_with_rotary_tables_equals_single_device_training(cfg_factory):
+    """Llama's rotary embedding moves its frequencies `to` the device in forward (a positional
+    device, which the captured graph holds as meta: retargeted to the rank's by with_tensors),
+    and the cos and sin tables it makes from that buffer cross into later stages needing no
+    gradient (methods.pipeline.profile times each layer group's backward from the gradients of
+    its outputs that need one: tests/unit/test_pipeline_plan.py)."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra .[zoo]")
+    case = _check_one_step(
+        cfg_factory,
+        "model=hf",
+        "model.arch=llama",
+        "method=pipeline",
+        "method.stage_level=device",
+        "method.num_stages=2",
+        "method.profile=false",
+        "global_batch=8",
+    )
+    assert case.plan.details["num_stages"] == 2

@@ -988,3 +988,38 @@ def test_the_layer_groups_are_timed_at_the_cases_precision_and_kept_apart_by_it(
         assert set(seen) == {None if workload.precision == "fp32" else torch.bfloat16} and out["step_s"] > 0
     assert len(keys) == 2 and keys[0] != keys[1] and [k[-2] for k in keys] == ["fp32", "bf16"]
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_layer_groups_profile_backs_only_the_outputs_that_need_a_gradient():
+    """methods.pipeline.profile runs each layer group as a stage would: a group's output made
+    from a buffer (Llama's rotary tables) needs no gradient, and the group's backward runs from
+    the gradients of the others; the first group's parameters still get theirs."""
+    import torch
+    from torch import nn
+
+    from methods.pipeline.profile import _time_groups
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("freq", torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x), self.freq * 2.0
+
+    class Last(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, h, table):
+            return self.lin(h * table)
+
+    mods = [(First(), None), (Last(), lambda y, t: ((y - t) ** 2).mean())]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m, _ in mods]
+    before = mods[0][0].lin.weight.detach().clone()
+    times = [[[] for _ in range(5)] for _ in mods]
+    _time_groups(mods, opts, (torch.randn(3, 4), torch.randn(3, 4)), times)
+    assert all(len(t[0]) == len(t[1]) == len(t[2]) == 1 for t in times)
+    assert not torch.equal(mods[0][0].lin.weight, before)  # its backward reached the first group
