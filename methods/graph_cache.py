@@ -110,7 +110,8 @@ def with_tensors(gm: fx.GraphModule, model: nn.Module, device: torch.device | No
     """A copy of `gm`'s graph over `model`'s own parameters and buffers (the get_attr targets are
     their module paths); gm's constants (tensors forward makes from data) copied to `device`
     (default: the model's), and the ops that make tensors from nothing (arange, ones) or move
-    them to a device (a rotary embedding's `to(inv_freq, device)`) retargeted to it. `device` names it for a model whose parameters are still on meta."""
+    them to a device (a rotary embedding's `to(inv_freq, device)`) retargeted to it. `device`
+    names it for a model whose parameters are still on meta."""
     named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     if device is None:

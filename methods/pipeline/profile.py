@@ -110,7 +110,7 @@ def _time_groups(mods, opts, batch, times) -> None:
         start = time.thread_time()
         if grads is None:
             y.backward()
-        else:  # the outputs the next group's inputs took a gradient for (not a rotary table made from buffers)
+        else:  # from the outputs whose gradient the next group took (a rotary table from a buffer needs none)
             pairs = [
                 (o, g) for o, g in zip(y if isinstance(y, tuple) else (y,), grads) if g is not None and o.requires_grad
             ]
