@@ -146,17 +146,14 @@ class Graph:
             dataclasses.replace(n, dtype=dtypes[n.name]) if dtypes.get(n.name, n.dtype) != n.dtype else n
             for n in self.nodes
         ]
-        by_name = {n.name: n for n in nodes}
-        call_casts = {}
-        for op, cast in casts.items():
-            anew = tuple(
-                i
-                for i in dict.fromkeys(by_name[op].inputs)
-                if by_name[i].is_param and by_name[i].dtype != cast and i not in direct.get(op, ())
-            )
-            if anew:
-                call_casts[op] = anew
-        return dataclasses.replace(self, nodes=nodes, casts=casts, call_casts=call_casts)
+        graph = dataclasses.replace(self, nodes=nodes, casts=casts)
+        call_casts = {op: tuple(p for p in graph._cast_params(op) if p not in direct[op]) for op in casts}
+        return dataclasses.replace(graph, call_casts={op: ps for op, ps in call_casts.items() if ps})
+
+    def _cast_params(self, op: str) -> list[str]:
+        """The parameters op `op` reads that autocast cast for it (`casts`), each once."""
+        cast = self.casts[op]
+        return [i for i in dict.fromkeys(self[op].inputs) if self[i].is_param and self[i].dtype != cast]
 
     @functools.cached_property
     def param_casts(self) -> dict[str, int]:
@@ -167,22 +164,15 @@ class Graph:
         of a parameter cast anew per call (`call_casts`) too, from forward to its backward,
         counted here alike. Empty outside autocast."""
         out: dict[str, int] = {}
-        for name, dtype in self.casts.items():
-            for i in self[name].inputs:
-                p = self[i]
-                if p.is_param and p.dtype != dtype:
-                    out[i] = max(out.get(i, 0), p.numel * dtype.itemsize)
+        for op, dtype in self.casts.items():
+            for p in self._cast_params(op):
+                out[p] = max(out.get(p, 0), self[p].numel * dtype.itemsize)
         return out
 
     def cached_casts(self) -> dict[str, int]:
         """param_casts of the parameters autocast casts itself at least once (cached for the
         step): one cast a step however often the ops run (a pipeline's micro-batches)."""
-        direct = {
-            p
-            for op, dtype in self.casts.items()
-            for p in self[op].inputs
-            if self[p].is_param and self[p].dtype != dtype and p not in self.call_casts.get(op, ())
-        }
+        direct = {p for op in self.casts for p in self._cast_params(op) if p not in self.call_casts.get(op, ())}
         return {p: b for p, b in self.param_casts.items() if p in direct}
 
     def call_cast_bytes(self, op: str) -> float:

@@ -124,7 +124,7 @@ def build_program(
     # Activation gradients, each in the layout of the tensor it is the gradient of.
     layouts = {step.node: step.rule.post for step in steps}
     flying = [
-        (position[a], position[b], cost._bytes(t, layouts[t]).scale(f) if f != 1.0 else cost._bytes(t, layouts[t]))
+        (position[a], position[b], cost._bytes(t, layouts[t]).scale(f))
         for t, a, b, f in graph.grads_in_flight()
         if t in layouts and a in position and b in position
     ] + windows
